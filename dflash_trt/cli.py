@@ -1,0 +1,105 @@
+"""`dflash-trt` command line: flags -> config -> one function call per subcommand."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt.sampling_params import SamplingParams
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log engine details (INFO).")
+def main(verbose: bool) -> None:
+    """Build, serve and benchmark DFlash speculative decoding."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tuple[Path, Path | None]:
+    from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir
+
+    if target is None:
+        target_dir = smollm2_dir()
+        if drafter is None and not no_spec:
+            if not (SMOLLM2_DRAFTER / "config.json").is_file():
+                raise click.UsageError(f"no drafter at {SMOLLM2_DRAFTER}; pass --drafter DIR or --no-spec")
+            drafter = str(SMOLLM2_DRAFTER)
+    else:
+        target_dir = Path(target)
+    if not no_spec and drafter is None:
+        raise click.UsageError("speculative decoding needs --drafter DIR (or pass --no-spec for plain decoding)")
+    return target_dir, (Path(drafter) if drafter and not no_spec else None)
+
+
+@main.command()
+@click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
+@click.option("-p", "--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template (with the generation prompt).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--seed", default=None, type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
+              help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
+@click.option("--max-draft-len", "-k", default=None, type=int, help="K draft tokens per step (default: block_size - 1).")
+@click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--max-model-len", default=4096, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k, seed, stop,
+             acceptance, max_draft_len, no_spec, dtype, max_model_len, as_json) -> None:
+    """Generate once and print the text with acceptance statistics."""
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos, acceptance=acceptance)
+        target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
+        config = EngineConfig(max_batch_size=1, max_model_len=max_model_len, max_draft_len=max_draft_len,
+                              speculative=not no_spec, dtype=dtype)
+        engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
+        out = engine.generate([engine.encode(prompt, chat=chat)], params)[0]
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
+    result = {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "num_tokens": out.num_tokens,
+        "finish_reason": out.finish_reason,
+        "tau": round(out.tau, 4) if not no_spec else None,
+        "tokens_per_s": round(out.tokens_per_s, 3),
+        "acceptance_histogram": out.acceptance_histogram,
+        "acceptance_lengths": out.acceptance_lengths,
+        "max_draft_len": engine.max_draft_len,
+        "prefill_s": round(out.prefill_time, 4),
+        "decode_s": round(out.decode_time, 4),
+        "draft_s": round(out.draft_time, 4),
+        "verify_s": round(out.verify_time, 4),
+    }
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(out.text)
+    click.echo("---", err=True)
+    mode = "autoregressive" if no_spec else f"DFlash K={engine.max_draft_len}"
+    tau = "" if no_spec else f", tau {out.tau:.2f}"
+    click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
+               f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
+    if not no_spec:
+        hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
+        click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
+        click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

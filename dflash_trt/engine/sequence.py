@@ -1,0 +1,87 @@
+"""One request: its tokens, stop conditions, cache row and acceptance statistics (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trt.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class SequenceStats:
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per speculative step
+    draft_time: float = 0.0  # seconds in drafter forwards (shared batch time, attributed to each row)
+    verify_time: float = 0.0  # seconds in target verify forwards and acceptance
+    prefill_time: float = 0.0
+    decode_time: float = 0.0  # wall time from the end of prefill to the last token
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length, counting the bonus token (1.0 when nothing is accepted)."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    def histogram(self, max_len: int) -> list[int]:
+        """counts[i] = number of steps that committed i + 1 tokens, i in 0..max_len-1."""
+        c = Counter(self.acceptance_lengths)
+        return [c.get(i + 1, 0) for i in range(max_len)]
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if not prompt_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        self.request_id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        stop_ids = params.stop_token_ids if params.stop_token_ids is not None else list(eos_token_ids)
+        self.stop_ids = set() if params.ignore_eos and params.stop_token_ids is None else set(stop_ids)
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.slot: int = -1
+        self.generator: Any = None  # torch.Generator, owned by the model runner
+        self.pending_features: Any = None  # [n, F] target features of tokens not yet in the drafter cache
+        self.stats = SequenceStats()
+        self.stop_check = None  # callable(output_ids) -> bool, for stop strings
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose K/V the target holds: all but the last, which is the next anchor."""
+        return self.num_tokens - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    def append(self, tokens: list[int], max_model_len: int) -> int:
+        """Commit tokens in order until a stop condition; returns how many were committed."""
+        n = 0
+        for t in tokens:
+            self.output_ids.append(int(t))
+            n += 1
+            if int(t) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.stop_check is not None and self.stop_check(self.output_ids):
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= max_model_len:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return n

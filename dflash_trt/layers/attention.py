@@ -1,0 +1,96 @@
+"""Attention metadata (which cache rows, positions and visible keys) and the attention call.
+
+One `AttentionMetadata` serves every layer of one forward. Visibility is derived from absolute
+positions only, which is what makes rollback free (see engine/kv_cache.py):
+- causal (target, prefill and verify): key t is visible to the query at position p iff t <= p;
+- block (drafter): every query of a row sees all keys t < block_end[row], i.e. the drafter
+  context plus the whole block, bidirectionally;
+- a sliding window additionally hides keys with p - t >= window (and t - p >= window in blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    rows: torch.Tensor  # [B] cache rows
+    positions: torch.Tensor  # [B, Q] absolute positions of the queries (and of the K/V they write)
+    kv_len: int  # keys [0, kv_len) are read from the cache
+    causal: bool = True
+    block_end: torch.Tensor | None = None  # [B] for non-causal blocks: keys t < block_end are visible
+    row_slice: slice | None = None  # rows as a slice when they are contiguous (read without a copy)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
+        return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows))
+
+    @classmethod
+    def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor) -> "AttentionMetadata":
+        return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
+
+    def mask(self, window: int | None = None, causal: bool | None = None) -> torch.Tensor | None:
+        """Boolean mask [B, 1, Q, kv_len], or None when every key is visible."""
+        causal = self.causal if causal is None else causal
+        key = (window, causal)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(window, causal)
+        return self._masks[key]
+
+    def _build_mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
+        t = torch.arange(self.kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
+        p = self.positions[:, :, None]  # [B, Q, 1]
+        if causal:
+            visible = t <= p
+        else:
+            visible = t < self.block_end[:, None, None]
+        if window is not None:
+            visible = visible & (p - t < window)
+            if not causal:
+                visible = visible & (t - p < window)
+        if bool(visible.all()):
+            return None
+        return visible[:, None]
+
+
+def _as_slice(rows: torch.Tensor) -> slice | None:
+    n = rows.numel()
+    first = int(rows[0])
+    if n == 1 or bool((rows == torch.arange(first, first + n, device=rows.device)).all()):
+        return slice(first, first + n)
+    return None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, H, Q, D], k/v: [B, KVH, T, D] -> [B, Q, H * D]. GQA by head groups."""
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = _attend_with_sinks(q, k, v, mask, scale, sinks)
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _attend_with_sinks(q, k, v, mask, scale, sinks):
+    # A per-head sink logit joins the softmax denominator but contributes no value.
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

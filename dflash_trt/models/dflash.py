@@ -1,0 +1,332 @@
+"""The DFlash drafter (arXiv 2602.06036 §3, z-lab/dflash `DFlashDraftModel`), this project's own code.
+
+A Qwen3-style decoder stack with no embedding or LM head of its own. Target features of committed
+tokens (the outputs of `target_layer_ids`, concatenated) go through `fc` and `hidden_norm` and are
+injected into every layer as extra K/V, through that layer's own k_proj / k_norm / v_proj with RoPE at
+the tokens' absolute positions; they never act as queries. The block [anchor, MASK x K] attends
+non-causally over [context K/V ; block K/V] (causally, within a window, on sliding layers).
+
+Both kinds of K/V live in one per-row cache indexed by absolute position: context at [0, L), the
+block at [L, L + Q). Block K/V are overwritten by the next step's context, never kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
+from dflash_trt.models.llama import GatedMLP
+from dflash_trt.models.weights import CheckpointError, WeightSet
+
+SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: evenly spaced between the 2nd and the third-to-last target layer."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int  # draft_block_size: 1 anchor + (block_size - 1) masks
+    mask_token_id: int
+    target_layer_ids: list[int]
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0})
+    max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal exactly on sliding layers
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> "DFlashConfig":
+        dflash = cfg.get("dflash_config") or {}
+
+        def value(key, default=None):
+            return dflash.get(key, cfg.get(key, default))
+
+        def need(key):
+            v = value(key)
+            if v is None:
+                raise CheckpointError(f"{source}: missing key {key!r} (looked in dflash_config, then the top level)")
+            return v
+
+        model_type = cfg.get("model_type", "qwen3")
+        if model_type not in SUPPORTED_DRAFTER_MODEL_TYPES:
+            raise CheckpointError(
+                f"{source}: drafter model_type={model_type!r} is not supported; DFlash drafters are Qwen3-style "
+                f"decoder stacks (model_type one of {SUPPORTED_DRAFTER_MODEL_TYPES}) whatever the target family"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        layers = int(need("num_hidden_layers"))
+        ids = value("target_layer_ids")
+        if ids is None:
+            ids = build_target_layer_ids(int(need("num_target_layers")), layers)
+        causal = dflash.get("causal", cfg.get("is_causal"))
+        window = value("swa_window_size") if dflash.get("use_swa") else cfg.get("sliding_window")
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            block_size=int(value("block_size", 16)),
+            mask_token_id=int(need("mask_token_id")),
+            target_layer_ids=[int(i) for i in ids],
+            vocab_size=cfg.get("vocab_size"),
+            num_target_layers=cfg.get("num_target_layers"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope=standardized_rope(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            layer_types=cfg.get("layer_types"),
+            sliding_window=int(window) if window else None,
+            is_causal=None if causal is None else bool(causal),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=value("final_logit_softcapping"),
+        )
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def to_hf_dict(self) -> dict:
+        """config.json in z-lab's format (loads in `dflash.DFlashDraftModel`)."""
+        d = asdict(self)
+        rope = d.pop("rope")
+        dflash = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
+        for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = d.pop(key)
+            if value not in (None, 1.0):
+                dflash[key] = value
+        causal = d.pop("is_causal")
+        if causal is not None:
+            d["is_causal"] = causal
+        layer_types = d.pop("layer_types") or ["full_attention"] * self.num_hidden_layers
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **d,
+            "layer_types": layer_types,
+            "use_sliding_window": self.sliding_window is not None,
+            "hidden_act": "silu",
+            "rope_theta": rope.get("rope_theta"),
+            "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+            "tie_word_embeddings": False,
+            "attention_dropout": 0.0,
+            "dflash_config": dflash,
+        }
+
+    def check_pairing(self, target: DecoderConfig, source: str = "drafter config.json") -> None:
+        """Raise with the offending key when this drafter cannot serve `target`."""
+        if self.hidden_size != target.hidden_size:
+            raise CheckpointError(
+                f"{source}: hidden_size={self.hidden_size} does not match the target's hidden_size={target.hidden_size}"
+            )
+        if self.vocab_size is not None and int(self.vocab_size) != target.vocab_size:
+            raise CheckpointError(
+                f"{source}: vocab_size={self.vocab_size} does not match the target's vocab_size={target.vocab_size}"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise CheckpointError(
+                f"{source}: mask_token_id={self.mask_token_id} is outside the target's embedding "
+                f"(vocab_size={target.vocab_size} rows)"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad or not self.target_layer_ids:
+            raise CheckpointError(
+                f"{source}: target_layer_ids={self.target_layer_ids} must be non-empty and within the target's "
+                f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1}); out of range: {bad}"
+            )
+        if self.block_size < 2:
+            raise CheckpointError(f"{source}: block_size={self.block_size} must be >= 2")
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
+        self.kv_proj = nn.Linear(cfg.hidden_size, 2 * kv_size, bias=cfg.attention_bias)  # k_proj ; v_proj
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        sliding = cfg.layer_type(layer_idx) == "sliding_attention"
+        self.is_causal = sliding if cfg.is_causal is None else cfg.is_causal
+        self.sliding_window = cfg.sliding_window if sliding else None
+        self.scale = self.head_dim**-0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [B, N, H] -> k (normed, rotated), v: [B, N, kv_heads, head_dim]
+        b, n, _ = x.shape
+        k, v = self.kv_proj(x).view(b, n, 2, self.num_kv_heads, self.head_dim).unbind(2)
+        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin).transpose(1, 2)
+        return k, v
+
+    def write_context(self, ctx: torch.Tensor, cos, sin, meta: AttentionMetadata, cache: KVCache) -> None:
+        k, v = self.project_kv(ctx, cos, sin)
+        cache.write(self.layer_idx, meta, k, v)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        self.write_context(x, cos, sin, meta, cache)
+        k_all, v_all = cache.read(self.layer_idx, meta)
+        mask = meta.mask(window=self.sliding_window, causal=self.is_causal)
+        return self.o_proj(attend(q, k_all, v_all, mask, self.scale))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+
+    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
+        c = self.config
+        p = self.fc.weight
+        return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+
+    def project_context(self, features: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> None:
+        """Inject target features [B, N, H * n_features] at meta.positions into every layer's K/V."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary(meta.positions, ctx.dtype)
+        for layer in self.layers:
+            layer.self_attn.write_context(ctx, cos, sin, meta, cache)
+
+    def forward_block(self, block_embeds: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """block_embeds [B, Q, H] at meta.positions -> final-normed hidden [B, Q, H]."""
+        x = block_embeds
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, lm_head_weight).float()
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            cap = float(c.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: WeightSet) -> None:
+        """Load z-lab names (unprefixed: fc.weight, layers.0.self_attn.k_proj.weight, ...), fusing k/v."""
+        c = self.config
+        own = dict(self.named_parameters())
+        h, q_size, kv_size = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+        def put(name: str, value: torch.Tensor) -> None:
+            own[name].data.copy_(value)
+
+        put("fc.weight", weights.get("fc.weight", (h, len(c.target_layer_ids) * h)))
+        put("hidden_norm.weight", weights.get("hidden_norm.weight", (h,)))
+        put("norm.weight", weights.get("norm.weight", (h,)))
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{p}{n}.weight", weights.get(f"{p}{n}.weight", (h,)))
+            a = p + "self_attn."
+            put(a + "q_proj.weight", weights.get(a + "q_proj.weight", (q_size, h)))
+            k = weights.get(a + "k_proj.weight", (kv_size, h))
+            v = weights.get(a + "v_proj.weight", (kv_size, h))
+            put(a + "kv_proj.weight", torch.cat([k, v]))
+            put(a + "o_proj.weight", weights.get(a + "o_proj.weight", (h, q_size)))
+            if c.attention_bias:
+                put(a + "q_proj.bias", weights.get(a + "q_proj.bias", (q_size,)))
+                kb, vb = weights.get(a + "k_proj.bias", (kv_size,)), weights.get(a + "v_proj.bias", (kv_size,))
+                put(a + "kv_proj.bias", torch.cat([kb, vb]))
+                put(a + "o_proj.bias", weights.get(a + "o_proj.bias", (h,)))
+            put(a + "q_norm.weight", weights.get(a + "q_norm.weight", (c.head_dim,)))
+            put(a + "k_norm.weight", weights.get(a + "k_norm.weight", (c.head_dim,)))
+            m = p + "mlp."
+            gate = weights.get(m + "gate_proj.weight", (c.intermediate_size, h))
+            up = weights.get(m + "up_proj.weight", (c.intermediate_size, h))
+            put(m + "gate_up_proj.weight", torch.cat([gate, up]))
+            put(m + "down_proj.weight", weights.get(m + "down_proj.weight", (h, c.intermediate_size)))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under z-lab's unprefixed names, k/v and gate/up split back."""
+        c = self.config
+        kv_size = c.num_key_value_heads * c.head_dim
+        out = {}
+        for name, t in self.state_dict().items():
+            t = t.detach().contiguous()
+            if ".kv_proj." in name:
+                k, v = t.split(kv_size, dim=0)
+                out[name.replace("kv_proj", "k_proj")] = k.contiguous()
+                out[name.replace("kv_proj", "v_proj")] = v.contiguous()
+            elif ".gate_up_proj." in name:
+                gate, up = t.chunk(2, dim=0)
+                out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+                out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+            else:
+                out[name] = t
+        return out
+
+
+def load_drafter(
+    drafter_dir: str | Path, target: DecoderConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DFlashDrafter:
+    drafter_dir = Path(drafter_dir)
+    source = str(drafter_dir / "config.json")
+    cfg = DFlashConfig.from_dict(read_config_json(drafter_dir), source)
+    cfg.check_pairing(target, source)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        model.load_weights(WeightSet(drafter_dir))
+    return model.eval()

@@ -1,0 +1,154 @@
+"""Llama-family target (Llama, SmolLM2, Mistral, Qwen3 with per-head q/k norm), this project's own code.
+
+forward(input_ids, meta, cache) runs any number of new tokens per row against the static cache and
+captures the outputs of the requested decoder layers: layer l's output is transformers'
+hidden_states[l + 1] (after the residual add, before the final norm). Logits are separate
+(compute_logits) so callers only project the positions they need.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.weights import WeightSet
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(b, n, self.num_heads, self.head_dim)
+        k = k.view(b, n, self.num_kv_heads, self.head_dim)
+        v = v.view(b, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        cache.write(self.layer_idx, meta, k.transpose(1, 2), v)
+        k_all, v_all = cache.read(self.layer_idx, meta)
+        return self.o_proj(attend(q, k_all, v_all, meta.mask(), self.scale))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
+        c = self.config
+        p = self.embed_tokens.weight
+        return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, Q]
+        meta: AttentionMetadata,
+        cache: KVCache,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [B, Q, H], captured [B, Q, H * len(capture_layer_ids)] or None)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        captured = {}
+        wanted = set(capture_layer_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, cache)
+            if i in wanted:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        return self.norm(x), features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: WeightSet) -> None:
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""
+        c = self.config
+        own = dict(self.named_parameters())
+        own["embed_tokens.weight"].data.copy_(weights.get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        own["norm.weight"].data.copy_(weights.get("model.norm.weight", (c.hidden_size,)))
+        if self.lm_head is not None:
+            own["lm_head.weight"].data.copy_(weights.get("lm_head.weight", (c.vocab_size, c.hidden_size)))
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            own[f"layers.{i}.input_layernorm.weight"].data.copy_(weights.get(p + "input_layernorm.weight", (c.hidden_size,)))
+            own[f"layers.{i}.post_attention_layernorm.weight"].data.copy_(
+                weights.get(p + "post_attention_layernorm.weight", (c.hidden_size,))
+            )
+            a = p + "self_attn."
+            shapes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+            qkv = [weights.get(f"{a}{n}.weight", (rows, c.hidden_size)) for n, rows in shapes.items()]
+            own[f"layers.{i}.self_attn.qkv_proj.weight"].data.copy_(torch.cat(qkv))
+            if c.attention_bias:
+                qkv_b = [weights.get(f"{a}{n}.bias", (rows,)) for n, rows in shapes.items()]
+                own[f"layers.{i}.self_attn.qkv_proj.bias"].data.copy_(torch.cat(qkv_b))
+                own[f"layers.{i}.self_attn.o_proj.bias"].data.copy_(weights.get(a + "o_proj.bias", (c.hidden_size,)))
+            own[f"layers.{i}.self_attn.o_proj.weight"].data.copy_(weights.get(a + "o_proj.weight", (c.hidden_size, q_size)))
+            if c.qk_norm:
+                own[f"layers.{i}.self_attn.q_norm.weight"].data.copy_(weights.get(a + "q_norm.weight", (c.head_dim,)))
+                own[f"layers.{i}.self_attn.k_norm.weight"].data.copy_(weights.get(a + "k_norm.weight", (c.head_dim,)))
+            m = p + "mlp."
+            gate = weights.get(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size))
+            up = weights.get(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))
+            own[f"layers.{i}.mlp.gate_up_proj.weight"].data.copy_(torch.cat([gate, up]))
+            own[f"layers.{i}.mlp.down_proj.weight"].data.copy_(
+                weights.get(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))
+            )
+            if c.mlp_bias:
+                gb = weights.get(m + "gate_proj.bias", (c.intermediate_size,))
+                ub = weights.get(m + "up_proj.bias", (c.intermediate_size,))
+                own[f"layers.{i}.mlp.gate_up_proj.bias"].data.copy_(torch.cat([gb, ub]))
+                own[f"layers.{i}.mlp.down_proj.bias"].data.copy_(weights.get(m + "down_proj.bias", (c.hidden_size,)))

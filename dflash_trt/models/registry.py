@@ -1,0 +1,43 @@
+"""config.json `architectures` -> this project's model class (one dict), and target loading."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_trt.models.config import decoder_config_from_dict, read_config_json
+from dflash_trt.models.llama import LlamaForCausalLM
+from dflash_trt.models.weights import WeightSet
+
+logger = logging.getLogger(__name__)
+
+TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    model_dir = Path(model_dir)
+    raw = read_config_json(model_dir)
+    cfg = decoder_config_from_dict(raw, str(model_dir / "config.json"))
+    cls = TARGET_ARCHITECTURES.get(cfg.architecture)
+    if cls is None:
+        raise ValueError(
+            f"{model_dir / 'config.json'}: architectures={raw.get('architectures')!r} is not supported; "
+            f"supported: {', '.join(sorted(TARGET_ARCHITECTURES))}"
+        )
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    weights = WeightSet(model_dir)
+    with torch.no_grad():
+        model.load_weights(weights)
+    skipped = [n for n in weights.unused() if not n.endswith("rotary_emb.inv_freq")]
+    if skipped:
+        logger.warning("%s: %d tensors not used by %s, e.g. %s", model_dir, len(skipped), cls.__name__, skipped[:3])
+    return model.eval()

@@ -1,0 +1,45 @@
+"""Per-request decoding parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AcceptanceRule = Literal["match", "rejection"]
+
+
+@dataclass
+class SamplingParams:
+    """How one request decodes.
+
+    temperature 0 is greedy. With temperature > 0, `acceptance` picks the lossless rule:
+    "match" drafts the drafter's argmax and keeps a draft token only when it equals the target's own
+    sample (speculative sampling with a one-hot draft distribution); "rejection" samples drafts from
+    the drafter's distribution q and accepts with probability min(1, p/q) (arXiv 2211.17192).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None  # None: the model's eos ids
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    acceptance: AcceptanceRule = "match"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.acceptance not in ("match", "rejection"):
+            raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

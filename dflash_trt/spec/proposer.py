@@ -1,0 +1,90 @@
+"""DFlashProposer: one drafter forward per step proposes K tokens for every row.
+
+Worked example (one row, K = 3): the target has committed 10 tokens (positions 0..9) and the anchor
+(the last bonus token) sits at position 10. The features of the tokens committed since the last
+step, say positions 7..9, are injected into the drafter cache at 7..9; the block
+[anchor, MASK, MASK, MASK] runs at positions 10..13 and sees cache keys [0, 14); its outputs at block
+slots 1..3 predict the tokens at positions 11..13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
+from dflash_trt.models.dflash import DFlashDrafter
+
+
+@dataclass
+class DraftSampling:
+    """Rows that sample their drafts (the "rejection" rule); every other row drafts the argmax."""
+
+    rows: torch.Tensor  # [R] indices into the batch
+    temperature: torch.Tensor  # [R]
+    top_k: torch.Tensor  # [R]
+    top_p: torch.Tensor  # [R]
+    generators: list[torch.Generator]
+
+
+@dataclass
+class Proposal:
+    draft_tokens: torch.Tensor  # [B, K]
+    draft_probs: torch.Tensor | None  # [R, K, V] for DraftSampling.rows, else None
+
+
+class DFlashProposer:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        embed_weight: torch.Tensor,  # the target's input embedding [V, H], shared and frozen
+        lm_head_weight: torch.Tensor,  # the target's output head [V, H], shared and frozen
+        num_rows: int,
+        max_len: int,
+    ) -> None:
+        self.drafter = drafter
+        self.embed_weight = embed_weight
+        self.lm_head_weight = lm_head_weight
+        cfg = drafter.config
+        self.mask_token_id = cfg.mask_token_id
+        self.max_draft_len = cfg.block_size - 1
+        # Room for a block past the last context position, and for padded ragged context writes.
+        self.cache = drafter.make_cache(num_rows, max_len + cfg.block_size + 1)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        rows: torch.Tensor,  # [B] cache rows
+        features: torch.Tensor,  # [B, N, H * n_features] target features of newly committed tokens
+        feature_positions: torch.Tensor,  # [B, N]; padded entries lie at or past the anchor position
+        anchors: torch.Tensor,  # [B] the last committed token of each row (not yet seen by the target)
+        anchor_positions: torch.Tensor,  # [B]
+        num_draft: int,
+        sampling: DraftSampling | None = None,
+    ) -> Proposal:
+        if not 1 <= num_draft <= self.max_draft_len:
+            raise ValueError(
+                f"max_draft_len={num_draft} must be in 1..{self.max_draft_len} (drafter block_size={self.max_draft_len + 1})"
+            )
+        d = self.drafter
+        d.project_context(features, AttentionMetadata.causal_step(rows, feature_positions), self.cache)
+        offsets = torch.arange(num_draft + 1, device=anchors.device)
+        positions = anchor_positions[:, None] + offsets  # [B, K + 1]
+        block = torch.full_like(positions, self.mask_token_id)
+        block[:, 0] = anchors
+        meta = AttentionMetadata.block_step(rows, positions, anchor_positions + num_draft + 1)
+        embeds = F.embedding(block, self.embed_weight)
+        if d.config.input_embedding_scale != 1.0:
+            embeds = embeds * d.config.input_embedding_scale
+        hidden = d.forward_block(embeds, meta, self.cache)
+        logits = d.compute_logits(hidden[:, 1:], self.lm_head_weight)  # slot j predicts position anchor + j
+        draft_tokens = logits.argmax(dim=-1)
+        draft_probs = None
+        if sampling is not None and sampling.rows.numel():
+            draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
+            u = uniform(sampling.generators, num_draft, logits.device)
+            draft_tokens[sampling.rows] = sample_from(draft_probs, u)
+        return Proposal(draft_tokens, draft_probs)

@@ -1,0 +1,195 @@
+"""The contract: speculative output equals the target's own output (greedy: token for token;
+sampling: in distribution), on every path: batch 1 and ragged batches, every K, both acceptance rules."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_trt import SamplingParams
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.models.dflash import load_drafter
+from dflash_trt.models.registry import load_target
+from dflash_trt.spec.proposer import Proposal
+from tests.conftest import make_drafter, make_target
+from tests.stats import assert_matches
+
+NEW = 40
+_refs: dict = {}
+
+
+def _prompts(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
+
+
+def hf_greedy(target_dir, prompt, new=NEW, eos=None):
+    """transformers' own greedy continuation (the oracle)."""
+    key = (str(target_dir), tuple(prompt), new, eos)
+    if key not in _refs:
+        hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        _refs[key] = out[0, len(prompt):].tolist()
+    return _refs[key]
+
+
+def _engine(tiny_dirs, arch, k, rows=4, **cfg):
+    target = load_target(tiny_dirs[arch])
+    drafter = load_drafter(tiny_dirs[f"{arch}_drafter"], target.config)
+    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, **cfg))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_target_greedy(tiny_dirs, arch, k, batch):
+    prompts = _prompts(batch)
+    outs = _engine(tiny_dirs, arch, k, rows=batch).generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_dirs[arch], p)
+        assert sum(o.acceptance_lengths) == NEW - 1  # every token after the first came from a verify step
+
+
+def _with_oracle_drafts(engine, refs_by_slot, error_rate, seed=0):
+    """Replace the drafter's proposals by the true greedy continuation with random corruptions, so
+    that long accepted prefixes, partial rejections and rollbacks all happen (a random drafter
+    accepts almost nothing)."""
+    proposer = engine.runner.proposer
+    real = proposer.propose
+    g = torch.Generator().manual_seed(seed)
+
+    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
+        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
+        drafts = out.draft_tokens.clone()
+        for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
+            full = refs_by_slot[row]
+            for j in range(num_draft):
+                truth = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
+                wrong = torch.rand(1, generator=g).item() < error_rate
+                drafts[i, j] = (truth + 1) % 90 if wrong else truth
+        return Proposal(drafts, out.draft_probs)
+
+    proposer.propose = propose
+
+
+@pytest.mark.parametrize("k", [3, 15])
+def test_greedy_is_lossless_when_most_drafts_are_accepted(tiny_dirs, k):
+    prompts = _prompts(4)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    engine = _engine(tiny_dirs, "qwen3", k)
+    _with_oracle_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.08)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 2.0  # rollback after partial acceptance really happened, many times
+        assert any(1 < a < k + 1 for a in o.acceptance_lengths)
+
+
+def test_stops_at_eos_like_the_target(tiny_dirs):
+    prompts = _prompts(4)
+    eos = 7
+    engine = _engine(tiny_dirs, "qwen3", 7)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, stop_token_ids=[eos]))
+    for p, o in zip(prompts, outs):
+        ref = hf_greedy(tiny_dirs["qwen3"], p, eos=eos)
+        if eos in ref:
+            ref = ref[: ref.index(eos) + 1]
+        assert o.token_ids == ref
+        assert o.finish_reason == ("stop" if o.token_ids[-1] == eos else "length")
+
+
+def test_context_limit_is_honoured(tiny_dirs):
+    p = _prompts(2)[1]  # 17 tokens
+    out = _engine(tiny_dirs, "qwen3", 15, rows=1, max_model_len=30).generate([p], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    assert len(p) + out.num_tokens == 30 and out.finish_reason == "length"
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)[:13]
+
+
+def test_prompt_that_fills_the_context_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="max_model_len=16"):
+        _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=16).generate([list(range(3, 19))])
+
+
+def test_k_beyond_the_block_is_refused_naming_the_limit(tiny_dirs):
+    with pytest.raises(ValueError, match="allows 1..15"):
+        _engine(tiny_dirs, "qwen3", 16)
+
+
+def test_zlab_dflash_generate_gives_the_same_tokens_and_acceptance_lengths(tmp_path, monkeypatch):
+    ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is the oracle")
+    import time
+
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # its stats path calls torch.cuda.synchronize
+    # A small vocabulary makes a random drafter right often enough to produce acceptances > 1.
+    t = make_target(tmp_path / "t", vocab=12)
+    d = make_drafter(tmp_path / "d", t, block_size=8, layers=2, target_layer_ids=(0, 2))
+    hf = AutoModelForCausalLM.from_pretrained(t).eval()
+    zd = ref.DFlashDraftModel.from_pretrained(d).eval()
+    target = load_target(t)
+    drafter = load_drafter(d, target.config)
+    total_accepted = 0
+    for k in (3, 7):
+        engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_draft_len=k))
+        for seed in range(3):
+            prompt = _prompts(4, seed)[seed]
+            prompt = [x % 12 for x in prompt]
+            want = ref.dflash_generate(zd, hf, torch.tensor([prompt]), NEW, None, block_size=k + 1, return_stats=True)
+            got = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+            assert got.token_ids == want.output_ids[0, len(prompt):].tolist()
+            assert got.acceptance_lengths == want.acceptance_lengths
+            total_accepted += sum(a - 1 for a in got.acceptance_lengths)
+    assert total_accepted > 0
+
+
+# --- sampling: the distribution of speculative samples is the target's -----------------------------
+
+V = 4  # 4 new tokens over a 4-token vocabulary: 256 outcomes, enumerated exactly
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_vocab")
+    t = make_target(root / "t", vocab=V, seed=11)
+    d = make_drafter(root / "d", t, block_size=8, target_layer_ids=(1, 3), seed=12)
+    return t, d
+
+
+def _exact_joint(target_dir, prompt, temperature, top_k, top_p, new=4):
+    """P(x_1..x_new | prompt) under the target, by enumeration; the transform is z-lab's (an oracle)."""
+    ref = pytest.importorskip("dflash.model")
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    seqs = list(itertools.product(range(V), repeat=new))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = hf(ids).logits[:, len(prompt) - 1 : -1]
+    probs = ref._sampling_probs(logits, temperature, top_p, top_k)
+    picked = probs.gather(-1, ids[:, len(prompt):, None])[..., 0]
+    return {s: float(p) for s, p in zip(seqs, picked.prod(-1))}
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.5, 0, 1.0), (1.2, 3, 0.9)])
+def test_sampled_output_follows_the_target_distribution(small_vocab, rule, temperature, top_k, top_p):
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, temperature, top_k, top_p)
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=1500, max_draft_len=3))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
+                             acceptance=rule, ignore_eos=True) for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab):
+    t, d = small_vocab
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=8, max_draft_len=3))
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = engine.generate([[1, 2, 3]], p)[0].token_ids
+    batched = engine.generate([[0, 1], [1, 2, 3], [3, 3, 3, 3]], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True), p,
+                                                              SamplingParams(max_new_tokens=12, temperature=1.0, seed=2, ignore_eos=True)])[1].token_ids
+    assert alone == batched

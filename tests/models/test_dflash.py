@@ -1,0 +1,134 @@
+"""The drafter against z-lab's reference `dflash.DFlashDraftModel` (dflash==0.1.0), and its load-time checks."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.models.dflash import DFlashConfig, load_drafter
+from dflash_trt.models.registry import load_target
+from dflash_trt.models.weights import CheckpointError
+from tests.conftest import make_drafter, make_target
+
+dflash_ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 (install --no-deps) is the oracle")
+
+TOL = 1e-4
+
+
+def _draft_hidden_ours(drafter, ctx, block_embeds, ctx_len, rows=1):
+    cache = drafter.make_cache(rows, 128)
+    r = torch.arange(rows)
+    q = block_embeds.shape[1]
+    drafter.project_context(ctx, AttentionMetadata.causal_step(r, torch.arange(ctx_len).expand(rows, -1)), cache)
+    pos = (ctx_len + torch.arange(q)).expand(rows, -1)
+    meta = AttentionMetadata.block_step(r, pos, torch.full((rows,), ctx_len + q))
+    return drafter.forward_block(block_embeds, meta, cache)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"attention_bias": True, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5, "use_sliding_window": True},
+    ],
+    ids=["qwen3", "bias+yarn (gpt-oss shape)", "sliding+full"],
+)
+def test_draft_hidden_and_logits_equal_zlab(tmp_path, variant):
+    t = make_target(tmp_path / "t")
+    layers = 2
+    d = make_drafter(tmp_path / "d", t, layers=layers, block_size=8, target_layer_ids=(0, 1, 3), **variant)
+    ref = dflash_ref.DFlashDraftModel.from_pretrained(d).eval()
+    target = load_target(t)
+    ours = load_drafter(d, target.config)
+    ctx_len, q = 11, 8
+    ctx = torch.randn(1, ctx_len, 3 * 64)
+    block = torch.tensor([[5] + [ours.config.mask_token_id] * (q - 1)])
+    embeds = target.embed_tokens(block)
+    with torch.no_grad():
+        want = ref(position_ids=torch.arange(ctx_len + q)[None], noise_embedding=embeds, target_hidden=ctx)
+        got = _draft_hidden_ours(ours, ctx, embeds, ctx_len)
+        want_logits = ref.compute_logits(want[:, 1:], lambda h: torch.nn.functional.linear(h, target.lm_head_weight))
+        got_logits = ours.compute_logits(got[:, 1:], target.lm_head_weight)
+    assert (got - want).abs().max() < TOL
+    assert (got_logits - want_logits).abs().max() < TOL
+
+
+def test_a_saved_drafter_loads_in_zlab_unchanged(tmp_path):
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8)
+    target = load_target(t)
+    ours = load_drafter(d, target.config)
+    out = tmp_path / "resaved"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(ours.config.to_hf_dict()))
+    save_file(ours.hf_state_dict(), str(out / "model.safetensors"))
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
+    ref = dflash_ref.DFlashDraftModel.from_pretrained(out).eval()
+    assert ref.block_size == 8 and ref.mask_token_id == ours.config.mask_token_id
+    ctx = torch.randn(1, 6, 2 * 64)
+    embeds = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        want = ref(position_ids=torch.arange(14)[None], noise_embedding=embeds, target_hidden=ctx)
+        got = _draft_hidden_ours(ours, ctx, embeds, 6)
+    assert (got - want).abs().max() < TOL
+
+
+def test_config_keys_come_from_dflash_config_before_the_top_level():
+    cfg = DFlashConfig.from_dict({
+        "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 96,
+        "block_size": 16, "mask_token_id": 3, "num_target_layers": 36,
+        "dflash_config": {"block_size": 10, "mask_token_id": 7},
+    })
+    assert (cfg.block_size, cfg.mask_token_id) == (10, 7)
+    assert cfg.target_layer_ids == [18]  # z-lab's default for one draft layer: the middle target layer
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if k in ("mask_token_id", "target_layer_ids"):
+            cfg["dflash_config"][k] = v
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 32, "head_dim": 8}, "hidden_size=32"),
+        ({"vocab_size": 1000}, "vocab_size=1000"),
+        ({"mask_token_id": 96}, "mask_token_id=96"),
+        ({"target_layer_ids": [1, 4]}, "target_layer_ids"),
+        ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
+    ],
+)
+def test_bad_pairing_is_refused_naming_the_key(tmp_path, change, message):
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t)
+    _edit_config(d, **change)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(d, load_target(t).config)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t)
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["layers.0.self_attn.k_norm.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.k_norm\.weight"):
+        load_drafter(d, load_target(t).config)
+
+
+def test_misshapen_tensor_is_named_with_both_shapes(tmp_path):
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :64].contiguous()
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'fc\.weight' has shape \(64, 64\), expected \(64, 128\)"):
+        load_drafter(d, load_target(t).config)

@@ -1,0 +1,85 @@
+"""The Llama-family target against transformers on the same weights (fp32: exact up to float noise)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.models.registry import load_target
+from tests.conftest import make_target
+
+TOL = 1e-4  # fp32; observed max |diff| is 0 to 2e-7
+
+ROPES = {
+    "default": {},
+    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    "linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+def _run(model, ids, start=0, rows=None):
+    b, n = ids.shape
+    rows = torch.arange(b) if rows is None else rows
+    return AttentionMetadata.causal_step(rows, start + torch.arange(n).expand(b, n))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_logits_and_captured_layers_equal_transformers(tmp_path, arch, rope):
+    d = make_target(tmp_path / "t", arch, seed=7, **ROPES[rope])
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    ours = load_target(d)
+    ids = torch.randint(0, 96, (2, 150))  # past original_max_position_embeddings, where scaling matters
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        cache = ours.make_cache(2, 160)
+        hidden, feats = ours(ids, _run(ours, ids), cache, capture_layer_ids=(2, 0))
+        logits = ours.compute_logits(hidden)
+    assert (logits - ref.logits).abs().max() < TOL
+    # layer l's output is transformers' hidden_states[l + 1]; features concatenate in the given order
+    assert torch.allclose(feats[..., :64], ref.hidden_states[3], atol=TOL)
+    assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
+
+
+def test_incremental_decode_equals_full_forward(tmp_path):
+    d = make_target(tmp_path / "t", "qwen3")
+    ours = load_target(d)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        full = ours.compute_logits(ours(ids, _run(ours, ids), ours.make_cache(1, 64))[0])
+        cache = ours.make_cache(1, 64)
+        ours(ids[:, :25], _run(ours, ids[:, :25]), cache)
+        parts = [ours.compute_logits(ours(ids[:, i : i + 5], _run(ours, ids[:, i : i + 5], i), cache)[0]) for i in (25, 30, 35)]
+    assert (torch.cat(parts, 1) - full[:, 25:]).abs().max() < TOL
+
+
+def test_rows_have_independent_lengths_and_rollback_is_free(tmp_path):
+    """Row 1 writes a rejected suffix, then is rolled back by reusing its positions; row 0 is untouched."""
+    d = make_target(tmp_path / "t", "llama")
+    ours = load_target(d)
+    a, b = torch.randint(0, 96, (1, 30)), torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        cache = ours.make_cache(3, 64)
+        ours(a, _run(ours, a, rows=torch.tensor([0])), cache)
+        ours(b, _run(ours, b, rows=torch.tensor([2])), cache)
+        junk = torch.randint(0, 96, (1, 6))
+        ours(junk, _run(ours, junk, 12, rows=torch.tensor([2])), cache)  # a rejected block at 12..17
+        nxt = torch.randint(0, 96, (2, 3))
+        # Both rows continue in one batch from their own lengths (30 and 12); row 2 overwrites 12..14.
+        meta = AttentionMetadata.causal_step(torch.tensor([0, 2]), torch.tensor([[30, 31, 32], [12, 13, 14]]))
+        got = ours.compute_logits(ours(nxt, meta, cache)[0])
+        full0, full2 = torch.cat([a, nxt[:1]], 1), torch.cat([b, nxt[1:]], 1)
+        ref0 = ours.compute_logits(ours(full0, _run(ours, full0), ours.make_cache(1, 64))[0])[:, 30:]
+        ref2 = ours.compute_logits(ours(full2, _run(ours, full2), ours.make_cache(1, 64))[0])[:, 12:]
+    assert (got[0] - ref0[0]).abs().max() < TOL
+    assert (got[1] - ref2[0]).abs().max() < TOL
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    d = make_target(tmp_path / "t", "llama")
+    cfg = (d / "config.json").read_text().replace("LlamaForCausalLM", "FalconForCausalLM")
+    (d / "config.json").write_text(cfg)
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        load_target(d)

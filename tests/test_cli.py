@@ -1,0 +1,42 @@
+"""`dflash-trt generate` as a user runs it."""
+
+import json
+
+from click.testing import CliRunner
+
+from dflash_trt.cli import main
+from tests.engine.test_lossless import hf_greedy
+
+
+def _run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_generate_json_reports_text_ids_and_statistics(tiny_dirs):
+    r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]),
+             "-p", "x", "--max-new-tokens", "20", "--ignore-eos", "-k", "7", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    for key in ("text", "token_ids", "num_tokens", "tau", "tokens_per_s", "acceptance_histogram"):
+        assert key in out
+    assert out["num_tokens"] == len(out["token_ids"]) == 20
+    assert len(out["acceptance_histogram"]) == 8 and sum(out["acceptance_histogram"]) == len(out["acceptance_lengths"])
+    assert out["tau"] >= 1.0
+
+
+def test_no_spec_needs_no_drafter_and_gives_the_same_greedy_tokens(tiny_dirs):
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    plain = json.loads(_run(*args, "--no-spec").stdout)
+    spec = json.loads(_run(*args, "--drafter", str(tiny_dirs["qwen3_drafter"])).stdout)
+    assert plain["token_ids"] == spec["token_ids"]
+    assert plain["tau"] is None
+
+
+def test_missing_drafter_is_a_usage_error(tiny_dirs):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x"])
+    assert r.exit_code != 0 and "--drafter" in r.output
+
+
+def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--top-p", "1.5"])
+    assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.output
