@@ -29,6 +29,7 @@ class EngineConfig:
     speculative: bool = True  # False: plain autoregressive decoding in the same runtime
     dtype: str = "float32"
     device: str = "cpu"
+    pack_weights: bool = True  # oneDNN-prepacked projections on the CPU (bit-identical, about 2x faster GEMVs)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,7 +79,7 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
-        self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len)
+        self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights)
         k = config.max_draft_len
         if self.drafter is not None:
             limit = self.runner.max_draft_len

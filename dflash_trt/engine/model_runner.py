@@ -17,6 +17,7 @@ import torch
 
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.linear import pack_linears
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
@@ -30,6 +31,7 @@ class ModelRunner:
         drafter: DFlashDrafter | None,
         num_rows: int,
         max_model_len: int,
+        pack_weights: bool = True,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -41,9 +43,13 @@ class ModelRunner:
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
             self.proposer = DFlashProposer(
-                drafter, target.embed_tokens.weight, target.lm_head_weight, num_rows, max_model_len
+                drafter, target.embed_tokens.weight, target.lm_head_forward, num_rows, max_model_len
             )
             self.capture = tuple(drafter.config.target_layer_ids)
+        if pack_weights:
+            target.pack_for_inference()
+            if drafter is not None:
+                pack_linears(drafter)
 
     @property
     def max_draft_len(self) -> int:

@@ -66,6 +66,16 @@ def _as_slice(rows: torch.Tensor) -> slice | None:
     return None
 
 
+def cached_attention(
+    cache, layer: int, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    window: int | None = None, causal: bool | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V ([B, Q, KVH, D]) into the cache, then attend q ([B, H, Q, D]) over it."""
+    cache.write(layer, meta, k, v)
+    k_all, v_all = cache.read(layer, meta)
+    return attend(q, k_all, v_all, meta.mask(window=window, causal=causal), scale, sinks)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

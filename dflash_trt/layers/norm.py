@@ -1,6 +1,7 @@
 """RMSNorm, computed in fp32 and cast back, as Llama/Qwen3 reference code does."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,7 +12,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

@@ -12,15 +12,15 @@ block at [L, L + Q). Block K/V are overwritten by the next step's context, never
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.layers.attention import AttentionMetadata, cached_attention
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -203,10 +203,9 @@ class DFlashAttention(nn.Module):
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        self.write_context(x, cos, sin, meta, cache)
-        k_all, v_all = cache.read(self.layer_idx, meta)
-        mask = meta.mask(window=self.sliding_window, causal=self.is_causal)
-        return self.o_proj(attend(q, k_all, v_all, mask, self.scale))
+        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context in the cache
+        out = cached_attention(cache, self.layer_idx, meta, q, k, v, self.scale, self.sliding_window, self.is_causal)
+        return self.o_proj(out)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -234,7 +233,7 @@ class DFlashDrafter(nn.Module):
 
     def make_cache(self, num_rows: int, max_len: int) -> KVCache:
         c = self.config
-        p = self.fc.weight
+        p = self.norm.weight  # projections may be prepacked (layers/linear.py) and carry no .weight
         return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
 
     def project_context(self, features: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> None:
@@ -252,8 +251,9 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, meta, cache)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Logits through the target's shared output head (`lm_head`: hidden -> logits)."""
+        logits = lm_head(hidden).float()
         c = self.config
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
@@ -330,3 +330,36 @@ def load_drafter(
     with torch.no_grad():
         model.load_weights(WeightSet(drafter_dir))
     return model.eval()
+
+
+def new_drafter(cfg: DFlashConfig, seed: int = 0, init_std: float = 0.02) -> DFlashDrafter:
+    """A freshly initialised drafter (normal(0, init_std) linears, unit norms), as HF initialises Qwen3."""
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * init_std)
+    return model
+
+
+def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors in z-lab's format (loads unchanged in `dflash`)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf_dict()
+    tensors = model.hf_state_dict()
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    return out_dir

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.layers.attention import AttentionMetadata, cached_attention
+from dflash_trt.layers.linear import PackedLinear, can_pack, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig
@@ -43,9 +44,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        cache.write(self.layer_idx, meta, k.transpose(1, 2), v)
-        k_all, v_all = cache.read(self.layer_idx, meta)
-        return self.o_proj(attend(q, k_all, v_all, meta.mask(), self.scale))
+        out = cached_attention(cache, self.layer_idx, meta, q, k.transpose(1, 2), v, self.scale)
+        return self.o_proj(out)
 
 
 class GatedMLP(nn.Module):
@@ -81,10 +81,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head: nn.Module | None = None  # set by pack_for_inference
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_inference(self) -> None:
+        """Prepack every projection and the output head for fast CPU inference (no-op elsewhere)."""
+        if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
+            return
+        self.packed_head = PackedLinear(self.lm_head_weight)
+        pack_linears(self.layers)
 
     def make_cache(self, num_rows: int, max_len: int) -> KVCache:
         c = self.config
@@ -110,8 +118,14 @@ class LlamaForCausalLM(nn.Module):
         features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         return self.norm(x), features
 
+    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection in the model dtype (shared with the drafter)."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
+        return F.linear(hidden, self.lm_head_weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head_forward(hidden).float()
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

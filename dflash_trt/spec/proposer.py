@@ -9,6 +9,7 @@ slots 1..3 predict the tokens at positions 11..13.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,13 @@ class DFlashProposer:
         self,
         drafter: DFlashDrafter,
         embed_weight: torch.Tensor,  # the target's input embedding [V, H], shared and frozen
-        lm_head_weight: torch.Tensor,  # the target's output head [V, H], shared and frozen
+        lm_head: Callable[[torch.Tensor], torch.Tensor],  # the target's output head, shared and frozen
         num_rows: int,
         max_len: int,
     ) -> None:
         self.drafter = drafter
         self.embed_weight = embed_weight
-        self.lm_head_weight = lm_head_weight
+        self.lm_head = lm_head
         cfg = drafter.config
         self.mask_token_id = cfg.mask_token_id
         self.max_draft_len = cfg.block_size - 1
@@ -80,7 +81,7 @@ class DFlashProposer:
         if d.config.input_embedding_scale != 1.0:
             embeds = embeds * d.config.input_embedding_scale
         hidden = d.forward_block(embeds, meta, self.cache)
-        logits = d.compute_logits(hidden[:, 1:], self.lm_head_weight)  # slot j predicts position anchor + j
+        logits = d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j
         draft_tokens = logits.argmax(dim=-1)
         draft_probs = None
         if sampling is not None and sampling.rows.numel():
