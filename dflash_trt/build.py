@@ -1,0 +1,266 @@
+"""`dflash-trt build`: a build config -> a validated, planned engine directory (layout in DESIGN.md).
+
+Everything that can fail cheaply (config schema, target-drafter pairing, parallel mapping, memory plan)
+runs before any file is written. The engine is written into a temporary directory beside the output and
+renamed into place last, so an interrupted build never leaves a directory that serve would load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from dflash_trt.config import BuildConfig, load_build_config
+from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST
+from dflash_trt.hardware import HardwareProfile, profile
+from dflash_trt.model_source import ModelSource, resolve_model
+from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.plan import MemoryPlan, plan_build
+from dflash_trt.trtllm.config_writer import llm_api_options
+from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
+from dflash_trt.validate import check_mapping, check_pairing
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TARGET_CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+# Testing knob: stall (sleep) after this build step, so a test can kill the build midway.
+STALL_ENV = "DFLASH_TRT_BUILD_STALL_AFTER"
+
+
+class PlanError(ValueError):
+    """The build does not fit the hardware profile; the message has the numbers and the knob."""
+
+
+@dataclass
+class PreparedBuild:
+    config: BuildConfig
+    base_dir: Path
+    hardware: HardwareProfile
+    target: ModelSource
+    drafter: ModelSource | None
+    target_config: DecoderConfig
+    drafter_config: DFlashConfig | None
+    max_draft_len: int
+    plan: MemoryPlan
+    trtllm_options: dict
+
+
+def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_bundled: bool = False) -> PreparedBuild:
+    """Validate and plan without writing anything; raises ValueError / FileNotFoundError / PlanError."""
+    cfg, base_dir = load_build_config(config_path, overrides)
+    hw = profile(cfg.hardware)
+    target = resolve_model(cfg.model, base_dir, "model", allow_bundled)
+    tcfg = decoder_config_from_dict(target.config, f"{cfg.model} config.json")
+    if hw.kind == "cpu":
+        from dflash_trt.models.registry import TARGET_ARCHITECTURES
+
+        if tcfg.architecture not in TARGET_ARCHITECTURES:
+            raise ValueError(
+                f"model={cfg.model!r}: architecture {tcfg.architecture!r} has no torch runtime implementation; "
+                f"supported: {sorted(TARGET_ARCHITECTURES)}"
+            )
+    drafter, dcfg, k = None, None, 0
+    if cfg.drafter is not None:
+        key = "speculative_config.speculative_model"
+        drafter = resolve_model(cfg.drafter, base_dir, key, allow_bundled)
+        source = f"{key}={cfg.drafter!r} config.json"
+        dcfg = DFlashConfig.from_dict(drafter.config, source)
+        k = check_pairing(tcfg, dcfg, cfg, source)
+    check_mapping(tcfg, dcfg, cfg)
+    plan = plan_build(tcfg, dcfg, cfg, hw, k)
+    if not plan.fits:
+        raise PlanError(f"{config_path}: " + " ".join(plan.problems))
+    options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
+    return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
+
+
+def sha256_file(path: Path, bar=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
+
+
+def _stall(step: str) -> None:
+    if os.environ.get(STALL_ENV) == step:
+        logger.warning("%s=%s: stalling so the build can be interrupted", STALL_ENV, step)
+        time.sleep(3600)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Temporary directories of builds whose process is gone (killed builds) are removed."""
+    for tmp in out.parent.glob(f".{out.name}.build-*"):
+        try:
+            pid = int(tmp.name.split(".build-")[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_weights(src: Path, dst: Path, link: bool, progress: bool) -> None:
+    dst.mkdir(parents=True)
+    for name in TARGET_CONFIG_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{src}: no *.safetensors weights")
+    with _progress(sum(f.stat().st_size for f in files), f"{'link' if link else 'copy'} {dst.name}", progress) as bar:
+        for f in files:
+            if link:
+                (dst / f.name).symlink_to(f.resolve())
+            else:
+                shutil.copyfile(f, dst / f.name)
+            bar.update(f.stat().st_size)
+
+
+def _write_tokenizer(src: Path, dst: Path) -> list[str]:
+    dst.mkdir(parents=True)
+    copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not any(n in copied for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{src}: no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model)")
+    for n in copied:
+        shutil.copy2(src / n, dst / n)
+    return copied
+
+
+def _has_chat_template(tok_dir: Path) -> bool:
+    if (tok_dir / "chat_template.jinja").is_file() or (tok_dir / "chat_template.json").is_file():
+        return True
+    cfg = tok_dir / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"format_version": FORMAT_VERSION, "tensorrt_llm_target": TENSORRT_LLM_VERSION}
+    for pkg in ("dflash-trt", "torch", "transformers", "safetensors"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _summaries(p: PreparedBuild) -> dict:
+    t = p.target_config
+    target = {"architecture": t.architecture, "model_type": t.model_type, "num_hidden_layers": t.num_hidden_layers,
+              "hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "num_attention_heads": t.num_attention_heads,
+              "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim, "rope_type": t.rope_type}
+    drafter = None
+    if p.drafter_config is not None:
+        d = p.drafter_config
+        drafter = {"num_hidden_layers": d.num_hidden_layers, "hidden_size": d.hidden_size, "block_size": d.block_size,
+                   "target_layer_ids": d.target_layer_ids, "mask_token_id": d.mask_token_id,
+                   "max_draft_len": p.max_draft_len}
+    return {"target": target, "drafter": drafter}
+
+
+def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict | None = None, force: bool = False,
+                 progress: bool = True) -> Path:
+    """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    p = prepare_build(config_path, overrides)
+    if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
+        missing = p.target if p.target.path is None else p.drafter
+        raise FileNotFoundError(f"{missing.ref!r} is not on disk; fetch it with `hf download {missing.ref}`")
+    if p.drafter is not None:  # every drafter tensor must load, with the shapes config.json implies
+        from dflash_trt.models.dflash import DFlashDrafter
+        from dflash_trt.models.weights import WeightSet
+
+        import torch
+
+        with torch.device("meta"):
+            shell = DFlashDrafter(p.drafter_config)
+        shell.load_weights(WeightSet(p.drafter.path))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(out)
+    tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_weights(p.target.path, tmp / "target", p.config.target_weights == "link", progress)
+        _stall("target")
+        tokenizer_files = _write_tokenizer(p.target.path, tmp / "tokenizer")
+        if p.drafter is not None:
+            (tmp / "drafter").mkdir()
+            for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+                if (p.drafter.path / name).is_file():
+                    shutil.copy2(p.drafter.path / name, tmp / "drafter" / name)
+            for extra in sorted(p.drafter.path.glob("model-*.safetensors")):
+                shutil.copy2(extra, tmp / "drafter" / extra.name)
+        (tmp / "plan.json").write_text(json.dumps(p.plan.to_dict(), indent=2) + "\n")
+        (tmp / "trtllm").mkdir()
+        (tmp / "trtllm" / "config.yaml").write_text(
+            f"# LLM-API options for TensorRT-LLM {TENSORRT_LLM_VERSION} (keys checked against {LLM_ARGS_SOURCE}).\n"
+            "# Run from the engine directory: trtllm-serve target --tokenizer tokenizer --config trtllm/config.yaml\n"
+            + yaml.safe_dump(p.trtllm_options, sort_keys=False)
+        )
+        _stall("files")
+        files = sorted(f for f in tmp.rglob("*") if f.is_file())
+        with _progress(sum(f.stat().st_size for f in files), "sha256", progress) as bar:
+            checksums = {str(f.relative_to(tmp)): {"sha256": sha256_file(f, bar), "size": f.stat().st_size}
+                         for f in files}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "name": p.config.name,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": _versions(),
+            "build_config": p.config.model_dump(mode="json"),
+            "sources": {
+                "target": {"ref": p.target.ref, "kind": p.target.kind, "path": str(p.target.path)},
+                "drafter": None if p.drafter is None else
+                {"ref": p.drafter.ref, "kind": p.drafter.kind, "path": str(p.drafter.path)},
+            },
+            **_summaries(p),
+            "max_draft_len": p.max_draft_len,
+            "tokenizer": {"files": tokenizer_files, "chat_template": _has_chat_template(tmp / "tokenizer")},
+            "trtllm": {"version": TENSORRT_LLM_VERSION, "llm_args_source": LLM_ARGS_SOURCE},
+            "files": checksums,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():  # --force: swap, then delete the old engine
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

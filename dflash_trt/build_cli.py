@@ -1,0 +1,106 @@
+"""`dflash-trt build` and `dflash-trt inspect`: flags -> build config overrides -> dflash_trt.build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+GB = 10**9
+
+
+def _table(rows: list[tuple[str, str]], title: str) -> str:
+    width = max(len(k) for k, _ in rows)
+    lines = [title, "-" * len(title)]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def format_plan(plan: dict) -> str:
+    hw = plan["hardware"]
+    head = [
+        ("hardware", f"{hw['name']}: {hw['memory_bytes'] / GB:.1f} GB per device ({hw['description']})"),
+        ("layout", f"{plan['layout']} (world size {plan['world_size']}, attention TP {plan['attention_tp']}, "
+                   f"MoE EP {plan['moe_expert_parallel_size']} x TP {plan['moe_tensor_parallel_size']})"),
+        ("dtype / KV cache", f"{plan['dtype']} / {plan['kv_cache_dtype']}"),
+        ("max_batch_size x max_seq_len", f"{plan['max_batch_size_per_rank']} x {plan['max_seq_len']} per rank"),
+        ("K (max_draft_len)", str(plan["max_draft_len"])),
+        ("draft_len_schedule", str(plan["draft_len_schedule"])),
+        ("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"),
+    ]
+    comps = [(k, f"{v / GB:9.3f} GB") for k, v in plan["components"].items()]
+    comps.append(("total per rank", f"{plan['total_bytes'] / GB:9.3f} GB of {plan['memory_bytes'] / GB:.1f} GB"))
+    comps.append(("KV cache budget", f"{plan['kv_cache_budget_bytes'] / GB:9.3f} GB"))
+    out = [_table(head, "Plan"), _table(comps, "Memory per rank"),
+           f"fits: {'yes' if plan['fits'] else 'NO'}"]
+    out += [f"problem: {p}" for p in plan["problems"]] + [f"note: {n}" for n in plan["notes"]]
+    return "\n\n".join(out[:2]) + "\n\n" + "\n".join(out[2:])
+
+
+@click.command("build")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), help="Engine directory to write.")
+@click.option("--plan-only", is_flag=True, help="Validate and plan without converting or writing anything.")
+@click.option("--drafter", help="Override speculative_config.speculative_model (HF id or ./path).")
+@click.option("--max-batch-size", type=int, help="Override max_batch_size.")
+@click.option("--max-seq-len", type=int, help="Override max_seq_len.")
+@click.option("--max-draft-len", "-k", type=int, help="Override speculative_config.max_draft_len.")
+@click.option("--force", is_flag=True, help="Replace an existing engine directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_draft_len, force, as_json) -> None:
+    """Validate, plan and write an engine directory from a build config (build_configs/*.yaml)."""
+    from dflash_trt.build import build_engine, prepare_build
+    from dflash_trt.engine_dir import EngineDir
+
+    overrides = {"speculative_config.speculative_model": drafter, "max_batch_size": max_batch_size,
+                 "max_seq_len": max_seq_len, "speculative_config.max_draft_len": max_draft_len}
+    try:
+        if plan_only:
+            plan = prepare_build(config, overrides, allow_bundled=True).plan.to_dict()
+        else:
+            if output is None:
+                raise click.UsageError("pass -o DIR (or --plan-only)")
+            path = build_engine(config, output, overrides, force=force)
+            plan = EngineDir(path).plan
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(plan, indent=2) if as_json else format_plan(plan))
+    if not plan_only:
+        click.echo(f"\nengine written to {path}", err=True)
+
+
+@click.command("inspect")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--verify", is_flag=True, help="Also check the sha256 of every file.")
+def inspect(engine, verify) -> None:
+    """Print an engine directory's manifest and memory plan as tables."""
+    from dflash_trt.engine_dir import EngineDir
+
+    try:
+        e = EngineDir(engine)
+        if verify:
+            e.verify()
+    except (ValueError, FileNotFoundError) as err:
+        raise click.ClickException(str(err)) from err
+    m = e.manifest
+    t, d = m["target"], m.get("drafter")
+    src = m["sources"]
+    rows = [
+        ("name", m["name"]), ("format version", str(m["format_version"])), ("created", m["created"]),
+        ("target", f"{src['target']['ref']} ({t['architecture']}, {t['num_hidden_layers']} layers, hidden "
+                   f"{t['hidden_size']}, vocab {t['vocab_size']}, {t['num_attention_heads']}/{t['num_key_value_heads']} "
+                   f"heads of {t['head_dim']}, rope {t['rope_type']})"),
+        ("drafter", "none" if d is None else
+         f"{src['drafter']['ref']} ({d['num_hidden_layers']} layers, block {d['block_size']}, target_layer_ids "
+         f"{d['target_layer_ids']}, mask {d['mask_token_id']})"),
+        ("K (max_draft_len)", str(m["max_draft_len"])),
+        ("chat template", "yes" if m["tokenizer"]["chat_template"] else "no"),
+        ("TensorRT-LLM target", m["trtllm"]["version"]),
+        ("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if k != "format_version")),
+        ("files", f"{len(m['files'])}, {sum(f['size'] for f in m['files'].values()) / GB:.3f} GB"
+                  + (" (sha256 verified)" if verify else "")),
+    ]
+    click.echo(_table(rows, f"Engine {Path(engine)}"))
+    click.echo()
+    click.echo(format_plan(e.plan))

@@ -1,0 +1,225 @@
+"""Build configs: the YAML schema for one deployment (build_configs/*.yaml), validated with pydantic.
+
+YAML keys are the field names, and those are TensorRT-LLM LLM-API keys wherever the concept exists
+there (max_batch_size, max_seq_len, tensor_parallel_size, kv_cache_config.dtype,
+speculative_config.max_draft_len ...), so one file drives both backends. Errors name the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dflash_trt.hardware import PROFILE_NAMES, profile
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculativeConfig(_Strict):
+    decoding_type: Literal["DFlash"] = "DFlash"
+    # The drafter: an HF id, or a local path (starting with ./ ../ / or ~, relative to the YAML file).
+    speculative_model: str
+    max_draft_len: int | None = Field(default=None, ge=1)  # K; None: the checkpoint's block_size - 1
+    # batch-size threshold -> K (TRT-LLM semantics: batches above the largest key run without drafts)
+    draft_len_schedule: dict[int, int] | None = None
+    max_concurrency: int | None = Field(default=None, ge=1)
+    attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
+    use_rejection_sampling: bool = False
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "SpeculativeConfig":
+        if self.draft_len_schedule is not None:
+            if self.max_concurrency is not None:
+                raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
+            if not self.draft_len_schedule:
+                raise ValueError("draft_len_schedule must not be empty")
+            for bs, k in self.draft_len_schedule.items():
+                if bs < 1 or k < 0:
+                    raise ValueError(f"draft_len_schedule entry {bs}: {k} needs batch size >= 1 and K >= 0")
+            first = self.draft_len_schedule[min(self.draft_len_schedule)]
+            if self.max_draft_len is not None and first != self.max_draft_len:
+                raise ValueError(
+                    f"draft_len_schedule[{min(self.draft_len_schedule)}]={first} must equal max_draft_len="
+                    f"{self.max_draft_len} (the smallest batch size runs the full K)"
+                )
+            if self.max_draft_len is not None and max(self.draft_len_schedule.values()) > self.max_draft_len:
+                raise ValueError(f"draft_len_schedule values must be <= max_draft_len={self.max_draft_len}")
+        return self
+
+
+class KvCacheConfig(_Strict):
+    dtype: Literal["auto", "fp8", "bfloat16", "float16", "float32"] = "auto"  # auto: the model dtype
+    free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    enable_block_reuse: bool | None = None
+    tokens_per_block: int = Field(default=32, ge=1)
+
+
+class CudaGraphConfig(_Strict):
+    enable_padding: bool = False
+    max_batch_size: int = Field(default=0, ge=0)
+    batch_sizes: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "CudaGraphConfig":
+        if self.batch_sizes and self.max_batch_size and max(self.batch_sizes) != self.max_batch_size:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must equal max(batch_sizes)={max(self.batch_sizes)}")
+        return self
+
+
+class MoeConfig(_Strict):
+    backend: Literal["AUTO", "CUTLASS", "TRTLLM", "TRITON", "DEEPGEMM", "CUTEDSL", "VANILLA"] = "AUTO"
+
+
+class AttentionDpConfig(_Strict):
+    enable_balance: bool = False
+    timeout_iters: int = 50
+    batching_wait_iters: int = 10
+
+
+class BuildConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # The target: "embedded:smollm2-135m-instruct", an HF id, or a local path (./ ../ / ~).
+    model: str
+    hardware: Literal["b300", "h200", "cpu"]
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: config.json's dtype
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    moe_expert_parallel_size: int | None = Field(default=None, ge=1)
+    moe_tensor_parallel_size: int | None = Field(default=None, ge=1)
+    enable_attention_dp: bool = False
+    max_batch_size: int = Field(ge=1)  # per rank under attention data parallelism, as in TRT-LLM
+    max_seq_len: int = Field(ge=2)  # prompt + generated tokens per request
+    max_num_tokens: int = Field(default=8192, ge=1)  # tokens per iteration (prefill chunk + decode rows)
+    kv_cache_config: KvCacheConfig = KvCacheConfig()
+    speculative_config: SpeculativeConfig | None = None  # None: an engine without a drafter
+    cuda_graph_config: CudaGraphConfig | None = None
+    moe_config: MoeConfig | None = None
+    attention_dp_config: AttentionDpConfig | None = None
+    # copy: target weights copied into the engine; link: symlinked (large checkpoints; same machine).
+    target_weights: Literal["copy", "link"] = "copy"
+    # Further TensorRT-LLM LLM-API keys written verbatim into trtllm/config.yaml (checked against the
+    # pinned version's accepted keys), e.g. stream_interval, num_postprocess_workers, env_overrides.
+    trtllm_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _mapping(self) -> "BuildConfig":
+        hw = profile(self.hardware)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size}: speculative decoding in TensorRT-LLM "
+                "supports no pipeline parallelism; use tensor_parallel_size"
+            )
+        if self.world_size > hw.max_devices:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs {self.world_size} devices; hardware "
+                f"{self.hardware} has {hw.max_devices} per node"
+            )
+        ep, mtp = self.moe_expert_parallel_size, self.moe_tensor_parallel_size
+        if ep is not None and mtp is not None and ep * mtp != self.tensor_parallel_size:
+            raise ValueError(
+                f"moe_expert_parallel_size={ep} x moe_tensor_parallel_size={mtp} = {ep * mtp} must equal "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        for key, size in (("moe_expert_parallel_size", ep), ("moe_tensor_parallel_size", mtp)):
+            if size is not None and self.tensor_parallel_size % size:
+                raise ValueError(f"{key}={size} must divide tensor_parallel_size={self.tensor_parallel_size}")
+        if self.enable_attention_dp and self.tensor_parallel_size == 1:
+            raise ValueError("enable_attention_dp needs tensor_parallel_size > 1 (one attention replica per rank)")
+        if hw.kind == "cpu":
+            gpu_only = [k for k in ("cuda_graph_config", "moe_config", "attention_dp_config") if getattr(self, k)]
+            if gpu_only:
+                raise ValueError(f"{gpu_only[0]} needs a GPU hardware profile; hardware is {self.hardware}")
+            if self.kv_cache_config.dtype == "fp8":
+                raise ValueError("kv_cache_config.dtype=fp8 needs a GPU; the torch CPU runtime keeps K/V in the model dtype")
+        spec = self.speculative_config
+        if spec is not None and spec.attention_backend == "TRTLLM" and not hw.supports_trtllm_dflash_attention:
+            raise ValueError(
+                f"speculative_config.attention_backend=TRTLLM needs SM100/SM103 (B200/B300); hardware {self.hardware} "
+                "must use VANILLA"
+            )
+        if self.cuda_graph_config and self.cuda_graph_config.max_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"cuda_graph_config.max_batch_size={self.cuda_graph_config.max_batch_size} exceeds "
+                f"max_batch_size={self.max_batch_size}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def moe_ep(self) -> int:
+        """Expert-parallel size, filled in as TRT-LLM's mapping does when only one MoE size is given."""
+        if self.moe_expert_parallel_size is not None:
+            return self.moe_expert_parallel_size
+        if self.moe_tensor_parallel_size is not None:
+            return self.tensor_parallel_size // self.moe_tensor_parallel_size
+        return self.tensor_parallel_size
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tensor_parallel_size // self.moe_ep
+
+    @property
+    def drafter(self) -> str | None:
+        return self.speculative_config.speculative_model if self.speculative_config else None
+
+
+def _format_error(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (not part of the build config schema; see dflash_trt/config.py)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{source}: key '{key}': {msg}")
+    return "\n".join(lines)
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"override {dotted!r}: {p!r} is not a mapping")
+    d[parts[-1]] = value
+
+
+def build_config_from_dict(raw: dict, source: str = "build config", overrides: dict | None = None) -> BuildConfig:
+    """Validate `raw` (+ dotted-key `overrides`, e.g. {"speculative_config.max_draft_len": 7})."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: the top level must be a mapping of keys to values")
+    raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(raw, key, value)
+    try:
+        return BuildConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(_format_error(e, source)) from None
+
+
+def load_build_config(path: str | Path, overrides: dict | None = None) -> tuple[BuildConfig, Path]:
+    """Read and validate a build config YAML; returns it and the directory its relative paths start from."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: build config not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML ({e})") from e
+    return build_config_from_dict(raw, str(path), overrides), path.resolve().parent
+
+
+__all__ = ["BuildConfig", "SpeculativeConfig", "KvCacheConfig", "CudaGraphConfig", "MoeConfig", "AttentionDpConfig",
+           "load_build_config", "build_config_from_dict", "EMBEDDED_PREFIX", "PROFILE_NAMES"]

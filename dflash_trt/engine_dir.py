@@ -1,0 +1,124 @@
+"""An engine directory written by `dflash-trt build`: reading its manifest, verifying it, opening it.
+
+`verify()` checks the format version and the sha256 of every file the manifest lists; serve and
+generate call it (through `open_engine`) before loading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class EngineDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).resolve()
+        manifest = self.path / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(
+                f"{self.path}: not an engine directory (no {MANIFEST}); build one with `dflash-trt build CONFIG -o DIR`"
+            )
+        try:
+            self.manifest: dict = json.loads(manifest.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{manifest}: invalid JSON ({e}); rebuild the engine") from e
+        missing = [k for k in ("format_version", "files", "build_config", "target") if k not in self.manifest]
+        if missing:
+            raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+
+    def verify(self) -> None:
+        """ValueError naming the file when the format version or any file's checksum does not match."""
+        version = self.manifest["format_version"]
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{self.path / MANIFEST}: format_version={version}, this dflash-trt reads {FORMAT_VERSION}; rebuild the engine"
+            )
+        for rel, entry in self.manifest["files"].items():
+            f = self.path / rel
+            if not f.is_file():
+                raise ValueError(f"{f}: listed in {MANIFEST} but missing; rebuild the engine")
+            if f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
+                raise ValueError(f"{f}: sha256 does not match {MANIFEST} (modified or corrupted); rebuild the engine")
+
+    @property
+    def target_dir(self) -> Path:
+        return self.path / "target"
+
+    @property
+    def drafter_dir(self) -> Path | None:
+        return self.path / "drafter" if self.manifest.get("drafter") else None
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+    @property
+    def plan(self) -> dict:
+        return json.loads((self.path / "plan.json").read_text())
+
+    @property
+    def build_config(self) -> dict:
+        return self.manifest["build_config"]
+
+    def engine_config(self, **overrides):
+        """The torch runtime's EngineConfig for this engine; keyword overrides (None = keep) win."""
+        from dflash_trt.engine.llm_engine import EngineConfig
+
+        cfg, plan = self.build_config, self.plan
+        spec = cfg.get("speculative_config") or {}
+        values = {
+            "max_batch_size": cfg["max_batch_size"],
+            "max_model_len": cfg["max_seq_len"],
+            "max_draft_len": self.manifest.get("max_draft_len") or None,
+            "speculative": self.drafter_dir is not None,
+            "dtype": plan["dtype"],
+            "device": "cuda" if plan["hardware"]["kind"] == "gpu" else "cpu",
+        }
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
+            values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
+        for key, value in overrides.items():
+            if key not in known:
+                raise ValueError(f"unknown engine setting {key!r}; known: {sorted(known)}")
+            if value is not None:
+                values[key] = value
+        return EngineConfig(**values)
+
+
+def open_engine(path: str | Path, backend: str = "torch", **overrides):
+    """Verify the engine at `path` and load it on the torch runtime; returns an LLMEngine."""
+    if backend != "torch":
+        raise ValueError(
+            f"open_engine(backend={backend!r}) loads the torch runtime only; TensorRT-LLM runs through "
+            "dflash_trt.trtllm.launch"
+        )
+    from transformers import AutoTokenizer
+
+    from dflash_trt.engine.llm_engine import LLMEngine
+    from dflash_trt.models.dflash import load_drafter
+    from dflash_trt.models.registry import load_target
+
+    engine = EngineDir(path)
+    engine.verify()
+    config = engine.engine_config(**overrides)
+    target = load_target(engine.target_dir, config.torch_dtype, config.device)
+    drafter = None
+    if config.speculative:
+        if engine.drafter_dir is None:
+            raise ValueError(f"{engine.path}: built without a drafter; pass speculative=False (--no-spec)")
+        drafter = load_drafter(engine.drafter_dir, target.config, config.torch_dtype, config.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(engine.tokenizer_dir))
+    return LLMEngine(target, tokenizer, drafter, config)

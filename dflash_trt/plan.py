@@ -1,0 +1,291 @@
+"""The memory plan of one build, per rank, against a hardware profile; a build that does not fit fails
+here, with the numbers and the setting to change, before anything is converted.
+
+Two layouts are modelled. On a GPU profile the engine serves through TensorRT-LLM, so the plan follows
+its allocations: weights sharded by the parallel mapping (MXFP4 experts at 4.25 bits), the target KV
+cache (full-attention layers hold max_seq_len tokens, sliding layers their window plus the draft block),
+DFlash's dense drafter context arena [max_batch + 1 slots, drafter layers, max_ctx + K + 1, kv heads,
+head_dim] x 2 (K and V) that TRT-LLM allocates up front (issue #16005), activations and CUDA-graph pools.
+On the CPU profile it follows this project's torch runtime: per-row caches of max_seq_len + block + 1
+tokens for every layer of both models. Activation sizes are estimates and are labelled so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from dflash_trt.config import BuildConfig
+from dflash_trt.hardware import GB, HardwareProfile
+from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.validate import attention_tp
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+MXFP4_BYTES_PER_VALUE = 17 / 32  # 4-bit values plus one 8-bit (E8M0) scale per 32-value block
+# TRT-LLM's cuda_graph_config field description: "each CUDA graph can use up to 200 MB of extra memory"
+# (tensorrt_llm/llmapi/llm_args.py @0004396720054fd8e205cbf616f21f0b57c6b412). The plan takes the bound.
+CUDA_GRAPH_BYTES = 200 * 10**6
+
+
+def model_dtype(cfg: BuildConfig, target_raw: dict) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    raw = target_raw.get("dtype") or target_raw.get("torch_dtype") or "bfloat16"
+    return raw if raw in DTYPE_BYTES else "bfloat16"
+
+
+def kv_dtype(cfg: BuildConfig, dtype: str) -> str:
+    return dtype if cfg.kv_cache_config.dtype == "auto" else cfg.kv_cache_config.dtype
+
+
+def cuda_graph_batch_sizes(cfg: BuildConfig) -> list[int]:
+    """The decode batch sizes TRT-LLM captures, by the rule its CudaGraphConfig documents; [] without graphs."""
+    g = cfg.cuda_graph_config
+    if g is None:
+        return []
+    if g.batch_sizes:
+        sizes = sorted(set(g.batch_sizes))
+    else:
+        top = g.max_batch_size or 128
+        if g.enable_padding:  # 1, 2, 4, then multiples of 8 to 128, then steps of 64
+            sizes = [1, 2, 4] + list(range(8, 129, 8))
+            while sizes[-1] + 64 <= top:
+                sizes.append(sizes[-1] + 64)
+        else:  # every size below 32, then 32, 64, 128 and powers of two
+            sizes = list(range(1, 33)) + [64, 128]
+            p = 256
+            while p < top:
+                sizes.append(p)
+                p *= 2
+        sizes = [s for s in sizes if s <= top]
+        if sizes[-1] != top:
+            sizes.append(top)
+    schedule = cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None
+    if schedule:  # every threshold of the draft-length schedule gets its own graph
+        sizes = sorted(set(sizes) | {b for b in schedule if b <= sizes[-1]})
+    return sizes
+
+
+def _layer_kinds(t: DecoderConfig) -> tuple[int, int, int | None]:
+    """(full-attention layers, sliding-window layers, window) of the target."""
+    window = t.extra.get("sliding_window")
+    types = t.extra.get("layer_types")
+    if not window or not types:
+        return t.num_hidden_layers, 0, None
+    sliding = sum(1 for x in types[: t.num_hidden_layers] if x == "sliding_attention")
+    return t.num_hidden_layers - sliding, sliding, int(window)
+
+
+def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    # TP splits KV heads; with fewer heads than ranks each rank holds a replica of one head.
+    return max(1, kv_heads // tp)
+
+
+def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int:
+    """Bytes of target weights on one rank."""
+    tp = attention_tp(cfg)
+    h, hd = t.hidden_size, t.head_dim
+    q_out = t.num_attention_heads * hd // tp
+    kv_out = _kv_heads_per_rank(t.num_key_value_heads, tp) * hd
+    dense = 2 * h * q_out + 2 * h * kv_out  # q, o; k, v
+    dense += 2 * h  # input and post-attention norms
+    if t.attention_bias:
+        dense += q_out + 2 * kv_out + h  # o_proj's bias is replicated
+    if t.qk_norm:
+        dense += 2 * hd
+    if t.model_type == "gpt_oss":
+        dense += t.num_attention_heads // tp  # attention sinks, one per head
+    experts = t.extra.get("num_local_experts")
+    expert_bytes = 0.0
+    if experts:
+        e, i = int(experts), t.intermediate_size
+        dense += h * e + e  # router, replicated
+        values = e * 3 * h * i / (cfg.moe_ep * cfg.moe_tp)  # gate_up [h, 2i] and down [i, h] per expert
+        quant = (t.extra.get("quantization_config") or {}).get("quant_method")
+        expert_bytes = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" else dtype_b)
+        expert_bytes += (e // cfg.moe_ep) * (2 * i // cfg.moe_tp + h) * dtype_b  # expert biases
+    else:
+        dense += 3 * h * t.intermediate_size // tp
+    per_layer = dense * dtype_b + expert_bytes
+    vocab = t.vocab_size * h // tp * (1 if t.tie_word_embeddings else 2)  # embedding (+ lm_head)
+    return int(t.num_hidden_layers * per_layer + (vocab + h) * dtype_b)
+
+
+def drafter_weight_bytes(d: DFlashConfig, target: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int:
+    """Bytes of drafter weights on one rank (it shares the target's embedding and LM head)."""
+    tp = attention_tp(cfg)
+    h, hd = d.hidden_size, d.head_dim
+    q_out = d.num_attention_heads * hd // tp
+    kv_out = _kv_heads_per_rank(d.num_key_value_heads, tp) * hd
+    layer = 2 * h * q_out + 2 * h * kv_out + 3 * h * d.intermediate_size // tp + 2 * h + 2 * hd
+    if d.attention_bias:
+        layer += q_out + 2 * kv_out + h
+    fc = len(d.target_layer_ids) * target.hidden_size * h  # fc and the norms are replicated on every rank
+    return int((d.num_hidden_layers * layer + fc + 2 * h) * dtype_b)
+
+
+@dataclass
+class MemoryPlan:
+    hardware: dict
+    layout: str  # "trtllm" (GPU profiles) or "torch" (the CPU runtime)
+    dtype: str
+    kv_cache_dtype: str
+    world_size: int
+    attention_tp: int
+    moe_expert_parallel_size: int
+    moe_tensor_parallel_size: int
+    max_batch_size_per_rank: int
+    max_seq_len: int
+    max_draft_len: int  # K (0 for an engine without a drafter)
+    draft_len_schedule: dict | None
+    cuda_graph_batch_sizes: list[int]
+    components: dict[str, int]  # bytes per rank
+    details: dict  # the per-token figures behind the components
+    memory_bytes: int
+    kv_cache_budget_bytes: int
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.components.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int], dict]:
+    dtype_b, kv_b = DTYPE_BYTES[dtype], DTYPE_BYTES[kvd]
+    tp = attention_tp(cfg)
+    trtllm = hw.kind == "gpu"
+    kv_heads = _kv_heads_per_rank(t.num_key_value_heads, tp)
+    per_token_layer = 2 * kv_heads * t.head_dim * kv_b  # K and V of one token in one layer
+    full, sliding, window = _layer_kinds(t)
+    details: dict = {"target_kv_bytes_per_token_per_layer": per_token_layer}
+    if trtllm:
+        sliding_tokens = min(seq, window + k + 1) if window else 0  # the window plus the in-flight block
+        target_kv = batch * per_token_layer * (full * seq + sliding * sliding_tokens)
+        details.update(full_attention_layers=full, sliding_layers=sliding, sliding_tokens_per_seq=sliding_tokens)
+    else:
+        block = d.block_size if d is not None else 1
+        target_kv = batch * per_token_layer * t.num_hidden_layers * (seq + block + 1)
+    comps = {
+        "target_weights": target_weight_bytes(t, cfg, dtype_b),
+        "target_kv_cache": int(target_kv),
+    }
+    if d is not None:
+        comps["drafter_weights"] = drafter_weight_bytes(d, t, cfg, dtype_b)
+        d_heads = _kv_heads_per_rank(d.num_key_value_heads, tp)
+        d_token = 2 * d.num_hidden_layers * d_heads * d.head_dim * dtype_b  # all drafter layers, K and V
+        if trtllm:
+            slots, tokens = batch + 1, min(seq, d.max_position_embeddings) + k + 1  # +1 slot: CUDA-graph dummy
+        else:
+            slots, tokens = batch, seq + d.block_size + 1
+        comps["drafter_context_cache"] = slots * tokens * d_token
+        details.update(drafter_ctx_bytes_per_token=d_token, drafter_ctx_slots=slots, drafter_ctx_tokens_per_slot=tokens)
+    # Activations (estimate): per token in flight, the residual streams, q/k/v, MLP intermediates
+    # (top-k experts for MoE), plus fp32 logits for every verified and drafted position.
+    i_rank = t.intermediate_size // (cfg.moe_tp if t.extra.get("num_local_experts") else tp)
+    fanout = int(t.extra.get("num_experts_per_tok") or 1)
+    per_tok = (4 * t.hidden_size + (t.num_attention_heads // tp + 2 * kv_heads) * t.head_dim + 3 * i_rank * fanout)
+    tokens = min(cfg.max_num_tokens, batch * seq) if trtllm else batch * seq
+    logits = batch * (k + 1) * t.vocab_size * 4 * (2 if d is not None else 1)
+    comps["activations_estimate"] = int(tokens * per_tok * dtype_b + logits)
+    details["activation_tokens"] = tokens
+    comps["cuda_graph_pools"] = len(cuda_graph_batch_sizes(cfg)) * CUDA_GRAPH_BYTES if trtllm else 0
+    comps["runtime_reserve"] = hw.reserve_bytes
+    return comps, details
+
+
+def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple[bool, int]:
+    fixed = sum(v for key, v in comps.items() if key != "target_kv_cache")
+    free = hw.memory_bytes - fixed
+    # TRT-LLM gives the KV cache free_gpu_memory_fraction of what is left after everything else.
+    budget = int(free * cfg.kv_cache_config.free_gpu_memory_fraction) if hw.kind == "gpu" else free
+    return free > 0 and comps["target_kv_cache"] <= budget, budget
+
+
+def _largest_fitting(lo: int, hi: int, ok) -> int:
+    """The largest v in [lo, hi] with ok(v), assuming ok is monotone; lo - 1 when none."""
+    best = lo - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def plan_build(
+    target: DecoderConfig, drafter: DFlashConfig | None, cfg: BuildConfig, hw: HardwareProfile, max_draft_len: int
+) -> MemoryPlan:
+    dtype = model_dtype(cfg, target.extra)
+    kvd = kv_dtype(cfg, dtype)
+    batch, seq, k = cfg.max_batch_size, cfg.max_seq_len, max_draft_len
+    comps, details = _components(target, drafter, cfg, hw, k, batch, seq, dtype, kvd)
+    fits, budget = _fits(comps, hw, cfg)
+    plan = MemoryPlan(
+        hardware=hw.to_dict(), layout="trtllm" if hw.kind == "gpu" else "torch", dtype=dtype, kv_cache_dtype=kvd,
+        world_size=cfg.world_size, attention_tp=attention_tp(cfg), moe_expert_parallel_size=cfg.moe_ep,
+        moe_tensor_parallel_size=cfg.moe_tp, max_batch_size_per_rank=batch, max_seq_len=seq, max_draft_len=k,
+        draft_len_schedule=cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None,
+        cuda_graph_batch_sizes=cuda_graph_batch_sizes(cfg), components=comps, details=details,
+        memory_bytes=hw.memory_bytes, kv_cache_budget_bytes=budget, fits=fits,
+    )
+    if seq > target.max_position_embeddings:
+        plan.problems.append(
+            f"max_seq_len={seq} exceeds the target's max_position_embeddings={target.max_position_embeddings}; "
+            "lower max_seq_len"
+        )
+        plan.fits = False
+    if drafter is not None and seq > drafter.max_position_embeddings:
+        plan.notes.append(
+            f"max_seq_len={seq} exceeds the drafter's max_position_embeddings={drafter.max_position_embeddings}: "
+            "TensorRT-LLM drafts nothing for requests past it"
+        )
+    if not fits:
+        plan.problems.append(_explain(plan, target, drafter, cfg, hw, dtype, kvd))
+    return plan
+
+
+def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
+    comps = plan.components
+    gb = lambda b: f"{b / GB:.2f} GB"  # noqa: E731
+    parts = ", ".join(f"{key} {gb(v)}" for key, v in sorted(comps.items(), key=lambda kv: -kv[1]))
+    head = (
+        f"the build does not fit {hw.name} ({gb(hw.memory_bytes)} per device): each rank needs {gb(plan.total_bytes)} "
+        f"({parts}); the KV cache may use {gb(max(plan.kv_cache_budget_bytes, 0))}"
+    )
+
+    def fits_with(batch: int, seq: int) -> bool:
+        c, _ = _components(target, drafter, cfg, hw, plan.max_draft_len, batch, seq, dtype, kvd)
+        return _fits(c, hw, cfg)[0]
+
+    hints = []
+    best_batch = _largest_fitting(1, cfg.max_batch_size, lambda b: fits_with(b, cfg.max_seq_len))
+    if best_batch >= 1:
+        hints.append(f"max_batch_size <= {best_batch} fits at max_seq_len={cfg.max_seq_len}")
+    best_seq = _largest_fitting(2, cfg.max_seq_len, lambda s: fits_with(cfg.max_batch_size, s))
+    if best_seq >= 2:
+        hints.append(f"max_seq_len <= {best_seq} fits at max_batch_size={cfg.max_batch_size}")
+    fixed = [key for key in comps if key not in ("runtime_reserve", "target_kv_cache")]
+    if sum(comps[key] for key in fixed) + comps["runtime_reserve"] < hw.memory_bytes:
+        biggest = "target_kv_cache"  # everything else fits; the KV cache is what overflows
+    else:  # allocated before the KV cache, these alone overflow the device
+        biggest = max(fixed, key=comps.get)
+    knob = {
+        "target_weights": "tensor_parallel_size / moe_expert_parallel_size (more ranks) or a smaller dtype",
+        "drafter_context_cache": "max_seq_len or max_batch_size (the drafter arena is dense: "
+                                 "slots x max_seq_len, TRT-LLM issue #16005), or tensor_parallel_size",
+        "target_kv_cache": "kv_cache_config.dtype (fp8), max_seq_len or max_batch_size",
+        "activations_estimate": "max_num_tokens or max_batch_size",
+        "cuda_graph_pools": "cuda_graph_config.max_batch_size",
+        "drafter_weights": "tensor_parallel_size",
+    }.get(biggest, "max_batch_size")
+    if not hints:
+        hints.append("no batch size or sequence length fits; more ranks or a bigger device are needed")
+    return f"{head}. Largest item: {biggest}; change {knob}. " + "; ".join(hints) + "."

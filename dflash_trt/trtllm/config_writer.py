@@ -1,0 +1,76 @@
+"""Build config + plan -> the LLM-API options of trtllm/config.yaml (for `trtllm-serve --config` and
+`tensorrt_llm.LLM(**options)`), checked against the pinned TensorRT-LLM version's accepted keys.
+
+Paths inside are relative to the engine directory (speculative_model: drafter), so an engine can be
+moved; the launcher runs TensorRT-LLM from the engine directory.
+"""
+
+from __future__ import annotations
+
+from dflash_trt.config import BuildConfig
+from dflash_trt.plan import MemoryPlan
+from dflash_trt.trtllm.llm_api_keys import bad_values, unknown_keys
+
+DRAFTER_SUBDIR = "drafter"
+
+
+def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> dict:
+    """The options dict; ValueError naming the key when something the pinned version rejects would be written."""
+    opts: dict = {
+        "dtype": plan.dtype,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "enable_attention_dp": cfg.enable_attention_dp,
+        # Pinned so TRT-LLM sizes the DFlash context arena and KV cache exactly as planned (issue #16005).
+        "max_batch_size": cfg.max_batch_size,
+        "max_seq_len": cfg.max_seq_len,
+        "max_num_tokens": cfg.max_num_tokens,
+    }
+    kv = {"dtype": cfg.kv_cache_config.dtype, "free_gpu_memory_fraction": cfg.kv_cache_config.free_gpu_memory_fraction,
+          "tokens_per_block": cfg.kv_cache_config.tokens_per_block}
+    if cfg.kv_cache_config.enable_block_reuse is not None:
+        kv["enable_block_reuse"] = cfg.kv_cache_config.enable_block_reuse
+    opts["kv_cache_config"] = kv
+    if has_experts:
+        opts["moe_expert_parallel_size"] = cfg.moe_ep
+        opts["moe_tensor_parallel_size"] = cfg.moe_tp
+    spec = cfg.speculative_config
+    if spec is not None:
+        sc: dict = {
+            "decoding_type": spec.decoding_type,
+            "max_draft_len": plan.max_draft_len,
+            "speculative_model": DRAFTER_SUBDIR,
+            "attention_backend": spec.attention_backend,
+        }
+        if spec.draft_len_schedule:
+            sc["draft_len_schedule"] = dict(spec.draft_len_schedule)
+        if spec.max_concurrency is not None:
+            sc["max_concurrency"] = spec.max_concurrency
+        if spec.use_rejection_sampling:
+            sc["use_rejection_sampling"] = True
+        opts["speculative_config"] = sc
+    if cfg.cuda_graph_config is not None:
+        opts["cuda_graph_config"] = {
+            "enable_padding": cfg.cuda_graph_config.enable_padding,
+            "batch_sizes": plan.cuda_graph_batch_sizes,
+        }
+    if cfg.moe_config is not None:
+        opts["moe_config"] = {"backend": cfg.moe_config.backend}
+    if cfg.attention_dp_config is not None:
+        opts["attention_dp_config"] = cfg.attention_dp_config.model_dump()
+    clash = sorted(set(cfg.trtllm_options) & set(opts))
+    if clash:
+        raise ValueError(
+            f"trtllm_options.{clash[0]}: set by the build config itself; set the build-config key {clash[0]!r} instead"
+        )
+    opts.update(cfg.trtllm_options)
+    bad = unknown_keys(opts)
+    if bad:
+        raise ValueError(
+            f"trtllm_options: {', '.join(bad)} not accepted by the pinned TensorRT-LLM version "
+            "(dflash_trt/trtllm/llm_api_keys.py)"
+        )
+    wrong = bad_values(opts)
+    if wrong:
+        raise ValueError(f"TensorRT-LLM would reject {', '.join(wrong)}")
+    return opts

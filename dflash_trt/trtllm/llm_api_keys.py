@@ -1,0 +1,82 @@
+"""The TensorRT-LLM version the written config targets, and the LLM-API keys that version accepts.
+
+The key lists are taken by reading NVIDIA/TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` at commit
+0004396720054fd8e205cbf616f21f0b57c6b412 (classes BaseLlmArgs, TorchLlmArgs, DecodingBaseConfig,
+DFlashDecodingConfig, KvCacheConfig, DecodeCudaGraphConfig, MoeConfig, AttentionDpConfig). They list the
+keys this project may write (a subset of what that file defines: the ones a serving config needs), and
+TorchLlmArgs rejects unknown keys (extra="forbid"), so a key outside these lists would fail at launch.
+The release pin is the 1.3.0 release-candidate line, where DFlash landed (PR #12794) and which
+PR #15666 validated against (1.3.0rc20); the commit above is the source read, and the GPU check
+confirms the pin against an installed tensorrt_llm.
+"""
+
+from __future__ import annotations
+
+TENSORRT_LLM_VERSION = "1.3.0rc20"
+LLM_ARGS_SOURCE = "NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
+
+TOP_LEVEL_KEYS = frozenset({
+    # BaseLlmArgs
+    "model", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size",
+    "dtype", "revision", "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
+    "moe_tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp", "enable_lm_head_tp_in_adp",
+    "kv_cache_config", "enable_chunked_prefill", "scheduler_config", "speculative_config", "max_batch_size",
+    "max_input_len", "max_seq_len", "max_beam_width", "max_num_tokens", "num_postprocess_workers",
+    "reasoning_parser", "return_perf_metrics", "env_overrides",
+    # TorchLlmArgs
+    "cuda_graph_config", "attention_dp_config", "disable_overlap_scheduler", "moe_config", "attn_backend",
+    "enable_iter_perf_stats", "print_iter_log", "stream_interval", "enable_autotuner", "torch_compile_config",
+    "garbage_collection_gen0_threshold", "allreduce_strategy", "batch_wait_timeout_ms", "enable_min_latency",
+    "enable_layerwise_nvtx_marker",
+})
+
+NESTED_KEYS: dict[str, frozenset[str]] = {
+    # DecodingBaseConfig + DFlashDecodingConfig
+    "speculative_config": frozenset({
+        "decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency",
+        "draft_len_schedule", "load_format", "acceptance_rate_window_size", "acceptance_rate_threshold",
+        "use_rejection_sampling", "advanced_sampling_mode", "enable_penalty", "mask_token_id", "target_layer_ids",
+        "attention_backend",
+    }),
+    "kv_cache_config": frozenset({
+        "enable_block_reuse", "max_tokens", "max_attention_window", "free_gpu_memory_fraction", "host_cache_size",
+        "enable_partial_reuse", "copy_on_partial_reuse", "max_gpu_total_bytes", "dtype", "tokens_per_block",
+        "use_kv_cache_manager_v2",
+    }),
+    "cuda_graph_config": frozenset({"batch_sizes", "max_batch_size", "enable_padding", "mode"}),
+    "moe_config": frozenset({"backend", "max_num_tokens", "load_balancer", "disable_finalize_fusion",
+                             "use_low_precision_moe_combine"}),
+    "attention_dp_config": frozenset({"enable_balance", "timeout_iters", "batching_wait_iters",
+                                      "enable_kv_cache_aware_routing"}),
+}
+
+# Enumerated values the same file accepts for keys this project writes.
+ALLOWED_VALUES: dict[str, frozenset] = {
+    "speculative_config.decoding_type": frozenset({"DFlash"}),
+    "speculative_config.attention_backend": frozenset({"VANILLA", "TRTLLM"}),
+    "kv_cache_config.dtype": frozenset({"auto", "fp8", "bfloat16", "float16", "float32"}),
+    "moe_config.backend": frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA",
+                                     "TRITON", "MARLIN", "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"}),
+    "dtype": frozenset({"auto", "float16", "bfloat16", "float32"}),
+}
+
+
+def unknown_keys(options: dict) -> list[str]:
+    """Dotted names of keys in `options` that the pinned version does not accept."""
+    bad = [k for k in options if k not in TOP_LEVEL_KEYS]
+    for section, allowed in NESTED_KEYS.items():
+        value = options.get(section)
+        if isinstance(value, dict):
+            bad += [f"{section}.{k}" for k in value if k not in allowed]
+    return bad
+
+
+def bad_values(options: dict) -> list[str]:
+    out = []
+    for dotted, allowed in ALLOWED_VALUES.items():
+        node = options
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and node not in allowed:
+            out.append(f"{dotted}={node!r} (accepted: {sorted(allowed)})")
+    return out

@@ -1,0 +1,87 @@
+"""Checks that run before any heavy work: does the drafter fit the target, does the parallel mapping
+divide the model, and which K the engine will run. Errors name the build-config key or checkpoint key."""
+
+from __future__ import annotations
+
+from dflash_trt.config import BuildConfig
+from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
+from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.models.weights import CheckpointError
+
+
+def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig, drafter_source: str) -> int:
+    """Raise ValueError when `drafter` cannot serve `target` under `cfg`; return the resolved K."""
+    try:
+        drafter.check_pairing(target, drafter_source)
+    except CheckpointError as e:
+        raise ValueError(f"bad target-drafter pairing: {e}") from None
+    if drafter.num_target_layers is not None and int(drafter.num_target_layers) != target.num_hidden_layers:
+        raise ValueError(
+            f"bad target-drafter pairing: {drafter_source}: num_target_layers={drafter.num_target_layers} but the "
+            f"target has {target.num_hidden_layers} layers (the drafter was trained for another target)"
+        )
+    rope = drafter.rope.get("rope_type", "default")
+    if rope not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{drafter_source}: rope_type={rope!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope != target.rope_type:
+        raise ValueError(
+            f"bad target-drafter pairing: {drafter_source}: rope_type={rope!r} but the target uses "
+            f"rope_type={target.rope_type!r}; the drafter's context K/V are rotated at the target's positions and "
+            "must use the target's RoPE scaling"
+        )
+    spec = cfg.speculative_config
+    assert spec is not None, "check_pairing is only called for speculative builds"
+    limit = drafter.block_size - 1
+    k = spec.max_draft_len if spec.max_draft_len is not None else limit
+    if k > limit:
+        raise ValueError(
+            f"speculative_config.max_draft_len={k}: draft_block_size={drafter.block_size} (checkpoint) allows "
+            f"max_draft_len <= {limit}; lower max_draft_len"
+        )
+    if spec.draft_len_schedule is not None:
+        first = spec.draft_len_schedule[min(spec.draft_len_schedule)]
+        if first != k or max(spec.draft_len_schedule.values()) > k:
+            raise ValueError(
+                f"speculative_config.draft_len_schedule={spec.draft_len_schedule} must start at max_draft_len={k} "
+                "and never exceed it"
+            )
+    return k
+
+
+def attention_tp(cfg: BuildConfig) -> int:
+    """Ranks that split one attention layer's heads (1 under attention data parallelism)."""
+    return 1 if cfg.enable_attention_dp else cfg.tensor_parallel_size
+
+
+def check_mapping(target: DecoderConfig, drafter: DFlashConfig | None, cfg: BuildConfig) -> None:
+    """Raise ValueError when the parallel mapping cannot split the models."""
+    tp = attention_tp(cfg)
+    models = [("target", target.num_attention_heads, target.num_key_value_heads)]
+    if drafter is not None:
+        models.append(("drafter", drafter.num_attention_heads, drafter.num_key_value_heads))
+    for name, heads, kv in models:
+        if heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: the {name}'s num_attention_heads={heads} is not divisible by it; "
+                f"choose a tensor_parallel_size that divides {heads} (or enable_attention_dp)"
+            )
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: the {name}'s num_key_value_heads={kv} neither divides nor is divisible by it"
+            )
+    experts = target.extra.get("num_local_experts")
+    if experts:
+        if experts % cfg.moe_ep:
+            raise ValueError(
+                f"moe_expert_parallel_size={cfg.moe_ep}: num_local_experts={experts} is not divisible by it"
+            )
+        if target.intermediate_size % cfg.moe_tp:
+            raise ValueError(
+                f"moe_tensor_parallel_size={cfg.moe_tp}: the expert intermediate_size={target.intermediate_size} is "
+                "not divisible by it"
+            )
+    elif cfg.moe_expert_parallel_size not in (None, 1) or cfg.moe_config is not None:
+        raise ValueError(
+            f"moe_expert_parallel_size / moe_config are set but the target ({target.architecture}) has no experts"
+        )

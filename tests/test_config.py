@@ -1,0 +1,110 @@
+"""Build configs: every shipped YAML validates, and each bad key or impossible mapping fails naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.config import build_config_from_dict, load_build_config
+from dflash_trt.model_configs import bundled_config
+from dflash_trt.models.config import decoder_config_from_dict
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.validate import check_mapping
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "build_configs").glob("*.yaml"))
+BASE = {"name": "t", "model": "Qwen/Qwen3-8B", "hardware": "h200", "max_batch_size": 8, "max_seq_len": 4096}
+
+
+def test_all_five_shipped_build_configs_validate():
+    names = {p.stem for p in CONFIGS}
+    assert names == {"smollm2-135m-cpu", "qwen3-8b-1xh200", "llama3.1-8b-1xh200", "gpt-oss-120b-8xb300-latency",
+                     "gpt-oss-120b-8xb300-throughput"}
+    for path in CONFIGS:
+        cfg, base = load_build_config(path)
+        assert cfg.name == path.stem and base == path.parent
+
+
+def _err(overrides: dict, **top) -> str:
+    raw = {**BASE, **top}
+    with pytest.raises(ValueError) as e:
+        build_config_from_dict(raw, "t.yaml", overrides)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "top, key, words",
+    [
+        ({"modle": "x"}, "modle", "unknown key"),
+        ({"kv_cache_config": {"dtype": "fp4"}}, "kv_cache_config.dtype", "'auto'"),
+        ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "kv_cache_config.free_gpu_memory_fraction", "1"),
+        ({"hardware": "a100"}, "hardware", "b300"),
+        ({"max_batch_size": 0}, "max_batch_size", "greater than or equal to 1"),
+        ({"speculative_config": {"max_draft_len": 4}}, "speculative_config.speculative_model", "required key is missing"),
+    ],
+)
+def test_schema_errors_name_the_offending_key(top, key, words):
+    msg = _err({}, **top)
+    assert f"t.yaml: key '{key}'" in msg and words in msg, msg
+
+
+@pytest.mark.parametrize(
+    "top, words",
+    [
+        ({"tensor_parallel_size": 8, "moe_expert_parallel_size": 4, "moe_tensor_parallel_size": 4},
+         "moe_expert_parallel_size=4 x moe_tensor_parallel_size=4 = 16 must equal tensor_parallel_size=8"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+        ({"tensor_parallel_size": 16}, "needs 16 devices; hardware h200 has 8"),
+        ({"tensor_parallel_size": 8, "moe_expert_parallel_size": 3}, "moe_expert_parallel_size=3 must divide"),
+        ({"speculative_config": {"speculative_model": "z/d", "attention_backend": "TRTLLM"}},
+         "attention_backend=TRTLLM needs SM100/SM103"),
+        ({"hardware": "cpu", "kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config.dtype=fp8 needs a GPU"),
+        ({"hardware": "cpu", "cuda_graph_config": {"max_batch_size": 4}}, "cuda_graph_config needs a GPU"),
+        ({"speculative_config": {"speculative_model": "z/d", "max_draft_len": 7, "draft_len_schedule": {4: 5}}},
+         "draft_len_schedule[4]=5 must equal max_draft_len=7"),
+        ({"cuda_graph_config": {"max_batch_size": 64}}, "cuda_graph_config.max_batch_size=64 exceeds max_batch_size=8"),
+    ],
+)
+def test_impossible_mappings_fail_with_their_message(top, words):
+    assert words in _err({}, **top)
+
+
+def test_overrides_use_dotted_keys():
+    cfg = build_config_from_dict({**BASE, "speculative_config": {"speculative_model": "z/d"}}, "t.yaml",
+                                 {"speculative_config.max_draft_len": 5, "max_seq_len": 1024, "max_batch_size": None})
+    assert cfg.speculative_config.max_draft_len == 5 and cfg.max_seq_len == 1024 and cfg.max_batch_size == 8
+
+
+def _models(target_id, drafter_id=None):
+    t = decoder_config_from_dict(bundled_config(target_id))
+    d = DFlashConfig.from_dict(bundled_config(drafter_id)) if drafter_id else None
+    return t, d
+
+
+@pytest.mark.parametrize(
+    "target, drafter, top, words",
+    [
+        # Qwen3-8B has 32 query heads: 32 % 3 != 0.
+        ("Qwen/Qwen3-8B", None, {"tensor_parallel_size": 3}, "num_attention_heads=32 is not divisible"),
+        # With attention DP the heads are not split, so the experts are what fails: 128 % 6 != 0.
+        ("openai/gpt-oss-120b", None, {"hardware": "b300", "tensor_parallel_size": 6, "enable_attention_dp": True,
+                                      "moe_expert_parallel_size": 6}, "num_local_experts=128 is not divisible"),
+        ("Qwen/Qwen3-8B", None, {"moe_config": {"backend": "TRTLLM"}}, "has no experts"),
+        # The gpt-oss drafter has 64 query heads; TP 3 cannot split the target's 64 either.
+        ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", {"hardware": "b300", "tensor_parallel_size": 3,
+                                                              "moe_expert_parallel_size": 1},
+         "the target's num_attention_heads=64"),
+    ],
+)
+def test_mapping_that_does_not_divide_the_model_fails(target, drafter, top, words):
+    t, d = _models(target, drafter)
+    cfg = build_config_from_dict({**BASE, "model": target, **top})
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        check_mapping(t, d, cfg)
+
+
+def test_bundled_gpt_oss_facts_match_the_issue():
+    t = decoder_config_from_dict(bundled_config("openai/gpt-oss-120b"))
+    assert (t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (36, 2880, 64, 8, 64)
+    assert t.vocab_size == 201088 and t.intermediate_size == 2880
+    assert (t.extra["num_local_experts"], t.extra["num_experts_per_tok"], t.extra["sliding_window"]) == (128, 4, 128)
+    assert t.extra["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(t.extra["layer_types"]) == 36
+    assert t.extra["quantization_config"]["quant_method"] == "mxfp4"

@@ -1,0 +1,102 @@
+"""The memory planner against figures computed by hand (the arithmetic is in the comments)."""
+
+import pytest
+
+from dflash_trt.config import build_config_from_dict
+from dflash_trt.hardware import profile
+from dflash_trt.model_configs import bundled_config
+from dflash_trt.models.config import decoder_config_from_dict
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.plan import cuda_graph_batch_sizes, plan_build
+
+GPT_OSS = decoder_config_from_dict(bundled_config("openai/gpt-oss-120b"))
+GPT_OSS_DRAFTER = DFlashConfig.from_dict(bundled_config("z-lab/gpt-oss-120b-DFlash"))
+
+
+def _cfg(**kw):
+    raw = {"name": "t", "model": "openai/gpt-oss-120b", "hardware": "b300", "dtype": "bfloat16",
+           "kv_cache_config": {"dtype": "fp8"}, "speculative_config": {"speculative_model": "z-lab/gpt-oss-120b-DFlash"}}
+    raw.update(kw)
+    return build_config_from_dict(raw)
+
+
+def test_gpt_oss_120b_at_tp8_ep8_matches_hand_arithmetic():
+    cfg = _cfg(tensor_parallel_size=8, moe_expert_parallel_size=8, max_batch_size=16, max_seq_len=8192,
+               cuda_graph_config={"enable_padding": True, "max_batch_size": 16})
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    c = plan.components
+    # Target weights per rank, TP8 (8 q heads and 1 kv head of 64 per rank), EP8 (16 of 128 experts):
+    #   attention  q 2880x512 + k,v 2x2880x64 + o 512x2880      = 3,317,760
+    #   biases     q 512 + k,v 2x64 + o 2880 (replicated)        =     3,520
+    #   sinks 64/8 = 8; norms 2x2880 = 5,760; router 2880x128+128 = 368,768
+    #   -> 3,695,816 bf16 values = 7,391,632 B per layer
+    #   experts    128 x 3 x 2880 x 2880 / 8 = 398,131,200 values x 17/32 B (MXFP4) = 211,507,200 B
+    #   expert biases (128/8) x (2x2880 + 2880) = 138,240 values = 276,480 B
+    #   per layer 219,175,312 B x 36 layers = 7,890,311,232 B
+    #   embedding + lm_head 2 x 201,088 x 2880 / 8 = 144,783,360 values; final norm 2880 -> 289,572,480 B
+    assert c["target_weights"] == 7_890_311_232 + 289_572_480 == 8_179_883_712
+    # Target KV, fp8, 1 kv head x 64 per rank: 2 x 64 x 1 B = 128 B per token per layer.
+    #   18 full layers hold 8192 tokens; 18 sliding layers hold 128 + (K=9) + 1 = 138 tokens.
+    #   16 rows x 128 x (18 x 8192 + 18 x 138) = 16 x 128 x 149,940 = 307,077,120
+    assert c["target_kv_cache"] == 307_077_120
+    # Drafter arena: 2 x 8 layers x 1 kv head x 64 x 2 B = 2,048 B per token;
+    #   (16 + 1 dummy) slots x (8192 + 9 + 1) tokens x 2,048 = 285,560,832
+    assert c["drafter_context_cache"] == 17 * 8202 * 2048 == 285_560_832
+    # Drafter weights per rank: per layer q/o 2x2880x512 + k/v 2x2880x64 + MLP 3x2880x7680/8 + norms 2x2880
+    #   + q/k norms 2x64 + biases 512+128+2880 = 3,317,760 + 8,294,400 + 5,760 + 128 + 3,520 = 11,621,568;
+    #   x 8 layers + fc 5x2880x2880 + 2 norms 2x2880 = 92,972,544 + 41,472,000 + 5,760 = 134,450,304 values x 2 B
+    assert c["drafter_weights"] == 268_900_608
+    assert plan.cuda_graph_batch_sizes == [1, 2, 4, 8, 16] and c["cuda_graph_pools"] == 5 * 200 * 10**6
+    assert plan.fits
+
+
+def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
+    # TP1, gpt-oss drafter: 2 (K,V) x 8 layers x 8 kv heads x 64 x 2 B = 16,384 B per token.
+    # TRT-LLM's dense arena: (64 + 1) slots x (131,072 + 9 + 1) tokens x 16,384 B
+    #   = 65 x 131,082 x 16,384 = 139,597,086,720 B = 130.0 GiB per rank, before any weight or KV.
+    cfg = _cfg(max_batch_size=64, max_seq_len=131072, moe_expert_parallel_size=1)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("h200"), max_draft_len=9)
+    assert plan.components["drafter_context_cache"] == 65 * 131_082 * 16_384 == 139_597_086_720
+    assert not plan.fits
+    msg = plan.problems[0]
+    assert "does not fit h200" in msg and "drafter_context_cache 139.60 GB" in msg
+    assert "Largest item: drafter_context_cache; change max_seq_len or max_batch_size" in msg
+    # The same arena at TP8 on a B300 is an eighth (one kv head per rank): 17.45 GB, and fits.
+    cfg8 = _cfg(max_batch_size=64, max_seq_len=131072, tensor_parallel_size=8, moe_expert_parallel_size=8)
+    plan8 = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg8, profile("b300"), max_draft_len=9)
+    assert plan8.components["drafter_context_cache"] == 139_597_086_720 // 8 and plan8.fits
+
+
+def test_the_suggested_batch_size_is_the_largest_that_fits():
+    # A single H200 cannot hold gpt-oss-120b's ~65 GB of weights plus 32 rows of 65,536 tokens.
+    cfg = _cfg(max_batch_size=32, max_seq_len=65536, moe_expert_parallel_size=1)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("h200"), max_draft_len=9)
+    assert not plan.fits
+    n = int(plan.problems[0].split("max_batch_size <= ")[1].split()[0])
+    fits = lambda b: plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(max_batch_size=b, max_seq_len=65536,  # noqa: E731
+                                moe_expert_parallel_size=1), profile("h200"), 9).fits
+    assert 1 <= n < 32 and fits(n) and not fits(n + 1)
+
+
+def test_seq_len_beyond_the_target_context_is_refused():
+    cfg = _cfg(max_batch_size=1, max_seq_len=200_000, tensor_parallel_size=8, moe_expert_parallel_size=8)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    assert not plan.fits and "max_position_embeddings=131072" in plan.problems[0]
+
+
+@pytest.mark.parametrize(
+    "graph, schedule, expected",
+    [
+        ({"enable_padding": True, "max_batch_size": 16}, None, [1, 2, 4, 8, 16]),
+        # 1, 2, 4 + 16 multiples of 8 up to 128 + 192 .. 512 in steps of 64 (6 more) = 25 sizes
+        ({"enable_padding": True, "max_batch_size": 512}, None,
+         [1, 2, 4] + list(range(8, 129, 8)) + [192, 256, 320, 384, 448, 512]),
+        ({"enable_padding": False, "max_batch_size": 40}, None, list(range(1, 33)) + [40]),
+        ({"batch_sizes": [4, 1, 64]}, {20: 5, 64: 2}, [1, 4, 20, 64]),
+    ],
+)
+def test_cuda_graph_batch_sizes(graph, schedule, expected):
+    spec = {"speculative_model": "z/d", "max_draft_len": 5, "draft_len_schedule": schedule} if schedule else {"speculative_model": "z/d"}
+    cfg = _cfg(max_batch_size=512, max_seq_len=2048, cuda_graph_config=graph, speculative_config=spec,
+               moe_expert_parallel_size=1)
+    assert cuda_graph_batch_sizes(cfg) == expected
