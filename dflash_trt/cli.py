@@ -38,6 +38,9 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 
 
 @main.command()
+@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--backend", type=click.Choice(["torch", "trtllm", "auto"]), default="auto", show_default=True,
+              help="With ENGINE: this project's torch runtime, or TensorRT-LLM (auto: trtllm when importable on a GPU engine).")
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
@@ -53,21 +56,45 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
 @click.option("--max-draft-len", "-k", default=None, type=int, help="K draft tokens per step (default: block_size - 1).")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--max-model-len", default=4096, show_default=True, type=int)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Default: float32, or the engine's dtype with ENGINE.")
+@click.option("--max-model-len", default=None, type=int, help="Default: 4096, or the engine's max_seq_len with ENGINE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def generate(target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k, seed, stop,
-             acceptance, max_draft_len, no_spec, dtype, max_model_len, as_json) -> None:
-    """Generate once and print the text with acceptance statistics."""
+def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
+             seed, stop, acceptance, max_draft_len, no_spec, dtype, max_model_len, as_json) -> None:
+    """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
+    with acceptance statistics."""
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 
+    engine_path = engine
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos, acceptance=acceptance)
-        target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
-        config = EngineConfig(max_batch_size=1, max_model_len=max_model_len, max_draft_len=max_draft_len,
-                              speculative=not no_spec, dtype=dtype)
-        engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
+        if engine_path is not None:
+            from dflash_trt.engine_dir import EngineDir, open_engine
+            from dflash_trt.trtllm import launch
+
+            if target or drafter:
+                raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
+            built = EngineDir(engine_path)
+            if backend == "auto":
+                gpu = built.plan["layout"] == "trtllm"
+                backend = "trtllm" if gpu and launch.tensorrt_llm_available() else "torch"
+            if backend == "trtllm":
+                built.verify()
+                text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
+                click.echo(json.dumps(text) if as_json else text["text"])
+                return
+            engine = open_engine(engine_path, "torch", max_batch_size=1, max_model_len=max_model_len,
+                                 max_draft_len=max_draft_len, speculative=False if no_spec else None, dtype=dtype)
+        else:
+            if backend == "trtllm":
+                raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")
+            target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
+            config = EngineConfig(max_batch_size=1, max_model_len=max_model_len or 4096, max_draft_len=max_draft_len,
+                                  speculative=not no_spec, dtype=dtype or "float32")
+            engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
+        no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
         out = engine.generate([engine.encode(prompt, chat=chat)], params)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
@@ -100,6 +127,11 @@ def generate(target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperat
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
 
+
+from dflash_trt.build_cli import build as _build, inspect as _inspect  # noqa: E402
+
+main.add_command(_build)
+main.add_command(_inspect)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,186 @@
+"""`dflash-trt build` end to end on tiny random models: the engine generates exactly what the source
+checkpoints generate, bad pairings fail with their message, killed builds leave nothing, and a
+checksum mismatch is refused."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dflash_trt.build import STALL_ENV, build_engine, prepare_build
+from dflash_trt.cli import main
+from dflash_trt.engine_dir import EngineDir, open_engine
+from dflash_trt.trtllm.llm_api_keys import NESTED_KEYS, TOP_LEVEL_KEYS
+from tests.conftest import make_drafter
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_config(dir: Path, target: Path, drafter: Path | None, **extra) -> Path:
+    raw = {"name": "tiny", "model": str(target), "hardware": "cpu", "dtype": "float32",
+           "max_batch_size": 2, "max_seq_len": 256, **extra}
+    if drafter is not None:
+        raw["speculative_config"] = {"speculative_model": str(drafter), "max_draft_len": 7}
+    path = dir / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    cfg = write_config(root, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    return build_engine(cfg, root / "engines" / "tiny", progress=False)
+
+
+def _gen(*args):
+    r = CliRunner().invoke(main, ["generate", *args, "-p", "hello", "--max-new-tokens", "24", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_engine_generates_the_same_text_as_the_source_checkpoints(tiny_engine, tiny_dirs):
+    from_engine = _gen(str(tiny_engine))
+    from_sources = _gen("--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-k", "7",
+                        "--max-model-len", "256")
+    assert from_engine["token_ids"] == from_sources["token_ids"] and from_engine["text"] == from_sources["text"]
+    assert from_engine["max_draft_len"] == 7 and from_engine["tau"] >= 1.0
+
+
+def test_engine_directory_layout_and_manifest(tiny_engine, tiny_dirs):
+    e = EngineDir(tiny_engine)
+    e.verify()
+    m = e.manifest
+    files = set(m["files"])
+    assert {"target/config.json", "target/model.safetensors", "drafter/config.json", "drafter/model.safetensors",
+            "tokenizer/tokenizer.json", "plan.json", "trtllm/config.yaml"} <= files
+    assert m["target"]["num_hidden_layers"] == 4 and m["drafter"]["block_size"] == 16 and m["max_draft_len"] == 7
+    assert m["tokenizer"]["chat_template"] and m["build_config"]["max_seq_len"] == 256
+    # The drafter is the z-lab checkpoint, byte for byte.
+    assert (tiny_engine / "drafter/model.safetensors").read_bytes() == (tiny_dirs["qwen3_drafter"] / "model.safetensors").read_bytes()
+    assert e.plan["layout"] == "torch" and e.plan["fits"]
+    cfg = e.engine_config()
+    assert (cfg.max_batch_size, cfg.max_model_len, cfg.max_draft_len, cfg.dtype) == (2, 256, 7, "float32")
+    options = yaml.safe_load((tiny_engine / "trtllm/config.yaml").read_text())
+    assert options["speculative_config"] == {"decoding_type": "DFlash", "max_draft_len": 7,
+                                             "speculative_model": "drafter", "attention_backend": "VANILLA"}
+    assert options["max_seq_len"] == 256 and options["max_batch_size"] == 2
+    for key, value in options.items():
+        assert key in TOP_LEVEL_KEYS, key
+        if key in NESTED_KEYS:
+            assert set(value) <= NESTED_KEYS[key], key
+
+
+def test_inspect_prints_manifest_and_plan_tables(tiny_engine):
+    r = CliRunner().invoke(main, ["inspect", str(tiny_engine), "--verify"])
+    assert r.exit_code == 0, r.output
+    for words in ("Engine", "Qwen3ForCausalLM, 4 layers", "block 16", "Memory per rank", "target_kv_cache",
+                  "drafter_context_cache", "sha256 verified", "fits: yes"):
+        assert words in r.output
+
+
+def test_checksum_mismatch_is_refused_by_generate_and_open_engine(tiny_engine, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    weights = bad / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit pattern in the last tensor byte; the size is unchanged
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"drafter/model.safetensors: sha256 does not match manifest.json"):
+        open_engine(bad)  # what `dflash-trt serve ENGINE` calls
+    r = CliRunner().invoke(main, ["generate", str(bad), "-p", "x", "--backend", "torch"])
+    assert r.exit_code == 1 and "sha256 does not match" in r.output
+    (bad / "manifest.json").write_text("{")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        EngineDir(bad)
+
+
+def _pairing_error(tiny_dirs, tmp_path, edit, **extra) -> str:
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    cfg = json.loads((tiny_dirs["qwen3_drafter"] / "config.json").read_text())
+    edit(cfg)
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        prepare_build(write_config(tmp_path, tiny_dirs["qwen3"], drafter, **extra))
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c.update(hidden_size=32), "hidden_size=32 does not match the target's hidden_size=64"),
+        (lambda c: c.update(vocab_size=100), "vocab_size=100 does not match the target's vocab_size=96"),
+        (lambda c: c["dflash_config"].update(mask_token_id=96), "mask_token_id=96 is outside the target's embedding"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 4]), "out of range: [4]"),
+        (lambda c: c.update(num_target_layers=36), "num_target_layers=36 but the target has 4 layers"),
+        (lambda c: c.update(block_size=4), "draft_block_size=4 (checkpoint) allows max_draft_len <= 3"),
+        (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+         "rope_type='linear' but the target uses rope_type='default'"),
+    ],
+)
+def test_each_bad_pairing_fails_with_its_message(tiny_dirs, tmp_path, edit, words):
+    msg = _pairing_error(tiny_dirs, tmp_path, edit)
+    assert words in msg, msg
+
+
+def test_a_model_that_is_not_on_disk_says_how_to_fetch_it(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], None, model="nobody/no-such-model")
+    with pytest.raises(FileNotFoundError, match="hf download nobody/no-such-model"):
+        prepare_build(cfg)
+
+
+def test_build_without_drafter_and_existing_output(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    out = build_engine(cfg, tmp_path / "plain", progress=False)
+    assert EngineDir(out).drafter_dir is None and "speculative_config" not in yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    with pytest.raises(FileExistsError, match="--force"):
+        build_engine(cfg, out, progress=False)
+    assert build_engine(cfg, out, force=True, progress=False) == out
+    engine = open_engine(out)
+    assert engine.drafter is None
+
+
+def test_an_exception_midway_leaves_no_engine_and_no_temp(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure while writing the tokenizer")
+
+    monkeypatch.setattr(build, "_write_tokenizer", boom)
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    with pytest.raises(RuntimeError, match="injected"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_build_killed_by_a_signal_leaves_nothing_serve_would_load(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    out = tmp_path / "engines" / "e"
+    env = {**os.environ, STALL_ENV: "files"}  # stall once every file but the manifest is written
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "build", str(cfg), "-o", str(out)], env=env,
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not list(out.parent.glob(".e.build-*/trtllm/config.yaml")) and time.time() < deadline:
+            assert proc.poll() is None, "the build exited before it could be killed"
+            time.sleep(0.05)
+        assert list(out.parent.glob(".e.build-*/trtllm/config.yaml")), "the build never reached its stall point"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not out.exists()
+    with pytest.raises(FileNotFoundError, match="not an engine directory"):
+        EngineDir(out)
+    # The next build removes the dead build's temporary directory and succeeds.
+    build_engine(cfg, out, progress=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["e"]
+    EngineDir(out).verify()
