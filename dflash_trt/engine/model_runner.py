@@ -16,12 +16,13 @@ import time
 import torch
 
 from dflash_trt.engine.sequence import Sequence
+from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
-from dflash_trt.spec.verifier import VerifyResult, verify_greedy, verify_match, verify_rejection
+from dflash_trt.spec.verifier import VerifyResult
 
 
 class ModelRunner:
@@ -166,27 +167,20 @@ class ModelRunner:
         return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub])
 
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
-        b = len(seqs)
-        num_accepted = torch.zeros(b, dtype=torch.long, device=self.device)
-        bonus = torch.zeros(b, dtype=torch.long, device=self.device)
-
-        def put(idx: list[int], r: VerifyResult) -> None:
-            t = torch.tensor(idx, device=self.device)
-            num_accepted[t], bonus[t] = r.num_accepted, r.bonus
-
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        match = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.acceptance == "match"]
-        if greedy:
-            put(greedy, verify_greedy(proposal.draft_tokens[greedy], logits[greedy]))
-        if match:
-            sub = [seqs[i] for i in match]
-            probs = sampling_probs(logits[match], *self._params(sub))
-            put(match, verify_match(proposal.draft_tokens[match], probs, [s.generator for s in sub]))
+        """All rows in one `dflash::verify_block`; each non-greedy row draws its K + 1 uniforms from its own generator."""
+        drafts = proposal.draft_tokens  # [B, K]
+        b, k = drafts.shape
+        modes = [GREEDY if s.params.greedy else MODE_OF_ACCEPTANCE[s.params.acceptance] for s in seqs]
+        u = torch.zeros(b, k + 1, device=self.device)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            u[sampled] = uniform([seqs[i].generator for i in sampled], k + 1, self.device)
+        draft_probs = None  # [B, K, V], rows of the rejection rule only
         if sampling is not None:
-            idx = sampling.rows.tolist()
-            sub = [seqs[i] for i in idx]
-            probs = sampling_probs(logits[idx], *self._params(sub))
-            put(idx, verify_rejection(proposal.draft_tokens[idx], proposal.draft_probs, probs, sampling.generators))
+            draft_probs = proposal.draft_probs.new_zeros(b, k, proposal.draft_probs.shape[-1])
+            draft_probs[sampling.rows] = proposal.draft_probs
+        modes_t = torch.tensor(modes, dtype=torch.int32, device=self.device)
+        num_accepted, bonus = verify_block(drafts, logits, draft_probs, u, modes_t, *self._params(seqs))
         return VerifyResult(num_accepted, bonus)
 
 

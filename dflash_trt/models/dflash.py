@@ -6,8 +6,8 @@ injected into every layer as extra K/V, through that layer's own k_proj / k_norm
 the tokens' absolute positions; they never act as queries. The block [anchor, MASK x K] attends
 non-causally over [context K/V ; block K/V] (causally, within a window, on sliding layers).
 
-Both kinds of K/V live in one per-row cache indexed by absolute position: context at [0, L), the
-block at [L, L + Q). Block K/V are overwritten by the next step's context, never kept.
+Context K/V live in a per-row cache indexed by absolute position, [0, L); the block's own K/V at
+[L, L + Q) are passed to `dflash::draft_attention` (kernels/draft_attention.py) and never stored.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import AttentionMetadata, cached_attention
+from dflash_trt.kernels.draft_attention import draft_attention
+from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -203,9 +204,13 @@ class DFlashAttention(nn.Module):
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context in the cache
-        out = cached_attention(cache, self.layer_idx, meta, q, k, v, self.scale, self.sliding_window, self.is_causal)
-        return self.o_proj(out)
+        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context (never written: scratch)
+        # The block starts right after the row's context: its first position is the context length.
+        out = draft_attention(
+            q.transpose(1, 2), k, v, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.rows, meta.positions[:, 0],
+            self.scale, self.is_causal, self.sliding_window or 0,
+        )
+        return self.o_proj(out.flatten(2))
 
 
 class DFlashDecoderLayer(nn.Module):

@@ -48,8 +48,12 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
 
 
 def verify_match(draft_tokens: torch.Tensor, target_probs: torch.Tensor, generators: list[torch.Generator]) -> VerifyResult:
-    """Target-sample-and-match. target_probs [B, K + 1, V]."""
-    u = uniform(generators, target_probs.shape[1], target_probs.device)
+    """Target-sample-and-match. target_probs [B, K + 1, V]; row b draws K + 1 uniforms from generators[b]."""
+    return match_from_uniforms(draft_tokens, target_probs, uniform(generators, target_probs.shape[1], target_probs.device))
+
+
+def match_from_uniforms(draft_tokens: torch.Tensor, target_probs: torch.Tensor, u: torch.Tensor) -> VerifyResult:
+    """verify_match given its uniforms u [B, K + 1] (one inverse-CDF draw per block position)."""
     choice = sample_from(target_probs, u)  # [B, K + 1]
     a = _prefix_len(draft_tokens == choice[:, :-1])
     return VerifyResult(a, choice.gather(1, a[:, None])[:, 0])
@@ -61,8 +65,18 @@ def verify_rejection(
     target_probs: torch.Tensor,  # [B, K + 1, V]
     generators: list[torch.Generator],
 ) -> VerifyResult:
-    b, k = draft_tokens.shape
+    k = draft_tokens.shape[1]
     u = uniform(generators, k + 1, target_probs.device)  # k acceptance draws + 1 for the final sample
+    return rejection_from_uniforms(draft_tokens, draft_probs, target_probs, u)
+
+
+def rejection_from_uniforms(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    u: torch.Tensor,  # [B, K + 1]: K acceptance draws, then the residual / bonus draw
+) -> VerifyResult:
+    b, k = draft_tokens.shape
     p = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
     a = _prefix_len(u[:, :k] * q < p)
