@@ -41,8 +41,9 @@ def tiny_engine(tiny_dirs, tmp_path_factory):
     return build_engine(cfg, root / "engines" / "tiny", progress=False)
 
 
-def _gen(*args):
-    r = CliRunner().invoke(main, ["generate", *args, "-p", "hello", "--max-new-tokens", "24", "--ignore-eos", "--json"])
+def _gen(*args, tokens: int = 24):
+    r = CliRunner().invoke(main, ["generate", *args, "-p", "hello", "--max-new-tokens", str(tokens), "--ignore-eos",
+                                  "--json"])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
@@ -184,3 +185,18 @@ def test_a_build_killed_by_a_signal_leaves_nothing_serve_would_load(tiny_dirs, t
     build_engine(cfg, out, progress=False)
     assert sorted(p.name for p in out.parent.iterdir()) == ["e"]
     EngineDir(out).verify()
+
+
+@pytest.mark.slow
+def test_smollm2_cpu_default_builds_from_gguf_and_generates_like_its_sources(smollm2_dir, tmp_path):
+    # The shipped CPU config with a tiny random drafter in place of the trained one (it may still be training).
+    drafter = make_drafter(tmp_path / "drafter", smollm2_dir, layers=1, block_size=8, target_layer_ids=(1, 15, 27))
+    out = tmp_path / "smollm2"
+    r = CliRunner().invoke(main, ["build", str(REPO / "build_configs" / "smollm2-135m-cpu.yaml"), "-o", str(out),
+                                  "--drafter", str(drafter)])
+    assert r.exit_code == 0, r.output
+    assert "fits: yes" in r.output and EngineDir(out).manifest["sources"]["target"]["kind"] == "embedded"
+    args = ["--chat", "--dtype", "float32", "--max-model-len", "2048"]
+    from_engine = _gen(str(out), *args, tokens=8)
+    from_sources = _gen("--target", str(smollm2_dir), "--drafter", str(drafter), *args, tokens=8)
+    assert from_engine["token_ids"] == from_sources["token_ids"] and from_engine["text"] == from_sources["text"]

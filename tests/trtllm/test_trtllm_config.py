@@ -1,0 +1,93 @@
+"""trtllm/config.yaml against the pinned TensorRT-LLM version's accepted LLM-API keys, and the lazy backend."""
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.build import prepare_build
+from dflash_trt.trtllm import launch
+from dflash_trt.trtllm.llm_api_keys import ALLOWED_VALUES, NESTED_KEYS, TOP_LEVEL_KEYS
+
+CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
+PLANNABLE_HERE = ["gpt-oss-120b-8xb300-latency", "gpt-oss-120b-8xb300-throughput", "qwen3-8b-1xh200"]
+
+
+def _walk(options: dict):
+    """(dotted key, value) for every key written, two levels deep (the depth of LLM-API sections)."""
+    for key, value in options.items():
+        yield key, value
+        if key in NESTED_KEYS:
+            for sub, v in value.items():
+                yield f"{key}.{sub}", v
+
+
+@pytest.mark.parametrize("name", PLANNABLE_HERE)
+def test_every_key_written_is_accepted_by_the_pinned_version(name):
+    options = prepare_build(CONFIGS / f"{name}.yaml", allow_bundled=True).trtllm_options
+    for dotted, value in _walk(options):
+        section, _, sub = dotted.partition(".")
+        assert section in TOP_LEVEL_KEYS, dotted
+        if sub:
+            assert sub in NESTED_KEYS[section], dotted
+        if dotted in ALLOWED_VALUES:
+            assert value in ALLOWED_VALUES[dotted], (dotted, value)
+    # What the engine needs pinned is pinned.
+    assert options["max_seq_len"] and options["max_batch_size"]
+    assert options["speculative_config"]["decoding_type"] == "DFlash"
+    assert options["speculative_config"]["speculative_model"] == "drafter"
+
+
+def test_gpt_oss_latency_config_carries_the_recipe():
+    o = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-latency.yaml", allow_bundled=True).trtllm_options
+    assert (o["tensor_parallel_size"], o["moe_expert_parallel_size"], o["moe_tensor_parallel_size"]) == (8, 8, 1)
+    assert o["cuda_graph_config"] == {"enable_padding": True, "batch_sizes": [1, 2, 4, 8, 16]}
+    assert o["kv_cache_config"]["dtype"] == "fp8" and o["moe_config"] == {"backend": "TRTLLM"}
+    assert o["speculative_config"]["attention_backend"] == "TRTLLM" and o["speculative_config"]["max_draft_len"] == 9
+    assert o["env_overrides"]["TRTLLM_ENABLE_PDL"] == "1"
+
+
+def test_throughput_config_uses_attention_dp_and_a_draft_schedule():
+    o = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-throughput.yaml", allow_bundled=True).trtllm_options
+    assert o["enable_attention_dp"] is True and o["attention_dp_config"]["enable_balance"] is True
+    assert o["speculative_config"]["draft_len_schedule"] == {16: 7, 64: 4, 256: 2}
+    assert {16, 64, 256} <= set(o["cuda_graph_config"]["batch_sizes"])
+
+
+def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
+    raw = (CONFIGS / "qwen3-8b-1xh200.yaml").read_text()
+    path = tmp_path / "c.yaml"
+    path.write_text(raw + "trtllm_options:\n  max_tokens_in_paged_kv_cache: 100\n")
+    with pytest.raises(ValueError, match="max_tokens_in_paged_kv_cache not accepted by the pinned TensorRT-LLM"):
+        prepare_build(path, allow_bundled=True)
+    path.write_text(raw + "trtllm_options:\n  max_seq_len: 100\n")
+    with pytest.raises(ValueError, match="trtllm_options.max_seq_len: set by the build config itself"):
+        prepare_build(path, allow_bundled=True)
+
+
+def test_llama_config_without_its_drafter_on_disk_says_how_to_fetch_it():
+    with pytest.raises(FileNotFoundError, match="hf download z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"):
+        prepare_build(CONFIGS / "llama3.1-8b-1xh200.yaml", allow_bundled=True)
+
+
+@pytest.mark.skipif(launch.tensorrt_llm_available(), reason="tensorrt_llm is installed; this checks its absence")
+def test_without_tensorrt_llm_the_backend_says_what_to_install(tiny_dirs, tmp_path):
+    with pytest.raises(RuntimeError, match="install TensorRT-LLM 1.3.0rc20 .* or use --backend torch"):
+        launch.require_tensorrt_llm()
+    from tests.test_build import write_config
+    from dflash_trt.build import build_engine
+    from dflash_trt.cli import main
+
+    out = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "e", progress=False)
+    r = CliRunner().invoke(main, ["generate", str(out), "-p", "x", "--backend", "trtllm"])
+    assert r.exit_code == 1 and "tensorrt_llm is not importable" in r.output
+
+
+@pytest.mark.trtllm
+@pytest.mark.skipif(not launch.tensorrt_llm_available(), reason="needs tensorrt_llm (NVIDIA index or NGC container)")
+def test_pinned_version_accepts_the_written_config():
+    from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
+    options = prepare_build(CONFIGS / "qwen3-8b-1xh200.yaml", allow_bundled=True).trtllm_options
+    TorchLlmArgs(model="Qwen/Qwen3-8B", **options)
+
