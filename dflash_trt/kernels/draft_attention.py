@@ -47,6 +47,9 @@ def draft_attention_ref(
         pad = total - k_all.shape[2]
         k_all = torch.nn.functional.pad(k_all, (0, 0, 0, pad))
         v_all = torch.nn.functional.pad(v_all, (0, 0, 0, pad))
+    stale = torch.arange(total, device=q.device)[None, :] >= ctx[:, None]  # [B, T]: past the context
+    k_all.masked_fill_(stale[:, None, :, None], 0)  # never read: not even a NaN there may leak in
+    v_all.masked_fill_(stale[:, None, :, None], 0)
     pos = ctx[:, None] + torch.arange(n, device=q.device)  # [B, Q] positions of the block
     brow = torch.arange(b, device=q.device)[:, None]
     k_all[brow, :, pos] = k_block.to(k_all.dtype)

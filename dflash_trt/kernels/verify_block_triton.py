@@ -161,7 +161,8 @@ def verify_block_triton(
     choice = torch.empty(b, k + 1, dtype=torch.int64, device=logits.device)
     num_accepted = torch.empty(b, dtype=torch.int64, device=logits.device)
     bonus = torch.empty(b, dtype=torch.int64, device=logits.device)
-    choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv, num_warps=8 if logits.is_cuda else 4)
+    if not bool((modes == REJECTION).all()):  # rejection rows need no per-position choice
+        choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv, num_warps=8 if logits.is_cuda else 4)
     accept_kernel[(b,)](
         drafts, choice, probs, dprobs, u, modes, vocab, k, num_accepted, bonus,
         BLOCK_K=max(16, triton.next_power_of_2(k)), BLOCK_V=bv,

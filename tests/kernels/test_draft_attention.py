@@ -1,0 +1,118 @@
+"""dflash::draft_attention: the reference against a naive float64 oracle, the Triton kernel against
+the reference over a property-based sweep, and the fake implementation under FakeTensor / torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.kernels.draft_attention import draft_attention, draft_attention_ref
+
+
+def _inputs(b, n, kvh, groups, d, ctx_lens, dtype=torch.float32, rows=None, cache_len=None, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = kvh * groups
+    num_rows = (max(rows) + 1) if rows else b
+    s = cache_len or (max(ctx_lens) + 3)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    q, kb, vb = rnd(b, n, h, d), rnd(b, n, kvh, d), rnd(b, n, kvh, d)
+    kc, vc = rnd(num_rows, kvh, s, d), rnd(num_rows, kvh, s, d)
+    rows_t = torch.tensor(rows if rows else list(range(b)), device=device)
+    return q, kb, vb, kc, vc, rows_t, torch.tensor(ctx_lens, device=device)
+
+
+def _naive(q, kb, vb, kc, vc, rows, ctx_lens, scale, causal, window, sinks):
+    """One query at a time in float64: list the visible keys by position, softmax (with the sink), sum."""
+    b, n, h, d = q.shape
+    kvh = kb.shape[2]
+    out = torch.zeros(b, n, h, d, dtype=torch.float64)
+    for i in range(b):
+        ctx = int(ctx_lens[i])
+        keys = [(t, kc[rows[i], :, t], vc[rows[i], :, t]) for t in range(ctx)]
+        keys += [(ctx + j, kb[i, j], vb[i, j]) for j in range(n)]
+        for j in range(n):
+            p = ctx + j
+            vis = [(k, v) for t, k, v in keys if (t <= p if causal else True)
+                   and (window == 0 or (p - t < window and (causal or t - p < window)))]
+            for hh in range(h):
+                kv = hh // (h // kvh)
+                logits = [float(q[i, j, hh].double() @ k[kv].double()) * scale for k, _ in vis]
+                extra = [float(sinks[hh])] if sinks is not None else []
+                m = max(logits + extra)
+                w = [math.exp(x - m) for x in logits]
+                z = sum(w) + sum(math.exp(x - m) for x in extra)
+                out[i, j, hh] = sum(wi * v[kv].double() for wi, (_, v) in zip(w, vis)) / z
+    return out
+
+
+@pytest.mark.parametrize("causal, window, with_sinks", [(False, 0, False), (True, 0, False), (True, 4, True), (False, 3, True)])
+def test_reference_matches_a_naive_per_query_oracle(causal, window, with_sinks):
+    # ragged contexts (7, 0, 2) over rows (2, 0, 1); a window of 3-4 cuts into both context and block
+    args = _inputs(3, 4, 2, 2, 8, [7, 0, 2], rows=[2, 0, 1])
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if with_sinks else None
+    got = draft_attention_ref(*args, 0.4, causal, window, sinks)
+    want = _naive(*args, 0.4, causal, window, sinks)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_entries_past_the_context_are_never_read():
+    q, kb, vb, kc, vc, rows, ctx = _inputs(2, 3, 1, 2, 8, [4, 1], cache_len=12)
+    before = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[0, :, 4:] = 1e4  # garbage where a stale block or padding would sit
+    vc2[1, :, 1:] = float("nan")
+    torch.testing.assert_close(draft_attention_ref(q, kb, vb, kc2, vc2, rows, ctx, 0.3), before)
+
+
+def _check_kernel(b, n, kvh, groups, d, ctx_lens, dtype, causal, window, with_sinks, splits, seed, device):
+    from dflash_trt.kernels.draft_attention_triton import draft_attention_triton
+
+    rows = list(range(b))[::-1]  # rows in another order than the batch
+    args = _inputs(b, n, kvh, groups, d, ctx_lens, dtype, rows=rows, seed=seed, device=device)
+    sinks = torch.linspace(-1, 1, kvh * groups, device=device) if with_sinks else None
+    got = draft_attention_triton(*args, d**-0.5, causal, window, sinks, num_splits=splits)
+    want = draft_attention_ref(*(a.float() if a.is_floating_point() else a for a in args), d**-0.5, causal, window, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@settings(max_examples=14, deadline=None, derandomize=True)
+@given(
+    b=st.integers(1, 3), n=st.integers(1, 5), kvh=st.integers(1, 2), groups=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([16, 24, 32]), ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float16]), causal=st.booleans(), window=st.sampled_from([0, 1, 3, 9]),
+    with_sinks=st.booleans(), splits=st.sampled_from([1, 1, 3]), seed=st.integers(0, 99),
+)
+def test_kernel_matches_reference_over_small_shapes(triton_device, b, n, kvh, groups, d, ctx, dtype, causal, window,
+                                                    with_sinks, splits, seed):
+    # d = 24 is not a power of two (padded lanes); 3 groups make M = 3 * n ragged; window 1 sees only itself
+    _check_kernel(b, n, kvh, groups, d, ctx[:b], dtype, causal, window, with_sinks, splits, seed, triton_device)
+
+
+@pytest.mark.parametrize("groups, d, n", [(8, 64, 10), (4, 128, 16), (2, 64, 8)])
+def test_kernel_matches_reference_at_drafter_head_dims_and_block_sizes(triton_device, groups, d, n):
+    # gpt-oss-120b (head_dim 64, block 10) and Qwen3-8B (128, 16) shapes, one kv head, a short context
+    _check_kernel(2, n, 1, groups, d, [5, 19], torch.float16, False, 0, False, 1, 0, triton_device)
+
+
+def test_fake_implementation_gives_shapes_under_fake_tensors_and_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _inputs(2, 3, 2, 2, 8, [5, 2])
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) for a in args]
+        out = draft_attention(*fake, 0.3, True, 2, None)
+        assert out.shape == (2, 3, 4, 8) and out.dtype == torch.float32
+
+    def layer(q, kb, vb, kc, vc, rows, ctx):
+        return draft_attention(q * 2, kb, vb, kc, vc, rows, ctx, 0.3, False, 0, None).sum(-1)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # no graph break at the op
+    torch.testing.assert_close(compiled(*args), layer(*args))
