@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from dflash_trt.models.config import decoder_config_from_dict, read_config_json
+from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
 from dflash_trt.models.weights import WeightSet
 
 logger = logging.getLogger(__name__)
 
 TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

@@ -1,0 +1,292 @@
+"""The gpt-oss target against transformers' GptOssForCausalLM (eager attention, fp32) on tiny random
+configs with both attention kinds, 8 experts, top-2, a window of 8 and contexts well past it; MXFP4
+experts against transformers' own dequantization; DFlash on top stays lossless."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from dflash_trt import SamplingParams
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.models.config import decoder_config_from_dict
+from dflash_trt.models.dflash import load_drafter
+from dflash_trt.models.gpt_oss import GptOssParams
+from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxfp4
+from dflash_trt.models.registry import load_target
+from dflash_trt.models.weights import CheckpointError
+from dflash_trt.spec.proposer import Proposal
+from tests.conftest import EOS, VOCAB, make_drafter, save_char_tokenizer
+
+TOL = 1e-4  # fp32
+WINDOW = 8
+HIDDEN = 64
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0}
+
+
+def make_gpt_oss(path: Path, seed: int = 0, layers: int = 4, **overrides) -> Path:
+    """A random gpt-oss saved by transformers. Weights are scaled so that every feature matters: biases and
+    sinks non-zero, expert pre-activations past the SwiGLU clamp (7.0), router logits far from ties."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+              sliding_window=WINDOW, max_position_embeddings=128, rope_parameters=YARN, eos_token_id=EOS,
+              bos_token_id=1, tie_word_embeddings=False)
+    kw.update(overrides)
+    model = GptOssForCausalLM(GptOssConfig(**kw)).eval()
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.5)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.6)
+            elif name.endswith("router.weight"):
+                p.normal_(0, 0.5)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    save_char_tokenizer(path, VOCAB)
+    return path
+
+
+def _meta(ids, start=0, rows=None):
+    b, n = ids.shape
+    rows = torch.arange(b) if rows is None else rows
+    return AttentionMetadata.causal_step(rows, start + torch.arange(n).expand(b, n))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory) -> Path:
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "t")
+
+
+@pytest.fixture(scope="module")
+def hf_model(gpt_oss_dir):
+    return GptOssForCausalLM.from_pretrained(gpt_oss_dir).eval()
+
+
+def test_logits_and_captured_layers_equal_transformers(gpt_oss_dir, hf_model):
+    ours = load_target(gpt_oss_dir)
+    assert ours.params.layer_types == ("sliding_attention", "full_attention") * 2
+    ids = torch.randint(0, VOCAB, (2, 45))  # 5x the window, past original_max_position_embeddings (YaRN matters)
+    with torch.no_grad():
+        ref = hf_model(ids, output_hidden_states=True)
+        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 48), capture_layer_ids=(2, 0))
+        logits = ours.compute_logits(hidden)
+    assert (logits - ref.logits).abs().max() < TOL
+    # layer l's output is transformers' hidden_states[l + 1]; features concatenate in the given order
+    assert (feats[..., :HIDDEN] - ref.hidden_states[3]).abs().max() < TOL
+    assert (feats[..., HIDDEN:] - ref.hidden_states[1]).abs().max() < TOL
+
+
+def test_incremental_decode_past_the_window_equals_transformers(gpt_oss_dir, hf_model):
+    """Chunks after a prefill read only the window on sliding layers; logits still equal the full forward."""
+    ours = load_target(gpt_oss_dir)
+    ours.pack_for_inference()  # prepacked experts and projections are exact too
+    ids = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        cache = ours.make_cache(1, 48)
+        ours(ids[:, :19], _meta(ids[:, :19]), cache)
+        parts = [ours.compute_logits(ours(ids[:, i : i + 7], _meta(ids[:, i : i + 7], i), cache)[0]) for i in (19, 26, 33)]
+    assert (torch.cat(parts, 1) - ref[:, 19:]).abs().max() < TOL
+
+
+def test_rollback_across_the_window_boundary_is_exact(gpt_oss_dir, hf_model):
+    """Row 2 writes a rejected block that crosses a window boundary (positions 20..29 with window 8), then
+    continues from 20 in a batch with row 0; both equal transformers on the true sequences."""
+    ours = load_target(gpt_oss_dir)
+    a, b = torch.randint(0, VOCAB, (1, 30)), torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        cache = ours.make_cache(3, 48)
+        ours(a, _meta(a, rows=torch.tensor([0])), cache)
+        ours(b, _meta(b, rows=torch.tensor([2])), cache)
+        junk = torch.randint(0, VOCAB, (1, 10))
+        ours(junk, _meta(junk, 20, rows=torch.tensor([2])), cache)
+        nxt = torch.randint(0, VOCAB, (2, 4))
+        meta = AttentionMetadata.causal_step(torch.tensor([0, 2]), torch.tensor([[30, 31, 32, 33], [20, 21, 22, 23]]))
+        got = ours.compute_logits(ours(nxt, meta, cache)[0])
+        ref0 = hf_model(torch.cat([a, nxt[:1]], 1)).logits[0, 30:]
+        ref2 = hf_model(torch.cat([b, nxt[1:]], 1)).logits[0, 20:]
+    assert (got[0] - ref0).abs().max() < TOL
+    assert (got[1] - ref2).abs().max() < TOL
+
+
+def test_params_default_like_transformers_when_config_json_omits_them():
+    """A config.json without layer_types / rope / bias / eps keys gets transformers' GptOssConfig defaults."""
+    raw = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 96, "hidden_size": 64,
+           "intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}
+    hf = GptOssConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    p = GptOssParams.from_config(decoder_config_from_dict(raw))
+    assert list(p.layer_types) == hf.layer_types
+    assert p.sliding_window == hf.sliding_window and p.rms_norm_eps == hf.rms_norm_eps
+    assert p.attention_bias is hf.attention_bias is True
+    assert (p.swiglu_alpha, p.swiglu_limit) == (hf.swiglu_alpha, hf.swiglu_limit)
+    assert {k: float(v) if isinstance(v, int) else v for k, v in p.rope.items()} == hf.rope_parameters
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        GptOssParams.from_config(decoder_config_from_dict({**raw, "num_experts_per_tok": 9}))
+
+
+# ---- MXFP4 experts ------------------------------------------------------------------------------------
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)  # every nibble code
+    scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=g)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 128, 10]: transposed for HF
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), ref.transpose(1, 2))
+    # quantizing a dequantized tensor is exact (its values are on the grid), so the quantizer is consistent
+    w = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(w), torch.float32), w)
+
+
+def _to_mxfp4_checkpoint(src: Path, dst: Path) -> Path:
+    """Rewrite a bf16/fp32 gpt-oss checkpoint with MXFP4 experts, in the layout the released checkpoints use."""
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous()  # HF [E, in, out] -> [E, out, in]: blocks run along `in`
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(w)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(gpt_oss_dir, tmp_path_factory) -> Path:
+    return _to_mxfp4_checkpoint(gpt_oss_dir, tmp_path_factory.mktemp("mxfp4") / "t")
+
+
+def test_mxfp4_checkpoint_gives_transformers_logits(mxfp4_dir):
+    # On a CPU, transformers dequantizes MXFP4 experts on load: that is the oracle.
+    hf = GptOssForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
+    ours = load_target(mxfp4_dir)
+    hf_gu = hf.model.layers[1].mlp.experts.gate_up_proj  # [E, H, 2I], gate/up interleaved
+    assert torch.equal(ours.layers[1].mlp.experts.gate_up_proj[:, :32], hf_gu[..., 0::2].transpose(1, 2))
+    ids = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(2, 24))[0])
+    assert (got - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_expert_parallel_ranks_load_their_experts_and_sum_to_the_full_layer(mxfp4_dir, ep_size):
+    from dflash_trt.models.config import read_config_json
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM as Ours
+    from dflash_trt.models.weights import WeightSet
+
+    cfg = decoder_config_from_dict(read_config_json(mxfp4_dir))
+    full = load_target(mxfp4_dir)
+    x = torch.randn(3, 5, HIDDEN)
+    partial = torch.zeros_like(x)
+    with torch.no_grad():
+        for rank in range(ep_size):
+            model = Ours(cfg, ep_rank=rank, ep_size=ep_size)
+            model.load_weights(WeightSet(mxfp4_dir))
+            held = expert_range(8, rank, ep_size)
+            assert model.experts == held and len(held) == 8 // ep_size
+            mine = model.layers[2].mlp.experts.down_proj
+            assert torch.equal(mine, full.layers[2].mlp.experts.down_proj[held.start : held.stop])
+            partial += model.layers[2].mlp.forward_local(x)
+        want = full.layers[2].mlp(x)
+    assert (partial - want).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="not divisible by ep_size=3"):
+        expert_range(8, 0, 3)
+
+
+def test_missing_expert_tensor_is_named(gpt_oss_dir, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    tensors = load_file(str(gpt_oss_dir / "model.safetensors"))
+    del tensors["model.layers.3.mlp.experts.down_proj"]
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "config.json").write_text((gpt_oss_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mlp\.experts\.down_proj"):
+        load_target(d)
+
+
+# ---- DFlash on a gpt-oss target ----------------------------------------------------------------------
+
+NEW = 30  # prompts of 5..30 tokens + 30 new: several windows of 8
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_drafter(gpt_oss_dir, tmp_path_factory) -> Path:
+    # The gpt-oss drafter shape (dflash.md 4.2): attention_bias, YaRN, block 10.
+    return make_drafter(tmp_path_factory.mktemp("gpt_oss_drafter") / "d", gpt_oss_dir, layers=2, block_size=10,
+                        target_layer_ids=(0, 2, 3), attention_bias=True,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+
+
+def _prompts(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
+
+
+def _hf_greedy(hf, prompt):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine(target_dir, drafter_dir, k, rows):
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target.config)
+    assert drafter.config.attention_bias and drafter.config.rope["rope_type"] == "yarn"
+    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96))
+
+
+def _draft_the_truth(engine, truth_by_slot, error_rate, seed=0):
+    """Proposals become the true greedy continuation with random corruptions, so long accepted prefixes,
+    partial rejections and rollbacks across window boundaries all happen (a random drafter accepts ~nothing)."""
+    proposer = engine.runner.proposer
+    real = proposer.propose
+    g = torch.Generator().manual_seed(seed)
+
+    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
+        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
+        drafts = out.draft_tokens.clone()
+        for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
+            full = truth_by_slot[row]
+            for j in range(num_draft):
+                t = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
+                drafts[i, j] = (t + 1) % 90 if torch.rand(1, generator=g).item() < error_rate else t
+        return Proposal(drafts, out.draft_probs)
+
+    proposer.propose = propose
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_target_greedy(gpt_oss_dir, gpt_oss_drafter, hf_model, batch):
+    prompts = _prompts(batch)
+    refs = [_hf_greedy(hf_model, p) for p in prompts]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    outs = _engine(gpt_oss_dir, gpt_oss_drafter, 9, batch).generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    # Mostly-right drafts: multi-token acceptances and rollbacks that cross window boundaries.
+    engine = _engine(gpt_oss_dir, gpt_oss_drafter, 9, batch)
+    _draft_the_truth(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    assert max(max(o.acceptance_lengths) for o in outs) >= 4
+
+
+def test_a_gpt_oss_drafter_that_is_not_qwen3_style_fails_clearly(gpt_oss_dir, gpt_oss_drafter, tmp_path):
+    bad = tmp_path / "d"
+    bad.mkdir()
+    cfg = json.loads((gpt_oss_drafter / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_oss"}))
+    (bad / "model.safetensors").write_bytes((gpt_oss_drafter / "model.safetensors").read_bytes())
+    target = load_target(gpt_oss_dir)
+    with pytest.raises(CheckpointError, match="model_type='gpt_oss' is not supported"):
+        load_drafter(bad, target.config)
