@@ -189,6 +189,26 @@ def _summaries(p: PreparedBuild) -> dict:
     return {"target": target, "drafter": drafter}
 
 
+def _check_tensors(p: PreparedBuild) -> None:
+    """Every drafter tensor (and, for the torch runtime, every target tensor) must load with the shapes
+    config.json implies; the models are built on the meta device, so nothing is kept in memory."""
+    import torch
+
+    from dflash_trt.models.dflash import DFlashDrafter
+    from dflash_trt.models.weights import WeightSet
+
+    if p.drafter is not None:
+        with torch.device("meta"):
+            shell = DFlashDrafter(p.drafter_config)
+        shell.load_weights(WeightSet(p.drafter.path))
+    if p.hardware.kind == "cpu":
+        from dflash_trt.models.registry import TARGET_ARCHITECTURES
+
+        with torch.device("meta"):
+            target = TARGET_ARCHITECTURES[p.target_config.architecture](p.target_config)
+        target.load_weights(WeightSet(p.target.path))
+
+
 def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict | None = None, force: bool = False,
                  progress: bool = True) -> Path:
     """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
@@ -199,15 +219,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
         missing = p.target if p.target.path is None else p.drafter
         raise FileNotFoundError(f"{missing.ref!r} is not on disk; fetch it with `hf download {missing.ref}`")
-    if p.drafter is not None:  # every drafter tensor must load, with the shapes config.json implies
-        from dflash_trt.models.dflash import DFlashDrafter
-        from dflash_trt.models.weights import WeightSet
-
-        import torch
-
-        with torch.device("meta"):
-            shell = DFlashDrafter(p.drafter_config)
-        shell.load_weights(WeightSet(p.drafter.path))
+    _check_tensors(p)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"

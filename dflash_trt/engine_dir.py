@@ -100,7 +100,7 @@ class EngineDir:
 
 def open_engine(path: str | Path, backend: str = "torch", **overrides):
     """Verify the engine at `path` and load it on the torch runtime; returns an LLMEngine."""
-    if backend != "torch":
+    if backend not in ("torch", "auto"):  # auto: the torch runtime is what this function returns
         raise ValueError(
             f"open_engine(backend={backend!r}) loads the torch runtime only; TensorRT-LLM runs through "
             "dflash_trt.trtllm.launch"

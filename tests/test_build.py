@@ -200,3 +200,17 @@ def test_smollm2_cpu_default_builds_from_gguf_and_generates_like_its_sources(smo
     from_engine = _gen(str(out), *args, tokens=8)
     from_sources = _gen("--target", str(smollm2_dir), "--drafter", str(drafter), *args, tokens=8)
     assert from_engine["token_ids"] == from_sources["token_ids"] and from_engine["text"] == from_sources["text"]
+
+
+def test_a_checkpoint_missing_a_tensor_fails_before_anything_is_written(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dirs["qwen3"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    cfg = write_config(tmp_path, broken, None)
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.2.mlp.down_proj.weight'"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
