@@ -128,6 +128,10 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
 
 
+from dflash_trt.train.cli import train as _train  # noqa: E402
+
+main.add_command(_train)
+
 from dflash_trt.build_cli import build as _build, inspect as _inspect  # noqa: E402
 
 main.add_command(_build)

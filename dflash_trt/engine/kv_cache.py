@@ -33,10 +33,22 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [B, Q, kv_heads, head_dim] at meta.positions [B, Q]
-        rows = meta.rows[:, None]
-        self.k[layer][rows, :, meta.positions] = k
-        self.v[layer][rows, :, meta.positions] = v
+        # k, v: [B, Q, kv_heads, head_dim] at meta.positions [B, Q]. One flat index_copy_ per tensor:
+        # several times faster than advanced-index assignment across (row, position).
+        idx = self._flat_index(meta)
+        head_dim = k.shape[-1]
+        self.k[layer].view(-1, head_dim).index_copy_(0, idx, k.reshape(-1, head_dim))
+        self.v[layer].view(-1, head_dim).index_copy_(0, idx, v.reshape(-1, head_dim))
+
+    def _flat_index(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Row-major offsets of (row, head, position) in a [rows, kv_heads, max_len] layer -> [B * Q * kv_heads]."""
+        cached = meta.flat_index.get(id(self))
+        if cached is None:
+            heads = self.k.shape[2]
+            h = torch.arange(heads, device=meta.positions.device)
+            cached = ((meta.rows[:, None, None] * heads + h) * self.max_len + meta.positions[:, :, None]).reshape(-1)
+            meta.flat_index[id(self)] = cached
+        return cached
 
     def read(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [B, kv_heads, kv_len, head_dim]; a view when the rows are contiguous
@@ -45,7 +57,8 @@ class KVCache:
                 self.k[layer, meta.row_slice, :, : meta.kv_len],
                 self.v[layer, meta.row_slice, :, : meta.kv_len],
             )
+        # Slice before gathering: copy only the live prefix of each row.
         return (
-            self.k[layer].index_select(0, meta.rows)[:, :, : meta.kv_len],
-            self.v[layer].index_select(0, meta.rows)[:, :, : meta.kv_len],
+            self.k[layer, :, :, : meta.kv_len].index_select(0, meta.rows),
+            self.v[layer, :, :, : meta.kv_len].index_select(0, meta.rows),
         )

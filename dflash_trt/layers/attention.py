@@ -25,6 +25,7 @@ class AttentionMetadata:
     block_end: torch.Tensor | None = None  # [B] for non-causal blocks: keys t < block_end are visible
     row_slice: slice | None = None  # rows as a slice when they are contiguous (read without a copy)
     _masks: dict = field(default_factory=dict, repr=False)
+    flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
 
     @classmethod
     def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":

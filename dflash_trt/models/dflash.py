@@ -21,7 +21,7 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels.draft_attention import draft_attention
-from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.attention import AttentionMetadata, attend
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -212,6 +212,16 @@ class DFlashAttention(nn.Module):
         )
         return self.o_proj(out.flatten(2))
 
+    def forward_train(self, x, cos, sin, ctx_k, ctx_v, mask: torch.Tensor) -> torch.Tensor:
+        """Training form without a cache: keys are [context K/V ; block K/V] under an explicit mask."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
+        v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
+        return self.o_proj(attend(q, k, v, mask, self.scale))
+
 
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
@@ -223,6 +233,11 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_train(self, x, cos, sin, ctx, ctx_cos, ctx_sin, mask):
+        ctx_k, ctx_v = self.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+        x = x + self.self_attn.forward_train(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,6 +269,23 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+    def forward_train(
+        self,
+        features: torch.Tensor,  # [B, S, H * n_features] context features
+        feature_positions: torch.Tensor,  # [B, S]
+        block_embeds: torch.Tensor,  # [B, M, H] all blocks of the sequence, concatenated
+        block_positions: torch.Tensor,  # [B, M]
+        mask: torch.Tensor,  # [B, 1, M, S + M] bool (train/blocks.py training_mask)
+    ) -> torch.Tensor:
+        """The same computation as project_context + forward_block, for many blocks at once."""
+        ctx = self.hidden_norm(self.fc(features))
+        ctx_cos, ctx_sin = self.rotary(feature_positions, ctx.dtype)
+        cos, sin = self.rotary(block_positions, block_embeds.dtype)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer.forward_train(x, cos, sin, ctx, ctx_cos, ctx_sin, mask)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""`dflash-trt train`: prompts -> target responses -> cached features -> a trained drafter."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+
+def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
+    """The largest special token id the target never emitted in the data (else the last vocabulary id)."""
+    used = {t for r in records for t in r["prompt_ids"] + r["response_ids"]}
+    special = sorted(set(getattr(tokenizer, "all_special_ids", [])) | set(tokenizer.get_added_vocab().values()))
+    for tid in reversed(special):
+        if tid not in used and tid < vocab_size:
+            return tid
+    return vocab_size - 1
+
+
+def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
+                      max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16") -> Path:
+    """The whole pipeline; each stage resumes where an interrupted run stopped."""
+    from transformers import AutoTokenizer
+
+    from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+    from dflash_trt.models.dflash import build_target_layer_ids
+    from dflash_trt.models.registry import load_target
+    from dflash_trt.train.feature_cache import build_feature_cache
+    from dflash_trt.train.responses import generate_responses
+    from dflash_trt.train.trainer import Trainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = load_target(target_dir, DTYPES[dtype])
+    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=16, speculative=False, dtype=dtype,
+                                                             max_model_len=cfg.max_seq_len + max_new_tokens))
+    records = generate_responses(engine, prompts, data_dir / "responses.jsonl", max_new_tokens, sampled_variants)
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
+    layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)
+    cfg.target_layer_ids = list(layer_ids)
+    sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
+    features = build_feature_cache(target, sequences, data_dir / "features", layer_ids)
+    trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)
+    trainer.train()
+    return out_dir / "drafter"
+
+
+@click.command("train")
+@click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (checkpoint.pt, train_log.jsonl, drafter/).")
+@click.option("--data", type=click.Path(file_okay=False), help="Data directory (responses + feature cache; default OUT/data).")
+@click.option("--layers", default=2, show_default=True, type=int, help="Drafter decoder layers.")
+@click.option("--block-size", default=16, show_default=True, type=int, help="Draft block size B (K up to B-1).")
+@click.option("--target-layers", default=None, help="Comma-separated target layer ids to fuse (default: z-lab spacing).")
+@click.option("--num-features", default=5, show_default=True, type=int, help="Target layers to fuse when --target-layers is not given.")
+@click.option("--steps", default=2000, show_default=True, type=int)
+@click.option("--lr", default=6e-4, show_default=True, type=float)
+@click.option("--seqs-per-step", default=4, show_default=True, type=int)
+@click.option("--anchors", default=32, show_default=True, type=int, help="Random anchors per sequence.")
+@click.option("--eval-every", default=250, show_default=True, type=int)
+@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
+@click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
+def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, anchors,
+          eval_every, max_prompts, mask_token_id, resume) -> None:
+    """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
+    from dflash_trt.train.prompts import all_prompts
+    from dflash_trt.train.trainer import TrainConfig
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if target is None:
+        from dflash_trt.embedded import smollm2_dir
+
+        target = smollm2_dir()
+    try:
+        ids = [int(x) for x in target_layers.split(",")] if target_layers else None
+        cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=ids, num_features=num_features,
+                          steps=steps, lr=lr, seqs_per_step=seqs_per_step, anchors_per_seq=anchors,
+                          eval_every=eval_every, mask_token_id=mask_token_id)
+        prompts = all_prompts()
+        if max_prompts:
+            prompts = prompts[:max_prompts]
+        out_dir = Path(out)
+        drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"best drafter: {drafter}")

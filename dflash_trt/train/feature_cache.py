@@ -1,0 +1,125 @@
+"""Captured target features, computed once and stored as fp16 memory-mapped shards.
+
+Layout of a cache directory:
+  index.json            feature_dim, target_layer_ids, shards [{file, sequences: {id: [offset, length]}}]
+  shard_00000.npy ...   float16 [tokens, len(target_layer_ids) * hidden]
+A shard is written to a temporary name and renamed, then recorded in index.json, so an interrupted run
+resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash_trt.layers.attention import AttentionMetadata
+
+
+class FeatureCache:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        index = json.loads((self.root / "index.json").read_text())
+        self.feature_dim = index["feature_dim"]
+        self.target_layer_ids = index["target_layer_ids"]
+        self._where: dict[str, tuple[int, int, int]] = {}
+        self._files = []
+        for i, shard in enumerate(index["shards"]):
+            self._files.append(self.root / shard["file"])
+            for sid, (offset, length) in shard["sequences"].items():
+                self._where[sid] = (i, offset, length)
+        self._maps: dict[int, np.ndarray] = {}
+
+    def __contains__(self, sid: str) -> bool:
+        return sid in self._where
+
+    def ids(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, sid: str) -> np.ndarray:
+        """[length, feature_dim] float16, memory-mapped."""
+        shard, offset, length = self._where[sid]
+        if shard not in self._maps:
+            self._maps[shard] = np.load(self._files[shard], mmap_mode="r")
+        return self._maps[shard][offset : offset + length]
+
+
+def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
+    path = root / "index.json"
+    if path.is_file():
+        index = json.loads(path.read_text())
+        if index["target_layer_ids"] != list(layer_ids):
+            raise ValueError(f"{path}: cached target_layer_ids={index['target_layer_ids']} differ from {list(layer_ids)}; "
+                             "use another --features directory")
+        return index
+    return {"feature_dim": feature_dim, "target_layer_ids": list(layer_ids), "shards": []}
+
+
+@torch.inference_mode()
+def build_feature_cache(
+    target: torch.nn.Module,
+    sequences: list[tuple[str, list[int]]],  # (id, token ids) in a fixed order
+    root: str | Path,
+    layer_ids: list[int],
+    shard_tokens: int = 262_144,
+    batch_rows: int = 8,
+) -> FeatureCache:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    feature_dim = target.config.hidden_size * len(layer_ids)
+    index = _read_index(root, feature_dim, layer_ids)
+    shards, current, size = [], [], 0
+    for sid, ids in sequences:  # fixed assignment of sequences to shards, so a resume finds the same ones
+        current.append((sid, ids))
+        size += len(ids)
+        if size >= shard_tokens:
+            shards.append(current)
+            current, size = [], 0
+    if current:
+        shards.append(current)
+    done = {s["file"] for s in index["shards"]}
+    total = sum(len(ids) for sh in shards for _, ids in sh)
+    bar = tqdm(total=total, desc="features", unit="tok", unit_scale=True, dynamic_ncols=True)
+    max_len = max(len(ids) for _, ids in sequences)
+    cache = target.make_cache(batch_rows, max_len)
+    for i, shard in enumerate(shards):
+        name = f"shard_{i:05d}.npy"
+        n_tok = sum(len(ids) for _, ids in shard)
+        if name in done:
+            bar.update(n_tok)
+            continue
+        data = np.empty((n_tok, feature_dim), dtype=np.float16)
+        where, offset = {}, 0
+        order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))
+        for start in range(0, len(order), batch_rows):
+            rows = [shard[j] for j in order[start : start + batch_rows]]
+            feats = _features(target, [ids for _, ids in rows], cache, layer_ids)
+            for (sid, ids), f in zip(rows, feats):
+                data[offset : offset + len(ids)] = f
+                where[sid] = [offset, len(ids)]
+                offset += len(ids)
+                bar.update(len(ids))
+        tmp = root / f".{name}.tmp"
+        with open(tmp, "wb") as fh:
+            np.save(fh, data)
+        os.replace(tmp, root / name)
+        index["shards"].append({"file": name, "sequences": where})
+        (root / "index.json.tmp").write_text(json.dumps(index))
+        os.replace(root / "index.json.tmp", root / "index.json")
+    bar.close()
+    return FeatureCache(root)
+
+
+def _features(target, id_lists: list[list[int]], cache, layer_ids) -> list[np.ndarray]:
+    lens = [len(x) for x in id_lists]
+    n = max(lens)
+    ids = torch.zeros(len(id_lists), n, dtype=torch.long)
+    for i, x in enumerate(id_lists):
+        ids[i, : lens[i]] = torch.tensor(x)
+    meta = AttentionMetadata.causal_step(torch.arange(len(id_lists)), torch.arange(n).expand(len(id_lists), n))
+    _, feats = target(ids, meta, cache, tuple(layer_ids))
+    return [feats[i, : lens[i]].to(torch.float16).numpy() for i in range(len(id_lists))]
