@@ -281,7 +281,7 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
         "target_weights": "tensor_parallel_size / moe_expert_parallel_size (more ranks) or a smaller dtype",
         "drafter_context_cache": "max_seq_len or max_batch_size (the drafter arena is dense: "
                                  "slots x max_seq_len, TRT-LLM issue #16005), or tensor_parallel_size",
-        "target_kv_cache": "kv_cache_config.dtype (fp8), max_seq_len or max_batch_size",
+        "target_kv_cache": ("" if kvd == "fp8" else "kv_cache_config.dtype (fp8), ") + "max_seq_len or max_batch_size",
         "activations_estimate": "max_num_tokens or max_batch_size",
         "cuda_graph_pools": "cuda_graph_config.max_batch_size",
         "drafter_weights": "tensor_parallel_size",
