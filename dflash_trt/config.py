@@ -3,6 +3,9 @@
 YAML keys are the field names, and those are TensorRT-LLM LLM-API keys wherever the concept exists
 there (max_batch_size, max_seq_len, tensor_parallel_size, kv_cache_config.dtype,
 speculative_config.max_draft_len ...), so one file drives both backends. Errors name the key.
+
+Environment knobs (debug/testing only): DFLASH_TRT_CACHE (embedded.py: where the converted default model
+lives), DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a step, to test killed builds).
 """
 
 from __future__ import annotations
