@@ -81,8 +81,9 @@ def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return max(1, kv_heads // tp)
 
 
-def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int:
-    """Bytes of target weights on one rank."""
+def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> int:
+    """Bytes of target weights on one rank; `keep_mxfp4=False` when the runtime dequantizes MXFP4 experts
+    on load (this project's torch runtime does; TensorRT-LLM keeps them packed)."""
     tp = attention_tp(cfg)
     h, hd = t.hidden_size, t.head_dim
     q_out = t.num_attention_heads * hd // tp
@@ -102,7 +103,7 @@ def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int
         dense += h * e + e  # router, replicated
         values = e * 3 * h * i / (cfg.moe_ep * cfg.moe_tp)  # gate_up [h, 2i] and down [i, h] per expert
         quant = (t.extra.get("quantization_config") or {}).get("quant_method")
-        expert_bytes = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" else dtype_b)
+        expert_bytes = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" and keep_mxfp4 else dtype_b)
         expert_bytes += (e // cfg.moe_ep) * (2 * i // cfg.moe_tp + h) * dtype_b  # expert biases
     else:
         dense += 3 * h * t.intermediate_size // tp
@@ -173,7 +174,7 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         block = d.block_size if d is not None else 1
         target_kv = batch * per_token_layer * t.num_hidden_layers * (seq + block + 1)
     comps = {
-        "target_weights": target_weight_bytes(t, cfg, dtype_b),
+        "target_weights": target_weight_bytes(t, cfg, dtype_b, keep_mxfp4=trtllm),
         "target_kv_cache": int(target_kv),
     }
     if d is not None:

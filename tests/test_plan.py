@@ -100,3 +100,14 @@ def test_cuda_graph_batch_sizes(graph, schedule, expected):
     cfg = _cfg(max_batch_size=512, max_seq_len=2048, cuda_graph_config=graph, speculative_config=spec,
                moe_expert_parallel_size=1)
     assert cuda_graph_batch_sizes(cfg) == expected
+
+
+def test_the_cpu_runtime_plans_mxfp4_experts_dequantized():
+    # The torch runtime dequantizes experts on load: 128 x 3 x 2880 x 2880 values x 36 layers at 2 B (bf16)
+    # instead of 17/32 B: 229,323,571,200 - 60,914,073,600 = 168,409,497,600 B more than the packed plan.
+    gpu = _cfg(max_batch_size=1, max_seq_len=1024, moe_expert_parallel_size=1)
+    cpu = build_config_from_dict({"name": "t", "model": "openai/gpt-oss-120b", "hardware": "cpu", "dtype": "bfloat16",
+                                  "max_batch_size": 1, "max_seq_len": 1024})
+    packed = plan_build(GPT_OSS, None, gpu, profile("h200"), 0).components["target_weights"]
+    unpacked = plan_build(GPT_OSS, None, cpu, profile("cpu"), 0).components["target_weights"]
+    assert unpacked - packed == 114_661_785_600 * 2 - 114_661_785_600 * 17 // 32 == 168_409_497_600
