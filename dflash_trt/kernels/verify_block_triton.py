@@ -129,7 +129,7 @@ def accept_kernel(
         else:  # all K accepted: the bonus comes from p_K
             bonus = _inverse_cdf(p_row, p_row, 1.0, u_last, V, False, BLOCK_V)
     else:
-        bonus = tl.load(CHOICE + b * K1 + a)
+        bonus = tl.load(CHOICE + b * K1 + a).to(tl.int32)  # token ids fit; one type on every branch
     tl.store(NUM_ACCEPTED + b, a.to(tl.int64))
     tl.store(BONUS + b, bonus.to(tl.int64))
 
