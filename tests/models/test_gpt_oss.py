@@ -290,3 +290,29 @@ def test_a_gpt_oss_drafter_that_is_not_qwen3_style_fails_clearly(gpt_oss_dir, gp
     target = load_target(gpt_oss_dir)
     with pytest.raises(CheckpointError, match="model_type='gpt_oss' is not supported"):
         load_drafter(bad, target.config)
+
+
+def test_bundled_gpt_oss_120b_config_builds_the_published_shape():
+    """The planner's bundled config.json (dflash_trt/model_configs) is the one description of gpt-oss-120b:
+    built from it on the meta device, this runtime has transformers' parameter count (116.8B per OpenAI's
+    model card) and the bundled DFlash drafter pairs with it."""
+    from transformers import GptOssConfig
+
+    from dflash_trt.model_configs import bundled_config
+    from dflash_trt.models.dflash import DFlashConfig
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM as Ours
+
+    raw = bundled_config("openai/gpt-oss-120b")
+    cfg = decoder_config_from_dict(raw)
+    with torch.device("meta"):
+        ours = Ours(cfg)
+        hf = GptOssForCausalLM(GptOssConfig(**{k: v for k, v in raw.items() if k != "quantization_config"}))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in hf.parameters())
+    assert abs(count / 1e9 - 116.8) < 0.1
+    p = ours.params
+    assert (p.num_local_experts, p.num_experts_per_tok, p.sliding_window) == (128, 4, 128)
+    assert p.layer_types[:2] == ("sliding_attention", "full_attention") and p.rope["rope_type"] == "yarn"
+    drafter = DFlashConfig.from_dict(bundled_config("z-lab/gpt-oss-120b-DFlash"))
+    drafter.check_pairing(cfg)
+    assert drafter.block_size == 10 and drafter.attention_bias
