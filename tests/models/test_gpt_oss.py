@@ -316,3 +316,42 @@ def test_bundled_gpt_oss_120b_config_builds_the_published_shape():
     drafter = DFlashConfig.from_dict(bundled_config("z-lab/gpt-oss-120b-DFlash"))
     drafter.check_pairing(cfg)
     assert drafter.block_size == 10 and drafter.attention_bias
+
+
+def _ep_rank(rank: int, ep_size: int, ckpt: str, port: int, ids: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+
+    from dflash_trt.models.config import read_config_json
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM as Ours
+    from dflash_trt.models.weights import WeightSet
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep_size)
+    try:
+        model = Ours(decoder_config_from_dict(read_config_json(ckpt)), ep_rank=rank, ep_size=ep_size)
+        with torch.no_grad():
+            model.load_weights(WeightSet(ckpt))
+            hidden, _ = model(ids, _meta(ids), model.make_cache(ids.shape[0], ids.shape[1]))
+            out[rank] = model.compute_logits(hidden)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_group_all_reduces_to_the_full_model(mxfp4_dir):
+    """Two ranks, each holding 4 of the 8 experts, all-reduce their MoE outputs (gloo) into the full logits."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ids = torch.randint(0, VOCAB, (2, 12))
+    # fork: the ranks inherit the imported modules (spawn would re-import torch and transformers per rank)
+    manager = mp.get_context("fork").Manager()
+    out = manager.dict()
+    mp.start_processes(_ep_rank, args=(2, str(mxfp4_dir), port, ids, out), nprocs=2, start_method="fork")
+    full = load_target(mxfp4_dir)
+    with torch.no_grad():
+        want = full.compute_logits(full(ids, _meta(ids), full.make_cache(2, 12))[0])
+    assert (out[0] - want).abs().max() < TOL and torch.equal(out[0], out[1])
