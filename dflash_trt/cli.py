@@ -137,5 +137,10 @@ from dflash_trt.build_cli import build as _build, inspect as _inspect  # noqa: E
 main.add_command(_build)
 main.add_command(_inspect)
 
+from dflash_trt.server.cli import serve as _serve, triton as _triton  # noqa: E402
+
+main.add_command(_serve)
+main.add_command(_triton)
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""LLMEngine: tokenizer + model runner + the generation loop over a batch of requests."""
+"""LLMEngine: tokenizer + scheduler + model runner; add_request / step / abort, and generate() on top."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.engine.model_runner import ModelRunner
+from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
@@ -30,6 +31,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     pack_weights: bool = True  # oneDNN-prepacked projections on the CPU (bit-identical, about 2x faster GEMVs)
+    draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
+    max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
+    max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +55,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     acceptance_lengths: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)  # K of each speculative step
     tau: float = 0.0
     acceptance_histogram: list[int] = field(default_factory=list)
     draft_time: float = 0.0
@@ -61,6 +66,15 @@ class RequestOutput:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def total_draft_tokens(self) -> int:
+        return sum(self.draft_lens)
+
+    @property
+    def total_accepted_draft_tokens(self) -> int:
+        """Draft tokens kept: each step commits its accepted drafts plus one bonus token."""
+        return sum(max(0, n - 1) for n in self.acceptance_lengths)
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +103,11 @@ class LLMEngine:
                     f"max_draft_len={k} is out of range: draft_block_size={limit + 1} (checkpoint) allows 1..{limit}"
                 )
         self.max_draft_len = k if self.drafter is not None else 0
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
+            draft_len_schedule=dict(config.draft_len_schedule) if self.drafter is not None else {},
+            max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
+        ))
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
@@ -120,11 +139,15 @@ class LLMEngine:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, with the generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template: use /v1/completions (or drop --chat)")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if len(prompt_ids) >= self.max_model_len:
@@ -142,48 +165,70 @@ class LLMEngine:
             seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-64:]) for x in stops)
         return seq
 
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request (ValueError for bad input, QueueFullError when the queue is full)."""
+        seq = self.make_sequence(prompt_ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: int) -> bool:
+        """Cancel a request; a running one leaves (and frees its row) at the next step."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Generate for token-id prompts, max_batch_size rows at a time; outputs in prompt order."""
+        """Generate for token-id prompts with continuous batching; outputs in prompt order."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
-        for i in range(0, len(seqs), self.config.max_batch_size):
-            self._run_batch(seqs[i : i + self.config.max_batch_size])
-        return [self._output(s) for s in seqs]
+        pending = list(reversed(seqs))
+        while pending or self.has_unfinished():
+            while pending and self.scheduler.can_add():
+                self.scheduler.add(pending.pop())
+            self.step()
+        return [self.make_output(s) for s in seqs]
 
-    def _run_batch(self, seqs: list[Sequence]) -> None:
-        for slot, s in enumerate(seqs):
-            s.slot = slot
-        firsts = self.runner.prefill(seqs)
-        decode_start = time.perf_counter()
-        for s, t in zip(seqs, firsts):
-            s.append([t], self.max_model_len)
-            if s.is_finished:
-                s.stats.decode_time = 0.0
-        active = [s for s in seqs if not s.is_finished]
-        while active:
-            k = self._draft_len(active)
-            emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
+    def step(self) -> "StepResult":
+        """One engine iteration: prefill chunks, then one draft-verify step for every decoding request."""
+        batch = self.scheduler.schedule()
+        result = StepResult(batch)
+        if batch.prefills:
+            chunks = batch.prefills
+            firsts = self.runner.prefill([c.seq for c in chunks], [c.start for c in chunks], [c.end for c in chunks])
             now = time.perf_counter()
+            for c, t in zip(chunks, firsts):
+                c.seq.num_prefilled = c.end
+                if t is not None:
+                    c.seq.decode_start = now
+                    c.seq.append([t], self.max_model_len)
+                    result.updated.append(c.seq)
+        if batch.decodes:
+            active, k = batch.decodes, batch.num_draft
+            before = (active[0].stats.draft_time, active[0].stats.verify_time)
+            emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
+            # Every row of a step is charged the step's time, so one row's increase is the step's.
+            result.draft_time = active[0].stats.draft_time - before[0]
+            result.verify_time = active[0].stats.verify_time - before[1]
             for s, toks in zip(active, emitted):
                 n = s.append(toks, self.max_model_len)
                 if k > 0:
                     s.stats.acceptance_lengths.append(n)
-                if s.is_finished:
-                    s.stats.decode_time = now - decode_start
-            active = [s for s in active if not s.is_finished]
+                    s.stats.draft_lens.append(k)
+                    result.acceptance_lengths.append(n)
+                result.updated.append(s)
+        now = time.perf_counter()
+        for s in result.updated:
+            if s.is_finished:
+                s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
+                self.scheduler.finish(s)
+        result.updated.extend(batch.aborted)
+        return result
 
-    def _draft_len(self, seqs: list[Sequence]) -> int:
-        """K for this step: the configured K, capped by what any row still needs and by the context."""
-        if self.drafter is None:
-            return 0
-        need = max(s.remaining for s in seqs)
-        room = min(self.max_model_len - 1 - s.num_cached for s in seqs)
-        return max(0, min(self.max_draft_len, need, room))
-
-    def _output(self, s: Sequence) -> RequestOutput:
+    def make_output(self, s: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         for stop in s.params.stop:
             cut = text.find(stop)
@@ -195,6 +240,7 @@ class LLMEngine:
             text=text,
             finish_reason=s.finish_reason or "length",
             acceptance_lengths=list(s.stats.acceptance_lengths),
+            draft_lens=list(s.stats.draft_lens),
             tau=s.stats.tau,
             acceptance_histogram=s.stats.histogram(self.max_draft_len + 1) if self.drafter is not None else [],
             draft_time=s.stats.draft_time,
@@ -202,3 +248,18 @@ class LLMEngine:
             prefill_time=s.stats.prefill_time,
             decode_time=s.stats.decode_time,
         )
+
+
+@dataclass
+class StepResult:
+    """What one step did: the requests that got tokens or finished, and the step's statistics."""
+
+    batch: ScheduledBatch
+    updated: list[Sequence] = field(default_factory=list)  # got new tokens, finished or were aborted
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per decoding row (speculative)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.batch.decodes)

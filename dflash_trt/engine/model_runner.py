@@ -76,26 +76,41 @@ class ModelRunner:
         return sample_from(probs, uniform([s.generator for s in seqs], 1, self.device)[:, 0]).tolist()
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Run the prompts (right-padded into one batch) and return each row's first token."""
-        start = time.perf_counter()
-        lens = [len(s.prompt_ids) for s in seqs]
+    def prefill(
+        self, seqs: list[Sequence], starts: list[int] | None = None, ends: list[int] | None = None
+    ) -> list[int | None]:
+        """Run prompt chunks [start, end) (right-padded into one batch) at their absolute positions.
+
+        Returns each row's first token when its chunk ends the prompt, else None (chunked prefill:
+        an earlier chunk's K/V are already cached and the chunk attends to them).
+        """
+        start_time = time.perf_counter()
+        starts = starts or [0] * len(seqs)
+        ends = ends or [len(s.prompt_ids) for s in seqs]
+        lens = [e - b for b, e in zip(starts, ends)]
         n = max(lens)
         ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
         for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.prompt_ids, dtype=torch.long)
-        positions = torch.arange(n, device=self.device).expand(len(seqs), n)
-        # Padding beyond a row's prompt writes K/V past its length: masked, then overwritten.
+            ids[i, : lens[i]] = torch.tensor(s.prompt_ids[starts[i] : ends[i]], dtype=torch.long)
+        first = torch.tensor(starts, dtype=torch.long, device=self.device)
+        # Padding beyond a row's chunk writes K/V past its length: masked, then overwritten. The clamp
+        # keeps it inside the cache (the last position is never a live one: the cache has spare room).
+        positions = (first[:, None] + torch.arange(n, device=self.device)).clamp_max(self.target_cache.max_len - 1)
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions)
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
-        last = torch.tensor(lens, device=self.device) - 1
-        logits = self.target.compute_logits(hidden[torch.arange(len(seqs)), last])
-        tokens = self._sample(seqs, logits)
-        elapsed = time.perf_counter() - start
+        done = [i for i, s in enumerate(seqs) if ends[i] == len(s.prompt_ids)]
+        tokens: list[int | None] = [None] * len(seqs)
+        if done:
+            # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
+            last = torch.tensor([lens[i] - 1 for i in done], device=self.device)
+            logits = self.target.compute_logits(hidden[torch.tensor(done, device=self.device), last])
+            for i, t in zip(done, self._sample([seqs[i] for i in done], logits)):
+                tokens[i] = t
+        elapsed = time.perf_counter() - start_time
         for i, s in enumerate(seqs):
             s.stats.prefill_time += elapsed
             if features is not None:
-                s.pending_features = features[i, : lens[i]]
+                s.pending_features = _cat(s.pending_features, features[i, : lens[i]])
         return tokens
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ _ids = itertools.count()
 @dataclass
 class SequenceStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per speculative step
+    draft_lens: list[int] = field(default_factory=list)  # K of each speculative step (the schedule may vary it)
     draft_time: float = 0.0  # seconds in drafter forwards (shared batch time, attributed to each row)
     verify_time: float = 0.0  # seconds in target verify forwards and acceptance
     prefill_time: float = 0.0
@@ -44,6 +45,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.slot: int = -1
+        self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
+        self.decode_start: float | None = None  # perf_counter when the first token was sampled
         self.generator: Any = None  # torch.Generator, owned by the model runner
         self.pending_features: Any = None  # [n, F] target features of tokens not yet in the drafter cache
         self.stats = SequenceStats()
@@ -52,6 +55,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_prefilled >= len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,121 @@
+"""EngineLoop: runs LLMEngine.step() on one background thread and routes each request's progress to
+its callback. Requests and aborts come from any thread (HTTP handlers, Triton's python backend).
+
+Callbacks run on the engine thread with an immutable `RequestUpdate` snapshot, so a consumer on
+another thread never sees a sequence being mutated; they must return quickly (hand off, don't work).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dflash_trt.engine.llm_engine import LLMEngine, RequestOutput, StepResult
+from dflash_trt.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request_id: int
+    token_ids: tuple[int, ...]  # all generated ids so far
+    finished: bool
+    output: RequestOutput | None = None  # set when finished (text cut at stop strings, statistics)
+    error: str | None = None  # set when the engine failed this request
+
+
+Callback = Callable[[RequestUpdate], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # per-step statistics (metrics), called on the engine thread
+        self._callbacks: dict[int, Callback] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "EngineLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
+        """Queue a request; raises ValueError (bad input) or QueueFullError synchronously."""
+        if self._stop.is_set():
+            raise RuntimeError("the engine loop is stopped")
+        seq = self.engine.make_sequence(prompt_ids, params)
+        with self._lock:
+            self._callbacks[seq.request_id] = callback
+        try:
+            self.engine.scheduler.add(seq)
+        except Exception:
+            with self._lock:
+                self._callbacks.pop(seq.request_id, None)
+            raise
+        self._wake.set()
+        return seq.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Cancel a request: it is answered with finish_reason "abort" and its row is freed at the next step."""
+        found = self.engine.abort(request_id)
+        self._wake.set()
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                result = self.engine.step()
+            except Exception as e:  # one bad step fails the requests in it, never the loop
+                logger.exception("engine step failed")
+                for seq in self.engine.scheduler.fail_running("error"):
+                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}"))
+                continue
+            for seq in result.updated:
+                output = self.engine.make_output(seq) if seq.is_finished else None
+                self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
+            if self.on_step is not None:
+                try:
+                    self.on_step(result)
+                except Exception:
+                    logger.exception("on_step callback failed")
+        # Shutting down: answer whatever is left so no caller waits forever.
+        for seq in self.engine.scheduler.fail_running("abort"):
+            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, "server shutting down"))
+        while self.engine.scheduler.waiting:
+            seq = self.engine.scheduler.waiting.popleft()
+            self._deliver(RequestUpdate(seq.request_id, (), True, None, "server shutting down"))
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        with self._lock:
+            callback = self._callbacks.pop(update.request_id, None) if update.finished else self._callbacks.get(update.request_id)
+        if callback is None:
+            return
+        try:
+            callback(update)
+        except Exception:
+            logger.exception("callback for request %d failed", update.request_id)

@@ -1,0 +1,201 @@
+"""Scheduler: continuous batching over the fused draft-verify step (no torch).
+
+Requests wait in a bounded FIFO queue and join the running set between steps, each taking one cache
+row. A step carries prefill chunks (new or partly prefilled prompts, within a token budget, so a long
+prompt never stalls the running requests for more than one chunk) and one decode step for every
+request whose prompt is fully cached. A request leaves when it finishes, fails or is aborted, and
+its row is free for the next step. Methods are thread-safe: requests and aborts may arrive from any
+thread while one engine thread calls `schedule` and `finish`.
+
+Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
+Step 1: prefill A[0:5] and B[0:3]. Step 2: decode A; prefill B[3:11]. Step 3: decode A; prefill
+B[11:20] (B samples its first token). Step 4: decode A and B together.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash_trt.engine.sequence import Sequence
+from dflash_trt.engine.slot_allocator import SlotAllocator
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at max_queue_len: retry later (HTTP 503)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int  # cache rows: requests running at once
+    max_model_len: int  # prompt + generated tokens per request
+    max_draft_len: int = 0  # K when the schedule has no entry (0: autoregressive)
+    draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (largest key <= batch size)
+    max_queue_len: int = 256  # waiting requests beyond the running ones; more are refused
+    max_prefill_tokens: int = 512  # prompt tokens per step, over all prefill chunks
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        for b, k in self.draft_len_schedule.items():
+            if b < 1 or not 0 <= k <= self.max_draft_len:
+                raise ValueError(
+                    f"draft_len_schedule {{{b}: {k}}}: batch sizes must be >= 1 and K in 0..max_draft_len={self.max_draft_len}"
+                )
+
+    def draft_len_for(self, batch_size: int) -> int:
+        """K for a batch: the schedule entry with the largest batch size <= batch_size, else max_draft_len."""
+        keys = [b for b in self.draft_len_schedule if b <= batch_size]
+        return self.draft_len_schedule[max(keys)] if keys else self.max_draft_len
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first prompt position of the chunk
+    end: int  # one past the last; end == len(prompt) samples the first token
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == len(self.seq.prompt_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]  # prompts fully cached: one draft-verify (or plain decode) step each
+    num_draft: int  # K for the decodes; 0 means one autoregressive token
+    aborted: list[Sequence]  # requests that were aborted since the last step (rows already freed)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes and not self.aborted
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.slots = SlotAllocator(config.max_num_seqs)
+        self.waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # request_id -> request owning a row (prefilling or decoding), oldest first
+        self._abort_ids: set[int] = set()
+        self._aborted: list[Sequence] = []
+        self._lock = threading.Lock()
+
+    # --- any thread -------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running.values())
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.waiting or self._running or self._aborted)
+
+    def can_add(self) -> bool:
+        with self._lock:
+            return self._has_room()
+
+    def _has_room(self) -> bool:
+        # A request is admitted when a row will be free for it, or the queue has room.
+        return len(self.waiting) < self.slots.num_free + self.config.max_queue_len
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            if not self._has_room():
+                raise QueueFullError(
+                    f"{len(self.waiting)} requests are waiting (max_queue_len={self.config.max_queue_len}); retry later"
+                )
+            self.waiting.append(seq)
+
+    def abort(self, request_id: int, reason: str = "abort") -> bool:
+        """Cancel a request; its row is freed at the next step boundary. False if it is unknown or done."""
+        with self._lock:
+            for seq in self.waiting:
+                if seq.request_id == request_id:
+                    self.waiting.remove(seq)
+                    seq.finish_reason = reason
+                    self._aborted.append(seq)
+                    return True
+            seq = self._running.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self._abort_ids.add(request_id)
+                return True
+            return False
+
+    # --- the engine thread ------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        with self._lock:
+            aborted = self._take_aborted()
+            budget = self.config.max_prefill_tokens
+            prefills: list[PrefillChunk] = []
+            decodes: list[Sequence] = []
+            for seq in self._running.values():  # oldest first
+                if seq.is_prefilled:
+                    decodes.append(seq)
+                elif budget > 0:
+                    prefills.append(self._chunk(seq, budget))
+                    budget -= prefills[-1].end - prefills[-1].start
+            while self.waiting and self.slots.num_free and budget > 0:
+                seq = self.waiting.popleft()
+                seq.slot = self.slots.allocate()
+                self._running[seq.request_id] = seq
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].end - prefills[-1].start
+            return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or failed) request's row."""
+        with self._lock:
+            self._release(seq)
+
+    def fail_running(self, reason: str = "error") -> list[Sequence]:
+        """Finish every running request with `reason` (after an engine error); returns them."""
+        with self._lock:
+            failed = list(self._running.values())
+            for seq in failed:
+                seq.finish_reason = reason
+                self._release(seq)
+            return failed
+
+    def _take_aborted(self) -> list[Sequence]:
+        aborted, self._aborted = self._aborted, []
+        for seq in [self._running[i] for i in self._abort_ids if i in self._running]:
+            seq.finish_reason = "abort"
+            self._release(seq)
+            aborted.append(seq)
+        self._abort_ids.clear()
+        return aborted
+
+    def _release(self, seq: Sequence) -> None:
+        if self._running.pop(seq.request_id, None) is not None:
+            self.slots.free(seq.slot)
+        self._abort_ids.discard(seq.request_id)
+
+    def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
+        start = seq.num_prefilled
+        return PrefillChunk(seq, start, min(len(seq.prompt_ids), start + budget))
+
+    def _draft_len(self, decodes: list[Sequence]) -> int:
+        """K for this step: the schedule's K for the batch size, capped by what any row still needs
+        and by the context room of the fullest row (the verify block must fit)."""
+        if not decodes:
+            return 0
+        k = self.config.draft_len_for(len(decodes))
+        need = max(s.remaining for s in decodes)
+        room = min(self.config.max_model_len - 1 - s.num_cached for s in decodes)
+        return max(0, min(k, need, room))

@@ -1,0 +1,298 @@
+"""OpenAI-compatible HTTP routes over an EngineLoop: /v1/completions, /v1/chat/completions (SSE
+streaming and not), /v1/models, /health, /metrics. Every refusal is an OpenAI-style JSON error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+from dflash_trt.engine.engine_loop import EngineLoop, RequestUpdate
+from dflash_trt.engine.llm_engine import RequestOutput
+from dflash_trt.engine.scheduler import QueueFullError
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server import protocol as p
+from dflash_trt.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is gone
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+@dataclass
+class _Submitted:
+    request_ids: list[int]
+    prompt_lens: list[int]
+    queue: asyncio.Queue  # (choice index, RequestUpdate)
+    detoks: list[IncrementalDetokenizer]
+
+
+def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
+    engine = loop.engine
+    metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len)
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+
+    def error_response(e: APIError) -> JSONResponse:
+        metrics.errors.labels(str(e.status)).inc()
+        body = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code))
+        return JSONResponse(body.model_dump(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {e}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.is_alive:
+            return error_response(APIError(503, "the engine loop is not running", "server_error"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=engine.max_model_len)])
+        return JSONResponse(cards.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, p.CompletionRequest)
+        _check_model(req.model)
+        prompts = [_encode_prompt(x) for x in req.prompts()]
+        submitted = _submit(req, prompts, req.max_tokens)
+        if req.stream:
+            return _sse(_stream_completion(req, submitted))
+        outputs = await _wait_all(request, submitted)
+        choices = [p.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, acceptance=_acceptance(o))
+                   for i, o in enumerate(outputs)]
+        body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs))
+        return JSONResponse(body.model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, p.ChatCompletionRequest)
+        _check_model(req.model)
+        try:
+            ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        except Exception as e:  # a template that rejects this conversation (roles, order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        submitted = _submit(req, [ids], req.max_new_tokens)
+        if req.stream:
+            return _sse(_stream_chat(req, submitted))
+        (out,) = await _wait_all(request, submitted)
+        choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                              acceptance=_acceptance(out))
+        body = p.ChatCompletionResponse(model=model_name, choices=[choice], usage=_usage([out]))
+        return JSONResponse(body.model_dump())
+
+    # --- request -> engine ------------------------------------------------------------------------
+
+    async def _parse(request: Request, schema: type[BaseModel]):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"invalid JSON body: {e}") from e
+        if not isinstance(data, dict):
+            raise APIError(400, "the JSON body must be an object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(x) for x in err["loc"]) or None
+            msg = err["msg"].removeprefix("Value error, ")
+            raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
+
+    def _check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+
+    def _encode_prompt(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return engine.encode(prompt)
+        vocab = engine.target.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}", param="prompt")
+        return list(prompt)
+
+    def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+        limit = engine.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
+                                "tokens, which leaves no room to generate", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
+        if prompt_len + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                                f"and max_tokens is {max_tokens}", param="max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=max(0, req.top_k), seed=req.seed, stop=req.stop_list,
+                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> _Submitted:
+        params = [_params(req, len(ids), max_tokens) for ids in prompts]  # validate all before queueing any
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        ids: list[int] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            def callback(update: RequestUpdate, i: int = i) -> None:
+                aio.call_soon_threadsafe(queue.put_nowait, (i, update))
+            try:
+                ids.append(loop.submit(prompt, sp, callback))
+            except QueueFullError as e:
+                for rid in ids:
+                    loop.abort(rid)
+                raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full") from e
+            except ValueError as e:
+                for rid in ids:
+                    loop.abort(rid)
+                raise APIError(400, str(e), param="prompt") from e
+        detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list) for _ in prompts]
+        return _Submitted(ids, [len(x) for x in prompts], queue, detoks)
+
+    # --- engine -> response -----------------------------------------------------------------------
+
+    def _finished(update: RequestUpdate) -> RequestOutput:
+        if update.error is not None or update.output is None:
+            raise APIError(500, update.error or "the request ended without output", "server_error")
+        metrics.observe_finished(update.output)
+        return update.output
+
+    async def _wait_all(request: Request, s: _Submitted) -> list[RequestOutput]:
+        outputs: list[RequestOutput | None] = [None] * len(s.request_ids)
+        try:
+            while any(o is None for o in outputs):
+                try:
+                    i, update = await asyncio.wait_for(s.queue.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected") from None
+                    continue
+                if update.finished:
+                    outputs[i] = _finished(update)
+            return outputs  # type: ignore[return-value]
+        finally:
+            for i, rid in enumerate(s.request_ids):
+                if outputs[i] is None:
+                    loop.abort(rid)
+
+    async def _updates(s: _Submitted):
+        """Yield (choice index, text delta, finished output or None) until every choice has finished;
+        abort the unfinished ones if the consumer stops early (client disconnect)."""
+        done = [False] * len(s.request_ids)
+        try:
+            while not all(done):
+                i, update = await s.queue.get()
+                out = _finished(update) if update.finished else None
+                done[i] = update.finished
+                text = s.detoks[i].delta(update.token_ids, out.text if out is not None else None)
+                if text or out is not None:
+                    yield i, text, out
+        finally:
+            for i, rid in enumerate(s.request_ids):
+                if not done[i]:
+                    loop.abort(rid)
+
+    async def _stream_completion(req: p.CompletionRequest, s: _Submitted):
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = []
+        async for i, text, out in _updates(s):
+            choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
+                                        acceptance=_acceptance(out) if out else None)
+            chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])
+            if out is not None:
+                outputs.append(out)
+                chunk.usage = _usage([out])
+            yield chunk.model_dump()
+        if req.stream_options and req.stream_options.include_usage:
+            yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
+
+    async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
+        yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first]).model_dump()
+        outputs = []
+        async for i, text, out in _updates(s):
+            choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
+                                       finish_reason=out.finish_reason if out else None,
+                                       acceptance=_acceptance(out) if out else None)
+            chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
+            if out is not None:
+                outputs.append(out)
+                chunk.usage = _usage([out])
+            yield chunk.model_dump()
+        if req.stream_options and req.stream_options.include_usage:
+            yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
+
+    def _sse(chunks) -> StreamingResponse:
+        async def events():
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            except APIError as e:  # the engine failed this request mid-stream: say so, then end the stream
+                metrics.errors.labels(str(e.status)).inc()
+                err = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, code=e.code))
+                yield f"data: {json.dumps(err.model_dump())}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _acceptance(out: RequestOutput) -> p.AcceptanceStats | None:
+        if engine.drafter is None:
+            return None
+        drafted = out.total_draft_tokens
+        accepted = out.total_accepted_draft_tokens
+        return p.AcceptanceStats(
+            tau=out.tau, num_steps=len(out.acceptance_lengths), acceptance_histogram=out.acceptance_histogram,
+            total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            draft_time_s=out.draft_time, verify_time_s=out.verify_time,
+        )
+
+    def _usage(outputs: list[RequestOutput]) -> p.Usage:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(o.num_tokens for o in outputs)
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    return app

@@ -1,0 +1,202 @@
+"""`dflash-trt serve` (OpenAI-compatible HTTP) and `dflash-trt triton export | serve`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+
+def parse_schedule(text: str | None) -> dict[int, int]:
+    """"1:15,4:7,16:3" -> {1: 15, 4: 7, 16: 3} (batch size -> K)."""
+    if not text:
+        return {}
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(b): int(k) for b, k in pairs}
+    except ValueError as e:
+        raise click.BadParameter(f"expected BATCH:K[,BATCH:K...], e.g. 1:15,8:7,32:3; got {text!r}") from e
+
+
+def load_engine(engine_dir, target, drafter, no_spec, **overrides):
+    """An LLMEngine from an engine directory, or from --target/--drafter (default: the embedded SmolLM2)."""
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    if engine_dir is not None:
+        from dflash_trt.engine_dir import open_engine
+
+        if no_spec:
+            overrides["speculative"] = False
+        return open_engine(engine_dir, backend="torch", **overrides), Path(engine_dir).resolve().name
+    from dflash_trt.cli import _default_dirs
+
+    target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
+    values = {k: v for k, v in overrides.items() if v is not None}
+    config = EngineConfig(speculative=not no_spec, **values)
+    return LLMEngine.from_dirs(target_dir, drafter_dir, config), Path(target_dir).resolve().name
+
+
+def _engine_options(f):
+    options = [
+        click.option("--target", type=click.Path(exists=True, file_okay=False),
+                     help="HF-format target directory instead of ENGINE (default: the embedded SmolLM2-135M-Instruct)."),
+        click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory."),
+        click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter)."),
+        click.option("--max-batch-size", type=int, default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
+        click.option("--max-model-len", type=int, default=None, help="Prompt + generated tokens per request."),
+        click.option("--max-draft-len", "-k", type=int, default=None, help="K draft tokens per step."),
+        click.option("--draft-len-schedule", default=None, help="K by batch size, e.g. 1:15,4:7,16:3 (largest batch size <= the batch wins)."),
+        click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
+        click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, max_queue_len, max_prefill_tokens, dtype):
+    schedule = parse_schedule(draft_len_schedule)
+    return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
+                draft_len_schedule=schedule or None, max_queue_len=max_queue_len,
+                max_prefill_tokens=max_prefill_tokens, dtype=dtype)
+
+
+@click.command()
+@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (127.0.0.1: this machine only).")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
+              help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
+@click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
+def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
+          max_queue_len, max_prefill_tokens, dtype, host, port, backend, served_model_name) -> None:
+    """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
+    if backend == "trtllm":
+        _exec_trtllm_serve(engine, host, port)
+        return
+    import uvicorn
+
+    from dflash_trt.engine.engine_loop import EngineLoop
+    from dflash_trt.server.app import create_app
+
+    _Server = _uvicorn_server_class()
+    from dflash_trt.server.metrics import ServerMetrics
+
+    try:
+        llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
+            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, max_queue_len, max_prefill_tokens, dtype))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
+    name = served_model_name or name
+    metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
+    loop = EngineLoop(llm, on_step=metrics.observe_step).start()
+    app = create_app(loop, name, metrics)
+    mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
+    click.echo(f"serving '{name}' ({mode}, {llm.config.max_batch_size} rows, max_model_len {llm.max_model_len}) "
+               f"on http://{host}:{port}/v1", err=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        _Server(config).run()  # returns on SIGINT / SIGTERM after closing connections
+    finally:
+        loop.stop()
+    click.echo("stopped", err=True)
+
+
+def _uvicorn_server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Shut down gracefully on SIGINT / SIGTERM and exit 0; uvicorn's own handler re-raises the
+            # signal after shutdown, which kills the process before the engine loop is stopped.
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
+def _exec_trtllm_serve(engine, host: str, port: int) -> None:
+    if engine is None:
+        raise click.UsageError("--backend trtllm needs an ENGINE directory built by `dflash-trt build`")
+    from dflash_trt.engine_dir import EngineDir
+    from dflash_trt.trtllm.launch import serve_command
+
+    try:
+        built = EngineDir(engine)
+        built.verify()
+        cmd = serve_command(built, host, port)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
+    os.chdir(built.path)  # the config's relative paths (speculative_model) resolve against the engine
+    os.execv(cmd[0], cmd)  # trtllm-serve takes over this process, and its signals
+
+
+@click.group()
+def triton() -> None:
+    """Triton Inference Server: export a model repository, serve it with tritonserver."""
+
+
+@triton.command("export")
+@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", "repo", required=True, type=click.Path(file_okay=False), help="Model repository to write.")
+@click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory instead of ENGINE.")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
+@click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter).")
+@click.option("--model-name", default="dflash", show_default=True, help="The Triton model name.")
+@click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True)
+@click.option("--max-batch-size", type=int, default=8, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--max-draft-len", "-k", type=int, default=None)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
+                  max_draft_len, dtype) -> None:
+    """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
+    from dflash_trt.server.triton import ModelSettings, export_repository
+
+    if engine is None and target is None:
+        from dflash_trt.cli import _default_dirs
+
+        t, d = _default_dirs(None, drafter, no_spec)
+        target, drafter = str(t), (str(d) if d else None)
+    settings = ModelSettings(
+        engine_dir=str(Path(engine).resolve()) if engine else "", target_dir=str(Path(target).resolve()) if target else "",
+        drafter_dir=str(Path(drafter).resolve()) if drafter and not no_spec else "", speculative=not no_spec,
+        backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
+        max_draft_len=max_draft_len or 0, dtype=dtype or "",
+    )
+    try:
+        path = export_repository(repo, model_name, settings)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(str(path))
+
+
+@triton.command("serve")
+@click.argument("repo", type=click.Path(exists=True, file_okay=False))
+@click.option("--http-port", default=8000, show_default=True, type=int)
+@click.option("--grpc-port", default=8001, show_default=True, type=int)
+@click.option("--metrics-port", default=8002, show_default=True, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address for all three endpoints.")
+def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
+    """Run tritonserver (the one nvidia-pytriton ships) on REPO until Ctrl-C / SIGTERM."""
+    from dflash_trt.server.triton import TritonServer
+
+    try:
+        server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
+        server.start()
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"tritonserver on {host}: http {http_port}, grpc {grpc_port}, metrics {metrics_port}", err=True)
+    raise SystemExit(server.wait_forwarding_signals())

@@ -1,0 +1,54 @@
+"""Prometheus metrics of the serving engine, in their own registry (one per server, no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dflash_trt.engine.llm_engine import RequestOutput, StepResult
+from dflash_trt.engine.scheduler import Scheduler
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, scheduler: Scheduler, max_draft_len: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.errors = Counter("dflash_request_errors", "Refused or failed requests by HTTP status", ["status"], registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a cache row", registry=r)
+        self.queue_depth.set_function(lambda: scheduler.num_waiting)
+        self.running = Gauge("dflash_running_requests", "Requests holding a cache row", registry=r)
+        self.running.set_function(lambda: scheduler.num_running)
+        self.batch_size = Histogram("dflash_batch_size", "Decoding requests per engine step", buckets=_BATCH_BUCKETS, registry=r)
+        steps = tuple(range(1, max(1, max_draft_len) + 2))
+        self.acceptance_length = Histogram(
+            "dflash_acceptance_length", "Tokens committed per request per speculative step (tau, counting the bonus)",
+            buckets=steps, registry=r,
+        )
+        self.request_tau = Histogram("dflash_request_tau", "Mean acceptance length of each finished request",
+                                     buckets=steps, registry=r)
+        self.draft_time = Histogram("dflash_draft_seconds", "Drafter time per engine step", buckets=_TIME_BUCKETS, registry=r)
+        self.verify_time = Histogram("dflash_verify_seconds", "Target verify (or decode) time per engine step",
+                                     buckets=_TIME_BUCKETS, registry=r)
+
+    def observe_step(self, result: StepResult) -> None:
+        if result.batch_size:
+            self.batch_size.observe(result.batch_size)
+            self.verify_time.observe(result.verify_time)
+            if result.batch.num_draft:
+                self.draft_time.observe(result.draft_time)
+        for n in result.acceptance_lengths:
+            self.acceptance_length.observe(n)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        self.requests.labels(output.finish_reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(output.num_tokens)
+        if output.acceptance_lengths:
+            self.request_tau.observe(output.tau)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

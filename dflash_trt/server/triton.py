@@ -1,0 +1,240 @@
+"""Triton Inference Server: export a model repository (python backend, decoupled for streaming) whose
+inputs and outputs follow TensorRT-LLM's llmapi Triton model, and run the tritonserver binary that
+`nvidia-pytriton==0.7.0` ships (env-probe §2.4) on it.
+
+Repository layout:  REPO/NAME/config.pbtxt   REPO/NAME/1/model.py  (a copy of server/triton_model.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_TEMPLATE = Path(__file__).with_name("triton_model.py")
+
+# (name, Triton type, dims) as in TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt.
+INPUTS = [
+    ("text_input", "TYPE_STRING", "[ -1 ]", False),
+    ("streaming", "TYPE_BOOL", "[ 1 ]", True),
+    ("sampling_param_temperature", "TYPE_FP32", "[ 1 ]", True),
+    ("sampling_param_top_k", "TYPE_INT32", "[ 1 ]", True),
+    ("sampling_param_top_p", "TYPE_FP32", "[ 1 ]", True),
+    ("sampling_param_max_tokens", "TYPE_INT32", "[ 1 ]", True),
+    ("sampling_param_stop", "TYPE_STRING", "[ -1 ]", True),
+    ("sampling_param_seed", "TYPE_UINT64", "[ 1 ]", True),
+    ("return_finish_reason", "TYPE_BOOL", "[ 1 ]", True),
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", "[ -1 ]"),
+    ("finish_reason", "TYPE_STRING", "[ -1 ]"),
+    ("acceptance_rate", "TYPE_FP32", "[ 1 ]"),
+    ("total_accepted_draft_tokens", "TYPE_INT32", "[ 1 ]"),
+    ("total_draft_tokens", "TYPE_INT32", "[ 1 ]"),
+]
+
+
+@dataclass
+class ModelSettings:
+    """What model.py loads; written as config.pbtxt `parameters` (strings) and read back from them."""
+
+    engine_dir: str = ""  # an engine built by `dflash-trt build`; or target_dir (+ drafter_dir)
+    target_dir: str = ""
+    drafter_dir: str = ""
+    speculative: bool = True
+    backend: str = "torch"  # torch: this project's runtime; trtllm: tensorrt_llm.LLM with the engine's config
+    max_batch_size: int = 8
+    max_model_len: int = 0  # 0: the engine's default
+    max_draft_len: int = 0  # 0: the engine's default
+    dtype: str = ""  # "": the engine's default
+
+    def __post_init__(self) -> None:
+        if not self.engine_dir and not self.target_dir:
+            raise ValueError("a Triton model needs an engine directory or a target directory")
+        if self.backend not in ("torch", "trtllm"):
+            raise ValueError(f"backend must be torch or trtllm, got {self.backend!r}")
+        if self.backend == "trtllm" and not self.engine_dir:
+            raise ValueError("the trtllm backend serves an engine directory built by `dflash-trt build`")
+        if self.speculative and not self.engine_dir and not self.drafter_dir:
+            raise ValueError("speculative decoding needs a drafter directory (or speculative=False)")
+
+    def to_parameters(self) -> dict[str, str]:
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "ModelSettings":
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in params:
+                continue
+            raw = params[f.name]
+            values[f.name] = raw == "True" if f.type in ("bool", bool) else int(raw) if f.type in ("int", int) else raw
+        return cls(**values)
+
+    def open_engine(self):
+        """The torch runtime's LLMEngine for these settings."""
+        overrides = {"max_batch_size": self.max_batch_size, "max_model_len": self.max_model_len or None,
+                     "max_draft_len": self.max_draft_len or None, "dtype": self.dtype or None}
+        if self.engine_dir:
+            from dflash_trt.engine_dir import open_engine
+
+            if not self.speculative:
+                overrides["speculative"] = False
+            return open_engine(self.engine_dir, backend="torch", **overrides)
+        from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+        config = EngineConfig(speculative=self.speculative, **{k: v for k, v in overrides.items() if v is not None})
+        return LLMEngine.from_dirs(self.target_dir, self.drafter_dir or None, config)
+
+
+def config_pbtxt(model_name: str, settings: ModelSettings) -> str:
+    lines = [f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0",
+             "# Decoupled: a request may get many responses (streaming), the last one flagged final.",
+             "model_transaction_policy { decoupled: true }",
+             "instance_group [ { count: 1, kind: KIND_CPU } ]", "input ["]
+    lines.append(",\n".join(
+        f'  {{ name: "{n}", data_type: {t}, dims: {d}{", optional: true" if opt else ""} }}' for n, t, d, opt in INPUTS))
+    lines += ["]", "output ["]
+    lines.append(",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: {d} }}' for n, t, d in OUTPUTS))
+    lines.append("]")
+    for key, value in settings.to_parameters().items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'parameters {{ key: "{key}", value: {{ string_value: "{escaped}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+def export_repository(repo: str | Path, model_name: str, settings: ModelSettings) -> Path:
+    """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory."""
+    for path in (settings.engine_dir, settings.target_dir, settings.drafter_dir):
+        if path and not Path(path).is_dir():
+            raise FileNotFoundError(f"{path}: no such directory")
+    model_dir = Path(repo) / model_name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
+    shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
+    return model_dir
+
+
+class TritonServer:
+    """The pytriton-bundled tritonserver on a model repository, bound to one host (127.0.0.1 by default).
+
+    The python backend's stub for this interpreter is linked in a private backend directory, and the
+    loader is pointed at this interpreter's own libpython and at pytriton's bundled libraries
+    (env-probe §2.4); PYTHONPATH carries this environment to the stub, so model.py imports dflash_trt.
+    """
+
+    def __init__(self, repo: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 host: str = "127.0.0.1", log_path: str | Path | None = None) -> None:
+        self.repo = Path(repo).resolve()
+        self.ports = (http_port, grpc_port, metrics_port)
+        self.host = host
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    def command(self, backends: Path) -> list[str]:
+        http, grpc, metrics = self.ports
+        return [str(_pytriton_root() / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+                f"--backend-directory={backends}", f"--http-address={self.host}", f"--http-port={http}",
+                f"--grpc-address={self.host}", f"--grpc-port={grpc}", f"--metrics-address={self.host}",
+                f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--exit-timeout-secs=5",
+                "--log-verbose=0"]
+
+    def start(self) -> "TritonServer":
+        root = _pytriton_root()
+        self._workdir = tempfile.TemporaryDirectory(prefix="dflash-triton-")
+        work = Path(self._workdir.name)
+        backend = work / "backends" / "python"
+        backend.mkdir(parents=True)
+        for f in (root / "backends" / "python").iterdir():
+            if f.is_file():
+                (backend / f.name).symlink_to(f)
+        stub = root / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}" / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise RuntimeError(f"nvidia-pytriton has no python backend stub for Python {sys.version_info[:2]} ({stub})")
+        (backend / stub.name).symlink_to(stub)
+        env = dict(os.environ)
+        libs = [sysconfig.get_config_var("LIBDIR") or "", str(root.parent.parent / "nvidia_pytriton.libs")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+        import dflash_trt
+
+        paths = [str(Path(dflash_trt.__file__).resolve().parent.parent), sysconfig.get_paths()["purelib"]]
+        env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(work / "backends"), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Poll /v2/health/ready; RuntimeError if the server exits or is not ready in time."""
+        import urllib.error
+        import urllib.request
+
+        url = f"http://{self.host}:{self.ports[0]}/v2/health/ready"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"tritonserver was not ready after {timeout:.0f} s" + (f"; see {self.log_path}" if self.log_path else ""))
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Triton unloads the models and exits), then SIGKILL after `timeout`."""
+        code = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                code = self.process.wait()
+        elif self.process is not None:
+            code = self.process.returncode
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+        return code
+
+    def wait_forwarding_signals(self) -> int:
+        """Run until the server exits; SIGINT / SIGTERM stop it cleanly. Returns its exit code."""
+        assert self.process is not None, "start() first"
+
+        def forward(signum, _frame):
+            if self.process is not None and self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
+        code = self.process.wait()
+        self.stop()
+        return 0 if code in (0, -signal.SIGTERM) else code
+
+
+def _pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError as e:
+        raise RuntimeError(
+            "tritonserver comes with nvidia-pytriton: pip install 'nvidia-pytriton==0.7.0' 'tritonclient[http,grpc]~=2.50' "
+            "(or `pip install dflash-trt[triton]`)"
+        ) from e
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise RuntimeError(f"{root / 'bin' / 'tritonserver'} is missing: reinstall nvidia-pytriton==0.7.0")
+    return root

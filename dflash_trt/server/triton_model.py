@@ -1,0 +1,163 @@
+"""Triton python-backend model (copied as REPO/NAME/1/model.py by `dflash-trt triton export`).
+
+Decoupled: each request gets its text as deltas (streaming=true) or in one response, the last one
+flagged final; inputs and outputs follow TensorRT-LLM's llmapi Triton model. The torch backend runs
+this project's EngineLoop (continuous batching); the trtllm backend runs tensorrt_llm.LLM with the
+engine's trtllm/config.yaml. Only Triton imports this file (triton_python_backend_utils exists there).
+"""
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dflash_trt.server.triton import ModelSettings
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _strings(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
+
+
+def _response(text, finish_reason="", accepted=0, drafted=0):
+    rate = accepted / drafted if drafted else 0.0
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("acceptance_rate", np.array([rate], dtype=np.float32)),
+        pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
+        pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
+    ])
+
+
+def _error(message):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.settings = ModelSettings.from_parameters(params)
+        if self.settings.backend == "trtllm":
+            self._init_trtllm()
+            return
+        from dflash_trt.engine.engine_loop import EngineLoop
+
+        self.engine = self.settings.open_engine()
+        self.loop = EngineLoop(self.engine).start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._start(request, sender)
+            except Exception as e:  # bad input: answer this request, keep serving the others
+                sender.send(_error(str(e)), flags=FINAL)
+        return None  # decoupled: responses go through the senders
+
+    def finalize(self):
+        if self.settings.backend == "trtllm":
+            self._aio.call_soon_threadsafe(self._aio.stop)
+            return
+        self.loop.stop()
+
+    # --- torch backend: this project's runtime ------------------------------------------------------
+
+    def _start(self, request, sender):
+        from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+        from dflash_trt.sampling_params import SamplingParams
+
+        text = "".join(_strings(request, "text_input"))
+        streaming = bool(_scalar(request, "streaming", False))
+        stop = _strings(request, "sampling_param_stop")
+        max_tokens = int(_scalar(request, "sampling_param_max_tokens", 64))
+        params = dict(max_new_tokens=max_tokens, temperature=float(_scalar(request, "sampling_param_temperature", 0.0)),
+                      top_p=float(_scalar(request, "sampling_param_top_p", 1.0)),
+                      top_k=int(_scalar(request, "sampling_param_top_k", 0)),
+                      seed=_scalar(request, "sampling_param_seed", None), stop=stop)
+        if self.settings.backend == "trtllm":
+            self._start_trtllm(text, streaming, params, sender)
+            return
+        prompt = self.engine.encode(text)
+        limit = self.engine.max_model_len
+        if len(prompt) + max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens ({max_tokens}) exceeds "
+                             f"the model's maximum context length {limit}")
+        detok = IncrementalDetokenizer(self.engine.tokenizer, stop)
+        state = {"id": None}
+
+        def on_update(update):
+            if sender.is_cancelled():
+                if state["id"] is not None:
+                    self.loop.abort(state["id"])
+                return
+            if update.error is not None:
+                sender.send(_error(update.error), flags=FINAL)
+                return
+            out = update.output
+            if streaming:
+                delta = detok.delta(update.token_ids, out.text if out is not None else None)
+                if out is None:
+                    if delta:
+                        sender.send(_response(delta))
+                    return
+                sender.send(_response(delta, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
+                            flags=FINAL)
+            elif out is not None:
+                sender.send(_response(out.text, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
+                            flags=FINAL)
+
+        state["id"] = self.loop.submit(prompt, SamplingParams(**params), on_update)
+
+    # --- trtllm backend: TensorRT-LLM's LLM API with the engine's config -----------------------------
+
+    def _init_trtllm(self):
+        from dflash_trt.engine_dir import EngineDir
+        from dflash_trt.trtllm.launch import load_options, require_tensorrt_llm
+
+        trtllm = require_tensorrt_llm()
+        engine = EngineDir(self.settings.engine_dir)
+        engine.verify()
+        self._trtllm = trtllm
+        self._llm = trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir),
+                               **load_options(engine.path))
+        self._aio = asyncio.new_event_loop()
+        threading.Thread(target=self._aio.run_forever, daemon=True).start()
+
+    def _start_trtllm(self, text, streaming, params, sender):
+        sampling = self._trtllm.SamplingParams(max_tokens=params["max_new_tokens"], temperature=params["temperature"],
+                                               top_p=params["top_p"], top_k=params["top_k"] or None,
+                                               seed=params["seed"], stop=params["stop"] or None)
+
+        async def run():
+            sent = 0
+            try:
+                async for out in self._llm.generate_async(text, sampling, streaming=streaming):
+                    seq = out.outputs[0]
+                    if not out.finished and not streaming:
+                        continue
+                    delta = seq.text[sent:] if streaming else seq.text
+                    sent = len(seq.text)
+                    if out.finished:
+                        sender.send(_response(delta, str(seq.finish_reason or "")), flags=FINAL)
+                    elif delta:
+                        sender.send(_response(delta))
+            except Exception as e:
+                sender.send(_error(str(e)), flags=FINAL)
+
+        asyncio.run_coroutine_threadsafe(run(), self._aio)

@@ -1,0 +1,162 @@
+"""Continuous batching: the scheduler's bookkeeping (torch-free, hand-computed expectations) and the
+engine on top of it (chunked prefill and requests joining mid-flight stay lossless)."""
+
+import pytest
+
+from dflash_trt.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from dflash_trt.engine.sequence import Sequence
+from dflash_trt.engine.slot_allocator import SlotAllocator
+from dflash_trt.sampling_params import SamplingParams
+
+
+def _seq(prompt_len: int, new: int = 4) -> Sequence:
+    return Sequence(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=new, ignore_eos=True))
+
+
+def _run(sched: Scheduler, batch, token: int = 50, max_model_len: int = 2048) -> None:
+    """What the engine does with a batch, without a model: advance prefills, commit one token per row."""
+    for c in batch.prefills:
+        c.seq.num_prefilled = c.end
+        if c.is_last:
+            c.seq.append([token], max_model_len)
+    for s in batch.decodes:
+        s.append([token] * (batch.num_draft + 1), max_model_len)
+    for s in [c.seq for c in batch.prefills] + batch.decodes:
+        if s.is_finished:
+            sched.finish(s)
+
+
+def test_worked_example_of_the_docstring_chunks_and_interleaves():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8))
+    a, b = _seq(5, new=10), _seq(20, new=10)
+    sched.add(a)
+    sched.add(b)
+    spans = []
+    for _ in range(4):
+        batch = sched.schedule()
+        spans.append(([(c.seq is a, c.start, c.end) for c in batch.prefills], [s is a for s in batch.decodes]))
+        _run(sched, batch)
+    assert spans == [
+        ([(True, 0, 5), (False, 0, 3)], []),  # 5 + 3 = the 8-token budget
+        ([(False, 3, 11)], [True]),
+        ([(False, 11, 19)], [True]),
+        ([(False, 19, 20)], [True]),  # B's last chunk samples its first token
+    ]
+    assert sched.schedule().decodes == [a, b]
+
+
+def test_queue_is_bounded_beyond_the_free_rows():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_queue_len=3))
+    for _ in range(5):  # 2 free rows + 3 queue places
+        sched.add(_seq(4))
+    with pytest.raises(QueueFullError, match="max_queue_len=3"):
+        sched.add(_seq(4))
+    _run(sched, sched.schedule())  # 2 start running: the queue now holds 3 of 3 places
+    assert sched.num_waiting == 3 and not sched.can_add()
+
+
+def test_requests_leave_and_their_rows_are_reused_lowest_first():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=64))
+    seqs = [_seq(4, new=n) for n in (1, 3, 3)]
+    for s in seqs:
+        sched.add(s)
+    _run(sched, sched.schedule())  # the first finishes with its prefill token (max_new_tokens=1)
+    assert [s.slot for s in seqs] == [0, 1, 2] and seqs[0].is_finished
+    late = _seq(4)
+    sched.add(late)
+    batch = sched.schedule()
+    assert [c.seq for c in batch.prefills] == [late] and late.slot == 0
+    assert batch.decodes == seqs[1:]
+
+
+def test_abort_frees_waiting_at_once_and_running_at_the_next_step():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    running, waiting = _seq(4, new=50), _seq(4)
+    sched.add(running)
+    sched.add(waiting)
+    _run(sched, sched.schedule())
+    assert sched.abort(waiting.request_id) and sched.num_waiting == 0 and waiting.finish_reason == "abort"
+    assert sched.abort(running.request_id)
+    assert sched.slots.num_used == 1  # still in the step that may be running now
+    batch = sched.schedule()
+    assert batch.aborted == [waiting, running] and not batch.decodes and not batch.prefills
+    assert running.finish_reason == "abort" and sched.slots.num_used == 0 and not sched.has_work()
+    assert not sched.abort(running.request_id)  # already gone
+
+
+def test_draft_len_follows_the_schedule_by_batch_size_within_need_and_room():
+    cfg = SchedulerConfig(max_num_seqs=16, max_model_len=100, max_draft_len=7, draft_len_schedule={4: 3, 8: 1})
+    assert [cfg.draft_len_for(b) for b in (1, 3, 4, 7, 8, 16)] == [7, 7, 3, 3, 1, 1]
+    sched = Scheduler(cfg)
+    seqs = [_seq(10, new=30) for _ in range(2)]
+    for s in seqs:
+        sched.add(s)
+    _run(sched, sched.schedule())  # one token each
+    assert sched.schedule().num_draft == 7
+    seqs[0].output_ids += [5] * 26  # 27 of 30: 3 to go; the other row still needs 29
+    assert sched.schedule().num_draft == 7  # need = the most any row still needs
+    seqs[1].output_ids += [5] * 26
+    assert sched.schedule().num_draft == 3
+    # room: the verify block [anchor, d_1..d_K] at positions num_cached..num_cached+K must fit max_model_len
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=40, max_draft_len=7))
+    s = _seq(10, new=100)
+    sched.add(s)
+    _run(sched, sched.schedule(), max_model_len=40)
+    s.output_ids += [5] * 25  # 26 generated: num_cached = 35, positions 35..39 leave K = 4
+    assert sched.schedule().num_draft == 4
+
+
+def test_bad_schedule_is_refused_naming_the_limit():
+    with pytest.raises(ValueError, match="max_draft_len=3"):
+        SchedulerConfig(max_num_seqs=4, max_model_len=64, max_draft_len=3, draft_len_schedule={2: 5})
+
+
+def test_slot_allocator_never_hands_out_a_row_twice():
+    slots = SlotAllocator(3)
+    got = [slots.allocate() for _ in range(3)]
+    assert got == [0, 1, 2] and slots.num_free == 0
+    with pytest.raises(RuntimeError, match="all 3 cache rows"):
+        slots.allocate()
+    slots.free(1)
+    assert slots.allocate() == 1
+
+
+# --- the engine over the scheduler ----------------------------------------------------------------
+
+
+def _engine(tiny_dirs, **cfg):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+    from dflash_trt.models.dflash import load_drafter
+    from dflash_trt.models.registry import load_target
+
+    target = load_target(tiny_dirs["qwen3"])
+    drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
+    return LLMEngine(target, None, drafter, EngineConfig(**cfg))
+
+
+def test_chunked_prefill_and_joining_requests_equal_target_greedy(tiny_dirs):
+    import torch
+
+    from tests.engine.test_lossless import hf_greedy
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (23, 4, 11, 30, 7)]
+    # 2 rows for 5 requests: they join as rows free up; 6-token budget: every long prompt is chunked,
+    # and the schedule varies K with the batch size.
+    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=7, max_prefill_tokens=6, draft_len_schedule={2: 3})
+    new = [20, 33, 9, 25, 14]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new])
+    for p, o, n in zip(prompts, outs, new):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p, new=n)
+    assert {3, 7} <= {k for o in outs for k in o.draft_lens}
+    assert engine.scheduler.slots.num_used == 0
+
+
+def test_a_seeded_sample_does_not_depend_on_chunking_or_company(tiny_dirs):
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = list(range(10, 40))
+    alone = _engine(tiny_dirs, max_batch_size=1).generate([prompt], p)[0].token_ids
+    others = [SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True) for n in (5, 9)]
+    crowd = _engine(tiny_dirs, max_batch_size=2, max_prefill_tokens=8).generate(
+        [list(range(5, 20)), prompt, list(range(3, 9))], [others[0], p, others[1]])[1].token_ids
+    assert alone == crowd

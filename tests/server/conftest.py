@@ -1,0 +1,93 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) over the tiny random Qwen3 target + drafter."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+MODEL = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_engine(tiny_dirs, **cfg):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    cfg.setdefault("max_model_len", 256)
+    return LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(**cfg))
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    engine: object
+    loop: object
+    uvicorn: object
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=60, **kw)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """True once no request holds a row or waits for one."""
+        deadline = time.monotonic() + timeout
+        sched = self.engine.scheduler
+        while time.monotonic() < deadline:
+            if sched.slots.num_used == 0 and sched.num_waiting == 0 and sched.num_running == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(15)
+        self.loop.stop()
+
+
+def start_server(engine, model: str = MODEL) -> RunningServer:
+    import uvicorn
+
+    from dflash_trt.engine.engine_loop import EngineLoop
+    from dflash_trt.server.app import create_app
+    from dflash_trt.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(engine.scheduler, engine.max_draft_len)
+    loop = EngineLoop(engine, on_step=metrics.observe_step).start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, model, metrics), host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return RunningServer(f"http://127.0.0.1:{port}", engine, loop, server, thread)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=8, max_queue_len=64))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_dirs):
+    """A separate engine whose generate() gives the expected greedy answers."""
+    return tiny_engine(tiny_dirs, max_batch_size=8)

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real uvicorn server:
+greedy answers equal the engine's generate() (alone and under concurrent load), disconnects free
+their rows, bad input gets an OpenAI-style error and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from dflash_trt.sampling_params import SamplingParams
+from tests.server.conftest import MODEL, start_server, tiny_engine
+
+PROMPTS = [f"prompt {i}: the quick brown fox {'jumps ' * (i % 5)}" for i in range(32)]
+
+
+def expected(oracle, prompts, max_tokens, chat=False):
+    ids = [oracle.encode(p, chat=chat) for p in prompts]
+    return oracle.generate(ids, SamplingParams(max_new_tokens=max_tokens))
+
+
+def test_completion_equals_generate_with_usage_and_acceptance(server, oracle):
+    want = expected(oracle, PROMPTS[:1], 24)[0]
+    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == want.text and choice.finish_reason == want.finish_reason
+    assert resp.usage.completion_tokens == want.num_tokens
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    acc = choice.model_extra["acceptance"]
+    # alone on the server, the request runs exactly the steps generate() ran
+    assert acc["num_steps"] == len(want.acceptance_lengths) and acc["tau"] == pytest.approx(want.tau)
+    assert acc["total_draft_tokens"] == sum(want.draft_lens)
+    assert 0 <= acc["acceptance_rate"] <= 1
+
+
+def test_streamed_completion_concatenates_to_the_same_text(server, oracle):
+    want = expected(oracle, PROMPTS[1:2], 30)[0]
+    chunks = list(server.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == want.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.num_tokens
+
+
+def test_chat_uses_the_chat_template_streaming_and_not(server, oracle):
+    want = expected(oracle, ["hello there"], 20, chat=True)[0]
+    client = server.client()
+    messages = [{"role": "user", "content": "hello there"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert resp.choices[0].message.content == want.text and resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason and chunks[-1].usage is not None
+
+
+def test_32_concurrent_streams_each_equal_generate(server, oracle):
+    wants = expected(oracle, PROMPTS, 16)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        parts, reason = [], None
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    start = time.monotonic()
+    got = asyncio.run(run())
+    assert time.monotonic() - start < 120
+    assert got == [(w.text, w.finish_reason) for w in wants]
+    assert server.wait_idle()
+
+
+def test_a_burst_of_disconnects_leaves_no_row_in_use(server):
+    client = server.client()
+    streams = []
+    for p in PROMPTS[:12]:  # 8 rows: 8 run, 4 wait
+        s = client.completions.create(model=MODEL, prompt=p, max_tokens=200, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        streams.append(s)
+    for s in streams[:6]:
+        next(iter(s))  # the first token arrived: the request holds a row
+    for s in streams:
+        s.close()
+    assert server.wait_idle(15), "rows still in use after every client disconnected"
+    # and it keeps serving
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0).choices[0].text is not None
+
+
+def test_non_streaming_disconnect_frees_its_row(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", timeout=1.0,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+    assert server.wait_idle(15)
+
+
+BAD = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),  # beyond max_model_len=256
+    ({"model": MODEL, "prompt": "x" * 300, "max_tokens": 4}, 400, "prompt"),  # 300 chars = 300 tokens > 256
+    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id beyond the vocabulary (96)
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+]
+
+
+def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
+    for body, status, param in BAD:
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"] and err["type"], err
+    r = httpx.post(server.base_url + "/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    client = server.client()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3, temperature=0).usage.completion_tokens >= 1
+    assert server.wait_idle()
+
+
+def test_models_health_and_metrics(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    after = scrape()
+    gen = "dflash_generation_tokens_total"
+    assert after[gen] - before.get(gen, 0) == resp.usage.completion_tokens
+    assert after["dflash_prompt_tokens_total"] - before.get("dflash_prompt_tokens_total", 0) == resp.usage.prompt_tokens
+    reason = resp.choices[0].finish_reason
+    key = f'dflash_requests_total{{finish_reason="{reason}"}}'
+    assert after[key] - before.get(key, 0) == 1
+    steps = resp.choices[0].model_extra["acceptance"]["num_steps"]
+    assert after["dflash_acceptance_length_count"] - before.get("dflash_acceptance_length_count", 0) == steps
+    assert after["dflash_draft_seconds_count"] >= steps and after["dflash_batch_size_count"] >= steps
+    assert after["dflash_queue_depth"] == 0 and after["dflash_running_requests"] == 0
+
+
+def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=0))
+    try:
+        client = s.client()
+        busy = client.completions.create(model=MODEL, prompt="busy", max_tokens=200, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+        next(iter(busy))  # the only row is taken
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        busy.close()
+        assert s.wait_idle(15)
+        assert client.completions.create(model=MODEL, prompt="late", max_tokens=4, temperature=0).choices
+    finally:
+        s.stop()
+
+
+def test_an_engine_failure_fails_its_requests_not_the_server(tiny_dirs):
+    engine = tiny_engine(tiny_dirs, max_batch_size=2)
+    real = engine.runner.spec_step
+    calls = {"n": 0}
+
+    def flaky(seqs, k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real(seqs, k)
+
+    engine.runner.spec_step = flaky
+    s = start_server(engine)
+    try:
+        client = s.client()
+        with pytest.raises(openai.InternalServerError, match="injected fault"):
+            client.completions.create(model=MODEL, prompt="a", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+        assert s.wait_idle()
+        stream = client.completions.create(model=MODEL, prompt="b", max_tokens=5, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) is not None
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", "--target", str(tiny_dirs["qwen3"]),
+                             "--drafter", str(tiny_dirs["qwen3_drafter"]), "--port", str(port),
+                             "--served-model-name", MODEL, "--max-model-len", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30).json()
+        assert body["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        out = proc.stdout.read().decode()
+        assert f"http://127.0.0.1:{port}/v1" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
