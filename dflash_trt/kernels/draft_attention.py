@@ -39,23 +39,24 @@ def draft_attention_ref(
     """The semantics, in torch: place the block after each row's context and attend with a position mask."""
     b, n = q.shape[:2]
     ctx = ctx_lens.to(torch.long)
-    total = int(ctx.max()) + n
     rows = cache_rows.to(torch.long)
-    k_all = k_cache.index_select(0, rows)[:, :, :total].clone()  # [B, KVH, T, D]
-    v_all = v_cache.index_select(0, rows)[:, :, :total].clone()
-    if k_all.shape[2] < total:  # the cache may end before max(ctx) + Q: only block keys land there
-        pad = total - k_all.shape[2]
-        k_all = torch.nn.functional.pad(k_all, (0, 0, 0, pad))
-        v_all = torch.nn.functional.pad(v_all, (0, 0, 0, pad))
-    stale = torch.arange(total, device=q.device)[None, :] >= ctx[:, None]  # [B, T]: past the context
-    k_all.masked_fill_(stale[:, None, :, None], 0)  # never read: not even a NaN there may leak in
-    v_all.masked_fill_(stale[:, None, :, None], 0)
-    pos = ctx[:, None] + torch.arange(n, device=q.device)  # [B, Q] positions of the block
-    brow = torch.arange(b, device=q.device)[:, None]
-    k_all[brow, :, pos] = k_block.to(k_all.dtype)
-    v_all[brow, :, pos] = v_block.to(v_all.dtype)
-    t = torch.arange(total, device=q.device)[None, None, :]  # [1, 1, T]
-    p = pos[:, :, None]  # [B, Q, 1]
+    longest = int(ctx.max())
+    k_ctx = k_cache[:, :, :longest].index_select(0, rows)  # [B, KVH, max ctx, D]: copies only what is read
+    v_ctx = v_cache[:, :, :longest].index_select(0, rows)
+    if bool((ctx == longest).all()):  # equal contexts (always at batch 1): the block simply follows
+        k_all = torch.cat([k_ctx, k_block.transpose(1, 2).to(k_ctx.dtype)], dim=2)  # [B, KVH, T, D]
+        v_all = torch.cat([v_ctx, v_block.transpose(1, 2).to(v_ctx.dtype)], dim=2)
+    else:  # ragged: the block goes at positions ctx[b] + j; entries past a row's context are never read
+        stale = torch.arange(longest, device=q.device)[None, :] >= ctx[:, None]  # [B, max ctx]
+        k_all = torch.cat([k_ctx.masked_fill(stale[:, None, :, None], 0), torch.zeros_like(k_ctx[:, :, :n])], dim=2)
+        v_all = torch.cat([v_ctx.masked_fill(stale[:, None, :, None], 0), torch.zeros_like(v_ctx[:, :, :n])], dim=2)
+        pos = ctx[:, None] + torch.arange(n, device=q.device)  # [B, Q]
+        brow = torch.arange(b, device=q.device)[:, None]
+        k_all[brow, :, pos] = k_block.to(k_all.dtype)
+        v_all[brow, :, pos] = v_block.to(v_all.dtype)
+    total = longest + n
+    t = torch.arange(total, device=q.device)[None, None, :]  # [1, 1, T] key positions
+    p = (ctx[:, None] + torch.arange(n, device=q.device))[:, :, None]  # [B, Q, 1] query positions
     visible = (t <= p) if causal else (t < (ctx + n)[:, None, None])
     if window > 0:
         visible = visible & (p - t < window)
