@@ -128,7 +128,7 @@ class TritonServer:
 
     The python backend's stub for this interpreter is linked in a private backend directory, and the
     loader is pointed at this interpreter's own libpython and at pytriton's bundled libraries
-    (env-probe §2.4); PYTHONPATH carries this environment to the stub, so model.py imports dflash_trt.
+    (env-probe §2.4); PATH and PYTHONPATH carry this environment to the stub, so model.py imports dflash_trt.
     """
 
     def __init__(self, repo: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -168,8 +168,10 @@ class TritonServer:
 
         paths = [str(Path(dflash_trt.__file__).resolve().parent.parent), sysconfig.get_paths()["purelib"]]
         env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # The stub's embedded interpreter finds its prefix (this venv, with torch) through the python on PATH.
+        env["PATH"] = os.pathsep.join([str(Path(sys.exec_prefix) / "bin"), env.get("PATH", "")])
         env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None  # None: the server logs to our stdout
         self.process = subprocess.Popen(self.command(work / "backends"), env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         return self

@@ -1,0 +1,137 @@
+"""The exported Triton model repository on the real tritonserver that nvidia-pytriton ships, driven by
+tritonclient over gRPC streaming: the same greedy text as generate(), streaming and not, with
+TensorRT-LLM's acceptance outputs; `dflash-trt triton serve` stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.sampling_params import SamplingParams
+from tests.server.conftest import free_port, tiny_engine
+
+MODEL = "dflash"
+PROMPT = "the quick brown fox"
+
+
+def _tritonserver_runs() -> str | None:
+    """None when the bundled tritonserver can start here, else the reason it cannot."""
+    try:
+        from dflash_trt.server.triton import _pytriton_root
+        import tritonclient.grpc  # noqa: F401
+    except (RuntimeError, ImportError) as e:
+        return f"tritonserver or tritonclient missing: {e}"
+    binary = _pytriton_root() / "bin" / "tritonserver"
+    try:
+        subprocess.run([str(binary), "--help"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{binary} cannot run on this machine: {e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def triton(tiny_dirs, tmp_path_factory):
+    reason = _tritonserver_runs()
+    if reason:
+        pytest.skip(reason)
+    from dflash_trt.cli import main
+
+    repo = tmp_path_factory.mktemp("triton_repo")
+    result = CliRunner().invoke(main, ["triton", "export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]),
+                                       "--drafter", str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256"])
+    assert result.exit_code == 0, result.output
+    assert (repo / MODEL / "config.pbtxt").is_file() and (repo / MODEL / "1" / "model.py").is_file()
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log = repo / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "triton", "serve", str(repo), "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    import urllib.request
+
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{MODEL}/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"tritonserver did not load the model:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield {"proc": proc, "grpc": f"127.0.0.1:{grpc}", "http": http, "log": log}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _infer(url: str, prompt: str, max_tokens: int, streaming: bool) -> list[dict]:
+    """One request over a gRPC stream; every response's outputs, up to the one with a finish_reason."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    for name, value, dtype in [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+                               ("streaming", np.array([streaming]), "BOOL"),
+                               ("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+                               ("sampling_param_temperature", np.array([0.0], dtype=np.float32), "FP32")]:
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.async_stream_infer(MODEL, inputs)
+    got = []
+    try:
+        while True:
+            result, error = responses.get(timeout=60)
+            if error is not None:
+                raise RuntimeError(error.message())
+            out = {name: result.as_numpy(name) for name in
+                   ("text_output", "finish_reason", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")}
+            got.append(out)
+            if out["finish_reason"][0]:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_triton_non_streaming_and_streaming_equal_generate(triton, tiny_dirs):
+    oracle = tiny_engine(tiny_dirs, max_batch_size=8)
+    want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=24))[0]
+
+    (single,) = _infer(triton["grpc"], PROMPT, 24, streaming=False)
+    assert single["text_output"][0].decode() == want.text
+    assert single["finish_reason"][0].decode() == want.finish_reason
+    assert int(single["total_draft_tokens"][0]) == want.total_draft_tokens
+    assert int(single["total_accepted_draft_tokens"][0]) == want.total_accepted_draft_tokens
+    assert float(single["acceptance_rate"][0]) == pytest.approx(want.total_accepted_draft_tokens / want.total_draft_tokens)
+
+    parts = _infer(triton["grpc"], PROMPT, 24, streaming=True)
+    assert "".join(p["text_output"][0].decode() for p in parts) == want.text
+    assert len(parts) > 1  # really streamed, one response per step
+    assert parts[-1]["finish_reason"][0].decode() == want.finish_reason
+
+
+def test_triton_bad_request_gets_an_error_and_the_server_keeps_serving(triton):
+    with pytest.raises(RuntimeError, match="maximum context length 256"):
+        _infer(triton["grpc"], PROMPT, 100_000, streaming=False)
+    (ok,) = _infer(triton["grpc"], PROMPT, 4, streaming=False)
+    assert ok["finish_reason"][0]
+
+
+def test_triton_serve_stops_cleanly_on_sigterm(triton):
+    proc = triton["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, triton["log"].read_text()[-2000:]
