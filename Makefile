@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo serve bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,26 @@ demo: setup
 		-p "Write a short poem about the sea."
 	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --no-spec \
 		-p "Write a short poem about the sea."
+
+# Serve the default engine (built on first use) on 127.0.0.1:$(SERVE_PORT); without a trained drafter
+# yet, the embedded SmolLM2 is served without speculation.
+SERVE_ENGINE ?= engines/smollm2-135m-cpu
+SERVE_PORT ?= 8000
+SERVE_DRAFTER := drafters/smollm2-135m-dflash
+
+serve: setup
+	@if [ -f $(SERVE_DRAFTER)/config.json ]; then \
+		test -f $(SERVE_ENGINE)/manifest.json || \
+			$(VENV)/bin/dflash-trt build build_configs/smollm2-135m-cpu.yaml -o $(SERVE_ENGINE) || exit 1; \
+		set -- $(SERVE_ENGINE); \
+	else \
+		echo "no drafter at $(SERVE_DRAFTER) yet (dflash-trt train makes it): serving SmolLM2 without speculation"; \
+		set -- --no-spec; \
+	fi; \
+	echo "once it says 'serving', try:"; \
+	echo "  curl -s http://127.0.0.1:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \
+	echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}], \"max_tokens\": 64}'"; \
+	exec $(VENV)/bin/dflash-trt serve "$$@" --served-model-name smollm2 --port $(SERVE_PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
