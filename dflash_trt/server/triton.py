@@ -172,8 +172,9 @@ class TritonServer:
         env["PATH"] = os.pathsep.join([str(Path(sys.exec_prefix) / "bin"), env.get("PATH", "")])
         env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
         log = open(self.log_path, "ab") if self.log_path else None  # None: the server logs to our stdout
+        # Own session (the terminal's Ctrl-C reaches us, and we stop the server), but it dies with us.
         self.process = subprocess.Popen(self.command(work / "backends"), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with_parent)
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -226,6 +227,16 @@ class TritonServer:
         code = self.process.wait()
         self.stop()
         return 0 if code in (0, -signal.SIGTERM) else code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching process dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass  # not Linux: stop() and the signal handlers still stop it
 
 
 def _pytriton_root() -> Path:

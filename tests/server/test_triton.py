@@ -66,13 +66,14 @@ def triton(tiny_dirs, tmp_path_factory):
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            proc.terminate()
+            proc.wait(60)
             pytest.fail(f"tritonserver did not load the model:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     yield {"proc": proc, "grpc": f"127.0.0.1:{grpc}", "http": http, "log": log}
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.terminate()
+        proc.wait(60)
 
 
 def _infer(url: str, prompt: str, max_tokens: int, streaming: bool) -> list[dict]:
