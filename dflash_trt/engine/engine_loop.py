@@ -31,9 +31,13 @@ Callback = Callable[[RequestUpdate], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None) -> None:
         self.engine = engine
-        self.on_step = on_step  # per-step statistics (metrics), called on the engine thread
+        # Metrics hooks, called on the engine thread: every step, and every request that ends
+        # (finished, aborted, failed), whether or not its client is still there.
+        self.on_step = on_step
+        self.on_finish = on_finish
         self._callbacks: dict[int, Callback] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -93,22 +97,30 @@ class EngineLoop:
             except Exception as e:  # one bad step fails the requests in it, never the loop
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
+                    self._hook(self.on_finish, self.engine.make_output(seq))
                     self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}"))
                 continue
             for seq in result.updated:
                 output = self.engine.make_output(seq) if seq.is_finished else None
+                if output is not None:
+                    self._hook(self.on_finish, output)
                 self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
-            if self.on_step is not None:
-                try:
-                    self.on_step(result)
-                except Exception:
-                    logger.exception("on_step callback failed")
+            self._hook(self.on_step, result)
         # Shutting down: answer whatever is left so no caller waits forever.
         for seq in self.engine.scheduler.fail_running("abort"):
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, "server shutting down"))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
             self._deliver(RequestUpdate(seq.request_id, (), True, None, "server shutting down"))
+
+    @staticmethod
+    def _hook(hook, value) -> None:
+        if hook is None:
+            return
+        try:
+            hook(value)
+        except Exception:
+            logger.exception("engine loop hook failed")
 
     def _deliver(self, update: RequestUpdate) -> None:
         with self._lock:

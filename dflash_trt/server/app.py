@@ -25,8 +25,6 @@ from dflash_trt.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is gone
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -197,26 +195,32 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _finished(update: RequestUpdate) -> RequestOutput:
         if update.error is not None or update.output is None:
             raise APIError(500, update.error or "the request ended without output", "server_error")
-        metrics.observe_finished(update.output)
         return update.output
 
     async def _wait_all(request: Request, s: _Submitted) -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
             while any(o is None for o in outputs):
-                try:
-                    i, update = await asyncio.wait_for(s.queue.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
-                    continue
+                get = asyncio.ensure_future(s.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    raise APIError(499, "client disconnected")
+                i, update = get.result()
                 if update.finished:
                     outputs[i] = _finished(update)
             return outputs  # type: ignore[return-value]
         finally:
+            gone.cancel()
             for i, rid in enumerate(s.request_ids):
                 if outputs[i] is None:
                     loop.abort(rid)
+
+    async def _client_gone(request: Request) -> None:
+        """Returns when the client closes the connection (the body is already read: nothing else arrives)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def _updates(s: _Submitted):
         """Yield (choice index, text delta, finished output or None) until every choice has finished;

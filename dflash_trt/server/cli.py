@@ -93,7 +93,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         raise click.ClickException(str(e)) from e
     name = served_model_name or name
     metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
-    loop = EngineLoop(llm, on_step=metrics.observe_step).start()
+    loop = EngineLoop(llm, on_step=metrics.observe_step, on_finish=metrics.observe_finished).start()
     app = create_app(loop, name, metrics)
     mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
     click.echo(f"serving '{name}' ({mode}, {llm.config.max_batch_size} rows, max_model_len {llm.max_model_len}) "

@@ -66,7 +66,7 @@ def start_server(engine, model: str = MODEL) -> RunningServer:
     from dflash_trt.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(engine.scheduler, engine.max_draft_len)
-    loop = EngineLoop(engine, on_step=metrics.observe_step).start()
+    loop = EngineLoop(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished).start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(loop, model, metrics), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=2))

@@ -102,11 +102,24 @@ def test_a_burst_of_disconnects_leaves_no_row_in_use(server):
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0).choices[0].text is not None
 
 
-def test_non_streaming_disconnect_frees_its_row(server):
+def test_non_streaming_disconnect_frees_its_row(server, monkeypatch):
+    real = server.engine.runner.spec_step
+
+    def slow(seqs, k):  # at most ~20 steps a second, so the request is surely still running at the timeout
+        time.sleep(0.05)
+        return real(seqs, k)
+
+    monkeypatch.setattr(server.engine.runner, "spec_step", slow)
+    aborted = 'dflash_requests_total{finish_reason="abort"}'
+    before = scrape(server).get(aborted, 0)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/completions", timeout=1.0,
+        httpx.post(server.base_url + "/completions", timeout=1.5,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
     assert server.wait_idle(15)
+    deadline = time.monotonic() + 5  # the row is freed first, then the loop reports the abort
+    while scrape(server).get(aborted, 0) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(server)[aborted] == before + 1  # cancelled, not run to the end
 
 
 BAD = [
@@ -146,22 +159,21 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
     assert server.wait_idle()
 
 
+def scrape(server) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
 def test_models_health_and_metrics(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
-
-    def scrape() -> dict[str, float]:
-        text = httpx.get(server.url + "/metrics").text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
-        return values
-
-    before = scrape()
+    before = scrape(server)
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0)
-    after = scrape()
+    after = scrape(server)
     gen = "dflash_generation_tokens_total"
     assert after[gen] - before.get(gen, 0) == resp.usage.completion_tokens
     assert after["dflash_prompt_tokens_total"] - before.get("dflash_prompt_tokens_total", 0) == resp.usage.prompt_tokens
