@@ -21,9 +21,10 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, attend
-from dflash_trt.layers.linear import PackedLinear, can_pack, pack_linears
+from dflash_trt.layers.linear import PackedLinear, can_pack
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.mxfp4 import expert_range, load_experts
 from dflash_trt.models.weights import WeightSet
@@ -215,7 +216,7 @@ class GptOssDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: DecoderConfig, ep_rank: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         self.config = cfg
@@ -228,55 +229,15 @@ class GptOssForCausalLM(nn.Module):
         self.norm = GptOssRMSNorm(cfg.hidden_size, p.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, p.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.packed_head: nn.Module | None = None  # set by pack_for_inference
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def pack_for_inference(self) -> None:
-        """Prepack every projection, every expert and the output head for fast CPU inference (no-op elsewhere)."""
-        if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
-            return
-        self.packed_head = PackedLinear(self.lm_head_weight)
+    def _pack_extra(self) -> None:
         for layer in self.layers:
             layer.mlp.experts.pack()
-        pack_linears(self.layers)
 
-    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
-        c = self.config
-        p = self.embed_tokens.weight
-        return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, Q]
-        meta: AttentionMetadata,
-        cache: KVCache,
-        capture_layer_ids: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (final-normed hidden [B, Q, H], captured [B, Q, H * len(capture_layer_ids)] or None)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+    def _layer_args(self, meta: AttentionMetadata) -> tuple:
+        # Keys before first_key are outside every sliding query's window: sliding layers read from there.
         window = self.params.sliding_window
-        first_key = max(0, int(meta.positions.min()) - window + 1) if window else 0
-        captured = {}
-        wanted = set(capture_layer_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, cache, first_key)
-            if i in wanted:
-                captured[i] = x
-        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
-        return self.norm(x), features
-
-    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output projection in the model dtype (shared with the drafter)."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        return F.linear(hidden, self.lm_head_weight)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_forward(hidden).float()
+        return (max(0, int(meta.positions.min()) - window + 1) if window else 0,)
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (bf16 or MXFP4 experts); this rank reads and dequantizes only its experts."""

@@ -14,9 +14,9 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention
-from dflash_trt.layers.linear import PackedLinear, can_pack, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.weights import WeightSet
 
@@ -72,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -81,51 +81,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.packed_head: nn.Module | None = None  # set by pack_for_inference
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def pack_for_inference(self) -> None:
-        """Prepack every projection and the output head for fast CPU inference (no-op elsewhere)."""
-        if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
-            return
-        self.packed_head = PackedLinear(self.lm_head_weight)
-        pack_linears(self.layers)
-
-    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
-        c = self.config
-        p = self.embed_tokens.weight
-        return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, Q]
-        meta: AttentionMetadata,
-        cache: KVCache,
-        capture_layer_ids: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (final-normed hidden [B, Q, H], captured [B, Q, H * len(capture_layer_ids)] or None)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(meta.positions, x.dtype)
-        captured = {}
-        wanted = set(capture_layer_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, cache)
-            if i in wanted:
-                captured[i] = x
-        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
-        return self.norm(x), features
-
-    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output projection in the model dtype (shared with the drafter)."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        return F.linear(hidden, self.lm_head_weight)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_forward(hidden).float()
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

@@ -11,8 +11,8 @@ from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
-from dflash_trt.spec.proposer import Proposal
 from tests.conftest import make_drafter, make_target
+from tests.forced_drafts import force_drafts
 from tests.stats import assert_matches
 
 NEW = 40
@@ -51,34 +51,12 @@ def test_greedy_speculative_equals_target_greedy(tiny_dirs, arch, k, batch):
         assert sum(o.acceptance_lengths) == NEW - 1  # every token after the first came from a verify step
 
 
-def _with_oracle_drafts(engine, refs_by_slot, error_rate, seed=0):
-    """Replace the drafter's proposals by the true greedy continuation with random corruptions, so
-    that long accepted prefixes, partial rejections and rollbacks all happen (a random drafter
-    accepts almost nothing)."""
-    proposer = engine.runner.proposer
-    real = proposer.propose
-    g = torch.Generator().manual_seed(seed)
-
-    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
-        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
-        drafts = out.draft_tokens.clone()
-        for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
-            full = refs_by_slot[row]
-            for j in range(num_draft):
-                truth = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
-                wrong = torch.rand(1, generator=g).item() < error_rate
-                drafts[i, j] = (truth + 1) % 90 if wrong else truth
-        return Proposal(drafts, out.draft_probs)
-
-    proposer.propose = propose
-
-
 @pytest.mark.parametrize("k", [3, 15])
 def test_greedy_is_lossless_when_most_drafts_are_accepted(tiny_dirs, k):
     prompts = _prompts(4)
     refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
     engine = _engine(tiny_dirs, "qwen3", k)
-    _with_oracle_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.08)
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.08)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for o, ref in zip(outs, refs):
         assert o.token_ids == ref

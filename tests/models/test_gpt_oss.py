@@ -20,8 +20,8 @@ from dflash_trt.models.gpt_oss import GptOssParams
 from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxfp4
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
-from dflash_trt.spec.proposer import Proposal
 from tests.conftest import EOS, VOCAB, make_drafter, save_char_tokenizer
+from tests.forced_drafts import force_drafts
 
 TOL = 1e-4  # fp32
 WINDOW = 8
@@ -246,26 +246,6 @@ def _engine(target_dir, drafter_dir, k, rows):
     return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96))
 
 
-def _draft_the_truth(engine, truth_by_slot, error_rate, seed=0):
-    """Proposals become the true greedy continuation with random corruptions, so long accepted prefixes,
-    partial rejections and rollbacks across window boundaries all happen (a random drafter accepts ~nothing)."""
-    proposer = engine.runner.proposer
-    real = proposer.propose
-    g = torch.Generator().manual_seed(seed)
-
-    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
-        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
-        drafts = out.draft_tokens.clone()
-        for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
-            full = truth_by_slot[row]
-            for j in range(num_draft):
-                t = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
-                drafts[i, j] = (t + 1) % 90 if torch.rand(1, generator=g).item() < error_rate else t
-        return Proposal(drafts, out.draft_probs)
-
-    proposer.propose = propose
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_speculative_equals_target_greedy(gpt_oss_dir, gpt_oss_drafter, hf_model, batch):
     prompts = _prompts(batch)
@@ -275,7 +255,7 @@ def test_greedy_speculative_equals_target_greedy(gpt_oss_dir, gpt_oss_drafter, h
     assert [o.token_ids for o in outs] == refs
     # Mostly-right drafts: multi-token acceptances and rollbacks that cross window boundaries.
     engine = _engine(gpt_oss_dir, gpt_oss_drafter, 9, batch)
-    _draft_the_truth(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == refs
     assert max(max(o.acceptance_lengths) for o in outs) >= 4

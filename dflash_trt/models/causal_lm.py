@@ -1,0 +1,80 @@
+"""What every target model gives the runtime: a decoder stack over the static cache with hidden-state
+capture, and an output head shared with the drafter. Families (llama.py, gpt_oss.py) subclass it and
+build `embed_tokens`, `layers`, `norm`, `rotary`, `lm_head` (None when tied) and `load_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.linear import PackedLinear, can_pack, pack_linears
+from dflash_trt.models.config import DecoderConfig
+
+
+class CausalLM(nn.Module):
+    config: DecoderConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear | None
+    packed_head: nn.Module | None = None  # set by pack_for_inference
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_inference(self) -> None:
+        """Prepack every projection and the output head for fast CPU inference (no-op elsewhere)."""
+        if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
+            return
+        self.packed_head = PackedLinear(self.lm_head_weight)
+        self._pack_extra()
+        pack_linears(self.layers)
+
+    def _pack_extra(self) -> None:
+        """Family-specific weights that are not nn.Linear (e.g. MoE expert banks)."""
+
+    def _layer_args(self, meta: AttentionMetadata) -> tuple:
+        """Extra per-forward arguments every decoder layer receives after (x, cos, sin, meta, cache)."""
+        return ()
+
+    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
+        c = self.config
+        p = self.embed_tokens.weight
+        return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, Q]
+        meta: AttentionMetadata,
+        cache: KVCache,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [B, Q, H], captured [B, Q, H * len(capture_layer_ids)] or None).
+
+        Layer l's capture is its output after the residual add: transformers' hidden_states[l + 1].
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        extra = self._layer_args(meta)
+        captured = {}
+        wanted = set(capture_layer_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, cache, *extra)
+            if i in wanted:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        return self.norm(x), features
+
+    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection in the model dtype (shared with the drafter)."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
+        return F.linear(hidden, self.lm_head_weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head_forward(hidden).float()
