@@ -50,7 +50,7 @@ class TrainConfig:
     seqs_per_step: int = 4
     gamma: float | None = None  # None: by block size (7 for 16, 5 for 10, 4 for 8)
     max_seq_len: int = 1024
-    init_from_target: bool = True  # start drafter layers from the target's last layers
+    init_from_target: bool = False  # start drafter layers from the target's last layers (EAGLE-style)
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96

