@@ -62,9 +62,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
+@click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same shape).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, anchors,
-          eval_every, max_prompts, mask_token_id, init_from_target, resume) -> None:
+          eval_every, max_prompts, mask_token_id, init_from_target, init_drafter, resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
     from dflash_trt.train.trainer import TrainConfig
@@ -78,7 +79,8 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         ids = [int(x) for x in target_layers.split(",")] if target_layers else None
         cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=ids, num_features=num_features,
                           steps=steps, lr=lr, seqs_per_step=seqs_per_step, anchors_per_seq=anchors,
-                          eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target)
+                          eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
+                          init_drafter=init_drafter)
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dflash_trt.layers.linear import pack_linears
-from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, new_drafter, save_drafter
+from dflash_trt.models.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    build_target_layer_ids,
+    load_drafter,
+    new_drafter,
+    save_drafter,
+)
 from dflash_trt.models.weights import WeightSet
 from dflash_trt.train.blocks import sample_blocks, training_mask, weighted_cross_entropy
 from dflash_trt.train.feature_cache import FeatureCache
@@ -51,6 +58,7 @@ class TrainConfig:
     gamma: float | None = None  # None: by block size (7 for 16, 5 for 10, 4 for 8)
     max_seq_len: int = 1024
     init_from_target: bool = False  # start drafter layers from the target's last layers (EAGLE-style)
+    init_drafter: str | None = None  # warm start from a z-lab-format drafter (e.g. a shipped one), same shape
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96
@@ -123,6 +131,12 @@ class Trainer:
         self.drafter = new_drafter(dcfg, seed=cfg.seed)
         if cfg.init_from_target:
             init_from_target_layers(self.drafter, target_dir)
+        if cfg.init_drafter:
+            warm = load_drafter(cfg.init_drafter, target.config)
+            if warm.config.target_layer_ids != dcfg.target_layer_ids or warm.config.num_hidden_layers != cfg.num_layers:
+                raise ValueError(f"{cfg.init_drafter}: target_layer_ids/layers {warm.config.target_layer_ids}/"
+                                 f"{warm.config.num_hidden_layers} differ from the run's {dcfg.target_layer_ids}/{cfg.num_layers}")
+            self.drafter.load_state_dict(warm.float().state_dict())
         self.embed = target.embed_tokens.weight.detach()  # frozen, shared
         self.head = target.lm_head_weight.detach()
         params = [p for p in self.drafter.parameters()]

@@ -116,5 +116,11 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert cfg["block_size"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [1, 2]
+    # a warm start from the exported drafter continues from its weights
+    again = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run2"), "--max-prompts", "40",
+                                      "--steps", "1", "--eval-every", "1", "--layers", "1", "--block-size", "4",
+                                      "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1", "--data",
+                                      str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter")])
+    assert again.exit_code == 0, again.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
