@@ -1,12 +1,12 @@
 """The shipped SmolLM2 drafter on held-out prompts (issue 3): tau and end-to-end speedup against K.
 
-Greedy, batch 1, bf16, 2 threads. For each K, every held-out prompt runs through this runtime's
+Greedy, batch 1, bf16 (or --dtype float32, where outputs must be identical), 2 threads. For each K, every held-out prompt runs through this runtime's
 --no-spec mode and its speculative mode in the same round (rounds interleaved); speedup is the ratio of
 total wall-clock time. Outputs are compared token for token (bf16 may diverge on near-ties: counted,
 not hidden). Usage:
 
     .venv/bin/python benchmarks/bench_drafter.py [--drafter drafters/smollm2-135m-dflash] [--prompts 8]
-        [--ks 3,7,15] [--new-tokens 128] [--rounds 2] [--name drafter_smollm2_cpu]
+        [--ks 3,7,15] [--new-tokens 128] [--rounds 2] [--dtype bfloat16|float32] [--name drafter_smollm2_cpu]
 """
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="drafter_smollm2_cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoTokenizer
 
     tdir = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(tdir)
-    target = load_target(tdir, torch.bfloat16)
-    drafter = load_drafter(args.drafter, target.config, torch.bfloat16)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    target = load_target(tdir, dtype)
+    drafter = load_drafter(args.drafter, target.config, dtype)
     ks = [int(k) for k in args.ks.split(",")]
-    cfg = dict(max_batch_size=1, dtype="bfloat16")
+    cfg = dict(max_batch_size=1, dtype=args.dtype)
     ar = LLMEngine(target, tok, None, EngineConfig(speculative=False, **cfg))
     specs = {k: LLMEngine(target, tok, drafter, EngineConfig(max_draft_len=k, **cfg)) for k in ks}
     prompts = [ar.encode(p, chat=True) for p in heldout_prompts(args.prompts)]
@@ -91,7 +93,7 @@ def main() -> None:
                    "acceptance_histogram": hist[k]}
         print(f"K={k:2d}  tau {rows[k]['tau']:.2f}  speedup {rows[k]['speedup']:.2f}x  "
               f"AR {rows[k]['ar_tok_s']:.1f} tok/s  DFlash {rows[k]['spec_tok_s']:.1f} tok/s  identical {rows[k]['identical_outputs']}")
-    path = record(args.name, {"command": " ".join(sys.argv), "drafter": args.drafter, "dtype": "bfloat16",
+    path = record(args.name, {"command": " ".join(sys.argv), "drafter": args.drafter, "dtype": args.dtype,
                               "prompts": len(prompts), "new_tokens": args.new_tokens, "rounds": args.rounds,
                               "results_by_k": rows})
     print(f"recorded {path}")
