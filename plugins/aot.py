@@ -10,6 +10,18 @@ import inspect
 from dataclasses import dataclass
 
 
+def import_tensorrt():
+    """(tensorrt, tensorrt.plugin), or a RuntimeError saying what to install."""
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp
+    except ImportError as error:
+        raise RuntimeError(
+            "tensorrt is not importable: install TensorRT >= 10.9 from NVIDIA (the PyPI packages are stubs)"
+        ) from error
+    return trt, trtp
+
+
 @dataclass
 class CompiledKernel:
     name: str

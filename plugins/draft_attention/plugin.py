@@ -8,7 +8,7 @@ happens in `register()` only. Oracle: dflash_trt.kernels.draft_attention.draft_a
 
 from __future__ import annotations
 
-from plugins.aot import TRITON_TYPES, CompiledKernel, compile_ptx
+from plugins.aot import TRITON_TYPES, CompiledKernel, compile_ptx, import_tensorrt
 
 PLUGIN_ID = "dflash::draft_attention"
 _LOG2E = 1.4426950408889634  # the kernel's softmax runs in base 2
@@ -45,13 +45,7 @@ def _const(dim, what: str) -> int:
 
 def register(arch: int | None = None) -> None:
     """Register the plugin's shape function and AOT implementation with TensorRT (>= 10.9)."""
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin as trtp
-    except ImportError as error:
-        raise RuntimeError(
-            "tensorrt is not importable: install TensorRT >= 10.9 from NVIDIA (the PyPI packages are stubs)"
-        ) from error
+    trt, trtp = import_tensorrt()
     dtypes = {trt.float16: "float16", trt.bfloat16: "bfloat16", trt.float32: "float32"}
 
     @trtp.register(PLUGIN_ID)

@@ -10,7 +10,7 @@ Oracle: dflash_trt.kernels.verify_block.verify_block_ref.
 
 from __future__ import annotations
 
-from plugins.aot import TRITON_TYPES, CompiledKernel, compile_ptx
+from plugins.aot import TRITON_TYPES, CompiledKernel, compile_ptx, import_tensorrt
 
 CHOICE_ID = "dflash::verify_choice"
 ACCEPT_ID = "dflash::verify_accept"
@@ -36,14 +36,9 @@ def compile_accept(block_k: int = 16, block_v: int = 2048, arch: int = 90) -> Co
 
 def register(arch: int = 90) -> None:
     """Register both plugins with TensorRT (>= 10.9)."""
-    try:
-        import numpy as np
-        import tensorrt as trt
-        import tensorrt.plugin as trtp
-    except ImportError as error:
-        raise RuntimeError(
-            "tensorrt is not importable: install TensorRT >= 10.9 from NVIDIA (the PyPI packages are stubs)"
-        ) from error
+    import numpy as np
+
+    trt, trtp = import_tensorrt()
     dtypes = {trt.float16: "float16", trt.bfloat16: "bfloat16", trt.float32: "float32"}
 
     @trtp.register(CHOICE_ID)
