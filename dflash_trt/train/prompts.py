@@ -18,6 +18,11 @@ from pathlib import Path
 HELDOUT_PERCENT = 5
 
 
+def stable_hash(text: str) -> int:
+    """A 32-bit hash of text that is the same in every process (unlike hash())."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: str
@@ -25,8 +30,7 @@ class Prompt:
 
     @property
     def split(self) -> str:
-        h = int(hashlib.sha256(self.text.encode()).hexdigest()[:8], 16)
-        return "heldout" if h % 100 < HELDOUT_PERCENT else "train"
+        return "heldout" if stable_hash(self.text) % 100 < HELDOUT_PERCENT else "train"
 
 
 def _package_dir(module: str, pip_name: str) -> Path:

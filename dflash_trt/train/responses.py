@@ -7,7 +7,6 @@ produced; a rerun skips what is already there.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -16,13 +15,9 @@ from tqdm import tqdm
 
 from dflash_trt.engine.llm_engine import LLMEngine
 from dflash_trt.sampling_params import SamplingParams
-from dflash_trt.train.prompts import Prompt
+from dflash_trt.train.prompts import Prompt, stable_hash
 
 logger = logging.getLogger(__name__)
-
-
-def _stable_seed(text: str) -> int:
-    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -64,7 +59,7 @@ def generate_responses(
             params = [
                 SamplingParams(max_new_tokens=max_new_tokens)
                 if mode == "greedy"
-                else SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=_stable_seed(rid))
+                else SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=stable_hash(rid))
                 for rid, _, mode, _ in batch
             ]
             outs = engine.generate([ids for *_, ids in batch], params)

@@ -211,7 +211,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss (fixed anchors) and held-out tau from real speculative greedy decoding."""
-        from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+        from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
         from dflash_trt.sampling_params import SamplingParams
 
         self.drafter.eval()
@@ -222,7 +222,7 @@ class Trainer:
         pack_linears(draft)
         engine = LLMEngine(self.target, self.tokenizer, draft,
                            EngineConfig(max_batch_size=1, max_model_len=self.cfg.max_seq_len + 256,
-                                        dtype=_dtype_name(self.target.embed_tokens.weight.dtype)))
+                                        dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype)))
         prompts = [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens)) if prompts else []
         steps = sum(len(o.acceptance_lengths) for o in outs)
@@ -258,5 +258,6 @@ class Trainer:
         logger.info("resumed from step %d (best held-out tau %.3f)", self.step, self.best_tau)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+def _name_of(names: dict[str, torch.dtype], dtype: torch.dtype) -> str:
+    """The EngineConfig name of a torch dtype (the first of its aliases in llm_engine.DTYPES)."""
+    return next(name for name, d in names.items() if d == dtype)
