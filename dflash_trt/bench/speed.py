@@ -1,0 +1,178 @@
+"""`bench speed`: single-stream autoregressive against DFlash on categorized prompts, in one process.
+
+Every prompt runs greedy at batch 1 through the same runtime with speculation off (AR) and at each K, in
+the same round (rounds interleave the systems, so drift in machine speed hits all of them alike). Per
+category: tau (tokens committed per verify step, counting the bonus token), the acceptance histogram,
+tokens/s of each system, the end-to-end speedup (AR wall time over DFlash wall time for the same outputs)
+and how many outputs are identical to AR's (in bf16 a K-token verify and a one-token forward can round
+differently on near-ties; the count is reported, never hidden). Optionally z-lab's reference
+`dflash_generate` runs on the same weights as a peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dflash_trt.bench.datasets import BenchPrompt, by_category
+from dflash_trt.engine.llm_engine import LLMEngine
+from dflash_trt.sampling_params import SamplingParams
+
+
+@dataclass
+class SpeedConfig:
+    draft_lens: list[int]
+    rounds: int = 2
+    warmup: bool = True
+    zlab_peer: bool = False  # also time z-lab's dflash_generate (needs `dflash` and the HF model)
+
+
+@dataclass
+class _Tally:
+    tokens: int = 0
+    steps: int = 0
+    committed: int = 0
+    identical: int = 0
+    prompts: int = 0
+    histogram: list[int] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)  # per round
+
+    def add_hist(self, hist: list[int]) -> None:
+        if len(self.histogram) < len(hist):
+            self.histogram += [0] * (len(hist) - len(self.histogram))
+        for i, c in enumerate(hist):
+            self.histogram[i] += c
+
+
+def sibling_engines(engine: LLMEngine, draft_lens: list[int]) -> tuple[LLMEngine, dict[int, LLMEngine]]:
+    """An autoregressive engine and one engine per K, all sharing `engine`'s weights and tokenizer."""
+    cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={})
+    ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
+    if engine.drafter is None and draft_lens:
+        raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")
+    specs = {k: LLMEngine(engine.target, engine.tokenizer, engine.drafter,
+                          dataclasses.replace(cfg, speculative=True, max_draft_len=k)) for k in draft_lens}
+    return ar, specs
+
+
+def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]) -> Callable[[list[int], int, int], list[int]]:
+    """z-lab's reference loop on the same checkpoints: f(prompt ids, max_new_tokens, K) -> generated ids."""
+    import torch
+    from dflash.model import DFlashDraftModel, dflash_generate
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    zd = DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).eval()
+
+    def run(ids: list[int], max_new: int, k: int) -> list[int]:
+        out = dflash_generate(zd, hf, torch.tensor([ids]), max_new, eos_ids, block_size=k + 1)
+        gen = out[0, len(ids):].tolist()
+        for i, t in enumerate(gen):  # z-lab returns the buffer up to its stop; keep ours' convention (stop id kept)
+            if t in eos_ids:
+                return gen[: i + 1]
+        return gen
+
+    return run
+
+
+def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
+              zlab: Callable[[list[int], int, int], list[int]] | None = None, progress=None) -> dict:
+    """Measure every category; returns the JSON-ready result (see module doc)."""
+    ar, specs = sibling_engines(engine, cfg.draft_lens)
+    groups = by_category(prompts)
+    ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
+
+    def timed(e: LLMEngine, p: BenchPrompt):
+        t = time.perf_counter()
+        out = e.generate([ids[p.id]], SamplingParams(max_new_tokens=p.max_tokens))[0]
+        return time.perf_counter() - t, out
+
+    if cfg.warmup:
+        first = prompts[0]
+        for e in [ar, *specs.values()]:
+            timed(e, first)
+        if zlab is not None:
+            zlab(ids[first.id], 8, cfg.draft_lens[0])
+
+    systems = ["ar", *(f"K={k}" for k in cfg.draft_lens)] + ([f"zlab K={cfg.draft_lens[0]}"] if zlab else [])
+    tallies = {c: {s: _Tally(wall=[0.0] * cfg.rounds) for s in systems} for c in groups}
+    for r in range(cfg.rounds):
+        for cat, plist in groups.items():
+            t = tallies[cat]
+            for p in plist:
+                wall, base = timed(ar, p)
+                t["ar"].wall[r] += wall
+                if r == 0:
+                    t["ar"].tokens += base.num_tokens
+                    t["ar"].prompts += 1
+                for k, e in specs.items():
+                    wall, out = timed(e, p)
+                    s = t[f"K={k}"]
+                    s.wall[r] += wall
+                    if r == 0:
+                        s.tokens += out.num_tokens
+                        s.prompts += 1
+                        s.steps += len(out.acceptance_lengths)
+                        s.committed += sum(out.acceptance_lengths)
+                        s.identical += out.token_ids == base.token_ids
+                        s.add_hist(out.acceptance_histogram)
+                if zlab is not None:
+                    k0 = cfg.draft_lens[0]
+                    t0 = time.perf_counter()
+                    gen = zlab(ids[p.id], p.max_tokens, k0)
+                    s = t[f"zlab K={k0}"]
+                    s.wall[r] += time.perf_counter() - t0
+                    if r == 0:
+                        s.tokens += len(gen)
+                        s.prompts += 1
+                        s.identical += gen == base.token_ids
+                if progress is not None:
+                    progress()
+    return _report(tallies, systems)
+
+
+def _summ(t: _Tally, ar: _Tally) -> dict:
+    wall = statistics.median(t.wall)
+    row = {"tokens": t.tokens, "wall_s": round(wall, 4), "tok_s": round(t.tokens / wall, 2) if wall else 0.0}
+    if t is not ar:
+        row["speedup"] = round(statistics.median(ar.wall) / wall, 3) if wall else 0.0
+        row["identical_outputs"] = f"{t.identical}/{t.prompts}"
+    if t.steps:
+        row["tau"] = round(t.committed / t.steps, 3)
+        row["acceptance_histogram"] = t.histogram
+    return row
+
+
+def _merge(ts: list[_Tally]) -> _Tally:
+    out = _Tally(wall=[sum(w) for w in zip(*(t.wall for t in ts))])
+    for t in ts:
+        out.tokens += t.tokens
+        out.steps += t.steps
+        out.committed += t.committed
+        out.identical += t.identical
+        out.prompts += t.prompts
+        out.add_hist(t.histogram)
+    return out
+
+
+def _report(tallies: dict[str, dict[str, _Tally]], systems: list[str]) -> dict:
+    categories = {}
+    for cat, t in tallies.items():
+        categories[cat] = {s: _summ(t[s], t["ar"]) for s in systems}
+    total = {s: _merge([t[s] for t in tallies.values()]) for s in systems}
+    overall = {s: _summ(total[s], total["ar"]) for s in systems}
+    return {"systems": systems, "categories": categories, "overall": overall}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'category':<14} {'system':<10} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'identical':>10}"]
+    rows = list(result["categories"].items()) + [("ALL", result["overall"])]
+    for cat, by_system in rows:
+        for s, r in by_system.items():
+            tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+            sp = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+            lines.append(f"{cat:<14} {s:<10} {tau:>5} {r['tok_s']:>7.1f} {sp:>8} {r.get('identical_outputs', '-'):>10}")
+    return "\n".join(lines)

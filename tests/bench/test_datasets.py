@@ -1,0 +1,57 @@
+"""Benchmark prompts: real text, categorized, reproducible, with clear errors."""
+
+import json
+
+import pytest
+
+from dflash_trt.bench.datasets import CATEGORIES, load_dataset, read_jsonl
+from dflash_trt.train.prompts import all_prompts
+
+
+def test_builtin_categories_are_the_six_documented_ones_with_eight_prompts_each():
+    prompts = load_dataset("cpu-small")
+    counts = {c: sum(p.category == c for p in prompts) for c in CATEGORIES}
+    assert counts == {c: 8 for c in CATEGORIES}
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.max_tokens == 64 for p in prompts)
+
+
+def test_heldout_prompts_come_from_the_training_heldout_split_only():
+    held = load_dataset("heldout", osl=16)
+    train_texts = {p.text for p in all_prompts() if p.split == "train"}
+    assert held and all(p.category == "heldout" and p.max_tokens == 16 for p in held)
+    assert not {p.text for p in held} & train_texts
+
+
+def test_category_filter_and_limit():
+    prompts = load_dataset("cpu-small", categories=["code", "math"], limit_per_category=3)
+    assert [p.category for p in prompts] == ["code"] * 3 + ["math"] * 3
+    with pytest.raises(ValueError, match="no categories \\['poetry'\\]"):
+        load_dataset("cpu-small", categories=["poetry"])
+
+
+def test_long_context_presets_hit_the_input_length_in_tokens(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = load_dataset("gpu-1k1k", tokenizer=tok)
+    assert {p.category for p in prompts} == {"code", "writing", "qa", "summarization"}
+    lengths = [len(tok(p.text)["input_ids"]) for p in prompts]
+    assert all(900 <= n <= 1100 for n in lengths), lengths
+    assert all(p.max_tokens == 1024 for p in prompts)
+    assert load_dataset("gpu-1k1k", tokenizer=tok) == prompts  # reproducible
+
+
+def test_jsonl_files_speed_bench_layout_and_errors_name_the_line(tmp_path):
+    good = tmp_path / "d.jsonl"
+    good.write_text(json.dumps({"turns": ["Write a sort in C."], "category": "coding"}) + "\n"
+                    + json.dumps({"prompt": "Hi", "max_tokens": 5}) + "\n")
+    a, b = load_dataset(str(good), osl=None)
+    assert (a.category, a.text, a.max_tokens) == ("coding", "Write a sort in C.", 128)
+    assert (b.category, b.max_tokens) == ("default", 5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: needs a non-empty"):
+        read_jsonl(bad, 8)
+    with pytest.raises(ValueError, match="neither a built-in"):
+        load_dataset("no-such-dataset")

@@ -1,0 +1,76 @@
+"""`bench speed`: per-category tau and speedup, with every DFlash output checked against the target's greedy output."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.bench.datasets import BenchPrompt
+from dflash_trt.bench.speed import SpeedConfig, run_speed
+from dflash_trt.cli import main
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from tests.engine.test_lossless import hf_greedy
+
+PROMPTS = [BenchPrompt("a/0", "a", "xy", 12), BenchPrompt("a/1", "a", "hello", 12), BenchPrompt("b/0", "b", "zzz", 9)]
+
+
+@pytest.fixture(scope="module")
+def result(tiny_dirs):
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
+    return engine, run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3, 7], rounds=1), chat=False)
+
+
+def test_every_category_reports_every_system(result):
+    _, r = result
+    assert r["systems"] == ["ar", "K=3", "K=7"]
+    assert set(r["categories"]) == {"a", "b"}
+
+
+def test_token_counts_match_transformers_greedy_and_fp32_outputs_are_identical(result, tiny_dirs):
+    engine, r = result
+    eos = engine.eos_token_ids[0] if len(engine.eos_token_ids) == 1 else list(engine.eos_token_ids)
+    for cat in ("a", "b"):
+        expected = sum(len(hf_greedy(tiny_dirs["qwen3"], engine.encode(p.text), p.max_tokens, eos))
+                       for p in PROMPTS if p.category == cat)
+        n = sum(p.category == cat for p in PROMPTS)
+        for system in ("ar", "K=3", "K=7"):
+            assert r["categories"][cat][system]["tokens"] == expected
+        for system in ("K=3", "K=7"):
+            assert r["categories"][cat][system]["identical_outputs"] == f"{n}/{n}"
+
+
+def test_tau_and_histogram_agree_with_their_definitions(result):
+    _, r = result
+    for k in (3, 7):
+        row = r["overall"][f"K={k}"]
+        hist = row["acceptance_histogram"]
+        assert len(hist) <= k + 1
+        steps = sum(hist)
+        committed = sum((i + 1) * c for i, c in enumerate(hist))
+        assert row["tau"] == pytest.approx(committed / steps, abs=1e-3)
+        assert 1.0 <= row["tau"] <= k + 1
+        # every generated token after the first (prefill's) is committed by exactly one verify step
+        assert committed == row["tokens"] - len(PROMPTS)
+        assert row["speedup"] > 0 and row["tok_s"] > 0
+
+
+def test_overall_merges_the_categories(result):
+    _, r = result
+    for system in r["systems"]:
+        assert r["overall"][system]["tokens"] == sum(c[system]["tokens"] for c in r["categories"].values())
+
+
+def test_cli_json(tiny_dirs, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": t, "category": c}) for t, c in [("ab", "x"), ("cd", "y")]))
+    out = tmp_path / "speed.json"
+    r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                  str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--max-tokens", "6", "-k", "3",
+                                  "--rounds", "1", "--dtype", "float32", "--json", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert set(res["categories"]) == {"x", "y"} and res["draft_lens"] == [3]
+    assert json.loads(out.read_text()) == res
+    r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                  str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "-k", "99"])
+    assert r.exit_code != 0 and "K=99" in r.output
