@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The throughput-versus-interactivity sweep of gpt-oss-120b on one DGX B300 (8 x B300, TP8/EP8), as a user runs it:
+# autoregressive, EAGLE-3 (nvidia/gpt-oss-120b-Eagle3, K=3) and DFlash (z-lab/gpt-oss-120b-DFlash, K in 3 5 7 9), each
+# served by TensorRT-LLM's trtllm-serve from a `dflash-trt build` engine directory, driven by `dflash-trt bench sweep`
+# with the same prompts and concurrencies, then one Pareto plot (tokens/s/GPU against tokens/s/user).
+# Protocol: ../shared/reference/trtllm.md 5.4 (real prompts, ISL/OSL 1k/1k by default, concurrency doubling).
+#
+# Needs: TensorRT-LLM 1.3.0rc20 (NGC container or NVIDIA's wheel index) with trtllm-serve on PATH, this package
+# installed (pip install -e .), the three checkpoints in the HF cache or reachable, 8 GPUs.
+#   benchmarks/dgx_b300_gpt_oss_120b.sh                          # all arms, 1k/1k
+#   PRESET=gpu-8k1k KS="3 7" CONC=1,4,16,64,256 benchmarks/dgx_b300_gpt_oss_120b.sh
+# Before timing: nvidia-smi -pm 1 (and the clock/power settings in trtllm.md 5.1) as your site allows.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CONFIG=${CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-throughput.yaml}
+PRESET=${PRESET:-gpu-1k1k}
+CONC=${CONC:-1,2,4,8,16,32,64,128,256,512,1024}
+KS=${KS:-"3 5 7 9"}
+ARMS=${ARMS:-"ar eagle3 dflash"}
+REQS=${REQS:-5}                     # requests per point = 5 x concurrency (NVIDIA's guides use --num-prompts 5c)
+WORK=${WORK:-$ROOT/engines/dgx_b300}
+OUT=${OUT:-$ROOT/benchmarks/results/dgx_b300_gpt_oss_120b_$PRESET}
+PORT=${PORT:-8000}
+mkdir -p "$WORK" "$OUT"
+command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
+
+PID=""
+stop() { if [[ -n "$PID" ]]; then kill -INT "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+trap stop EXIT
+wait_up() {
+  for _ in $(seq 1800); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    kill -0 "$PID" 2>/dev/null || { echo "server exited; see $OUT/$1.log" >&2; return 1; }
+    sleep 1
+  done
+  return 1
+}
+sweep() {  # label, result name
+  dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --model openai/gpt-oss-120b --concurrency "$CONC" \
+    --dataset "$PRESET" --gpus 8 --requests-per-concurrency "$REQS" --label "$1" -o "$OUT/$2.json"
+}
+
+# One DFlash engine per K (validated and planned for B300; the build refuses what does not fit).
+for k in $KS; do
+  [[ -f "$WORK/dflash_k$k/manifest.json" ]] || dflash-trt build "$CONFIG" -o "$WORK/dflash_k$k" -k "$k" --force
+done
+first_k=${KS%% *}
+ENGINE0=$WORK/dflash_k$first_k
+
+# AR and EAGLE-3 use the same engine's target, mapping and runtime settings with the speculative section replaced.
+variant() {  # name, python that edits dict `o`
+  python3 - "$ENGINE0/trtllm/config.yaml" "$WORK/$1.yaml" "$2" <<'PY'
+import sys, yaml
+o = yaml.safe_load(open(sys.argv[1]))
+exec(sys.argv[3])
+yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
+PY
+}
+variant ar 'o.pop("speculative_config", None)'
+variant eagle3 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # blog11 (trtllm.md 2.x)'
+
+runs=()
+for arm in $ARMS; do
+  case $arm in
+    ar|eagle3)
+      (cd "$ENGINE0" && exec trtllm-serve "$ENGINE0/target" --tokenizer "$ENGINE0/tokenizer" --host 127.0.0.1 \
+          --port "$PORT" --config "$WORK/$arm.yaml") >"$OUT/$arm.log" 2>&1 &
+      PID=$!; wait_up "$arm"
+      label=$([[ $arm == ar ]] && echo "autoregressive" || echo "EAGLE-3 K=3")
+      sweep "$label" "$arm"; stop; runs+=("$OUT/$arm.json") ;;
+    dflash)
+      for k in $KS; do
+        dflash-trt serve "$WORK/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_k$k.log" 2>&1 &
+        PID=$!; wait_up "dflash_k$k"
+        sweep "DFlash K=$k" "dflash_k$k"; stop; runs+=("$OUT/dflash_k$k.json")
+      done ;;
+    *) echo "unknown arm $arm" >&2; exit 1 ;;
+  esac
+done
+dflash-trt bench plot "${runs[@]}" -o "$OUT/pareto.png" --title "gpt-oss-120b, DGX B300 (TP8/EP8), $PRESET"
+echo "results in $OUT" >&2

