@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from dflash_trt.draft_schedule import expand
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.slot_allocator import SlotAllocator
 
@@ -30,8 +31,10 @@ class QueueFullError(Exception):
 class SchedulerConfig:
     max_num_seqs: int  # cache rows: requests running at once
     max_model_len: int  # prompt + generated tokens per request
-    max_draft_len: int = 0  # K when the schedule has no entry (0: autoregressive)
-    draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (largest key <= batch size)
+    max_draft_len: int = 0  # K for every batch when there is no schedule (0: autoregressive)
+    # batch-size threshold -> K, TensorRT-LLM's rule (draft_schedule.expand): the smallest key >= the batch
+    # size wins, and batches above the largest key run without drafts. Empty: always max_draft_len.
+    draft_len_schedule: dict[int, int] = field(default_factory=dict)
     max_queue_len: int = 256  # waiting requests beyond the running ones; more are refused
     max_prefill_tokens: int = 512  # prompt tokens per step, over all prefill chunks
 
@@ -49,9 +52,10 @@ class SchedulerConfig:
                 )
 
     def draft_len_for(self, batch_size: int) -> int:
-        """K for a batch: the schedule entry with the largest batch size <= batch_size, else max_draft_len."""
-        keys = [b for b in self.draft_len_schedule if b <= batch_size]
-        return self.draft_len_schedule[max(keys)] if keys else self.max_draft_len
+        """K for a batch: TensorRT-LLM's rule over the schedule (0 above its largest key); max_draft_len without one."""
+        if not self.draft_len_schedule:
+            return self.max_draft_len
+        return expand(self.draft_len_schedule, batch_size)
 
 
 @dataclass

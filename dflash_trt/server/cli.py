@@ -46,7 +46,8 @@ def _engine_options(f):
         click.option("--max-batch-size", type=int, default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
         click.option("--max-model-len", type=int, default=None, help="Prompt + generated tokens per request."),
         click.option("--max-draft-len", "-k", type=int, default=None, help="K draft tokens per step."),
-        click.option("--draft-len-schedule", default=None, help="K by batch size, e.g. 1:15,4:7,16:3 (largest batch size <= the batch wins)."),
+        click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
+                     "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
         click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),

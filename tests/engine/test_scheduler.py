@@ -84,9 +84,22 @@ def test_abort_frees_waiting_at_once_and_running_at_the_next_step():
     assert not sched.abort(running.request_id)  # already gone
 
 
+def test_draft_len_for_is_trtllm_rule_smallest_key_at_or_above_the_batch():
+    # TensorRT-LLM's own example (get_draft_len_for_batch_size): {4: 4, 8: 2, 32: 1} runs 1-4 rows at K=4,
+    # 5-8 at 2, 9-32 at 1 and 33+ without drafts.
+    cfg = SchedulerConfig(max_num_seqs=64, max_model_len=100, max_draft_len=4, draft_len_schedule={4: 4, 8: 2, 32: 1})
+    got = {b: cfg.draft_len_for(b) for b in range(1, 65)}
+    assert got == {b: 4 if b <= 4 else 2 if b <= 8 else 1 if b <= 32 else 0 for b in range(1, 65)}
+    # An explicit 0 below a drafting threshold: 1 row drafts 3, 2-3 rows draft nothing, 4 rows draft 2.
+    gap = SchedulerConfig(max_num_seqs=8, max_model_len=100, max_draft_len=3, draft_len_schedule={1: 3, 3: 0, 4: 2})
+    assert [gap.draft_len_for(b) for b in range(1, 7)] == [3, 0, 0, 2, 0, 0]
+    # No schedule: every batch size runs max_draft_len.
+    plain = SchedulerConfig(max_num_seqs=8, max_model_len=100, max_draft_len=5)
+    assert {plain.draft_len_for(b) for b in range(1, 9)} == {5}
+
+
 def test_draft_len_follows_the_schedule_by_batch_size_within_need_and_room():
-    cfg = SchedulerConfig(max_num_seqs=16, max_model_len=100, max_draft_len=7, draft_len_schedule={4: 3, 8: 1})
-    assert [cfg.draft_len_for(b) for b in (1, 3, 4, 7, 8, 16)] == [7, 7, 3, 3, 1, 1]
+    cfg = SchedulerConfig(max_num_seqs=16, max_model_len=100, max_draft_len=7, draft_len_schedule={1: 7, 2: 7, 4: 3})
     sched = Scheduler(cfg)
     seqs = [_seq(10, new=30) for _ in range(2)]
     for s in seqs:
@@ -97,6 +110,19 @@ def test_draft_len_follows_the_schedule_by_batch_size_within_need_and_room():
     assert sched.schedule().num_draft == 7  # need = the most any row still needs
     seqs[1].output_ids += [5] * 26
     assert sched.schedule().num_draft == 3
+    # 3 and 4 rows take key 4's K=3; a fifth row is above the largest key: no drafts.
+    sched = Scheduler(cfg)
+    rows = [_seq(10, new=60) for _ in range(5)]
+    for s in rows[:3]:
+        sched.add(s)
+    _run(sched, sched.schedule())
+    for s, n in zip(rows[3:], (4, 5)):
+        batch = sched.schedule()
+        assert len(batch.decodes) == n - 1 and batch.num_draft == 3
+        sched.add(s)
+        _run(sched, sched.schedule())
+    batch = sched.schedule()
+    assert len(batch.decodes) == 5 and batch.num_draft == 0
     # room: the verify block [anchor, d_1..d_K] at positions num_cached..num_cached+K must fit max_model_len
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=40, max_draft_len=7))
     s = _seq(10, new=100)
@@ -143,7 +169,7 @@ def test_chunked_prefill_and_joining_requests_equal_target_greedy(tiny_dirs):
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (23, 4, 11, 30, 7)]
     # 2 rows for 5 requests: they join as rows free up; 6-token budget: every long prompt is chunked,
     # and the schedule varies K with the batch size.
-    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=7, max_prefill_tokens=6, draft_len_schedule={2: 3})
+    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=7, max_prefill_tokens=6, draft_len_schedule={1: 7, 2: 3})
     new = [20, 33, 9, 25, 14]
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new])
     for p, o, n in zip(prompts, outs, new):

@@ -1,0 +1,94 @@
+"""The draft-length schedule: which K each batch size runs, by TensorRT-LLM's rule, and how to choose it.
+
+TensorRT-LLM's `draft_len_schedule` maps batch-size thresholds to K: a batch of b rows runs the K of the
+smallest key >= b, and a batch above the largest key runs without drafts (K = 0). {4: 4, 8: 2, 32: 1}
+means 1..4 rows -> K=4, 5..8 -> 2, 9..32 -> 1, 33+ -> 0 (tensorrt_llm/_torch/speculative/utils.py
+get_draft_len_for_batch_size, bisect_left; trtllm.md 1.5 item 6). Its config validator also requires a
+key 1 equal to max_draft_len and no K above it (llm_args.py validate_draft_len_schedule_and_sort).
+`expand` is that rule, the one place this project implements it; the torch runtime's scheduler uses it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
+
+
+def expand(schedule: Mapping[int, int], batch_size: int) -> int:
+    """K for a batch of `batch_size` rows: the value of the smallest key >= batch_size; 0 above every key."""
+    keys = sorted(schedule)
+    i = bisect_left(keys, batch_size)
+    return schedule[keys[i]] if i < len(keys) else 0
+
+
+def throughput(batch_size: int, k: int, tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float]) -> float:
+    """Committed tokens per second of a batch: b x tau(K) / step time (tau(0) = 1, a plain decode step)."""
+    tau = 1.0 if k == 0 else tau_by_k[k]
+    return batch_size * tau / step_time(batch_size, k)
+
+
+def _best_k(batch_size: int, candidates: list[int], tau_by_k, step_time) -> int:
+    # Candidates are ascending, and only a strictly better throughput moves the choice: ties keep the
+    # smaller K (less work per step, same tokens per second).
+    best, best_tps = candidates[0], throughput(batch_size, candidates[0], tau_by_k, step_time)
+    for k in candidates[1:]:
+        tps = throughput(batch_size, k, tau_by_k, step_time)
+        if tps > best_tps:
+            best, best_tps = k, tps
+    return best
+
+
+def choose_per_batch_size(
+    tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float], batch_sizes: Iterable[int],
+    max_draft_len: int,
+) -> dict[int, int]:
+    """{batch size: K} maximising b x tau(K) / step_time(b, K) over K in {0} and tau_by_k's keys.
+
+    K at the smallest batch size is chosen among K <= max_draft_len; every larger batch size among
+    K <= that choice, because TensorRT-LLM requires schedule[1] == max_draft_len >= every K. (A larger
+    K at a larger batch would need tau to grow faster than the step cost; the cap then costs throughput.)
+    """
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_sizes must be >= 1 and non-empty, got {sizes}")
+    bad = [k for k, tau in tau_by_k.items() if k < 1 or tau <= 0]
+    if bad:
+        raise ValueError(f"tau_by_k needs K >= 1 and tau > 0; bad entries for K={bad}")
+    ks = [0] + sorted(k for k in tau_by_k if k <= max_draft_len)
+    first = _best_k(sizes[0], ks, tau_by_k, step_time)
+    capped = [k for k in ks if k <= first]
+    return {b: (first if b == sizes[0] else _best_k(b, capped, tau_by_k, step_time)) for b in sizes}
+
+
+def compress(per_batch: Mapping[int, int]) -> dict[int, int]:
+    """{batch size: K} over consecutive batch sizes -> TensorRT-LLM thresholds.
+
+    A run of batch sizes with the same K becomes one key (its largest batch size); a trailing run of
+    K = 0 is dropped (above the largest key TensorRT-LLM drafts nothing), a K = 0 run below a drafting
+    run stays explicit. Key 1 is always written when batch 1 drafts (TensorRT-LLM requires it).
+    Batch sizes between two listed ones take the K of the next listed one, as `expand` reads it.
+    """
+    sizes = sorted(per_batch)
+    out: dict[int, int] = {}
+    for i, b in enumerate(sizes):
+        last_of_run = i + 1 == len(sizes) or per_batch[sizes[i + 1]] != per_batch[b]
+        if last_of_run:
+            out[b] = per_batch[b]
+    while out and out[max(out)] == 0:
+        del out[max(out)]
+    if out and sizes[0] == 1 and 1 not in out:
+        out[1] = per_batch[1]
+    return dict(sorted(out.items()))
+
+
+def choose_draft_len_schedule(
+    tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float], batch_sizes: Iterable[int],
+    max_draft_len: int,
+) -> dict[int, int]:
+    """The throughput-maximising draft_len_schedule (TensorRT-LLM thresholds) for these batch sizes.
+
+    The K chosen at the smallest batch size becomes the schedule's max_draft_len (schedule[1]); {} means
+    speculation never pays at batch 1 under this model, and the engine should run without a drafter.
+    `step_time(b, K)` is the time of one engine step of b rows at draft length K (K = 0: plain decode).
+    """
+    return compress(choose_per_batch_size(tau_by_k, step_time, batch_sizes, max_draft_len))

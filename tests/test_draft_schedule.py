@@ -1,0 +1,91 @@
+"""The draft-length schedule chooser against brute force over small random tables, and TensorRT-LLM's
+threshold rule by its definition."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.draft_schedule import choose_draft_len_schedule, compress, expand
+
+
+def _rule(schedule: dict[int, int], b: int) -> int:
+    # The definition, written out: the smallest key >= b, else no drafting.
+    above = [key for key in schedule if key >= b]
+    return schedule[min(above)] if above else 0
+
+
+def test_expand_is_trtllms_documented_example():
+    s = {4: 4, 8: 2, 32: 1}
+    assert [expand(s, b) for b in (1, 4, 5, 8, 9, 32, 33, 1000)] == [4, 4, 2, 2, 1, 1, 0, 0]
+    assert expand({}, 1) == 0
+
+
+@st.composite
+def tables(draw):
+    ks = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4, unique=True))
+    tau = {k: draw(st.floats(1.0, k + 1.0)) for k in ks}
+    max_b = draw(st.integers(1, 12))
+    # Step times as an arbitrary positive table: the chooser must not assume any shape.
+    times = {(b, k): draw(st.floats(0.5, 20.0)) for b in range(1, max_b + 1) for k in [0, *ks]}
+    cap = draw(st.integers(1, 9))
+    return tau, times, max_b, cap
+
+
+def _tps(b, k, tau, times):
+    return b * (1.0 if k == 0 else tau[k]) / times[(b, k)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables())
+def test_expanded_schedule_reaches_the_brute_force_optimum_at_every_batch_size(table):
+    tau, times, max_b, cap = table
+    schedule = choose_draft_len_schedule(tau, lambda b, k: times[(b, k)], range(1, max_b + 1), cap)
+    # Brute force, stage 1: the best K at batch 1 among K <= cap.
+    allowed = [0] + [k for k in tau if k <= cap]
+    best1 = max(_tps(1, k, tau, times) for k in allowed)
+    k1 = min(k for k in allowed if _tps(1, k, tau, times) == best1)
+    # Stage 2 (TensorRT-LLM: schedule[1] == max_draft_len >= every K): larger batches choose K <= k1.
+    for b in range(1, max_b + 1):
+        got = _rule(schedule, b)
+        pool = allowed if b == 1 else [k for k in allowed if k <= k1]
+        assert got in pool
+        assert _tps(b, got, tau, times) == max(_tps(b, k, tau, times) for k in pool)
+    if schedule:
+        assert 1 in schedule and schedule[1] == k1 == max(schedule.values())
+        assert schedule[max(schedule)] != 0  # a trailing 0 is implied, never written
+    else:
+        assert k1 == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(1, 40), st.integers(0, 6), min_size=1))
+def test_compress_round_trips_every_batch_size(per_batch_sparse):
+    per_batch = {b: per_batch_sparse.get(b, 0) for b in range(1, 41)}
+    schedule = compress(per_batch)
+    assert all(_rule(schedule, b) == per_batch[b] for b in range(1, 41))
+    assert compress({b: _rule(schedule, b) for b in range(1, 41)}) == schedule
+    keys = sorted(schedule)
+    assert all(schedule[a] != schedule[b] for a, b in zip(keys[1:], keys[2:]))  # runs merged (key 1 aside)
+
+
+def test_speculation_stops_where_drafting_costs_more_than_it_gains():
+    # tau(4) = 2.5. A K=4 step costs 1.5x a decode step at b <= 4 (weight-bound), then grows with the
+    # 5x tokens it verifies: b * 2.5 / 1.5 beats b / 1 up to b = 4; at b = 8 the step costs 3x -> 2.5/3 < 1.
+    def step(b, k):
+        return 1.0 if k == 0 else (1.5 if b <= 4 else 3.0)
+
+    schedule = choose_draft_len_schedule({4: 2.5}, step, [1, 2, 4, 8, 16], max_draft_len=4)
+    assert schedule == {1: 4, 4: 4}  # 1..4 rows draft 4, above 4 nothing (implied)
+    assert choose_draft_len_schedule({4: 1.2}, step, [1, 2, 4], max_draft_len=4) == {}  # never pays
+
+
+def test_a_k_above_max_draft_len_is_never_chosen():
+    schedule = choose_draft_len_schedule({3: 2.0, 9: 6.0}, lambda b, k: 1.0 + 0.01 * k, [1, 2, 4], max_draft_len=5)
+    assert schedule == {1: 3, 4: 3}
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="K >= 1"):
+        choose_draft_len_schedule({0: 1.0}, lambda b, k: 1.0, [1], 3)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        choose_draft_len_schedule({1: 1.5}, lambda b, k: 1.0, [], 3)
