@@ -1,0 +1,377 @@
+"""`bench sweep`: a closed-loop load generator for any OpenAI-compatible streaming endpoint.
+
+At each concurrency c, exactly c streaming requests are in flight until the point's requests are done
+(bounded load: requests per point grow with c). Prompts come in a seeded shuffled order, so two runs with
+the same seed send the same prompts. Latencies follow trtllm-serve's benchmark_serving definitions:
+TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks.
+With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import platform
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import httpx
+import numpy as np
+
+from dflash_trt.bench.endpoint_metrics import acceptance_delta, scrape
+
+if TYPE_CHECKING:
+    from dflash_trt.bench.datasets import BenchPrompt
+
+
+class SweepError(RuntimeError):
+    """A point where no request succeeded (the endpoint's error is in the message)."""
+
+
+@dataclass
+class SweepConfig:
+    url: str  # http://host:port or http://host:port/v1
+    model: str
+    concurrencies: list[int]
+    requests_per_concurrency: int = 4  # a point sends max(min_requests, requests_per_concurrency * c)
+    min_requests: int = 4
+    warmup_requests: int | None = None  # None: the first concurrency; sent and discarded before the first point
+    seed: int = 0
+    gpus: int = 1
+    api: Literal["chat", "completions"] = "chat"
+    temperature: float = 0.0
+    ignore_eos: bool = True  # vLLM, trtllm-serve and this project's server accept it
+    osl: int | None = None  # output tokens per request; None: each prompt's max_tokens
+    label: str = ""  # run name in plots, e.g. "DFlash K=3"
+    timeout_s: float = 600.0  # per connect / read of the stream
+    # Servers may count a step in /metrics only after sending its tokens; waiting this long before each
+    # scrape keeps the last step of one point from landing in the next.
+    metrics_settle_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        self.concurrencies = [int(c) for c in self.concurrencies]
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be a non-empty list of integers >= 1, got {self.concurrencies}")
+        if self.api not in ("chat", "completions"):
+            raise ValueError(f"api must be 'chat' or 'completions', got {self.api!r}")
+        for name in ("requests_per_concurrency", "min_requests", "gpus"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_requests is not None and self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.metrics_settle_s < 0:
+            raise ValueError(f"metrics_settle_s must be >= 0, got {self.metrics_settle_s}")
+        if self.osl is not None and self.osl < 1:
+            raise ValueError(f"osl must be >= 1, got {self.osl}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def root_url(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
+
+    @property
+    def endpoint(self) -> str:
+        path = "chat/completions" if self.api == "chat" else "completions"
+        return f"{self.root_url}/v1/{path}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.root_url}/metrics"
+
+    def requests_at(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_concurrency * concurrency)
+
+    @property
+    def num_warmup(self) -> int:
+        return self.concurrencies[0] if self.warmup_requests is None else self.warmup_requests
+
+
+def prompt_sequence(prompts: Sequence[BenchPrompt], n: int, seed: int) -> list[BenchPrompt]:
+    """n prompts: passes over the whole set, each pass in a fresh seeded shuffle. A point's sequence depends
+    only on (prompts, n, seed), so the same point in two runs gets the same prompts."""
+    if not prompts:
+        raise ValueError("no prompts to send")
+    rng = random.Random(seed)
+    out: list[BenchPrompt] = []
+    while len(out) < n:
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        out.extend(prompts[i] for i in order)
+    return out[:n]
+
+
+@dataclass
+class RequestResult:
+    prompt_id: str
+    start: float  # perf_counter just before the request is sent
+    ok: bool = False
+    error: str | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty content chunk
+    end: float | None = None  # arrival of the last data event (the finishing / usage chunk)
+    completion_tokens: int | None = None  # usage, when the endpoint sends it
+    prompt_tokens: int | None = None
+    acceptance: dict | None = None  # this project's per-choice extension
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.start
+
+    @property
+    def output_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_times)
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.output_tokens
+        return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
+    body: dict = {
+        "model": cfg.model,
+        "max_tokens": cfg.osl if cfg.osl is not None else prompt.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt.text}]
+    else:
+        body["prompt"] = prompt.text
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.temperature > 0:
+        body["seed"] = (cfg.seed * 1_000_003 + index) % 2**31  # sampled runs stay reproducible
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: BenchPrompt, index: int) -> RequestResult:
+    """One streaming request, timed chunk by chunk; failures come back as results with ok=False."""
+    body = request_body(cfg, prompt, index)
+    res = RequestResult(prompt.id, time.perf_counter())
+    try:
+        async with client.stream("POST", cfg.endpoint, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {text[:500]}"
+                return res
+            # Read to the end of the stream (not just [DONE]) so the connection goes back to the pool.
+            done = False
+            async for line in resp.aiter_lines():
+                if done or not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(payload)
+                if "error" in event:
+                    err = event["error"]
+                    res.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    return res
+                _read_event(event, cfg.api, now, res)
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if not res.chunk_times:
+        res.error = "the stream ended without any content"
+        return res
+    res.ok = True
+    return res
+
+
+def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
+    res.end = now
+    usage = event.get("usage")
+    if usage:
+        res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
+        res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+    for choice in event.get("choices") or []:
+        content = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
+        if content:
+            res.chunk_times.append(now)
+        if choice.get("acceptance"):
+            res.acceptance = choice["acceptance"]
+
+
+async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: list[BenchPrompt], concurrency: int,
+                       first_index: int = 0) -> list[RequestResult]:
+    """Closed loop: `concurrency` workers, each sending its next request as soon as its previous one ends."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    todo = iter(enumerate(prompts))  # shared by the workers; next() never yields to the event loop
+
+    async def worker() -> None:
+        for i, prompt in todo:
+            results[i] = await send_request(client, cfg, prompt, first_index + i)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    return results  # type: ignore[return-value]
+
+
+def summary(values: Sequence[float]) -> dict[str, float | None]:
+    if len(values) == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def response_acceptance(results: Sequence[RequestResult]) -> dict | None:
+    """Token-weighted over requests: tau = sum(tau_i * steps_i) / sum(steps_i)."""
+    stats = [r.acceptance for r in results if r.acceptance and r.acceptance.get("num_steps") is not None]
+    if not stats:
+        return None
+    steps = sum(a["num_steps"] for a in stats)
+    drafted = sum(a.get("total_draft_tokens", 0) for a in stats)
+    accepted = sum(a.get("total_accepted_draft_tokens", 0) for a in stats)
+    hist = [0] * max(len(a.get("acceptance_histogram") or []) for a in stats)
+    for a in stats:
+        for i, n in enumerate(a.get("acceptance_histogram") or []):
+            hist[i] += n
+    return {
+        "source": "response",
+        "tau": sum(a["tau"] * a["num_steps"] for a in stats) / steps if steps else None,
+        "num_steps": steps,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "total_draft_tokens": drafted,
+        "total_accepted_draft_tokens": accepted,
+        "acceptance_histogram": hist,
+        "num_requests": len(stats),
+    }
+
+
+def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestResult]) -> dict:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    if not ok:
+        raise SweepError(f"every request at concurrency {concurrency} failed ({len(failed)} of {len(results)}); "
+                         f"first error: {failed[0].error}")
+    duration = max(r.end for r in ok) - min(r.start for r in results)
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    in_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    output_tok_s = out_tokens / duration
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "num_failed": len(failed),
+        "errors": list(dict.fromkeys(r.error for r in failed))[:3],
+        "duration_s": duration,
+        "output_tokens": out_tokens,
+        "input_tokens": sum(in_tokens) if in_tokens else None,
+        "output_tok_s": output_tok_s,
+        "request_throughput": len(ok) / duration,
+        "tok_s_per_user": float(np.mean([1.0 / t for t in tpots if t > 0])) if any(t > 0 for t in tpots) else None,
+        "tok_s_per_gpu": output_tok_s / cfg.gpus,
+        "ttft_s": summary([r.ttft for r in ok]),
+        "tpot_s": summary(tpots),
+        "itl_s": summary([g for r in ok for g in r.itls]),
+        "e2el_s": summary([r.e2el for r in ok]),
+    }
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
+                          on_point: Callable[[dict], None] | None = None) -> dict:
+    prompts = list(prompts)
+    result = {
+        "label": cfg.label,
+        "url": cfg.url,
+        "model": cfg.model,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": asdict(cfg),
+        "machine": machine_info(),  # of the load generator, which is the server's only when run locally
+        "dataset": {"name": dataset, "count": len(prompts),
+                    "categories": dict(sorted(Counter(p.category for p in prompts).items()))},
+        "points": [],
+    }
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
+    timeout = httpx.Timeout(cfg.timeout_s)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        if cfg.num_warmup:
+            warm = await run_requests(client, cfg, prompt_sequence(prompts, cfg.num_warmup, cfg.seed + 1),
+                                      cfg.concurrencies[0], first_index=-cfg.num_warmup)
+            if not any(r.ok for r in warm):
+                raise SweepError(f"every warm-up request failed; first error: {warm[0].error}")
+            await asyncio.sleep(cfg.metrics_settle_s)
+        metrics = await scrape(client, cfg.metrics_url)
+        for c in cfg.concurrencies:
+            before = metrics
+            results = await run_requests(client, cfg, prompt_sequence(prompts, cfg.requests_at(c), cfg.seed), c)
+            if before is not None:  # an endpoint without /metrics is not asked again
+                await asyncio.sleep(cfg.metrics_settle_s)
+                metrics = await scrape(client, cfg.metrics_url)
+            after = metrics if before is not None else None
+            point = point_stats(cfg, c, results)
+            from_metrics = acceptance_delta(before, after)
+            point["acceptance"] = response_acceptance([r for r in results if r.ok]) or from_metrics
+            point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check
+            result["points"].append(point)
+            if on_point is not None:
+                on_point(point)
+    return result
+
+
+def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
+              on_point: Callable[[dict], None] | None = None) -> dict:
+    """Run every concurrency point; returns the result dict (see write_results)."""
+    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point))
+
+
+def flatten(point: dict, prefix: str = "") -> dict:
+    """One CSV row: nested dicts joined with '_' (ttft_s_p50), lists as JSON."""
+    row: dict = {}
+    for key, value in point.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            row.update(flatten(value, name + "_"))
+        elif isinstance(value, list):
+            row[name] = json.dumps(value)
+        elif value is not None:
+            row[name] = value
+    return row
+
+
+def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
+    """The result as JSON at `path` and one CSV row per point next to it (same stem, .csv)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    rows = [flatten(p) for p in result["points"]]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    csv_path = path.with_suffix(".csv")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path, csv_path

@@ -1,0 +1,412 @@
+"""bench sweep against a stub OpenAI-compatible endpoint with known timings, counts and acceptance, and once
+end to end against this project's server on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from fastapi import FastAPI, Request  # module level: the handlers' annotations are resolved by name
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dflash_trt.bench.endpoint_metrics import acceptance_delta, parse_metrics
+from dflash_trt.bench.sweep import SweepConfig, SweepError, prompt_sequence, run_sweep, write_results
+from tests.server.conftest import free_port
+
+
+@dataclass(frozen=True)
+class Prompt:  # the fields of datasets.BenchPrompt the sweep reads
+    id: str
+    category: str
+    text: str
+    max_tokens: int
+
+
+def prompts(*texts: str, max_tokens: int = 6) -> list[Prompt]:
+    return [Prompt(f"t/{i}", "chat", t, max_tokens) for i, t in enumerate(texts)]
+
+
+# --- the stub endpoint ----------------------------------------------------------------------------
+
+FIRST_DELAY = 0.05  # before the first token
+GAP = 0.02  # between chunks
+K = 3  # draft tokens per step
+STEPS, ACCEPTED = 3, 5  # the stub's vLLM-style counters, per finished request: 3 drafts of K tokens, 5 accepted
+
+
+@dataclass
+class StubState:
+    tokens_per_chunk: int = 1
+    usage: bool = True
+    metrics: bool = True
+    acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
+    inflight: int = 0
+    arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
+    finished: int = 0
+
+    def metrics_text(self) -> str:
+        # Two engines, as vLLM labels its counters, so the parser must sum label sets.
+        lines = []
+        for name, per_request in (("num_drafts", STEPS), ("num_accepted_tokens", ACCEPTED), ("num_draft_tokens", STEPS * K)):
+            lines += [f"# HELP vllm:spec_decode_{name} stub", f"# TYPE vllm:spec_decode_{name} counter"]
+            for engine in (0, 1):
+                n = (self.finished + 1 - engine) // 2  # requests credited to this engine
+                lines.append(f'vllm:spec_decode_{name}_total{{engine="{engine}",model_name="stub"}} {float(n * per_request)}')
+        return "\n".join(lines) + "\n"
+
+
+def stub_app(state: StubState, n_chunks: int = 6):
+    app = FastAPI()
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def generate(request: Request):
+        body = await request.json()
+        chat = "messages" in body
+        text = body["messages"][0]["content"] if chat else body["prompt"]
+        state.inflight += 1
+        state.arrivals.append((body, state.inflight))
+        if text.startswith("fail:"):
+            state.inflight -= 1
+            return JSONResponse({"error": {"message": f"stub failure for {text}"}}, status_code=500)
+
+        def chunk(content: str | None, finish: str | None = None, **extra) -> dict:
+            choice = {"index": 0, "finish_reason": finish, **extra}
+            if chat:
+                choice["delta"] = {"content": content}
+            else:
+                choice["text"] = content or ""
+            return {"choices": [choice]}
+
+        async def events():
+            try:
+                if chat:
+                    yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                await asyncio.sleep(FIRST_DELAY)
+                for i in range(n_chunks):
+                    if i:
+                        await asyncio.sleep(GAP)
+                    yield event(chunk("ab"[: state.tokens_per_chunk]))
+                    if text.startswith("midfail:"):
+                        yield event({"error": {"message": "stub died mid-stream"}})
+                        yield "data: [DONE]\n\n"
+                        return
+                extra = {}
+                if text in state.acceptance:
+                    tau, steps = state.acceptance[text]
+                    extra["acceptance"] = {"tau": tau, "num_steps": steps, "acceptance_histogram": [1, steps - 1],
+                                           "total_draft_tokens": steps * K, "total_accepted_draft_tokens": steps}
+                state.finished += 1
+                usage = {"prompt_tokens": len(text), "completion_tokens": n_chunks * state.tokens_per_chunk}
+                final = chunk(None, "length", **extra)
+                if state.usage:
+                    final["usage"] = usage
+                yield event(final)
+                if state.usage:
+                    yield event({"choices": [], "usage": usage})
+                yield "data: [DONE]\n\n"
+            finally:
+                state.inflight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.post("/v1/chat/completions")(generate)
+    app.post("/v1/completions")(generate)
+
+    @app.get("/metrics")
+    async def metrics():
+        if not state.metrics:
+            return PlainTextResponse("not found", status_code=404)
+        return PlainTextResponse(state.metrics_text())
+
+    return app
+
+
+@dataclass
+class Stub:
+    url: str
+    state: StubState
+
+    def reset(self, **kw) -> StubState:
+        """Fresh behaviour and counters; the server keeps the same state object."""
+        self.state.__dict__.update(StubState(**kw).__dict__)
+        return self.state
+
+
+@pytest.fixture(scope="module")
+def stub():
+    import uvicorn
+
+    state = StubState()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(stub_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "stub did not start"
+        time.sleep(0.02)
+    yield Stub(f"http://127.0.0.1:{port}", state)
+    server.should_exit = True
+    thread.join(10)
+
+
+def config(url: str, concurrencies, **kw) -> SweepConfig:
+    kw.setdefault("warmup_requests", 0)
+    kw.setdefault("requests_per_concurrency", 1)
+    return SweepConfig(url=url, model="stub", concurrencies=list(concurrencies), **kw)
+
+
+# --- config and prompt order ----------------------------------------------------------------------
+
+def test_config_urls_and_request_counts():
+    a = SweepConfig(url="http://h:8000", model="m", concurrencies=[1, 4])
+    b = SweepConfig(url="http://h:8000/v1/", model="m", concurrencies=[1, 4], api="completions")
+    assert a.endpoint == "http://h:8000/v1/chat/completions"
+    assert b.endpoint == "http://h:8000/v1/completions"
+    assert a.metrics_url == b.metrics_url == "http://h:8000/metrics"
+    assert a.num_warmup == 1  # the first concurrency
+    assert [a.requests_at(c) for c in (1, 2, 8)] == [4, 8, 32]  # max(4, 4 * c)
+    with pytest.raises(ValueError, match="concurrencies"):
+        SweepConfig(url="http://h", model="m", concurrencies=[0])
+    with pytest.raises(ValueError, match="api"):
+        SweepConfig(url="http://h", model="m", concurrencies=[1], api="responses")
+    with pytest.raises(ValueError, match="url"):
+        SweepConfig(url="h:8000", model="m", concurrencies=[1])
+
+
+def test_prompt_sequence_is_a_seeded_cycle():
+    ps = prompts(*"abcdef")
+    seq = prompt_sequence(ps, 15, seed=0)
+    assert len(seq) == 15
+    for start in (0, 6):  # every full pass is a permutation of the set
+        assert sorted(p.text for p in seq[start:start + 6]) == list("abcdef")
+    assert [p.text for p in seq[12:]] == [p.text for p in prompt_sequence(ps, 15, seed=0)[12:]]
+    assert prompt_sequence(ps, 15, seed=0) == seq
+    assert prompt_sequence(ps, 15, seed=1) != seq
+    assert prompt_sequence(ps, 4, seed=0) == seq[:4]  # a point's prompts do not depend on its size
+
+
+# --- timings and counts against the stub ----------------------------------------------------------
+
+def test_latencies_match_the_stub_delays(stub):
+    stub.reset()
+    cfg = config(stub.url, [1], requests_per_concurrency=4, gpus=2)
+    (pt,) = run_sweep(cfg, prompts("hello", "world"))["points"]
+    n, chunks = 4, 6
+    assert pt["num_requests"] == n and pt["num_failed"] == 0
+    assert pt["output_tokens"] == n * chunks
+    assert pt["input_tokens"] == 2 * len("hello") + 2 * len("world")
+    slack = 0.03
+    e2e = FIRST_DELAY + (chunks - 1) * GAP
+    assert FIRST_DELAY <= pt["ttft_s"]["mean"] <= FIRST_DELAY + slack
+    assert FIRST_DELAY <= pt["ttft_s"]["p99"] <= FIRST_DELAY + 2 * slack
+    assert GAP <= pt["itl_s"]["p50"] <= GAP + slack / 2
+    assert GAP * 0.95 <= pt["tpot_s"]["mean"] <= GAP + slack / 2
+    assert e2e <= pt["e2el_s"]["p50"] <= e2e + slack * 2
+    # one stream at a time: the point lasts at least n end-to-end latencies
+    assert pt["duration_s"] >= n * e2e
+    assert pt["output_tok_s"] == pytest.approx(n * chunks / pt["duration_s"])
+    assert pt["request_throughput"] == pytest.approx(n / pt["duration_s"])
+    assert pt["tok_s_per_gpu"] == pytest.approx(pt["output_tok_s"] / 2)
+    assert 1 / (GAP + slack / 2) <= pt["tok_s_per_user"] <= 1 / (GAP * 0.95)
+
+
+def test_tokens_come_from_usage_else_from_chunks(stub):
+    # Two tokens per chunk (as a speculative step sends): usage says 12 tokens over 6 chunks.
+    stub.reset(tokens_per_chunk=2)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("x"))["points"]
+    assert pt["output_tokens"] == 2 * 12
+    span = 5 * GAP  # from the first chunk to the last
+    assert span / 11 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 11
+    assert GAP <= pt["itl_s"]["p50"] <= GAP + 0.015  # ITL stays per chunk
+    # Without usage the sweep can only count content chunks.
+    stub.reset(tokens_per_chunk=2, usage=False)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("x"))["points"]
+    assert pt["output_tokens"] == 2 * 6
+    assert pt["input_tokens"] is None
+    assert span / 5 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 5
+
+
+def test_closed_loop_holds_exactly_c_in_flight(stub):
+    state = stub.reset()
+    cfg = config(stub.url, [1, 3], requests_per_concurrency=2, min_requests=4, warmup_requests=2, osl=5)
+    points = run_sweep(cfg, prompts("p", "q", "r"))["points"]
+    assert [p["concurrency"] for p in points] == [1, 3]
+    assert [p["num_requests"] for p in points] == [4, 6]  # max(4, 2 * c)
+    arrivals = state.arrivals
+    assert len(arrivals) == 2 + 4 + 6  # warm-up first, then the points in order
+    assert max(n for _, n in arrivals[2:6]) == 1
+    assert max(n for _, n in arrivals[6:]) == 3
+    body = arrivals[-1][0]
+    assert body["max_tokens"] == 5 and body["ignore_eos"] is True and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "stub" and body["temperature"] == 0.0
+    assert body["messages"][0]["role"] == "user"
+
+
+def test_prompt_order_is_reproducible(stub):
+    ps = prompts(*"abcdefg")
+
+    def sent(seed: int) -> list[str]:
+        state = stub.reset()
+        run_sweep(config(stub.url, [1], min_requests=10, seed=seed), ps)
+        return [b["messages"][0]["content"] for b, _ in state.arrivals]
+
+    first = sent(0)
+    assert sent(0) == first
+    assert sent(1) != first
+    assert sorted(first[:7]) == list("abcdefg")  # a full pass before any repeat
+    assert first == [p.text for p in prompt_sequence(ps, 10, seed=0)]
+
+
+def test_completions_api(stub):
+    state = stub.reset()
+    (pt,) = run_sweep(config(stub.url, [2], api="completions"), prompts("raw prompt"))["points"]
+    assert pt["num_failed"] == 0 and pt["output_tokens"] == 4 * 6
+    assert all(b["prompt"] == "raw prompt" and "messages" not in b for b, _ in state.arrivals)
+
+
+def test_failures_are_counted(stub):
+    stub.reset()
+    cfg = config(stub.url, [2], min_requests=8)
+    (pt,) = run_sweep(cfg, prompts("ok1", "ok2", "fail:x", "midfail:y"))["points"]
+    assert pt["num_requests"] == 8 and pt["num_failed"] == 4  # two passes over 2 failing prompts
+    assert pt["output_tokens"] == 4 * 6  # only the successful requests
+    joined = " ".join(pt["errors"])
+    assert "HTTP 500" in joined and "stub failure for fail:x" in joined and "stub died mid-stream" in joined
+
+
+def test_a_point_where_everything_fails_raises(stub):
+    stub.reset()
+    with pytest.raises(SweepError, match=r"concurrency 2 failed.*stub failure for fail:"):
+        run_sweep(config(stub.url, [2]), prompts("fail:a", "fail:b"))
+
+
+# --- acceptance -----------------------------------------------------------------------------------
+
+def test_acceptance_from_response_fields(stub):
+    stub.reset(acceptance={"a": (2.0, 3), "b": (3.0, 1)})
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=4), prompts("a", "b"))["points"]
+    acc = pt["acceptance"]
+    assert acc["source"] == "response"
+    # token-weighted: each prompt twice; (2*3 + 3*1) * 2 tokens over (3 + 1) * 2 steps
+    assert acc["tau"] == pytest.approx(18 / 8)
+    assert acc["num_steps"] == 8
+    assert acc["acceptance_rate"] == pytest.approx((3 + 1) * 2 / ((3 + 1) * 2 * K))
+    assert acc["acceptance_histogram"] == [1 * 4, (3 - 1) * 2 + (1 - 1) * 2]  # the stub sends [1, steps - 1]
+    # the stub's /metrics is still read alongside: 4 requests of 3 drafts, 5 accepted, 9 draft tokens each
+    m = pt["metrics_acceptance"]
+    assert m["metrics"] == "vllm"
+    assert m["tau"] == pytest.approx(1 + 20 / 12)
+
+
+def test_acceptance_from_vllm_metrics(stub):
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [2], min_requests=6), prompts("a"))["points"]
+    acc = pt["acceptance"]
+    assert acc["source"] == "metrics" and acc["metrics"] == "vllm"
+    assert acc["tau"] == pytest.approx(1 + (6 * ACCEPTED) / (6 * STEPS))
+    assert acc["acceptance_rate"] == pytest.approx(ACCEPTED / (STEPS * K))
+    assert acc["num_steps"] == 6 * STEPS
+
+
+def test_no_acceptance_without_fields_or_metrics(stub):
+    stub.reset(metrics=False)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=1), prompts("a"))["points"]
+    assert pt["acceptance"] is None and pt["metrics_acceptance"] is None
+
+
+def test_dflash_histogram_delta():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    h = Histogram("dflash_acceptance_length", "tau", buckets=(1, 2, 3, 4), registry=reg)
+    for n in (1, 3, 4):
+        h.observe(n)
+    before = parse_metrics(generate_latest(reg).decode())
+    for n in (2, 2, 4, 1):
+        h.observe(n)
+    after = parse_metrics(generate_latest(reg).decode())
+    acc = acceptance_delta(before, after)
+    assert acc["metrics"] == "dflash" and acc["num_steps"] == 4
+    assert acc["tau"] == pytest.approx((2 + 2 + 4 + 1) / 4)
+    assert acceptance_delta(after, after) is None  # no speculative step in between
+    assert acceptance_delta(None, after) is None
+    assert acceptance_delta({}, parse_metrics("# TYPE other counter\nother_total 3\n")) is None
+
+
+# --- results files --------------------------------------------------------------------------------
+
+def test_write_results_json_and_csv(stub, tmp_path):
+    stub.reset(acceptance={"a": (2.0, 3)})
+    result = run_sweep(config(stub.url, [1, 2], label="stub run"), prompts("a", "b"), dataset="tiny")
+    assert result["label"] == "stub run" and result["model"] == "stub"
+    assert result["dataset"] == {"name": "tiny", "count": 2, "categories": {"chat": 2}}
+    assert result["config"]["concurrencies"] == [1, 2] and result["machine"]["cores"] >= 1
+    json_path, csv_path = write_results(result, tmp_path / "out" / "run.json")
+    assert csv_path == tmp_path / "out" / "run.csv"
+    assert json.loads(json_path.read_text())["points"] == result["points"]
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    for row, pt in zip(rows, result["points"]):
+        assert float(row["ttft_s_p50"]) == pytest.approx(pt["ttft_s"]["p50"])
+        assert float(row["tpot_s_p99"]) == pytest.approx(pt["tpot_s"]["p99"])
+        assert float(row["tok_s_per_user"]) == pytest.approx(pt["tok_s_per_user"])
+        assert row["acceptance_source"] == "response"
+        assert float(row["acceptance_tau"]) == pytest.approx(2.0)
+        assert row["metrics_acceptance_metrics"] == "vllm"
+
+
+# --- end to end against this project's server -----------------------------------------------------
+
+class _TruthByRow:
+    """force_drafts' truth table for a live server: the greedy continuation of whichever request holds a
+    cache row, looked up when the drafter runs (rows are assigned by the scheduler)."""
+
+    def __init__(self, engine, truth: dict[tuple, list[int]]) -> None:
+        self.engine, self.truth = engine, truth
+
+    def __getitem__(self, row: int) -> list[int]:
+        (seq,) = [s for s in self.engine.scheduler.running if s.slot == row]
+        return self.truth[tuple(seq.prompt_ids)]
+
+
+def test_against_the_real_server(tiny_dirs):
+    from dflash_trt import SamplingParams
+    from tests.forced_drafts import force_drafts
+    from tests.server.conftest import MODEL, start_server, tiny_engine
+
+    new, k = 8, 3
+    ps = prompts("Hello there", "def f(x):", "1 + 2 =", max_tokens=new)
+    engine = tiny_engine(tiny_dirs, max_batch_size=4, max_draft_len=k)
+    # A random drafter accepts nothing (tau 1 everywhere); drafting the true greedy continuation with some
+    # corruption gives requests different step counts, so the token weighting of tau is exercised.
+    ids = [engine.encode_chat([{"role": "user", "content": p.text}]) for p in ps]
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    force_drafts(engine, _TruthByRow(engine, {tuple(i): i + o.token_ids for i, o in zip(ids, outs)}), error_rate=0.3)
+    server = start_server(engine)
+    try:
+        cfg = SweepConfig(url=server.base_url, model=MODEL, concurrencies=[1, 2], requests_per_concurrency=1,
+                          min_requests=3, warmup_requests=1)
+        result = run_sweep(cfg, ps)
+    finally:
+        server.stop()
+    assert [p["num_requests"] for p in result["points"]] == [3, 3]
+    for pt in result["points"]:
+        assert pt["num_failed"] == 0
+        assert pt["output_tokens"] == 3 * new  # ignore_eos: every request runs to max_tokens
+        acc, m = pt["acceptance"], pt["metrics_acceptance"]
+        assert acc["source"] == "response" and m["metrics"] == "dflash"
+        assert acc["num_steps"] == m["num_steps"] > 0
+        assert acc["tau"] == pytest.approx(m["tau"], rel=1e-9)
+        # every token after the prefill's first came from a verify step
+        assert acc["tau"] == pytest.approx(3 * (new - 1) / acc["num_steps"])
+        assert 1.0 < acc["tau"] <= k + 1
