@@ -1,0 +1,78 @@
+"""`bench plot`: throughput-versus-interactivity Pareto plots of `bench sweep` results
+(tokens/s/GPU against tokens/s/user, one series per run, each run's frontier drawn as a line)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from itertools import groupby
+from pathlib import Path
+
+X_KEY, Y_KEY = "tok_s_per_user", "tok_s_per_gpu"
+
+
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates (both coordinates maximised), ordered by x.
+    Equal points do not dominate each other, so all copies of a frontier point are kept."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1]))
+    best_y = float("-inf")  # highest y among points with a strictly larger x
+    frontier: list[int] = []
+    for _, group in groupby(order, key=lambda i: points[i][0]):
+        group = list(group)
+        top = points[group[0]][1]  # the group is sorted by y, highest first
+        if top > best_y:
+            frontier.extend(i for i in group if points[i][1] == top)
+            best_y = top
+    return sorted(frontier, key=lambda i: (points[i][0], i))
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[dict]:
+    """Sweep results (JSON written by `bench sweep`); a run without a label is named after its file."""
+    runs = []
+    for path in map(Path, paths):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read a sweep result: {e}") from e
+        points = run.get("points") if isinstance(run, dict) else None
+        if not isinstance(points, list) or not all(
+                isinstance(p, dict) and {"concurrency", X_KEY, Y_KEY} <= p.keys() for p in points):
+            raise ValueError(f"{path}: not a bench sweep result (expected 'points' with concurrency, {X_KEY} "
+                             f"and {Y_KEY})")
+        run["label"] = run.get("label") or path.stem
+        runs.append(run)
+    return runs
+
+
+def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
+    """One PNG: every point of every run, annotated with its concurrency, and each run's frontier."""
+    # The Agg canvas is bound to this figure only: no pyplot, no process-wide backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, run in enumerate(runs):
+        pts = [p for p in run["points"] if p.get(X_KEY) is not None and p.get(Y_KEY) is not None]
+        if not pts:
+            continue
+        color = f"C{i % 10}"
+        xy = [(p[X_KEY], p[Y_KEY]) for p in pts]
+        ax.scatter([x for x, _ in xy], [y for _, y in xy], color=color, s=28, zorder=3)
+        front = pareto_frontier(xy)
+        ax.plot([xy[j][0] for j in front], [xy[j][1] for j in front], color=color, marker="o", linewidth=1.8,
+                label=run.get("label") or f"run {i + 1}", zorder=2)
+        for p, (x, y) in zip(pts, xy):
+            ax.annotate(f"c={p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=color)
+    ax.set_xlabel("tokens/s/user")
+    ax.set_ylabel("tokens/s/GPU")
+    ax.set_title(title or "Throughput vs interactivity")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, format="png")
+    return out

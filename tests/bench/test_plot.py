@@ -1,0 +1,83 @@
+"""Pareto frontier against brute-force dominance; the PNG plot and the sweep-result loader."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.bench.plot import load_runs, pareto_frontier, plot_pareto
+
+
+def dominated(p, q) -> bool:
+    """q dominates p: at least as good on both axes and better on one."""
+    return q[0] >= p[0] and q[1] >= p[1] and (q[0] > p[0] or q[1] > p[1])
+
+
+# A small grid makes ties in x, in y and duplicate points common.
+coords = st.tuples(st.integers(0, 6), st.integers(0, 6)).map(lambda t: (float(t[0]), float(t[1])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(coords, max_size=12))
+def test_frontier_is_exactly_the_non_dominated_points(points):
+    front = pareto_frontier(points)
+    expected = {i for i, p in enumerate(points) if not any(dominated(p, q) for q in points)}
+    assert set(front) == expected
+    assert len(front) == len(set(front))
+    xs = [points[i][0] for i in front]
+    assert xs == sorted(xs)
+
+
+def test_frontier_by_hand():
+    pts = [(1, 10), (2, 8), (2, 9), (3, 3), (0.5, 10), (3, 3), (1.5, 5)]
+    # (0.5,10) is beaten by (1,10); (2,8) by (2,9); (1.5,5) by (2,9); the two (3,3) tie and both stay
+    assert pareto_frontier(pts) == [0, 2, 3, 5]
+    assert pareto_frontier([]) == []
+
+
+def run(label: str, xy: list[tuple[float, float]]) -> dict:
+    points = [{"concurrency": 2 ** i, "tok_s_per_user": x, "tok_s_per_gpu": y} for i, (x, y) in enumerate(xy)]
+    return {"label": label, "points": points}
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_pareto_writes_a_png_with_both_series(tmp_path):
+    runs = [run("AR", [(30, 30), (20, 55), (12, 80), (6, 90)]),
+            run("DFlash K=3", [(70, 70), (45, 120), (25, 160), (24, 100)])]
+    out = plot_pareto(runs, tmp_path / "sub" / "pareto.png", title="test")
+    data = out.read_bytes()
+    assert png_size(data) == (8 * 120, int(5.5 * 120))  # figsize x dpi
+    assert len(data) > 20_000
+    from matplotlib.image import imread
+
+    img = imread(out)[..., :3]
+    for hex_color in ("#1f77b4", "#ff7f0e"):  # matplotlib's C0 and C1: one per run
+        rgb = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        assert (np.abs(img - rgb).max(axis=-1) < 0.02).sum() > 200, hex_color
+
+
+def test_load_runs(tmp_path):
+    good = tmp_path / "dflash_k3.json"
+    good.write_text(json.dumps(run("", [(1, 2)])))
+    (loaded,) = load_runs([good])
+    assert loaded["label"] == "dflash_k3" and loaded["points"][0]["tok_s_per_gpu"] == 2
+    bad = tmp_path / "not_a_sweep.json"
+    bad.write_text(json.dumps({"points": [{"concurrency": 1}]}))
+    with pytest.raises(ValueError, match="not_a_sweep.json: not a bench sweep result"):
+        load_runs([good, bad])
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="broken.json: cannot read"):
+        load_runs([broken])
+    with pytest.raises(ValueError, match="missing.json"):
+        load_runs([tmp_path / "missing.json"])
