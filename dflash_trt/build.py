@@ -19,13 +19,14 @@ from pathlib import Path
 
 import yaml
 
-from dflash_trt.config import BuildConfig, load_build_config
+from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
 from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.plan import MemoryPlan, plan_build
+from dflash_trt.perf_model import plan_performance
+from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
 from dflash_trt.validate import check_mapping, check_pairing
@@ -72,18 +73,46 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
                 f"supported: {sorted(TARGET_ARCHITECTURES)}"
             )
     drafter, dcfg, k = None, None, 0
+    auto = cfg.speculative_config is not None and cfg.speculative_config.draft_len_schedule == "auto"
     if cfg.drafter is not None:
         key = "speculative_config.speculative_model"
         drafter = resolve_model(cfg.drafter, base_dir, key, allow_bundled)
         source = f"{key}={cfg.drafter!r} config.json"
         dcfg = DFlashConfig.from_dict(drafter.config, source)
-        k = check_pairing(tcfg, dcfg, cfg, source)
+        # With auto, the pairing check sees no schedule yet; the chooser is capped at the K it resolves.
+        k = check_pairing(tcfg, dcfg, _with_schedule(cfg, None, cfg.speculative_config.max_draft_len) if auto else cfg,
+                          source)
     check_mapping(tcfg, dcfg, cfg)
+    perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg))
+    if auto:
+        cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)
     plan = plan_build(tcfg, dcfg, cfg, hw, k)
+    plan.performance = perf.section
     if not plan.fits:
         raise PlanError(f"{config_path}: " + " ".join(plan.problems))
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
+
+
+def _with_schedule(cfg: BuildConfig, schedule: dict[int, int] | None, k: int | None) -> BuildConfig:
+    spec = cfg.speculative_config.model_copy(update={"draft_len_schedule": schedule, "max_draft_len": k})
+    return cfg.model_copy(update={"speculative_config": spec})
+
+
+def _resolve_auto_schedule(cfg: BuildConfig, schedule: dict[int, int] | None, hw: HardwareProfile,
+                           config_path) -> tuple[BuildConfig, int]:
+    """The build config with `draft_len_schedule: auto` replaced by the chosen schedule; max_draft_len becomes
+    the K chosen for one row (TensorRT-LLM requires schedule[1] == max_draft_len >= every K)."""
+    if not schedule:
+        raise ValueError(
+            f"{config_path}: speculative_config.draft_len_schedule: auto: the performance model of hardware "
+            f"{hw.name} predicts no K that beats plain decoding even for one row with the given "
+            "acceptance_by_draft_len; drop speculative_config or measure a better drafter"
+        )
+    k = schedule[1]
+    resolved = _with_schedule(cfg, schedule, k)
+    # The copy skipped validation; validate it as if the chosen schedule had been written in the YAML.
+    return build_config_from_dict(resolved.model_dump(mode="json"), f"{config_path} (auto schedule)"), k
 
 
 def sha256_file(path: Path, bar=None) -> str:

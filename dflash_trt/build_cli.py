@@ -35,7 +35,35 @@ def format_plan(plan: dict) -> str:
     out = [_table(head, "Plan"), _table(comps, "Memory per rank"),
            f"fits: {'yes' if plan['fits'] else 'NO'}"]
     out += [f"problem: {p}" for p in plan["problems"]] + [f"note: {n}" for n in plan["notes"]]
-    return "\n\n".join(out[:2]) + "\n\n" + "\n".join(out[2:])
+    text = "\n\n".join(out[:2]) + "\n\n" + "\n".join(out[2:])
+    perf = plan.get("performance")
+    return text + ("\n\n" + format_performance(perf) if perf else "")
+
+
+def format_performance(perf: dict, max_rows: int = 12) -> str:
+    """Predicted autoregressive vs scheduled-K throughput per batch size (the plan's performance section)."""
+    fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
+    rows: dict[int, dict] = {}
+    for p in perf["points"]:
+        r = rows.setdefault(p["batch_size"], {})
+        if p["draft_len"] == 0:
+            r["ar"] = p
+        if p["chosen"]:
+            r["chosen"] = p
+    sizes = sorted(rows)
+    if len(sizes) > max_rows:  # keep the ends and an even spread between
+        step = (len(sizes) - 1) / (max_rows - 1)
+        sizes = sorted({sizes[round(i * step)] for i in range(max_rows)})
+    lines = [f"{'batch':>6} {'K':>3} {'step ms':>8} {'tok/s/user':>11} {'tok/s/GPU':>10}   "
+             f"{'AR tok/s/user':>13} {'AR tok/s/GPU':>12}"]
+    for b in sizes:
+        ar, ch = rows[b]["ar"], rows[b].get("chosen", rows[b]["ar"])
+        lines.append(f"{b:>6} {ch['draft_len']:>3} {ch['step_time_s'] * 1e3:>8.2f} {fmt(ch['tok_s_user']):>11} "
+                     f"{fmt(ch['tok_s_gpu']):>10}   {fmt(ar['tok_s_user']):>13} {fmt(ar['tok_s_gpu']):>12}")
+    per_rank = f", batch per rank of {perf['attention_dp_ranks']}" if perf["attention_dp_ranks"] > 1 else ""
+    title = (f"Predicted per step (roofline{per_rank}, context {perf['context_len']} tokens, schedule "
+             f"{perf['schedule_source'] or 'none'}; {perf['hardware']['perf_source']})")
+    return title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
 
 
 @click.command("build")

@@ -30,29 +30,53 @@ class SpeculativeConfig(_Strict):
     # The drafter: an HF id, or a local path (starting with ./ ../ / or ~, relative to the YAML file).
     speculative_model: str
     max_draft_len: int | None = Field(default=None, ge=1)  # K; None: the checkpoint's block_size - 1
-    # batch-size threshold -> K (TRT-LLM semantics: batches above the largest key run without drafts)
-    draft_len_schedule: dict[int, int] | None = None
+    # Batch-size threshold -> K, TensorRT-LLM's semantics (dflash_trt/draft_schedule.py): a batch of b rows
+    # runs the K of the smallest key >= b, batches above the largest key run without drafts; key 1 is
+    # required and equals max_draft_len. `auto`: the build chooses it from the performance model of the
+    # hardware profile and acceptance_by_draft_len (plan.json records the prediction).
+    draft_len_schedule: dict[int, int] | Literal["auto"] | None = None
+    # Measured (or published, with the source in a YAML comment) tau, tokens per step, by K: {K: tau}.
+    # K values in 1..max_draft_len without an entry are extrapolated (geometric acceptance, perf_model.py).
+    acceptance_by_draft_len: dict[int, float] | None = None
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
     use_rejection_sampling: bool = False
 
     @model_validator(mode="after")
     def _schedule(self) -> "SpeculativeConfig":
+        for k, tau in (self.acceptance_by_draft_len or {}).items():
+            if k < 1 or not 1.0 <= tau <= k + 1:
+                raise ValueError(
+                    f"acceptance_by_draft_len entry {k}: {tau} needs K >= 1 and 1 <= tau <= K + 1 "
+                    "(tau counts the bonus token)"
+                )
+        if self.draft_len_schedule is not None and self.max_concurrency is not None:
+            raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
+        if self.draft_len_schedule == "auto":
+            if not self.acceptance_by_draft_len:
+                raise ValueError(
+                    "draft_len_schedule: auto needs speculative_config.acceptance_by_draft_len, the measured tau "
+                    "by K (e.g. {3: 2.1, 7: 2.9} from `dflash-trt bench speed`)"
+                )
+            return self
         if self.draft_len_schedule is not None:
-            if self.max_concurrency is not None:
-                raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
-            if not self.draft_len_schedule:
+            schedule = self.draft_len_schedule
+            if not schedule:
                 raise ValueError("draft_len_schedule must not be empty")
-            for bs, k in self.draft_len_schedule.items():
+            for bs, k in schedule.items():
                 if bs < 1 or k < 0:
                     raise ValueError(f"draft_len_schedule entry {bs}: {k} needs batch size >= 1 and K >= 0")
-            first = self.draft_len_schedule[min(self.draft_len_schedule)]
-            if self.max_draft_len is not None and first != self.max_draft_len:
+            # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
+            if 1 not in schedule:
                 raise ValueError(
-                    f"draft_len_schedule[{min(self.draft_len_schedule)}]={first} must equal max_draft_len="
-                    f"{self.max_draft_len} (the smallest batch size runs the full K)"
+                    f"draft_len_schedule={schedule} needs a key 1 (TensorRT-LLM requires it): add 1: <max_draft_len>"
                 )
-            if self.max_draft_len is not None and max(self.draft_len_schedule.values()) > self.max_draft_len:
+            if self.max_draft_len is not None and schedule[1] != self.max_draft_len:
+                raise ValueError(
+                    f"draft_len_schedule[1]={schedule[1]} must equal max_draft_len={self.max_draft_len} "
+                    "(one row runs the full K)"
+                )
+            if self.max_draft_len is not None and max(schedule.values()) > self.max_draft_len:
                 raise ValueError(f"draft_len_schedule values must be <= max_draft_len={self.max_draft_len}")
         return self
 

@@ -1,8 +1,20 @@
-"""Hardware profiles the planner checks a build against: memory per device and device count.
+"""Hardware profiles the planner checks a build against: memory per device and device count, and the
+figures the roofline performance model (perf_model.py) needs.
 
 GPU capacities are NVIDIA's published HBM sizes in decimal gigabytes (B300 288 GB, H200 141 GB),
 which is at or below what the driver reports, so a plan that fits here fits on the device. The CPU
 profile reads this machine's RAM when the plan is made.
+
+Performance figures. GPU bandwidth, FLOP/s and NVLink are published peaks (an achieved fraction is
+lower, so GPU predictions are optimistic bounds); the fixed costs are estimates, labelled as such:
+- B300: HBM3e 8 TB/s, BF16 dense 2.25 PFLOP/s (4.5 with sparsity), NVLink 5 1.8 TB/s per GPU total =
+  0.9 TB/s per direction (glennklockwood.com/garden/processors/B300, HGX B300 figures; yobitel.com
+  knowledge-base/nvidia-b300 gives the same 8 TB/s and 1.8 TB/s).
+- H200: HBM3e 4.8 TB/s, BF16 dense 989 TFLOP/s (NVIDIA's 1,979 is "with sparsity"), NVLink 4 900 GB/s
+  total = 450 GB/s per direction (NVIDIA H200 datasheet; saulelectric.com/nvidia-h200.html lists
+  450 GB/s unidirectional).
+- The CPU's figures are fitted to this machine's measured step times by benchmarks/calibrate_perf_model.py
+  (record: benchmarks/results/perf_model_cpu.json); they are effective values of this runtime, not peaks.
 """
 
 from __future__ import annotations
@@ -26,6 +38,14 @@ class HardwareProfile:
     # DFlash's TRTLLM drafter attention backend needs SM100/SM103 (trtllm.md 1.7.5); others use VANILLA.
     supports_trtllm_dflash_attention: bool = False
     description: str = ""
+    # Roofline figures (per device; see the module docstring for sources).
+    mem_bandwidth_bytes_s: float = 0.0  # memory bandwidth
+    dense_flops: float = 0.0  # bf16 dense matrix FLOP/s
+    interconnect_bytes_s: float = 0.0  # per direction, per device (NVLink); 0: a single device
+    interconnect_latency_s: float = 0.0  # fixed cost of one collective (launch + synchronisation)
+    step_overhead_s: float = 0.0  # fixed cost of one engine step (scheduling, sampling, launches)
+    layer_overhead_s: float = 0.0  # fixed cost of one decoder layer's forward (kernel floors, dispatch)
+    perf_source: str = ""  # where the figures above come from
 
     @property
     def device(self) -> str:
@@ -39,14 +59,43 @@ def cpu_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# GPU fixed costs (estimates, to be replaced by a measurement on the device): one NCCL/TRT-LLM all-reduce
+# of a small message over NVLink costs a few microseconds; a CUDA-graph replay of a decoder layer is bounded
+# below by its dozen or so kernels at a few microseconds each; the step cost is TRT-LLM's per-iteration
+# sampling and bookkeeping that the overlap scheduler does not hide. Together they put gpt-oss-120b at TP8
+# on a B300, batch 1, near 3 ms per autoregressive step (about 330 tok/s/user), consistent with NVIDIA's
+# report that DFlash at 500-600 tok/s/user more than doubles batch-1 interactivity (dflash.md 6.4).
+GPU_ALLREDUCE_LATENCY_S = 5e-6
+GPU_LAYER_OVERHEAD_S = 60e-6
+GPU_STEP_OVERHEAD_S = 300e-6
+GPU_PERF_SOURCE = "published peaks (hardware.py docstring); fixed costs are estimates (GPU_* constants)"
+
+# Fitted by benchmarks/calibrate_perf_model.py on this machine (SmolLM2-135M bf16, 2 threads, batch 1-16,
+# K 0/3/7, random drafter); record and per-point error: benchmarks/results/perf_model_cpu.json.
+CPU_MEM_BANDWIDTH_BYTES_S = 20e9
+CPU_DENSE_FLOPS = 150e9
+CPU_STEP_OVERHEAD_S = 2e-3
+CPU_LAYER_OVERHEAD_S = 0.0
+CPU_PERF_SOURCE = "fitted to measured step times: benchmarks/results/perf_model_cpu.json"
+
+
 def profile(name: str) -> HardwareProfile:
     """The profile called `name` (b300, h200, cpu); ValueError naming the choices otherwise."""
+    gpu = dict(kind="gpu", max_devices=8, reserve_bytes=3 * GiB, interconnect_latency_s=GPU_ALLREDUCE_LATENCY_S,
+               step_overhead_s=GPU_STEP_OVERHEAD_S, layer_overhead_s=GPU_LAYER_OVERHEAD_S, perf_source=GPU_PERF_SOURCE)
     if name == "b300":
-        return HardwareProfile("b300", "gpu", 288 * GB, 8, 3 * GiB, True, "NVIDIA B300 (DGX B300: 8 per node)")
+        return HardwareProfile("b300", memory_bytes=288 * GB, supports_trtllm_dflash_attention=True,
+                               description="NVIDIA B300 (DGX B300: 8 per node)", mem_bandwidth_bytes_s=8e12,
+                               dense_flops=2.25e15, interconnect_bytes_s=0.9e12, **gpu)
     if name == "h200":
-        return HardwareProfile("h200", "gpu", 141 * GB, 8, 3 * GiB, False, "NVIDIA H200 (HGX H200: 8 per node)")
+        return HardwareProfile("h200", memory_bytes=141 * GB, supports_trtllm_dflash_attention=False,
+                               description="NVIDIA H200 (HGX H200: 8 per node)", mem_bandwidth_bytes_s=4.8e12,
+                               dense_flops=989e12, interconnect_bytes_s=450e9, **gpu)
     if name == "cpu":
-        return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM")
+        return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
+                               mem_bandwidth_bytes_s=CPU_MEM_BANDWIDTH_BYTES_S, dense_flops=CPU_DENSE_FLOPS,
+                               step_overhead_s=CPU_STEP_OVERHEAD_S, layer_overhead_s=CPU_LAYER_OVERHEAD_S,
+                               perf_source=CPU_PERF_SOURCE)
     raise ValueError(f"hardware={name!r} is not a known profile; choose one of {PROFILE_NAMES}")
 
 

@@ -61,7 +61,8 @@ def cuda_graph_batch_sizes(cfg: BuildConfig) -> list[int]:
         if sizes[-1] != top:
             sizes.append(top)
     schedule = cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None
-    if schedule:  # every threshold of the draft-length schedule gets its own graph
+    if isinstance(schedule, dict):  # every threshold of the draft-length schedule gets its own graph ("auto":
+        # the build resolves it first)
         sizes = sorted(set(sizes) | {b for b in schedule if b <= sizes[-1]})
     return sizes
 
@@ -81,8 +82,32 @@ def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     return max(1, kv_heads // tp)
 
 
-def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> int:
-    """Bytes of target weights on one rank; `keep_mxfp4=False` when the runtime dequantizes MXFP4 experts
+@dataclass(frozen=True)
+class WeightParts:
+    """Target weight bytes on one rank, by what a forward reads: the per-layer weights every token uses,
+    the per-layer experts (only those a batch routes to are read), and the vocabulary matrices."""
+
+    num_layers: int
+    layer_dense_bytes: float  # attention, norms, router (+ the MLP of a dense model), one layer
+    experts_per_rank: int  # 0 for a dense model
+    expert_bytes: float  # one expert's share on this rank, with its biases, one layer
+    embedding_bytes: float  # the input embedding (a gather: only the batch's rows are read)
+    lm_head_bytes: float  # 0 when tied to the embedding (then the embedding is the head)
+    final_norm_bytes: float
+
+    @property
+    def total(self) -> int:
+        layer = self.layer_dense_bytes + self.experts_per_rank * self.expert_bytes
+        return int(self.num_layers * layer + self.embedding_bytes + self.lm_head_bytes + self.final_norm_bytes)
+
+    @property
+    def head_bytes(self) -> float:
+        """The output projection every scored position multiplies by."""
+        return self.lm_head_bytes or self.embedding_bytes
+
+
+def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> WeightParts:
+    """Target weights on one rank, by part; `keep_mxfp4=False` when the runtime dequantizes MXFP4 experts
     on load (this project's torch runtime does; TensorRT-LLM keeps them packed)."""
     tp = attention_tp(cfg)
     h, hd = t.hidden_size, t.head_dim
@@ -97,19 +122,28 @@ def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
     if t.model_type == "gpt_oss":
         dense += t.num_attention_heads // tp  # attention sinks, one per head
     experts = t.extra.get("num_local_experts")
-    expert_bytes = 0.0
+    per_rank, one_expert = 0, 0.0
     if experts:
         e, i = int(experts), t.intermediate_size
         dense += h * e + e  # router, replicated
-        values = e * 3 * h * i / (cfg.moe_ep * cfg.moe_tp)  # gate_up [h, 2i] and down [i, h] per expert
+        per_rank = e // cfg.moe_ep
+        values = 3 * h * i / cfg.moe_tp  # gate_up [h, 2i] and down [i, h] of one expert, this rank's share
         quant = (t.extra.get("quantization_config") or {}).get("quant_method")
-        expert_bytes = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" and keep_mxfp4 else dtype_b)
-        expert_bytes += (e // cfg.moe_ep) * (2 * i // cfg.moe_tp + h) * dtype_b  # expert biases
+        one_expert = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" and keep_mxfp4 else dtype_b)
+        one_expert += (2 * i // cfg.moe_tp + h) * dtype_b  # its biases
     else:
         dense += 3 * h * t.intermediate_size // tp
-    per_layer = dense * dtype_b + expert_bytes
-    vocab = t.vocab_size * h // tp * (1 if t.tie_word_embeddings else 2)  # embedding (+ lm_head)
-    return int(t.num_hidden_layers * per_layer + (vocab + h) * dtype_b)
+    vocab = t.vocab_size * h // tp * dtype_b
+    return WeightParts(
+        num_layers=t.num_hidden_layers, layer_dense_bytes=dense * dtype_b, experts_per_rank=per_rank,
+        expert_bytes=one_expert, embedding_bytes=vocab, lm_head_bytes=0 if t.tie_word_embeddings else vocab,
+        final_norm_bytes=h * dtype_b,
+    )
+
+
+def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> int:
+    """Bytes of target weights on one rank (see target_weight_parts)."""
+    return target_weight_parts(t, cfg, dtype_b, keep_mxfp4).total
 
 
 def drafter_weight_bytes(d: DFlashConfig, target: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int:
@@ -147,6 +181,8 @@ class MemoryPlan:
     fits: bool
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Predicted step time and throughput by batch size and K (perf_model.plan_performance); None if not made.
+    performance: dict | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -229,11 +265,12 @@ def plan_build(
     batch, seq, k = cfg.max_batch_size, cfg.max_seq_len, max_draft_len
     comps, details = _components(target, drafter, cfg, hw, k, batch, seq, dtype, kvd)
     fits, budget = _fits(comps, hw, cfg)
+    schedule = cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None
     plan = MemoryPlan(
         hardware=hw.to_dict(), layout="trtllm" if hw.kind == "gpu" else "torch", dtype=dtype, kv_cache_dtype=kvd,
         world_size=cfg.world_size, attention_tp=attention_tp(cfg), moe_expert_parallel_size=cfg.moe_ep,
         moe_tensor_parallel_size=cfg.moe_tp, max_batch_size_per_rank=batch, max_seq_len=seq, max_draft_len=k,
-        draft_len_schedule=cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None,
+        draft_len_schedule=dict(sorted(schedule.items())) if isinstance(schedule, dict) else None,
         cuda_graph_batch_sizes=cuda_graph_batch_sizes(cfg), components=comps, details=details,
         memory_bytes=hw.memory_bytes, kv_cache_budget_bytes=budget, fits=fits,
     )

@@ -214,3 +214,51 @@ def test_a_checkpoint_missing_a_tensor_fails_before_anything_is_written(tiny_dir
     with pytest.raises(ValueError, match="missing tensor 'model.layers.2.mlp.down_proj.weight'"):
         build_engine(cfg, tmp_path / "out" / "e", progress=False)
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def _auto_config(tmp_path: Path, tiny_dirs, acceptance: dict) -> Path:
+    raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
+           "max_batch_size": 2, "max_seq_len": 256,
+           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 7,
+                                  "draft_len_schedule": "auto", "acceptance_by_draft_len": acceptance}}
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _overhead_bound_cpu():
+    # A step costs 1 s whatever it does (bandwidth and FLOP/s effectively unlimited), so tokens per step
+    # decide alone: the K with the largest tau wins at every batch size.
+    from dflash_trt.hardware import HardwareProfile
+
+    return HardwareProfile("cpu", "cpu", 10**12, 1, 0, mem_bandwidth_bytes_s=1e18, dense_flops=1e21,
+                           step_overhead_s=1.0)
+
+
+def test_auto_schedule_is_written_alike_into_plan_and_trtllm_config(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    monkeypatch.setattr(build, "profile", lambda name: _overhead_bound_cpu())
+    # Measured tau 2.0 at K=3 and 3.0 at K=7; K=1,2,4,5,6 extrapolate below 3.0 (geometric acceptance fitted
+    # to both points, alpha about 0.66), so K=7 is best for 1 and 2 rows: TensorRT-LLM form {1: 7, 2: 7}.
+    out = build_engine(_auto_config(tmp_path, tiny_dirs, {3: 2.0, 7: 3.0}), tmp_path / "e", progress=False)
+    plan = json.loads((out / "plan.json").read_text())
+    options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    assert {int(b): k for b, k in plan["draft_len_schedule"].items()} == {1: 7, 2: 7}
+    assert options["speculative_config"]["draft_len_schedule"] == {1: 7, 2: 7}
+    assert options["speculative_config"]["max_draft_len"] == plan["max_draft_len"] == 7
+    perf = plan["performance"]
+    assert perf["schedule_source"] == "auto" and perf["measured_draft_lens"] == [3, 7]
+    assert {(p["batch_size"], p["draft_len"]) for p in perf["points"] if p["chosen"]} == {(1, 7), (2, 7)}
+    # The torch runtime serves the same schedule.
+    cfg = EngineDir(out).engine_config()
+    assert cfg.draft_len_schedule == {1: 7, 2: 7} and cfg.max_draft_len == 7
+
+
+def test_auto_schedule_that_never_pays_is_an_error_naming_the_key(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    monkeypatch.setattr(build, "profile", lambda name: _overhead_bound_cpu())
+    # tau 1.0 at K=7: nothing is ever accepted (alpha 0), so every K ties plain decoding and loses the tie.
+    with pytest.raises(ValueError, match="draft_len_schedule: auto: the performance model of hardware cpu predicts no K"):
+        prepare_build(_auto_config(tmp_path, tiny_dirs, {7: 1.0}))

@@ -92,7 +92,7 @@ def test_seq_len_beyond_the_target_context_is_refused():
         ({"enable_padding": True, "max_batch_size": 512}, None,
          [1, 2, 4] + list(range(8, 129, 8)) + [192, 256, 320, 384, 448, 512]),
         ({"enable_padding": False, "max_batch_size": 40}, None, list(range(1, 33)) + [40]),
-        ({"batch_sizes": [4, 1, 64]}, {20: 5, 64: 2}, [1, 4, 20, 64]),
+        ({"batch_sizes": [4, 1, 64]}, {1: 5, 20: 5, 64: 2}, [1, 4, 20, 64]),
     ],
 )
 def test_cuda_graph_batch_sizes(graph, schedule, expected):
@@ -111,3 +111,27 @@ def test_the_cpu_runtime_plans_mxfp4_experts_dequantized():
     packed = plan_build(GPT_OSS, None, gpu, profile("h200"), 0).components["target_weights"]
     unpacked = plan_build(GPT_OSS, None, cpu, profile("cpu"), 0).components["target_weights"]
     assert unpacked - packed == 114_661_785_600 * 2 - 114_661_785_600 * 17 // 32 == 168_409_497_600
+
+
+def test_gpt_oss_throughput_plan_chooses_a_schedule_whose_k_falls_with_the_batch():
+    from pathlib import Path
+
+    from dflash_trt.build import prepare_build
+    from dflash_trt.draft_schedule import expand
+
+    path = Path(__file__).resolve().parent.parent / "build_configs" / "gpt-oss-120b-8xb300-throughput.yaml"
+    p = prepare_build(path, allow_bundled=True)
+    schedule = p.plan.draft_len_schedule
+    assert schedule and schedule[1] == p.max_draft_len == p.plan.max_draft_len <= 7  # the YAML's cap
+    ks = [expand(schedule, b) for b in range(1, 513)]
+    assert all(a >= b for a, b in zip(ks, ks[1:])) and ks[-1] < ks[0]  # never rises, and falls
+    # Every threshold is a CUDA-graph batch size (the plan chose among the sizes batches are padded to).
+    assert set(schedule) <= set(p.plan.cuda_graph_batch_sizes)
+    perf = p.plan.performance
+    assert perf["schedule_source"] == "auto" and perf["acceptance_by_draft_len"][7] < 4.4  # extrapolated below K=9
+    chosen = {pt["batch_size"]: pt["draft_len"] for pt in perf["points"] if pt["chosen"]}
+    assert all(chosen[b] == expand(schedule, b) for b in chosen)
+    # At each batch size the chosen K has the best predicted tok/s/GPU among K <= schedule[1].
+    for b in chosen:
+        pts = [pt for pt in perf["points"] if pt["batch_size"] == b]
+        assert max(pts, key=lambda pt: pt["tok_s_gpu"])["draft_len"] == chosen[b]

@@ -42,8 +42,8 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
             "speculative_model": DRAFTER_SUBDIR,
             "attention_backend": spec.attention_backend,
         }
-        if spec.draft_len_schedule:
-            sc["draft_len_schedule"] = dict(spec.draft_len_schedule)
+        if plan.draft_len_schedule:  # the plan's: the YAML's, or the one `auto` chose
+            sc["draft_len_schedule"] = {int(b): int(k) for b, k in sorted(plan.draft_len_schedule.items())}
         if spec.max_concurrency is not None:
             sc["max_concurrency"] = spec.max_concurrency
         if spec.use_rejection_sampling:

@@ -1,0 +1,153 @@
+"""The roofline step-time model against hand arithmetic on tiny configs, its monotonicity, the acceptance
+model, and the Pareto prediction by its definition."""
+
+import itertools
+import math
+
+import pytest
+
+from dflash_trt.config import build_config_from_dict
+from dflash_trt.hardware import HardwareProfile, profile
+from dflash_trt.model_configs import bundled_config
+from dflash_trt.models.config import decoder_config_from_dict
+from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.perf_model import (
+    PerfModel, alpha_from_tau, expected_experts, fill_tau_table, predict_pareto, tau_from_acceptance,
+)
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "tie_word_embeddings": False}
+TINY_DRAFTER = DFlashConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=128, block_size=4, mask_token_id=5,
+                            target_layer_ids=[0, 1], vocab_size=1000)
+# Round numbers so every term below is checkable by hand: 1 GB/s, 1 TFLOP/s, 1 GB/s links, 1 us latency.
+HW = HardwareProfile("t", "gpu", 10**12, 8, 0, mem_bandwidth_bytes_s=1e9, dense_flops=1e12, interconnect_bytes_s=1e9,
+                     interconnect_latency_s=1e-6, step_overhead_s=1e-3, layer_overhead_s=1e-4)
+
+
+def _cfg(**kw):
+    raw = {"name": "t", "model": "x/y", "hardware": "h200", "dtype": "bfloat16", "tensor_parallel_size": 2,
+           "max_batch_size": 8, "max_seq_len": 200, "speculative_config": {"speculative_model": "x/d"}}
+    raw.update(kw)
+    return build_config_from_dict(raw)
+
+
+def _tiny(hw=HW, target=None, **kw) -> PerfModel:
+    return PerfModel(decoder_config_from_dict(target or TINY), TINY_DRAFTER, _cfg(**kw), hw, context_len=100)
+
+
+def test_target_forward_matches_hand_arithmetic():
+    # TP2, bf16. Per rank: q 4x16/2 = 32 outputs, k/v 1 head x 16; per layer q,o 2x64x32 + k,v 2x64x16 = 6,144
+    #   + norms 2x64 = 128 + MLP 3x64x128/2 = 12,288 -> 18,560 values = 37,120 B; 2 layers = 74,240 B.
+    #   lm_head 1000x64/2 = 32,000 values = 64,000 B (the embedding is a gather: not counted); final norm 128 B.
+    # KV: 2 (K,V) x 1 head x 16 x 2 B = 64 B per token per layer; 3 rows x 100 context x 2 layers = 38,400 B.
+    c = _tiny().target_cost(batch=3, tokens_per_row=2)
+    assert c.bytes == 74_240 + 64_000 + 128 + 38_400 == 176_768
+    # FLOPs for 6 tokens: 2 x 18,560 x 2 layers x 6 = 445,440; head 2 x 32,000 x 6 = 384,000;
+    #   attention 4 x 2 heads x 16 x (2 layers x 100) x 6 = 153,600.
+    assert c.flops == 445_440 + 384_000 + 153_600 == 983_040
+    # Two ring all-reduces per layer over 2 ranks of 6 x 64 x 2 B = 768 B: 1 us + 2 x 1/2 x 768 B / 1 GB/s.
+    assert c.comm_s == pytest.approx(4 * (1e-6 + 768 / 1e9))
+    assert c.overhead_s == pytest.approx(1e-3 + 2 * 1e-4)
+    # Memory-bound here (176,768 B / 1 GB/s = 176.8 us against 0.98 us of compute).
+    assert c.time(HW) == pytest.approx(1.2e-3 + 176_768 / 1e9 + 4 * 1.768e-6)
+
+
+def test_drafter_forward_matches_hand_arithmetic():
+    # Per rank: layer q,o 2x64x32 + k,v 2x64x16 + MLP 3x64x128/2 + norms 2x64 + q/k norms 2x16 = 18,592;
+    #   fc 2 target layers x 64 x 64 = 8,192; 2 norms of 64 = 128 -> 26,912 values = 53,824 B.
+    # K=3, 2 rows: block 8 positions; the shared LM head again 64,000 B; context cache
+    #   2 rows x (100 + 3 + 1) tokens x 2 (K,V) x 1 layer x 1 head x 16 x 2 B = 13,312 B.
+    c = _tiny().drafter_cost(batch=2, k=3)
+    assert c.bytes == 53_824 + 64_000 + 13_312
+    # FLOPs: 2 x 26,912 x 8 + head 2 x 32,000 x (2 rows x 3 scored) + attention 4 x 2 x 16 x 104 x 8 x 1 layer.
+    assert c.flops == 430_592 + 384_000 + 106_496
+    assert c.comm_s == pytest.approx(2 * (1e-6 + 8 * 64 * 2 / 1e9))  # 2 all-reduces of 1,024 B, one layer
+    assert c.overhead_s == pytest.approx(1e-4)
+    m = _tiny()
+    assert m.step_time(2, 3) == pytest.approx(m.target_cost(2, 4).time(HW) + c.time(HW))
+    assert m.drafter_cost(2, 0).bytes == 0 and m.step_time(2, 0) == m.target_cost(2, 1).time(HW)
+
+
+def test_compute_bound_when_flops_are_scarce():
+    slow = HardwareProfile("s", "gpu", 10**12, 8, 0, mem_bandwidth_bytes_s=1e12, dense_flops=1e6,
+                           interconnect_bytes_s=1e9)
+    c = _tiny(hw=slow).target_cost(batch=3, tokens_per_row=2)
+    assert c.time(slow) == pytest.approx(983_040 / 1e6 + c.comm_s)  # no overheads in this profile
+
+
+def test_expected_experts_equals_enumeration():
+    # Every way 2 tokens can each pick 2 distinct experts of 4: the mean size of the union.
+    pairs = list(itertools.combinations(range(4), 2))
+    mean = sum(len(set(a) | set(b)) for a in pairs for b in pairs) / len(pairs) ** 2
+    assert expected_experts(4, 2, 2) == pytest.approx(mean) == pytest.approx(3.0)
+    assert expected_experts(4, 2, 1) == pytest.approx(2.0)
+
+
+def test_moe_reads_only_the_experts_the_batch_routes_to():
+    moe = {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2}
+    m = _tiny(target=moe, moe_expert_parallel_size=2)
+    dense = _tiny(target={**TINY, "intermediate_size": 0}, moe_expert_parallel_size=2)  # attention only
+    # Per rank: 2 of 4 experts (EP2), one expert 3 x 64 x 128 values x 2 B = 49,152 B + biases (2 x 128 + 64) x 2 B
+    # = 640 B; the router 64 x 4 + 4 = 260 values = 520 B per layer, read every step.
+    one_expert = 49_152 + 640
+    for tokens in (1, 3):
+        active = 4 * (1 - (1 - 2 / 4) ** tokens) / 2
+        extra = m.target_cost(tokens, 1).bytes - dense.target_cost(tokens, 1).bytes
+        assert extra == pytest.approx(2 * (active * one_expert + 520)), tokens
+    # Expert FLOPs: each token's 2 experts, 2 x 3 x 64 x 128 each, shared by the 2 expert ranks.
+    f = m.target_cost(3, 1).flops - dense.target_cost(3, 1).flops
+    assert f == pytest.approx(2 * (2 * 3 * 64 * 128 * 3 * 2 / 2 + 2 * 260 * 3))
+
+
+def test_attention_dp_gathers_every_ranks_tokens_for_the_experts():
+    moe = {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2}
+    m = _tiny(target=moe, enable_attention_dp=True, moe_expert_parallel_size=2)
+    assert m.dp == 2
+    # 5 rows x 1 token on each of 2 ranks: gather and scatter 10 tokens x 64 x 2 B = 1,280 B per layer,
+    # each moving (p-1)/p of it: 2 layers x 2 x (1 us + 640 B / 1 GB/s).
+    assert m.target_cost(5, 1).comm_s == pytest.approx(4 * (1e-6 + 640 / 1e9))
+    assert m.drafter_cost(5, 3).comm_s == 0  # the drafter is replicated under attention DP
+
+
+def test_step_time_grows_with_batch_draft_length_and_context():
+    t = decoder_config_from_dict(bundled_config("openai/gpt-oss-120b"))
+    d = DFlashConfig.from_dict(bundled_config("z-lab/gpt-oss-120b-DFlash"))
+    for kw in ({"enable_attention_dp": False}, {"enable_attention_dp": True}):
+        cfg = build_config_from_dict({"name": "t", "model": "openai/gpt-oss-120b", "hardware": "b300",
+                                      "tensor_parallel_size": 8, "moe_expert_parallel_size": 8, "max_batch_size": 512,
+                                      "max_seq_len": 8192, "kv_cache_config": {"dtype": "fp8"},
+                                      "speculative_config": {"speculative_model": "z-lab/gpt-oss-120b-DFlash"}, **kw})
+        m = PerfModel(t, d, cfg, profile("b300"), context_len=2048)
+        grid = {(b, k, ctx): m.step_time(b, k, ctx) for b in (1, 2, 8, 64, 512) for k in (0, 1, 3, 9)
+                for ctx in (128, 2048, 8192)}
+        for (b, k, ctx), s in grid.items():
+            for (b2, k2, ctx2), s2 in grid.items():
+                if b <= b2 and k <= k2 and ctx <= ctx2 and (b, k, ctx) != (b2, k2, ctx2):
+                    assert s < s2, ((b, k, ctx), (b2, k2, ctx2))
+
+
+def test_acceptance_model_by_its_definition():
+    assert tau_from_acceptance(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert tau_from_acceptance(0.0, 9) == 1.0 and tau_from_acceptance(1.0, 9) == 10.0
+    for alpha, k in ((0.3, 3), (0.8, 9), (0.95, 15)):
+        assert alpha_from_tau(tau_from_acceptance(alpha, k), k) == pytest.approx(alpha, abs=1e-9)
+    with pytest.raises(ValueError, match=r"must be in \[1, 4\]"):
+        alpha_from_tau(4.5, 3)
+    # One published point (K=9, tau 4.4) -> alpha with 1 + a + ... + a^9 = 4.4, and every other K from it.
+    table, alpha = fill_tau_table({9: 4.4}, 9)
+    assert table[9] == 4.4 and abs(alpha - alpha_from_tau(4.4, 9)) < 1e-4
+    assert table[3] == pytest.approx(1 + alpha + alpha**2 + alpha**3)
+    assert all(table[k] < table[k + 1] for k in range(1, 9))
+
+
+def test_predict_pareto_by_its_definition():
+    m = _tiny(enable_attention_dp=True)  # 2 attention-DP ranks: concurrency 5 puts 3 rows on a rank
+    points = predict_pareto(m, {3: 2.5}, [1, 5])
+    assert [(p.concurrency, p.batch_size, p.draft_len) for p in points] == [(1, 1, 0), (1, 1, 3), (5, 3, 0), (5, 3, 3)]
+    p = points[3]
+    assert p.step_time_s == m.step_time(3, 3) and p.tau == 2.5
+    assert p.tok_s_user == pytest.approx(2.5 / p.step_time_s)
+    assert p.tok_s_gpu == pytest.approx(5 * 2.5 / p.step_time_s / 2)
+    assert math.isclose(points[2].tok_s_user, 1 / m.step_time(3, 0))
