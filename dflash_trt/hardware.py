@@ -45,6 +45,7 @@ class HardwareProfile:
     interconnect_latency_s: float = 0.0  # fixed cost of one collective (launch + synchronisation)
     step_overhead_s: float = 0.0  # fixed cost of one engine step (scheduling, sampling, launches)
     layer_overhead_s: float = 0.0  # fixed cost of one decoder layer's forward (kernel floors, dispatch)
+    draft_overhead_s: float = 0.0  # fixed cost a speculative step adds besides the drafter's layers (acceptance, bookkeeping)
     perf_source: str = ""  # where the figures above come from
 
     @property
@@ -75,6 +76,8 @@ GPU_PERF_SOURCE = "published peaks (hardware.py docstring); fixed costs are esti
 CPU_MEM_BANDWIDTH_BYTES_S = 20e9
 CPU_DENSE_FLOPS = 150e9
 CPU_STEP_OVERHEAD_S = 2e-3
+CPU_DRAFT_OVERHEAD_S = 0.0
+# One target model only: a per-layer cost cannot be told apart from the per-step cost, so it is folded in.
 CPU_LAYER_OVERHEAD_S = 0.0
 CPU_PERF_SOURCE = "fitted to measured step times: benchmarks/results/perf_model_cpu.json"
 
@@ -95,6 +98,7 @@ def profile(name: str) -> HardwareProfile:
         return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
                                mem_bandwidth_bytes_s=CPU_MEM_BANDWIDTH_BYTES_S, dense_flops=CPU_DENSE_FLOPS,
                                step_overhead_s=CPU_STEP_OVERHEAD_S, layer_overhead_s=CPU_LAYER_OVERHEAD_S,
+                               draft_overhead_s=CPU_DRAFT_OVERHEAD_S,
                                perf_source=CPU_PERF_SOURCE)
     raise ValueError(f"hardware={name!r} is not a known profile; choose one of {PROFILE_NAMES}")
 

@@ -174,7 +174,7 @@ class PerfModel:
         # fc projects the target features of the block's tokens; the layers run on the block itself.
         flops = 2 * (own / dtype_b) * block + 2 * (head / dtype_b) * batch * k
         flops += 4 * (d.num_attention_heads // tp) * d.head_dim * attended * block * d.num_hidden_layers
-        overhead = self.hw.layer_overhead_s * d.num_hidden_layers
+        overhead = self.hw.layer_overhead_s * d.num_hidden_layers + self.hw.draft_overhead_s
         comm = self._collectives_s(d.num_hidden_layers, block, moe=False)
         return ForwardCost(own + head + kv_bytes, flops, comm, overhead)
 
@@ -183,9 +183,10 @@ class PerfModel:
         return self.target_cost(batch, k + 1, context).time(self.hw) + self.drafter_cost(batch, k, context).time(self.hw)
 
     def breakdown(self, batch: int, k: int, context: int | None = None) -> dict:
+        """Bytes, FLOPs, communication, overhead and time of the step's two forwards."""
         tc, dc = self.target_cost(batch, k + 1, context), self.drafter_cost(batch, k, context)
         return {"target": asdict(tc) | {"time_s": tc.time(self.hw)},
-                "drafter": asdict(dc) | {"time_s": dc.time(self.hw) if k else 0.0}}
+                "drafter": asdict(dc) | {"time_s": dc.time(self.hw)}}
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,7 @@ def plan_performance(
         "model": "roofline, dflash_trt/perf_model.py (per rank; GPU figures are peak-based, so optimistic)",
         "hardware": {key: getattr(hw, key) for key in ("mem_bandwidth_bytes_s", "dense_flops", "interconnect_bytes_s",
                                                        "interconnect_latency_s", "step_overhead_s", "layer_overhead_s",
-                                                       "perf_source")},
+                                                       "draft_overhead_s", "perf_source")},
         "context_len": model.context_len,
         "gpus": model.gpus,
         "attention_dp_ranks": model.dp,

@@ -23,7 +23,7 @@ TINY_DRAFTER = DFlashConfig(hidden_size=64, num_hidden_layers=1, num_attention_h
                             target_layer_ids=[0, 1], vocab_size=1000)
 # Round numbers so every term below is checkable by hand: 1 GB/s, 1 TFLOP/s, 1 GB/s links, 1 us latency.
 HW = HardwareProfile("t", "gpu", 10**12, 8, 0, mem_bandwidth_bytes_s=1e9, dense_flops=1e12, interconnect_bytes_s=1e9,
-                     interconnect_latency_s=1e-6, step_overhead_s=1e-3, layer_overhead_s=1e-4)
+                     interconnect_latency_s=1e-6, step_overhead_s=1e-3, layer_overhead_s=1e-4, draft_overhead_s=2e-5)
 
 
 def _cfg(**kw):
@@ -64,7 +64,7 @@ def test_drafter_forward_matches_hand_arithmetic():
     # FLOPs: 2 x 26,912 x 8 + head 2 x 32,000 x (2 rows x 3 scored) + attention 4 x 2 x 16 x 104 x 8 x 1 layer.
     assert c.flops == 430_592 + 384_000 + 106_496
     assert c.comm_s == pytest.approx(2 * (1e-6 + 8 * 64 * 2 / 1e9))  # 2 all-reduces of 1,024 B, one layer
-    assert c.overhead_s == pytest.approx(1e-4)
+    assert c.overhead_s == pytest.approx(1e-4 + 2e-5)  # one drafter layer + the speculative step's own cost
     m = _tiny()
     assert m.step_time(2, 3) == pytest.approx(m.target_cost(2, 4).time(HW) + c.time(HW))
     assert m.drafter_cost(2, 0).bytes == 0 and m.step_time(2, 0) == m.target_cost(2, 1).time(HW)

@@ -1,0 +1,173 @@
+"""Calibrate the CPU profile of the roofline step-time model (dflash_trt/perf_model.py) against this runtime.
+
+Measures the wall time of one engine step of this project's runtime on SmolLM2-135M-Instruct (bf16, 2
+threads) with a random drafter (block 16, so tau ~ 1: the step cost alone) at batch 1, 2, 4, 8, 16 and
+K = 0, 3, 7; fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least
+squares on the relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads);
+and records predicted against measured per point, plus the draft-length schedule that the measured and
+the modelled step times each choose with the shipped drafter's measured tau (benchmarks/README.md).
+Sized to run in under 3 minutes on a quiet machine. Usage:
+
+    .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runtime import random_drafter  # noqa: E402
+from common import record  # noqa: E402
+
+from dflash_trt import SamplingParams  # noqa: E402
+from dflash_trt.config import build_config_from_dict  # noqa: E402
+from dflash_trt.draft_schedule import choose_draft_len_schedule  # noqa: E402
+from dflash_trt.embedded import smollm2_dir  # noqa: E402
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from dflash_trt.hardware import profile  # noqa: E402
+from dflash_trt.models.dflash import load_drafter  # noqa: E402
+from dflash_trt.models.registry import load_target  # noqa: E402
+from dflash_trt.perf_model import PerfModel  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16)
+KS = (0, 3, 7)
+PROMPT_LEN = 64
+# The shipped drafter's held-out tau, bf16 (benchmarks/README.md, "The shipped SmolLM2 drafter").
+SHIPPED_TAU = {3: 1.37, 7: 1.40}
+
+
+def measure(engine: LLMEngine, batch: int, k: int, steps: int, warmup: int = 2) -> dict:
+    """Median wall time of `steps` decode steps of `batch` rows at K (all rows prefilled, none finishing)."""
+    g = torch.Generator().manual_seed(batch * 100 + k)
+    seqs = [engine.add_request(torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist(),
+                               SamplingParams(max_new_tokens=400, ignore_eos=True)) for _ in range(batch)]
+    while any(not s.is_prefilled for s in seqs):
+        engine.step()
+    times, contexts = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        r = engine.step()
+        dt = time.perf_counter() - t0
+        assert len(r.batch.decodes) == batch and not r.batch.prefills and r.batch.num_draft == k, "unexpected step"
+        if i >= warmup:
+            times.append(dt)
+            contexts.append(statistics.mean(s.num_cached for s in seqs))
+    for s in seqs:
+        engine.abort(s.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return {"batch_size": batch, "draft_len": k, "context_len": round(statistics.mean(contexts)),
+            "measured_s": statistics.median(times), "min_s": min(times), "steps": len(times)}
+
+
+def fit(model: PerfModel, points: list[dict]) -> dict:
+    """Bandwidth, FLOP/s, step and draft overheads minimising the squared relative error of the prediction."""
+    hw0 = dataclasses.replace(model.hw, step_overhead_s=0.0, layer_overhead_s=0.0, draft_overhead_s=0.0)
+    m0 = dataclasses.replace(model, hw=hw0)
+    costs = [(m0.target_cost(p["batch_size"], p["draft_len"] + 1, p["context_len"]),
+              m0.drafter_cost(p["batch_size"], p["draft_len"], p["context_len"])) for p in points]
+    tb, tf = (np.array([getattr(c[0], a) for c in costs]) for a in ("bytes", "flops"))
+    db, df = (np.array([getattr(c[1], a) for c in costs]) for a in ("bytes", "flops"))
+    spec = np.array([p["draft_len"] > 0 for p in points], dtype=float)
+    measured = np.array([p["measured_s"] for p in points])
+    w = 1.0 / measured  # relative error
+
+    def solve(bw, fl):
+        roof = np.maximum(tb / bw, tf / fl) + spec * np.maximum(db / bw, df / fl)
+        a = np.stack([np.ones_like(spec), spec], 1) * w[:, None]
+        y = (measured - roof) * w
+        coef = np.linalg.lstsq(a, y, rcond=None)[0]
+        if coef[1] < 0:  # overheads are costs: clip at 0 and refit the other
+            coef = np.array([max(0.0, float(np.sum(a[:, 0] * y) / np.sum(a[:, 0] ** 2))), 0.0])
+        if coef[0] < 0:
+            coef = np.array([0.0, max(0.0, float(np.sum(a[:, 1] * y) / np.sum(a[:, 1] ** 2)))])
+        err = float(np.sum((a @ coef - y) ** 2))
+        return err, coef
+
+    best = None
+    for lo_bw, hi_bw, lo_f, hi_f, n in ((8.0, 12.0, 9.0, 13.0, 81), (None, None, None, None, 41)):
+        if lo_bw is None:  # refine around the coarse optimum, a factor of 2 either way
+            lo_bw, hi_bw = np.log10(best[1]) - 0.3, np.log10(best[1]) + 0.3
+            lo_f, hi_f = np.log10(best[2]) - 0.3, np.log10(best[2]) + 0.3
+        for bw in np.logspace(lo_bw, hi_bw, n):
+            for fl in np.logspace(lo_f, hi_f, n):
+                err, coef = solve(bw, fl)
+                if best is None or err < best[0]:
+                    best = (err, float(bw), float(fl), coef)
+    _, bw, fl, coef = best
+    return {"mem_bandwidth_bytes_s": bw, "dense_flops": fl, "step_overhead_s": float(coef[0]),
+            "draft_overhead_s": float(coef[1]), "layer_overhead_s": 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    started = time.time()
+    tdir = smollm2_dir()
+    ddir = random_drafter(Path(tempfile.mkdtemp()) / "drafter")
+    target = load_target(tdir, torch.bfloat16)
+    drafter = load_drafter(ddir, target.config, torch.bfloat16)
+    engines = {k: LLMEngine(target, None, drafter if k else None,
+                            EngineConfig(max_batch_size=max(BATCHES), max_model_len=512, max_draft_len=k or None,
+                                         speculative=k > 0, dtype="bfloat16")) for k in KS}
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for _ in range(args.rounds):
+        for b in BATCHES:
+            for k in KS:  # interleaved, so drifting machine load touches every K alike
+                runs.setdefault((b, k), []).append(measure(engines[k], b, k, args.steps))
+    points = [min(rs, key=lambda r: r["measured_s"]) for rs in runs.values()]
+
+    cfg = build_config_from_dict({"name": "calibration", "model": "embedded:smollm2-135m-instruct", "hardware": "cpu",
+                                  "dtype": "bfloat16", "max_batch_size": max(BATCHES), "max_seq_len": 512,
+                                  "speculative_config": {"speculative_model": str(ddir)}})
+    model = PerfModel(target.config, drafter.config, cfg, profile("cpu"), context_len=PROMPT_LEN)
+    fitted = fit(model, points)
+    calibrated = dataclasses.replace(model, hw=dataclasses.replace(model.hw, **fitted))
+    for p in points:
+        p["predicted_s"] = calibrated.step_time(p["batch_size"], p["draft_len"], p["context_len"])
+        p["relative_error"] = p["predicted_s"] / p["measured_s"] - 1
+        p["predicted_breakdown"] = calibrated.breakdown(p["batch_size"], p["draft_len"], p["context_len"])
+    errors = [abs(p["relative_error"]) for p in points]
+    measured = {(p["batch_size"], p["draft_len"]): p["measured_s"] for p in points}
+    predicted = {(p["batch_size"], p["draft_len"]): p["predicted_s"] for p in points}
+    decision = {
+        "tau_by_draft_len": SHIPPED_TAU,
+        "batch_sizes": list(BATCHES),
+        "schedule_from_measured_steps": choose_draft_len_schedule(SHIPPED_TAU, lambda b, k: measured[(b, k)],
+                                                                  BATCHES, max(KS)),
+        "schedule_from_model": choose_draft_len_schedule(SHIPPED_TAU, lambda b, k: predicted[(b, k)], BATCHES, max(KS)),
+    }
+    path = record("perf_model_cpu", {
+        "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
+        "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
+                 f"block 16), prompts of {PROMPT_LEN} random tokens, greedy; median of {args.steps} steps after 2 "
+                 f"warm-up steps, best of {args.rounds} round(s)",
+        "fitted_profile": fitted,
+        "mean_abs_relative_error": statistics.mean(errors),
+        "max_abs_relative_error": max(errors),
+        "points": points,
+        "decision": decision,
+        "wall_s": round(time.time() - started, 1),
+    })
+    for p in points:
+        print(f"b={p['batch_size']:>2} K={p['draft_len']} L={p['context_len']:>3}  measured {p['measured_s'] * 1e3:7.2f} ms"
+              f"  predicted {p['predicted_s'] * 1e3:7.2f} ms  ({p['relative_error']:+.1%})")
+    print("fitted:", fitted)
+    print("decision:", decision)
+    print(f"mean |error| {statistics.mean(errors):.1%}, max {max(errors):.1%}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
