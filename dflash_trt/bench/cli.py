@@ -83,3 +83,73 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 
     e = EngineDir(engine_dir)
     return e.target_dir, e.drafter_dir
+
+
+@bench.command()
+@click.option("--url", required=True, help="The endpoint: http://HOST:PORT (or .../v1) of any OpenAI-compatible server.")
+@click.option("--model", required=True, help="The model name the endpoint serves.")
+@click.option("--concurrency", "concurrencies", default="1,2,4,8", show_default=True, help="Concurrent streams per point, e.g. 1,2,4,8,16.")
+@click.option("--dataset", default="cpu-small", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
+@click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
+@click.option("--isl", type=int, default=None, help="Input tokens per prompt (long-context prompts of real text).")
+@click.option("--osl", type=int, default=None, help="Output tokens per request (EOS ignored).")
+@click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly; default ~4 chars/token.")
+@click.option("--requests-per-concurrency", type=int, default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
+@click.option("--warmup", type=int, default=None, help="Warm-up requests before the first point (default: its concurrency).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs behind the endpoint (for tokens/s/GPU).")
+@click.option("--api", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--label", default=None, help="The run's name in plots (default: the model name).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
+def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
+          gpus, api, temperature, label, output) -> None:
+    """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
+    end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
+    from dflash_trt.bench.datasets import load_dataset
+    from dflash_trt.bench.sweep import SweepConfig, SweepError, run_sweep, write_results
+
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    try:
+        prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None)
+        cfg = SweepConfig(url=url, model=model, concurrencies=_ints(concurrencies, "--concurrency"),
+                          requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
+                          gpus=gpus, api=api, temperature=temperature, osl=osl, label=label or model)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+
+    def show(p: dict) -> None:
+        acc = p["acceptance"]
+        tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
+        failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
+        click.echo(f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {p['tok_s_per_user'] or 0:7.1f} tok/s/user  "
+                   f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {p['ttft_s']['p50'] * 1000:7.0f} ms  "
+                   f"TPOT p50 {(p['tpot_s']['p50'] or 0) * 1000:6.1f} ms{tau}{failed}", err=True)
+
+    try:
+        result = run_sweep(cfg, prompts, dataset=dataset, on_point=show)
+    except SweepError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:  # connection refused and friends
+        raise click.ClickException(f"{url}: {e}") from e
+    paths = write_results(result, output)
+    click.echo(f"wrote {paths[0]} and {paths[1]}", err=True)
+
+
+@bench.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
+@click.option("--title", default=None)
+def plot(runs, output, title) -> None:
+    """Overlay sweep results as tokens/s/GPU against tokens/s/user, each run's Pareto frontier marked."""
+    from dflash_trt.bench.plot import load_runs, plot_pareto
+
+    try:
+        path = plot_pareto(load_runs(runs), output, title)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {path}", err=True)

@@ -121,6 +121,7 @@ class RequestResult:
     completion_tokens: int | None = None  # usage, when the endpoint sends it
     prompt_tokens: int | None = None
     acceptance: dict | None = None  # this project's per-choice extension
+    avg_decoded_tokens_per_iter: float | None = None  # trtllm-serve's per-choice acceptance length
 
     @property
     def ttft(self) -> float:
@@ -211,6 +212,8 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
             res.chunk_times.append(now)
         if choice.get("acceptance"):
             res.acceptance = choice["acceptance"]
+        if choice.get("avg_decoded_tokens_per_iter"):
+            res.avg_decoded_tokens_per_iter = float(choice["avg_decoded_tokens_per_iter"])
 
 
 async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: list[BenchPrompt], concurrency: int,
@@ -239,7 +242,7 @@ def response_acceptance(results: Sequence[RequestResult]) -> dict | None:
     """Token-weighted over requests: tau = sum(tau_i * steps_i) / sum(steps_i)."""
     stats = [r.acceptance for r in results if r.acceptance and r.acceptance.get("num_steps") is not None]
     if not stats:
-        return None
+        return _trtllm_acceptance(results)
     steps = sum(a["num_steps"] for a in stats)
     drafted = sum(a.get("total_draft_tokens", 0) for a in stats)
     accepted = sum(a.get("total_accepted_draft_tokens", 0) for a in stats)
@@ -259,11 +262,22 @@ def response_acceptance(results: Sequence[RequestResult]) -> dict | None:
     }
 
 
+def _trtllm_acceptance(results: Sequence[RequestResult]) -> dict | None:
+    """From trtllm-serve's avg_decoded_tokens_per_iter (tokens per iteration): request i took
+    tokens_i / avg_i iterations, so tau = sum(tokens) / sum(iterations)."""
+    rs = [r for r in results if r.avg_decoded_tokens_per_iter and r.output_tokens]
+    if not rs:
+        return None
+    iterations = sum(r.output_tokens / r.avg_decoded_tokens_per_iter for r in rs)
+    return {"source": "response", "field": "avg_decoded_tokens_per_iter",
+            "tau": sum(r.output_tokens for r in rs) / iterations, "num_steps": iterations, "num_requests": len(rs)}
+
+
 def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestResult]) -> dict:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     if not ok:
-        raise SweepError(f"every request at concurrency {concurrency} failed ({len(failed)} of {len(results)}); "
+        raise SweepError(f"{cfg.endpoint}: every request at concurrency {concurrency} failed ({len(failed)} of {len(results)}); "
                          f"first error: {failed[0].error}")
     duration = max(r.end for r in ok) - min(r.start for r in results)
     out_tokens = sum(r.output_tokens for r in ok)
@@ -322,7 +336,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
             warm = await run_requests(client, cfg, prompt_sequence(prompts, cfg.num_warmup, cfg.seed + 1),
                                       cfg.concurrencies[0], first_index=-cfg.num_warmup)
             if not any(r.ok for r in warm):
-                raise SweepError(f"every warm-up request failed; first error: {warm[0].error}")
+                raise SweepError(f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}")
             await asyncio.sleep(cfg.metrics_settle_s)
         metrics = await scrape(client, cfg.metrics_url)
         for c in cfg.concurrencies:

@@ -100,12 +100,13 @@ class EngineLoop:
                     self._hook(self.on_finish, self.engine.make_output(seq))
                     self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}"))
                 continue
+            # Metrics first: a client that reads /metrics right after its last token must see this step counted.
+            self._hook(self.on_step, result)
             for seq in result.updated:
                 output = self.engine.make_output(seq) if seq.is_finished else None
                 if output is not None:
                     self._hook(self.on_finish, output)
                 self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
-            self._hook(self.on_step, result)
         # Shutting down: answer whatever is left so no caller waits forever.
         for seq in self.engine.scheduler.fail_running("abort"):
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, "server shutting down"))

@@ -48,8 +48,9 @@ def draft_attention_ref(
         v_all = torch.cat([v_ctx, v_block.transpose(1, 2).to(v_ctx.dtype)], dim=2)
     else:  # ragged: the block goes at positions ctx[b] + j; entries past a row's context are never read
         stale = torch.arange(longest, device=q.device)[None, :] >= ctx[:, None]  # [B, max ctx]
-        k_all = torch.cat([k_ctx.masked_fill(stale[:, None, :, None], 0), torch.zeros_like(k_ctx[:, :, :n])], dim=2)
-        v_all = torch.cat([v_ctx.masked_fill(stale[:, None, :, None], 0), torch.zeros_like(v_ctx[:, :, :n])], dim=2)
+        room = k_ctx.new_zeros(b, k_ctx.shape[1], n, k_ctx.shape[3])  # the block may be longer than any context
+        k_all = torch.cat([k_ctx.masked_fill(stale[:, None, :, None], 0), room], dim=2)
+        v_all = torch.cat([v_ctx.masked_fill(stale[:, None, :, None], 0), room.clone()], dim=2)
         pos = ctx[:, None] + torch.arange(n, device=q.device)  # [B, Q]
         brow = torch.arange(b, device=q.device)[:, None]
         k_all[brow, :, pos] = k_block.to(k_all.dtype)

@@ -45,6 +45,7 @@ class StubState:
     usage: bool = True
     metrics: bool = True
     acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
+    decoded_per_iter: dict = field(default_factory=dict)  # prompt text -> trtllm-serve's avg_decoded_tokens_per_iter
     inflight: int = 0
     arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
     finished: int = 0
@@ -102,6 +103,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                     tau, steps = state.acceptance[text]
                     extra["acceptance"] = {"tau": tau, "num_steps": steps, "acceptance_histogram": [1, steps - 1],
                                            "total_draft_tokens": steps * K, "total_accepted_draft_tokens": steps}
+                if text in state.decoded_per_iter:
+                    extra["avg_decoded_tokens_per_iter"] = state.decoded_per_iter[text]
                 state.finished += 1
                 usage = {"prompt_tokens": len(text), "completion_tokens": n_chunks * state.tokens_per_chunk}
                 final = chunk(None, "length", **extra)
@@ -305,6 +308,15 @@ def test_acceptance_from_response_fields(stub):
     m = pt["metrics_acceptance"]
     assert m["metrics"] == "vllm"
     assert m["tau"] == pytest.approx(1 + 20 / 12)
+
+
+def test_acceptance_from_trtllm_decoded_tokens_per_iteration(stub):
+    stub.reset(metrics=False, decoded_per_iter={"a": 2.0, "b": 3.0})
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("a", "b"))["points"]
+    acc = pt["acceptance"]
+    # 6 tokens each: 6 / 2 = 3 and 6 / 3 = 2 iterations -> 12 tokens over 5 iterations
+    assert acc["field"] == "avg_decoded_tokens_per_iter"
+    assert acc["tau"] == pytest.approx(12 / 5) and acc["num_steps"] == pytest.approx(5)
 
 
 def test_acceptance_from_vllm_metrics(stub):

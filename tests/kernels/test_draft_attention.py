@@ -62,6 +62,14 @@ def test_reference_matches_a_naive_per_query_oracle(causal, window, with_sinks):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n, ctx_lens", [(4, [3, 2]), (8, [1, 0, 2])])
+def test_reference_handles_blocks_longer_than_every_context(n, ctx_lens):
+    # short prompts in a ragged batch (the server met this with 2-3 token completions prompts)
+    args = _inputs(len(ctx_lens), n, 2, 2, 8, ctx_lens)
+    torch.testing.assert_close(draft_attention_ref(*args, 0.4).double(), _naive(*args, 0.4, False, 0, None),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_cache_entries_past_the_context_are_never_read():
     q, kb, vb, kc, vc, rows, ctx = _inputs(2, 3, 1, 2, 8, [4, 1], cache_len=12)
     before = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.3)

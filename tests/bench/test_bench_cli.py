@@ -1,0 +1,49 @@
+"""`dflash-trt bench sweep` and `bench plot` as a user runs them, against this project's server."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.cli import main
+from tests.server.conftest import MODEL, free_port, start_server, tiny_engine
+
+
+@pytest.fixture(scope="module")
+def running(tiny_dirs):
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=4, max_draft_len=3))
+    yield server
+    server.stop()
+
+
+def test_sweep_then_plot(running, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": t, "category": "x"}) for t in ("ab", "cd", "ef")))
+    out = tmp_path / "run.json"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--model", MODEL, "--concurrency", "1,2",
+                                  "--dataset", str(data), "--osl", "5", "--requests-per-concurrency", "2",
+                                  "--api", "completions", "--label", "tiny K=3", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    assert [p["num_requests"] for p in res["points"]] == [4, 4]
+    assert all(p["output_tokens"] == 5 * 4 and p["num_failed"] == 0 for p in res["points"])
+    assert all(p["acceptance"]["source"] == "response" for p in res["points"])
+    assert out.with_suffix(".csv").read_text().count("\n") == 3  # header + 2 points
+    png = tmp_path / "pareto.png"
+    r = CliRunner().invoke(main, ["bench", "plot", str(out), str(out), "-o", str(png), "--title", "t"])
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_errors_name_what_is_wrong(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / "x.json")])
+    assert r.exit_code != 0 and "127.0.0.1" in r.output
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "--concurrency", "0",
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code != 0 and "concurrencies" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    r = CliRunner().invoke(main, ["bench", "plot", str(bad), "-o", str(tmp_path / "p.png")])
+    assert r.exit_code != 0 and "bad.json" in r.output
