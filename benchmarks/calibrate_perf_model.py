@@ -6,7 +6,10 @@ K = 0, 3, 7; fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-d
 squares on the relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads);
 and records predicted against measured per point, plus the draft-length schedule that the measured and
 the modelled step times each choose with the shipped drafter's measured tau (benchmarks/README.md).
-Sized to run in under 3 minutes on a quiet machine. Usage:
+Each point is fitted at its fastest step (contention only adds time) and recorded with its median. Run
+it on a quiet machine (load average below 2): the record keeps the load average before and after, and
+marks the fit unusable ("valid": false) when a point's median step exceeds 1.5x its fastest, the sign
+of another process taking the cores. Sized to run in under 3 minutes. Usage:
 
     .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -66,7 +70,7 @@ def measure(engine: LLMEngine, batch: int, k: int, steps: int, warmup: int = 2) 
     while engine.has_unfinished():
         engine.step()
     return {"batch_size": batch, "draft_len": k, "context_len": round(statistics.mean(contexts)),
-            "measured_s": statistics.median(times), "min_s": min(times), "steps": len(times)}
+            "measured_s": min(times), "median_s": statistics.median(times), "steps": len(times)}
 
 
 def fit(model: PerfModel, points: list[dict]) -> dict:
@@ -114,7 +118,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
+    if load_before[0] > 2:
+        print(f"warning: load average {load_before[0]:.1f}; step times will include other processes' work")
     tdir = smollm2_dir()
     ddir = random_drafter(Path(tempfile.mkdtemp()) / "drafter")
     target = load_target(tdir, torch.bfloat16)
@@ -140,6 +146,7 @@ def main() -> None:
         p["relative_error"] = p["predicted_s"] / p["measured_s"] - 1
         p["predicted_breakdown"] = calibrated.breakdown(p["batch_size"], p["draft_len"], p["context_len"])
     errors = [abs(p["relative_error"]) for p in points]
+    noisy = [(p["batch_size"], p["draft_len"]) for p in points if p["median_s"] > 1.5 * p["measured_s"]]
     measured = {(p["batch_size"], p["draft_len"]): p["measured_s"] for p in points}
     predicted = {(p["batch_size"], p["draft_len"]): p["predicted_s"] for p in points}
     decision = {
@@ -152,8 +159,11 @@ def main() -> None:
     path = record("perf_model_cpu", {
         "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
         "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
-                 f"block 16), prompts of {PROMPT_LEN} random tokens, greedy; median of {args.steps} steps after 2 "
-                 f"warm-up steps, best of {args.rounds} round(s)",
+                 f"block 16), prompts of {PROMPT_LEN} random tokens, greedy; fastest (measured_s) and median of "
+                 f"{args.steps} steps after 2 warm-up steps, best of {args.rounds} round(s)",
+        "valid": not noisy,
+        "noisy_points": noisy,
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
         "fitted_profile": fitted,
         "mean_abs_relative_error": statistics.mean(errors),
         "max_abs_relative_error": max(errors),
@@ -167,6 +177,8 @@ def main() -> None:
     print("fitted:", fitted)
     print("decision:", decision)
     print(f"mean |error| {statistics.mean(errors):.1%}, max {max(errors):.1%}; wrote {path}")
+    if noisy:
+        print(f"NOT VALID: median step > 1.5x the fastest at (batch, K) {noisy}: rerun on a quiet machine")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
                      f"{fmt(ch['tok_s_gpu']):>10}   {fmt(ar['tok_s_user']):>13} {fmt(ar['tok_s_gpu']):>12}")
     per_rank = f", batch per rank of {perf['attention_dp_ranks']}" if perf["attention_dp_ranks"] > 1 else ""
     title = (f"Predicted per step (roofline{per_rank}, context {perf['context_len']} tokens, schedule "
-             f"{perf['schedule_source'] or 'none'}; {perf['hardware']['perf_source']})")
-    return title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
+             f"{perf['schedule_source'] or 'none'})")
+    return (title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
+            + f"\n(hardware figures: {perf['hardware']['perf_source']})")
 
 
 @click.command("build")
