@@ -73,6 +73,26 @@ def measure(engine: LLMEngine, batch: int, k: int, steps: int, warmup: int = 2) 
             "measured_s": min(times), "median_s": statistics.median(times), "steps": len(times)}
 
 
+def measure_ceilings(repeats: int = 5) -> dict:
+    """This machine's raw roofline ceilings for the record: copy bandwidth (bytes read + written per second,
+    256 MB) and bf16 GEMM FLOP/s (2048^3), best of `repeats`. The fit below does not use them: the runtime's
+    small GEMMs reach a fraction of either, and weight bytes do not change with the batch, so bandwidth and
+    fixed overhead are not separately identifiable from step times; the fitted values are effective ones."""
+    src = torch.ones(64 * 2**20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    best_copy, best_mm = float("inf"), float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best_mm = min(best_mm, time.perf_counter() - t)
+    return {"copy_bytes_s": 2 * src.numel() * src.element_size() / best_copy, "bf16_gemm_flops": 2 * 2048**3 / best_mm}
+
+
 def fit(model: PerfModel, points: list[dict]) -> dict:
     """Bandwidth, FLOP/s, step and draft overheads minimising the squared relative error of the prediction."""
     hw0 = dataclasses.replace(model.hw, step_overhead_s=0.0, layer_overhead_s=0.0, draft_overhead_s=0.0)
@@ -165,6 +185,7 @@ def main() -> None:
         "noisy_points": noisy,
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
         "fitted_profile": fitted,
+        "raw_ceilings": measure_ceilings(),
         "mean_abs_relative_error": statistics.mean(errors),
         "max_abs_relative_error": max(errors),
         "points": points,

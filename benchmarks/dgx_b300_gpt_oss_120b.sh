@@ -25,7 +25,7 @@ mkdir -p "$WORK" "$OUT"
 command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
 
 PID=""
-stop() { if [[ -n "$PID" ]]; then kill -INT "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+stop() { if [[ -n "$PID" ]]; then kill -TERM "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
 trap stop EXIT
 wait_up() {
   for _ in $(seq 1800); do

