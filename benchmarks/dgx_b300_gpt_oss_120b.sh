@@ -25,7 +25,14 @@ mkdir -p "$WORK" "$OUT"
 command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
 
 PID=""
-stop() { if [[ -n "$PID" ]]; then kill -TERM "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+stop() {  # $! is the server itself (exec), so TERM reaches it; then wait for the port to close
+  if [[ -n "$PID" ]]; then
+    kill -TERM "$PID" 2>/dev/null || true
+    wait "$PID" 2>/dev/null || true
+    PID=""
+    while curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
+  fi
+}
 trap stop EXIT
 wait_up() {
   for _ in $(seq 1800); do

