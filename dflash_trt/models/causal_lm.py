@@ -21,7 +21,12 @@ class CausalLM(nn.Module):
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Linear | None
-    packed_head: nn.Module | None = None  # set by pack_for_inference
+
+    @property
+    def packed_head(self) -> nn.Module | None:
+        # A submodule, so no class-level default: one would shadow it (nn.Module keeps submodules in _modules,
+        # which attribute lookup reaches only after the class), and the head silently ran unpacked.
+        return self._modules.get("_packed_head")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -31,7 +36,7 @@ class CausalLM(nn.Module):
         """Prepack every projection and the output head for fast CPU inference (no-op elsewhere)."""
         if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
             return
-        self.packed_head = PackedLinear(self.lm_head_weight)
+        self.add_module("_packed_head", PackedLinear(self.lm_head_weight))
         self._pack_extra()
         pack_linears(self.layers)
 
