@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import platform
 import subprocess
 from pathlib import Path
 
 import torch
+
+from dflash_trt.bench.sweep import machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -23,21 +24,8 @@ CHAT_PROMPTS = [
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu or platform.processor(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    return {**machine_info(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 def commit() -> str:
