@@ -5,6 +5,9 @@
 # with the same prompts and concurrencies, then one Pareto plot (tokens/s/GPU against tokens/s/user).
 # Protocol: ../shared/reference/trtllm.md 5.4 (real prompts, ISL/OSL 1k/1k by default, concurrency doubling).
 #
+# Arms: "DFlash K=k" are fixed-K engines (the config's draft-length schedule removed); "DFlash auto" is the config as
+# written, whose schedule the build chooses per batch size (plan.json). Every engine is built for the preset's
+# ISL + OSL (max_seq_len), and prompts are cut to the ISL with the engine's own tokenizer.
 # Needs: TensorRT-LLM 1.3.0rc20 (NGC container or NVIDIA's wheel index) with trtllm-serve on PATH, this package
 # installed (pip install -e .), the three checkpoints in the HF cache or reachable, 8 GPUs.
 #   benchmarks/dgx_b300_gpt_oss_120b.sh                          # all arms, 1k/1k
@@ -16,11 +19,16 @@ CONFIG=${CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-throughput.yaml}
 PRESET=${PRESET:-gpu-1k1k}
 CONC=${CONC:-1,2,4,8,16,32,64,128,256,512,1024}
 KS=${KS:-"3 5 7 9"}
-ARMS=${ARMS:-"ar eagle3 dflash"}
+ARMS=${ARMS:-"ar eagle3 dflash dflash-auto"}
 REQS=${REQS:-5}                     # requests per point = 5 x concurrency (NVIDIA's guides use --num-prompts 5c)
 WORK=${WORK:-$ROOT/engines/dgx_b300}
 OUT=${OUT:-$ROOT/benchmarks/results/dgx_b300_gpt_oss_120b_$PRESET}
 PORT=${PORT:-8000}
+case $PRESET in
+  gpu-1k1k) ISL=1024 OSL=1024 ;; gpu-1k8k) ISL=1024 OSL=8192 ;; gpu-8k1k) ISL=8192 OSL=1024 ;;
+  *) echo "PRESET must be gpu-1k1k, gpu-1k8k or gpu-8k1k" >&2; exit 1 ;;
+esac
+MAX_SEQ=$((ISL + OSL + 256))       # + the chat template and the draft block
 mkdir -p "$WORK" "$OUT"
 command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
 
@@ -43,14 +51,25 @@ wait_up() {
   return 1
 }
 sweep() {  # label, result name
-  dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --model openai/gpt-oss-120b --concurrency "$CONC" \
-    --dataset "$PRESET" --gpus 8 --requests-per-concurrency "$REQS" --label "$1" -o "$OUT/$2.json"
+  # --model: the endpoint's own name for it (from /v1/models); reasoning deltas count as generated tokens
+  dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --concurrency "$CONC" --dataset "$PRESET" \
+    --tokenizer "$ENGINE0/tokenizer" --gpus 8 --requests-per-concurrency "$REQS" --label "$1" -o "$OUT/$2.json"
 }
 
-# One DFlash engine per K (validated and planned for B300; the build refuses what does not fit).
+# One fixed-K DFlash engine per K from the config without its schedule, and the config as written (auto schedule);
+# each validated and planned for B300 at MAX_SEQ (the build refuses what does not fit).
+python3 - "$CONFIG" "$WORK/fixed_k.yaml" <<'PY'
+import sys, yaml
+o = yaml.safe_load(open(sys.argv[1]))
+for key in ("draft_len_schedule", "max_concurrency"):
+    o["speculative_config"].pop(key, None)
+yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
+PY
 for k in $KS; do
-  [[ -f "$WORK/dflash_k$k/manifest.json" ]] || dflash-trt build "$CONFIG" -o "$WORK/dflash_k$k" -k "$k" --force
+  [[ -f "$WORK/dflash_k$k/manifest.json" ]] ||
+    dflash-trt build "$WORK/fixed_k.yaml" -o "$WORK/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ" --force
 done
+[[ -f "$WORK/dflash_auto/manifest.json" ]] || dflash-trt build "$CONFIG" -o "$WORK/dflash_auto" --max-seq-len "$MAX_SEQ" --force
 first_k=${KS%% *}
 ENGINE0=$WORK/dflash_k$first_k
 
@@ -81,6 +100,11 @@ for arm in $ARMS; do
         PID=$!; wait_up "dflash_k$k"
         sweep "DFlash K=$k" "dflash_k$k"; stop; runs+=("$OUT/dflash_k$k.json")
       done ;;
+    dflash-auto)
+      dflash-trt serve "$WORK/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_auto.log" 2>&1 &
+      PID=$!; wait_up dflash_auto
+      schedule=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["draft_len_schedule"])' "$WORK/dflash_auto/plan.json")
+      sweep "DFlash auto $schedule" dflash_auto; stop; runs+=("$OUT/dflash_auto.json") ;;
     *) echo "unknown arm $arm" >&2; exit 1 ;;
   esac
 done

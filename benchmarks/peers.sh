@@ -92,7 +92,7 @@ for name in $SYSTEMS; do
   PID=$!
   wait_up "$name"
   case $name in
-    *-dflash) label="$name K=$K" ;;
+    *-dflash) label="$name K=$K${SCHEDULE:+ schedule $SCHEDULE}" ;;
     ours-engine) label="ours-engine ($(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["draft_len_schedule"]; print("K by batch", s)' "$ENGINE/plan.json"))" ;;
     *) label=$name ;;
   esac

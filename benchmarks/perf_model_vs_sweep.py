@@ -8,7 +8,8 @@ point where fewer than c streams are still running. Usage:
 
     .venv/bin/python benchmarks/perf_model_vs_sweep.py benchmarks/results/peers/ours-ar.json \
         benchmarks/results/peers/ours-dflash.json:3 [--context 100]
-(RUN.json:K marks a DFlash run at K; without :K the run is autoregressive.)
+(RUN.json:K marks a DFlash run at a fixed K; without :K the run is autoregressive. A run whose server changes K
+with the batch size (a draft-length schedule) is not comparable point by point and is not accepted.)
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
         run = json.loads(Path(path).read_text())
         k = int(k or 0)
         for p in run["points"]:
+            if not p.get("tok_s_per_user"):  # no request produced two tokens: nothing to compare
+                continue
             c = p["concurrency"]
             acc = p.get("acceptance") or {}
             tau = acc.get("tau") or 1.0 if k else 1.0

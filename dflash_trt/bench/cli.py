@@ -66,8 +66,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         from dflash_trt.cli import _default_dirs
 
         tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))
+        if ddir is None:
+            raise click.UsageError("--zlab-peer needs a drafter (the engine has none)")
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
-    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, zlab_peer=zlab_peer)
+    cfg = SpeedConfig(draft_lens=ks, rounds=rounds)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
@@ -87,7 +89,7 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 
 @bench.command()
 @click.option("--url", required=True, help="The endpoint: http://HOST:PORT (or .../v1) of any OpenAI-compatible server.")
-@click.option("--model", required=True, help="The model name the endpoint serves.")
+@click.option("--model", default=None, help="The model name the endpoint serves (default: the first of its /v1/models).")
 @click.option("--concurrency", "concurrencies", default="1,2,4,8", show_default=True, help="Concurrent streams per point, e.g. 1,2,4,8,16.")
 @click.option("--dataset", default="cpu-small", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
@@ -115,7 +117,11 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     if tokenizer:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(f"cannot load a tokenizer from {tokenizer!r}: {e}", param_hint="--tokenizer") from e
+    model = model or served_model(url)
     try:
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None)
         cfg = SweepConfig(url=url, model=model, concurrencies=_ints(concurrencies, "--concurrency"),
@@ -156,3 +162,17 @@ def plot(runs, output, title) -> None:
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"wrote {path}", err=True)
+
+
+def served_model(url: str) -> str:
+    """The first model id of an OpenAI-compatible endpoint's /v1/models."""
+    import httpx
+
+    models = url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+        raise click.ClickException(f"{models}: cannot list the served models ({e}); pass --model") from e
+    if not ids:
+        raise click.ClickException(f"{models}: the endpoint serves no model; pass --model")
+    return ids[0]

@@ -123,7 +123,7 @@ def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
 def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int | None = None, tokenizer=None,
                  categories: list[str] | None = None, limit_per_category: int | None = None) -> list[BenchPrompt]:
     """The prompts of a built-in dataset (PRESETS) or a .jsonl file; `osl` overrides every prompt's output length,
-    `isl` turns a built-in dataset into long-context prompts of that many input tokens."""
+    `isl` replaces a built-in dataset by the long-context prompts of that many input tokens (gpu-* presets)."""
     if spec in PRESETS:
         preset_isl, preset_osl = PRESETS[spec]
         isl, osl = isl if isl is not None else preset_isl, osl if osl is not None else preset_osl
@@ -139,6 +139,8 @@ def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int |
     elif spec.endswith(".jsonl") or Path(spec).is_file():
         if not Path(spec).is_file():
             raise ValueError(f"dataset file {spec} does not exist")
+        if isl is not None:
+            raise ValueError(f"--isl applies to the built-in datasets, not to {spec}: its prompts are used as written")
         prompts = read_jsonl(Path(spec), osl or 128)
         if osl is not None:
             prompts = [replace(p, max_tokens=osl) for p in prompts]

@@ -27,7 +27,6 @@ class SpeedConfig:
     draft_lens: list[int]
     rounds: int = 2
     warmup: bool = True
-    zlab_peer: bool = False  # also time z-lab's dflash_generate (needs `dflash` and the HF model)
 
 
 @dataclass

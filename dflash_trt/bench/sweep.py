@@ -207,7 +207,13 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
         res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
         res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
     for choice in event.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
+        if api == "chat":
+            delta = choice.get("delta") or {}
+            # Reasoning models (gpt-oss through harmony) stream their analysis channel in a separate field:
+            # those are generated tokens too, for TTFT and ITL alike.
+            content = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+        else:
+            content = choice.get("text")
         if content:
             res.chunk_times.append(now)
         if choice.get("acceptance"):
@@ -286,6 +292,9 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     output_tok_s = out_tokens / duration
     return {
         "concurrency": concurrency,
+        # "chunks": the endpoint sent no usage, so tokens are counted as content chunks; an endpoint that
+        # packs several tokens in a chunk (speculation, stream intervals) is then undercounted
+        "tokens_from": "usage" if all(r.completion_tokens is not None for r in ok) else "chunks",
         "num_requests": len(results),
         "num_failed": len(failed),
         "errors": list(dict.fromkeys(r.error for r in failed))[:3],

@@ -49,7 +49,7 @@ class EngineLoop:
         return self
 
     @classmethod
-    def spawn(cls, factory: Callable[[], LLMEngine], timeout: float | None = None) -> "EngineLoop":
+    def spawn(cls, factory: Callable[[], LLMEngine]) -> "EngineLoop":
         """Build the engine ON the loop thread, then run it there; returns once the engine exists (a build
         error is raised here). Measured on this CPU: an engine built on one thread and stepped on another
         decodes 1.5x slower (torch's OpenMP pool belongs to the thread that first ran parallel work), so a
@@ -70,8 +70,7 @@ class EngineLoop:
 
         loop._thread = threading.Thread(target=build_then_run, name="dflash-engine", daemon=True)
         loop._thread.start()
-        if not ready.wait(timeout):
-            raise TimeoutError(f"the engine was not built within {timeout} s")
+        ready.wait()
         if failure:
             raise failure[0]
         return loop

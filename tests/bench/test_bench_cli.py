@@ -20,12 +20,14 @@ def test_sweep_then_plot(running, tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": t, "category": "x"}) for t in ("ab", "cd", "ef")))
     out = tmp_path / "run.json"
-    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--model", MODEL, "--concurrency", "1,2",
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--concurrency", "1,2",
                                   "--dataset", str(data), "--osl", "5", "--requests-per-concurrency", "2",
                                   "--api", "completions", "--label", "tiny K=3", "-o", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
+    assert res["model"] == MODEL  # from the endpoint's /v1/models
     assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    assert all(p["tokens_from"] == "usage" for p in res["points"])
     assert [p["num_requests"] for p in res["points"]] == [4, 4]
     assert all(p["output_tokens"] == 5 * 4 and p["num_failed"] == 0 for p in res["points"])
     assert all(p["acceptance"]["source"] == "response" for p in res["points"])
@@ -40,6 +42,8 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / "x.json")])
     assert r.exit_code != 0 and "127.0.0.1" in r.output
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "-o", str(tmp_path / "x.json")])
+    assert r.exit_code != 0 and "/v1/models" in r.output and "--model" in r.output
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "--concurrency", "0",
                                   "-o", str(tmp_path / "x.json")])
     assert r.exit_code != 0 and "concurrencies" in r.output

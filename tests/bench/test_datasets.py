@@ -55,3 +55,10 @@ def test_jsonl_files_speed_bench_layout_and_errors_name_the_line(tmp_path):
         read_jsonl(bad, 8)
     with pytest.raises(ValueError, match="neither a built-in"):
         load_dataset("no-such-dataset")
+
+
+def test_isl_is_refused_for_files_whose_prompts_are_used_as_written(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="--isl applies to the built-in datasets"):
+        load_dataset(str(f), isl=1024)

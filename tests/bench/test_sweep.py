@@ -422,3 +422,14 @@ def test_against_the_real_server(tiny_dirs):
         # every token after the prefill's first came from a verify step
         assert acc["tau"] == pytest.approx(3 * (new - 1) / acc["num_steps"])
         assert 1.0 < acc["tau"] <= k + 1
+
+
+def test_reasoning_deltas_count_as_generated_chunks():
+    from dflash_trt.bench.sweep import RequestResult, _read_event
+
+    res = RequestResult("p", start=0.0)
+    _read_event({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, "chat", 0.1, res)
+    _read_event({"choices": [{"delta": {"reasoning_content": "Let me think"}}]}, "chat", 0.2, res)  # vLLM/TRT-LLM
+    _read_event({"choices": [{"delta": {"reasoning": " more"}}]}, "chat", 0.3, res)
+    _read_event({"choices": [{"delta": {"content": "Answer"}}]}, "chat", 0.4, res)
+    assert res.chunk_times == [0.2, 0.3, 0.4] and res.ttft == pytest.approx(0.2)
