@@ -217,8 +217,8 @@ def predict_pareto(model: PerfModel, tau_by_k: dict[int, float], concurrencies, 
 def schedule_batch_sizes(cfg: BuildConfig, graph_sizes: list[int]) -> list[int]:
     """Batch sizes (per rank) the schedule is chosen at and the plan predicts: the CUDA-graph sizes a GPU
     build pads every batch to, else every size up to max_batch_size (powers of two beyond 64)."""
-    if graph_sizes:
-        return sorted(set(graph_sizes) | {1})
+    if graph_sizes:  # batches above the largest graph run eagerly: the largest batch is evaluated too
+        return sorted(set(graph_sizes) | {1, cfg.max_batch_size})
     top = cfg.max_batch_size
     sizes = set(range(1, min(top, 64) + 1)) | {2**i for i in range(7, 20) if 2**i < top} | {top}
     return sorted(sizes)
