@@ -2,8 +2,8 @@
 
 Greedy, batch 1, bf16 (or --dtype float32, where outputs must be identical), 2 threads, through
 `dflash_trt.bench.speed` (the engine behind `dflash-trt bench speed`): every held-out prompt runs through this
-runtime's --no-spec mode and its speculative mode at each K in the same round; speedup is the ratio of median
-total wall-clock time. Outputs are compared token for token (bf16 may diverge on near-ties: counted, not hidden).
+runtime's --no-spec mode and its speculative mode at each K in the same round; speedup is the ratio of tokens/s
+(each system's tokens over its median total wall-clock time). Outputs are compared token for token (bf16 may diverge on near-ties: counted, not hidden).
 
     .venv/bin/python benchmarks/bench_drafter.py [--drafter drafters/smollm2-135m-dflash] [--prompts 8]
         [--ks 3,7] [--new-tokens 128] [--rounds 2] [--dtype bfloat16|float32] [--name drafter_smollm2_cpu]

@@ -3,7 +3,7 @@
 Every prompt runs greedy at batch 1 through the same runtime with speculation off (AR) and at each K, in
 the same round (rounds interleave the systems, so drift in machine speed hits all of them alike). Per
 category: tau (tokens committed per verify step, counting the bonus token), the acceptance histogram,
-tokens/s of each system, the end-to-end speedup (AR wall time over DFlash wall time for the same outputs)
+tokens/s of each system, the end-to-end speedup (DFlash tokens/s over AR tokens/s, wall clock including prefill)
 and how many outputs are identical to AR's (in bf16 a K-token verify and a one-token forward can round
 differently on near-ties; the count is reported, never hidden). Optionally z-lab's reference
 `dflash_generate` runs on the same weights as a peer.
@@ -136,8 +136,9 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
 def _summ(t: _Tally, ar: _Tally) -> dict:
     wall = statistics.median(t.wall)
     row = {"tokens": t.tokens, "wall_s": round(wall, 4), "tok_s": round(t.tokens / wall, 2) if wall else 0.0}
-    if t is not ar:
-        row["speedup"] = round(statistics.median(ar.wall) / wall, 3) if wall else 0.0
+    if t is not ar:  # a tokens/s ratio: bf16 near-tie divergence can change how many tokens each side generates
+        ar_tok_s = ar.tokens / statistics.median(ar.wall)
+        row["speedup"] = round(t.tokens / wall / ar_tok_s, 3) if wall else 0.0
         row["identical_outputs"] = f"{t.identical}/{t.prompts}"
     if t.steps:
         row["tau"] = round(t.committed / t.steps, 3)
