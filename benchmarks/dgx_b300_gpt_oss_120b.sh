@@ -32,24 +32,7 @@ MAX_SEQ=$((ISL + OSL + 256))       # + the chat template and the draft block
 mkdir -p "$WORK" "$OUT"
 command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
 
-PID=""
-stop() {  # $! is the server itself (exec), so TERM reaches it; then wait for the port to close
-  if [[ -n "$PID" ]]; then
-    kill -TERM "$PID" 2>/dev/null || true
-    wait "$PID" 2>/dev/null || true
-    PID=""
-    while curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
-  fi
-}
-trap stop EXIT
-wait_up() {
-  for _ in $(seq 1800); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    kill -0 "$PID" 2>/dev/null || { echo "server exited; see $OUT/$1.log" >&2; return 1; }
-    sleep 1
-  done
-  return 1
-}
+source "$ROOT/benchmarks/server_lifecycle.sh"   # stop, wait_up
 sweep() {  # label, result name
   # --model: the endpoint's own name for it (from /v1/models); reasoning deltas count as generated tokens
   dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --concurrency "$CONC" --dataset "$PRESET" \
@@ -91,18 +74,18 @@ for arm in $ARMS; do
     ar|eagle3)
       (cd "$ENGINE0" && exec trtllm-serve "$ENGINE0/target" --tokenizer "$ENGINE0/tokenizer" --host 127.0.0.1 \
           --port "$PORT" --config "$WORK/$arm.yaml") >"$OUT/$arm.log" 2>&1 &
-      PID=$!; wait_up "$arm"
+      PID=$!; wait_up "$arm" 1800
       label=$([[ $arm == ar ]] && echo "autoregressive" || echo "EAGLE-3 K=3")
       sweep "$label" "$arm"; stop; runs+=("$OUT/$arm.json") ;;
     dflash)
       for k in $KS; do
         dflash-trt serve "$WORK/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_k$k.log" 2>&1 &
-        PID=$!; wait_up "dflash_k$k"
+        PID=$!; wait_up "dflash_k$k" 1800
         sweep "DFlash K=$k" "dflash_k$k"; stop; runs+=("$OUT/dflash_k$k.json")
       done ;;
     dflash-auto)
       dflash-trt serve "$WORK/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_auto.log" 2>&1 &
-      PID=$!; wait_up dflash_auto
+      PID=$!; wait_up dflash_auto 1800
       schedule=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["draft_len_schedule"])' "$WORK/dflash_auto/plan.json")
       sweep "DFlash auto $schedule" dflash_auto; stop; runs+=("$OUT/dflash_auto.json") ;;
     *) echo "unknown arm $arm" >&2; exit 1 ;;

@@ -42,26 +42,7 @@ if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
 fi
 
-PID=""
-# start() execs the server in the background subshell, so $! is the server itself.
-stop() {
-  if [[ -n "$PID" ]]; then
-    kill -TERM "$PID" 2>/dev/null || true
-    wait "$PID" 2>/dev/null || true
-    PID=""
-    while curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
-  fi
-}
-trap stop EXIT
-
-wait_up() {  # up to 10 min: vLLM compiles at start
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    kill -0 "$PID" 2>/dev/null || { echo "server exited; see $OUT/$1.log" >&2; return 1; }
-    sleep 1
-  done
-  echo "server did not come up" >&2; return 1
-}
+source "$ROOT/benchmarks/server_lifecycle.sh"   # stop, wait_up (vLLM compiles for up to minutes at start)
 
 start() {
   local name=$1
