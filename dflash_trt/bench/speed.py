@@ -57,28 +57,40 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int]) -> tuple[LLMEngine
     return ar, specs
 
 
-def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]) -> Callable[[list[int], int, int], list[int]]:
-    """z-lab's reference loop on the same checkpoints: f(prompt ids, max_new_tokens, K) -> generated ids."""
+def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
+                ) -> Callable[[list[int], int, int], tuple[list[int], list[int]]]:
+    """z-lab's reference loop on the same checkpoints: f(prompt ids, max_new_tokens, K) -> (generated ids,
+    tokens committed per verify step)."""
+    import time as _time
+
+    import dflash.model as zlab
     import torch
-    from dflash.model import DFlashDraftModel, dflash_generate
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    zd = DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).eval()
+    zd = zlab.DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).eval()
 
-    def run(ids: list[int], max_new: int, k: int) -> list[int]:
-        out = dflash_generate(zd, hf, torch.tensor([ids]), max_new, eos_ids, block_size=k + 1)
-        gen = out[0, len(ids):].tolist()
+    def run(ids: list[int], max_new: int, k: int) -> tuple[list[int], list[int]]:
+        # Its statistics timer calls torch.cuda.synchronize(); on a CPU-only machine time without it.
+        timer = zlab._cuda_time
+        if not torch.cuda.is_available():
+            zlab._cuda_time = _time.perf_counter
+        try:
+            out = zlab.dflash_generate(zd, hf, torch.tensor([ids]), max_new, eos_ids, block_size=k + 1, return_stats=True)
+        finally:
+            zlab._cuda_time = timer
+        gen = out.output_ids[0, len(ids):].tolist()
         for i, t in enumerate(gen):  # z-lab returns the buffer up to its stop; keep ours' convention (stop id kept)
             if t in eos_ids:
-                return gen[: i + 1]
-        return gen
+                gen = gen[: i + 1]
+                break
+        return gen, list(out.acceptance_lengths)
 
     return run
 
 
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
-              zlab: Callable[[list[int], int, int], list[int]] | None = None, progress=None) -> dict:
+              zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
     """Measure every category; returns the JSON-ready result (see module doc)."""
     ar, specs = sibling_engines(engine, cfg.draft_lens)
     groups = by_category(prompts)
@@ -121,13 +133,16 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                 if zlab is not None:
                     k0 = cfg.draft_lens[0]
                     t0 = time.perf_counter()
-                    gen = zlab(ids[p.id], p.max_tokens, k0)
+                    gen, lengths = zlab(ids[p.id], p.max_tokens, k0)
                     s = t[f"zlab K={k0}"]
                     s.wall[r] += time.perf_counter() - t0
                     if r == 0:
                         s.tokens += len(gen)
                         s.prompts += 1
                         s.identical += gen == base.token_ids
+                        s.steps += len(lengths)
+                        s.committed += sum(lengths)
+                        s.add_hist([sum(1 for n in lengths if n == i + 1) for i in range(k0 + 1)])
                 if progress is not None:
                     progress()
     return _report(tallies, systems)

@@ -74,3 +74,19 @@ def test_cli_json(tiny_dirs, tmp_path):
     r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
                                   str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "-k", "99"])
     assert r.exit_code != 0 and "K=99" in r.output
+
+
+def test_zlab_peer_runs_on_the_same_weights_and_agrees_step_by_step(tiny_dirs):
+    pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is the peer")
+    import torch
+
+    from dflash_trt.bench.speed import zlab_runner
+
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
+    zlab = zlab_runner(str(tiny_dirs["qwen3"]), str(tiny_dirs["qwen3_drafter"]), torch.float32, list(engine.eos_token_ids))
+    r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1), chat=False, zlab=zlab)
+    ours, peer = r["overall"]["K=3"], r["overall"]["zlab K=3"]
+    # an independent implementation of the same algorithm: same tokens, same acceptance per step
+    assert peer["identical_outputs"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert peer["tokens"] == ours["tokens"]
+    assert peer["tau"] == ours["tau"] and peer["acceptance_histogram"] == ours["acceptance_histogram"]
