@@ -94,7 +94,7 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 @click.option("--dataset", default="cpu-small", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--isl", type=int, default=None, help="Input tokens per prompt (long-context prompts of real text).")
-@click.option("--osl", type=int, default=None, help="Output tokens per request (EOS ignored).")
+@click.option("--osl", type=int, default=None, help="Output tokens per request (default: the dataset's; a cap with --stop-at-eos).")
 @click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly; default ~4 chars/token.")
 @click.option("--requests-per-concurrency", type=int, default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
 @click.option("--warmup", type=int, default=None, help="Warm-up requests before the first point (default: its concurrency).")
