@@ -3,8 +3,9 @@
 Two servers run side by side (speculative and --no-spec, same flags otherwise); each round measures
 both at 1, 4 and 16 concurrent streams (that many chat requests at once, greedy, --new-tokens each,
 EOS ignored, streamed with the official openai client). Reported per point, as medians over rounds:
-output tok/s (all tokens / wall time from the first request to the last token) and tok/s per user
-(tokens after the first / time after the first token, averaged over requests), and TTFT.
+output tok/s (all tokens / wall time from the first request to the last token), tok/s per user
+(1 / TPOT, averaged over requests) and TTFT p50, as `dflash-trt bench sweep` (dflash_trt/bench/sweep.py)
+measures them. For full sweeps against any endpoint use that command (or benchmarks/peers.sh).
 
 Usage: benchmarks/bench_serve.py [--rounds 3] [--new-tokens 64] [-k 7] [--drafter DIR]
 Without --drafter (and without drafters/smollm2-135m-dflash) the drafter is random (tau ~ 1), so the
@@ -14,7 +15,6 @@ speculative server shows the pure cost of speculation under batching, not its be
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import socket
@@ -29,10 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import random_drafter  # noqa: E402
 from common import CHAT_PROMPTS, record  # noqa: E402
 
+from dflash_trt.bench.datasets import BenchPrompt  # noqa: E402
+from dflash_trt.bench.sweep import SweepConfig, run_sweep  # noqa: E402
+
 from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 
 CONCURRENCY = (1, 4, 16)
 MODEL = "smollm2"
+PROMPTS = [BenchPrompt(f"chat/{i}", "chat", text, 64) for i, text in enumerate(CHAT_PROMPTS)]
 
 
 def free_port() -> int:
@@ -64,37 +68,13 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def one(client, prompt: str, new_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=new_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})
-    tau = None
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter()
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-            acc = (chunk.choices[0].model_extra or {}).get("acceptance") if chunk.choices else None
-            tau = acc["tau"] if acc else None
-    end = time.perf_counter()
-    return {"start": t0, "first": first or end, "end": end, "tokens": n, "tau": tau}
-
-
-async def point(url: str, concurrency: int, new_tokens: int) -> dict:
-    import openai
-
-    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600) as client:
-        prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(concurrency)]
-        rs = await asyncio.gather(*(one(client, p, new_tokens) for p in prompts))
-    wall = max(r["end"] for r in rs) - min(r["start"] for r in rs)
-    per_user = [(r["tokens"] - 1) / (r["end"] - r["first"]) for r in rs if r["tokens"] > 1 and r["end"] > r["first"]]
-    taus = [r["tau"] for r in rs if r["tau"] is not None]
-    return {"output_tok_s": sum(r["tokens"] for r in rs) / wall, "tok_s_per_user": statistics.mean(per_user),
-            "ttft_s": statistics.median(r["first"] - r["start"] for r in rs),
-            "tau": statistics.mean(taus) if taus else None}
+def point(url: str, concurrency: int, new_tokens: int, label: str) -> dict:
+    """One closed-loop point of `dflash-trt bench sweep` (no warm-up: main() warms every server up first)."""
+    cfg = SweepConfig(url=url, model=MODEL, concurrencies=[concurrency], requests_per_concurrency=1,
+                      min_requests=concurrency, warmup_requests=0, osl=new_tokens, label=label)
+    (p,) = run_sweep(cfg, PROMPTS)["points"]
+    return {"output_tok_s": p["output_tok_s"], "tok_s_per_user": p["tok_s_per_user"], "ttft_s": p["ttft_s"]["p50"],
+            "tau": (p["acceptance"] or {}).get("tau")}
 
 
 def main() -> None:
@@ -120,12 +100,12 @@ def main() -> None:
             wait_up(url, proc)
         for proc, url in systems.values():  # warm-up: every batch size once
             for c in CONCURRENCY:
-                asyncio.run(point(url, c, 8))
+                point(url, c, 8, "warm-up")
         results: dict = {name: {c: [] for c in CONCURRENCY} for name in systems}
         for _ in range(args.rounds):
             for name, (_, url) in systems.items():
                 for c in CONCURRENCY:
-                    results[name][c].append(asyncio.run(point(url, c, args.new_tokens)))
+                    results[name][c].append(point(url, c, args.new_tokens, name))
     finally:
         for proc, _ in systems.values():
             proc.send_signal(signal.SIGTERM)
