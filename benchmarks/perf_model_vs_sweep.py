@@ -27,7 +27,7 @@ from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 from dflash_trt.hardware import profile  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict, read_config_json  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig  # noqa: E402
-from dflash_trt.perf_model import PerfModel  # noqa: E402
+from dflash_trt.perf_model import PerfModel, predict_pareto  # noqa: E402
 
 
 def main() -> None:
@@ -50,10 +50,9 @@ def main() -> None:
             if not p.get("tok_s_per_user"):  # no request produced two tokens: nothing to compare
                 continue
             c = p["concurrency"]
-            acc = p.get("acceptance") or {}
-            tau = acc.get("tau") or 1.0 if k else 1.0
-            step = model.step_time(c, k, args.context)
-            pred_user, pred_total = tau / step, c * tau / step
+            tau = (p.get("acceptance") or {}).get("tau") or 1.0 if k else 1.0
+            pred = next(q for q in predict_pareto(model, {k: tau} if k else {}, [c], gpus=1) if q.draft_len == k)
+            pred_user, pred_total = pred.tok_s_user, pred.tok_s_gpu
             row = {"run": run.get("label") or path, "concurrency": c, "draft_len": k, "tau": round(tau, 3),
                    "measured_tok_s_user": round(p["tok_s_per_user"], 1), "predicted_tok_s_user": round(pred_user, 1),
                    "measured_tok_s_gpu": round(p["tok_s_per_gpu"], 1), "predicted_tok_s_gpu": round(pred_total, 1)}

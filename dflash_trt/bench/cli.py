@@ -168,7 +168,9 @@ def served_model(url: str) -> str:
     """The first model id of an OpenAI-compatible endpoint's /v1/models."""
     import httpx
 
-    models = url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    from dflash_trt.bench.sweep import server_root
+
+    models = server_root(url) + "/v1/models"
     try:
         ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:

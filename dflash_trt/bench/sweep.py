@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from dflash_trt.bench.datasets import BenchPrompt
 
 
+def server_root(url: str) -> str:
+    """http://host:port for an endpoint given with or without its /v1."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 class SweepError(RuntimeError):
     """A point where no request succeeded (the endpoint's error is in the message)."""
 
@@ -77,7 +82,7 @@ class SweepConfig:
 
     @property
     def root_url(self) -> str:
-        return self.url.rstrip("/").removesuffix("/v1")
+        return server_root(self.url)
 
     @property
     def endpoint(self) -> str:

@@ -54,8 +54,7 @@ class EngineLoop:
         error is raised here). Measured on this CPU: an engine built on one thread and stepped on another
         decodes 1.5x slower (torch's OpenMP pool belongs to the thread that first ran parallel work), so a
         server must not load in its main thread and decode in a background one."""
-        loop = cls.__new__(cls)
-        cls.__init__(loop, None)  # type: ignore[arg-type]
+        loop = cls(None)  # type: ignore[arg-type]  # the engine is set on its thread below
         ready, failure = threading.Event(), []
 
         def build_then_run() -> None:
