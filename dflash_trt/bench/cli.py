@@ -73,8 +73,13 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
+    from datetime import datetime, timezone
+
+    from dflash_trt.bench.sweep import machine_info
+
     result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "rounds": rounds,
-              "prompts": len(prompts), "threads": torch.get_num_threads(), **result}
+              "prompts": len(prompts), "threads": torch.get_num_threads(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     if output:
         Path(output).write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result) if as_json else format_table(result))
