@@ -76,13 +76,3 @@ def training_mask(context_len: int, anchors: torch.Tensor, block_size: int) -> t
     ctx = torch.arange(context_len)[None, :] < anchors[block_of_query][:, None]
     same_block = block_of_query[:, None] == block_of_query[None, :]
     return torch.cat([ctx, same_block], dim=1)
-
-
-def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Decay-weighted mean CE over labelled slots. logits [M, V] float, labels/weights [M]."""
-    keep = labels != IGNORE
-    if not bool(keep.any()):
-        return logits.sum() * 0.0
-    ce = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="none")
-    w = weights[keep]
-    return (ce * w).sum() / w.sum().clamp_min(math.ulp(1.0))

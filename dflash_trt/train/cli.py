@@ -19,28 +19,39 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
 
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
-                      max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16") -> Path:
-    """The whole pipeline; each stage resumes where an interrupted run stopped."""
+                      max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16",
+                      device: str = "cpu") -> Path:
+    """The whole pipeline; each stage resumes where an interrupted run stopped.
+
+    On the CPU the target's features are cached on disk once (a target forward per step would cost more
+    than the drafter's); on a GPU they are computed per batch, which is cheaper than reading them back.
+    """
     from transformers import AutoTokenizer
 
     from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
-    from dflash_trt.train.feature_cache import build_feature_cache
+    from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache
     from dflash_trt.train.responses import generate_responses
     from dflash_trt.train.trainer import Trainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = load_target(target_dir, DTYPES[dtype])
-    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=16, speculative=False, dtype=dtype,
-                                                             max_model_len=cfg.max_seq_len + max_new_tokens))
-    records = generate_responses(engine, prompts, data_dir / "responses.jsonl", max_new_tokens, sampled_variants)
+    target = load_target(target_dir, DTYPES[dtype], device)
+    rows = 16 if device == "cpu" else 128
+    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
+                                                             max_model_len=cfg.max_seq_len + max_new_tokens,
+                                                             device=device))
+    records = generate_responses(engine, prompts, data_dir / "responses.jsonl", max_new_tokens, sampled_variants,
+                                 batch_size=rows)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)
     cfg.target_layer_ids = list(layer_ids)
-    sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
-    features = build_feature_cache(target, sequences, data_dir / "features", layer_ids)
+    if device == "cpu":
+        sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
+        features = build_feature_cache(target, sequences, data_dir / "features", layer_ids)
+    else:
+        features = TargetFeatures(target, list(layer_ids))
     trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)
     trainer.train()
     return out_dir / "drafter"
@@ -57,6 +68,9 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--steps", default=2000, show_default=True, type=int)
 @click.option("--lr", default=6e-4, show_default=True, type=float)
 @click.option("--seqs-per-step", default=4, show_default=True, type=int)
+@click.option("--micro-batch", default=None, type=int, help="Sequences per drafter forward (default: all of --seqs-per-step).")
+@click.option("--time-budget", default=None, type=float, help="Seconds: fit --steps and the LR schedule into this wall-clock time.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--anchors", default=32, show_default=True, type=int, help="Random anchors per sequence.")
 @click.option("--eval-every", default=250, show_default=True, type=int)
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
@@ -64,8 +78,9 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
 @click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same shape).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
-def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, anchors,
-          eval_every, max_prompts, mask_token_id, init_from_target, init_drafter, resume) -> None:
+def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
+          time_budget, device, anchors, eval_every, max_prompts, mask_token_id, init_from_target, init_drafter,
+          resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
     from dflash_trt.train.trainer import TrainConfig
@@ -78,14 +93,16 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
     try:
         ids = [int(x) for x in target_layers.split(",")] if target_layers else None
         cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=ids, num_features=num_features,
-                          steps=steps, lr=lr, seqs_per_step=seqs_per_step, anchors_per_seq=anchors,
+                          steps=steps, lr=lr, seqs_per_step=seqs_per_step, micro_batch=micro_batch,
+                          time_budget_s=time_budget, anchors_per_seq=anchors,
                           eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
                           init_drafter=init_drafter)
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
         out_dir = Path(out)
-        drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume)
+        drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume,
+                                    device=device)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"best drafter: {drafter}")

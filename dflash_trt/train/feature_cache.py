@@ -1,4 +1,6 @@
-"""Captured target features, computed once and stored as fp16 memory-mapped shards.
+"""Captured target features: computed once and stored as fp16 memory-mapped shards (FeatureCache), or
+computed on the fly by the target on its own device (TargetFeatures: on a GPU the forward costs less than
+reading the cache back). The trainer reads either through `batch`.
 
 Layout of a cache directory:
   index.json            feature_dim, target_layer_ids, shards [{file, sequences: {id: [offset, length]}}]
@@ -12,12 +14,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from dflash_trt.layers.attention import AttentionMetadata
+
+
+class FeatureSource(Protocol):
+    target_layer_ids: list[int]
+
+    def __contains__(self, sid: str) -> bool: ...
+
+    def batch(self, records: list[dict], lengths: list[int]) -> torch.Tensor:
+        """Features of each record's first lengths[i] tokens, zero-padded: [n, max(lengths), feature_dim]."""
+        ...
 
 
 class FeatureCache:
@@ -46,6 +59,31 @@ class FeatureCache:
         if shard not in self._maps:
             self._maps[shard] = np.load(self._files[shard], mmap_mode="r")
         return self._maps[shard][offset : offset + length]
+
+    def batch(self, records: list[dict], lengths: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(records), max(lengths), self.feature_dim)
+        for i, (r, n) in enumerate(zip(records, lengths)):
+            out[i, :n] = torch.from_numpy(np.asarray(self.get(r["id"])[:n], dtype=np.float32))
+        return out
+
+
+class TargetFeatures:
+    """The target's hidden states at layer_ids, computed per batch (prompt + response of each record)."""
+
+    def __init__(self, target: torch.nn.Module, layer_ids: list[int]) -> None:
+        self.target, self.target_layer_ids = target, list(layer_ids)
+
+    def __contains__(self, sid: str) -> bool:
+        return True
+
+    @torch.no_grad()  # not inference_mode: the trainer's autograd graph reads these tensors
+    def batch(self, records: list[dict], lengths: list[int]) -> torch.Tensor:
+        ids = [(r["prompt_ids"] + r["response_ids"])[:n] for r, n in zip(records, lengths)]
+        cache = self.target.make_cache(len(ids), max(lengths))
+        feats = _features(self.target, ids, cache, self.target_layer_ids)
+        for i, n in enumerate(lengths):
+            feats[i, n:] = 0
+        return feats
 
 
 def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
@@ -97,9 +135,9 @@ def build_feature_cache(
         order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))
         for start in range(0, len(order), batch_rows):
             rows = [shard[j] for j in order[start : start + batch_rows]]
-            feats = _features(target, [ids for _, ids in rows], cache, layer_ids)
+            feats = _features(target, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
             for (sid, ids), f in zip(rows, feats):
-                data[offset : offset + len(ids)] = f
+                data[offset : offset + len(ids)] = f[: len(ids)]
                 where[sid] = [offset, len(ids)]
                 offset += len(ids)
                 bar.update(len(ids))
@@ -114,12 +152,14 @@ def build_feature_cache(
     return FeatureCache(root)
 
 
-def _features(target, id_lists: list[list[int]], cache, layer_ids) -> list[np.ndarray]:
-    lens = [len(x) for x in id_lists]
-    n = max(lens)
+def _features(target, id_lists: list[list[int]], cache, layer_ids) -> torch.Tensor:
+    """[rows, longest, feature_dim] in the target's dtype; rows are right-padded (causal: padding is unseen)."""
+    dev = target.embed_tokens.weight.device
+    n = max(len(x) for x in id_lists)
     ids = torch.zeros(len(id_lists), n, dtype=torch.long)
     for i, x in enumerate(id_lists):
-        ids[i, : lens[i]] = torch.tensor(x)
-    meta = AttentionMetadata.causal_step(torch.arange(len(id_lists)), torch.arange(n).expand(len(id_lists), n))
-    _, feats = target(ids, meta, cache, tuple(layer_ids))
-    return [feats[i, : lens[i]].to(torch.float16).numpy() for i in range(len(id_lists))]
+        ids[i, : len(x)] = torch.tensor(x)
+    rows = torch.arange(len(id_lists), device=dev)
+    meta = AttentionMetadata.causal_step(rows, torch.arange(n, device=dev).expand(len(id_lists), n))
+    _, feats = target(ids.to(dev), meta, cache, tuple(layer_ids))
+    return feats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -40,8 +41,12 @@ def generate_responses(
     sampled_variants: int = 1,
     temperature: float = 0.8,
     batch_size: int = 16,
+    deadline: float | None = None,
 ) -> list[dict]:
-    """Append {id, source, split, mode, prompt_ids, response_ids} records for every (prompt, mode)."""
+    """Append {id, source, split, mode, prompt_ids, response_ids} records for every (prompt, mode).
+
+    deadline (time.monotonic()): start no batch after it; a later call picks up what is missing.
+    """
     done = {r["id"] for r in read_records(out_path)}
     jobs = []
     for i, p in enumerate(prompts):
@@ -55,6 +60,8 @@ def generate_responses(
     bar = tqdm(total=len(jobs), desc="responses", unit="seq", dynamic_ncols=True)
     with out_path.open("a") as f:
         for start in range(0, len(jobs), batch_size):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             batch = jobs[start : start + batch_size]
             params = [
                 SamplingParams(max_new_tokens=max_new_tokens)

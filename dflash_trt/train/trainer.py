@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -34,8 +33,8 @@ from dflash_trt.models.dflash import (
     save_drafter,
 )
 from dflash_trt.models.weights import WeightSet
-from dflash_trt.train.blocks import sample_blocks, training_mask, weighted_cross_entropy
-from dflash_trt.train.feature_cache import FeatureCache
+from dflash_trt.train.blocks import IGNORE, TrainBlocks, sample_blocks, training_mask
+from dflash_trt.train.feature_cache import FeatureSource
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +54,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     anchors_per_seq: int = 32
     seqs_per_step: int = 4
+    micro_batch: int | None = None  # sequences per drafter forward (None: all seqs_per_step at once)
     gamma: float | None = None  # None: by block size (7 for 16, 5 for 10, 4 for 8)
     max_seq_len: int = 1024
     init_from_target: bool = False  # start drafter layers from the target's last layers (EAGLE-style)
@@ -62,6 +62,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96
+    time_budget_s: float | None = None  # fit the run (steps and schedule) into this much wall-clock time
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -70,6 +71,8 @@ class TrainConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.steps < 1:
             raise ValueError("num_layers and steps must be >= 1")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
 
 
 def drafter_config_for(target_cfg, cfg: TrainConfig) -> DFlashConfig:
@@ -115,9 +118,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, target, target_dir: Path, tokenizer, records: list[dict], features: FeatureCache,
+    """Trains on the target's device (CPU or CUDA); `features` is a FeatureCache or TargetFeatures."""
+
+    def __init__(self, target, target_dir: Path, tokenizer, records: list[dict], features: FeatureSource,
                  out_dir: Path, cfg: TrainConfig, resume: bool = False) -> None:
         self.target, self.tokenizer, self.features, self.cfg = target, tokenizer, features, cfg
+        self.device = target.embed_tokens.weight.device
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_records = [r for r in records if r["split"] == "train" and r["id"] in features]
@@ -137,6 +143,7 @@ class Trainer:
                 raise ValueError(f"{cfg.init_drafter}: target_layer_ids/layers {warm.config.target_layer_ids}/"
                                  f"{warm.config.num_hidden_layers} differ from the run's {dcfg.target_layer_ids}/{cfg.num_layers}")
             self.drafter.load_state_dict(warm.float().state_dict())
+        self.drafter.to(self.device)
         self.embed = target.embed_tokens.weight.detach()  # frozen, shared
         self.head = target.lm_head_weight.detach()
         params = [p for p in self.drafter.parameters()]
@@ -147,56 +154,91 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.best_tau = -1.0
+        self._eval_s = 0.0  # the last evaluation's wall-clock time (the time budget keeps room for one)
         self.log_path = self.out_dir / "train_log.jsonl"
         if resume and (self.out_dir / "checkpoint.pt").is_file():
             self._load_checkpoint()
 
-    # -- one sequence -------------------------------------------------------------------------------
-    def _sequence_loss(self, rec: dict, gen: torch.Generator) -> torch.Tensor | None:
+    # -- one batch of sequences ------------------------------------------------------------------------
+    def _sample(self, rec: dict, gen: torch.Generator) -> TrainBlocks | None:
         cfg = self.cfg
         ids = torch.tensor((rec["prompt_ids"] + rec["response_ids"])[: cfg.max_seq_len])
-        blocks = sample_blocks(ids, len(rec["prompt_ids"]), cfg.anchors_per_seq, cfg.block_size,
-                               self.drafter.config.mask_token_id, gen, cfg.gamma)
-        if blocks is None:
-            return None
-        ctx_len = int(blocks.anchors.max())  # the last block sees context [0, its anchor)
-        feats = torch.from_numpy(np.asarray(self.features.get(rec["id"])[:ctx_len], dtype=np.float32))[None]
-        mask = training_mask(ctx_len, blocks.anchors, cfg.block_size)[None, None]
-        embeds = F.embedding(blocks.block_ids, self.embed).float()[None]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = self.drafter.forward_train(feats, torch.arange(ctx_len)[None], embeds,
-                                                blocks.block_positions[None], mask)[0]
-            keep = blocks.labels != -100
+        return sample_blocks(ids, len(rec["prompt_ids"]), cfg.anchors_per_seq, cfg.block_size,
+                             self.drafter.config.mask_token_id, gen, cfg.gamma)
+
+    def _batch_loss(self, items: list[tuple[dict, TrainBlocks]]) -> torch.Tensor:
+        """Mean over sequences of each one's decay-weighted CE, all blocks of all sequences in one forward.
+
+        Sequence i's context is its first max(anchor) tokens, padded to the longest; its blocks are padded
+        to the most blocks. The padded [n, 1, M, S + M] mask keeps each sequence's training mask in place
+        (context columns 0.., block columns S..); padding queries see only themselves and carry no label.
+        """
+        cfg, dev = self.cfg, self.device
+        n, bsz = len(items), cfg.block_size
+        ctx_lens = [int(b.anchors.max()) for _, b in items]
+        s, m = max(ctx_lens), max(b.block_ids.numel() for _, b in items)
+        block_ids = torch.full((n, m), self.drafter.config.mask_token_id, dtype=torch.long)
+        positions = torch.zeros(n, m, dtype=torch.long)
+        labels = torch.full((n, m), IGNORE, dtype=torch.long)
+        weights = torch.zeros(n, m)
+        mask = torch.zeros(n, 1, m, s + m, dtype=torch.bool)
+        for i, ((_, b), c) in enumerate(zip(items, ctx_lens)):
+            q = b.block_ids.numel()
+            block_ids[i, :q], positions[i, :q] = b.block_ids, b.block_positions
+            labels[i, :q], weights[i, :q] = b.labels, b.weights
+            own = training_mask(c, b.anchors, bsz)
+            mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
+            pad = torch.arange(q, m)
+            mask[i, 0, pad, s + pad] = True
+        feats = self.features.batch([r for r, _ in items], ctx_lens).to(dev, torch.float32)
+        block_ids, positions, labels, weights, mask = (t.to(dev) for t in (block_ids, positions, labels, weights, mask))
+        embeds = F.embedding(block_ids, self.embed).float()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            hidden = self.drafter.forward_train(feats, torch.arange(s, device=dev).expand(n, s), embeds, positions, mask)
+            keep = labels != IGNORE
             logits = F.linear(hidden[keep], self.head).float()
-        return weighted_cross_entropy(logits, blocks.labels[keep], blocks.weights[keep])
+        seq_of = torch.arange(n, device=dev)[:, None].expand(n, m)[keep]
+        ce = F.cross_entropy(logits, labels[keep], reduction="none") * weights[keep]
+        per_seq = torch.zeros(n, device=dev).index_add(0, seq_of, ce)
+        per_seq = per_seq / torch.zeros(n, device=dev).index_add(0, seq_of, weights[keep]).clamp_min(math.ulp(1.0))
+        return per_seq.mean()
+
+    def _batches(self, recs: list[dict], gen: torch.Generator) -> list[list[tuple[dict, TrainBlocks]]]:
+        items = [(r, b) for r in recs if (b := self._sample(r, gen)) is not None]
+        size = self.cfg.micro_batch or max(len(items), 1)
+        return [items[i : i + size] for i in range(0, len(items), size)]
 
     # -- loop ---------------------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         self.drafter.train()
+        start, start_step = time.perf_counter(), self.step
         while self.step < cfg.steps:
             lr = lr_at(self.step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
             t0 = time.perf_counter()
+            picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
             total, n = 0.0, 0
-            for _ in range(cfg.seqs_per_step):
-                rec = self.train_records[int(torch.randint(len(self.train_records), (1,), generator=self.gen))]
-                loss = self._sequence_loss(rec, self.gen)
-                if loss is None:
-                    continue
-                (loss / cfg.seqs_per_step).backward()
-                total += loss.item()
-                n += 1
+            for batch in self._batches([self.train_records[i] for i in picks], self.gen):
+                loss = self._batch_loss(batch)
+                (loss * len(batch) / cfg.seqs_per_step).backward()
+                total += loss.item() * len(batch)
+                n += len(batch)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.step += 1
             entry = {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm,
                      "step_s": time.perf_counter() - t0}
+            if cfg.time_budget_s is not None and (self.step - start_step == 20 or self.step % cfg.eval_every == 0):
+                self._fit_to_budget(start, start_step)
+                bar.total = cfg.steps
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                t_eval = time.perf_counter()
                 entry.update(self.evaluate())
+                self._eval_s = time.perf_counter() - t_eval
                 self._save_checkpoint()
                 if entry["val_tau"] > self.best_tau:
                     self.best_tau = entry["val_tau"]
@@ -208,6 +250,14 @@ class Trainer:
             bar.update(1)
         bar.close()
 
+    def _fit_to_budget(self, start: float, start_step: int) -> None:
+        """Set the run's length so it ends inside time_budget_s at the pace so far (evaluations included)."""
+        elapsed = time.perf_counter() - start
+        per_step = elapsed / (self.step - start_step)
+        remaining = self.cfg.time_budget_s - elapsed - self._eval_s  # room for the last evaluation
+        self.cfg.steps = max(self.step + 1, self.step + int(remaining / per_step))
+        logger.info("time budget: %.0f s left at %.3f s/step -> %d steps", remaining, per_step, self.cfg.steps)
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss (fixed anchors) and held-out tau from real speculative greedy decoding."""
@@ -216,18 +266,19 @@ class Trainer:
 
         self.drafter.eval()
         gen = torch.Generator().manual_seed(1234)
-        losses = [self._sequence_loss(r, gen) for r in self.heldout[:32]]
-        losses = [float(x) for x in losses if x is not None]
+        batches = self._batches(self.heldout[:32], gen)
+        val_loss = sum(float(self._batch_loss(b)) * len(b) for b in batches) / max(sum(map(len, batches)), 1)
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
         pack_linears(draft)
         engine = LLMEngine(self.target, self.tokenizer, draft,
                            EngineConfig(max_batch_size=1, max_model_len=self.cfg.max_seq_len + 256,
-                                        dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype)))
+                                        dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype),
+                                        device=str(self.device)))
         prompts = [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens)) if prompts else []
         steps = sum(len(o.acceptance_lengths) for o in outs)
         committed = sum(sum(o.acceptance_lengths) for o in outs)
-        return {"val_loss": sum(losses) / max(len(losses), 1), "val_tau": committed / steps if steps else 0.0}
+        return {"val_loss": val_loss, "val_tau": committed / steps if steps else 0.0}
 
     # -- persistence ----------------------------------------------------------------------------------
     def export(self, path: Path, metrics: dict) -> None:

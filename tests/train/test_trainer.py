@@ -11,9 +11,11 @@ from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.train.cli import prepare_and_train
-from dflash_trt.train.feature_cache import FeatureCache
+from dflash_trt.train.blocks import IGNORE, training_mask
+from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
 from dflash_trt.train.prompts import Prompt
-from dflash_trt.train.trainer import TrainConfig
+from dflash_trt.train.responses import read_records
+from dflash_trt.train.trainer import TrainConfig, Trainer
 from tests.conftest import make_target
 
 dflash_ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is the oracle")
@@ -124,3 +126,71 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert again.exit_code == 0, again.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
+
+
+def _trainer(t, root, out, **overrides) -> Trainer:
+    cfg = TrainConfig(**{**dict(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=8, lr=1e-2, seqs_per_step=4,
+                                anchors_per_seq=6, eval_every=1000, eval_prompts=1, eval_new_tokens=4, max_seq_len=96,
+                                mask_token_id=0), **overrides})
+    target = load_target(t)
+    return Trainer(target, t, None, read_records(root / "data" / "responses.jsonl"),
+                   FeatureCache(root / "data" / "features"), out, cfg)
+
+
+def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
+    # Oracle: every sequence alone, under its unpadded mask, CE weighted by hand. Sequences of different
+    # lengths and block counts make the batch pad both the context and the blocks.
+    t, root = trained
+    tr = _trainer(t, root, root / "batched")
+    gen = torch.Generator().manual_seed(3)
+    recs = sorted(tr.train_records, key=lambda r: len(r["response_ids"]))
+    items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
+    assert len({b.block_ids.numel() for _, b in items}) > 1 or len({int(b.anchors.max()) for _, b in items}) > 1
+    got = tr._batch_loss(items)
+    want = []
+    for r, b in items:
+        c = int(b.anchors.max())
+        feats = torch.from_numpy(tr.features.get(r["id"])[:c].astype("float32"))[None]
+        mask = training_mask(c, b.anchors, 8)[None, None]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = tr.drafter.forward_train(feats, torch.arange(c)[None], tr.embed[b.block_ids].float()[None],
+                                         b.block_positions[None], mask)[0]
+            logits = (h @ tr.head.T).float()
+        keep = b.labels != IGNORE
+        ce = torch.nn.functional.cross_entropy(logits[keep], b.labels[keep], reduction="none")
+        want.append((ce * b.weights[keep]).sum() / b.weights[keep].sum())
+    assert torch.allclose(got, torch.stack(want).mean(), rtol=1e-2)
+
+
+def test_micro_batches_give_the_same_gradient_as_one_batch(trained):
+    t, root = trained
+    grads = []
+    for micro in (None, 1):
+        tr = _trainer(t, root, root / f"micro{micro}", micro_batch=micro)
+        recs = tr.train_records[:4]
+        for batch in tr._batches(recs, torch.Generator().manual_seed(5)):
+            (tr._batch_loss(batch) * len(batch) / 4).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tr.drafter.parameters()]))
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 2e-2  # bf16 autocast rounds padded shapes differently
+    assert grads[1].norm() > 0
+
+
+def test_features_computed_on_the_fly_are_the_targets_hidden_states(trained):
+    t, root = trained
+    r = read_records(root / "data" / "responses.jsonl")[0]
+    ids = r["prompt_ids"] + r["response_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(t).eval()
+    with torch.no_grad():
+        hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    got = TargetFeatures(load_target(t), [1, 2]).batch([r, r], [len(ids), 5])
+    assert got.shape == (2, len(ids), hs[2].shape[-1] * 2)
+    assert torch.allclose(got[0], torch.cat([hs[2], hs[3]], dim=-1)[0], atol=1e-4)
+    assert torch.allclose(got[1, :5], got[0, :5], atol=1e-5) and not got[1, 5:].any()  # cut, then zero-padded
+
+
+def test_a_time_budget_shortens_the_run_and_still_ends_with_an_evaluation(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "budget", steps=100_000, time_budget_s=0.01)
+    tr.train()
+    log = [json.loads(x) for x in (root / "budget" / "train_log.jsonl").read_text().splitlines()]
+    assert 20 <= len(log) < 100 and "val_tau" in log[-1] and (root / "budget" / "drafter" / "config.json").is_file()

@@ -1,0 +1,60 @@
+"""Stage what benchmarks/gpu_train_drafter.py needs on a GPU machine that has no network (issue 3).
+
+A device call carries at most 64 MiB with the working tree, so the target's GGUF (98 MB) travels
+zstd-compressed in two halves, one per call. Writes, under --stage (default .stage/, git-ignored):
+  a/gguf.zst.0, b/gguf.zst.1   the packaged SmolLM2 GGUF, compressed and halved
+  tok/                         the CPU side's converted config.json and tokenizer files (gzipped)
+  prompts.jsonl.gz             every training prompt {text, source} in all_prompts()' stable order
+  whl/                         the gguf wheel (transformers' GGUF reader needs it; the GPU image lacks it)
+
+    .venv/bin/python benchmarks/stage_gpu_training.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_trt.embedded import smollm2_dir, smollm2_gguf  # noqa: E402
+from dflash_trt.train.prompts import all_prompts  # noqa: E402
+
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", default=".stage")
+    args = ap.parse_args()
+    stage = Path(args.stage)
+    for sub in ("a", "b", "tok"):
+        (stage / sub).mkdir(parents=True, exist_ok=True)
+    packed = stage / "gguf.zst"
+    subprocess.run(["zstd", "-q", "-f", "-19", "-T2", "--long=27", str(smollm2_gguf()), "-o", str(packed)], check=True)
+    data = packed.read_bytes()
+    half = len(data) // 2
+    (stage / "a" / "gguf.zst.0").write_bytes(data[:half])
+    (stage / "b" / "gguf.zst.1").write_bytes(data[half:])
+    packed.unlink()
+    src = smollm2_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            with open(src / name, "rb") as fi, gzip.open(stage / "tok" / f"{name}.gz", "wb") as fo:
+                shutil.copyfileobj(fi, fo)
+    with gzip.open(stage / "prompts.jsonl.gz", "wt") as f:
+        for p in all_prompts():
+            f.write(json.dumps({"text": p.text, "source": p.source}) + "\n")
+    for path in sorted(stage.rglob("*")):
+        if path.is_file():
+            print(f"{path.stat().st_size / 1e6:8.2f} MB  {path}")
+
+
+if __name__ == "__main__":
+    main()
