@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--seqs-per-step", type=int, default=32)
     ap.add_argument("--gen-rows", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=2000)
+    ap.add_argument("--eval-prompts", type=int, default=8, help="0: pick the best drafter by held-out loss")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -166,7 +167,7 @@ def main() -> None:
     cfg = TrainConfig(num_layers=1 if args.smoke else 2, block_size=args.block_size, target_layer_ids=layer_ids,
                       mask_token_id=mask_id, steps=1_000_000, lr=args.lr, warmup_ratio=0.03,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=32, max_seq_len=max_seq_len,
-                      eval_every=40 if args.smoke else args.eval_every, eval_prompts=8, eval_new_tokens=96,
+                      eval_every=40 if args.smoke else args.eval_every, eval_prompts=args.eval_prompts, eval_new_tokens=96,
                       time_budget_s=args.train_seconds, init_drafter=init)
     trainer = Trainer(target, target_dir, tokenizer, records, TargetFeatures(target, layer_ids), work / "out", cfg)
     t0 = time.monotonic()
@@ -183,7 +184,7 @@ def main() -> None:
           f"last 50 mean {sum(e['loss'] for e in log[-50:]) / len(log[-50:]):.3f}")
     for e in evals:
         print(f"step {e['step']:6d}  val_loss {e['val_loss']:.3f}  val_tau {e['val_tau']:.3f}")
-    print(f"best held-out tau {trainer.best_tau:.3f}; total {time.monotonic() - t_start:.0f} s")
+    print(f"best held-out score (tau, or -loss) {trainer.best_score:.3f}; total {time.monotonic() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -205,8 +205,6 @@ def draft_attention_triton(
     kvh = k_block.shape[2]
     if h % kvh:
         raise ValueError(f"draft_attention: {h} query heads are not a multiple of {kvh} kv heads")
-    if k_cache.stride() != v_cache.stride() or k_block.stride() != v_block.stride():
-        raise ValueError("draft_attention: k and v (cache and block) must share strides")
     tensors = [q, k_block, v_block, k_cache, v_cache]
     q, k_block, v_block, k_cache, v_cache = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
     if k_cache.stride() != v_cache.stride() or k_block.stride() != v_block.stride():

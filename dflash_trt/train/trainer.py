@@ -153,7 +153,7 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
-        self.best_tau = -1.0
+        self.best_score = -math.inf  # held-out tau, or minus the held-out loss when eval_prompts is 0
         self._eval_s = 0.0  # the last evaluation's wall-clock time (the time budget keeps room for one)
         self.log_path = self.out_dir / "train_log.jsonl"
         if resume and (self.out_dir / "checkpoint.pt").is_file():
@@ -240,8 +240,9 @@ class Trainer:
                 entry.update(self.evaluate())
                 self._eval_s = time.perf_counter() - t_eval
                 self._save_checkpoint()
-                if entry["val_tau"] > self.best_tau:
-                    self.best_tau = entry["val_tau"]
+                score = entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]
+                if score > self.best_score:
+                    self.best_score = score
                     self.export(self.out_dir / "drafter", entry)
                 self.drafter.train()
             with self.log_path.open("a") as f:
@@ -260,7 +261,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss (fixed anchors) and held-out tau from real speculative greedy decoding."""
+        """Held-out loss (fixed anchors) and, unless eval_prompts is 0, held-out tau from real speculative
+        greedy decoding."""
         from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
         from dflash_trt.sampling_params import SamplingParams
 
@@ -268,6 +270,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(1234)
         batches = self._batches(self.heldout[:32], gen)
         val_loss = sum(float(self._batch_loss(b)) * len(b) for b in batches) / max(sum(map(len, batches)), 1)
+        if not self.cfg.eval_prompts:
+            return {"val_loss": val_loss}
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
         pack_linears(draft)
         engine = LLMEngine(self.target, self.tokenizer, draft,
@@ -294,7 +298,7 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
-                 "rng": self.gen.get_state(), "best_tau": self.best_tau, "config": asdict(self.cfg)}
+                 "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg)}
         tmp = self.out_dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.out_dir / "checkpoint.pt")
@@ -305,8 +309,8 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.step = state["step"]
         self.gen.set_state(state["rng"])
-        self.best_tau = state["best_tau"]
-        logger.info("resumed from step %d (best held-out tau %.3f)", self.step, self.best_tau)
+        self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
+        logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
 
 
 def _name_of(names: dict[str, torch.dtype], dtype: torch.dtype) -> str:

@@ -124,3 +124,17 @@ def test_fake_implementation_gives_shapes_under_fake_tensors_and_compile():
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # no graph break at the op
     torch.testing.assert_close(compiled(*args), layer(*args))
+
+
+def test_kernel_takes_k_and_v_with_different_strides(triton_device):
+    # The drafter passes K after RoPE (a fresh tensor) and V as a view of the fused kv projection: their strides
+    # differ. The first CUDA run of the engine refused such inputs; the kernel must make them agree instead.
+    from dflash_trt.kernels.draft_attention_triton import draft_attention_triton
+
+    q, kb, vb, kc, vc, rows, ctx = _inputs(2, 4, 1, 2, 16, [7, 3], device=triton_device)
+    kv = torch.cat([kb, vb], dim=-1)  # [B, Q, KVH, 2D], like kv_proj's output
+    v_view = kv[..., 16:]
+    assert v_view.stride() != kb.stride()
+    got = draft_attention_triton(q, kb, v_view, kc, vc, rows, ctx, 0.25)
+    want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

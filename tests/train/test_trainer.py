@@ -194,3 +194,14 @@ def test_a_time_budget_shortens_the_run_and_still_ends_with_an_evaluation(traine
     tr.train()
     log = [json.loads(x) for x in (root / "budget" / "train_log.jsonl").read_text().splitlines()]
     assert 20 <= len(log) < 100 and "val_tau" in log[-1] and (root / "budget" / "drafter" / "config.json").is_file()
+
+
+def test_without_evaluation_prompts_the_best_drafter_is_chosen_by_held_out_loss(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "by_loss", steps=3, eval_every=1, eval_prompts=0)
+    tr.train()
+    log = [json.loads(x) for x in (root / "by_loss" / "train_log.jsonl").read_text().splitlines()]
+    assert all("val_loss" in e and "val_tau" not in e for e in log)
+    best = min(log, key=lambda e: e["val_loss"])
+    saved = json.loads((root / "by_loss" / "drafter" / "training.json").read_text())
+    assert saved["step"] == best["step"] and tr.best_score == -best["val_loss"]
