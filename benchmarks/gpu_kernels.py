@@ -9,7 +9,7 @@
 3. the fused greedy verify (argmax + prefix + bonus) at batch 256, K = 15, vocabulary 201,088: achieved
    bandwidth against a measured device-to-device copy.
 
-    python benchmarks/gpu_kernels.py [--quick] [--out benchmarks/results/gpu_kernels_<gpu>.json]
+    python benchmarks/gpu_kernels.py [--quick] [--out NAME]   (writes benchmarks/results/NAME.json; default gpu_kernels_<gpu>)
 
 Prints a table and writes JSON. Timings are medians of triton.testing.do_bench after warmup.
 """

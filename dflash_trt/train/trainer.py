@@ -38,6 +38,8 @@ from dflash_trt.train.feature_cache import FeatureSource
 
 logger = logging.getLogger(__name__)
 
+BUDGET_WARMUP_STEPS = 10  # a time budget measures the pace from here, and re-fits the run every this many steps
+
 
 @dataclass
 class TrainConfig:
@@ -214,6 +216,7 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         self.drafter.train()
         start, start_step = time.perf_counter(), self.step
+        mark = (start, start_step)
         while self.step < cfg.steps:
             lr = lr_at(self.step, cfg)
             for g in self.opt.param_groups:
@@ -232,8 +235,11 @@ class Trainer:
             self.step += 1
             entry = {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm,
                      "step_s": time.perf_counter() - t0}
-            if cfg.time_budget_s is not None and (self.step - start_step == 20 or self.step % cfg.eval_every == 0):
-                self._fit_to_budget(start, start_step)
+            done = self.step - start_step
+            if done == BUDGET_WARMUP_STEPS:
+                mark = (time.perf_counter(), self.step)
+            if cfg.time_budget_s is not None and done >= 2 * BUDGET_WARMUP_STEPS and done % BUDGET_WARMUP_STEPS == 0:
+                self._fit_to_budget(start, mark)
                 bar.total = cfg.steps
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 t_eval = time.perf_counter()
@@ -251,13 +257,17 @@ class Trainer:
             bar.update(1)
         bar.close()
 
-    def _fit_to_budget(self, start: float, start_step: int) -> None:
-        """Set the run's length so it ends inside time_budget_s at the pace so far (evaluations included)."""
-        elapsed = time.perf_counter() - start
-        per_step = elapsed / (self.step - start_step)
-        remaining = self.cfg.time_budget_s - elapsed - self._eval_s  # room for the last evaluation
+    def _fit_to_budget(self, start: float, mark: tuple[float, int]) -> None:
+        """Set the run's length so it ends inside time_budget_s at the pace since `mark` (evaluations included).
+
+        The pace is measured after the first steps, which pay one-off costs (a GPU's kernel compilation and
+        allocator warm-up made them 3x slower than the rest), and re-measured as the run goes.
+        """
+        now = time.perf_counter()
+        per_step = (now - mark[0]) / (self.step - mark[1])
+        remaining = self.cfg.time_budget_s - (now - start) - self._eval_s  # room for the last evaluation
         self.cfg.steps = max(self.step + 1, self.step + int(remaining / per_step))
-        logger.info("time budget: %.0f s left at %.3f s/step -> %d steps", remaining, per_step, self.cfg.steps)
+        logger.debug("time budget: %.0f s left at %.3f s/step -> %d steps", remaining, per_step, self.cfg.steps)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
