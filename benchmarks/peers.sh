@@ -74,7 +74,9 @@ for name in $SYSTEMS; do
   wait_up "$name"
   case $name in
     *-dflash) label="$name K=$K${SCHEDULE:+ schedule $SCHEDULE}" ;;
-    ours-engine) label="ours-engine ($(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["draft_len_schedule"]; print("K by batch", s)' "$ENGINE/plan.json"))" ;;
+    ours-engine) label="ours-engine ($(python3 -c 'import json,sys; e=sys.argv[1]; s=json.load(open(e + "/plan.json"))["draft_len_schedule"]
+a=json.load(open(e + "/manifest.json"))["build_config"]["speculative_config"].get("adaptive_draft_len")
+print("K by batch {" + ", ".join(f"{b}: {k}" for b, k in s.items()) + "}" + (", adaptive" if a else ""))' "$ENGINE"))" ;;
     *) label=$name ;;
   esac
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \

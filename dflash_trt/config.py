@@ -38,6 +38,9 @@ class SpeculativeConfig(_Strict):
     # Measured (or published, with the source in a YAML comment) tau, tokens per step, by K: {K: tau}.
     # K values in 1..max_draft_len without an entry are extrapolated (geometric acceptance, perf_model.py).
     acceptance_by_draft_len: dict[int, float] | None = None
+    # This project's torch runtime only: measure plain and speculative steps while serving and run K=0 where
+    # plain decoding is faster (engine/adaptive_draft.py). TensorRT-LLM keeps the static schedule.
+    adaptive_draft_len: bool = False
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
     use_rejection_sampling: bool = False

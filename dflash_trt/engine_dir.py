@@ -90,6 +90,8 @@ class EngineDir:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
+        if spec.get("adaptive_draft_len"):
+            values["adaptive_draft_len"] = True
         for key, value in overrides.items():
             if key not in known:
                 raise ValueError(f"unknown engine setting {key!r}; known: {sorted(known)}")

@@ -262,3 +262,17 @@ def test_auto_schedule_that_never_pays_is_an_error_naming_the_key(tiny_dirs, tmp
     # tau 1.0 at K=7: nothing is ever accepted (alpha 0), so every K ties plain decoding and loses the tie.
     with pytest.raises(ValueError, match="draft_len_schedule: auto: the performance model of hardware cpu predicts no K"):
         prepare_build(_auto_config(tmp_path, tiny_dirs, {7: 1.0}))
+
+
+def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+    raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
+           "max_batch_size": 2, "max_seq_len": 256,
+           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 3,
+                                  "adaptive_draft_len": True}}
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = build_engine(path, tmp_path / "e", progress=False)
+    assert EngineDir(out).engine_config().adaptive_draft_len is True
+    assert EngineDir(out).engine_config(adaptive_draft_len=False).adaptive_draft_len is False
+    options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key

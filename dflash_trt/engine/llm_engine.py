@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
@@ -32,6 +33,7 @@ class EngineConfig:
     device: str = "cpu"
     pack_weights: bool = True  # oneDNN-prepacked projections on the CPU (bit-identical, about 2x faster GEMVs)
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
+    adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
 
@@ -108,6 +110,7 @@ class LLMEngine:
             draft_len_schedule=dict(config.draft_len_schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
         ))
+        self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
@@ -208,11 +211,16 @@ class LLMEngine:
                     result.updated.append(c.seq)
         if batch.decodes:
             active, k = batch.decodes, batch.num_draft
+            if self.adaptive is not None:
+                k = self.adaptive.choose(len(active), k)
+            result.num_draft = k
             before = (active[0].stats.draft_time, active[0].stats.verify_time)
             emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
             # Every row of a step is charged the step's time, so one row's increase is the step's.
             result.draft_time = active[0].stats.draft_time - before[0]
             result.verify_time = active[0].stats.verify_time - before[1]
+            if self.adaptive is not None:
+                self.adaptive.observe(len(active), k, result.draft_time + result.verify_time, [len(t) for t in emitted])
             for s, toks in zip(active, emitted):
                 n = s.append(toks, self.max_model_len)
                 if k > 0:
@@ -259,6 +267,7 @@ class StepResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per decoding row (speculative)
     draft_time: float = 0.0
     verify_time: float = 0.0
+    num_draft: int = 0  # the K this step ran (the schedule's, or 0 where adaptive_draft_len turned it off)
 
     @property
     def batch_size(self) -> int:

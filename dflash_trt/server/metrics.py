@@ -38,7 +38,7 @@ class ServerMetrics:
         if result.batch_size:
             self.batch_size.observe(result.batch_size)
             self.verify_time.observe(result.verify_time)
-            if result.batch.num_draft:
+            if result.num_draft:
                 self.draft_time.observe(result.draft_time)
         for n in result.acceptance_lengths:
             self.acceptance_length.observe(n)

@@ -171,3 +171,58 @@ def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab):
     batched = engine.generate([[0, 1], [1, 2, 3], [3, 3, 3, 3]], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True), p,
                                                               SamplingParams(max_new_tokens=12, temperature=1.0, seed=2, ignore_eos=True)])[1].token_ids
     assert alone == batched
+
+
+class _Alternate:
+    """A stand-in for AdaptiveDraftLen that runs the schedule's K and K=0 on alternate steps."""
+
+    def __init__(self):
+        self.n = 0
+
+    def choose(self, batch_size, k):
+        self.n += 1
+        return k if self.n % 2 else 0
+
+    def observe(self, *args):
+        pass
+
+
+def test_greedy_is_lossless_when_steps_switch_between_speculative_and_plain(tiny_dirs):
+    prompts = _prompts(4)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    engine = _engine(tiny_dirs, "qwen3", 3, adaptive_draft_len=True)
+    engine.adaptive = _Alternate()
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 2.0  # the drafter's context survived the plain steps in between
+
+
+def test_sampling_follows_the_target_distribution_when_steps_switch(small_vocab):
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, 1.2, 3, 0.9)
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, adaptive_draft_len=True))
+    engine.adaptive = _Alternate()
+    params = [SamplingParams(max_new_tokens=4, temperature=1.2, top_k=3, top_p=0.9, seed=s, ignore_eos=True)
+              for s in range(4500)]
+    outs = engine.generate([prompt] * 4500, params)
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+def test_adaptive_draft_len_turns_a_useless_drafter_off_and_keeps_a_good_one_on(tiny_dirs):
+    prompts = _prompts(4)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    useless = _engine(tiny_dirs, "qwen3", 7, adaptive_draft_len=True)  # random drafter: tau ~1 at 8x the tokens
+    outs = useless.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    assert sum(len(o.acceptance_lengths) for o in outs) < 0.5 * 4 * NEW  # mostly plain steps
+    good = _engine(tiny_dirs, "qwen3", 7, adaptive_draft_len=True)
+    force_drafts(good, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.0)
+    outs = good.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.tau > 4.0 for o in outs)  # speculation stayed on
