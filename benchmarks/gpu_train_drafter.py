@@ -157,8 +157,11 @@ def main() -> None:
                                                              max_model_len=max_seq_len + max_new))
     before = len(read_records(data))
     t0 = time.monotonic()
-    records = generate_responses(engine, prompts, data, max_new_tokens=max_new, sampled_variants=1,
-                                 batch_size=args.gen_rows, deadline=t0 + args.gen_seconds)
+    # Greedy answers to prompts not yet answered first (new prompts add more than new samples of old ones: the
+    # first run's 1,024 responses were all sampled variants, jobs being ordered by prompt length), then samples.
+    for variants in (0, 1):
+        records = generate_responses(engine, prompts, data, max_new_tokens=max_new, sampled_variants=variants,
+                                     batch_size=args.gen_rows, deadline=t0 + args.gen_seconds)
     gen_s = time.monotonic() - t0
     new = records[before:]
     new_tokens = sum(len(r["response_ids"]) for r in new)
