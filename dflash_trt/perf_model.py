@@ -29,6 +29,7 @@ from dflash_trt.hardware import HardwareProfile
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.plan import DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype, target_weight_parts
+from dflash_trt.spec.acceptance_model import tau_from_acceptance
 from dflash_trt.validate import attention_tp
 
 
@@ -58,25 +59,6 @@ def ring_allreduce_s(message_bytes: float, ranks: int, link_bytes_s: float, late
     if link_bytes_s <= 0:
         raise ValueError(f"{ranks} ranks exchange activations, but the hardware profile has no interconnect_bytes_s")
     return latency_s + 2 * (ranks - 1) / ranks * message_bytes / link_bytes_s
-
-
-def tau_from_acceptance(alpha: float, k: int) -> float:
-    """Expected tokens per step with K drafts when each draft is accepted with probability alpha given
-    its predecessors were: 1 + alpha + ... + alpha^K."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    return float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def alpha_from_tau(tau: float, k: int) -> float:
-    """The per-draft acceptance alpha with tau_from_acceptance(alpha, K) == tau (bisection)."""
-    if not 1.0 <= tau <= k + 1:
-        raise ValueError(f"tau={tau} at K={k} must be in [1, {k + 1}]")
-    lo, hi = 0.0, 1.0
-    for _ in range(100):  # tau_from_acceptance increases in alpha
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tau_from_acceptance(mid, k) < tau else (lo, mid)
-    return (lo + hi) / 2
 
 
 def fill_tau_table(measured: dict[int, float], max_draft_len: int) -> tuple[dict[int, float], float]:

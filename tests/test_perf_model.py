@@ -11,9 +11,8 @@ from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_configs import bundled_config
 from dflash_trt.models.config import decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.perf_model import (
-    PerfModel, alpha_from_tau, expected_experts, fill_tau_table, predict_pareto, tau_from_acceptance,
-)
+from dflash_trt.perf_model import PerfModel, expected_experts, fill_tau_table, predict_pareto
+from dflash_trt.spec.acceptance_model import alpha_from_tau
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -128,13 +127,7 @@ def test_step_time_grows_with_batch_draft_length_and_context():
                     assert s < s2, ((b, k, ctx), (b2, k2, ctx2))
 
 
-def test_acceptance_model_by_its_definition():
-    assert tau_from_acceptance(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert tau_from_acceptance(0.0, 9) == 1.0 and tau_from_acceptance(1.0, 9) == 10.0
-    for alpha, k in ((0.3, 3), (0.8, 9), (0.95, 15)):
-        assert alpha_from_tau(tau_from_acceptance(alpha, k), k) == pytest.approx(alpha, abs=1e-9)
-    with pytest.raises(ValueError, match=r"must be in \[1, 4\]"):
-        alpha_from_tau(4.5, 3)
+def test_tau_table_from_one_measured_point():
     # One published point (K=9, tau 4.4) -> alpha with 1 + a + ... + a^9 = 4.4, and every other K from it.
     table, alpha = fill_tau_table({9: 4.4}, 9)
     assert table[9] == 4.4 and abs(alpha - alpha_from_tau(4.4, 9)) < 1e-4

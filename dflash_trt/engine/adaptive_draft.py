@@ -5,7 +5,7 @@ accept far less: the CPU default's drafter reaches tau 1.44 at K=3 on its held-o
 benchmark prompts, while a K=3 step costs ~1.4x a plain one there, so a fixed K loses to plain decoding.
 
 AdaptiveDraftLen keeps, per batch-size bucket, running means of the plain step time and of the step time at
-each K it has run, plus a running per-draft acceptance rate alpha (geometric model, perf_model.py). Each step
+each K it has run, plus a running per-draft acceptance rate alpha (geometric model, spec/acceptance_model.py). Each step
 it keeps the scheduled K only while tau(alpha, K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens
 per second, and every `probe_every` steps it runs the other mode once to keep both measurements current.
 Each side is measured `warmup` times before any decision, and its first step is dropped: first calls pay
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash_trt.perf_model import alpha_from_tau, tau_from_acceptance
+from dflash_trt.spec.acceptance_model import alpha_from_tau, tau_from_acceptance
 
 
 def batch_bucket(batch_size: int) -> int:

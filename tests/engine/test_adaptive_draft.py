@@ -4,7 +4,7 @@ each side first, and run the other side once every probe_every steps; buckets de
 import pytest
 
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen, batch_bucket
-from dflash_trt.perf_model import tau_from_acceptance
+from dflash_trt.spec.acceptance_model import tau_from_acceptance
 
 
 def _warm(ctl: AdaptiveDraftLen, batch: int, k: int, spec_s: float, plain_s: float, tokens: int) -> None:
