@@ -5,8 +5,8 @@ reading the cache back). The trainer reads either through `batch`.
 Layout of a cache directory:
   index.json            feature_dim, target_layer_ids, shards [{file, sequences: {id: [offset, length]}}]
   shard_00000.npy ...   float16 [tokens, len(target_layer_ids) * hidden]
-A shard is written to a temporary name and renamed, then recorded in index.json, so an interrupted run
-resumes at the first missing shard.
+A shard is written to a temporary name and renamed, then recorded in index.json. A later call caches only
+the sequences the index lacks, in new shards: an interrupted run resumes, and appended records are added.
 """
 
 from __future__ import annotations
@@ -110,8 +110,12 @@ def build_feature_cache(
     root.mkdir(parents=True, exist_ok=True)
     feature_dim = target.config.hidden_size * len(layer_ids)
     index = _read_index(root, feature_dim, layer_ids)
+    cached = {sid for s in index["shards"] for sid in s["sequences"]}
+    # Only what is not cached yet goes into new shards: a resume, or a run with more records appended,
+    # never rewrites (or silently skips sequences of) a shard already on disk.
+    missing = [(sid, ids) for sid, ids in sequences if sid not in cached]
     shards, current, size = [], [], 0
-    for sid, ids in sequences:  # fixed assignment of sequences to shards, so a resume finds the same ones
+    for sid, ids in missing:
         current.append((sid, ids))
         size += len(ids)
         if size >= shard_tokens:
@@ -119,17 +123,15 @@ def build_feature_cache(
             current, size = [], 0
     if current:
         shards.append(current)
-    done = {s["file"] for s in index["shards"]}
-    total = sum(len(ids) for sh in shards for _, ids in sh)
-    bar = tqdm(total=total, desc="features", unit="tok", unit_scale=True, dynamic_ncols=True)
-    max_len = max(len(ids) for _, ids in sequences)
+    total = sum(len(ids) for _, ids in sequences)
+    bar = tqdm(total=total, initial=total - sum(len(ids) for _, ids in missing), desc="features", unit="tok",
+               unit_scale=True, dynamic_ncols=True)
+    max_len = max((len(ids) for _, ids in missing), default=1)
     cache = target.make_cache(batch_rows, max_len)
-    for i, shard in enumerate(shards):
+    first = len(index["shards"])
+    for i, shard in enumerate(shards, start=first):
         name = f"shard_{i:05d}.npy"
         n_tok = sum(len(ids) for _, ids in shard)
-        if name in done:
-            bar.update(n_tok)
-            continue
         data = np.empty((n_tok, feature_dim), dtype=np.float16)
         where, offset = {}, 0
         order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))

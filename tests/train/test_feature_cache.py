@@ -1,0 +1,34 @@
+"""The on-disk feature cache: the target's hidden states, resumable and extendable."""
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_trt.models.registry import load_target
+from dflash_trt.train.feature_cache import build_feature_cache
+from tests.conftest import make_target
+
+
+def _sequences(n: int) -> list[tuple[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    return [(f"{i}:greedy", torch.randint(3, 90, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist())
+            for i in range(n)]
+
+
+def test_appended_sequences_are_added_without_touching_cached_shards(tmp_path):
+    path = make_target(tmp_path / "target", layers=3, seed=4)  # ids 0 and 1: HF applies the final norm to its last hidden state
+    target = load_target(path)
+    seqs = _sequences(12)
+    build_feature_cache(target, seqs[:7], tmp_path / "cache", [0, 1], shard_tokens=40)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("shard_*.npy")}
+    cache = build_feature_cache(target, seqs, tmp_path / "cache", [0, 1], shard_tokens=40)
+    assert all((tmp_path / "cache" / n).stat().st_mtime_ns == t for n, t in before.items())
+    assert sorted(cache.ids()) == sorted(sid for sid, _ in seqs)
+
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    for sid, ids in seqs:
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
+        np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
+                                   atol=2e-3, rtol=2e-3)
