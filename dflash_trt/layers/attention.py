@@ -88,24 +88,24 @@ def attend(
     """q: [B, H, Q, D], k/v: [B, KVH, T, D] -> [B, Q, H * D]. GQA by head groups."""
     if sinks is not None:
         out = _attend_with_sinks(q, k, v, mask, scale, sinks)
-    elif q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2], k.shape[2]):
-        out = _attend_grouped(q, k, v, mask, scale)
+    elif q.device.type == "cpu" and q.shape[2] <= GROUPED_MAX_QUERIES:
+        # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: about
+        # 2x slower than this plain copy first (benchmarks/bench_attention.py).
+        out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-def _grouped_is_faster(batch: int, queries: int, keys: int) -> bool:
-    # torch's CPU SDPA is slow on one query per row (bf16, 2 threads, GQA 9/3 heads, head_dim 64, cache views):
-    # 289 vs 94 us at batch 8, 564 vs 136 us at batch 16, 427 vs 113 us for one row over 500 keys. Whole SmolLM2
-    # decode steps: 1.17x faster at batch 8, 1.29x at 16, even below 4. Multi-query blocks (verify, draft)
-    # measured no faster (0.88-1.0x): they stay on SDPA.
-    return queries == 1 and (batch >= 4 or keys > 128)
+# Decode (one query), verify (K+1) and draft (block size) steps on the CPU: one grouped matmul per KV head beats
+# torch's SDPA at every batch size measured. Prefill-sized queries keep SDPA, whose flash kernel never
+# materialises the [queries, keys] scores.
+GROUPED_MAX_QUERIES = 16
 
 
 def _attend_grouped(q, k, v, mask, scale):
-    # Query heads of one KV head share a matmul: no K/V expansion, no copies.
+    # Query heads of one KV head share a matmul: no K/V expansion.
     b, h, n, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
