@@ -27,6 +27,7 @@ from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
+from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
 from dflash_trt.validate import check_mapping, check_pairing
@@ -259,7 +260,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
         tokenizer_files = _write_tokenizer(p.target.path, tmp / "tokenizer")
         if p.drafter is not None:
             (tmp / "drafter").mkdir()
-            for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            for name in ("config.json", "model.safetensors", "model.safetensors.index.json", DRAFT_VOCAB_FILE):
                 if (p.drafter.path / name).is_file():
                     shutil.copy2(p.drafter.path / name, tmp / "drafter" / name)
             for extra in sorted(p.drafter.path.glob("model-*.safetensors")):

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from dflash_trt.build import STALL_ENV, build_engine, prepare_build
 from dflash_trt.cli import main
 from dflash_trt.engine_dir import EngineDir, open_engine
+from dflash_trt.spec.draft_vocab import save_draft_vocab
 from dflash_trt.trtllm.llm_api_keys import NESTED_KEYS, TOP_LEVEL_KEYS
 from tests.conftest import make_drafter
 
@@ -276,3 +278,13 @@ def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, 
     assert EngineDir(out).engine_config(adaptive_draft_len=False).adaptive_draft_len is False
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key
+
+
+def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    save_draft_vocab(drafter, torch.tensor([7, 3, 50]), torch.tensor([5, 4, 1]))
+    engine = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], drafter), tmp_path / "engine", progress=False)
+    assert "drafter/draft_vocab.safetensors" in EngineDir(engine).manifest["files"]
+    assert open_engine(engine).runner.proposer.draft_vocab.tolist() == [7, 3, 50]
+    assert open_engine(engine, draft_vocab_size=0).runner.proposer.draft_vocab is None

@@ -34,6 +34,9 @@ class EngineConfig:
     pack_weights: bool = True  # oneDNN-prepacked projections on the CPU (bit-identical, about 2x faster GEMVs)
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
+    # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
+    # draft_vocab.safetensors lists (the whole vocabulary when it ships none); 0: the whole vocabulary.
+    draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
 
@@ -42,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -95,7 +100,8 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
-        self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights)
+        self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights,
+                                  self._draft_vocab(config))
         k = config.max_draft_len
         if self.drafter is not None:
             limit = self.runner.max_draft_len
@@ -112,11 +118,22 @@ class LLMEngine:
         ))
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         logger.info(
-            "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s",
+            "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
-            list(self.runner.capture),
+            list(self.runner.capture), "all" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
         )
+
+    def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:
+        if self.drafter is None or config.draft_vocab_size == 0:
+            return None
+        vocab = self.drafter.draft_vocab
+        if config.draft_vocab_size is None:
+            return vocab
+        if vocab is None:
+            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a drafter that ships "
+                             "draft_vocab.safetensors (dflash-trt train writes one)")
+        return vocab[: config.draft_vocab_size]
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, config: EngineConfig) -> "LLMEngine":

@@ -33,6 +33,7 @@ class ModelRunner:
         num_rows: int,
         max_model_len: int,
         pack_weights: bool = True,
+        draft_vocab: torch.Tensor | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -44,13 +45,20 @@ class ModelRunner:
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
             self.proposer = DFlashProposer(
-                drafter, target.embed_tokens.weight, target.lm_head_forward, num_rows, max_model_len
+                drafter, target.embed_tokens.weight, target.lm_head_forward, num_rows, max_model_len,
+                target.lm_head_weight, draft_vocab,
             )
             self.capture = tuple(drafter.config.target_layer_ids)
         if pack_weights:
             target.pack_for_inference()
             if drafter is not None:
                 pack_linears(drafter)
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Tokens the drafter drafts among; None: the whole vocabulary."""
+        vocab = self.proposer.draft_vocab if self.proposer is not None else None
+        return None if vocab is None else vocab.numel()
 
     @property
     def max_draft_len(self) -> int:

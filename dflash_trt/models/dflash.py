@@ -27,6 +27,7 @@ from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
 from dflash_trt.models.llama import GatedMLP
 from dflash_trt.models.weights import CheckpointError, WeightSet
+from dflash_trt.spec.draft_vocab import load_draft_vocab
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
 
@@ -250,6 +251,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        # Ranked token ids shipped beside the checkpoint (spec/draft_vocab.py); not a weight, never exported.
+        self.draft_vocab: torch.Tensor | None = None
 
     def make_cache(self, num_rows: int, max_len: int) -> KVCache:
         c = self.config
@@ -366,6 +369,7 @@ def load_drafter(
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(WeightSet(drafter_dir))
+    model.draft_vocab = load_draft_vocab(drafter_dir, target.vocab_size)
     return model.eval()
 
 

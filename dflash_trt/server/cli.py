@@ -51,6 +51,9 @@ def _engine_options(f):
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
+        click.option("--draft-vocab-size", type=int, default=None,
+                     help="Draft among the drafter's N most frequent tokens (its draft_vocab.safetensors); 0: the whole "
+                     "vocabulary (default: every token the file lists, else the whole vocabulary)."),
         click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
@@ -60,12 +63,13 @@ def _engine_options(f):
     return f
 
 
-def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, max_queue_len,
-               max_prefill_tokens, dtype):
+def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
+               max_queue_len, max_prefill_tokens, dtype):
     schedule = parse_schedule(draft_len_schedule)
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
-                draft_len_schedule=schedule or None, adaptive_draft_len=adaptive_draft_len, max_queue_len=max_queue_len,
-                max_prefill_tokens=max_prefill_tokens, dtype=dtype)
+                draft_len_schedule=schedule or None, adaptive_draft_len=adaptive_draft_len,
+                draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
+                dtype=dtype)
 
 
 @click.command()
@@ -77,7 +81,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
-          adaptive_draft_len, max_queue_len, max_prefill_tokens, dtype, host, port, backend, served_model_name) -> None:
+          adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, host, port, backend,
+          served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -95,8 +100,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
-            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, max_queue_len,
-            max_prefill_tokens, dtype))
+            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
+            max_queue_len, max_prefill_tokens, dtype))
         names.append(name)
         return llm
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.spec.draft_vocab import DraftHead
 
 
 @dataclass
@@ -45,10 +46,20 @@ class DFlashProposer:
         lm_head: Callable[[torch.Tensor], torch.Tensor],  # the target's output head, shared and frozen
         num_rows: int,
         max_len: int,
+        lm_head_weight: torch.Tensor | None = None,  # [V, H]; needed with draft_vocab
+        draft_vocab: torch.Tensor | None = None,  # token ids to draft among (spec/draft_vocab.py); None: all
     ) -> None:
         self.drafter = drafter
         self.embed_weight = embed_weight
         self.lm_head = lm_head
+        self.vocab_size = embed_weight.shape[0]
+        self.draft_vocab = None
+        if draft_vocab is not None:
+            if lm_head_weight is None:
+                raise ValueError("a draft vocabulary needs the target's output head weight (lm_head_weight)")
+            self.lm_head = DraftHead(lm_head_weight, draft_vocab)
+            self.draft_vocab = self.lm_head.token_ids
+            self.vocab_size = lm_head_weight.shape[0]
         cfg = drafter.config
         self.mask_token_id = cfg.mask_token_id
         self.max_draft_len = cfg.block_size - 1
@@ -82,10 +93,15 @@ class DFlashProposer:
             embeds = embeds * d.config.input_embedding_scale
         hidden = d.forward_block(embeds, meta, self.cache)
         logits = d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j
-        draft_tokens = logits.argmax(dim=-1)
+        draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
         draft_probs = None
         if sampling is not None and sampling.rows.numel():
             draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
             u = uniform(sampling.generators, num_draft, logits.device)
             draft_tokens[sampling.rows] = sample_from(draft_probs, u)
+        if self.draft_vocab is not None:
+            draft_tokens = self.draft_vocab[draft_tokens]
+            if draft_probs is not None:  # the proposal over the whole vocabulary: zero outside the set
+                full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.vocab_size)
+                draft_probs = full.index_copy_(-1, self.draft_vocab, draft_probs)
         return Proposal(draft_tokens, draft_probs)

@@ -33,6 +33,7 @@ from dflash_trt.models.dflash import (
     save_drafter,
 )
 from dflash_trt.models.weights import WeightSet
+from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
 from dflash_trt.train.blocks import IGNORE, TrainBlocks, sample_blocks, training_mask
 from dflash_trt.train.feature_cache import FeatureSource
 
@@ -298,6 +299,7 @@ class Trainer:
     def export(self, path: Path, metrics: dict) -> None:
         tmp = path.with_name(path.name + ".tmp")
         save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
+        save_draft_vocab(tmp, *rank_tokens(r["response_ids"] for r in self.train_records))
         (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
                                                        "config": asdict(self.cfg)}, indent=2) + "\n")
         if path.exists():

@@ -226,3 +226,32 @@ def test_adaptive_draft_len_turns_a_useless_drafter_off_and_keeps_a_good_one_on(
     outs = good.generate(prompts, params)
     assert [o.token_ids for o in outs] == refs
     assert all(o.tau > 4.0 for o in outs)  # speculation stayed on
+
+
+def test_greedy_is_lossless_with_a_draft_vocabulary_missing_half_the_tokens(tiny_dirs):
+    prompts = _prompts(4)
+    target = load_target(tiny_dirs["qwen3"])
+    drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
+    drafter.draft_vocab = torch.arange(0, target.config.vocab_size, 2)
+    engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=4, max_draft_len=7))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_sampling_follows_the_target_distribution_with_a_draft_vocabulary(small_vocab, rule):
+    # Drafts come only from tokens {2, 0}; the rejection rule is given the proposal renormalised over them.
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, 1.2, 3, 0.9)
+    target = load_target(t)
+    drafter = load_drafter(d, target.config)
+    drafter.draft_vocab = torch.tensor([2, 0])
+    engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1500, max_draft_len=3))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=1.2, top_k=3, top_p=0.9, seed=s, acceptance=rule,
+                             ignore_eos=True) for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)

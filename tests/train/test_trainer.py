@@ -205,3 +205,16 @@ def test_without_evaluation_prompts_the_best_drafter_is_chosen_by_held_out_loss(
     best = min(log, key=lambda e: e["val_loss"])
     saved = json.loads((root / "by_loss" / "drafter" / "training.json").read_text())
     assert saved["step"] == best["step"] and tr.best_score == -best["val_loss"]
+
+
+def test_the_exported_drafter_ships_its_training_tokens_most_frequent_first(trained):
+    from collections import Counter
+
+    from dflash_trt.spec.draft_vocab import load_draft_vocab
+
+    t, root = trained
+    counts = Counter(tok for r in read_records(root / "data" / "responses.jsonl") if r["split"] == "train"
+                     for tok in r["response_ids"])
+    ids = load_draft_vocab(root / "out" / "drafter", vocab_size=128).tolist()
+    assert set(ids) == set(counts)
+    assert [counts[i] for i in ids] == sorted(counts.values(), reverse=True)

@@ -1,0 +1,73 @@
+"""The draft vocabulary: ranked from data, stored beside the drafter, and drafting exactly the full head's argmax
+restricted to its tokens (the lossless contract with it lives in tests/engine/test_lossless.py)."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.models.dflash import load_drafter
+from dflash_trt.models.registry import load_target
+from dflash_trt.spec.draft_vocab import FILE, load_draft_vocab, rank_tokens, save_draft_vocab
+from dflash_trt.spec.proposer import DFlashProposer
+
+pytest.importorskip("dflash.model", reason="the tiny drafters are built with z-lab's dflash==0.1.0")
+
+
+def test_tokens_are_ranked_by_count_then_id():
+    ids, counts = rank_tokens([[5, 3, 5, 9], [3, 5, 7], [9]])
+    assert ids.tolist() == [5, 3, 9, 7] and counts.tolist() == [3, 2, 2, 1]
+
+
+def test_the_file_round_trips_and_bad_files_name_the_file_and_tensor(tmp_path):
+    save_draft_vocab(tmp_path, torch.tensor([4, 1, 2]), torch.tensor([9, 5, 5]))
+    assert load_draft_vocab(tmp_path, vocab_size=8).tolist() == [4, 1, 2]
+    assert load_draft_vocab(tmp_path / "elsewhere", vocab_size=8) is None
+    with pytest.raises(ValueError, match=f"{FILE}.*outside the target's vocabulary"):
+        load_draft_vocab(tmp_path, vocab_size=4)
+    save_file({"token_ids": torch.tensor([1, 1])}, str(tmp_path / FILE))
+    with pytest.raises(ValueError, match="repeats ids"):
+        load_draft_vocab(tmp_path, vocab_size=8)
+    save_file({"ids": torch.tensor([1])}, str(tmp_path / FILE))
+    with pytest.raises(ValueError, match=f"{FILE}.*no tensor 'token_ids'"):
+        load_draft_vocab(tmp_path, vocab_size=8)
+
+
+def _drafts(tiny_dirs, vocab, k=7):
+    target = load_target(tiny_dirs["qwen3"])
+    drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 90, (4, 12), generator=g)
+    rows = torch.arange(4)
+    meta = AttentionMetadata.causal_step(rows, torch.arange(12).expand(4, 12))
+    _, features = target(ids, meta, target.make_cache(4, 64), tuple(drafter.config.target_layer_ids))
+    proposer = DFlashProposer(drafter, target.embed_tokens.weight, target.lm_head_forward, 4, 64,
+                              target.lm_head_weight, vocab)
+    anchors = torch.randint(3, 90, (4,), generator=g)
+    return proposer.propose(rows, features, meta.positions, anchors, torch.full((4,), 12), k).draft_tokens
+
+
+def test_drafts_are_the_full_heads_argmax_restricted_to_the_vocabulary(tiny_dirs):
+    vocab_size = load_target(tiny_dirs["qwen3"]).config.vocab_size
+    full = _drafts(tiny_dirs, None)
+    everything = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_drafts(tiny_dirs, everything), full)  # any order of every token: the same drafts
+    subset = torch.cat([full[0, :3].unique(), torch.arange(40, 70)]).unique()  # keeps some argmaxes, drops others
+    restricted = _drafts(tiny_dirs, subset)
+    inside = torch.isin(full, subset)
+    assert inside.any() and not inside.all()
+    assert torch.isin(restricted, subset).all()
+    assert torch.equal(restricted[inside], full[inside])  # the argmax over the set is the set's best token
+
+
+def test_the_engine_takes_the_n_most_frequent_tokens_or_none(tiny_dirs):
+    target = load_target(tiny_dirs["qwen3"])
+    drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
+    with pytest.raises(ValueError, match="draft_vocab_size=5 needs a drafter that ships draft_vocab.safetensors"):
+        LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=5))
+    drafter.draft_vocab = torch.tensor([9, 4, 7, 1])
+    assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=2)
+                     ).runner.proposer.draft_vocab.tolist() == [9, 4]
+    assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=0)).runner.proposer.draft_vocab is None
+    assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1)).runner.proposer.draft_vocab.numel() == 4
