@@ -34,14 +34,17 @@ def bench() -> None:
 @click.option("--limit-per-category", type=int, default=None, help="At most N prompts per category.")
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default="3,7", show_default=True, help="K values to measure, e.g. 3,7,15.")
+@click.option("--draft-vocab-sizes", default="all", show_default=True,
+              help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.safetensors), 0 (the whole "
+              "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
 @click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the JSON result here.")
-def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, rounds, dtype,
-          threads, zlab_peer, as_json, output) -> None:
+def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
+          rounds, dtype, threads, zlab_peer, as_json, output) -> None:
     """Autoregressive vs DFlash at batch 1, greedy, per prompt category: tau, histogram, tok/s, speedup."""
     import torch
     from tqdm import tqdm
@@ -53,6 +56,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if threads:
         torch.set_num_threads(threads)
     ks = _ints(draft_lens, "--draft-lens")
+    vocabs = parse_vocab_sizes(draft_vocab_sizes)
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype, max_batch_size=1)
         prompts = load_dataset(dataset, osl=max_tokens, tokenizer=eng.tokenizer, categories=list(categories) or None,
@@ -69,7 +73,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         if ddir is None:
             raise click.UsageError("--zlab-peer needs a drafter (the engine has none)")
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
-    cfg = SpeedConfig(draft_lens=ks, rounds=rounds)
+    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
@@ -83,6 +87,20 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if output:
         Path(output).write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result) if as_json else format_table(result))
+
+
+def parse_vocab_sizes(text: str) -> list[int | None]:
+    """'all,0,8192' -> [None, 0, 8192] (EngineConfig.draft_vocab_size values)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == "all":
+            out.append(None)
+        elif item.isdigit():
+            out.append(int(item))
+        else:
+            raise click.BadParameter(f"{item!r} is not 'all' or a token count", param_hint="--draft-vocab-sizes")
+    return out
 
 
 def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:

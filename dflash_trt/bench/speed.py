@@ -27,6 +27,9 @@ class SpeedConfig:
     draft_lens: list[int]
     rounds: int = 2
     warmup: bool = True
+    # Draft vocabularies to compare at every K (EngineConfig.draft_vocab_size: None = the drafter's own, 0 = the
+    # whole vocabulary). With more than one, systems are named "K=3 vocab=all" / "K=3 vocab=0" / "K=3 vocab=8192".
+    draft_vocab_sizes: list[int | None] = field(default_factory=lambda: [None])
 
 
 @dataclass
@@ -46,14 +49,20 @@ class _Tally:
             self.histogram[i] += c
 
 
-def sibling_engines(engine: LLMEngine, draft_lens: list[int]) -> tuple[LLMEngine, dict[int, LLMEngine]]:
-    """An autoregressive engine and one engine per K, all sharing `engine`'s weights and tokenizer."""
+def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,)
+                    ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
+    """An autoregressive engine and one engine per (K, draft vocabulary), all sharing `engine`'s weights and
+    tokenizer, keyed by system name."""
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={})
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")
-    specs = {k: LLMEngine(engine.target, engine.tokenizer, engine.drafter,
-                          dataclasses.replace(cfg, speculative=True, max_draft_len=k)) for k in draft_lens}
+    specs = {}
+    for k in draft_lens:
+        for v in draft_vocab_sizes:
+            name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
+            specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter,
+                                    dataclasses.replace(cfg, speculative=True, max_draft_len=k, draft_vocab_size=v))
     return ar, specs
 
 
@@ -92,7 +101,7 @@ def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
               zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
     """Measure every category; returns the JSON-ready result (see module doc)."""
-    ar, specs = sibling_engines(engine, cfg.draft_lens)
+    ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
 
@@ -108,7 +117,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
         if zlab is not None:
             zlab(ids[first.id], 8, cfg.draft_lens[0])
 
-    systems = ["ar", *(f"K={k}" for k in cfg.draft_lens)] + ([f"zlab K={cfg.draft_lens[0]}"] if zlab else [])
+    systems = ["ar", *specs] + ([f"zlab K={cfg.draft_lens[0]}"] if zlab else [])
     tallies = {c: {s: _Tally(wall=[0.0] * cfg.rounds) for s in systems} for c in groups}
     for r in range(cfg.rounds):
         for cat, plist in groups.items():
@@ -119,9 +128,9 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                 if r == 0:
                     t["ar"].tokens += base.num_tokens
                     t["ar"].prompts += 1
-                for k, e in specs.items():
+                for name, e in specs.items():
                     wall, out = timed(e, p)
-                    s = t[f"K={k}"]
+                    s = t[name]
                     s.wall[r] += wall
                     if r == 0:
                         s.tokens += out.num_tokens
@@ -183,11 +192,11 @@ def _report(tallies: dict[str, dict[str, _Tally]], systems: list[str]) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'category':<14} {'system':<10} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'identical':>10}"]
+    lines = [f"{'category':<14} {'system':<18} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'identical':>10}"]
     rows = list(result["categories"].items()) + [("ALL", result["overall"])]
     for cat, by_system in rows:
         for s, r in by_system.items():
             tau = f"{r['tau']:.2f}" if "tau" in r else "-"
             sp = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-            lines.append(f"{cat:<14} {s:<10} {tau:>5} {r['tok_s']:>7.1f} {sp:>8} {r.get('identical_outputs', '-'):>10}")
+            lines.append(f"{cat:<14} {s:<18} {tau:>5} {r['tok_s']:>7.1f} {sp:>8} {r.get('identical_outputs', '-'):>10}")
     return "\n".join(lines)

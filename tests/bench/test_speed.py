@@ -90,3 +90,23 @@ def test_zlab_peer_runs_on_the_same_weights_and_agrees_step_by_step(tiny_dirs):
     assert peer["identical_outputs"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
     assert peer["tokens"] == ours["tokens"]
     assert peer["tau"] == ours["tau"] and peer["acceptance_histogram"] == ours["acceptance_histogram"]
+
+
+def test_draft_vocabularies_are_compared_side_by_side_and_stay_lossless(tiny_dirs):
+    import torch
+
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
+    engine.drafter.draft_vocab = torch.arange(0, 96, 3)
+    r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, draft_vocab_sizes=[None, 0, 8]), chat=False)
+    assert r["systems"] == ["ar", "K=3 vocab=all", "K=3 vocab=0", "K=3 vocab=8"]
+    for system in r["systems"][1:]:
+        assert r["overall"][system]["identical_outputs"] == "3/3"
+        assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
+
+
+def test_the_cli_parses_draft_vocabulary_sizes():
+    from dflash_trt.bench.cli import parse_vocab_sizes
+
+    assert parse_vocab_sizes("all,0, 8192") == [None, 0, 8192]
+    with pytest.raises(Exception, match="'most' is not 'all' or a token count"):
+        parse_vocab_sizes("all,most")
