@@ -27,7 +27,7 @@ from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
-from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
+from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, load_draft_vocab
 from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
 from dflash_trt.validate import check_mapping, check_pairing
@@ -84,7 +84,12 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
         k = check_pairing(tcfg, dcfg, _with_schedule(cfg, None, cfg.speculative_config.max_draft_len) if auto else cfg,
                           source)
     check_mapping(tcfg, dcfg, cfg)
-    perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg))
+    # This runtime drafts among the drafter's draft vocabulary; TensorRT-LLM (GPU profiles) scores the whole head.
+    vocab = None
+    if drafter is not None and drafter.path is not None and hw.kind != "gpu":
+        ids = load_draft_vocab(drafter.path, tcfg.vocab_size)
+        vocab = None if ids is None else ids.numel()
+    perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg), vocab)
     if auto:
         cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)
     plan = plan_build(tcfg, dcfg, cfg, hw, k)

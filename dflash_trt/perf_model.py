@@ -79,6 +79,7 @@ class PerfModel:
     cfg: BuildConfig
     hw: HardwareProfile
     context_len: int  # tokens each row attends to (prompt + generated so far)
+    draft_vocab_size: int | None = None  # rows of the head the drafter scores with (spec/draft_vocab.py); None: all
 
     @property
     def dtype_bytes(self) -> int:
@@ -150,6 +151,8 @@ class PerfModel:
         block = batch * (k + 1)
         own = drafter_weight_bytes(d, t, cfg, dtype_b)
         head = target_weight_parts(t, cfg, dtype_b).head_bytes  # shared with the target, read again
+        if self.draft_vocab_size is not None:  # only the draft vocabulary's rows
+            head *= min(self.draft_vocab_size, t.vocab_size) / t.vocab_size
         attended = ctx + k + 1
         d_kv = max(1, d.num_key_value_heads // tp)
         kv_bytes = batch * attended * 2 * d.num_hidden_layers * d_kv * d.head_dim * dtype_b
@@ -214,13 +217,13 @@ class PerformancePlan:
 
 def plan_performance(
     target: DecoderConfig, drafter: DFlashConfig | None, cfg: BuildConfig, hw: HardwareProfile, max_draft_len: int,
-    graph_sizes: list[int],
+    graph_sizes: list[int], draft_vocab_size: int | None = None,
 ) -> PerformancePlan:
     """Predicted step time and throughput per batch size and K for this build; with draft_len_schedule:
     auto, the schedule that maximises throughput at every batch size (draft_schedule.py)."""
     from dflash_trt.draft_schedule import choose_draft_len_schedule, expand
 
-    model = PerfModel(target, drafter, cfg, hw, context_len=max(1, cfg.max_seq_len // 2))
+    model = PerfModel(target, drafter, cfg, hw, context_len=max(1, cfg.max_seq_len // 2), draft_vocab_size=draft_vocab_size)
     spec = cfg.speculative_config
     measured = dict(spec.acceptance_by_draft_len or {}) if spec is not None and drafter is not None else {}
     taus, alpha = fill_tau_table(measured, max_draft_len) if measured else ({}, None)
@@ -251,6 +254,7 @@ def plan_performance(
                                                        "interconnect_latency_s", "step_overhead_s", "layer_overhead_s",
                                                        "draft_overhead_s", "perf_source")},
         "context_len": model.context_len,
+        "draft_vocab_size": draft_vocab_size,
         "gpus": model.gpus,
         "attention_dp_ranks": model.dp,
         "schedule_source": source,

@@ -1,6 +1,7 @@
 """The roofline step-time model against hand arithmetic on tiny configs, its monotonicity, the acceptance
 model, and the Pareto prediction by its definition."""
 
+import dataclasses
 import itertools
 import math
 
@@ -67,6 +68,16 @@ def test_drafter_forward_matches_hand_arithmetic():
     m = _tiny()
     assert m.step_time(2, 3) == pytest.approx(m.target_cost(2, 4).time(HW) + c.time(HW))
     assert m.drafter_cost(2, 0).bytes == 0 and m.step_time(2, 0) == m.target_cost(2, 1).time(HW)
+
+
+def test_a_draft_vocabulary_prices_only_its_rows_of_the_head():
+    # 250 of the 1,000 head rows: 250 x 64 / 2 ranks = 8,000 values = 16,000 B instead of 64,000 B;
+    #   head FLOPs 2 x 8,000 x 6 scored positions = 96,000 instead of 384,000. The target's own head is untouched.
+    full = _tiny()
+    small = dataclasses.replace(full, draft_vocab_size=250)
+    assert small.drafter_cost(2, 3).bytes == 53_824 + 16_000 + 13_312
+    assert small.drafter_cost(2, 3).flops == 430_592 + 96_000 + 106_496
+    assert small.target_cost(2, 4) == full.target_cost(2, 4)
 
 
 def test_compute_bound_when_flops_are_scarce():
