@@ -28,6 +28,7 @@ from dflash_trt.hardware import profile  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict, read_config_json  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig  # noqa: E402
 from dflash_trt.perf_model import PerfModel, predict_pareto  # noqa: E402
+from dflash_trt.spec.draft_vocab import load_draft_vocab  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,9 @@ def main() -> None:
     cfg = build_config_from_dict({"name": "cpu", "model": "embedded:smollm2-135m-instruct", "hardware": "cpu",
                                   "dtype": "bfloat16", "max_batch_size": 16, "max_seq_len": 1024,
                                   "speculative_config": {"speculative_model": str(SMOLLM2_DRAFTER)}})
-    model = PerfModel(target, drafter, cfg, profile("cpu"), context_len=args.context)
+    vocab = load_draft_vocab(SMOLLM2_DRAFTER, target.vocab_size)  # what the served runtime drafts among
+    model = PerfModel(target, drafter, cfg, profile("cpu"), context_len=args.context,
+                      draft_vocab_size=None if vocab is None else vocab.numel())
     rows, errors = [], []
     for spec in args.runs:
         path, _, k = spec.partition(":")

@@ -85,10 +85,9 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
                           source)
     check_mapping(tcfg, dcfg, cfg)
     # This runtime drafts among the drafter's draft vocabulary; TensorRT-LLM (GPU profiles) scores the whole head.
-    vocab = None
-    if drafter is not None and drafter.path is not None and hw.kind != "gpu":
-        ids = load_draft_vocab(drafter.path, tcfg.vocab_size)
-        vocab = None if ids is None else ids.numel()
+    # The file is checked either way: the build copies it.
+    ids = load_draft_vocab(drafter.path, tcfg.vocab_size) if drafter is not None and drafter.path is not None else None
+    vocab = ids.numel() if ids is not None and hw.kind != "gpu" else None
     perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg), vocab)
     if auto:
         cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)

@@ -151,7 +151,7 @@ class PerfModel:
         block = batch * (k + 1)
         own = drafter_weight_bytes(d, t, cfg, dtype_b)
         head = target_weight_parts(t, cfg, dtype_b).head_bytes  # shared with the target, read again
-        if self.draft_vocab_size is not None:  # only the draft vocabulary's rows
+        if self.draft_vocab_size:  # only the draft vocabulary's rows (0 or None: the whole head, as in EngineConfig)
             head *= min(self.draft_vocab_size, t.vocab_size) / t.vocab_size
         attended = ctx + k + 1
         d_kv = max(1, d.num_key_value_heads // tp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
@@ -40,7 +41,8 @@ def bench() -> None:
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
-@click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K).")
+@click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K). It "
+              "drafts over the whole vocabulary: include 0 in --draft-vocab-sizes to compare like with like.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the JSON result here.")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
@@ -96,10 +98,12 @@ def parse_vocab_sizes(text: str) -> list[int | None]:
         item = item.strip()
         if item == "all":
             out.append(None)
-        elif item.isdigit():
+        elif re.fullmatch(r"[0-9]+", item):
             out.append(int(item))
         else:
             raise click.BadParameter(f"{item!r} is not 'all' or a token count", param_hint="--draft-vocab-sizes")
+    if len(set(out)) != len(out):
+        raise click.BadParameter(f"{text!r} repeats a size", param_hint="--draft-vocab-sizes")
     return out
 
 

@@ -57,6 +57,8 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")
+    if len(set(draft_vocab_sizes)) != len(draft_vocab_sizes):
+        raise ValueError(f"draft vocabulary sizes repeat: {list(draft_vocab_sizes)}")
     specs = {}
     for k in draft_lens:
         for v in draft_vocab_sizes:
@@ -118,6 +120,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
             zlab(ids[first.id], 8, cfg.draft_lens[0])
 
     systems = ["ar", *specs] + ([f"zlab K={cfg.draft_lens[0]}"] if zlab else [])
+    vocab_sizes = {name: e.runner.draft_vocab_size for name, e in specs.items()}  # None: the whole vocabulary
     tallies = {c: {s: _Tally(wall=[0.0] * cfg.rounds) for s in systems} for c in groups}
     for r in range(cfg.rounds):
         for cat, plist in groups.items():
@@ -154,7 +157,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                         s.add_hist([sum(1 for n in lengths if n == i + 1) for i in range(k0 + 1)])
                 if progress is not None:
                     progress()
-    return _report(tallies, systems)
+    return _report(tallies, systems) | {"draft_vocab_size": vocab_sizes}
 
 
 def _summ(t: _Tally, ar: _Tally) -> dict:

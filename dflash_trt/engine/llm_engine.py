@@ -121,7 +121,7 @@ class LLMEngine:
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
-            list(self.runner.capture), "all" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
+            list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:
@@ -133,6 +133,9 @@ class LLMEngine:
         if vocab is None:
             raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a drafter that ships "
                              "draft_vocab.safetensors (dflash-trt train writes one)")
+        if config.draft_vocab_size > vocab.numel():
+            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} exceeds the {vocab.numel()} tokens the "
+                             "drafter's draft_vocab.safetensors lists")
         return vocab[: config.draft_vocab_size]
 
     @classmethod

@@ -46,7 +46,7 @@ class ModelRunner:
         if drafter is not None:
             self.proposer = DFlashProposer(
                 drafter, target.embed_tokens.weight, target.lm_head_forward, num_rows, max_model_len,
-                target.lm_head_weight, draft_vocab,
+                target.lm_head_weight, draft_vocab, pack_weights,
             )
             self.capture = tuple(drafter.config.target_layer_ids)
         if pack_weights:

@@ -98,9 +98,9 @@ def attend(
     return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-# Decode (one query), verify (K+1) and draft (block size) steps on the CPU: one grouped matmul per KV head beats
-# torch's SDPA at every batch size measured. Prefill-sized queries keep SDPA, whose flash kernel never
-# materialises the [queries, keys] scores.
+# CPU steps of up to 16 queries per row (decode, verify K+1, draft blocks, short prefill chunks) take one grouped
+# matmul per KV head; longer prefill chunks keep torch's SDPA, whose flash kernel never materialises the
+# [queries, keys] scores. benchmarks/bench_attention.py measures both (results/attention_cpu.json).
 GROUPED_MAX_QUERIES = 16
 
 

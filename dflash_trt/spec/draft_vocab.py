@@ -65,11 +65,11 @@ def load_draft_vocab(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor |
 class DraftHead(nn.Module):
     """The target's output head restricted to token_ids: hidden [..., H] -> logits [..., N]."""
 
-    def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> None:
+    def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, pack: bool = True) -> None:
         super().__init__()
         self.token_ids = token_ids.to(lm_head_weight.device)
         weight = lm_head_weight.detach().index_select(0, self.token_ids)
-        self.packed = PackedLinear(weight) if can_pack(weight) else None
+        self.packed = PackedLinear(weight) if pack and can_pack(weight) else None
         self.weight = None if self.packed is not None else weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ class DFlashProposer:
         max_len: int,
         lm_head_weight: torch.Tensor | None = None,  # [V, H]; needed with draft_vocab
         draft_vocab: torch.Tensor | None = None,  # token ids to draft among (spec/draft_vocab.py); None: all
+        pack_head: bool = True,  # prepack the restricted head on the CPU (EngineConfig.pack_weights)
     ) -> None:
         self.drafter = drafter
         self.embed_weight = embed_weight
@@ -57,7 +58,7 @@ class DFlashProposer:
         if draft_vocab is not None:
             if lm_head_weight is None:
                 raise ValueError("a draft vocabulary needs the target's output head weight (lm_head_weight)")
-            self.lm_head = DraftHead(lm_head_weight, draft_vocab)
+            self.lm_head = DraftHead(lm_head_weight, draft_vocab, pack_head)
             self.draft_vocab = self.lm_head.token_ids
             self.vocab_size = lm_head_weight.shape[0]
         cfg = drafter.config

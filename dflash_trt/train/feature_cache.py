@@ -110,10 +110,11 @@ def build_feature_cache(
     root.mkdir(parents=True, exist_ok=True)
     feature_dim = target.config.hidden_size * len(layer_ids)
     index = _read_index(root, feature_dim, layer_ids)
-    cached = {sid for s in index["shards"] for sid in s["sequences"]}
-    # Only what is not cached yet goes into new shards: a resume, or a run with more records appended,
-    # never rewrites (or silently skips sequences of) a shard already on disk.
-    missing = [(sid, ids) for sid, ids in sequences if sid not in cached]
+    cached = {sid: length for s in index["shards"] for sid, (_, length) in s["sequences"].items()}
+    # Only what is not cached yet (or cached shorter, after max_seq_len grew) goes into new shards: a resume, or
+    # a run with more records appended, never rewrites (or silently skips sequences of) a shard on disk.
+    # A sequence cached again lives in a later shard, which FeatureCache reads last.
+    missing = [(sid, ids) for sid, ids in sequences if cached.get(sid, -1) < len(ids)]
     shards, current, size = [], [], 0
     for sid, ids in missing:
         current.append((sid, ids))
@@ -128,9 +129,9 @@ def build_feature_cache(
                unit_scale=True, dynamic_ncols=True)
     max_len = max((len(ids) for _, ids in missing), default=1)
     cache = target.make_cache(batch_rows, max_len)
-    first = len(index["shards"])
-    for i, shard in enumerate(shards, start=first):
-        name = f"shard_{i:05d}.npy"
+    taken = {s["file"] for s in index["shards"]}
+    names = (n for n in (f"shard_{i:05d}.npy" for i in range(len(taken), 10**6)) if n not in taken)
+    for shard, name in zip(shards, names):
         n_tok = sum(len(ids) for _, ids in shard)
         data = np.empty((n_tok, feature_dim), dtype=np.float16)
         where, offset = {}, 0

@@ -90,7 +90,7 @@ _STDLIB_MODULES = (
     "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
     "email.utils", "enum", "filecmp", "fnmatch", "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "hmac",
     "html", "http.client", "imaplib", "inspect", "io", "ipaddress", "itertools", "keyword", "locale", "logging",
-    "lzma", "math", "mimetypes", "operator", "os", "os.path", "pathlib", "pickle", "platform", "plistlib", "pprint",
+    "lzma", "math", "mimetypes", "operator", "os", "pathlib", "pickle", "platform", "plistlib", "pprint",
     "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors", "shutil", "signal", "smtplib",
     "socket", "sqlite3", "ssl", "string", "struct", "subprocess", "sys", "tarfile", "tempfile", "threading", "time",
     "timeit", "tokenize", "traceback", "types", "typing", "unicodedata", "urllib.parse", "urllib.request", "uuid",
@@ -107,19 +107,23 @@ _DOC_TEMPLATES = (
 def python_doc_prompts() -> list[Prompt]:
     """Questions about the public functions and classes of the standard library, from their docstrings.
 
-    Read from the modules' source with ast, not by importing them: a process that has imported torch sees some
-    stdlib functions patched, and the prompt list (whose positions are record ids) must not depend on that.
-    Modules written in C have no source and add nothing.
+    Read with ast from the source files in the standard library's directory, never by importing or finding the
+    modules: a process that has imported torch sees some stdlib functions patched, frozen modules (os, io, ...)
+    have no origin file unless Python runs with -X frozen_modules=off, and a same-named file beside a script would
+    shadow a module; the prompt list (whose positions are record ids) must depend on none of that. Modules
+    written in C have no source and add nothing.
     """
     import ast
-    import importlib.util
+    import sysconfig
 
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for mod_name in _STDLIB_MODULES:
-        spec = importlib.util.find_spec(mod_name)
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        base = stdlib / mod_name.replace(".", "/")
+        source = next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+        if source is None:
             continue
-        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+        tree = ast.parse(source.read_text(encoding="utf-8"))
         kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
         top = [node for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
         defs = [(node.name, node) for node in top]

@@ -99,6 +99,7 @@ def test_draft_vocabularies_are_compared_side_by_side_and_stay_lossless(tiny_dir
     engine.drafter.draft_vocab = torch.arange(0, 96, 3)
     r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, draft_vocab_sizes=[None, 0, 8]), chat=False)
     assert r["systems"] == ["ar", "K=3 vocab=all", "K=3 vocab=0", "K=3 vocab=8"]
+    assert r["draft_vocab_size"] == {"K=3 vocab=all": 32, "K=3 vocab=0": None, "K=3 vocab=8": 8}
     for system in r["systems"][1:]:
         assert r["overall"][system]["identical_outputs"] == "3/3"
         assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
@@ -110,3 +111,5 @@ def test_the_cli_parses_draft_vocabulary_sizes():
     assert parse_vocab_sizes("all,0, 8192") == [None, 0, 8192]
     with pytest.raises(Exception, match="'most' is not 'all' or a token count"):
         parse_vocab_sizes("all,most")
+    with pytest.raises(Exception, match="repeats a size"):
+        parse_vocab_sizes("0,all,0")

@@ -71,3 +71,5 @@ def test_the_engine_takes_the_n_most_frequent_tokens_or_none(tiny_dirs):
                      ).runner.proposer.draft_vocab.tolist() == [9, 4]
     assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=0)).runner.proposer.draft_vocab is None
     assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1)).runner.proposer.draft_vocab.numel() == 4
+    with pytest.raises(ValueError, match="draft_vocab_size=5 exceeds the 4 tokens"):
+        LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=5))

