@@ -25,8 +25,9 @@ HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 9, 3, 64, 2048
 # (what, rows, queries, keys)
 SHAPES = [
     ("decode", 1, 1, 300), ("decode", 4, 1, 300), ("decode", 8, 1, 300), ("decode", 8, 1, 1000),
-    ("verify K=3", 1, 4, 300), ("verify K=3", 8, 4, 300), ("verify K=7", 1, 8, 300), ("verify K=15", 1, 16, 600),
-    ("draft B=8", 1, 8, 300), ("draft B=8", 8, 8, 300),
+    ("verify K=3", 1, 4, 300), ("verify K=3", 1, 4, 1000), ("verify K=3", 2, 4, 300), ("verify K=3", 8, 4, 300),
+    ("verify K=7", 1, 8, 300), ("verify K=7", 1, 8, 1000), ("verify K=15", 1, 16, 300), ("verify K=15", 1, 16, 600),
+    ("draft B=8", 1, 8, 300), ("draft B=8", 2, 8, 300), ("draft B=8", 8, 8, 300),
     ("prefill", 1, 64, 64), ("prefill", 1, 256, 256),
 ]
 

@@ -88,9 +88,9 @@ def attend(
     """q: [B, H, Q, D], k/v: [B, KVH, T, D] -> [B, Q, H * D]. GQA by head groups."""
     if sinks is not None:
         out = _attend_with_sinks(q, k, v, mask, scale, sinks)
-    elif q.device.type == "cpu" and q.shape[2] <= GROUPED_MAX_QUERIES:
-        # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: about
-        # 2x slower than this plain copy first (benchmarks/bench_attention.py).
+    elif q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2]):
+        # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
+        # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -98,10 +98,13 @@ def attend(
     return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-# CPU steps of up to 16 queries per row (decode, verify K+1, draft blocks, short prefill chunks) take one grouped
-# matmul per KV head; longer prefill chunks keep torch's SDPA, whose flash kernel never materialises the
-# [queries, keys] scores. benchmarks/bench_attention.py measures both (results/attention_cpu.json).
-GROUPED_MAX_QUERIES = 16
+def _grouped_is_faster(rows: int, queries: int) -> bool:
+    # benchmarks/bench_attention.py (results/attention_cpu.json; SmolLM2 heads, bf16, 2 threads, 300 keys):
+    # one query per row, grouped 55 / 79 / 112 us at 1 / 4 / 8 rows against SDPA's 126 / 440 / 889; multi-query
+    # blocks (verify K+1, draft), SDPA wins at 1-2 rows (60 vs 104 us at K=3, 108 vs 130 at 2 rows) and loses
+    # from 4 (407 vs 248 us at 8 rows). Prefill-sized queries keep SDPA, whose flash kernel never materialises
+    # the [queries, keys] scores.
+    return queries == 1 or (rows >= 4 and queries <= 16)
 
 
 def _attend_grouped(q, k, v, mask, scale):

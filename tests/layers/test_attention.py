@@ -1,4 +1,4 @@
-"""attend(): the grouped CPU path (up to 16 queries) and the SDPA path for longer ones equal torch's SDPA
+"""attend(): the grouped CPU path (one query, or up to 16 queries at 4+ rows) and the SDPA path equal torch's SDPA
 (the oracle) in fp32, over cache views, with and without masks."""
 
 import pytest
@@ -9,7 +9,7 @@ from dflash_trt.layers.attention import _attend_grouped, attend
 
 
 @pytest.mark.parametrize("b, n, t, mask_q", [(4, 1, 9, None), (2, 1, 300, None), (3, 4, 12, 4), (3, 4, 12, 1), (8, 1, 7, 1),
-                                             (2, 16, 40, 16), (1, 20, 30, 20)])
+                                             (2, 16, 40, 16), (1, 20, 30, 20), (4, 4, 50, 4), (5, 16, 40, 1)])
 def test_grouped_attention_equals_sdpa(b, n, t, mask_q):
     g = torch.Generator().manual_seed(b * 100 + n)
     q = torch.randn(b, 6, n, 8, generator=g)
