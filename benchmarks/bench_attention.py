@@ -1,8 +1,11 @@
-"""CPU attention over cache views at the runtime's shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64):
-torch's SDPA, the grouped matmul on the views, the grouped matmul on contiguous copies (what attend() runs for up to
-GROUPED_MAX_QUERIES queries). Median of interleaved rounds, microseconds per call. Usage:
+"""CPU attention at the runtime's shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64).
 
-    .venv/bin/python benchmarks/bench_attention.py [--threads 2] [--rounds 5] [--dtype bfloat16]
+Ops: torch's SDPA, the grouped matmul on the cache views, the grouped matmul on contiguous copies; median of
+interleaved rounds, microseconds per call. --e2e: whole autoregressive generate() runs of an 8-row engine with
+one-query steps routed to SDPA or to the grouped matmul, tok/s by batch size (the op timings alone misled: see
+attention.py's _grouped_is_faster). Usage:
+
+    .venv/bin/python benchmarks/bench_attention.py [--threads 2] [--rounds 5] [--dtype bfloat16] [--e2e]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record  # noqa: E402
 
+import dflash_trt.layers.attention as attention  # noqa: E402
 from dflash_trt.layers.attention import _attend_grouped  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 9, 3, 64, 2048
@@ -40,6 +44,36 @@ def time_us(fn, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def end_to_end(rounds: int, new_tokens: int = 96) -> list[dict]:
+    from dflash_trt import SamplingParams
+    from dflash_trt.embedded import smollm2_dir
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine.from_dirs(smollm2_dir(), None, EngineConfig(dtype="bfloat16", max_batch_size=8, speculative=False))
+    texts = ["Why is the sky blue?", "Write a haiku about rain.", "What is 17*23?", "Explain TCP in two sentences.",
+             "Name three rivers.", "How do plants grow?", "Tell me a joke.", "What is Python?"]
+    prompts = [engine.encode(t, chat=True) for t in texts]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    routes = {"sdpa": lambda rows, queries: False, "grouped": lambda rows, queries: queries == 1,
+              "default": attention._grouped_is_faster}
+    samples: dict[tuple[int, str], list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for name, rule in routes.items():
+                attention._grouped_is_faster = rule
+                for b in (1, 2, 3, 4, 8):
+                    start = time.perf_counter()
+                    outs = engine.generate(prompts[:b], params)
+                    samples.setdefault((b, name), []).append(sum(o.num_tokens for o in outs) / (time.perf_counter() - start))
+    finally:
+        attention._grouped_is_faster = routes["default"]
+    rows = [{"rows": b, **{f"{name}_tok_s": round(statistics.median(samples[(b, name)]), 1) for name in routes}}
+            for b in (1, 2, 3, 4, 8)]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -47,6 +81,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--name", default="attention_cpu")
+    ap.add_argument("--e2e", action="store_true", help="also time whole generate() runs under each routing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -72,8 +107,10 @@ def main() -> None:
                **{f"{name}_us": round(statistics.median(s), 1) for name, s in samples.items()}}
         rows.append(row)
         print(row, flush=True)
+    e2e = end_to_end(max(1, args.rounds // 2)) if args.e2e else None
     path = record(args.name, {"command": " ".join(sys.argv), "threads": args.threads, "dtype": args.dtype,
-                              "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "results": rows})
+                              "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "results": rows,
+                              "end_to_end_tok_s": e2e})
     print(f"recorded {path}")
 
 

@@ -90,7 +90,7 @@ def attend(
         out = _attend_with_sinks(q, k, v, mask, scale, sinks)
     elif q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2]):
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
-        # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000).
+        # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -99,12 +99,12 @@ def attend(
 
 
 def _grouped_is_faster(rows: int, queries: int) -> bool:
-    # benchmarks/bench_attention.py (results/attention_cpu.json; SmolLM2 heads, bf16, 2 threads, 300 keys):
-    # one query per row, grouped 55 / 79 / 112 us at 1 / 4 / 8 rows against SDPA's 126 / 440 / 889; multi-query
-    # blocks (verify K+1, draft), SDPA wins at 1-2 rows (60 vs 104 us at K=3, 108 vs 130 at 2 rows) and loses
-    # from 4 (407 vs 248 us at 8 rows). Prefill-sized queries keep SDPA, whose flash kernel never materialises
-    # the [queries, keys] scores.
-    return queries == 1 or (rows >= 4 and queries <= 16)
+    # Whole generate() runs decide, not the op alone (benchmarks/bench_attention.py --e2e, results/attention_cpu.json;
+    # 2 threads, an 8-row engine, one query per row): grouped 222 / 375 tok/s against SDPA's 209 / 298 at 4 / 8 rows;
+    # a tie at 3; at 1-2 rows the grouped matmul is 2x faster as an op, yet whole runs measured 61 / 116 tok/s
+    # against SDPA's 75 / 132 (the oneDNN linears after it slow down). Multi-query blocks (verify, draft, prefill)
+    # stay on SDPA.
+    return queries == 1 and rows >= 4
 
 
 def _attend_grouped(q, k, v, mask, scale):

@@ -1,4 +1,4 @@
-"""attend(): the grouped CPU path (one query, or up to 16 queries at 4+ rows) and the SDPA path equal torch's SDPA
+"""attend(): the grouped CPU path (one query per row at 4+ rows) and the SDPA path equal torch's SDPA
 (the oracle) in fp32, over cache views, with and without masks."""
 
 import pytest
