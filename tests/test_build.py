@@ -285,7 +285,7 @@ def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_di
     shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
     save_draft_vocab(drafter, torch.tensor([7, 3, 50]), torch.tensor([5, 4, 1]))
     engine = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], drafter), tmp_path / "engine", progress=False)
-    assert "drafter/draft_vocab.safetensors" in EngineDir(engine).manifest["files"]
+    assert "drafter/draft_vocab.json" in EngineDir(engine).manifest["files"]
     assert EngineDir(engine).plan["performance"]["draft_vocab_size"] == 3  # the CPU plan prices a 3-row draft head
     assert open_engine(engine).runner.proposer.draft_vocab.tolist() == [7, 3, 50]
     assert open_engine(engine, draft_vocab_size=0).runner.proposer.draft_vocab is None

@@ -36,7 +36,7 @@ def bench() -> None:
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default="3,7", show_default=True, help="K values to measure, e.g. 3,7,15.")
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
-              help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.safetensors), 0 (the whole "
+              help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)

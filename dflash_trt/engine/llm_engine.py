@@ -35,7 +35,7 @@ class EngineConfig:
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
-    # draft_vocab.safetensors lists (the whole vocabulary when it ships none); 0: the whole vocabulary.
+    # draft_vocab.json lists (the whole vocabulary when it ships none); 0: the whole vocabulary.
     draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
@@ -132,10 +132,10 @@ class LLMEngine:
             return vocab
         if vocab is None:
             raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a drafter that ships "
-                             "draft_vocab.safetensors (dflash-trt train writes one)")
+                             "draft_vocab.json (dflash-trt train writes one)")
         if config.draft_vocab_size > vocab.numel():
             raise ValueError(f"draft_vocab_size={config.draft_vocab_size} exceeds the {vocab.numel()} tokens the "
-                             "drafter's draft_vocab.safetensors lists")
+                             "drafter's draft_vocab.json lists")
         return vocab[: config.draft_vocab_size]
 
     @classmethod

@@ -52,7 +52,7 @@ def _engine_options(f):
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
         click.option("--draft-vocab-size", type=int, default=None,
-                     help="Draft among the drafter's N most frequent tokens (its draft_vocab.safetensors); 0: the whole "
+                     help="Draft among the drafter's N most frequent tokens (its draft_vocab.json); 0: the whole "
                      "vocabulary (default: every token the file lists, else the whole vocabulary)."),
         click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),

@@ -7,12 +7,14 @@ rows instead. A token outside the set is never drafted, so acceptance drops only
 Verification still runs over the whole vocabulary, so output is lossless either way: a sampled draft comes from
 the distribution renormalised over the set, and that is the proposal the rejection rule is given.
 
-File: draft_vocab.safetensors beside the drafter's model.safetensors, with tensors `token_ids` (int64 [N], most
-frequent first) and `counts` (int64 [N]). z-lab's dflash, vLLM and TensorRT-LLM load the drafter without it.
+File: draft_vocab.json beside the drafter's model.safetensors, {"token_ids": [most frequent first], "counts": [...]}.
+Not a .safetensors file: vLLM loads every *.safetensors in a drafter directory as weights and fails on unknown
+tensors. z-lab's dflash, vLLM and TensorRT-LLM load the drafter without it.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +25,7 @@ from torch import nn
 
 from dflash_trt.layers.linear import PackedLinear, can_pack
 
-FILE = "draft_vocab.safetensors"
+FILE = "draft_vocab.json"
 
 
 def rank_tokens(token_lists: Iterable[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,10 +37,8 @@ def rank_tokens(token_lists: Iterable[list[int]]) -> tuple[torch.Tensor, torch.T
 
 
 def save_draft_vocab(drafter_dir: str | Path, token_ids: torch.Tensor, counts: torch.Tensor) -> Path:
-    from safetensors.torch import save_file
-
     path = Path(drafter_dir) / FILE
-    save_file({"token_ids": token_ids.to(torch.long).contiguous(), "counts": counts.to(torch.long).contiguous()}, str(path))
+    path.write_text(json.dumps({"token_ids": token_ids.tolist(), "counts": counts.tolist()}) + "\n")
     return path
 
 
@@ -47,19 +47,20 @@ def load_draft_vocab(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor |
     path = Path(drafter_dir) / FILE
     if not path.is_file():
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        if "token_ids" not in f.keys():
-            raise ValueError(f"{path}: no tensor 'token_ids' (has {sorted(f.keys())})")
-        ids = f.get_tensor("token_ids")
-    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{path}: 'token_ids' must be a non-empty 1-D integer tensor, got {ids.dtype} {list(ids.shape)}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    ids = data.get("token_ids") if isinstance(data, dict) else None
+    if ids is None:
+        raise ValueError(f"{path}: no key 'token_ids' (has {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"{path}: 'token_ids' must be a non-empty list of integers")
+    if min(ids) < 0 or max(ids) >= vocab_size:
         raise ValueError(f"{path}: 'token_ids' holds ids outside the target's vocabulary [0, {vocab_size})")
-    if ids.unique().numel() != ids.numel():
+    if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: 'token_ids' repeats ids")
-    return ids.to(torch.long)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 class DraftHead(nn.Module):

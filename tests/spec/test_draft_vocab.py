@@ -3,7 +3,6 @@ restricted to its tokens (the lossless contract with it lives in tests/engine/te
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.layers.attention import AttentionMetadata
@@ -26,11 +25,17 @@ def test_the_file_round_trips_and_bad_files_name_the_file_and_tensor(tmp_path):
     assert load_draft_vocab(tmp_path / "elsewhere", vocab_size=8) is None
     with pytest.raises(ValueError, match=f"{FILE}.*outside the target's vocabulary"):
         load_draft_vocab(tmp_path, vocab_size=4)
-    save_file({"token_ids": torch.tensor([1, 1])}, str(tmp_path / FILE))
+    (tmp_path / FILE).write_text('{"token_ids": [1, 1]}')
     with pytest.raises(ValueError, match="repeats ids"):
         load_draft_vocab(tmp_path, vocab_size=8)
-    save_file({"ids": torch.tensor([1])}, str(tmp_path / FILE))
-    with pytest.raises(ValueError, match=f"{FILE}.*no tensor 'token_ids'"):
+    (tmp_path / FILE).write_text('{"ids": [1]}')
+    with pytest.raises(ValueError, match=f"{FILE}.*no key 'token_ids'"):
+        load_draft_vocab(tmp_path, vocab_size=8)
+    (tmp_path / FILE).write_text('{"token_ids": [1, 2.5]}')
+    with pytest.raises(ValueError, match="non-empty list of integers"):
+        load_draft_vocab(tmp_path, vocab_size=8)
+    (tmp_path / FILE).write_text('{"token_ids": [1,')
+    with pytest.raises(ValueError, match=f"{FILE}: not valid JSON"):
         load_draft_vocab(tmp_path, vocab_size=8)
 
 
@@ -64,7 +69,7 @@ def test_drafts_are_the_full_heads_argmax_restricted_to_the_vocabulary(tiny_dirs
 def test_the_engine_takes_the_n_most_frequent_tokens_or_none(tiny_dirs):
     target = load_target(tiny_dirs["qwen3"])
     drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
-    with pytest.raises(ValueError, match="draft_vocab_size=5 needs a drafter that ships draft_vocab.safetensors"):
+    with pytest.raises(ValueError, match="draft_vocab_size=5 needs a drafter that ships draft_vocab.json"):
         LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=5))
     drafter.draft_vocab = torch.tensor([9, 4, 7, 1])
     assert LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, draft_vocab_size=2)

@@ -217,4 +217,6 @@ def test_the_exported_drafter_ships_its_training_tokens_most_frequent_first(trai
                      for tok in r["response_ids"])
     ids = load_draft_vocab(root / "out" / "drafter", vocab_size=128).tolist()
     assert set(ids) == set(counts)
+    # vLLM loads every *.safetensors of a drafter directory as weights: the vocabulary must not be one.
+    assert [f.name for f in (root / "out" / "drafter").glob("*.safetensors")] == ["model.safetensors"]
     assert [counts[i] for i in ids] == sorted(counts.values(), reverse=True)
