@@ -53,14 +53,12 @@ class DFlashProposer:
         self.drafter = drafter
         self.embed_weight = embed_weight
         self.lm_head = lm_head
-        self.vocab_size = embed_weight.shape[0]
         self.draft_vocab = None
         if draft_vocab is not None:
             if lm_head_weight is None:
                 raise ValueError("a draft vocabulary needs the target's output head weight (lm_head_weight)")
             self.lm_head = DraftHead(lm_head_weight, draft_vocab, pack_head)
             self.draft_vocab = self.lm_head.token_ids
-            self.vocab_size = lm_head_weight.shape[0]
         cfg = drafter.config
         self.mask_token_id = cfg.mask_token_id
         self.max_draft_len = cfg.block_size - 1
@@ -103,6 +101,6 @@ class DFlashProposer:
         if self.draft_vocab is not None:
             draft_tokens = self.draft_vocab[draft_tokens]
             if draft_probs is not None:  # the proposal over the whole vocabulary: zero outside the set
-                full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.vocab_size)
+                full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.embed_weight.shape[0])
                 draft_probs = full.index_copy_(-1, self.draft_vocab, draft_probs)
         return Proposal(draft_tokens, draft_probs)

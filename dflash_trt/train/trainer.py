@@ -132,7 +132,7 @@ class Trainer:
         self.train_records = [r for r in records if r["split"] == "train" and r["id"] in features]
         self.heldout = [r for r in records if r["split"] == "heldout" and r["id"] in features]
         # What the exported drafter will draft among; evaluation drafts among it too (spec/draft_vocab.py).
-        self.draft_vocab = rank_tokens(r["response_ids"] for r in self.train_records)
+        self.vocab_ids, self.vocab_counts = rank_tokens(r["response_ids"] for r in self.train_records)
         if not self.train_records:
             raise ValueError("no training sequences with cached features")
         dcfg = drafter_config_for(target.config, cfg)
@@ -286,7 +286,7 @@ class Trainer:
         if not self.cfg.eval_prompts:
             return {"val_loss": val_loss}
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
-        draft.draft_vocab = self.draft_vocab[0] if self.draft_vocab[0].numel() else None
+        draft.draft_vocab = self.vocab_ids if self.vocab_ids.numel() else None
         pack_linears(draft)
         engine = LLMEngine(self.target, self.tokenizer, draft,
                            EngineConfig(max_batch_size=1, max_model_len=self.cfg.max_seq_len + 256,
@@ -302,8 +302,8 @@ class Trainer:
     def export(self, path: Path, metrics: dict) -> None:
         tmp = path.with_name(path.name + ".tmp")
         save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
-        if self.draft_vocab[0].numel():
-            save_draft_vocab(tmp, *self.draft_vocab)
+        if self.vocab_ids.numel():
+            save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
         (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
                                                        "config": asdict(self.cfg)}, indent=2) + "\n")
         if path.exists():

@@ -19,23 +19,23 @@ def test_tokens_are_ranked_by_count_then_id():
     assert ids.tolist() == [5, 3, 9, 7] and counts.tolist() == [3, 2, 2, 1]
 
 
-def test_the_file_round_trips_and_bad_files_name_the_file_and_tensor(tmp_path):
+def test_the_file_round_trips(tmp_path):
     save_draft_vocab(tmp_path, torch.tensor([4, 1, 2]), torch.tensor([9, 5, 5]))
     assert load_draft_vocab(tmp_path, vocab_size=8).tolist() == [4, 1, 2]
     assert load_draft_vocab(tmp_path / "elsewhere", vocab_size=8) is None
     with pytest.raises(ValueError, match=f"{FILE}.*outside the target's vocabulary"):
         load_draft_vocab(tmp_path, vocab_size=4)
-    (tmp_path / FILE).write_text('{"token_ids": [1, 1]}')
-    with pytest.raises(ValueError, match="repeats ids"):
-        load_draft_vocab(tmp_path, vocab_size=8)
-    (tmp_path / FILE).write_text('{"ids": [1]}')
-    with pytest.raises(ValueError, match=f"{FILE}.*no key 'token_ids'"):
-        load_draft_vocab(tmp_path, vocab_size=8)
-    (tmp_path / FILE).write_text('{"token_ids": [1, 2.5]}')
-    with pytest.raises(ValueError, match="non-empty list of integers"):
-        load_draft_vocab(tmp_path, vocab_size=8)
-    (tmp_path / FILE).write_text('{"token_ids": [1,')
-    with pytest.raises(ValueError, match=f"{FILE}: not valid JSON"):
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"token_ids": [1, 1]}', "repeats ids"),
+    ('{"ids": [1]}', f"{FILE}.*no key 'token_ids'"),
+    ('{"token_ids": [1, 2.5]}', "non-empty list of integers"),
+    ('{"token_ids": [1,', f"{FILE}: not valid JSON"),
+])
+def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path, content, message):
+    (tmp_path / FILE).write_text(content)
+    with pytest.raises(ValueError, match=message):
         load_draft_vocab(tmp_path, vocab_size=8)
 
 
