@@ -50,15 +50,15 @@ class KVCache:
             meta.flat_index[id(self)] = cached
         return cached
 
-    def read(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [B, kv_heads, kv_len, head_dim]; a view when the rows are contiguous
+    def read(self, layer: int, meta: AttentionMetadata, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v: [B, kv_heads, kv_len, head_dim] (default meta.kv_len); a view when the rows are contiguous."""
+        kv_len = meta.kv_len if kv_len is None else kv_len
+        if not 0 < kv_len <= self.max_len:
+            raise ValueError(f"kv_len={kv_len} is outside this cache's 1..{self.max_len} positions")
         if meta.row_slice is not None:
-            return (
-                self.k[layer, meta.row_slice, :, : meta.kv_len],
-                self.v[layer, meta.row_slice, :, : meta.kv_len],
-            )
+            return self.k[layer, meta.row_slice, :, :kv_len], self.v[layer, meta.row_slice, :, :kv_len]
         # Slice before gathering: copy only the live prefix of each row.
         return (
-            self.k[layer, :, :, : meta.kv_len].index_select(0, meta.rows),
-            self.v[layer, :, :, : meta.kv_len].index_select(0, meta.rows),
+            self.k[layer, :, :, :kv_len].index_select(0, meta.rows),
+            self.v[layer, :, :, :kv_len].index_select(0, meta.rows),
         )

@@ -25,6 +25,16 @@ from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
 from dflash_trt.spec.verifier import VerifyResult
 
 
+# oneDNN builds a primitive for every new linear shape (~6 ms each on this CPU, 20x a 64-row bf16 GEMM;
+# benchmarks/bench_shapes.py), and a prompt brings a new row count to every projection of the model. Prompt
+# chunks and long feature batches are padded to a multiple of this many tokens so that few shapes recur.
+TOKEN_BUCKET = 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -96,7 +106,7 @@ class ModelRunner:
         starts = starts or [0] * len(seqs)
         ends = ends or [len(s.prompt_ids) for s in seqs]
         lens = [e - b for b, e in zip(starts, ends)]
-        n = max(lens)
+        n = round_up(max(lens), TOKEN_BUCKET)
         ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
         for i, s in enumerate(seqs):
             ids[i, : lens[i]] = torch.tensor(s.prompt_ids[starts[i] : ends[i]], dtype=torch.long)
@@ -173,6 +183,8 @@ class ModelRunner:
         """
         counts = [s.pending_features.shape[0] for s in seqs]
         n = max(counts)
+        if n > self.max_draft_len + 1:  # a prompt's or a plain stretch's features: any length, so bucket it
+            n = round_up(n, TOKEN_BUCKET)
         feat_dim = seqs[0].pending_features.shape[-1]
         features = seqs[0].pending_features.new_zeros(len(seqs), n, feat_dim)
         for i, s in enumerate(seqs):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,16 +37,18 @@ class AttentionMetadata:
     def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor) -> "AttentionMetadata":
         return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
 
-    def mask(self, window: int | None = None, causal: bool | None = None) -> torch.Tensor | None:
-        """Boolean mask [B, 1, Q, kv_len], or None when every key is visible."""
+    def mask(self, window: int | None = None, causal: bool | None = None, kv_len: int | None = None) -> torch.Tensor | None:
+        """Boolean mask [B, 1, Q, kv_len], or None when every key is visible. A kv_len beyond self.kv_len
+        (keys read in buckets) adds keys past every query: always hidden."""
         causal = self.causal if causal is None else causal
-        key = (window, causal)
+        kv_len = self.kv_len if kv_len is None else kv_len
+        key = (window, causal, kv_len)
         if key not in self._masks:
-            self._masks[key] = self._build_mask(window, causal)
+            self._masks[key] = self._build_mask(window, causal, kv_len)
         return self._masks[key]
 
-    def _build_mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
-        t = torch.arange(self.kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
+    def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
+        t = torch.arange(kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
         p = self.positions[:, :, None]  # [B, Q, 1]
         if causal:
             visible = t <= p
@@ -73,8 +77,15 @@ def cached_attention(
 ) -> torch.Tensor:
     """Write this step's K/V ([B, Q, KVH, D]) into the cache, then attend q ([B, H, Q, D]) over it."""
     cache.write(layer, meta, k, v)
-    k_all, v_all = cache.read(layer, meta)
-    return attend(q, k_all, v_all, meta.mask(window=window, causal=causal), scale, sinks)
+    kv_len = meta.kv_len
+    if sinks is None and _takes_grouped_path(q):
+        # The grouped path's batched matmuls go through oneDNN, which builds a new primitive for every new
+        # shape: ~8 ms on this CPU against ~0.15 ms for the matmuls themselves (benchmarks/bench_shapes.py).
+        # The key count grows by one every decode step, so each step would pay it; reading keys in buckets
+        # (the extra ones are masked) lets a few shapes serve every length.
+        kv_len = min(-(-kv_len // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
+    k_all, v_all = cache.read(layer, meta, kv_len)
+    return attend(q, k_all, v_all, meta.mask(window, causal, kv_len), scale, sinks)
 
 
 def attend(
@@ -88,7 +99,7 @@ def attend(
     """q: [B, H, Q, D], k/v: [B, KVH, T, D] -> [B, Q, H * D]. GQA by head groups."""
     if sinks is not None:
         out = _attend_with_sinks(q, k, v, mask, scale, sinks)
-    elif q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2]):
+    elif _takes_grouped_path(q):
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
@@ -96,6 +107,10 @@ def attend(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _takes_grouped_path(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2])
 
 
 def _grouped_is_faster(rows: int, queries: int) -> bool:

@@ -1,11 +1,12 @@
 """attend(): the grouped CPU path (one query per row at 4+ rows) and the SDPA path equal torch's SDPA
-(the oracle) in fp32, over cache views, with and without masks."""
+(the oracle) in fp32, over cache views, with and without masks; cached_attention's bucketed key reads."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.layers.attention import _attend_grouped, attend
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import KEY_BUCKET, AttentionMetadata, _attend_grouped, _takes_grouped_path, attend, cached_attention
 
 
 @pytest.mark.parametrize("b, n, t, mask_q", [(4, 1, 9, None), (2, 1, 300, None), (3, 4, 12, 4), (3, 4, 12, 1), (8, 1, 7, 1),
@@ -23,3 +24,32 @@ def test_grouped_attention_equals_sdpa(b, n, t, mask_q):
     torch.testing.assert_close(_attend_grouped(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
     b_, h, n_, d = want.shape
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want.transpose(1, 2).reshape(b_, n_, h * d), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows, lengths", [((0, 1, 2, 3), (5, 70, 64, 1)), ((6, 2, 4, 0, 1), (9, 9, 130, 3, 64))])
+def test_cached_attention_reads_keys_in_buckets_and_hides_the_extra_ones(rows, lengths):
+    """One query per row at 4+ rows takes the grouped path, which reads keys in buckets of KEY_BUCKET: the keys
+    past each row's position (here huge values, as stale entries could hold) must change nothing."""
+    g = torch.Generator().manual_seed(len(rows))
+    cache = KVCache(num_layers=1, num_rows=8, max_len=200, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cache.k.normal_(generator=g).mul_(1e4)
+    cache.v.normal_(generator=g).mul_(1e4)
+    b = len(rows)
+    positions = torch.tensor(lengths)[:, None] - 1  # each row's query is its last token
+    meta = AttentionMetadata.causal_step(torch.tensor(rows), positions)
+    q, k, v = torch.randn(b, 6, 1, 8, generator=g), torch.randn(b, 1, 2, 8, generator=g), torch.randn(b, 1, 2, 8, generator=g)
+    assert _takes_grouped_path(q)
+    out = cached_attention(cache, 0, meta, q, k, v, scale=0.3)
+    for i, (row, n) in enumerate(zip(rows, lengths)):  # the oracle: SDPA over exactly the row's live keys
+        want = F.scaled_dot_product_attention(q[i : i + 1], cache.k[0, row : row + 1, :, :n], cache.v[0, row : row + 1, :, :n],
+                                              scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out[i, 0], want.transpose(1, 2).reshape(1, 48)[0], atol=1e-5, rtol=1e-5)
+    assert meta.kv_len % KEY_BUCKET != 0  # the case exercises a partial bucket
+
+
+def test_cache_read_refuses_more_keys_than_it_holds():
+    cache = KVCache(num_layers=1, num_rows=2, max_len=16, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    meta = AttentionMetadata.causal_step(torch.tensor([0, 1]), torch.tensor([[3], [5]]))
+    with pytest.raises(ValueError, match="kv_len=17"):
+        cache.read(0, meta, 17)
+    assert cache.read(0, meta, 16)[0].shape == (2, 1, 16, 4)
