@@ -115,10 +115,11 @@ def _takes_grouped_path(q: torch.Tensor) -> bool:
 
 def _grouped_is_faster(rows: int, queries: int) -> bool:
     # Whole generate() runs decide, not the op alone (benchmarks/bench_attention.py --e2e, results/attention_cpu.json;
-    # 2 threads, an 8-row engine, one query per row): grouped 222 / 375 tok/s against SDPA's 209 / 298 at 4 / 8 rows;
-    # a tie at 3; at 1-2 rows the grouped matmul is 2x faster as an op, yet whole runs measured 61 / 116 tok/s
-    # against SDPA's 75 / 132 (the oneDNN linears after it slow down). Multi-query blocks (verify, draft, prefill)
-    # stay on SDPA.
+    # 2 threads, an 8-row engine, one query per row, keys read in buckets): grouped 244.9 / 406.5 tok/s against
+    # SDPA's 213.1 / 311.6 at 4 / 8 rows; at 1-2 rows a tie (72.2 / 128.1 against 73.3 / 126.9), at 3 rows grouped
+    # led in one round (186.7 against 167.6). Before the key buckets the grouped path paid oneDNN's primitive
+    # build at every new key count, which is what made it lose whole runs at 1-2 rows. Multi-query blocks
+    # (verify, draft, prefill) stay on SDPA.
     return queries == 1 and rows >= 4
 
 
