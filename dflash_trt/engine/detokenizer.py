@@ -14,20 +14,39 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.text = ""  # what has been sent
+        # Decoding every id on every update costs O(n) per token (SmolLM2's tokenizer on this CPU: 35 us at 200
+        # ids, 1.1 ms at 8,000; this way 10 us at 8,000): only a window of the last ids is decoded, and its growth
+        # appended. The window starts at the previous update's ids, so that what a token's text depends on before
+        # it (SentencePiece's leading space) decodes as in the whole text.
+        self.decoded = ""  # the text of ids[:self._read]
+        self._prefix = 0  # the window is ids[self._prefix:]; ids[self._prefix:self._read] decode to self._prefix_text
+        self._read = 0
+        self._prefix_text = ""
 
     def delta(self, token_ids: list[int] | tuple[int, ...], final_text: str | None = None) -> str:
         """The new text since the last call; pass the request's final text (cut at stops) when it finishes."""
         if final_text is not None:
             text = final_text
         else:
-            text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-            text = text.rstrip("\ufffd")
+            text = self._decode(token_ids)
             text = text[: len(text) - self._stop_prefix_len(text)]
         if len(text) <= len(self.text):
             return ""
         new = text[len(self.text):]
         self.text = text
         return new
+
+    def _decode(self, token_ids: list[int] | tuple[int, ...]) -> str:
+        """The text of all of token_ids, less any incomplete character at its end."""
+        window = self.tokenizer.decode(list(token_ids[self._prefix:]), skip_special_tokens=True)
+        if window.endswith("\ufffd"):
+            # A character split across ids decodes as "\ufffd" until its last byte arrives: the window only
+            # moves on from complete text (so a run of invalid bytes widens it until text follows).
+            return (self.decoded + window[len(self._prefix_text):]).rstrip("\ufffd")
+        self.decoded += window[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(token_ids)
+        self._prefix_text = self.tokenizer.decode(list(token_ids[self._prefix:self._read]), skip_special_tokens=True)
+        return self.decoded
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of text that starts (or is) one of the stop strings."""

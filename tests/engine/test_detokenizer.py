@@ -1,0 +1,94 @@
+"""IncrementalDetokenizer: the streamed deltas add up to the tokenizer's own decode of all the ids (the oracle),
+however the ids arrive (one at a time, or several per step as speculative decoding commits them), while only
+a window of the last ids is decoded per update; stop strings and incomplete characters are held back."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> str:
+    out, n = [], 0
+    for size in chunks:
+        n = min(len(ids), n + size)
+        out.append(detok.delta(ids[:n]))
+        if n == len(ids):
+            break
+    if n < len(ids):
+        out.append(detok.delta(ids))
+    return "".join(out)
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=120),
+       chunks=st.lists(st.integers(1, 8), min_size=1, max_size=60))
+def test_deltas_add_up_to_the_whole_decode(tokenizer, text, chunks):
+    ids = tokenizer(text)["input_ids"]
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream(IncrementalDetokenizer(tokenizer), ids, chunks) == want.rstrip("\ufffd")
+
+
+@SETTINGS
+@given(ids=st.lists(st.integers(0, 49151), max_size=80), chunks=st.lists(st.integers(1, 8), min_size=1, max_size=80))
+def test_arbitrary_ids_never_stream_text_the_whole_decode_lacks(tokenizer, ids, chunks):
+    """Model output need not be valid UTF-8 (byte tokens, special tokens): what streams is still a prefix of the
+    whole text, and once a complete character follows, all of it."""
+    got = stream(IncrementalDetokenizer(tokenizer), ids, chunks)
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    assert want.startswith(got)
+    assert got == want or want.endswith("\ufffd")
+
+
+def test_only_a_window_is_decoded_per_update(tokenizer):
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"]
+    lengths = []
+
+    class Counting:
+        def decode(self, window, **kw):
+            lengths.append(len(window))
+            return tokenizer.decode(window, **kw)
+
+    detok = IncrementalDetokenizer(Counting())
+    text = "".join(detok.delta(ids[:n]) for n in range(1, len(ids) + 1))
+    assert text == tokenizer.decode(ids)
+    assert len(ids) > 300 and max(lengths) <= 2
+
+
+def test_a_partial_stop_string_is_held_back_and_the_final_text_settles_it(tokenizer):
+    ids = tokenizer("Hi\n\nthere")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, stop=["\n\n"])
+    sent = [detok.delta(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert "".join(sent) == "Hi"  # "\n" waits: it may start the stop string, and it does
+    assert detok.delta(ids, final_text="Hi") == ""
+
+
+def test_a_metaspace_tokenizer_keeps_the_spaces_a_lone_token_would_lose():
+    """SentencePiece-style decoders (Llama, Mistral) drop the leading space of a decode's first token: a window
+    that started at the newest id would glue the words together."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = ["the cat sat on the mat", "a dog ran after the cat", "on and on the words go"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    ids = fast("the cat ran on the mat and the dog sat")["input_ids"]
+    assert fast.decode(ids[3:4]) != " " + fast.decode(ids[3:4]).lstrip()  # the premise: a lone token loses its space
+    detok = IncrementalDetokenizer(fast)
+    assert "".join(detok.delta(ids[:n]) for n in range(1, len(ids) + 1)) == fast.decode(ids)
