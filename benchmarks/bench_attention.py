@@ -2,8 +2,8 @@
 
 Ops: torch's SDPA, the grouped matmul on the cache views, the grouped matmul on contiguous copies; median of
 interleaved rounds, microseconds per call. --e2e: whole autoregressive generate() runs of an 8-row engine with
-one-query steps routed to SDPA or to the grouped matmul, tok/s by batch size (the op timings alone misled: see
-attention.py's _grouped_is_faster). Usage:
+one-query steps routed to SDPA or to the grouped matmul, each run on other prompts, tok/s by batch size (the op
+timings alone misled: see attention.py's _grouped_is_faster). Usage:
 
     .venv/bin/python benchmarks/bench_attention.py [--threads 2] [--rounds 5] [--dtype bfloat16] [--e2e]
 """
@@ -49,21 +49,25 @@ def end_to_end(rounds: int, new_tokens: int = 96) -> list[dict]:
     from dflash_trt.embedded import smollm2_dir
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 
+    from dflash_trt.bench.datasets import load_dataset
+
     engine = LLMEngine.from_dirs(smollm2_dir(), None, EngineConfig(dtype="bfloat16", max_batch_size=8, speculative=False))
-    texts = ["Why is the sky blue?", "Write a haiku about rain.", "What is 17*23?", "Explain TCP in two sentences.",
-             "Name three rivers.", "How do plants grow?", "Tell me a joke.", "What is Python?"]
-    prompts = [engine.encode(t, chat=True) for t in texts]
+    texts = [p.text for p in load_dataset("cpu-small")]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     routes = {"sdpa": lambda rows, queries: False, "grouped": lambda rows, queries: queries == 1,
               "default": attention._grouped_is_faster}
     samples: dict[tuple[int, str], list[float]] = {}
+    run = 0
+    engine.generate([engine.encode(texts[0], chat=True)], params)  # warm-up
     try:
         for _ in range(rounds):
             for name, rule in routes.items():
                 attention._grouped_is_faster = rule
                 for b in (1, 2, 3, 4, 8):
+                    run += 1  # other prompts every run, as a server meets them (oneDNN caches shapes it has seen)
+                    prompts = [engine.encode(texts[(run + i) % len(texts)], chat=True) for i in range(b)]
                     start = time.perf_counter()
-                    outs = engine.generate(prompts[:b], params)
+                    outs = engine.generate(prompts, params)
                     samples.setdefault((b, name), []).append(sum(o.num_tokens for o in outs) / (time.perf_counter() - start))
     finally:
         attention._grouped_is_faster = routes["default"]
@@ -107,7 +111,7 @@ def main() -> None:
                **{f"{name}_us": round(statistics.median(s), 1) for name, s in samples.items()}}
         rows.append(row)
         print(row, flush=True)
-    e2e = end_to_end(max(1, args.rounds // 2)) if args.e2e else None
+    e2e = end_to_end(args.rounds) if args.e2e else None
     path = record(args.name, {"command": " ".join(sys.argv), "threads": args.threads, "dtype": args.dtype,
                               "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "results": rows,
                               "end_to_end_tok_s": e2e})

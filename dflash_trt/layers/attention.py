@@ -115,12 +115,11 @@ def _takes_grouped_path(q: torch.Tensor) -> bool:
 
 def _grouped_is_faster(rows: int, queries: int) -> bool:
     # Whole generate() runs decide, not the op alone (benchmarks/bench_attention.py --e2e, results/attention_cpu.json;
-    # 2 threads, an 8-row engine, one query per row, keys read in buckets): grouped 244.9 / 406.5 tok/s against
-    # SDPA's 213.1 / 311.6 at 4 / 8 rows; at 1-2 rows a tie (72.2 / 128.1 against 73.3 / 126.9), at 3 rows grouped
-    # led in one round (186.7 against 167.6). Before the key buckets the grouped path paid oneDNN's primitive
-    # build at every new key count, which is what made it lose whole runs at 1-2 rows. Multi-query blocks
-    # (verify, draft, prefill) stay on SDPA.
-    return queries == 1 and rows >= 4
+    # 2 threads, an 8-row engine, one query per row, other prompts every run, keys read in buckets): grouped
+    # 190.7 / 242.2 / 375.3 tok/s against SDPA's 173.9 / 206.5 / 281.0 at 3 / 4 / 8 rows, a tie at 2 (131.8 against
+    # 133.9), and SDPA ahead at 1 row (78.2 against 72.2) although the grouped op alone is faster there. Multi-query
+    # blocks (verify, draft, prefill) stay on SDPA.
+    return queries == 1 and rows >= 3
 
 
 def _attend_grouped(q, k, v, mask, scale):

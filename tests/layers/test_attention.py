@@ -1,4 +1,4 @@
-"""attend(): the grouped CPU path (one query per row at 4+ rows) and the SDPA path equal torch's SDPA
+"""attend(): the grouped CPU path (one query per row at 3+ rows) and the SDPA path equal torch's SDPA
 (the oracle) in fp32, over cache views, with and without masks; cached_attention's bucketed key reads."""
 
 import pytest
@@ -28,7 +28,7 @@ def test_grouped_attention_equals_sdpa(b, n, t, mask_q):
 
 @pytest.mark.parametrize("rows, lengths", [((0, 1, 2, 3), (5, 70, 64, 1)), ((6, 2, 4, 0, 1), (9, 9, 130, 3, 64))])
 def test_cached_attention_reads_keys_in_buckets_and_hides_the_extra_ones(rows, lengths):
-    """One query per row at 4+ rows takes the grouped path, which reads keys in buckets of KEY_BUCKET: the keys
+    """One query per row at 3+ rows takes the grouped path, which reads keys in buckets of KEY_BUCKET: the keys
     past each row's position (here huge values, as stale entries could hold) must change nothing."""
     g = torch.Generator().manual_seed(len(rows))
     cache = KVCache(num_layers=1, num_rows=8, max_len=200, num_kv_heads=2, head_dim=8, dtype=torch.float32)
