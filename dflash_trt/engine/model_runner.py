@@ -128,7 +128,7 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             s.stats.prefill_time += elapsed
             if features is not None:
-                s.pending_features = _cat(s.pending_features, features[i, : lens[i]])
+                s.pending_features.append(features[i, : lens[i]])
         return tokens
 
     @torch.inference_mode()
@@ -143,7 +143,7 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             s.stats.verify_time += elapsed
             if features is not None:
-                s.pending_features = _cat(s.pending_features, features[i])
+                s.pending_features.append(features[i])
         return [[t] for t in tokens]
 
     @torch.inference_mode()
@@ -170,7 +170,7 @@ class ModelRunner:
         t2 = time.perf_counter()
 
         for i, s in enumerate(seqs):
-            s.pending_features = target_features[i, : len(emitted[i])]
+            s.pending_features = [target_features[i, : len(emitted[i])]]
             s.stats.draft_time += t1 - t0
             s.stats.verify_time += t2 - t1
         return emitted
@@ -181,14 +181,14 @@ class ModelRunner:
         Padding entries are written at positions past the anchor (clamped into the cache), where the
         block's own K/V overwrite them or the block mask hides them.
         """
-        counts = [s.pending_features.shape[0] for s in seqs]
+        counts = [sum(f.shape[0] for f in s.pending_features) for s in seqs]
         n = max(counts)
         if n > self.max_draft_len + 1:  # a prompt's or a plain stretch's features: any length, so bucket it
             n = round_up(n, TOKEN_BUCKET)
-        feat_dim = seqs[0].pending_features.shape[-1]
-        features = seqs[0].pending_features.new_zeros(len(seqs), n, feat_dim)
+        first_chunk = seqs[0].pending_features[0]
+        features = first_chunk.new_zeros(len(seqs), n, first_chunk.shape[-1])
         for i, s in enumerate(seqs):
-            features[i, : counts[i]] = s.pending_features
+            torch.cat(s.pending_features, out=features[i, : counts[i]])
         first = anchor_pos - torch.tensor(counts, device=anchor_pos.device)
         positions = first[:, None] + torch.arange(n, device=anchor_pos.device)
         return features, positions.clamp_max(self.proposer.cache.max_len - 1)
@@ -217,7 +217,3 @@ class ModelRunner:
         modes_t = torch.tensor(modes, dtype=torch.int32, device=self.device)
         num_accepted, bonus = verify_block(drafts, logits, draft_probs, u, modes_t, *self._params(seqs))
         return VerifyResult(num_accepted, bonus)
-
-
-def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b])

@@ -48,7 +48,9 @@ class Sequence:
         self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
         self.decode_start: float | None = None  # perf_counter when the first token was sampled
         self.generator: Any = None  # torch.Generator, owned by the model runner
-        self.pending_features: Any = None  # [n, F] target features of tokens not yet in the drafter cache
+        # Target features ([n_i, F] each) of tokens not yet in the drafter cache, joined only when injected: a
+        # stretch of plain steps adds one per step, and re-concatenating each time would copy O(n^2).
+        self.pending_features: list = []
         self.stats = SequenceStats()
         self.stop_check = None  # callable(output_ids) -> bool, for stop strings
 

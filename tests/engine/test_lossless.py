@@ -174,24 +174,26 @@ def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab):
 
 
 class _Alternate:
-    """A stand-in for AdaptiveDraftLen that runs the schedule's K and K=0 on alternate steps."""
+    """A stand-in for AdaptiveDraftLen that runs the schedule's K once every `period` steps, K=0 in between."""
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, period: int = 2):
+        self.n, self.period = 0, period
 
     def choose(self, batch_size, k):
         self.n += 1
-        return k if self.n % 2 else 0
+        return k if self.n % self.period == 1 else 0
 
     def observe(self, *args):
         pass
 
 
-def test_greedy_is_lossless_when_steps_switch_between_speculative_and_plain(tiny_dirs):
+@pytest.mark.parametrize("period", [2, 4])
+def test_greedy_is_lossless_when_steps_switch_between_speculative_and_plain(tiny_dirs, period):
+    """Plain steps in between queue their features (one chunk per step) for the next speculative step."""
     prompts = _prompts(4)
     refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
     engine = _engine(tiny_dirs, "qwen3", 3, adaptive_draft_len=True)
-    engine.adaptive = _Alternate()
+    engine.adaptive = _Alternate(period)
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for o, ref in zip(outs, refs):
