@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import record, whole_runs  # noqa: E402
 
 import dflash_trt.layers.attention as attention  # noqa: E402
 from dflash_trt.layers.attention import _attend_grouped  # noqa: E402
@@ -44,38 +44,18 @@ def time_us(fn, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def end_to_end(rounds: int, new_tokens: int = 96) -> list[dict]:
-    from dflash_trt import SamplingParams
-    from dflash_trt.embedded import smollm2_dir
-    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+def end_to_end(rounds: int) -> list[dict]:
+    default = attention._grouped_is_faster
 
-    from dflash_trt.bench.datasets import load_dataset
+    def route(rule):
+        return lambda: setattr(attention, "_grouped_is_faster", rule)
 
-    engine = LLMEngine.from_dirs(smollm2_dir(), None, EngineConfig(dtype="bfloat16", max_batch_size=8, speculative=False))
-    texts = [p.text for p in load_dataset("cpu-small")]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    routes = {"sdpa": lambda rows, queries: False, "grouped": lambda rows, queries: queries == 1,
-              "default": attention._grouped_is_faster}
-    samples: dict[tuple[int, str], list[float]] = {}
-    run = 0
-    engine.generate([engine.encode(texts[0], chat=True)], params)  # warm-up
+    variants = {"sdpa": route(lambda rows, queries: False), "grouped": route(lambda rows, queries: queries == 1),
+                "default": route(default)}
     try:
-        for _ in range(rounds):
-            for name, rule in routes.items():
-                attention._grouped_is_faster = rule
-                for b in (1, 2, 3, 4, 8):
-                    run += 1  # other prompts every run, as a server meets them (oneDNN caches shapes it has seen)
-                    prompts = [engine.encode(texts[(run + i) % len(texts)], chat=True) for i in range(b)]
-                    start = time.perf_counter()
-                    outs = engine.generate(prompts, params)
-                    samples.setdefault((b, name), []).append(sum(o.num_tokens for o in outs) / (time.perf_counter() - start))
+        return whole_runs(variants, (1, 2, 3, 4, 8), rounds)
     finally:
-        attention._grouped_is_faster = routes["default"]
-    rows = [{"rows": b, **{f"{name}_tok_s": round(statistics.median(samples[(b, name)]), 1) for name in routes}}
-            for b in (1, 2, 3, 4, 8)]
-    for row in rows:
-        print(row, flush=True)
-    return rows
+        attention._grouped_is_faster = default
 
 
 def main() -> None:

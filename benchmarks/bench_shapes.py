@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import record, whole_runs  # noqa: E402
 
 import dflash_trt.engine.model_runner as model_runner  # noqa: E402
 import dflash_trt.layers.attention as attention  # noqa: E402
@@ -62,36 +62,16 @@ def ops() -> list[dict]:
     return rows
 
 
-def end_to_end(rounds: int, new_tokens: int = 96) -> list[dict]:
-    from dflash_trt import SamplingParams
-    from dflash_trt.bench.datasets import load_dataset
-    from dflash_trt.embedded import smollm2_dir
-    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+def end_to_end(rounds: int) -> list[dict]:
+    default = attention.KEY_BUCKET, model_runner.TOKEN_BUCKET
 
-    engine = LLMEngine.from_dirs(smollm2_dir(), None, EngineConfig(dtype="bfloat16", max_batch_size=8, speculative=False))
-    texts = [p.text for p in load_dataset("cpu-small")]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    buckets = {"bucketed": (attention.KEY_BUCKET, model_runner.TOKEN_BUCKET), "exact": (1, 1)}
-    samples: dict[tuple[int, str], list[float]] = {}
-    run = 0
+    def buckets(keys: int, tokens: int):
+        return lambda: (setattr(attention, "KEY_BUCKET", keys), setattr(model_runner, "TOKEN_BUCKET", tokens))
+
     try:
-        for _ in range(rounds):
-            for name, (keys, tokens) in buckets.items():
-                attention.KEY_BUCKET, model_runner.TOKEN_BUCKET = keys, tokens
-                for b in (1, 4, 8):
-                    run += 1  # a filler of a length not used before: every prompt length and key count is new
-                    prompts = [engine.encode("Note " * (run * 7) + texts[(run + i) % len(texts)], chat=True)
-                               for i in range(b)]
-                    start = time.perf_counter()
-                    outs = engine.generate(prompts, params)
-                    samples.setdefault((b, name), []).append(sum(o.num_tokens for o in outs) / (time.perf_counter() - start))
+        return whole_runs({"bucketed": buckets(*default), "exact": buckets(1, 1)}, (1, 4, 8), rounds, new_lengths=True)
     finally:
-        attention.KEY_BUCKET, model_runner.TOKEN_BUCKET = buckets["bucketed"]
-    rows = [{"rows": b, **{f"{name}_tok_s": round(statistics.median(samples[(b, name)]), 1) for name in buckets}}
-            for b in (1, 4, 8)]
-    for row in rows:
-        print(row, flush=True)
-    return rows
+        attention.KEY_BUCKET, model_runner.TOKEN_BUCKET = default
 
 
 def main() -> None:

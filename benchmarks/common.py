@@ -47,3 +47,43 @@ def record(name: str, payload: dict) -> Path:
 def chat_ids(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def whole_runs(variants: dict, batch_sizes: tuple[int, ...], rounds: int, new_tokens: int = 96,
+               new_lengths: bool = False) -> list[dict]:
+    """tok/s of whole autoregressive generate() runs of an 8-row SmolLM2 engine (bf16), by variant and batch size.
+
+    `variants` maps a name to a callable that switches the runtime to it (the caller restores the default).
+    Rounds interleave the variants; every run takes other cpu-small prompts, as a server meets them (oneDNN
+    caches the shapes it has seen, so repeated prompts would flatter whatever builds shapes); `new_lengths` also
+    prefixes a filler of a length not used before, so that every prompt length and key count is new.
+    """
+    import statistics
+    import time
+
+    from dflash_trt import SamplingParams
+    from dflash_trt.bench.datasets import load_dataset
+    from dflash_trt.embedded import smollm2_dir
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine.from_dirs(smollm2_dir(), None, EngineConfig(dtype="bfloat16", max_batch_size=8, speculative=False))
+    texts = [p.text for p in load_dataset("cpu-small")]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([engine.encode(texts[0], chat=True)], params)  # warm-up
+    samples: dict[tuple[int, str], list[float]] = {}
+    run = 0
+    for _ in range(rounds):
+        for name, switch in variants.items():
+            switch()
+            for b in batch_sizes:
+                run += 1
+                filler = "Note " * (run * 7) if new_lengths else ""
+                prompts = [engine.encode(filler + texts[(run + i) % len(texts)], chat=True) for i in range(b)]
+                start = time.perf_counter()
+                outs = engine.generate(prompts, params)
+                samples.setdefault((b, name), []).append(sum(o.num_tokens for o in outs) / (time.perf_counter() - start))
+    rows = [{"rows": b, **{f"{name}_tok_s": round(statistics.median(samples[(b, name)]), 1) for name in variants}}
+            for b in batch_sizes]
+    for row in rows:
+        print(row, flush=True)
+    return rows
