@@ -7,11 +7,7 @@ benchmark prompts, while a K=3 step costs ~1.4x a plain one there, so a fixed K 
 AdaptiveDraftLen keeps, per batch-size bucket, running means of the plain step time and of the step time at
 each K it has run, plus a running per-draft acceptance rate alpha (geometric model, spec/acceptance_model.py). Each step
 it keeps the scheduled K only while tau(alpha, K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens
-per second, and now and then runs the other mode once to keep both measurements current: after `probe_every`
-steps, then twice as long after each probe that leaves the decision as it was (up to `max_probe_every`), and
-`probe_every` again once the decision flips. Probes of a clearly losing mode cost: on this CPU at 4 rows a K=1
-step took 27-31 ms against 16 ms plain, and backing off gave 1-3% more tokens/s than probing every 16 steps
-(benchmarks/bench_adaptive_probes.py: 228.6 vs 222.6, then 222.4 vs 220.4 in the recorded run).
+per second, and every `probe_every` steps it runs the other mode once to keep both measurements current.
 Each side is measured `warmup` times before any decision, and its first step is dropped: first calls pay
 one-off costs (seen: a first plain step slow enough to keep a useless drafter on for a whole request).
 Verification is lossless, so K changes speed only, never the tokens.
@@ -31,15 +27,12 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class AdaptiveDraftLen:
-    probe_every: int = 16  # steps before the first run of the mode not chosen (and after a change of mind)
-    max_probe_every: int = 256  # the longest the interval grows while the decision holds
+    probe_every: int = 16  # steps between runs of the mode not chosen
     smoothing: float = 0.25  # weight of the newest observation in the running means, once warm
     warmup: int = 3  # observations of each side before deciding (the first is dropped)
     _step_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, K) -> seconds
     _seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, K) -> observations
     _since_probe: dict[int, int] = field(default_factory=dict)
-    _interval: dict[int, int] = field(default_factory=dict)  # bucket -> steps between probes now
-    _spec_won: dict[int, bool] = field(default_factory=dict)  # bucket -> the last decision
     alpha: float | None = None  # running per-draft acceptance
 
     def choose(self, batch_size: int, k: int) -> int:
@@ -53,16 +46,10 @@ class AdaptiveDraftLen:
             return 0  # then plain steps
         spec_s, plain_s = self._step_s[(bucket, k)], self._step_s[(bucket, 0)]
         spec_wins = tau_from_acceptance(self.alpha, k) / spec_s >= 1.0 / plain_s
-        if self._spec_won.get(bucket, spec_wins) != spec_wins:  # a change of mind: probe often again
-            self._interval[bucket], self._since_probe[bucket] = self.probe_every, 0
-        self._spec_won[bucket] = spec_wins
-        interval = self._interval.get(bucket, self.probe_every)
         n = self._since_probe.get(bucket, 0) + 1
-        if n >= interval:
-            self._since_probe[bucket] = 0
-            self._interval[bucket] = min(2 * interval, self.max_probe_every)
+        self._since_probe[bucket] = n % self.probe_every
+        if n == self.probe_every:
             return 0 if spec_wins else k
-        self._since_probe[bucket] = n
         return k if spec_wins else 0
 
     def observe(self, batch_size: int, k: int, step_s: float, tokens_per_row: list[int]) -> None:
