@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -58,9 +60,6 @@ def whole_runs(variants: dict, batch_sizes: tuple[int, ...], rounds: int, new_to
     caches the shapes it has seen, so repeated prompts would flatter whatever builds shapes); `new_lengths` also
     prefixes a filler of a length not used before, so that every prompt length and key count is new.
     """
-    import statistics
-    import time
-
     from dflash_trt import SamplingParams
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.embedded import smollm2_dir

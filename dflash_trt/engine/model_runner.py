@@ -17,7 +17,7 @@ import torch
 
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
-from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
@@ -29,10 +29,6 @@ from dflash_trt.spec.verifier import VerifyResult
 # benchmarks/bench_shapes.py), and a prompt brings a new row count to every projection of the model. Prompt
 # chunks and long feature batches are padded to a multiple of this many tokens so that few shapes recur.
 TOKEN_BUCKET = 16
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class ModelRunner:

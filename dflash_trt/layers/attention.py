@@ -18,6 +18,10 @@ import torch.nn.functional as F
 KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 @dataclass
 class AttentionMetadata:
     rows: torch.Tensor  # [B] cache rows
@@ -83,7 +87,7 @@ def cached_attention(
         # shape: ~8 ms on this CPU against ~0.15 ms for the matmuls themselves (benchmarks/bench_shapes.py).
         # The key count grows by one every decode step, so each step would pay it; reading keys in buckets
         # (the extra ones are masked) lets a few shapes serve every length.
-        kv_len = min(-(-kv_len // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
+        kv_len = min(round_up(kv_len, KEY_BUCKET), cache.max_len)
     k_all, v_all = cache.read(layer, meta, kv_len)
     return attend(q, k_all, v_all, meta.mask(window, causal, kv_len), scale, sinks)
 
