@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from dflash_trt.kernels import cpu_ops
+
 KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
+KERNEL_MAX_QUERIES = 16  # causal steps of up to this many queries per row take the CPU kernel (decode, verify)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -32,6 +35,7 @@ class AttentionMetadata:
     row_slice: slice | None = None  # rows as a slice when they are contiguous (read without a copy)
     _masks: dict = field(default_factory=dict, repr=False)
     flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
+    _query_keys: tuple | None = field(default=None, repr=False)
 
     @classmethod
     def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
@@ -50,6 +54,16 @@ class AttentionMetadata:
         if key not in self._masks:
             self._masks[key] = self._build_mask(window, causal, kv_len)
         return self._masks[key]
+
+    def query_keys(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per query of a causal step, flattened row-major: its cache row and its key count (position + 1), both
+        int64 [B * Q]; and the largest key count."""
+        if self._query_keys is None:
+            q = self.positions.shape[1]
+            lens = (self.positions.to(torch.int64) + 1).reshape(-1).contiguous()
+            rows = self.rows.to(torch.int64).repeat_interleave(q).contiguous()
+            self._query_keys = (rows, lens, int(lens.max()))
+        return self._query_keys
 
     def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
         t = torch.arange(kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
@@ -80,6 +94,18 @@ def cached_attention(
     window: int | None = None, causal: bool | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V ([B, Q, KVH, D]) into the cache, then attend q ([B, H, Q, D]) over it."""
+    causal = meta.causal if causal is None else causal
+    b, h, n, d = q.shape
+    ops = cpu_ops.for_tensors(q, cache.k) if sinks is None and causal and n <= KERNEL_MAX_QUERIES else None
+    if ops is not None:
+        # One call for the whole step (decode, verify): no key copies, exact key counts (no buckets, no mask).
+        rows, lens, longest = meta.query_keys()
+        if longest > cache.max_len:  # checked before the write, which would land in the next row
+            raise ValueError(f"a query at position {longest - 1} is past this cache's {cache.max_len} positions")
+        cache.write(layer, meta, k, v)
+        out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, h, d), cache.k[layer], cache.v[layer], rows, lens,
+                                   scale, window)
+        return out.view(b, n, h * d)
     cache.write(layer, meta, k, v)
     kv_len = meta.kv_len
     if sinks is None and _takes_grouped_path(q):

@@ -68,8 +68,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.forward_with_residual(
+            self.self_attn(self.input_layernorm(x), cos, sin, meta, cache), x
+        )
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):

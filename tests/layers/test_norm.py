@@ -1,10 +1,14 @@
-"""RMSNorm against transformers' LlamaRMSNorm (fp32 math, cast back, then the weight), bit for bit."""
+"""RMSNorm against transformers' LlamaRMSNorm (fp32 math, cast back, then the weight): torch's ops bit for bit;
+the CPU kernel that inference uses is tested in tests/kernels/test_cpu_ops.py."""
+
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.norm import RMSNorm
 
 
@@ -17,7 +21,10 @@ def test_rms_norm_equals_the_reference_bit_for_bit(rows, dim, scale, dtype, seed
     x = (torch.randn(rows, 3, dim, generator=g) * scale).to(dtype)
     w = torch.randn(dim, generator=g).to(dtype)
     ours, ref = RMSNorm(dim, 1e-5).to(dtype), LlamaRMSNorm(dim, 1e-5).to(dtype)
-    with torch.no_grad():
+    with torch.no_grad(), mock.patch.object(cpu_ops, "for_tensors", return_value=None):
         ours.weight.copy_(w)
         ref.weight.copy_(w)
         assert torch.equal(ours(x), ref(x))
+        total, y = torch.randn_like(x), x.flip(0)
+        normed, total = ours.forward_with_residual(x, y)
+        assert torch.equal(total, x + y) and torch.equal(normed, ref(x + y))

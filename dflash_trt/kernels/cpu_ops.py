@@ -1,0 +1,139 @@
+"""C kernels for the CPU decode step: RMSNorm (with the residual add) and one-query attention over the KV cache.
+
+At decode sizes torch spends more time dispatching the ~40 small ops of a decoder layer than computing them
+(an 8-row SmolLM2 step: ~18 ms, of which the linears are ~9 ms). These kernels do the norm and the whole
+attention of a decode step in one call each. They are compiled on first use with the machine's C compiler
+(`cc`, -O3 -march=native) into a per-user cache keyed by the source and the compiler, and called through
+ctypes on the tensors' memory; where there is no compiler, or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns
+None and the torch ops run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("cpu_ops.c", "cpu_ops_body.h")
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fopenmp")
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_i64, _f32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt")
+    return Path(root) / "cpu_ops"
+
+
+def _library_path(compiler: str) -> Path:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((here / name).read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update(" ".join((compiler, version, platform.machine(), *_FLAGS)).encode())
+    return cache_dir() / f"cpu_ops-{digest.hexdigest()[:16]}.so"
+
+
+def build(compiler: str = "cc") -> Path:
+    """Compile the kernels unless this exact build is cached; -> the shared library. Raises on a compiler error."""
+    path = _library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent first uses never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, str(Path(__file__).parent / "cpu_ops.c"), "-o", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{result.stderr}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class CpuOps:
+    """The compiled kernels, called on contiguous CPU tensors of one dtype (bfloat16 or float32)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fns = {}
+        for dtype, sfx in _SUFFIX.items():
+            norm = getattr(library, f"rms_norm_{sfx}")
+            norm.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _f32]
+            norm.restype = None
+            attn = getattr(library, f"decode_attention_{sfx}")
+            attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64]
+            attn.restype = None
+            self._fns[dtype] = (norm, attn)
+
+    @staticmethod
+    def supports(*tensors: torch.Tensor) -> bool:
+        dtype = tensors[0].dtype
+        return dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """weight * rms_norm(x [+ residual]) over the last dim -> (normed, x + residual or None)."""
+        x = x.contiguous()
+        d = x.shape[-1]
+        out = torch.empty_like(x)
+        total = None
+        if residual is not None:
+            residual = residual.contiguous()
+            total = torch.empty_like(x)
+        self._fns[x.dtype][0](
+            x.data_ptr(), residual.data_ptr() if residual is not None else None,
+            total.data_ptr() if total is not None else None, weight.contiguous().data_ptr(), out.data_ptr(),
+            x.numel() // d, d, eps,
+        )
+        return out, total
+
+    def cached_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+        scale: float, window: int | None = None,
+    ) -> torch.Tensor:
+        """Each query q[i] ([N, H, D]) attends over cache row rows[i] of k/v_cache ([cache rows, KVH, max_len, D]),
+        keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]."""
+        q = q.contiguous()
+        b, h, d = q.shape
+        _, kvh, max_len, _ = k_cache.shape
+        if h % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"decode_attention: {h} query heads over {kvh} KV heads, or a strided cache")
+        out = torch.empty_like(q)
+        self._fns[q.dtype][1](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            b, h, kvh, max_len, d, scale, window or 0,
+        )
+        return out
+
+
+def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:
+    """The kernels if they serve these tensors: CPU, one supported dtype, and no autograd (training keeps torch's
+    differentiable ops)."""
+    if torch.is_grad_enabled() or not CpuOps.supports(*tensors):
+        return None
+    return load()
+
+
+@functools.cache
+def load() -> CpuOps | None:
+    """The kernels, built if needed; None where they cannot be (no compiler, or DFLASH_TRT_CPU_KERNELS=0)."""
+    if os.environ.get("DFLASH_TRT_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return None
+    return CpuOps(ctypes.CDLL(str(build(compiler))))
