@@ -10,20 +10,22 @@
 #include <immintrin.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
+typedef union {
+    uint32_t u;
     float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+} bits32;
+
+static inline float bf16_to_f32(uint16_t h) {
+    bits32 b = {.u = (uint32_t)h << 16};
+    return b.f;
 }
 
 /* Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet). */
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t u = ((bits32){.f = f}).u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    /* a select, not a branch: loops that store bf16 stay vectorisable */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 /* exp for x <= 0 (softmax after subtracting the max) in a form the compiler vectorises: Cephes' expf polynomial,
@@ -32,7 +34,8 @@ static inline float exp_nonpositive(float x) {
     const float lo = -87.33654475f;
     float under = x < lo ? 0.0f : 1.0f;
     x = x < lo ? lo : x;
-    float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    /* k = round(x / ln 2) by the 1.5 * 2^23 trick: floorf would keep the loop scalar */
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -41,9 +44,7 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)k + 127) << 23;
-    float two_k;
-    memcpy(&two_k, &e, sizeof two_k);
+    const float two_k = ((bits32){.u = (uint32_t)((int32_t)k + 127) << 23}).f;
     return y * two_k * under;
 }
 

@@ -1,8 +1,9 @@
-"""C kernels for the CPU decode step: RMSNorm (with the residual add) and one-query attention over the KV cache.
+"""C kernels for the CPU decode step: everything in a decoder layer but its linears.
 
 At decode sizes torch spends more time dispatching the ~40 small ops of a decoder layer than computing them
-(an 8-row SmolLM2 step: ~18 ms, of which the linears are ~9 ms). These kernels do the norm and the whole
-attention of a decode step in one call each. They are compiled on first use with the machine's C compiler
+(an 8-row SmolLM2 step: ~18 ms, of which the linears are ~9 ms). These kernels do RMSNorm with its residual
+add, the rotary embedding with the K/V cache write, attention over the cache, and the gated MLP's activation,
+one call each. They are compiled on first use with the machine's C compiler
 (`cc`, -O3 -march=native) into a per-user cache keyed by the source and the compiler, and called through
 ctypes on the tensors' memory; where there is no compiler, or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns
 None and the torch ops run instead.
@@ -76,7 +77,13 @@ class CpuOps:
             attn = getattr(library, f"decode_attention_{sfx}")
             attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64]
             attn.restype = None
-            self._fns[dtype] = (norm, attn)
+            rope = getattr(library, f"qkv_rotary_write_{sfx}")
+            rope.argtypes = [_p, _p, _p, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]
+            rope.restype = None
+            silu = getattr(library, f"silu_mul_{sfx}")
+            silu.argtypes = [_p, _p, _i64, _i64]
+            silu.restype = None
+            self._fns[dtype] = (norm, attn, rope, silu)
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -100,6 +107,37 @@ class CpuOps:
             x.numel() // d, d, eps,
         )
         return out, total
+
+    def qkv_rotary_write(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+        head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """Fused q/k/v projections of N tokens (qkv [..., (H + 2 KVH) * D]) -> rotated q [N, H, D]; the rotated k
+        and v are written into k/v_cache ([cache rows, KVH, max_len, D]) at (rows[i], positions[i]). cos/sin hold
+        N rows of the rotary channels; head_norms = (q weight, k weight, eps) applies per-head RMSNorm first."""
+        _, kv_heads, max_len, d = k_cache.shape
+        qkv = qkv.reshape(-1, qkv.shape[-1]).contiguous()
+        n, rot = qkv.shape[0], cos.shape[-1]
+        if qkv.shape[1] != (heads + 2 * kv_heads) * d:
+            raise ValueError(f"qkv_rotary_write: {qkv.shape[1]} projected channels for {heads}+2x{kv_heads} heads of {d}")
+        cos, sin = cos.reshape(n, rot).contiguous(), sin.reshape(n, rot).contiguous()
+        q_norm, k_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
+        q = torch.empty(n, heads, d, dtype=qkv.dtype)
+        self._fns[qkv.dtype][2](
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm.data_ptr() if q_norm is not None else None,
+            k_norm.data_ptr() if k_norm is not None else None, eps, rows.data_ptr(), positions.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads, kv_heads, d, rot, max_len,
+        )
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for fused [..., 2 * I] projections -> [..., I]."""
+        gate_up = gate_up.contiguous()
+        inner = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype)
+        self._fns[gate_up.dtype][3](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inner), inner)
+        return out
 
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,

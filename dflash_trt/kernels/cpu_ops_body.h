@@ -79,5 +79,73 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     }
 }
 
+/* Per-head RMSNorm (Qwen3's q/k norm) into dst, rounded as the torch module rounds. */
+static void CAT(head_norm_, SFX)(const T *x, const T *weight, float eps, int64_t d, T *dst) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; j++) ss += LOAD(x[j]) * LOAD(x[j]);
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) dst[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(x[j]) * r)));
+}
+
+/* Neox rotary on the leading `rot` channels (x * cos + rotate_half(x) * sin, each product rounded, as torch's
+ * elementwise ops round them); the rest pass through. */
+static void CAT(rotary_, SFX)(const T *x, const T *cos, const T *sin, int64_t d, int64_t rot, T *dst) {
+    const int64_t half = rot / 2;
+    for (int64_t j = 0; j < half; j++)
+        dst[j] = STORE(LOAD(STORE(LOAD(x[j]) * LOAD(cos[j]))) + LOAD(STORE(-LOAD(x[j + half]) * LOAD(sin[j]))));
+    for (int64_t j = half; j < rot; j++)
+        dst[j] = STORE(LOAD(STORE(LOAD(x[j]) * LOAD(cos[j]))) + LOAD(STORE(LOAD(x[j - half]) * LOAD(sin[j]))));
+    for (int64_t j = rot; j < d; j++) dst[j] = x[j];
+}
+
+/* The attention block's input side for N tokens of fused q/k/v projections ([N, (H + 2 KVH) * D]): optional
+ * per-head norms on q and k, rotary at each token's position (cos/sin: [N, rot]), q to q_out ([N, H, D]), and k, v
+ * written into one layer of the cache ([cache rows, KVH, max_len, D]) at (rows[i], positions[i]). */
+void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const T *q_norm, const T *k_norm,
+                                 float eps, const int64_t *rows, const int64_t *positions, T *q_out, T *k_cache,
+                                 T *v_cache, int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t rot,
+                                 int64_t max_len) {
+    T normed[D];
+    for (int64_t i = 0; i < N; i++) {
+        const T *src = qkv + i * (H + 2 * KVH) * D;
+        const T *c = cos + i * rot, *s = sin + i * rot;
+        for (int64_t h = 0; h < H; h++) {
+            const T *x = src + h * D;
+            if (q_norm) {
+                CAT(head_norm_, SFX)(x, q_norm, eps, D, normed);
+                x = normed;
+            }
+            CAT(rotary_, SFX)(x, c, s, D, rot, q_out + (i * H + h) * D);
+        }
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t at = ((rows[i] * KVH + h) * max_len + positions[i]) * D;
+            const T *x = src + (H + h) * D;
+            if (k_norm) {
+                CAT(head_norm_, SFX)(x, k_norm, eps, D, normed);
+                x = normed;
+            }
+            CAT(rotary_, SFX)(x, c, s, D, rot, k_cache + at);
+            memcpy(v_cache + at, src + (H + KVH + h) * D, sizeof(T) * (size_t)D);
+        }
+    }
+}
+
+/* silu(gate) * up for [N, 2 * I] fused gate/up projections -> [N, I], rounded after the silu as torch rounds. */
+void CAT(silu_mul_, SFX)(const T *gate_up, T *out, int64_t N, int64_t I) {
+#pragma omp parallel for schedule(static) if (N * I >= 8192)
+    for (int64_t i = 0; i < N; i++) {
+        const T *g = gate_up + i * 2 * I, *u = g + I;
+        T *o = out + i * I;
+#pragma omp simd
+        for (int64_t j = 0; j < I; j++) {
+            const float x = LOAD(g[j]);
+            const float e = exp_nonpositive(x > 0.0f ? -x : x); /* exp(-|x|) */
+            const float silu = x > 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+            o[j] = STORE(LOAD(STORE(silu)) * LOAD(u[j]));
+        }
+    }
+}
+
 #undef CAT
 #undef CAT_

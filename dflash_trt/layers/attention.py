@@ -25,6 +25,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class QueryKeys:
+    rows: torch.Tensor  # int64 [N]: each query's cache row
+    positions: torch.Tensor  # int64 [N]: where its own K/V go
+    lens: torch.Tensor  # int64 [N]: the keys it sees, [0, lens)
+    longest: int
+
+
 @dataclass
 class AttentionMetadata:
     rows: torch.Tensor  # [B] cache rows
@@ -35,7 +43,7 @@ class AttentionMetadata:
     row_slice: slice | None = None  # rows as a slice when they are contiguous (read without a copy)
     _masks: dict = field(default_factory=dict, repr=False)
     flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
-    _query_keys: tuple | None = field(default=None, repr=False)
+    _query_keys: "QueryKeys | None" = field(default=None, repr=False)
 
     @classmethod
     def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
@@ -55,14 +63,13 @@ class AttentionMetadata:
             self._masks[key] = self._build_mask(window, causal, kv_len)
         return self._masks[key]
 
-    def query_keys(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Per query of a causal step, flattened row-major: its cache row and its key count (position + 1), both
-        int64 [B * Q]; and the largest key count."""
+    def query_keys(self) -> "QueryKeys":
+        """Per query of a causal step, flattened row-major: its cache row, position and key count."""
         if self._query_keys is None:
             q = self.positions.shape[1]
-            lens = (self.positions.to(torch.int64) + 1).reshape(-1).contiguous()
+            positions = self.positions.to(torch.int64).reshape(-1).contiguous()
             rows = self.rows.to(torch.int64).repeat_interleave(q).contiguous()
-            self._query_keys = (rows, lens, int(lens.max()))
+            self._query_keys = QueryKeys(rows, positions, positions + 1, int(positions.max()) + 1)
         return self._query_keys
 
     def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
@@ -89,23 +96,26 @@ def _as_slice(rows: torch.Tensor) -> slice | None:
     return None
 
 
+def kernel_step(meta: AttentionMetadata, cache, *tensors: torch.Tensor) -> tuple[cpu_ops.CpuOps, QueryKeys] | None:
+    """The CPU kernels and the step's per-query keys where the kernels serve this step: inference on the CPU in a
+    supported dtype, a causal step of at most KERNEL_MAX_QUERIES queries per row (decode, verify, short prompt
+    chunks). Raises before anything is written if a query lies past the cache."""
+    if not meta.causal or meta.positions.shape[1] > KERNEL_MAX_QUERIES:
+        return None
+    ops = cpu_ops.for_tensors(*tensors, cache.k)
+    if ops is None:
+        return None
+    keys = meta.query_keys()
+    if keys.longest > cache.max_len:  # a write there would land in the next row
+        raise ValueError(f"a query at position {keys.longest - 1} is past this cache's {cache.max_len} positions")
+    return ops, keys
+
+
 def cached_attention(
     cache, layer: int, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     window: int | None = None, causal: bool | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V ([B, Q, KVH, D]) into the cache, then attend q ([B, H, Q, D]) over it."""
-    causal = meta.causal if causal is None else causal
-    b, h, n, d = q.shape
-    ops = cpu_ops.for_tensors(q, cache.k) if sinks is None and causal and n <= KERNEL_MAX_QUERIES else None
-    if ops is not None:
-        # One call for the whole step (decode, verify): no key copies, exact key counts (no buckets, no mask).
-        rows, lens, longest = meta.query_keys()
-        if longest > cache.max_len:  # checked before the write, which would land in the next row
-            raise ValueError(f"a query at position {longest - 1} is past this cache's {cache.max_len} positions")
-        cache.write(layer, meta, k, v)
-        out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, h, d), cache.k[layer], cache.v[layer], rows, lens,
-                                   scale, window)
-        return out.view(b, n, h * d)
     cache.write(layer, meta, k, v)
     kv_len = meta.kv_len
     if sinks is None and _takes_grouped_path(q):

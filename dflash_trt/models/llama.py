@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import AttentionMetadata, cached_attention
+from dflash_trt.kernels import cpu_ops
+from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
@@ -36,7 +37,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        step = kernel_step(meta, cache, qkv, cos)
+        if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
+            ops, keys = step
+            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads, norms)
+            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale)
+            return self.o_proj(out.view(b, n, -1))
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v.view(b, n, self.num_kv_heads, self.head_dim)
@@ -55,7 +65,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_ops.for_tensors(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

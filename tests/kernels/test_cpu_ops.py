@@ -1,16 +1,18 @@
 """The CPU kernels (dflash_trt/kernels/cpu_ops.c) against torch: RMSNorm against transformers' LlamaRMSNorm,
-cached attention against SDPA over exactly the keys each query may see."""
+cached attention against SDPA over exactly the keys each query may see, rotary + cache write against
+transformers' apply_rotary_pos_emb, the gated activation against F.silu."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.attention import AttentionMetadata, cached_attention
+from dflash_trt.layers.attention import AttentionMetadata, kernel_step
+from dflash_trt.layers.rotary import RotaryEmbedding
 
 ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler (the torch ops run instead)")
@@ -81,31 +83,73 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(dtype, heads,
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * 1e4 if dtype == torch.bfloat16 else tol)
 
 
-def test_cached_attention_takes_the_kernel_for_verify_blocks_in_inference():
-    """A 4-query causal block per row through cached_attention, as verify runs it: each query sees its own
-    and the earlier keys of its row, freshly written ones included."""
-    g = torch.Generator().manual_seed(7)
-    cache = _cache(4, 64, 2, 32, torch.float32, g)
-    rows = torch.tensor([3, 1])
-    positions = torch.tensor([[10, 11, 12, 13], [40, 41, 42, 43]])
-    meta = AttentionMetadata.causal_step(rows, positions)
-    q = torch.randn(2, 6, 4, 32, generator=g)
-    k, v = torch.randn(2, 4, 2, 32, generator=g), torch.randn(2, 4, 2, 32, generator=g)
-    with torch.inference_mode():
-        got = cached_attention(cache, 0, meta, q, k, v, scale=0.3)
-    assert torch.equal(cache.k[0, 3, :, 10:14], k[0].transpose(0, 1))  # the step's keys were written first
-    flat_rows, lens, longest = meta.query_keys()
-    assert longest == 44
-    want = _sdpa_per_query(q.transpose(1, 2).reshape(8, 6, 32), cache, 0, flat_rows, lens, 0.3)
-    torch.testing.assert_close(got, want.reshape(2, 4, 6 * 32), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim, qk_norm", [(64, False), (32, False), (64, True)])
+def test_qkv_rotary_write_equals_transformers_rotary_and_an_indexed_write(dtype, rotary_dim, qk_norm):
+    """Two rows x 3 tokens of fused q/k/v: q comes back rotated; k (rotated) and v land at (row, position) and
+    nowhere else. bf16 results are bit-identical: the kernel rounds each product where torch's ops round."""
+    g = torch.Generator().manual_seed(rotary_dim)
+    heads, kv_heads, d = 4, 2, 64
+    rows, positions = torch.tensor([3, 1]), torch.tensor([[5, 6, 7], [0, 1, 2]])
+    qkv = torch.randn(2, 3, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    rope = RotaryEmbedding(rotary_dim, {"rope_theta": 10000.0}, 64)
+    cos, sin = rope(positions, dtype)  # [B, 1, T, rotary_dim]
+    norms = None
+    q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    q, k, v = q.view(2, 3, heads, d), k.view(2, 3, kv_heads, d), v.view(2, 3, kv_heads, d)
+    if qk_norm:
+        qn, kn = LlamaRMSNorm(d, 1e-6).to(dtype), LlamaRMSNorm(d, 1e-6).to(dtype)
+        with torch.no_grad():
+            qn.weight.copy_(torch.randn(d, generator=g)), kn.weight.copy_(torch.randn(d, generator=g))
+            q, k = qn(q), kn(k)
+        norms = (qn.weight.detach(), kn.weight.detach(), 1e-6)
+    rot_q, rot_k = apply_rotary_pos_emb(q[..., :rotary_dim].transpose(1, 2), k[..., :rotary_dim].transpose(1, 2),
+                                        cos[:, 0], sin[:, 0])
+    want_q = torch.cat([rot_q.transpose(1, 2), q[..., rotary_dim:]], -1)
+    want_k = torch.cat([rot_k.transpose(1, 2), k[..., rotary_dim:]], -1)
+    cache = KVCache(num_layers=1, num_rows=4, max_len=8, num_kv_heads=kv_heads, head_dim=d, dtype=dtype)
+    flat_rows, flat_pos = rows.repeat_interleave(3), positions.reshape(-1)
+    with torch.no_grad():
+        got_q = ops.qkv_rotary_write(qkv, cos, sin, flat_rows, flat_pos, cache.k[0], cache.v[0], heads, norms)
+    exact = dtype == torch.bfloat16 and not qk_norm  # a norm's sum order may move a bf16 ulp before the rotary
+    check = torch.testing.assert_close if not exact else (lambda a, b: torch.equal(a, b) or pytest.fail("not bitwise"))
+    check(got_q, want_q.reshape(6, heads, d))
+    for b, row in enumerate(rows.tolist()):
+        check(cache.k[0, row, :, positions[b]], want_k[b].transpose(0, 1))
+        assert torch.equal(cache.v[0, row, :, positions[b]], v[b].transpose(0, 1))
+    written = torch.zeros(4, 8, dtype=torch.bool)
+    written[3, 5:8] = written[1, 0:3] = True
+    assert not cache.k[0].transpose(1, 2)[~written].any() and not cache.v[0].transpose(1, 2)[~written].any()
 
 
-def test_cached_attention_refuses_queries_past_the_cache():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(5, 2, 2 * 1536, generator=g) * 6).to(dtype)  # big gates: both tails of the sigmoid
+    gate_up[0, 0, :4] = torch.tensor([-100.0, -88.0, 0.0, 100.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    with torch.no_grad():
+        got = ops.silu_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-30)
+    else:
+        assert _within_one_ulp(got, want) and (got == want).float().mean() > 0.99
+
+
+def test_kernel_step_serves_short_causal_steps_and_refuses_positions_past_the_cache():
     cache = KVCache(num_layers=1, num_rows=2, max_len=16, num_kv_heads=1, head_dim=32, dtype=torch.float32)
-    meta = AttentionMetadata.causal_step(torch.tensor([0, 1]), torch.tensor([[16], [3]]))
-    with torch.inference_mode(), pytest.raises(ValueError, match="position 16"):
-        cached_attention(cache, 0, meta, torch.zeros(2, 2, 1, 32), torch.ones(2, 1, 1, 32), torch.ones(2, 1, 1, 32), 1.0)
-    assert not cache.k.any() and not cache.v.any()  # row 0's position 16 would have been row 1's position 0
+    x = torch.zeros(2, 1, 32)
+    with torch.inference_mode():
+        verify = AttentionMetadata.causal_step(torch.tensor([1, 0]), torch.tensor([[4, 5, 6], [9, 10, 11]]))
+        step_ops, keys = kernel_step(verify, cache, x)
+        assert step_ops is ops and keys.rows.tolist() == [1, 1, 1, 0, 0, 0] and keys.lens.tolist() == [5, 6, 7, 10, 11, 12]
+        long_chunk = AttentionMetadata.causal_step(torch.tensor([0]), torch.arange(17)[None] % 16)
+        assert kernel_step(long_chunk, cache, x) is None  # long prompt chunks stay on SDPA
+        past = AttentionMetadata.causal_step(torch.tensor([0, 1]), torch.tensor([[16], [3]]))
+        with pytest.raises(ValueError, match="position 16"):
+            kernel_step(past, cache, x)
+    assert kernel_step(verify, cache, x) is None  # with autograd on, torch's ops run
 
 
 def test_kernels_stand_aside_for_autograd_and_other_dtypes():

@@ -37,7 +37,12 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, arch, rope):
         cache = ours.make_cache(2, 160)
         hidden, feats = ours(ids, _run(ours, ids), cache, capture_layer_ids=(2, 0))
         logits = ours.compute_logits(hidden)
+        # The tail again as decode and verify steps run it (1, 1 and 8 tokens: the CPU kernels' path), over
+        # the K/V the long prefill left
+        steps = [(140, 141), (141, 142), (142, 150)]
+        tail = [ours.compute_logits(ours(ids[:, a:b], _run(ours, ids[:, a:b], a), cache)[0]) for a, b in steps]
     assert (logits - ref.logits).abs().max() < TOL
+    assert (torch.cat(tail, 1) - ref.logits[:, 140:]).abs().max() < TOL
     # layer l's output is transformers' hidden_states[l + 1]; features concatenate in the given order
     assert torch.allclose(feats[..., :64], ref.hidden_states[3], atol=TOL)
     assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
