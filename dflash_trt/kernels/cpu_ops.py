@@ -84,6 +84,27 @@ class CpuOps:
             silu.argtypes = [_p, _p, _i64, _i64]
             silu.restype = None
             self._fns[dtype] = (norm, attn, rope, silu)
+        self._linear = library.linear_bf16
+        self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
+        self._linear.restype = ctypes.c_int
+
+    def has_linear(self, weight: torch.Tensor) -> bool:
+        """Whether linear() serves this weight: bf16, rows a multiple of 32 long, a CPU with AVX512-BF16."""
+        if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not weight.is_contiguous():
+            return False
+        probe = torch.zeros(1, weight.shape[1], dtype=torch.bfloat16)
+        out = torch.empty(1, 1, dtype=torch.bfloat16)
+        return bool(self._linear(probe.data_ptr(), weight.data_ptr(), None, out.data_ptr(), 1, 1, weight.shape[1]))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight [N, K]^T (+ bias) for a weight has_linear() accepted; every row's result is the same
+        whichever rows share the call."""
+        x = x.contiguous()
+        n, k = weight.shape
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                     x.numel() // k, n, k)
+        return out
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:

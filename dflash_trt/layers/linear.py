@@ -1,8 +1,12 @@
-"""oneDNN-prepacked linears for CPU inference.
+"""Linears for CPU inference: this project's bf16 GEMV kernel for decode-sized inputs, oneDNN-prepacked above.
 
 A bf16 or fp32 GEMV through oneDNN with the weight reordered once into its blocked layout runs about
-2x faster on AVX-512 CPUs than `F.linear` on the plain weight, with bit-identical results; decode
-steps are made of such GEMVs. Applied as a transform after the model is built (never in model code).
+2x faster on AVX-512 CPUs than `F.linear` on the plain weight, with bit-identical results. For up to
+KERNEL_MAX_ROWS rows (decode and verify steps) the bf16 kernel in kernels/cpu_ops.c is faster still when the
+weights stream from memory (120 SmolLM2 linears: 4.9 against 6.2 ms at 4 rows, 5.4 against 7.3 at 8; a tie at
+32; benchmarks/bench_cpu_ops.py), and it computes every row the same way whatever rows share the call, so a
+one-token decode and a K-token verify round alike. Applied as a transform after the model is built (never in
+model code).
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_trt.kernels import cpu_ops
+
 _PACKABLE = (torch.float32, torch.bfloat16)
+KERNEL_MAX_ROWS = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -24,8 +31,15 @@ class PackedLinear(nn.Module):
         # The batch-size hint only tunes the blocking; any number of rows works.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach().clone()
+        ops = cpu_ops.load() if weight.dtype == torch.bfloat16 else None
+        # The plain weight too, for the kernel: for a tied output head it is the embedding, already resident.
+        self.plain = weight.detach() if ops is not None and ops.has_linear(weight.detach()) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
+            ops = cpu_ops.for_tensors(x, self.plain)
+            if ops is not None:
+                return ops.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 

@@ -152,6 +152,36 @@ def test_kernel_step_serves_short_causal_steps_and_refuses_positions_past_the_ca
     assert kernel_step(verify, cache, x) is None  # with autograd on, torch's ops run
 
 
+needs_linear = pytest.mark.skipif(ops is None or not ops.has_linear(torch.zeros(4, 64, dtype=torch.bfloat16)),
+                                  reason="the linear kernel needs AVX512-BF16")
+
+
+@needs_linear
+@pytest.mark.parametrize("rows, n, k, bias", [(1, 8, 64, False), (3, 13, 96, True), (9, 4099, 576, False), (32, 6, 1536, True)])
+def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
+    """Against F.linear in fp32 on the same bf16 values (the kernel sums in fp32 and rounds once), with feature
+    counts that are not multiples of the kernel's 4-wide tiles; and every row alone gives its batched result
+    bit for bit, which is what lets a one-token decode and a K-token verify agree."""
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    with torch.no_grad():
+        got = ops.linear(x, w, b)
+        alone = torch.cat([ops.linear(x[i : i + 1], w, b) for i in range(rows)])
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # one bf16 rounding of the fp32 sum, plus room for a sum taken in another order where terms cancel
+    assert bool(((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all())
+    assert torch.equal(got, alone)
+
+
+@needs_linear
+def test_linear_declines_weights_it_cannot_serve():
+    assert not ops.has_linear(torch.zeros(4, 48, dtype=torch.bfloat16))  # rows not a multiple of 32
+    assert not ops.has_linear(torch.zeros(4, 64))  # fp32: oneDNN's packed linear serves it
+    assert ops.has_linear(torch.zeros(4, 64, dtype=torch.bfloat16))
+
+
 def test_kernels_stand_aside_for_autograd_and_other_dtypes():
     x = torch.ones(2, 8, requires_grad=True)
     assert cpu_ops.for_tensors(x) is None  # training differentiates through torch's ops
