@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dflash_trt.kernels import cpu_ops
 
 KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
-KERNEL_MAX_QUERIES = 16  # causal steps of up to this many queries per row take the CPU kernel (decode, verify)
+KERNEL_MAX_QUERIES = 16  # steps of up to this many queries per row take the CPU kernels (decode, verify, draft)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -64,12 +64,14 @@ class AttentionMetadata:
         return self._masks[key]
 
     def query_keys(self) -> "QueryKeys":
-        """Per query of a causal step, flattened row-major: its cache row, position and key count."""
+        """Per query, flattened row-major: its cache row, its position and how many leading keys of the row it
+        sees (causal: position + 1; a block without a window: block_end)."""
         if self._query_keys is None:
             q = self.positions.shape[1]
             positions = self.positions.to(torch.int64).reshape(-1).contiguous()
             rows = self.rows.to(torch.int64).repeat_interleave(q).contiguous()
-            self._query_keys = QueryKeys(rows, positions, positions + 1, int(positions.max()) + 1)
+            lens = positions + 1 if self.causal else self.block_end.to(torch.int64).repeat_interleave(q).contiguous()
+            self._query_keys = QueryKeys(rows, positions, lens, int(lens.max()))
         return self._query_keys
 
     def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
@@ -98,9 +100,9 @@ def _as_slice(rows: torch.Tensor) -> slice | None:
 
 def kernel_step(meta: AttentionMetadata, cache, *tensors: torch.Tensor) -> tuple[cpu_ops.CpuOps, QueryKeys] | None:
     """The CPU kernels and the step's per-query keys where the kernels serve this step: inference on the CPU in a
-    supported dtype, a causal step of at most KERNEL_MAX_QUERIES queries per row (decode, verify, short prompt
-    chunks). Raises before anything is written if a query lies past the cache."""
-    if not meta.causal or meta.positions.shape[1] > KERNEL_MAX_QUERIES:
+    supported dtype, at most KERNEL_MAX_QUERIES queries per row (decode, verify, short prompt chunks, drafter
+    blocks). Raises before anything is written if a query lies past the cache."""
+    if meta.positions.shape[1] > KERNEL_MAX_QUERIES:
         return None
     ops = cpu_ops.for_tensors(*tensors, cache.k)
     if ops is None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels.draft_attention import draft_attention
-from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -205,7 +205,16 @@ class DFlashAttention(nn.Module):
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context (never written: scratch)
+        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context
+        step = None if self.is_causal or self.sliding_window else kernel_step(meta, cache, q, k)
+        if step is not None:
+            # The CPU kernel: the block's K/V are written right after the row's context (room the proposer's
+            # cache keeps; the next context write overwrites them), so every query sees one prefix [0, block_end).
+            ops, keys = step
+            cache.write(self.layer_idx, meta, k, v)
+            out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim),
+                                       cache.k[self.layer_idx], cache.v[self.layer_idx], keys.rows, keys.lens, self.scale)
+            return self.o_proj(out.view(b, n, -1))
         # The block starts right after the row's context: its first position is the context length.
         out = draft_attention(
             q.transpose(1, 2), k, v, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.rows, meta.positions[:, 0],
