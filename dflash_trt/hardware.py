@@ -72,18 +72,18 @@ GPU_STEP_OVERHEAD_S = 300e-6
 GPU_PERF_SOURCE = "published peaks (hardware.py docstring); fixed costs are estimates (GPU_* constants)"
 
 # Effective values of this runtime on this machine, fitted by benchmarks/calibrate_perf_model.py to 15 measured
-# engine steps (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7; quiet machine, load 1.2-1.4, 2026-11-30;
-# record benchmarks/results/perf_model_cpu.json: mean |error| 9.4%, max 23%). They are not peaks: the raw
-# ceilings measured in the same run are 46 GB/s (copy) and 935 GFLOP/s (bf16 2048^3 GEMM). Weight bytes do
-# not change with the batch, so bandwidth and fixed cost are not separately identifiable here: the fit puts the
-# weight read into the 13 ms step cost and the batch-dependent work at ~480 G/s.
-CPU_MEM_BANDWIDTH_BYTES_S = 4.84e11
-CPU_DENSE_FLOPS = 4.84e11
-CPU_STEP_OVERHEAD_S = 13.2e-3
-CPU_DRAFT_OVERHEAD_S = 0.0
+# engine steps (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7; quiet machine, 2026-11-30 10:03 UTC, with the
+# CPU kernels of kernels/cpu_ops.c; record benchmarks/results/perf_model_cpu.json: mean |error| 3.1%, max 8.6%).
+# They are not peaks: weight bytes do not change with the batch, so bandwidth and fixed cost are not separately
+# identifiable here; the fit puts most of the weight read into the 7.4 ms step cost, the batch-dependent work at
+# ~590 GFLOP/s, and a drafter forward at 2.3 ms.
+CPU_MEM_BANDWIDTH_BYTES_S = 1.06e11
+CPU_DENSE_FLOPS = 5.89e11
+CPU_STEP_OVERHEAD_S = 7.44e-3
+CPU_DRAFT_OVERHEAD_S = 2.31e-3
 # One target model only: a per-layer cost cannot be told apart from the per-step cost, so it is folded in.
 CPU_LAYER_OVERHEAD_S = 0.0
-CPU_PERF_SOURCE = "fitted: benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-11-30, 9.4% mean error)"
+CPU_PERF_SOURCE = "fitted: benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-11-30, 3.1% mean error)"
 
 
 def profile(name: str) -> HardwareProfile:

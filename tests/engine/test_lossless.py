@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.kernels import cpu_ops
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from tests.conftest import make_drafter, make_target
@@ -62,6 +63,32 @@ def test_greedy_is_lossless_when_most_drafts_are_accepted(tiny_dirs, k):
         assert o.token_ids == ref
         assert o.tau > 2.0  # rollback after partial acceptance really happened, many times
         assert any(1 < a < k + 1 for a in o.acceptance_lengths)
+
+
+def _batch_invariant_bf16() -> bool:
+    ops = cpu_ops.load()
+    return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _batch_invariant_bf16(), reason="needs the CPU kernels with AVX512-BF16 (bf16 rows then "
+                    "compute alike in one-token and K-token steps)")
+@pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, False), (3, 4, True), (15, 1, True)])
+def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch, forced):
+    """In bf16 too: the CPU kernels compute every row of a step the same way whatever the step's shape (torch's
+    oneDNN GEMMs block by row count, so a K-token verify and a one-token decode used to round apart on near-ties).
+    The oracle is the same runtime's plain decoding, one token per step. Forced drafts (from the plain output, 15%
+    corrupted) make most verify blocks accept several tokens and roll back."""
+    prompts = _prompts(batch)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)
+    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16")
+    if forced:
+        force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    for o, ref in zip(outs, plain):
+        assert o.token_ids == ref.token_ids
+        if forced:
+            assert o.tau > 1.5
 
 
 def test_stops_at_eos_like_the_target(tiny_dirs):
