@@ -74,10 +74,11 @@ def _batch_invariant_bf16() -> bool:
                     "compute alike in one-token and K-token steps)")
 @pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, False), (3, 4, True), (15, 1, True)])
 def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch, forced):
-    """In bf16 too: the CPU kernels compute every row of a step the same way whatever the step's shape (torch's
-    oneDNN GEMMs block by row count, so a K-token verify and a one-token decode used to round apart on near-ties).
-    The oracle is the same runtime's plain decoding, one token per step. Forced drafts (from the plain output, 15%
-    corrupted) make most verify blocks accept several tokens and roll back."""
+    """In bf16 too: the CPU kernels compute every token of a step the same way whatever the step's shape (torch's
+    path attended with a grouped bf16 matmul in one-token steps and SDPA in verify blocks, which round apart; the
+    bitwise check is tests/models/test_llama.py, this is the end-to-end one). The oracle is the same runtime's
+    plain decoding, one token per step. Forced drafts (from the plain output, 15% corrupted) make most verify
+    blocks accept several tokens and roll back."""
     prompts = _prompts(batch)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)

@@ -88,3 +88,25 @@ def test_unsupported_architecture_is_named(tmp_path):
     (d / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match="FalconForCausalLM"):
         load_target(d)
+
+
+def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
+    """Four one-token decode steps and one four-token verify step over the same cache give bit-identical bf16
+    logits at every position, for 4 rows: what makes greedy speculation token-exact in bf16 too
+    (tests/engine/test_lossless.py). torch's own path attends with a grouped bf16 matmul for one-query steps and
+    SDPA for blocks, which round apart."""
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    ours = load_target(d, dtype=torch.bfloat16)
+    ours.pack_for_inference()  # as the engine runs it: the linears through the kernel
+    ids = torch.randint(0, 96, (4, 24))
+    with torch.no_grad():
+        cache = ours.make_cache(4, 32)
+        ours(ids[:, :20], _run(ours, ids[:, :20]), cache)
+        block = ours.compute_logits(ours(ids[:, 20:24], _run(ours, ids[:, 20:24], 20), cache)[0])
+        steps = [ours.compute_logits(ours(ids[:, i : i + 1], _run(ours, ids[:, i : i + 1], i), cache)[0]) for i in range(20, 24)]
+    assert torch.equal(torch.cat(steps, 1), block)
