@@ -40,6 +40,10 @@ class PackedLinear(nn.Module):
             ops = cpu_ops.for_tensors(x, self.plain)
             if ops is not None:
                 return ops.linear(x, self.plain, self.bias)
+        return self.forward_packed(x)
+
+    def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's packed linear, whatever the row count."""
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
