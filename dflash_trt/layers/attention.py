@@ -98,11 +98,13 @@ def _as_slice(rows: torch.Tensor) -> slice | None:
     return None
 
 
-def kernel_step(meta: AttentionMetadata, cache, *tensors: torch.Tensor) -> tuple[cpu_ops.CpuOps, QueryKeys] | None:
+def kernel_step(
+    meta: AttentionMetadata, cache, *tensors: torch.Tensor, max_queries: int | None = KERNEL_MAX_QUERIES
+) -> tuple[cpu_ops.CpuOps, QueryKeys] | None:
     """The CPU kernels and the step's per-query keys where the kernels serve this step: inference on the CPU in a
-    supported dtype, at most KERNEL_MAX_QUERIES queries per row (decode, verify, short prompt chunks, drafter
-    blocks). Raises before anything is written if a query lies past the cache."""
-    if meta.positions.shape[1] > KERNEL_MAX_QUERIES:
+    supported dtype, at most `max_queries` per row (attention: decode, verify, short prompt chunks, drafter blocks;
+    None for cache writes alone). Raises before anything is written if a query lies past the cache."""
+    if max_queries is not None and meta.positions.shape[1] > max_queries:
         return None
     ops = cpu_ops.for_tensors(*tensors, cache.k)
     if ops is None:

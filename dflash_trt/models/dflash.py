@@ -192,29 +192,42 @@ class DFlashAttention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, N, H] -> k (normed, rotated), v: [B, N, kv_heads, head_dim]
-        b, n, _ = x.shape
-        k, v = self.kv_proj(x).view(b, n, 2, self.num_kv_heads, self.head_dim).unbind(2)
+        return self._norm_rotate_kv(self.kv_proj(x), cos, sin)
+
+    def _norm_rotate_kv(self, kv: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = kv.shape
+        k, v = kv.view(b, n, 2, self.num_kv_heads, self.head_dim).unbind(2)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin).transpose(1, 2)
         return k, v
 
     def write_context(self, ctx: torch.Tensor, cos, sin, meta: AttentionMetadata, cache: KVCache) -> None:
-        k, v = self.project_kv(ctx, cos, sin)
+        kv = self.kv_proj(ctx)
+        step = kernel_step(meta, cache, kv, cos, max_queries=None)
+        if step is not None:  # the CPU kernel: k norm, rotary and the write in one call (no query heads)
+            ops, keys = step
+            norms = (self.k_norm.weight, self.k_norm.weight, self.k_norm.eps)
+            ops.qkv_rotary_write(kv, cos, sin, keys.rows, keys.positions, cache.k[self.layer_idx],
+                                 cache.v[self.layer_idx], 0, norms)
+            return
+        k, v = self._norm_rotate_kv(kv, cos, sin)
         cache.write(self.layer_idx, meta, k, v)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context
-        step = None if self.is_causal or self.sliding_window else kernel_step(meta, cache, q, k)
+        step = None if self.is_causal or self.sliding_window else kernel_step(meta, cache, x, cos)
         if step is not None:
-            # The CPU kernel: the block's K/V are written right after the row's context (room the proposer's
+            # The CPU kernels: the block's K/V are written right after the row's context (room the proposer's
             # cache keeps; the next context write overwrites them), so every query sees one prefix [0, block_end).
             ops, keys = step
-            cache.write(self.layer_idx, meta, k, v)
-            out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim),
-                                       cache.k[self.layer_idx], cache.v[self.layer_idx], keys.rows, keys.lens, self.scale)
+            qkv = torch.cat([self.q_proj(x), self.kv_proj(x)], dim=-1)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads, norms)
+            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale)
             return self.o_proj(out.view(b, n, -1))
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x, cos, sin)  # the block's own K/V join the context (never written: scratch)
         # The block starts right after the row's context: its first position is the context length.
         out = draft_attention(
             q.transpose(1, 2), k, v, cache.k[self.layer_idx], cache.v[self.layer_idx], meta.rows, meta.positions[:, 0],
