@@ -176,3 +176,55 @@ static inline float f32_id(float x) { return x; }
 #undef LOAD
 #undef STORE
 #undef SFX
+
+/* Pointers per layer in llama_layers_bf16's weight table, in this order (bias and q/k norm entries may be NULL). */
+enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN, W_DOWN_BIAS,
+       W_Q_NORM, W_K_NORM, W_PER_LAYER };
+
+/* Every decoder layer of a Llama-family model for N tokens (decode, verify, short chunks), in one call: the same
+ * kernels in the same order as LlamaDecoderLayer's CPU path, so the results are bit-identical to it; what goes is
+ * Python's and torch's per-op overhead between them. x [N, hidden] is the residual stream in and the last
+ * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0.
+ * Returns 0 (nothing done) where this build has no bf16 linear kernel or a projection's width is not a multiple
+ * of 32. */
+int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, uint16_t *k_cache,
+                      uint16_t *v_cache, int64_t layer_stride, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                      const int64_t *rows, const int64_t *positions, const int64_t *lens, int64_t N, int64_t hidden,
+                      int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, float qk_eps,
+                      float scale, const int64_t *capture_slot, uint16_t *features, int64_t n_capture) {
+#if defined(__AVX512BF16__)
+    if (hidden % 32 || (H * D) % 32 || inter % 32) return 0;
+    const int64_t qkv_width = (H + 2 * KVH) * D;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)N * (size_t)(2 * hidden + qkv_width + 2 * H * D + 3 * inter));
+    if (!h) return 0;
+    uint16_t *tmp = h + N * hidden, *qkv = tmp + N * hidden, *q = qkv + N * qkv_width, *attn = q + N * H * D;
+    uint16_t *gate_up = attn + N * H * D, *act = gate_up + N * 2 * inter;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const uint16_t *const *lw = w + l * W_PER_LAYER;
+        uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        rms_norm_bf16(x, NULL, NULL, lw[W_IN_NORM], h, N, hidden, eps);
+        linear_bf16(h, lw[W_QKV], lw[W_QKV_BIAS], qkv, N, qkv_width, hidden);
+        qkv_rotary_write_bf16(qkv, cos, sin, lw[W_Q_NORM], lw[W_K_NORM], qk_eps, rows, positions, q, kc, vc, N, H,
+                              KVH, D, rot, max_len);
+        decode_attention_bf16(q, kc, vc, rows, lens, attn, N, H, KVH, max_len, D, scale, 0);
+        linear_bf16(attn, lw[W_O], lw[W_O_BIAS], tmp, N, hidden, H * D);
+        rms_norm_bf16(tmp, x, x, lw[W_POST_NORM], h, N, hidden, eps); /* x += attention; h = norm(x) */
+        linear_bf16(h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);
+        silu_mul_bf16(gate_up, act, N, inter);
+        linear_bf16(act, lw[W_DOWN], lw[W_DOWN_BIAS], tmp, N, hidden, inter);
+        for (int64_t j = 0; j < N * hidden; j++) x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(tmp[j]));
+        if (capture_slot[l] >= 0)
+            for (int64_t i = 0; i < N; i++)
+                memcpy(features + (i * n_capture + capture_slot[l]) * hidden, x + i * hidden,
+                       sizeof(uint16_t) * (size_t)hidden);
+    }
+    free(h);
+    return 1;
+#else
+    (void)x, (void)w, (void)n_layers, (void)k_cache, (void)v_cache, (void)layer_stride, (void)cos, (void)sin;
+    (void)rot, (void)rows, (void)positions, (void)lens, (void)N, (void)hidden, (void)H, (void)KVH, (void)D;
+    (void)inter, (void)max_len, (void)eps, (void)qk_eps, (void)scale, (void)capture_slot, (void)features;
+    (void)n_capture;
+    return 0;
+#endif
+}

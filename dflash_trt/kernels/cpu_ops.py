@@ -84,6 +84,10 @@ class CpuOps:
             silu.argtypes = [_p, _p, _i64, _i64]
             silu.restype = None
             self._fns[dtype] = (norm, attn, rope, silu)
+        self._layers = library.llama_layers_bf16
+        self._layers.argtypes = [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64,
+                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64]
+        self._layers.restype = ctypes.c_int
         self._linear = library.linear_bf16
         self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
         self._linear.restype = ctypes.c_int
@@ -160,6 +164,33 @@ class CpuOps:
         self._fns[gate_up.dtype][3](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inner), inner)
         return out
 
+    def llama_layers(
+        self, x: torch.Tensor, table: "LayerTable", k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Every decoder layer of a Llama-family model over x [B, Q, hidden] (bf16) in one call; the caches are the
+        model's whole K/V tensors [layers, rows, KVH, max_len, D]. -> (the last layer's output, the captured layers'
+        outputs concatenated in capture_layer_ids' order, or None); None where the library declines."""
+        x = x.contiguous().clone()
+        b, n, hidden = x.shape
+        layers, _, kv_heads, max_len, d = k_cache.shape
+        slots = [-1] * layers
+        for slot, layer in enumerate(capture_layer_ids):
+            slots[layer] = slot
+        capture = torch.tensor(slots, dtype=torch.int64)
+        features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
+        rot = cos.shape[-1]
+        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
+        done = self._layers(
+            x.data_ptr(), ctypes.addressof(table.pointers), layers, k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache[0].numel(), cos.data_ptr(), sin.data_ptr(), rot, rows.data_ptr(), positions.data_ptr(),
+            lens.data_ptr(), b * n, hidden, table.heads, kv_heads, d, table.intermediate, max_len, table.eps,
+            table.qk_eps, table.scale, capture.data_ptr(), features.data_ptr() if features is not None else None,
+            len(capture_layer_ids),
+        )
+        return (x, features) if done else None
+
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
         scale: float, window: int | None = None,
@@ -177,6 +208,21 @@ class CpuOps:
             b, h, kvh, max_len, d, scale, window or 0,
         )
         return out
+
+
+class LayerTable:
+    """The pointers llama_layers passes to C, 12 per layer (cpu_ops.c: W_IN_NORM .. W_K_NORM), and the layers'
+    shapes. Holds references to its tensors, so the pointers stay valid while it lives."""
+
+    PER_LAYER = 12
+
+    def __init__(self, per_layer: list[list[torch.Tensor | None]], heads: int, intermediate: int, eps: float,
+                 qk_eps: float, scale: float) -> None:
+        if any(len(entries) != self.PER_LAYER for entries in per_layer):
+            raise ValueError(f"LayerTable: {self.PER_LAYER} entries per layer expected")
+        self.tensors = [t for entries in per_layer for t in entries]
+        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[None if t is None else t.data_ptr() for t in self.tensors])
+        self.heads, self.intermediate, self.eps, self.qk_eps, self.scale = heads, intermediate, eps, qk_eps, scale
 
 
 def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:

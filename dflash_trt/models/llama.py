@@ -14,6 +14,7 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
@@ -97,6 +98,47 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, capture_layer_ids: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Decode and verify steps on the CPU: every layer in one call to the kernels (the same kernels, in the same
+        # order, as the layers' own CPU path: bit-identical), so Python's per-layer and per-op overhead goes.
+        table = self._layer_table()
+        step = kernel_step(meta, cache, self.embed_tokens.weight) if table is not None else None
+        if step is not None and input_ids.numel() <= KERNEL_MAX_ROWS:
+            ops, keys = step
+            x = self.embed_tokens(input_ids)
+            cos, sin = self.rotary(meta.positions, x.dtype)
+            out = ops.llama_layers(x, table, cache.k, cache.v, cos, sin, keys.rows, keys.positions, keys.lens,
+                                   tuple(capture_layer_ids))
+            if out is not None:
+                return self.norm(out[0]), out[1]
+        return super().forward(input_ids, meta, cache, capture_layer_ids)
+
+    def pack_for_inference(self) -> None:
+        super().pack_for_inference()
+        self.__dict__["_table"] = self._build_layer_table()
+
+    def _layer_table(self) -> cpu_ops.LayerTable | None:
+        return self.__dict__.get("_table")
+
+    def _build_layer_table(self) -> cpu_ops.LayerTable | None:
+        """The layers' weights for cpu_ops.llama_layers when every projection runs on the bf16 linear kernel."""
+        entries = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if not all(getattr(lin, "plain", None) is not None for lin in linears):
+                return None
+            (qkv, o, gate_up, down) = linears
+            entries.append([layer.input_layernorm.weight, qkv.plain, qkv.bias, o.plain, o.bias,
+                            layer.post_attention_layernorm.weight, gate_up.plain, gate_up.bias, down.plain, down.bias,
+                            None if a.q_norm is None else a.q_norm.weight, None if a.k_norm is None else a.k_norm.weight])
+        c = self.config
+        a = self.layers[0].self_attn
+        return cpu_ops.LayerTable(entries, c.num_attention_heads, c.intermediate_size, c.rms_norm_eps,
+                                  a.q_norm.eps if a.q_norm is not None else 0.0, a.scale)
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

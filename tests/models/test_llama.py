@@ -1,5 +1,7 @@
 """The Llama-family target against transformers on the same weights (fp32: exact up to float noise)."""
 
+import zlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -110,3 +112,35 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
         block = ours.compute_logits(ours(ids[:, 20:24], _run(ours, ids[:, 20:24], 20), cache)[0])
         steps = [ours.compute_logits(ours(ids[:, i : i + 1], _run(ours, ids[:, i : i + 1], i), cache)[0]) for i in range(20, 24)]
     assert torch.equal(torch.cat(steps, 1), block)
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
+def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path, arch, overrides):
+    """Packed bf16 decode and verify steps run every layer in one C call (cpu_ops.llama_layers); the oracle is the
+    layers' own forward through the same kernels, one op at a time: hidden states, captured features and the
+    K/V the step wrote are bit-identical. (That path is checked against transformers above.)"""
+    from dflash_trt.kernels import cpu_ops
+    from dflash_trt.models.causal_lm import CausalLM
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    d = make_target(tmp_path / "t", arch, hidden_size=256, intermediate_size=512, head_dim=64, **overrides)
+    ours = load_target(d, dtype=torch.bfloat16)
+    with torch.no_grad():  # random init leaves every norm weight at 1 and every bias at 0: make them count
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype) * 0.5)
+    ours.pack_for_inference()
+    assert ours._layer_table() is not None
+    ids = torch.randint(0, 96, (3, 24))
+    with torch.no_grad():
+        caches = [ours.make_cache(3, 32) for _ in range(2)]
+        for cache in caches:
+            ours(ids[:, :20], _run(ours, ids[:, :20]), cache)  # a 20-token prefill: the layer-by-layer path
+        for step in (slice(20, 21), slice(21, 24)):
+            meta = lambda: _run(ours, ids[:, step], step.start)  # noqa: E731 (fresh metadata per call)
+            fused = ours(ids[:, step], meta(), caches[0], capture_layer_ids=(3, 1))
+            layered = CausalLM.forward(ours, ids[:, step], meta(), caches[1], capture_layer_ids=(3, 1))
+            assert torch.equal(fused[0], layered[0]) and torch.equal(fused[1], layered[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
