@@ -18,7 +18,6 @@ import torch
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, round_up
-from dflash_trt.layers.linear import pack_linears
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
@@ -58,7 +57,7 @@ class ModelRunner:
         if pack_weights:
             target.pack_for_inference()
             if drafter is not None:
-                pack_linears(drafter)
+                drafter.pack_for_inference()
 
     @property
     def draft_vocab_size(self) -> int | None:

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.kernels import cpu_ops
 from dflash_trt.kernels.draft_attention import draft_attention
 from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -292,9 +294,43 @@ class DFlashDrafter(nn.Module):
         """block_embeds [B, Q, H] at meta.positions -> final-normed hidden [B, Q, H]."""
         x = block_embeds
         cos, sin = self.rotary(meta.positions, x.dtype)
+        table = self.__dict__.get("_table")
+        step = kernel_step(meta, cache, x) if table is not None and x.shape[0] * x.shape[1] <= KERNEL_MAX_ROWS else None
+        if step is not None:
+            # Every layer in one C call: a drafter layer is a Llama layer once q_proj and kv_proj are one projection
+            # (the block's K/V written after the context, as DFlashAttention's kernel path does; bit-identical to it).
+            ops, keys = step
+            out = ops.llama_layers(x, table, cache.k, cache.v, cos, sin, keys.rows, keys.positions, keys.lens)
+            if out is not None:
+                return self.norm(out[0])
         for layer in self.layers:
             x = layer(x, cos, sin, meta, cache)
         return self.norm(x)
+
+    def pack_for_inference(self) -> None:
+        """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the table
+        that runs a block through all of them in one call."""
+        pack_linears(self)
+        self.__dict__["_table"] = self._build_layer_table()
+
+    def _build_layer_table(self) -> cpu_ops.LayerTable | None:
+        c = self.config
+        if any(layer.self_attn.is_causal or layer.self_attn.sliding_window for layer in self.layers):
+            return None  # blocks that are not one visible prefix: the layers' own path
+        entries = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.q_proj, a.kv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if not all(getattr(lin, "plain", None) is not None for lin in linears):
+                return None
+            qkv = torch.cat([a.q_proj.plain, a.kv_proj.plain])
+            qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.kv_proj.bias])
+            entries.append([layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.plain, a.o_proj.bias,
+                            layer.post_attention_layernorm.weight, m.gate_up_proj.plain, m.gate_up_proj.bias,
+                            m.down_proj.plain, m.down_proj.bias, a.q_norm.weight, a.k_norm.weight])
+        a = self.layers[0].self_attn
+        return cpu_ops.LayerTable(entries, c.num_attention_heads, c.intermediate_size, c.rms_norm_eps, a.q_norm.eps,
+                                  a.scale)
 
     def forward_train(
         self,

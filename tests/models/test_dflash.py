@@ -129,3 +129,36 @@ def test_misshapen_tensor_is_named_with_both_shapes(tmp_path):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"'fc\.weight' has shape \(64, 64\), expected \(64, 128\)"):
         load_drafter(d, load_target(t).config)
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True}], ids=["qwen3", "bias"])
+def test_a_block_through_every_layer_in_one_call_equals_the_layer_by_layer_kernels(tmp_path, variant):
+    """Packed bf16 drafters run a block through all their layers in one C call (q_proj and kv_proj as one
+    projection); the oracle is the layers' own forward through the same kernels: bit-identical hidden states
+    and block K/V. (The layer path is checked against z-lab above.)"""
+    import zlib
+
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3), **variant)
+    target = load_target(t, dtype=torch.bfloat16)
+    ours = load_drafter(d, target.config).to(torch.bfloat16)
+    with torch.no_grad():  # norms at 1 and biases at 0 from random init would hide a swapped or dropped tensor
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
+    ours.pack_for_inference()
+    assert ours.__dict__["_table"] is not None
+    ctx = torch.randn(2, 11, 3 * 64).bfloat16()
+    block = torch.tensor([[5] + [ours.config.mask_token_id] * 7, [9] + [ours.config.mask_token_id] * 7])
+    embeds = target.embed_tokens(block).detach()
+    with torch.no_grad():
+        fused = _draft_hidden_ours(ours, ctx, embeds, 11, rows=2)
+        table = ours.__dict__.pop("_table")
+        layered = _draft_hidden_ours(ours, ctx, embeds, 11, rows=2)
+        ours.__dict__["_table"] = table
+    assert torch.equal(fused, layered)
