@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,8 +41,18 @@ def _library_path(compiler: str) -> Path:
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update(" ".join((compiler, version, platform.machine(), *_FLAGS)).encode())
+    digest.update(" ".join((compiler, version, platform.machine(), _cpu_features(), *_FLAGS)).encode())
     return cache_dir() / f"cpu_ops-{digest.hexdigest()[:16]}.so"
+
+
+def _cpu_features() -> str:
+    # -march=native code is only valid on CPUs with the same instruction sets: a cache shared between machines
+    # (a network home) must not hand one machine's build to another.
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 def build(compiler: str = "cc") -> Path:
@@ -235,10 +246,19 @@ def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:
 
 @functools.cache
 def load() -> CpuOps | None:
-    """The kernels, built if needed; None where they cannot be (no compiler, or DFLASH_TRT_CPU_KERNELS=0)."""
+    """The kernels, built if needed; None where they cannot be (DFLASH_TRT_CPU_KERNELS=0, no compiler, or a
+    failed build, which is warned about once)."""
     if os.environ.get("DFLASH_TRT_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC", "cc")
+    return load_with(os.environ.get("CC", "cc"))
+
+
+def load_with(compiler: str) -> CpuOps | None:
+    """The kernels built by `compiler` (not cached in memory; load() is); None, with a warning, if that fails."""
     if shutil.which(compiler) is None:
         return None
-    return CpuOps(ctypes.CDLL(str(build(compiler))))
+    try:
+        return CpuOps(ctypes.CDLL(str(build(compiler))))
+    except (RuntimeError, OSError) as error:
+        warnings.warn(f"dflash-trt: the CPU kernels are unavailable, torch's ops run instead: {error}", stacklevel=2)
+        return None

@@ -197,3 +197,14 @@ def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "cpu_ops" and first.exists()
     stamp = first.stat().st_mtime_ns
     assert cpu_ops.build() == first and first.stat().st_mtime_ns == stamp  # a second build reuses the library
+
+
+def test_a_failing_compiler_leaves_torch_ops_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such option' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.warns(UserWarning, match="torch's ops run instead: compiling the CPU kernels failed"):
+        assert cpu_ops.load_with(str(broken)) is None
+    assert not list((tmp_path / "cpu_ops").glob("*.so"))  # nothing half-built left behind
+    assert cpu_ops.load_with(str(tmp_path / "no-such-compiler")) is None
