@@ -29,6 +29,21 @@ void CAT(rms_norm_, SFX)(const T *x, const T *residual, T *sum_out, const T *wei
     }
 }
 
+/* s[g, t] = scale * q[g] . K[t] for G query heads and n keys, where scores_fast_* declines. */
+static void CAT(scores_, SFX)(const T *q, const T *K, int64_t n, int64_t G, int64_t D, float scale, float *s) {
+    if (CAT(scores_fast_, SFX)(q, K, n, G, D, scale, s)) return;
+    for (int64_t t = 0; t < n; t++) {
+        const T *kt = K + t * D;
+        for (int64_t g = 0; g < G; g++) {
+            const T *qg = q + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < D; j++) dot += LOAD(qg[j]) * LOAD(kt[j]);
+            s[g * n + t] = dot * scale;
+        }
+    }
+}
+
 /* One query per row against that row's cached keys [0, lens[b]) (the last `window` of them when window > 0).
  * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Query heads of one
  * KV head share each key and value as it is loaded; (row, KV head) pairs are spread over the OpenMP threads. */
