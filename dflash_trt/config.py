@@ -4,8 +4,9 @@ YAML keys are the field names, and those are TensorRT-LLM LLM-API keys wherever 
 there (max_batch_size, max_seq_len, tensor_parallel_size, kv_cache_config.dtype,
 speculative_config.max_draft_len ...), so one file drives both backends. Errors name the key.
 
-Environment knobs (debug/testing only): DFLASH_TRT_CACHE (embedded.py: where the converted default model
-lives), DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a step, to test killed builds).
+Environment knobs: DFLASH_TRT_CACHE (embedded.py: where the converted default model and the compiled CPU kernels
+live), DFLASH_TRT_CPU_KERNELS=0 (kernels/cpu_ops.py: torch's ops instead of the CPU kernels), and for
+debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a step, to test killed builds).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""C kernels for the CPU decode step: everything in a decoder layer but its linears.
+"""C kernels for the CPU decode step (cpu_ops.c), and their ctypes bindings.
 
 At decode sizes torch spends more time dispatching the ~40 small ops of a decoder layer than computing them
-(an 8-row SmolLM2 step: ~18 ms, of which the linears are ~9 ms). These kernels do RMSNorm with its residual
-add, the rotary embedding with the K/V cache write, attention over the cache, and the gated MLP's activation,
-one call each. They are compiled on first use with the machine's C compiler
-(`cc`, -O3 -march=native) into a per-user cache keyed by the source and the compiler, and called through
-ctypes on the tensors' memory; where there is no compiler, or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns
-None and the torch ops run instead.
+(an 8-row SmolLM2 step took ~18 ms, of which the linears were ~9 ms). The kernels do RMSNorm with its residual
+add, the rotary embedding with the K/V cache write, attention over the cache, the gated MLP's activation and
+bf16 linears of up to 32 rows, one call each, and `llama_layers` runs every layer of a Llama-family model (or a
+DFlash drafter's block) in one call. They are compiled on first use with the machine's C compiler (`cc` or $CC,
+-O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
+sets, and called on the tensors' memory; where there is no compiler, the build fails (a warning), or with
+DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ _i64, _f32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DFLASH_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt")
-    return Path(root) / "cpu_ops"
+    from dflash_trt.embedded import cache_dir as project_cache  # at call time: embedded imports the models
+
+    return project_cache() / "cpu_ops"
 
 
 def _library_path(compiler: str) -> Path:
