@@ -3,10 +3,10 @@
 A bf16 or fp32 GEMV through oneDNN with the weight reordered once into its blocked layout runs about
 2x faster on AVX-512 CPUs than `F.linear` on the plain weight, with bit-identical results. For up to
 KERNEL_MAX_ROWS rows (decode and verify steps) the bf16 kernel in kernels/cpu_ops.c is faster still when the
-weights stream from memory (120 SmolLM2 linears: 4.9 against 6.2 ms at 4 rows, 5.4 against 7.3 at 8; a tie at
+weights stream from memory (120 SmolLM2 linears: 5.6 against 6.7 ms at 4 rows, 5.8 against 7.8 at 8; a tie at
 32; benchmarks/bench_cpu_ops.py), and it computes every row the same way whatever rows share the call, so a
-one-token decode and a K-token verify round alike. Applied as a transform after the model is built (never in
-model code).
+one-token decode and a K-token verify round alike. It reads the plain weight, so a bf16 model holds its
+projections twice (SmolLM2: 212 MB more). Applied as a transform after the model is built (never in model code).
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """keep_plain=False drops the kernel's copy of the weight (the packed one is a second copy): for weights too
+    many to hold twice, such as gpt-oss's experts, which then always take oneDNN's path."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # The batch-size hint only tunes the blocking; any number of rows works.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach().clone()
-        ops = cpu_ops.load() if weight.dtype == torch.bfloat16 else None
+        ops = cpu_ops.load() if keep_plain and weight.dtype == torch.bfloat16 else None
         # The plain weight too, for the kernel: for a tied output head it is the embedding, already resident.
         self.plain = weight.detach() if ops is not None and ops.has_linear(weight.detach()) else None
 

@@ -137,8 +137,9 @@ class GptOssExperts(nn.Module):
         if self.packed is not None or not can_pack(self.gate_up_proj):
             return
         self.packed = nn.ModuleList(
-            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e]),
-                           PackedLinear(self.down_proj[e], self.down_proj_bias[e])])
+            # keep_plain=False: the stacked weights are dropped below; a plain copy per expert would keep them
+            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], keep_plain=False),
+                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], keep_plain=False)])
             for e in range(len(self.experts))
         )
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
