@@ -277,6 +277,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         # Ranked token ids shipped beside the checkpoint (spec/draft_vocab.py); not a weight, never exported.
         self.draft_vocab: torch.Tensor | None = None
+        self.kernel_table: cpu_ops.LayerTable | None = None  # set by pack_for_inference where the kernels serve
 
     def make_cache(self, num_rows: int, max_len: int) -> KVCache:
         c = self.config
@@ -294,7 +295,7 @@ class DFlashDrafter(nn.Module):
         """block_embeds [B, Q, H] at meta.positions -> final-normed hidden [B, Q, H]."""
         x = block_embeds
         cos, sin = self.rotary(meta.positions, x.dtype)
-        table = self.__dict__.get("_table")
+        table = self.kernel_table
         step = kernel_step(meta, cache, x) if table is not None and x.shape[0] * x.shape[1] <= KERNEL_MAX_ROWS else None
         if step is not None:
             # Every layer in one C call: a drafter layer is a Llama layer once q_proj and kv_proj are one projection
@@ -311,7 +312,7 @@ class DFlashDrafter(nn.Module):
         """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the table
         that runs a block through all of them in one call."""
         pack_linears(self)
-        self.__dict__["_table"] = self._build_layer_table()
+        self.kernel_table = self._build_layer_table()
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         c = self.config

@@ -14,8 +14,8 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.linear import KERNEL_MAX_ROWS
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
@@ -98,13 +98,14 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.kernel_table: cpu_ops.LayerTable | None = None  # set by pack_for_inference where the kernels serve
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, capture_layer_ids: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Decode and verify steps on the CPU: every layer in one call to the kernels (the same kernels, in the same
         # order, as the layers' own CPU path: bit-identical), so Python's per-layer and per-op overhead goes.
-        table = self._layer_table()
+        table = self.kernel_table
         step = kernel_step(meta, cache, self.embed_tokens.weight) if table is not None else None
         if step is not None and input_ids.numel() <= KERNEL_MAX_ROWS:
             ops, keys = step
@@ -118,10 +119,7 @@ class LlamaForCausalLM(CausalLM):
 
     def pack_for_inference(self) -> None:
         super().pack_for_inference()
-        self.__dict__["_table"] = self._build_layer_table()
-
-    def _layer_table(self) -> cpu_ops.LayerTable | None:
-        return self.__dict__.get("_table")
+        self.kernel_table = self._build_layer_table()
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         """The layers' weights for cpu_ops.llama_layers when every projection runs on the bf16 linear kernel."""

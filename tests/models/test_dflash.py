@@ -152,13 +152,13 @@ def test_a_block_through_every_layer_in_one_call_equals_the_layer_by_layer_kerne
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
     ours.pack_for_inference()
-    assert ours.__dict__["_table"] is not None
+    assert ours.kernel_table is not None
     ctx = torch.randn(2, 11, 3 * 64).bfloat16()
     block = torch.tensor([[5] + [ours.config.mask_token_id] * 7, [9] + [ours.config.mask_token_id] * 7])
     embeds = target.embed_tokens(block).detach()
     with torch.no_grad():
         fused = _draft_hidden_ours(ours, ctx, embeds, 11, rows=2)
-        table = ours.__dict__.pop("_table")
+        table, ours.kernel_table = ours.kernel_table, None
         layered = _draft_hidden_ours(ours, ctx, embeds, 11, rows=2)
-        ours.__dict__["_table"] = table
+        ours.kernel_table = table
     assert torch.equal(fused, layered)

@@ -132,7 +132,7 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype) * 0.5)
     ours.pack_for_inference()
-    assert ours._layer_table() is not None
+    assert ours.kernel_table is not None
     ids = torch.randint(0, 96, (3, 24))
     with torch.no_grad():
         caches = [ours.make_cache(3, 32) for _ in range(2)]
