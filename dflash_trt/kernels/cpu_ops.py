@@ -185,7 +185,7 @@ class CpuOps:
         """Every decoder layer of a Llama-family model over x [B, Q, hidden] (bf16) in one call; the caches are the
         model's whole K/V tensors [layers, rows, KVH, max_len, D]. -> (the last layer's output, the captured layers'
         outputs concatenated in capture_layer_ids' order, or None); None where the library declines."""
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
         b, n, hidden = x.shape
         layers, _, kv_heads, max_len, d = k_cache.shape
         slots = [-1] * layers
@@ -214,7 +214,7 @@ class CpuOps:
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape
         if h % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"decode_attention: {h} query heads over {kvh} KV heads, or a strided cache")
+            raise ValueError(f"cached_attention: {h} query heads over {kvh} KV heads, or a strided cache")
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),

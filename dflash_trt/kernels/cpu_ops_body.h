@@ -5,27 +5,29 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
+/* weight * rms_norm(x) of one row of d into dst, rounded as the torch module rounds: the layers' norms row by row,
+ * and Qwen3's per-head q/k norms. */
+static void CAT(norm_row_, SFX)(const T *x, const T *weight, float eps, int64_t d, T *dst) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; j++) ss += LOAD(x[j]) * LOAD(x[j]);
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) dst[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(x[j]) * r)));
+}
+
 /* out = weight * rms_norm(x) over rows of d; with residual: x + residual is rounded, written to sum_out and
  * normalised (the pre-norm residual add of a decoder layer in one pass). */
 void CAT(rms_norm_, SFX)(const T *x, const T *residual, T *sum_out, const T *weight, T *out,
                          int64_t n, int64_t d, float eps) {
     for (int64_t i = 0; i < n; i++) {
         const T *xi = x + i * d;
-        T *oi = out + i * d;
-        float ss = 0.0f;
         if (residual) {
             const T *ri = residual + i * d;
             T *si = sum_out + i * d;
             for (int64_t j = 0; j < d; j++) si[j] = STORE(LOAD(xi[j]) + LOAD(ri[j]));
             xi = si;
         }
-#pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < d; j++) {
-            float v = LOAD(xi[j]);
-            ss += v * v;
-        }
-        float r = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int64_t j = 0; j < d; j++) oi[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xi[j]) * r)));
+        CAT(norm_row_, SFX)(xi, weight, eps, d, out + i * d);
     }
 }
 
@@ -94,15 +96,6 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     }
 }
 
-/* Per-head RMSNorm (Qwen3's q/k norm) into dst, rounded as the torch module rounds. */
-static void CAT(head_norm_, SFX)(const T *x, const T *weight, float eps, int64_t d, T *dst) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < d; j++) ss += LOAD(x[j]) * LOAD(x[j]);
-    const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int64_t j = 0; j < d; j++) dst[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(x[j]) * r)));
-}
-
 /* Neox rotary on the leading `rot` channels (x * cos + rotate_half(x) * sin, each product rounded, as torch's
  * elementwise ops round them); the rest pass through. */
 static void CAT(rotary_, SFX)(const T *x, const T *cos, const T *sin, int64_t d, int64_t rot, T *dst) {
@@ -128,7 +121,7 @@ void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const
         for (int64_t h = 0; h < H; h++) {
             const T *x = src + h * D;
             if (q_norm) {
-                CAT(head_norm_, SFX)(x, q_norm, eps, D, normed);
+                CAT(norm_row_, SFX)(x, q_norm, eps, D, normed);
                 x = normed;
             }
             CAT(rotary_, SFX)(x, c, s, D, rot, q_out + (i * H + h) * D);
@@ -137,7 +130,7 @@ void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const
             const int64_t at = ((rows[i] * KVH + h) * max_len + positions[i]) * D;
             const T *x = src + (H + h) * D;
             if (k_norm) {
-                CAT(head_norm_, SFX)(x, k_norm, eps, D, normed);
+                CAT(norm_row_, SFX)(x, k_norm, eps, D, normed);
                 x = normed;
             }
             CAT(rotary_, SFX)(x, c, s, D, rot, k_cache + at);

@@ -50,6 +50,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def kernel_weights(*linears: nn.Module) -> list[torch.Tensor] | None:
+    """The plain weights the bf16 kernel reads, one per linear, or None unless the kernel serves every one of them
+    (the condition for running a whole layer in one C call)."""
+    plains = [getattr(linear, "plain", None) for linear in linears]
+    return None if any(p is None for p in plains) else plains
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable nn.Linear in `model` by a PackedLinear; returns how many were packed."""
     count = 0

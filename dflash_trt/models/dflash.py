@@ -23,7 +23,7 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.kernels.draft_attention import draft_attention
 from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
-from dflash_trt.layers.linear import KERNEL_MAX_ROWS, pack_linears
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS, kernel_weights, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -321,14 +321,14 @@ class DFlashDrafter(nn.Module):
         entries = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            linears = (a.q_proj, a.kv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if not all(getattr(lin, "plain", None) is not None for lin in linears):
+            weights = kernel_weights(a.q_proj, a.kv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if weights is None:
                 return None
-            qkv = torch.cat([a.q_proj.plain, a.kv_proj.plain])
+            q, kv, o, gate_up, down = weights
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.kv_proj.bias])
-            entries.append([layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.plain, a.o_proj.bias,
-                            layer.post_attention_layernorm.weight, m.gate_up_proj.plain, m.gate_up_proj.bias,
-                            m.down_proj.plain, m.down_proj.bias, a.q_norm.weight, a.k_norm.weight])
+            entries.append([layer.input_layernorm.weight, torch.cat([q, kv]), qkv_bias, o, a.o_proj.bias,
+                            layer.post_attention_layernorm.weight, gate_up, m.gate_up_proj.bias,
+                            down, m.down_proj.bias, a.q_norm.weight, a.k_norm.weight])
         a = self.layers[0].self_attn
         return cpu_ops.LayerTable(entries, c.num_attention_heads, c.intermediate_size, c.rms_norm_eps, a.q_norm.eps,
                                   a.scale)

@@ -15,7 +15,7 @@ from torch import nn
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
-from dflash_trt.layers.linear import KERNEL_MAX_ROWS
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS, kernel_weights
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
@@ -106,8 +106,9 @@ class LlamaForCausalLM(CausalLM):
         # Decode and verify steps on the CPU: every layer in one call to the kernels (the same kernels, in the same
         # order, as the layers' own CPU path: bit-identical), so Python's per-layer and per-op overhead goes.
         table = self.kernel_table
-        step = kernel_step(meta, cache, self.embed_tokens.weight) if table is not None else None
-        if step is not None and input_ids.numel() <= KERNEL_MAX_ROWS:
+        fits = table is not None and input_ids.numel() <= KERNEL_MAX_ROWS
+        step = kernel_step(meta, cache, self.embed_tokens.weight) if fits else None
+        if step is not None:
             ops, keys = step
             x = self.embed_tokens(input_ids)
             cos, sin = self.rotary(meta.positions, x.dtype)
@@ -126,12 +127,12 @@ class LlamaForCausalLM(CausalLM):
         entries = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if not all(getattr(lin, "plain", None) is not None for lin in linears):
+            weights = kernel_weights(a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if weights is None:
                 return None
-            (qkv, o, gate_up, down) = linears
-            entries.append([layer.input_layernorm.weight, qkv.plain, qkv.bias, o.plain, o.bias,
-                            layer.post_attention_layernorm.weight, gate_up.plain, gate_up.bias, down.plain, down.bias,
+            qkv, o, gate_up, down = weights
+            entries.append([layer.input_layernorm.weight, qkv, a.qkv_proj.bias, o, a.o_proj.bias,
+                            layer.post_attention_layernorm.weight, gate_up, m.gate_up_proj.bias, down, m.down_proj.bias,
                             None if a.q_norm is None else a.q_norm.weight, None if a.k_norm is None else a.k_norm.weight])
         c = self.config
         a = self.layers[0].self_attn
