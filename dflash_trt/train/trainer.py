@@ -66,6 +66,10 @@ class TrainConfig:
     eval_prompts: int = 8
     eval_new_tokens: int = 96
     time_budget_s: float | None = None  # fit the run (steps and schedule) into this much wall-clock time
+    # The loss's softmax over the draft vocabulary (the training responses' tokens, which the exported drafter
+    # drafts among), as inference computes it: SmolLM2's head shrinks from 49,152 rows to ~15k, and the head was
+    # two thirds of a CPU training step. False: over the whole vocabulary.
+    draft_vocab_loss: bool = True
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -151,6 +155,12 @@ class Trainer:
         self.drafter.to(self.device)
         self.embed = target.embed_tokens.weight.detach()  # frozen, shared
         self.head = target.lm_head_weight.detach()
+        # label_of[token] is its row in self.head; -1 (never a label) for a token outside a restricted head.
+        self.label_of: torch.Tensor | None = None
+        if cfg.draft_vocab_loss and self.vocab_ids.numel():
+            self.head = self.head[self.vocab_ids.to(self.device)]
+            self.label_of = torch.full((target.lm_head_weight.shape[0],), -1, dtype=torch.long)
+            self.label_of[self.vocab_ids] = torch.arange(self.vocab_ids.numel())
         params = [p for p in self.drafter.parameters()]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -190,7 +200,7 @@ class Trainer:
         for i, ((_, b), c) in enumerate(zip(items, ctx_lens)):
             q = b.block_ids.numel()
             block_ids[i, :q], positions[i, :q] = b.block_ids, b.block_positions
-            labels[i, :q], weights[i, :q] = b.labels, b.weights
+            labels[i, :q], weights[i, :q] = self._rows_of(b.labels), b.weights
             own = training_mask(c, b.anchors, bsz)
             mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
             pad = torch.arange(q, m)
@@ -207,6 +217,13 @@ class Trainer:
         per_seq = torch.zeros(n, device=dev).index_add(0, seq_of, ce)
         per_seq = per_seq / torch.zeros(n, device=dev).index_add(0, seq_of, weights[keep]).clamp_min(math.ulp(1.0))
         return per_seq.mean()
+
+    def _rows_of(self, labels: torch.Tensor) -> torch.Tensor:
+        """Token labels as rows of self.head; a token the head lacks (only held-out data has them) is ignored."""
+        if self.label_of is None:
+            return labels
+        rows = self.label_of[labels.clamp_min(0)]
+        return torch.where((labels == IGNORE) | (rows < 0), IGNORE, rows)
 
     def _batches(self, recs: list[dict], gen: torch.Generator) -> list[list[tuple[dict, TrainBlocks]]]:
         items = [(r, b) for r in recs if (b := self._sample(r, gen)) is not None]

@@ -137,16 +137,12 @@ def _trainer(t, root, out, **overrides) -> Trainer:
                    FeatureCache(root / "data" / "features"), out, cfg)
 
 
-def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
-    # Oracle: every sequence alone, under its unpadded mask, CE weighted by hand. Sequences of different
-    # lengths and block counts make the batch pad both the context and the blocks.
-    t, root = trained
-    tr = _trainer(t, root, root / "batched")
-    gen = torch.Generator().manual_seed(3)
-    recs = sorted(tr.train_records, key=lambda r: len(r["response_ids"]))
-    items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
-    assert len({b.block_ids.numel() for _, b in items}) > 1 or len({int(b.anchors.max()) for _, b in items}) > 1
-    got = tr._batch_loss(items)
+def _oracle_loss(tr, items) -> torch.Tensor:
+    """Every sequence alone, under its unpadded mask, with the whole head's logits masked to the draft vocabulary
+    and CE weighted by hand; a label outside the draft vocabulary is left out."""
+    t_head = tr.target.lm_head_weight.detach()
+    outside = torch.ones(t_head.shape[0], dtype=torch.bool)
+    outside[tr.vocab_ids] = False
     want = []
     for r, b in items:
         c = int(b.anchors.max())
@@ -155,11 +151,43 @@ def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             h = tr.drafter.forward_train(feats, torch.arange(c)[None], tr.embed[b.block_ids].float()[None],
                                          b.block_positions[None], mask)[0]
-            logits = (h @ tr.head.T).float()
-        keep = b.labels != IGNORE
+            logits = (h @ t_head.T).float()
+        logits[:, outside] = -torch.inf
+        keep = (b.labels != IGNORE) & ~outside[b.labels.clamp_min(0)]
         ce = torch.nn.functional.cross_entropy(logits[keep], b.labels[keep], reduction="none")
         want.append((ce * b.weights[keep]).sum() / b.weights[keep].sum())
-    assert torch.allclose(got, torch.stack(want).mean(), rtol=1e-2)
+    return torch.stack(want).mean()
+
+
+def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
+    # Sequences of different lengths and block counts make the batch pad both the context and the blocks.
+    t, root = trained
+    tr = _trainer(t, root, root / "batched")
+    assert tr.head.shape[0] == tr.vocab_ids.numel() < tr.target.lm_head_weight.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    recs = sorted(tr.train_records, key=lambda r: len(r["response_ids"]))
+    items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
+    assert len({b.block_ids.numel() for _, b in items}) > 1 or len({int(b.anchors.max()) for _, b in items}) > 1
+    assert torch.allclose(tr._batch_loss(items), _oracle_loss(tr, items), rtol=1e-2)
+
+
+def test_held_out_labels_the_draft_vocabulary_lacks_are_left_out_of_the_loss(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "heldout_loss")
+    unknown = next(t for t in range(tr.target.lm_head_weight.shape[0]) if t not in set(tr.vocab_ids.tolist()))
+    gen = torch.Generator().manual_seed(4)
+    items = [(r, b) for r in tr.heldout[:2] if (b := tr._sample(r, gen)) is not None]
+    for _, b in items:  # a held-out response that emits a token no training response did, at every third label
+        labelled = (b.labels != IGNORE).nonzero().flatten()[::3]
+        b.labels[labelled] = unknown
+    loss = tr._batch_loss(items)
+    assert torch.isfinite(loss) and torch.allclose(loss, _oracle_loss(tr, items), rtol=1e-2)
+
+
+def test_the_whole_vocabulary_loss_is_still_available(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "full_loss", draft_vocab_loss=False)
+    assert tr.head.shape[0] == tr.target.lm_head_weight.shape[0]
 
 
 def test_micro_batches_give_the_same_gradient_as_one_batch(trained):
