@@ -11,6 +11,7 @@
 #
 #   benchmarks/peers.sh                      # CONC=1,2,4,8 OSL=64 K=3 OUT=benchmarks/results/peers
 #   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
+#   ROUNDS=3 REQS=8 SYSTEMS="ours-ar ours-engine" benchmarks/peers.sh   # engine vs AR, paired round by round
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
@@ -19,6 +20,7 @@ CONC=${CONC:-1,2,4,8}
 OSL=${OSL:-64}
 K=${K:-3}
 REQS=${REQS:-3}                      # requests per point = max(4, REQS x concurrency)
+ROUNDS=${ROUNDS:-1}                  # >1: every system swept ROUNDS times in alternation, merged per point (median round)
 DATASET=${DATASET:-cpu-small}
 OUT=${OUT:-$ROOT/benchmarks/results/peers}
 SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash ours-engine vllm-ar vllm-dflash"}
@@ -64,8 +66,9 @@ start() {
   esac
 }
 
-for name in $SYSTEMS; do
-  echo "== $name" >&2
+sweep_once() {  # sweep_once NAME RESULT.json: start NAME's server, sweep it, stop it
+  local name=$1 result=$2
+  echo "== $name -> $result" >&2
   if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then
     echo "port $PORT is already serving: stop that server first (or set PORT)" >&2; exit 1
   fi
@@ -80,8 +83,27 @@ print("K by batch {" + ", ".join(f"{b}: {k}" for b, k in s.items()) + "}" + (", 
     *) label=$name ;;
   esac
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
-      --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --label "$label" -o "$OUT/$name.json"
+      --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --label "$label" -o "$result"
   stop
+}
+
+if (( ROUNDS == 1 )); then
+  for name in $SYSTEMS; do sweep_once "$name" "$OUT/$name.json"; done
+else
+  # Systems alternate within every round, so each round of one has the others' taken minutes apart.
+  mkdir -p "$OUT/rounds"
+  for ((r = 1; r <= ROUNDS; r++)); do
+    for name in $SYSTEMS; do sweep_once "$name" "$OUT/rounds/$name.r$r.json"; done
+  done
+  for name in $SYSTEMS; do
+    "$PY" -m dflash_trt bench merge "$OUT"/rounds/"$name".r*.json -o "$OUT/$name.json"
+  done
+fi
+for pair in "ours-engine ours-ar" "ours-ar vllm-ar" "ours-dflash vllm-dflash" "ours-engine vllm-ar"; do
+  set -- $pair
+  if [[ -f "$OUT/$1.json" && -f "$OUT/$2.json" && " $SYSTEMS " == *" $1 "* && " $SYSTEMS " == *" $2 "* ]]; then
+    "$PY" -m dflash_trt bench compare "$OUT/$1.json" "$OUT/$2.json" | tee "$OUT/compare_$1_vs_$2.txt"
+  fi
 done
 
 runs=()

@@ -1,4 +1,4 @@
-"""`dflash-trt bench speed|sweep|plot`."""
+"""`dflash-trt bench speed|sweep|plot|merge|compare`."""
 
 from __future__ import annotations
 
@@ -189,6 +189,48 @@ def plot(runs, output, title) -> None:
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"wrote {path}", err=True)
+
+
+@bench.command()
+@click.argument("rounds", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RUN.json (a .csv is written beside it).")
+def merge(rounds, output) -> None:
+    """Merge repeated sweeps of one system: per concurrency, the round with the median output tokens/s."""
+    from dflash_trt.bench.plot import load_runs
+    from dflash_trt.bench.rounds import merge_rounds
+    from dflash_trt.bench.sweep import write_results
+
+    try:
+        merged = merge_rounds(load_runs(rounds), names=list(rounds))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    paths = write_results(merged, output)
+    click.echo(f"wrote {paths[0]} and {paths[1]}", err=True)
+
+
+@bench.command()
+@click.argument("run", type=click.Path(exists=True, dir_okay=False))
+@click.argument("base", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def compare(run, base, as_json) -> None:
+    """RUN's output tokens/s over BASE's per concurrency; round by round where both are merged alternating rounds."""
+    from dflash_trt.bench.plot import load_runs
+    from dflash_trt.bench.rounds import compare_runs
+
+    try:
+        a, b = load_runs([run, base])
+        rows = compare_runs(a, b)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{a['label']} vs {b['label']} (output tok/s)")
+    for r in rows:
+        paired = (f"  rounds {' '.join(f'{x:.2f}' for x in r['paired_ratios'])} (median {r['paired_median']:.2f})"
+                  if "paired_ratios" in r else "")
+        click.echo(f"c={r['concurrency']:<4} {r['output_tok_s']:8.1f} vs {r['base_output_tok_s']:8.1f}  "
+                   f"{r['ratio']:.2f}x{paired}")
 
 
 def served_model(url: str) -> str:

@@ -1,0 +1,70 @@
+"""Repeated sweeps: the median round per point, and paired ratios of two systems swept in alternation.
+
+On a small shared machine one sweep point (a few seconds of requests) moves by up to 20% between passes, more
+than the differences worth measuring. peers.sh therefore sweeps every system ROUNDS times in alternation
+(AR, engine, AR, engine, ...), so that each round of one system has a neighbour of the other taken under the same
+conditions. `merge` keeps, per concurrency, the round whose output tokens/s is the median: one real measurement
+with all its latencies, not an average of percentiles. `compare` pairs two merged systems round by round.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+METRIC = "output_tok_s"
+
+
+def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
+    points = run.get("points")
+    if not isinstance(points, list) or not points:
+        raise ValueError(f"{where}: no 'points' (not a bench sweep result)")
+    out = {}
+    for p in points:
+        if not isinstance(p, dict) or not isinstance(p.get(METRIC), (int, float)) or "concurrency" not in p:
+            raise ValueError(f"{where}: a point lacks 'concurrency' or '{METRIC}'")
+        out[int(p["concurrency"])] = p
+    return out
+
+
+def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> dict:
+    """One run from rounds of the same sweep: per concurrency, the round with the median output tokens/s (the
+    lower middle of an even count), with every round's value under 'rounds_output_tok_s' in round order."""
+    if not runs:
+        raise ValueError("no rounds to merge")
+    names = list(names) if names is not None else [f"round {i + 1}" for i in range(len(runs))]
+    labels = {r.get("label") for r in runs}
+    if len(labels) > 1:
+        raise ValueError(f"rounds of different systems: labels {sorted(map(str, labels))}")
+    by_round = [_points_by_concurrency(r, n) for r, n in zip(runs, names)]
+    concurrencies = sorted(by_round[0])
+    for pts, name in zip(by_round[1:], names[1:]):
+        if sorted(pts) != concurrencies:
+            raise ValueError(f"{name}: concurrencies {sorted(pts)} differ from {names[0]}'s {concurrencies}")
+    points = []
+    for c in concurrencies:
+        values = [pts[c][METRIC] for pts in by_round]
+        middle = sorted(range(len(values)), key=lambda i: values[i])[(len(values) - 1) // 2]
+        points.append({**by_round[middle][c], "rounds_output_tok_s": values, "median_round": middle + 1})
+    merged = {k: v for k, v in runs[0].items() if k != "points"}
+    merged.update(points=points, rounds=len(runs), round_dates=[r.get("date") for r in runs])
+    return merged
+
+
+def compare_runs(run: dict, base: dict) -> list[dict]:
+    """Per concurrency: run over base by the merged (median-round) points, and round by round, where both were
+    swept in the same number of alternating rounds."""
+    mine, theirs = _points_by_concurrency(run, "run"), _points_by_concurrency(base, "base")
+    rows = []
+    for c in sorted(mine.keys() & theirs.keys()):
+        a, b = mine[c], theirs[c]
+        row = {"concurrency": c, METRIC: a[METRIC], f"base_{METRIC}": b[METRIC], "ratio": a[METRIC] / b[METRIC]}
+        ra, rb = a.get("rounds_output_tok_s"), b.get("rounds_output_tok_s")
+        if ra and rb and len(ra) == len(rb):
+            paired = [x / y for x, y in zip(ra, rb)]
+            row.update(paired_ratios=paired, paired_median=statistics.median(paired),
+                       paired_min=min(paired), paired_max=max(paired))
+        rows.append(row)
+    if not rows:
+        raise ValueError("the two runs share no concurrency")
+    return rows

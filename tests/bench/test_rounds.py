@@ -1,0 +1,81 @@
+"""Repeated sweeps: the merged point is a real round's, the median one; paired ratios pair rounds in order."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.bench.rounds import compare_runs, merge_rounds
+from dflash_trt.cli import main
+
+
+def sweep_run(label: str, tok_s: dict[int, float], date: str = "d") -> dict:
+    return {"label": label, "date": date, "points": [
+        {"concurrency": c, "output_tok_s": v, "tok_s_per_user": v / c, "tok_s_per_gpu": v, "ttft_s": {"p50": 1.0 / v}}
+        for c, v in tok_s.items()]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(1, 1000), min_size=3, max_size=3), min_size=1, max_size=7))
+def test_each_point_is_the_round_with_the_median_throughput(values):
+    runs = [sweep_run("ar", dict(zip((1, 2, 4), v)), date=f"r{i}") for i, v in enumerate(values)]
+    merged = merge_rounds(runs)
+    assert merged["rounds"] == len(values) and merged["round_dates"] == [f"r{i}" for i in range(len(values))]
+    for j, p in enumerate(merged["points"]):
+        column = [v[j] for v in values]
+        assert p["rounds_output_tok_s"] == column
+        assert p["output_tok_s"] == sorted(column)[(len(column) - 1) // 2]
+        if len(column) % 2:
+            assert p["output_tok_s"] == statistics.median(column)
+        # the whole point comes from that one round: its latencies too
+        assert p["ttft_s"]["p50"] == 1.0 / p["output_tok_s"]
+        assert column[p["median_round"] - 1] == p["output_tok_s"]
+
+
+def test_rounds_of_different_systems_or_concurrencies_are_refused():
+    with pytest.raises(ValueError, match="different systems"):
+        merge_rounds([sweep_run("ar", {1: 1.0}), sweep_run("engine", {1: 1.0})])
+    with pytest.raises(ValueError, match=r"r2\.json: concurrencies \[1\] differ"):
+        merge_rounds([sweep_run("ar", {1: 1.0, 2: 2.0}), sweep_run("ar", {1: 1.0})], names=["r1.json", "r2.json"])
+    with pytest.raises(ValueError, match="no 'points'"):
+        merge_rounds([{"label": "ar"}])
+
+
+def test_paired_ratios_pair_the_rounds_in_order():
+    ar = merge_rounds([sweep_run("ar", {1: v, 8: 10 * v}) for v in (100.0, 80.0, 120.0)])
+    engine = merge_rounds([sweep_run("engine", {1: v, 8: 10 * v}) for v in (110.0, 84.0, 114.0)])
+    rows = compare_runs(engine, ar)
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    assert rows[0]["ratio"] == pytest.approx(110.0 / 100.0)  # median round against median round
+    assert rows[0]["paired_ratios"] == pytest.approx([1.1, 1.05, 0.95])
+    assert rows[0]["paired_median"] == pytest.approx(1.05)
+    assert (rows[0]["paired_min"], rows[0]["paired_max"]) == pytest.approx((0.95, 1.1))
+    single = compare_runs(sweep_run("engine", {1: 50.0}), sweep_run("ar", {1: 100.0, 2: 1.0}))
+    assert single == [{"concurrency": 1, "output_tok_s": 50.0, "base_output_tok_s": 100.0, "ratio": 0.5}]  # no rounds
+    with pytest.raises(ValueError, match="share no concurrency"):
+        compare_runs(sweep_run("engine", {1: 50.0}), sweep_run("ar", {2: 1.0}))
+
+
+def test_merge_and_compare_commands(tmp_path):
+    for system, values in (("ar", (100.0, 90.0, 95.0)), ("engine", (99.0, 97.0, 96.0))):
+        for i, v in enumerate(values):
+            (tmp_path / f"{system}.r{i}.json").write_text(json.dumps(sweep_run(system, {1: v})))
+        res = CliRunner().invoke(main, ["bench", "merge", *(str(tmp_path / f"{system}.r{i}.json") for i in range(3)),
+                                        "-o", str(tmp_path / f"{system}.json")])
+        assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "ar.json").read_text())["points"][0]["output_tok_s"] == 95.0
+    assert (tmp_path / "ar.csv").read_text().splitlines()[1].count("[100.0, 90.0, 95.0]") == 1
+    res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "engine.json"), str(tmp_path / "ar.json"), "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.output)[0]
+    assert row["ratio"] == pytest.approx(97.0 / 95.0) and row["paired_ratios"] == pytest.approx([0.99, 97 / 90, 96 / 95])
+    text = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "engine.json"), str(tmp_path / "ar.json")])
+    assert text.exit_code == 0 and "engine vs ar" in text.output and "1.02x" in text.output
+    bad = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "ar.r0.json"), str(tmp_path / "engine.r0.json"),
+                                    "-o", str(tmp_path / "x.json")])
+    assert bad.exit_code != 0 and "different systems" in bad.output and not (tmp_path / "x.json").exists()
