@@ -243,15 +243,23 @@ def test_sampling_follows_the_target_distribution_when_steps_switch(small_vocab)
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 
 
+def _step_costs_by_k(engine) -> None:
+    """Steps cost 1 + 0.1 K (a K=7 step 1.7 plain ones) whatever the machine's load: the policy is what is tested."""
+    observe = engine.adaptive.observe
+    engine.adaptive.observe = lambda batch, k, step_s, tokens: observe(batch, k, 1.0 + 0.1 * k, tokens)
+
+
 def test_adaptive_draft_len_turns_a_useless_drafter_off_and_keeps_a_good_one_on(tiny_dirs):
     prompts = _prompts(4)
     refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     useless = _engine(tiny_dirs, "qwen3", 7, adaptive_draft_len=True)  # random drafter: tau ~1 at 8x the tokens
+    _step_costs_by_k(useless)
     outs = useless.generate(prompts, params)
     assert [o.token_ids for o in outs] == refs
     assert sum(len(o.acceptance_lengths) for o in outs) < 0.5 * 4 * NEW  # mostly plain steps
     good = _engine(tiny_dirs, "qwen3", 7, adaptive_draft_len=True)
+    _step_costs_by_k(good)
     force_drafts(good, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.0)
     outs = good.generate(prompts, params)
     assert [o.token_ids for o in outs] == refs
