@@ -34,6 +34,7 @@ class EngineConfig:
     pack_weights: bool = True  # oneDNN-prepacked projections on the CPU (bit-identical, about 2x faster GEMVs)
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
+    load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
     # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
     # draft_vocab.json lists (the whole vocabulary when it ships none); 0: the whole vocabulary.
     draft_vocab_size: int | None = None
@@ -115,6 +116,7 @@ class LLMEngine:
             max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
             draft_len_schedule=dict(config.draft_len_schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
+            load_window=config.load_window,
         ))
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         logger.info(

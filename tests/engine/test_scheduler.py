@@ -168,8 +168,9 @@ def test_chunked_prefill_and_joining_requests_equal_target_greedy(tiny_dirs):
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (23, 4, 11, 30, 7)]
     # 2 rows for 5 requests: they join as rows free up; 6-token budget: every long prompt is chunked,
-    # and the schedule varies K with the batch size.
-    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=7, max_prefill_tokens=6, draft_len_schedule={1: 7, 2: 3})
+    # and the schedule varies K with the batch size (step by step: load_window 1).
+    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=7, max_prefill_tokens=6, draft_len_schedule={1: 7, 2: 3},
+                     load_window=1)
     new = [20, 33, 9, 25, 14]
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new])
     for p, o, n in zip(prompts, outs, new):
@@ -186,3 +187,37 @@ def test_a_seeded_sample_does_not_depend_on_chunking_or_company(tiny_dirs):
     crowd = _engine(tiny_dirs, max_batch_size=2, max_prefill_tokens=8).generate(
         [list(range(5, 20)), prompt, list(range(3, 9))], [others[0], p, others[1]])[1].token_ids
     assert alone == crowd
+
+
+def test_k_follows_the_load_of_the_last_steps_not_a_momentary_one_row_batch():
+    # Schedule {1: 3}: one row drafts K=3, two rows decode plainly. Two requests run together; when the
+    # shorter finishes, the longer decodes alone, but K stays 0 for load_window steps (a closed-loop client's
+    # next request is on its way), then rises to the one-row K.
+    cfg = SchedulerConfig(max_num_seqs=2, max_model_len=512, max_draft_len=3, draft_len_schedule={1: 3}, load_window=4)
+    sched = Scheduler(cfg)
+    short, long = _seq(4, new=3), _seq(4, new=200)
+    sched.add(short)
+    sched.add(long)
+    ks = []
+    while sched.has_work():
+        batch = sched.schedule()
+        if batch.decodes:
+            ks.append((len(batch.decodes), batch.num_draft))
+        _run(sched, batch)
+        if len(ks) > 12:
+            break
+    assert ks[:2] == [(2, 0), (2, 0)]  # both decode; the short one's third token finishes it
+    alone = ks[2:]
+    # steps since two ran: 1, 2, 3 lie inside a 4-step window (the prefill step counts too), then K=3
+    assert alone[:3] == [(1, 0)] * 3 and set(alone[3:]) == {(1, 3)}
+    # a single stream from the start drafts at once
+    solo = Scheduler(cfg)
+    solo.add(_seq(4, new=20))
+    solo_ks = []
+    for _ in range(3):
+        batch = solo.schedule()
+        solo_ks.append(batch.num_draft)
+        _run(solo, batch)
+    assert solo_ks == [0, 3, 3]  # the prefill step, then K=3 straight away
+    with pytest.raises(ValueError, match="load_window must be >= 1"):
+        SchedulerConfig(max_num_seqs=1, max_model_len=8, load_window=0)
