@@ -40,7 +40,7 @@ class SchedulerConfig:
     # K follows the most requests running in any of the last this many steps, not the instantaneous batch: under
     # a closed-loop load a finished request's replacement arrives some steps later, and the one-row steps in
     # between would draft with the one-row K (measured: the CPU default 11% below AR at concurrency 2). 1: the
-    # instantaneous batch, TensorRT-LLM's rule.
+    # requests running in this step, decoding or prefilling (TensorRT-LLM applies the schedule to each step's batch).
     load_window: int = 8
 
     def __post_init__(self) -> None:
@@ -209,7 +209,7 @@ class Scheduler:
         must fit)."""
         if not decodes:
             return 0
-        k = self.config.draft_len_for(max(len(decodes), *self._recent_load))
+        k = self.config.draft_len_for(max(self._recent_load))  # this step's entry counts the decodes among others
         need = max(s.remaining for s in decodes)
         room = min(self.config.max_model_len - 1 - s.num_cached for s in decodes)
         return max(0, min(k, need, room))
