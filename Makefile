@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo serve bench clean
+.PHONY: setup test demo serve clean
 
 setup: $(STAMP)
 
