@@ -8,6 +8,7 @@ learned slot 1 but not the later slots, or that does much better on training rec
 shows here. fp32 throughout (bf16 near-ties would blur the comparison).
 
     .venv/bin/python benchmarks/diagnose_acceptance.py [--drafter drafters/smollm2-135m-dflash] [--records N] [-k 7]
+        [--draft-vocab-size N] [--data RESPONSES.jsonl.gz]
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=7)
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft among the N most frequent tokens (real acceptance only; slot accuracy uses the whole head)")
     ap.add_argument("--name", default="acceptance_diagnosis_cpu")
     args = ap.parse_args()
     torch.set_num_threads(2)
     engine = LLMEngine.from_dirs(smollm2_dir(), args.drafter, EngineConfig(max_batch_size=1, max_draft_len=args.k,
-                                                                           pack_weights=False))
+                                                                           pack_weights=False,
+                                                                           draft_vocab_size=args.draft_vocab_size))
     with gzip.open(args.data, "rt") as f:
         data = [json.loads(line) for line in f]
     result = {}
@@ -85,6 +89,7 @@ def main() -> None:
                          **real_acceptance(engine, recs, args.new_tokens)}
         print(split, json.dumps(result[split]))
     path = record(args.name, {"command": " ".join(sys.argv), "drafter": args.drafter, "dtype": "float32", "k": args.k,
+                              "draft_vocab_size": args.draft_vocab_size or "all",
                               **result})
     print(f"recorded {path}")
 
