@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
-                    help="draft among the N most frequent tokens (real acceptance only; slot accuracy uses the whole head)")
+                    help="draft among the drafter's N most frequent tokens, 0: the whole vocabulary (default: all its "
+                         "draft_vocab.json lists; real acceptance only, slot accuracy uses the whole head)")
     ap.add_argument("--name", default="acceptance_diagnosis_cpu")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -89,7 +90,7 @@ def main() -> None:
                          **real_acceptance(engine, recs, args.new_tokens)}
         print(split, json.dumps(result[split]))
     path = record(args.name, {"command": " ".join(sys.argv), "drafter": args.drafter, "dtype": "float32", "k": args.k,
-                              "draft_vocab_size": args.draft_vocab_size or "all",
+                              "draft_vocab_size": "all" if args.draft_vocab_size is None else args.draft_vocab_size,
                               **result})
     print(f"recorded {path}")
 

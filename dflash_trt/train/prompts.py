@@ -147,10 +147,14 @@ def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 4500, seed:
     mixes them), then the stdlib prompts, shuffled, then more_shakespeare further passages (the continuation of
     the same passage stream), each later source after the earlier ones so that those keep their positions.
     A prompt whose text came earlier is dropped."""
-    prompts = chatterbot_prompts() + shakespeare_prompts(num_shakespeare)
+    passages = shakespeare_prompts(num_shakespeare + more_shakespeare)  # one stream; its prefix does not depend on n
+    prompts = chatterbot_prompts() + passages[:num_shakespeare]
     random.Random(seed).shuffle(prompts)
     seen = {p.text for p in prompts}
-    later = [p for p in python_doc_prompts() if p.text not in seen and not seen.add(p.text)]
+
+    def unseen(source: list[Prompt]) -> list[Prompt]:
+        return [p for p in source if p.text not in seen and not seen.add(p.text)]
+
+    later = unseen(python_doc_prompts())
     random.Random(seed).shuffle(later)
-    more = shakespeare_prompts(num_shakespeare + more_shakespeare)[num_shakespeare:]
-    return prompts + later + [p for p in more if p.text not in seen and not seen.add(p.text)]
+    return prompts + later + unseen(passages[num_shakespeare:])
