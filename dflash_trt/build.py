@@ -87,7 +87,7 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     # This runtime drafts among the drafter's draft vocabulary; TensorRT-LLM (GPU profiles) scores the whole head.
     # The file is checked either way: the build copies it.
     ids = load_draft_vocab(drafter.path, tcfg.vocab_size) if drafter is not None and drafter.path is not None else None
-    vocab = ids.numel() if ids is not None and hw.kind != "gpu" else None
+    vocab = _draft_vocab_size(cfg, ids) if hw.kind != "gpu" else None
     perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg), vocab)
     if auto:
         cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)
@@ -97,6 +97,23 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
         raise PlanError(f"{config_path}: " + " ".join(plan.problems))
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
+
+
+def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:
+    """Rows of the draft head the torch runtime will score with: speculative_config.draft_vocab_size, checked
+    against the drafter's draft_vocab.json; None: the whole head."""
+    wanted = cfg.speculative_config.draft_vocab_size if cfg.speculative_config is not None else None
+    if wanted == 0:
+        return None
+    if wanted is None:
+        return ids.numel() if ids is not None else None
+    key = "speculative_config.draft_vocab_size"
+    if ids is None:
+        raise ValueError(f"{key}={wanted} needs a drafter that ships draft_vocab.json (dflash-trt train writes one); "
+                         f"{cfg.drafter!r} has none")
+    if wanted > ids.numel():
+        raise ValueError(f"{key}={wanted} exceeds the {ids.numel()} tokens {cfg.drafter!r}'s draft_vocab.json lists")
+    return wanted
 
 
 def _with_schedule(cfg: BuildConfig, schedule: dict[int, int] | None, k: int | None) -> BuildConfig:

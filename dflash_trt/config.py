@@ -42,6 +42,10 @@ class SpeculativeConfig(_Strict):
     # This project's torch runtime only: measure plain and speculative steps while serving and run K=0 where
     # plain decoding is faster (engine/adaptive_draft.py). TensorRT-LLM keeps the static schedule.
     adaptive_draft_len: bool = False
+    # This project's torch runtime only: draft among the drafter's N most frequent tokens (its draft_vocab.json,
+    # spec/draft_vocab.py); 0: the whole vocabulary; None: every token the file lists. TensorRT-LLM scores the
+    # whole head.
+    draft_vocab_size: int | None = Field(default=None, ge=0)
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
     use_rejection_sampling: bool = False

@@ -92,6 +92,8 @@ class EngineDir:
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
         if spec.get("adaptive_draft_len"):
             values["adaptive_draft_len"] = True
+        if spec.get("draft_vocab_size") is not None:
+            values["draft_vocab_size"] = int(spec["draft_vocab_size"])
         for key, value in overrides.items():
             if key not in known:
                 raise ValueError(f"unknown engine setting {key!r}; known: {sorted(known)}")

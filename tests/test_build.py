@@ -289,3 +289,36 @@ def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_di
     assert EngineDir(engine).plan["performance"]["draft_vocab_size"] == 3  # the CPU plan prices a 3-row draft head
     assert open_engine(engine).runner.proposer.draft_vocab.tolist() == [7, 3, 50]
     assert open_engine(engine, draft_vocab_size=0).runner.proposer.draft_vocab is None
+
+
+def _vocab_config(tmp_path: Path, tiny_dirs, drafter: Path, size: int) -> Path:
+    raw = yaml.safe_load(write_config(tmp_path, tiny_dirs["qwen3"], drafter).read_text())
+    raw["speculative_config"]["draft_vocab_size"] = size
+    path = tmp_path / "vocab.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_build_config_cuts_the_draft_vocabulary_for_the_torch_runtime_only(tiny_dirs, tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    save_draft_vocab(drafter, torch.tensor([7, 3, 50]), torch.tensor([5, 4, 1]))
+    engine = build_engine(_vocab_config(tmp_path, tiny_dirs, drafter, 2), tmp_path / "engine", progress=False)
+    assert EngineDir(engine).plan["performance"]["draft_vocab_size"] == 2
+    assert open_engine(engine).runner.proposer.draft_vocab.tolist() == [7, 3]  # the two most frequent
+    assert open_engine(engine, draft_vocab_size=3).runner.proposer.draft_vocab.tolist() == [7, 3, 50]
+    options = yaml.safe_load((engine / "trtllm/config.yaml").read_text())
+    assert "draft_vocab_size" not in options["speculative_config"]  # not a TensorRT-LLM key
+    whole = build_engine(_vocab_config(tmp_path, tiny_dirs, drafter, 0), tmp_path / "whole", progress=False)
+    assert EngineDir(whole).plan["performance"]["draft_vocab_size"] is None
+    assert open_engine(whole).runner.proposer.draft_vocab is None
+
+
+def test_a_draft_vocabulary_size_the_drafter_cannot_serve_fails_the_build_naming_the_key(tiny_dirs, tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    with pytest.raises(ValueError, match="speculative_config.draft_vocab_size=2 needs a drafter that ships"):
+        prepare_build(_vocab_config(tmp_path, tiny_dirs, drafter, 2))
+    save_draft_vocab(drafter, torch.tensor([7, 3, 50]), torch.tensor([5, 4, 1]))
+    with pytest.raises(ValueError, match="speculative_config.draft_vocab_size=4 exceeds the 3 tokens"):
+        prepare_build(_vocab_config(tmp_path, tiny_dirs, drafter, 4))
