@@ -5,19 +5,24 @@ accept far less: the CPU default's drafter reaches tau 1.44 at K=3 on its held-o
 benchmark prompts, while a K=3 step costs ~1.4x a plain one there, so a fixed K loses to plain decoding.
 
 AdaptiveDraftLen keeps, per batch-size bucket, running means of the plain step time and of the step time at
-each K it has run, plus a running per-draft acceptance rate alpha (geometric model, spec/acceptance_model.py). Each step
-it keeps the scheduled K only while tau(alpha, K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens
-per second, and every `probe_every` steps it runs the other mode once to keep both measurements current.
+each K it has run, plus, per K, a running mean of the tokens a row commits per step (tau). Each step it keeps the
+scheduled K only while tau(K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens per second, and every
+`probe_every` steps it runs the other mode once to keep both measurements current. tau is averaged as it is
+measured: a mean of per-step acceptance rates put through the geometric model (spec/acceptance_model.py) would
+read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2, their rates 0 and 1 to a rate
+giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38, enough to keep a paying K=2 off).
 Each side is measured `warmup` times before any decision, and its first step is dropped: first calls pay
 one-off costs (seen: a first plain step slow enough to keep a useless drafter on for a whole request).
+A speculative step that follows plain steps (or a prompt) first injects all their pending target features into
+the drafter cache, more than a steady step's K + 1 (and past the drafter's block, padded): such catch-up steps
+count for tau but not for the step time, and a probe of speculation runs `probe_len` steps so that it measures
+a steady one. Timed, catch-ups made every probe from plain mode look slower than speculation runs.
 Verification is lossless, so K changes speed only, never the tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from dflash_trt.spec.acceptance_model import alpha_from_tau, tau_from_acceptance
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -28,39 +33,53 @@ def batch_bucket(batch_size: int) -> int:
 @dataclass
 class AdaptiveDraftLen:
     probe_every: int = 16  # steps between runs of the mode not chosen
-    smoothing: float = 0.25  # weight of the newest observation in the running means, once warm
+    probe_len: int = 2  # speculative steps per probe from plain mode (the first one catches up)
+    smoothing: float = 0.25  # weight of the newest step time in its running mean, once warm
+    tau_smoothing: float = 0.05  # and of the newest step's tau: a step's tau is one of 1..K+1, so a longer memory
     warmup: int = 3  # observations of each side before deciding (the first is dropped)
     _step_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, K) -> seconds
     _seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, K) -> observations
     _since_probe: dict[int, int] = field(default_factory=dict)
-    alpha: float | None = None  # running per-draft acceptance
+    _probe_left: dict[int, int] = field(default_factory=dict)  # bucket -> speculative probe steps still to run
+    _tau: dict[int, float] = field(default_factory=dict)  # K -> running mean tokens per row per step
+    _tau_seen: dict[int, int] = field(default_factory=dict)
 
     def choose(self, batch_size: int, k: int) -> int:
         """K for this step: the scheduled k, or 0 where plain decoding is measured to be faster."""
         if k == 0:
             return 0
         bucket = batch_bucket(batch_size)
-        if self._seen.get((bucket, k), 0) < self.warmup or self.alpha is None:
+        if self._probe_left.get(bucket, 0) > 0:
+            self._probe_left[bucket] -= 1
+            return k
+        if self._seen.get((bucket, k), 0) < self.warmup or k not in self._tau:
             return k  # measure speculation first,
         if self._seen.get((bucket, 0), 0) < self.warmup:
             return 0  # then plain steps
         spec_s, plain_s = self._step_s[(bucket, k)], self._step_s[(bucket, 0)]
-        spec_wins = tau_from_acceptance(self.alpha, k) / spec_s >= 1.0 / plain_s
+        spec_wins = self._tau[k] / spec_s >= 1.0 / plain_s
         n = self._since_probe.get(bucket, 0) + 1
         self._since_probe[bucket] = n % self.probe_every
         if n == self.probe_every:
-            return 0 if spec_wins else k
+            if spec_wins:
+                return 0
+            self._probe_left[bucket] = self.probe_len - 1
+            return k
         return k if spec_wins else 0
 
-    def observe(self, batch_size: int, k: int, step_s: float, tokens_per_row: list[int]) -> None:
-        """One decode step's wall time and, for k > 0, the tokens each row committed (accepted drafts + 1)."""
+    def observe(self, batch_size: int, k: int, step_s: float, tokens_per_row: list[int], catch_up: bool = False) -> None:
+        """One decode step's wall time and, for k > 0, the tokens each row committed (accepted drafts + 1).
+        catch_up: the step injected more pending features than a steady step (after plain steps or a prompt)."""
+        if k > 0 and tokens_per_row:
+            n = self._tau_seen[k] = self._tau_seen.get(k, 0) + 1
+            tau = sum(tokens_per_row) / len(tokens_per_row)
+            old = self._tau.get(k, tau)
+            self._tau[k] = old + max(self.tau_smoothing, 1.0 / n) * (tau - old)  # a plain mean until it is warm
+        if catch_up:
+            return
         key = (batch_bucket(batch_size), k)
         n = self._seen[key] = self._seen.get(key, 0) + 1
         # the first observation is replaced by the second, then a plain mean until the running mean takes over
         weight = 1.0 if n <= 2 else max(self.smoothing, 1.0 / (n - 1))
         old = self._step_s.get(key, step_s)
         self._step_s[key] = old + weight * (step_s - old)
-        if k > 0 and tokens_per_row:
-            tau = sum(tokens_per_row) / len(tokens_per_row)
-            a = alpha_from_tau(min(max(tau, 1.0), k + 1.0), k)
-            self.alpha = a if self.alpha is None else self.alpha + self.smoothing * (a - self.alpha)

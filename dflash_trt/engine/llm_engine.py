@@ -237,12 +237,14 @@ class LLMEngine:
                 k = self.adaptive.choose(len(active), k)
             result.num_draft = k
             before = (active[0].stats.draft_time, active[0].stats.verify_time)
+            catch_up = k > 0 and max(s.num_pending_features for s in active) > k + 1  # more than a steady step's
             emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
             # Every row of a step is charged the step's time, so one row's increase is the step's.
             result.draft_time = active[0].stats.draft_time - before[0]
             result.verify_time = active[0].stats.verify_time - before[1]
             if self.adaptive is not None:
-                self.adaptive.observe(len(active), k, result.draft_time + result.verify_time, [len(t) for t in emitted])
+                self.adaptive.observe(len(active), k, result.draft_time + result.verify_time, [len(t) for t in emitted],
+                                      catch_up)
             for s, toks in zip(active, emitted):
                 n = s.append(toks, self.max_model_len)
                 if k > 0:

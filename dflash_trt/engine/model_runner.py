@@ -176,7 +176,7 @@ class ModelRunner:
         Padding entries are written at positions past the anchor (clamped into the cache), where the
         block's own K/V overwrite them or the block mask hides them.
         """
-        counts = [sum(f.shape[0] for f in s.pending_features) for s in seqs]
+        counts = [s.num_pending_features for s in seqs]
         n = max(counts)
         if n > self.max_draft_len + 1:  # a prompt's or a plain stretch's features: any length, so bucket it
             n = round_up(n, TOKEN_BUCKET)

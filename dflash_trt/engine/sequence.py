@@ -55,6 +55,11 @@ class Sequence:
         self.stop_check = None  # callable(output_ids) -> bool, for stop strings
 
     @property
+    def num_pending_features(self) -> int:
+        """Committed tokens whose target features the drafter cache has not taken in yet."""
+        return sum(f.shape[0] for f in self.pending_features)
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -1,10 +1,9 @@
-"""The adaptive draft length against its definition: keep K while tau(alpha, K) / t(K) >= 1 / t(0), measure
+"""The adaptive draft length against its definition: keep K while tau(K) / t(K) >= 1 / t(0), measure
 each side first, and run the other side once every probe_every steps; buckets decide independently."""
 
 import pytest
 
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen, batch_bucket
-from dflash_trt.spec.acceptance_model import tau_from_acceptance
 
 
 def _warm(ctl: AdaptiveDraftLen, batch: int, k: int, spec_s: float, plain_s: float, tokens: int) -> None:
@@ -25,18 +24,18 @@ def test_buckets_are_powers_of_two():
 def test_speculation_is_turned_off_where_it_gives_fewer_tokens_per_second():
     # tau 1.2 at K=3 for a step 1.4x the plain one: 1.2 / 1.4 = 0.86 plain steps' worth
     ctl = AdaptiveDraftLen(probe_every=8)
-    _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=1)  # tau 1 observed, alpha 0
-    ctl.observe(1, 3, 0.014, [2])  # tau 2 once: alpha > 0 in the running mean, but not enough
-    assert tau_from_acceptance(ctl.alpha, 3) / 0.014 < 1 / 0.010
-    picks = [ctl.choose(1, 3) for _ in range(16)]
-    assert picks.count(3) == 2 and picks.count(0) == 14  # K only as the every-8th probe
-    assert [i for i, k in enumerate(picks) if k == 3] == [7, 15]  # every 8th decision
+    _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=1)  # tau 1 observed
+    ctl.observe(1, 3, 0.014, [2])  # tau 2 once: the mean of 1, 1, 1, 2 is 1.25, 89 tokens/s against 100
+    assert ctl._tau[3] == pytest.approx(1.25)
+    picks = [ctl.choose(1, 3) for _ in range(20)]
+    # K only as the every-8th probe, two steps long: its first step catches up on the plain steps' features
+    assert [i for i, k in enumerate(picks) if k == 3] == [7, 8, 16, 17]
 
 
 def test_speculation_stays_on_where_it_pays_and_plain_steps_are_only_probes():
     ctl = AdaptiveDraftLen(probe_every=4)
-    _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=4)  # every draft accepted: alpha 1, tau 4
-    assert ctl.alpha == pytest.approx(1.0, abs=1e-6)
+    _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=4)  # every draft accepted: tau 4
+    assert ctl._tau[3] == pytest.approx(4.0)
     picks = [ctl.choose(1, 3) for _ in range(8)]
     assert picks == [3, 3, 3, 0, 3, 3, 3, 0]  # every 4th decision is a plain probe
 
@@ -55,3 +54,49 @@ def test_each_batch_bucket_decides_from_its_own_step_times():
 def test_a_step_the_schedule_runs_without_drafts_stays_without():
     ctl = AdaptiveDraftLen()
     assert ctl.choose(4, 0) == 0
+
+
+def test_catch_up_steps_count_for_acceptance_but_not_for_step_time():
+    ctl = AdaptiveDraftLen()
+    _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=1)  # tau 1
+    seen = dict(ctl._seen)
+    ctl.observe(1, 3, 0.050, [4], catch_up=True)  # a slow step injecting a plain stretch's features, all accepted
+    assert ctl._step_s[(1, 3)] == pytest.approx(0.014) and ctl._seen == seen
+    assert ctl._tau[3] == pytest.approx((1 + 1 + 1 + 4) / 4)  # its tau counts: the mean of the four steps
+
+
+def test_a_paying_drafter_stays_on_when_each_return_from_plain_steps_is_slow():
+    """The regression: probes from plain mode timed with their catch-up looked slow and kept speculation off."""
+    ctl = AdaptiveDraftLen(probe_every=4)
+    for _ in range(ctl.warmup):
+        ctl.choose(1, 2)
+        ctl.observe(1, 2, 0.012, [1])  # a bad start: nothing accepted, so plain wins for now
+    for _ in range(ctl.warmup):
+        ctl.choose(1, 2)
+        ctl.observe(1, 0, 0.010, [1])
+    picks = []
+    for _ in range(40):  # from here every block is accepted (tau 3 at 1.2x a plain step's cost)
+        k = ctl.choose(1, 2)
+        picks.append(k)
+        catch_up = k > 0 and picks[-2:-1] == [0]
+        ctl.observe(1, k, (0.020 if catch_up else 0.012) if k else 0.010, [3] if k else [1], catch_up)
+    assert picks[:5] == [0, 0, 0, 2, 2]  # the probe: a catch-up step, then a steady one
+    assert picks[-8:].count(2) >= 6  # speculation back on, plain only as probes
+
+
+def test_tau_is_the_mean_of_the_measured_steps_not_a_geometric_reading_of_their_mean_rate():
+    """Steps of tau 1 and 3 at K=2 average to 2 (2 / 1.8 = 1.11 plain steps' worth per step time); their per-step
+    acceptance rates, 0 and 1, average to 0.5, which the geometric model reads as tau 1.75 (0.97: plain wins)."""
+    ctl = AdaptiveDraftLen(probe_every=1000)
+    for i in range(ctl.warmup):
+        assert ctl.choose(1, 2) == 2
+        ctl.observe(1, 2, 0.018, [1 if i % 2 else 3])
+    for _ in range(ctl.warmup):
+        assert ctl.choose(1, 2) == 0
+        ctl.observe(1, 0, 0.010, [1])
+    picks = []
+    for i in range(40):
+        picks.append(ctl.choose(1, 2))
+        ctl.observe(1, picks[-1], 0.018 if picks[-1] else 0.010, [1 if i % 2 else 3] if picks[-1] else [1])
+    assert ctl._tau[2] == pytest.approx(2.0, abs=0.1)
+    assert picks == [2] * 40

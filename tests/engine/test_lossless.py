@@ -206,13 +206,14 @@ class _Alternate:
 
     def __init__(self, period: int = 2):
         self.n, self.period = 0, period
+        self.observed: list[tuple[int, bool]] = []  # (K, catch_up) per step
 
     def choose(self, batch_size, k):
         self.n += 1
-        return k if self.n % self.period == 1 else 0
+        return k if (self.n - 1) % self.period == 0 else 0
 
-    def observe(self, *args):
-        pass
+    def observe(self, batch_size, k, step_s, tokens, catch_up=False):
+        self.observed.append((k, catch_up))
 
 
 @pytest.mark.parametrize("period", [2, 4])
@@ -227,6 +228,23 @@ def test_greedy_is_lossless_when_steps_switch_between_speculative_and_plain(tiny
     for o, ref in zip(outs, refs):
         assert o.token_ids == ref
         assert o.tau > 2.0  # the drafter's context survived the plain steps in between
+
+
+@pytest.mark.parametrize("period", [1, 4])
+def test_speculative_steps_that_take_in_a_prompt_or_plain_steps_features_are_flagged_catch_up(tiny_dirs, period):
+    """Steady speculative steps inject the K + 1 or fewer features their predecessor committed; the first step after
+    the prompt, and every step after three plain steps of fully accepted blocks (4 + 3 features), inject more."""
+    prompt = _prompts(1)
+    assert len(prompt[0]) > 4
+    ref = hf_greedy(tiny_dirs["qwen3"], prompt[0])
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, adaptive_draft_len=True)
+    engine.adaptive = recorder = _Alternate(period)
+    force_drafts(engine, {0: prompt[0] + ref}, error_rate=0.0)
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0].token_ids == ref
+    flags = [catch_up for k, catch_up in recorder.observed if k > 0]
+    assert len(flags) > 2 and flags[0]
+    assert all(flags[1:]) if period == 4 else not any(flags[1:])
+    assert not any(catch_up for k, catch_up in recorder.observed if k == 0)
 
 
 def test_sampling_follows_the_target_distribution_when_steps_switch(small_vocab):
@@ -246,7 +264,8 @@ def test_sampling_follows_the_target_distribution_when_steps_switch(small_vocab)
 def _step_costs_by_k(engine) -> None:
     """Steps cost 1 + 0.1 K (a K=7 step 1.7 plain ones) whatever the machine's load: the policy is what is tested."""
     observe = engine.adaptive.observe
-    engine.adaptive.observe = lambda batch, k, step_s, tokens: observe(batch, k, 1.0 + 0.1 * k, tokens)
+    engine.adaptive.observe = lambda batch, k, step_s, tokens, catch_up=False: observe(batch, k, 1.0 + 0.1 * k, tokens,
+                                                                                     catch_up)
 
 
 def test_adaptive_draft_len_turns_a_useless_drafter_off_and_keeps_a_good_one_on(tiny_dirs):
