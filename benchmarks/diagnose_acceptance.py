@@ -86,6 +86,9 @@ def main() -> None:
     result = {}
     for split in ("train", "heldout"):
         recs = [r for r in data if r["split"] == split and r["mode"] == "greedy"][: args.records]
+        if not recs:  # e.g. a file of held-out records only
+            print(f"{split}: no greedy records in {args.data}")
+            continue
         result[split] = {"records": len(recs), "teacher_forced_slot_accuracy": slot_accuracy(engine, recs, args.anchors),
                          **real_acceptance(engine, recs, args.new_tokens)}
         print(split, json.dumps(result[split]))

@@ -142,7 +142,7 @@ def python_doc_prompts() -> list[Prompt]:
     return out
 
 
-def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 4500, seed: int = 0) -> list[Prompt]:
+def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 9000, seed: int = 0) -> list[Prompt]:
     """The sources in one fixed order: chatterbot and shakespeare shuffled together (so a --max-prompts prefix
     mixes them), then the stdlib prompts, shuffled, then more_shakespeare further passages (the continuation of
     the same passage stream), each later source after the earlier ones so that those keep their positions.
