@@ -27,7 +27,7 @@ from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
-from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, load_draft_vocab
+from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
 from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
 from dflash_trt.validate import check_mapping, check_pairing
@@ -100,20 +100,11 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
 
 
 def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:
-    """Rows of the draft head the torch runtime will score with: speculative_config.draft_vocab_size, checked
-    against the drafter's draft_vocab.json; None: the whole head."""
-    wanted = cfg.speculative_config.draft_vocab_size if cfg.speculative_config is not None else None
-    if wanted == 0:
-        return None
-    if wanted is None:
-        return ids.numel() if ids is not None else None
-    key = "speculative_config.draft_vocab_size"
-    if ids is None:
-        raise ValueError(f"{key}={wanted} needs a drafter that ships draft_vocab.json (dflash-trt train writes one); "
-                         f"{cfg.drafter!r} has none")
-    if wanted > ids.numel():
-        raise ValueError(f"{key}={wanted} exceeds the {ids.numel()} tokens {cfg.drafter!r}'s draft_vocab.json lists")
-    return wanted
+    """Rows of the draft head the torch runtime will score with (speculative_config.draft_vocab_size, checked
+    against the drafter's draft_vocab.json); None: the whole head."""
+    size = cfg.speculative_config.draft_vocab_size if cfg.speculative_config is not None else None
+    vocab = cut_draft_vocab(ids, size, "speculative_config.draft_vocab_size", repr(cfg.drafter))
+    return vocab.numel() if vocab is not None else None
 
 
 def _with_schedule(cfg: BuildConfig, schedule: dict[int, int] | None, k: int | None) -> BuildConfig:

@@ -16,6 +16,7 @@ from dflash_trt.engine.sequence import Sequence
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.spec.draft_vocab import cut_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +128,9 @@ class LLMEngine:
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:
-        if self.drafter is None or config.draft_vocab_size == 0:
+        if self.drafter is None:
             return None
-        vocab = self.drafter.draft_vocab
-        if config.draft_vocab_size is None:
-            return vocab
-        if vocab is None:
-            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a drafter that ships "
-                             "draft_vocab.json (dflash-trt train writes one)")
-        if config.draft_vocab_size > vocab.numel():
-            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} exceeds the {vocab.numel()} tokens the "
-                             "drafter's draft_vocab.json lists")
-        return vocab[: config.draft_vocab_size]
+        return cut_draft_vocab(self.drafter.draft_vocab, config.draft_vocab_size)
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, config: EngineConfig) -> "LLMEngine":
@@ -237,7 +229,8 @@ class LLMEngine:
                 k = self.adaptive.choose(len(active), k)
             result.num_draft = k
             before = (active[0].stats.draft_time, active[0].stats.verify_time)
-            catch_up = k > 0 and max(s.num_pending_features for s in active) > k + 1  # more than a steady step's
+            # more pending features than a steady step's (read before the step takes them in)
+            catch_up = self.adaptive is not None and k > 0 and max(s.num_pending_features for s in active) > k + 1
             emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
             # Every row of a step is charged the step's time, so one row's increase is the step's.
             result.draft_time = active[0].stats.draft_time - before[0]

@@ -42,6 +42,22 @@ def save_draft_vocab(drafter_dir: str | Path, token_ids: torch.Tensor, counts: t
     return path
 
 
+def cut_draft_vocab(token_ids: torch.Tensor | None, size: int | None, key: str = "draft_vocab_size",
+                    drafter: str = "the drafter") -> torch.Tensor | None:
+    """The tokens to draft among: the `size` most frequent of a drafter's ranked `token_ids` (None when it ships
+    no draft_vocab.json); size None: all it lists; 0: the whole vocabulary (None). Errors name `key`."""
+    if size == 0:
+        return None
+    if size is None:
+        return token_ids
+    if token_ids is None:
+        raise ValueError(f"{key}={size} needs a drafter that ships draft_vocab.json (dflash-trt train writes one); "
+                         f"{drafter} has none")
+    if size > token_ids.numel():
+        raise ValueError(f"{key}={size} exceeds the {token_ids.numel()} tokens {drafter}'s draft_vocab.json lists")
+    return token_ids[:size]
+
+
 def load_draft_vocab(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
     """The ranked token ids the drafter ships, or None when it ships none."""
     path = Path(drafter_dir) / FILE
