@@ -20,7 +20,7 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
                       max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16",
-                      device: str = "cpu") -> Path:
+                      device: str = "cpu", self_prompts: int = 0) -> Path:
     """The whole pipeline; each stage resumes where an interrupted run stopped.
 
     On the CPU the target's features are cached on disk once (a target forward per step would cost more
@@ -28,11 +28,13 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     """
     from transformers import AutoTokenizer
 
+    from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
     from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache
     from dflash_trt.train.responses import generate_responses
+    from dflash_trt.train.self_prompts import cached_self_prompts
     from dflash_trt.train.trainer import Trainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -41,6 +43,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
                                                              max_model_len=cfg.max_seq_len + max_new_tokens,
                                                              device=device))
+    if self_prompts:
+        # After the packaged prompts, so that their records keep their ids; the benchmark's prompts stay unseen.
+        bench = {p.text for p in load_dataset("cpu-small")}
+        prompts = list(prompts) + cached_self_prompts(engine, data_dir / "self_prompts.jsonl", self_prompts, bench)
     records = generate_responses(engine, prompts, data_dir / "responses.jsonl", max_new_tokens, sampled_variants,
                                  batch_size=rows)
     if cfg.mask_token_id is None:
@@ -74,13 +80,15 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--anchors", default=32, show_default=True, type=int, help="Random anchors per sequence.")
 @click.option("--eval-every", default=250, show_default=True, type=int)
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
+@click.option("--self-prompts", default=0, show_default=True, type=int,
+              help="Also N requests per persona (chat, code, math) written by the target itself (Magpie), answered like the rest.")
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
 @click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same shape).")
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
-          time_budget, device, anchors, eval_every, max_prompts, mask_token_id, init_from_target, init_drafter,
+          time_budget, device, anchors, eval_every, max_prompts, self_prompts, mask_token_id, init_from_target, init_drafter,
           full_vocab_loss, resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
@@ -103,7 +111,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
             prompts = prompts[:max_prompts]
         out_dir = Path(out)
         drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume,
-                                    device=device)
+                                    device=device, self_prompts=self_prompts)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"best drafter: {drafter}")

@@ -23,6 +23,8 @@ dflash_ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 i
 PROMPTS = [Prompt(f"question {i}: what is {w}?", "test") for i, w in enumerate(
     ["red", "blue", "tea", "a cat", "rain", "wind", "snow", "music", "a ship", "gold", "a map", "salt"] * 3)]
 
+SELF_PROMPTS = [Prompt("How do I learn to juggle?", "self/chat"), Prompt("What is a prime number?", "self/chat")]
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -30,8 +32,12 @@ def trained(tmp_path_factory):
     t = make_target(root / "target", layers=4, seed=2)
     cfg = TrainConfig(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=120, lr=1e-2, seqs_per_step=4,
                       anchors_per_seq=16, eval_every=60, eval_prompts=2, eval_new_tokens=16, max_seq_len=96)
+    # Self-written prompts stored by an earlier run are reused (a tiny random target writes no acceptable ones).
+    (root / "data").mkdir()
+    (root / "data" / "self_prompts.jsonl").write_text("".join(json.dumps({"text": p.text, "source": "self/chat"}) + "\n"
+                                                              for p in SELF_PROMPTS))
     prepare_and_train(t, root / "out", root / "data", cfg, PROMPTS, resume=False, max_new_tokens=24,
-                      sampled_variants=0, dtype="float32")
+                      sampled_variants=0, dtype="float32", self_prompts=1)
     return t, root
 
 
@@ -48,7 +54,10 @@ def test_loss_decreases(trained):
 def test_data_is_the_targets_own_greedy_output(trained):
     t, root = trained
     records = [json.loads(x) for x in (root / "data" / "responses.jsonl").read_text().splitlines()]
-    assert len(records) == len(PROMPTS) and {r["mode"] for r in records} == {"greedy"}
+    assert len(records) == len(PROMPTS) + len(SELF_PROMPTS) and {r["mode"] for r in records} == {"greedy"}
+    # the self-written prompts come after the given ones, so the given ones keep their record ids
+    assert {r["id"]: r["source"] for r in records if r["source"].startswith("self")} == {
+        f"{len(PROMPTS)}:greedy": "self/chat", f"{len(PROMPTS) + 1}:greedy": "self/chat"}
     hf = AutoModelForCausalLM.from_pretrained(t).eval()
     r = next(r for r in records if r["mode"] == "greedy")
     want = hf.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=24, do_sample=False)[0, len(r["prompt_ids"]):]

@@ -1,0 +1,129 @@
+"""User prompts written by the target itself (Magpie: Xu et al., 2024, arXiv 2406.08464).
+
+An instruction-tuned target, given its chat template up to the start of a user turn and nothing else, samples
+a plausible user request: chat questions, advice, code and maths problems, in the mix its own instruction data
+had. The packaged corpora (train/prompts.py) are mostly Shakespeare passages and short chatterbot lines; these
+prompts cover what a deployed assistant is actually asked, so the drafter learns the answers it will verify.
+A persona's system message steers the mix (a coding persona writes coding requests); the responses are then
+generated under the target's own default template, as users' requests are.
+
+Sampling depends on the runtime's numerics, so the prompt texts are generated once and stored with the records,
+never regenerated to rebuild a record's id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_trt.engine.llm_engine import LLMEngine
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.train.prompts import Prompt
+
+logger = logging.getLogger(__name__)
+
+_MARK = "\x00USER\x00"
+
+
+@dataclass(frozen=True)
+class Persona:
+    name: str
+    system: str | None  # None: the template's default system message
+
+
+PERSONAS = (
+    Persona("chat", None),
+    Persona("code", "You are an expert programmer. Users ask you to write, explain and fix code in Python, "
+                    "JavaScript, SQL and other languages."),
+    Persona("math", "You are a patient math tutor. Users ask you arithmetic, algebra, geometry and word problems "
+                    "and you solve them step by step."),
+)
+
+
+def user_turn_prefix(tokenizer, system: str | None) -> list[int]:
+    """Token ids of the chat template up to (not including) the first user message's text."""
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": _MARK}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    if _MARK not in text:
+        raise ValueError("the tokenizer's chat template does not place the user's message verbatim")
+    return tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]
+
+
+def acceptable(text: str, min_chars: int = 16, max_chars: int = 800) -> bool:
+    """A finished request in readable English-like text: not too short or long, mostly printable ASCII, and
+    something a user asks or tells an assistant (a question or a request), not a story the model drifted into."""
+    text = text.strip()
+    if not min_chars <= len(text) <= max_chars:
+        return False
+    if sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text) < 0.97 * len(text):
+        return False
+    return "?" in text or text.split()[0].lower() in _IMPERATIVES
+
+
+_IMPERATIVES = {
+    "write", "explain", "describe", "create", "give", "list", "help", "calculate", "solve", "find", "compute",
+    "implement", "show", "tell", "suggest", "summarize", "compare", "design", "make", "generate", "convert",
+    "translate", "fix", "debug", "define", "provide", "plan", "recommend", "outline", "draft", "prove", "simplify",
+    "evaluate", "determine", "i", "i'm", "i've", "my", "please", "can", "could", "how", "what", "why", "when",
+}
+
+
+def generate_self_prompts(
+    engine: LLMEngine,
+    num_per_persona: int,
+    personas: tuple[Persona, ...] = PERSONAS,
+    seed: int = 0,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    exclude: set[str] = frozenset(),
+    chunk: int = 128,
+) -> list[Prompt]:
+    """Sample candidate requests per persona until num_per_persona acceptable, distinct ones are found (or
+    4x that many were tried); source "self/<persona>". Texts in `exclude` (e.g. a benchmark's prompts) are
+    dropped. Seeded per candidate, so a run on the same runtime and machine repeats."""
+    seen = {t.strip().lower() for t in exclude}
+    out: list[Prompt] = []
+    for p_index, persona in enumerate(personas):
+        prefix = user_turn_prefix(engine.tokenizer, persona.system)
+        kept, tried = 0, 0
+        bar = tqdm(total=num_per_persona, desc=f"self prompts ({persona.name})", unit="prompt", dynamic_ncols=True)
+        while kept < num_per_persona and tried < 4 * num_per_persona:
+            n = min(chunk, 4 * num_per_persona - tried)  # the engine batches them in its rows
+            params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                     seed=(seed * len(personas) + p_index) * 10_000_000 + tried + i) for i in range(n)]
+            tried += n
+            for o in engine.generate([prefix] * n, params):
+                text = o.text.strip()
+                if o.finish_reason != "stop" or not acceptable(text) or text.lower() in seen:
+                    continue
+                seen.add(text.lower())
+                out.append(Prompt(text, f"self/{persona.name}"))
+                kept += 1
+                bar.update(1)
+                if kept == num_per_persona:
+                    break
+        bar.close()
+        if kept < num_per_persona:
+            logger.warning("persona %s: %d of %d prompts after %d tries", persona.name, kept, num_per_persona, tried)
+    return out
+
+
+def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exclude: set[str] = frozenset()) -> list[Prompt]:
+    """The prompts stored at path, else generated and stored (atomically). A rerun reuses them: records name
+    prompts by position, and a regeneration on other numerics would sample other texts."""
+    if path.is_file():
+        prompts = [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
+        return prompts
+    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts))
+    tmp.replace(path)
+    return prompts

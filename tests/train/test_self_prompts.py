@@ -1,0 +1,112 @@
+"""Prompts the target writes itself from its chat template's user-turn prefix (Magpie)."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from dflash_trt.train.self_prompts import (
+    PERSONAS,
+    Persona,
+    acceptable,
+    cached_self_prompts,
+    generate_self_prompts,
+    user_turn_prefix,
+)
+
+
+def test_the_prefix_is_the_template_up_to_the_users_words(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    for system in (None, "You are a patient math tutor."):
+        prefix = user_turn_prefix(tok, system)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": "What is 2 + 2?"}]
+        full = tok.apply_chat_template(messages, tokenize=False)
+        text = tok.decode(prefix)
+        assert full.startswith(text) and full[len(text):].startswith("What is 2 + 2?")
+        assert text.endswith("<|im_start|>user\n")
+        assert (system or "SmolLM") in text  # the template's default system message when none is given
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("How do I reverse a list in Python?", True),
+    ("Write a function that sums the digits of an integer.", True),
+    ("I'm planning a trip to Rome. Any tips", True),
+    ("The ancient earth loomed before me, a dark and stormy sky.", False),  # a story, not a request
+    ("Why?", False),  # too short
+    ("Que es esto? " + "é" * 20, False),  # mostly outside printable ASCII
+    ("What " * 300 + "?", False),  # too long
+])
+def test_only_finished_readable_requests_are_kept(text, ok):
+    assert acceptable(text) is ok
+
+
+@dataclass
+class _Out:
+    text: str
+    finish_reason: str
+
+
+class _ScriptedEngine:
+    """Answers generate() from a script, recording the prompts and seeds it was asked for."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, [p.seed for p in params]))
+        return [self.script.pop(0) if self.script else _Out("", "length") for _ in prompts]
+
+
+def test_generation_keeps_distinct_finished_requests_and_stops_at_the_count(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    script = [_Out("How do I sort a dict by value?", "stop"),
+              _Out("How do I sort a dict by value?", "stop"),  # duplicate
+              _Out("What is the capital of France?", "stop"),  # a benchmark prompt: excluded
+              _Out("Can you explain recursion", "length"),  # cut off by the token limit
+              _Out("Explain what a closure is in JavaScript.", "stop"),
+              _Out("Explain list comprehensions.", "stop")]  # past the count: never read
+    engine = _ScriptedEngine(tok, script)
+    out = generate_self_prompts(engine, 2, personas=(Persona("code", "You write code."),),
+                                exclude={"What is the capital of France?"}, chunk=5)
+    assert [p.text for p in out] == ["How do I sort a dict by value?", "Explain what a closure is in JavaScript."]
+    assert {p.source for p in out} == {"self/code"}
+    (prompts, seeds), *_ = engine.calls
+    assert prompts[0] == user_turn_prefix(tok, "You write code.") and len(set(seeds)) == len(seeds)
+
+
+def test_generation_gives_up_after_four_tries_per_wanted_prompt(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    engine = _ScriptedEngine(AutoTokenizer.from_pretrained(smollm2_dir), [])
+    assert generate_self_prompts(engine, 3, personas=PERSONAS[:1], chunk=5) == []
+    assert sum(len(p) for p, _ in engine.calls) == 12
+
+
+def test_stored_prompts_are_reused_not_resampled(smollm2_dir, tmp_path):
+    # Records name prompts by position: a rerun must see the same texts, even on other numerics.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(12)]  # 4 tries a persona
+    path = tmp_path / "data" / "self_prompts.jsonl"
+    first = cached_self_prompts(_ScriptedEngine(tok, script), path, 1)
+    assert [p.source for p in first] == ["self/chat", "self/code", "self/math"]
+    again = _ScriptedEngine(tok, [_Out("Something else entirely?", "stop")] * 3)
+    assert cached_self_prompts(again, path, 1) == first and again.calls == []
+
+
+def test_the_real_target_writes_acceptable_requests(smollm2_dir):
+    import torch
+
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    torch.manual_seed(0)
+    engine = LLMEngine.from_dirs(smollm2_dir, None, EngineConfig(max_batch_size=8, speculative=False,
+                                                                 dtype="bfloat16", max_model_len=256))
+    out = generate_self_prompts(engine, 2, personas=PERSONAS[:1], chunk=8, max_new_tokens=64)
+    # The target's own samples pass the filter often (about 2 in 3 on this target): 2 of at most 8 is a loose bound.
+    assert len(out) == 2 and all(acceptable(p.text) for p in out)
