@@ -62,10 +62,10 @@ def acceptable(text: str, min_chars: int = 16, max_chars: int = 800) -> bool:
         return False
     if sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text) < 0.97 * len(text):
         return False
-    return "?" in text or text.split()[0].lower() in _IMPERATIVES
+    return "?" in text or text.split()[0].lower() in _REQUEST_OPENERS
 
 
-_IMPERATIVES = {
+_REQUEST_OPENERS = {
     "write", "explain", "describe", "create", "give", "list", "help", "calculate", "solve", "find", "compute",
     "implement", "show", "tell", "suggest", "summarize", "compare", "design", "make", "generate", "convert",
     "translate", "fix", "debug", "define", "provide", "plan", "recommend", "outline", "draft", "prove", "simplify",
