@@ -6,7 +6,7 @@
 # core and the other is left to its API server (VLLM_CPU_NUM_OF_RESERVED_CPU unset). Giving the worker both cores
 # (VLLM_RESERVED=0) helps offline LLM.generate (vllm-cpu.md 3.2) but starves the API server: measured here at
 # 11 tok/s single-stream instead of ~40. Recipe: ../shared/reference/vllm-cpu.md.
-# ours-engine is the CPU default as `dflash-trt build` writes it (K=3 with its draft-length schedule).
+# ours-engine is the CPU default as `dflash-trt build` writes it (build_configs/smollm2-135m-cpu.yaml: its schedule, adaptive).
 # A benchmark, never part of `make test`. Takes ~15 min here (vLLM compiles for 70-110 s at every start).
 #
 #   benchmarks/peers.sh                      # CONC=1,2,4,8 OSL=64 K=3 OUT=benchmarks/results/peers
@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 
 TARGET=$("$PY" -c 'from dflash_trt.embedded import smollm2_dir; print(smollm2_dir())')
 DRAFTER=$ROOT/drafters/smollm2-135m-dflash
-ENGINE=$ROOT/engines/smollm2-cpu   # the CPU default as built: K=3 and its draft-length schedule
+ENGINE=$ROOT/engines/smollm2-cpu   # the CPU default as built: its draft-length schedule, adaptive mode
 if [[ " $SYSTEMS " == *" ours-engine "* ]]; then
   "$PY" -m dflash_trt build "$ROOT/build_configs/smollm2-135m-cpu.yaml" -o "$ENGINE" --force >/dev/null
 fi

@@ -17,6 +17,12 @@ A speculative step that follows plain steps (or a prompt) first injects all thei
 the drafter cache, more than a steady step's K + 1 (and past the drafter's block, padded): such catch-up steps
 count for tau but not for the step time, and a probe of speculation runs `probe_len` steps so that it measures
 a steady one. Timed, catch-ups made every probe from plain mode look slower than speculation runs.
+A step's time is the engine's whole cycle (LLMEngine.step: from the end of the previous step to the end of this
+one), not the model's forward passes alone: a server spends time per step outside them (handing tokens to the
+streams, detokenizing, metrics; about 1.6 ms a step against a 5 ms plain forward, SmolLM2 on this CPU, one
+stream), and a speculative step pays it once for several tokens. Timing the forwards alone ranked a K=2 that
+serves 1.2x faster as barely better than plain decoding, so the mode ran plain steps often enough to give most of
+the gain back (served one stream: 1.04-1.06x against 1.10-1.21x with the fixed K).
 Verification is lossless, so K changes speed only, never the tokens.
 """
 
@@ -67,15 +73,17 @@ class AdaptiveDraftLen:
             return k
         return k if spec_wins else 0
 
-    def observe(self, batch_size: int, k: int, step_s: float, tokens_per_row: list[int], catch_up: bool = False) -> None:
-        """One decode step's wall time and, for k > 0, the tokens each row committed (accepted drafts + 1).
-        catch_up: the step injected more pending features than a steady step (after plain steps or a prompt)."""
+    def observe(self, batch_size: int, k: int, step_s: float | None, tokens_per_row: list[int],
+                catch_up: bool = False) -> None:
+        """One decode step's wall time (None: not known) and, for k > 0, the tokens each row committed (accepted
+        drafts + 1). catch_up: the step injected more pending features than a steady step (after plain steps or a
+        prompt)."""
         if k > 0 and tokens_per_row:
             n = self._tau_seen[k] = self._tau_seen.get(k, 0) + 1
             tau = sum(tokens_per_row) / len(tokens_per_row)
             old = self._tau.get(k, tau)
             self._tau[k] = old + max(self.tau_smoothing, 1.0 / n) * (tau - old)  # a plain mean until it is warm
-        if catch_up:
+        if catch_up or step_s is None:
             return
         key = (batch_bucket(batch_size), k)
         n = self._seen[key] = self._seen.get(key, 0) + 1

@@ -120,6 +120,7 @@ class LLMEngine:
             load_window=config.load_window,
         ))
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
+        self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
@@ -236,8 +237,10 @@ class LLMEngine:
             result.draft_time = active[0].stats.draft_time - before[0]
             result.verify_time = active[0].stats.verify_time - before[1]
             if self.adaptive is not None:
-                self.adaptive.observe(len(active), k, result.draft_time + result.verify_time, [len(t) for t in emitted],
-                                      catch_up)
+                # The whole cycle since the previous step, when the engine went straight from it to this one: idle
+                # waits for requests and prompt chunks are not a decode step's cost.
+                cycle = None if batch.prefills or self._busy_since is None else time.perf_counter() - self._busy_since
+                self.adaptive.observe(len(active), k, cycle, [len(t) for t in emitted], catch_up)
             for s, toks in zip(active, emitted):
                 n = s.append(toks, self.max_model_len)
                 if k > 0:
@@ -251,6 +254,7 @@ class LLMEngine:
                 s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
                 self.scheduler.finish(s)
         result.updated.extend(batch.aborted)
+        self._busy_since = time.perf_counter() if batch.decodes and self.has_unfinished() else None
         return result
 
     def make_output(self, s: Sequence) -> RequestOutput:

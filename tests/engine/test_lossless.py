@@ -207,6 +207,7 @@ class _Alternate:
     def __init__(self, period: int = 2):
         self.n, self.period = 0, period
         self.observed: list[tuple[int, bool]] = []  # (K, catch_up) per step
+        self.step_s: list[float | None] = []
 
     def choose(self, batch_size, k):
         self.n += 1
@@ -214,6 +215,7 @@ class _Alternate:
 
     def observe(self, batch_size, k, step_s, tokens, catch_up=False):
         self.observed.append((k, catch_up))
+        self.step_s.append(step_s)
 
 
 @pytest.mark.parametrize("period", [2, 4])
@@ -245,6 +247,30 @@ def test_speculative_steps_that_take_in_a_prompt_or_plain_steps_features_are_fla
     assert len(flags) > 2 and flags[0]
     assert all(flags[1:]) if period == 4 else not any(flags[1:])
     assert not any(catch_up for k, catch_up in recorder.observed if k == 0)
+
+
+def test_a_decode_steps_time_is_the_engines_whole_cycle_but_never_an_idle_wait(tiny_dirs):
+    # A server's per-step work outside the forwards (streaming, detokenizing) is paid once per step, however many
+    # tokens the step commits: the adaptive mode must see it. Waiting for requests is no step's cost.
+    import time
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, adaptive_draft_len=True)
+    engine.adaptive = recorder = _Alternate(2)
+    prompt = _prompts(1)[0]
+    first_steps = []  # each request's first decode step follows its prefill step
+    for _ in range(2):  # two requests, an idle second between them
+        first_steps.append(len(recorder.step_s))
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            time.sleep(0.05)  # a server's per-step work outside step()
+        time.sleep(1.0)
+    assert len(recorder.step_s) >= 8
+    for i, s in enumerate(recorder.step_s):
+        if i in first_steps:
+            assert s is None
+        else:
+            assert 0.05 <= s < 0.9, (i, s)  # the work between steps counted, the idle second not
 
 
 def test_sampling_follows_the_target_distribution_when_steps_switch(small_vocab):
