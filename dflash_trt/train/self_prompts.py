@@ -114,16 +114,26 @@ def generate_self_prompts(
     return out
 
 
-def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exclude: set[str] = frozenset()) -> list[Prompt]:
-    """The prompts stored at path, else generated and stored (atomically). A rerun reuses them: records name
-    prompts by position, and a regeneration on other numerics would sample other texts."""
-    if path.is_file():
-        prompts = [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-        logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
-        return prompts
-    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude)
+def read_prompts(path: Path) -> list[Prompt]:
+    """Prompts stored one JSON object ({text, source}) per line."""
+    return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    """Store prompts for read_prompts, atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts))
     tmp.replace(path)
+
+
+def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exclude: set[str] = frozenset()) -> list[Prompt]:
+    """The prompts stored at path, else generated and stored. A rerun reuses them: records name prompts by
+    position, and a regeneration on other numerics would sample other texts."""
+    if path.is_file():
+        prompts = read_prompts(path)
+        logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
+        return prompts
+    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude)
+    write_prompts(path, prompts)
     return prompts

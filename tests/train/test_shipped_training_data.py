@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from dflash_trt.embedded import SMOLLM2_DRAFTER
-from dflash_trt.train.prompts import Prompt, all_prompts
+from dflash_trt.train.prompts import all_prompts
+from dflash_trt.train.self_prompts import read_prompts
 
 DATA = SMOLLM2_DRAFTER / "training-data"
 
@@ -31,7 +32,7 @@ def records_and_prompts():
     prompts = all_prompts()
     stored = DATA / "self_prompts.jsonl"
     if stored.is_file():
-        prompts += [Prompt(**json.loads(line)) for line in stored.read_text().splitlines()]
+        prompts += read_prompts(stored)
     return records, prompts
 
 

@@ -15,6 +15,7 @@ from dflash_trt.train.blocks import IGNORE, training_mask
 from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
 from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.responses import read_records
+from dflash_trt.train.self_prompts import write_prompts
 from dflash_trt.train.trainer import TrainConfig, Trainer
 from tests.conftest import make_target
 
@@ -33,9 +34,7 @@ def trained(tmp_path_factory):
     cfg = TrainConfig(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=120, lr=1e-2, seqs_per_step=4,
                       anchors_per_seq=16, eval_every=60, eval_prompts=2, eval_new_tokens=16, max_seq_len=96)
     # Self-written prompts stored by an earlier run are reused (a tiny random target writes no acceptable ones).
-    (root / "data").mkdir()
-    (root / "data" / "self_prompts.jsonl").write_text("".join(json.dumps({"text": p.text, "source": "self/chat"}) + "\n"
-                                                              for p in SELF_PROMPTS))
+    write_prompts(root / "data" / "self_prompts.jsonl", SELF_PROMPTS)
     prepare_and_train(t, root / "out", root / "data", cfg, PROMPTS, resume=False, max_new_tokens=24,
                       sampled_variants=0, dtype="float32", self_prompts=1)
     return t, root
