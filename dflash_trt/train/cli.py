@@ -34,7 +34,13 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     from dflash_trt.models.registry import load_target
     from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache
     from dflash_trt.train.responses import generate_responses
-    from dflash_trt.train.self_prompts import cached_self_prompts
+    from dflash_trt.train.self_prompts import (
+        SUMMARY_SOURCE,
+        cached_self_prompts,
+        qa_answers,
+        summary_requests,
+        write_prompts,
+    )
     from dflash_trt.train.trainer import Trainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -43,12 +49,20 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
                                                              max_model_len=cfg.max_seq_len + max_new_tokens,
                                                              device=device))
+    responses = data_dir / "responses.jsonl"
+    own = []
     if self_prompts:
         # After the packaged prompts, so that their records keep their ids; the benchmark's prompts stay unseen.
         bench = {p.text for p in load_dataset("cpu-small")}
-        prompts = list(prompts) + cached_self_prompts(engine, data_dir / "self_prompts.jsonl", self_prompts, bench)
-    records = generate_responses(engine, prompts, data_dir / "responses.jsonl", max_new_tokens, sampled_variants,
-                                 batch_size=rows)
+        own = cached_self_prompts(engine, data_dir / "self_prompts.jsonl", self_prompts, bench)
+        prompts = list(prompts) + own
+    records = generate_responses(engine, prompts, responses, max_new_tokens, sampled_variants, batch_size=rows)
+    if own and not any(p.source == SUMMARY_SOURCE for p in own):
+        # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
+        summaries = summary_requests(qa_answers(records, tokenizer), bench | {p.text for p in prompts})
+        write_prompts(data_dir / "self_prompts.jsonl", own + summaries)
+        records = generate_responses(engine, prompts + summaries, responses, max_new_tokens, sampled_variants,
+                                     batch_size=rows)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)
@@ -81,7 +95,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--eval-every", default=250, show_default=True, type=int)
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
 @click.option("--self-prompts", default=0, show_default=True, type=int,
-              help="Also N requests per persona (chat, code, math) written by the target itself (Magpie), answered like the rest.")
+              help="Also N requests per persona (chat, code, math, qa, writing) written by the target itself (Magpie), "
+                   "and summarization requests quoting its answers to the qa ones; all answered like the rest.")
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
 @click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same shape).")

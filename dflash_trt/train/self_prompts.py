@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from dflash_trt.engine.llm_engine import LLMEngine
 from dflash_trt.sampling_params import SamplingParams
-from dflash_trt.train.prompts import Prompt
+from dflash_trt.train.prompts import Prompt, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,21 @@ PERSONAS = (
                     "JavaScript, SQL and other languages."),
     Persona("math", "You are a patient math tutor. Users ask you arithmetic, algebra, geometry and word problems "
                     "and you solve them step by step."),
+    Persona("qa", "You are a knowledgeable assistant. Users ask you factual questions about science, history, "
+                  "geography, health, economics and everyday life, and you explain the answers clearly."),
+    Persona("writing", "You are a creative writing assistant. Users ask you to write poems, short stories, emails, "
+                       "letters, descriptions and other texts."),
+)
+# Asked of the target under a summarizer persona, it pastes a paragraph and forgets the request (2 in 32 kept):
+# summarization requests are built instead from its own answers to the qa persona (summary_requests).
+SUMMARY_SOURCE = "self/summarization"
+_SUMMARY_TEMPLATES = (
+    "Summarize: {text}",
+    "Summarize in one sentence: {text}",
+    "Summarize in two sentences: {text}",
+    "Give a short summary: {text}",
+    "Summarize the main idea: {text}",
+    "Summarize the key point: {text}",
 )
 
 
@@ -112,6 +128,46 @@ def generate_self_prompts(
         if kept < num_per_persona:
             logger.warning("persona %s: %d of %d prompts after %d tries", persona.name, kept, num_per_persona, tried)
     return out
+
+
+def passage_of(answer: str, max_chars: int = 500) -> str | None:
+    """The answer's leading whole sentences, on one line, up to max_chars; None when that is under two sentences
+    or 120 characters, or holds code or markup (a summary request quotes prose)."""
+    if any(mark in answer for mark in ("```", "<", "{", "|")):
+        return None
+    sentences = re.split(r"(?<=[.!?])\s+", " ".join(answer.split()))
+    kept: list[str] = []
+    for sentence in sentences:
+        if sum(map(len, kept)) + len(kept) + len(sentence) > max_chars:
+            break
+        kept.append(sentence)
+    text = " ".join(kept)
+    if len(kept) < 2 or len(text) < 120 or not text.endswith((".", "!", "?")):
+        return None
+    return text if acceptable("summarize " + text, max_chars=max_chars + 16) else None
+
+
+def summary_requests(answers: list[str], exclude: set[str] = frozenset()) -> list[Prompt]:
+    """A summarization request (source SUMMARY_SOURCE) for each answer that has a passage_of, in order; the
+    template is chosen by a hash of the passage, so the same answers always give the same requests."""
+    seen = {t.strip().lower() for t in exclude}
+    out = []
+    for answer in answers:
+        passage = passage_of(answer)
+        if passage is None:
+            continue
+        text = _SUMMARY_TEMPLATES[stable_hash(passage) % len(_SUMMARY_TEMPLATES)].format(text=passage)
+        if text.lower() not in seen:
+            seen.add(text.lower())
+            out.append(Prompt(text, SUMMARY_SOURCE))
+    return out
+
+
+def qa_answers(records: list[dict], tokenizer) -> list[str]:
+    """The texts of the greedy answers to the qa persona's requests, in prompt order (summary_requests' input)."""
+    qa = [r for r in records if r["source"] == "self/qa" and r["mode"] == "greedy"]
+    qa.sort(key=lambda r: int(r["id"].split(":")[0]))
+    return [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for r in qa]
 
 
 def read_prompts(path: Path) -> list[Prompt]:

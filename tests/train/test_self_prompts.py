@@ -6,10 +6,14 @@ import pytest
 
 from dflash_trt.train.self_prompts import (
     PERSONAS,
+    SUMMARY_SOURCE,
     Persona,
     acceptable,
     cached_self_prompts,
     generate_self_prompts,
+    passage_of,
+    qa_answers,
+    summary_requests,
     user_turn_prefix,
 )
 
@@ -91,11 +95,11 @@ def test_stored_prompts_are_reused_not_resampled(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(12)]  # 4 tries a persona
+    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(4 * len(PERSONAS))]
     path = tmp_path / "data" / "self_prompts.jsonl"
     first = cached_self_prompts(_ScriptedEngine(tok, script), path, 1)
-    assert [p.source for p in first] == ["self/chat", "self/code", "self/math"]
-    again = _ScriptedEngine(tok, [_Out("Something else entirely?", "stop")] * 3)
+    assert [p.source for p in first] == ["self/chat", "self/code", "self/math", "self/qa", "self/writing"]
+    again = _ScriptedEngine(tok, [_Out("Something else entirely?", "stop")] * len(PERSONAS))
     assert cached_self_prompts(again, path, 1) == first and again.calls == []
 
 
@@ -110,3 +114,49 @@ def test_the_real_target_writes_acceptable_requests(smollm2_dir):
     out = generate_self_prompts(engine, 2, personas=PERSONAS[:1], chunk=8, max_new_tokens=64)
     # The target's own samples pass the filter often (about 2 in 3 on this target): 2 of at most 8 is a loose bound.
     assert len(out) == 2 and all(acceptable(p.text) for p in out)
+
+
+ANSWER = ("The sky looks blue because air scatters the short wavelengths of sunlight more than the long ones. "
+          "This is called Rayleigh scattering.\n\nAt sunset the light crosses much more air, so the blue is "
+          "scattered away and the sky turns red and orange. Clouds look white because their droplets scatter all "
+          "wavelengths alike.")
+
+
+def test_a_passage_is_the_answers_leading_whole_sentences_on_one_line():
+    assert passage_of(ANSWER, max_chars=200) == (
+        "The sky looks blue because air scatters the short wavelengths of sunlight more than the long ones. "
+        "This is called Rayleigh scattering.")
+    assert passage_of(ANSWER) == " ".join(ANSWER.split())  # all of it fits in 500 characters
+
+
+@pytest.mark.parametrize("answer", [
+    "Rayleigh scattering makes the sky blue, since short wavelengths scatter most of all in the air above us.",  # one
+    "Yes. It is.",  # too short
+    "Use this code. It prints the sum of two numbers for you:\n```python\nprint(1 + 2)\n```\nThat is all there is.",
+    "The first step is the most important one of all the steps there are to take here. And the second one " + "x" * 600,
+])
+def test_no_passage_from_a_single_sentence_a_short_answer_code_or_an_unfinished_sentence(answer):
+    assert passage_of(answer) is None
+
+
+def test_summary_requests_quote_the_passage_are_stable_and_distinct():
+    other = ("Bees pollinate many of the crops that people eat every day. When bees decline, farmers harvest less fruit and "
+             "fewer vegetables.")
+    out = summary_requests([ANSWER, "No.", ANSWER, other])
+    assert [p.source for p in out] == [SUMMARY_SOURCE] * 2  # the short answer gives none, the repeat is dropped
+    assert out[0].text.endswith(": " + " ".join(ANSWER.split())) and out[1].text.endswith(": " + other)
+    assert all(p.text.startswith(("Summarize", "Give a short summary")) for p in out)
+    assert summary_requests([ANSWER, other]) == out  # the template is a function of the passage
+    assert summary_requests([ANSWER, other], exclude={out[1].text}) == out[:1]
+
+
+def test_qa_answers_are_the_greedy_answers_to_the_qa_requests_in_prompt_order(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    records = [{"id": "11:greedy", "source": "self/qa", "mode": "greedy", "response_ids": enc("Second answer.")},
+               {"id": "9:greedy", "source": "self/qa", "mode": "greedy", "response_ids": enc("First answer.")},
+               {"id": "9:sample0", "source": "self/qa", "mode": "sample0", "response_ids": enc("A sample.")},
+               {"id": "10:greedy", "source": "self/chat", "mode": "greedy", "response_ids": enc("A chat answer.")}]
+    assert qa_answers(records, tok) == ["First answer.", "Second answer."]

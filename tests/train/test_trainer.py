@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
@@ -15,7 +15,7 @@ from dflash_trt.train.blocks import IGNORE, training_mask
 from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
 from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.responses import read_records
-from dflash_trt.train.self_prompts import write_prompts
+from dflash_trt.train.self_prompts import read_prompts, write_prompts
 from dflash_trt.train.trainer import TrainConfig, Trainer
 from tests.conftest import make_target
 
@@ -69,6 +69,32 @@ def test_data_is_the_targets_own_greedy_output(trained):
     want_feats = torch.cat([hs[2], hs[3]], dim=-1)[0]
     got = torch.from_numpy(cache.get(r["id"]).astype("float32"))
     assert (got - want_feats).abs().max() < 1e-2  # fp16 storage
+
+
+def test_summary_requests_quote_the_qa_answers_and_are_answered_last(tmp_path):
+    # The qa request's answer as if an earlier run had generated it (a tiny random target writes no prose).
+    t = make_target(tmp_path / "t")
+    tok = AutoTokenizer.from_pretrained(t)
+    qa = Prompt("Why is the sky blue?", "self/qa")
+    answer = ("The sky looks blue because air scatters blue sunlight more than red sunlight. This is called Rayleigh "
+              "scattering, after the physicist who explained it.")
+    data = tmp_path / "data"
+    write_prompts(data / "self_prompts.jsonl", SELF_PROMPTS + [qa])
+    n = len(PROMPTS[:4])
+    record = {"id": f"{n + 2}:greedy", "source": qa.source, "split": qa.split, "mode": "greedy",
+              "prompt_ids": tok(qa.text)["input_ids"], "response_ids": tok(answer)["input_ids"]}
+    (data / "responses.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = TrainConfig(num_layers=1, block_size=4, target_layer_ids=[1, 2], steps=1, seqs_per_step=1, anchors_per_seq=2,
+                      eval_prompts=0, max_seq_len=192)
+    prepare_and_train(t, tmp_path / "out", data, cfg, PROMPTS[:4], resume=False, max_new_tokens=8, sampled_variants=0,
+                      dtype="float32", self_prompts=1)
+    *stored, summary = read_prompts(data / "self_prompts.jsonl")
+    assert stored == SELF_PROMPTS + [qa] and summary.source == "self/summarization"
+    assert summary.text.endswith(": " + answer) and summary.text.startswith(("Summarize", "Give a short summary"))
+    records = {r["id"]: r for r in read_records(data / "responses.jsonl")}
+    assert len(records) == n + 4 and records[f"{n + 3}:greedy"]["source"] == "self/summarization"
+    want = tok.apply_chat_template([{"role": "user", "content": summary.text}], add_generation_prompt=True, tokenize=True)
+    assert records[f"{n + 3}:greedy"]["prompt_ids"] == list(want["input_ids"] if hasattr(want, "keys") else want)
 
 
 def test_exported_drafter_loads_in_zlab_and_here_and_drafts_the_same_tokens(trained):
