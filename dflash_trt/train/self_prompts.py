@@ -132,7 +132,8 @@ def generate_self_prompts(
 
 def passage_of(answer: str, max_chars: int = 500) -> str | None:
     """The answer's leading whole sentences, on one line, up to max_chars; None when that is under two sentences
-    or 120 characters, or holds code or markup (a summary request quotes prose)."""
+    or 120 characters, or is not prose a summary request would quote: code or markup, a numbered list (a
+    "sentence" under three words), or a sentence said twice (the target's repetition loops)."""
     if any(mark in answer for mark in ("```", "<", "{", "|")):
         return None
     sentences = re.split(r"(?<=[.!?])\s+", " ".join(answer.split()))
@@ -143,6 +144,8 @@ def passage_of(answer: str, max_chars: int = 500) -> str | None:
         kept.append(sentence)
     text = " ".join(kept)
     if len(kept) < 2 or len(text) < 120 or not text.endswith((".", "!", "?")):
+        return None
+    if len({s.lower() for s in kept}) < len(kept) or min(len(s.split()) for s in kept) < 3:
         return None
     return text if acceptable("summarize " + text, max_chars=max_chars + 16) else None
 

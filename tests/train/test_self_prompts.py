@@ -134,8 +134,10 @@ def test_a_passage_is_the_answers_leading_whole_sentences_on_one_line():
     "Yes. It is.",  # too short
     "Use this code. It prints the sum of two numbers for you:\n```python\nprint(1 + 2)\n```\nThat is all there is.",
     "The first step is the most important one of all the steps there are to take here. And the second one " + "x" * 600,
+    "Here are the three books I would recommend to you: 1. The Chocolate Diet, a classic. 2. Sweet Health, a newer one.",
+    "I'm so glad you're happy with your knitting. I'm so glad you're happy with your knitting. I'm so glad you're happy.",
 ])
-def test_no_passage_from_a_single_sentence_a_short_answer_code_or_an_unfinished_sentence(answer):
+def test_no_passage_from_a_short_answer_code_a_list_a_repetition_loop_or_an_unfinished_sentence(answer):
     assert passage_of(answer) is None
 
 
