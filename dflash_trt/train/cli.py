@@ -60,9 +60,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     if own and not any(p.source == SUMMARY_SOURCE for p in own):
         # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
         summaries = summary_requests(qa_answers(records, tokenizer), bench | {p.text for p in prompts})
-        write_prompts(data_dir / "self_prompts.jsonl", own + summaries)
-        records = generate_responses(engine, prompts + summaries, responses, max_new_tokens, sampled_variants,
-                                     batch_size=rows)
+        if summaries:  # none without qa answers (data stored before the qa persona): nothing to store or answer
+            write_prompts(data_dir / "self_prompts.jsonl", own + summaries)
+            records = generate_responses(engine, prompts + summaries, responses, max_new_tokens, sampled_variants,
+                                         batch_size=rows)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)

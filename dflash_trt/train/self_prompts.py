@@ -74,11 +74,14 @@ def acceptable(text: str, min_chars: int = 16, max_chars: int = 800) -> bool:
     """A finished request in readable English-like text: not too short or long, mostly printable ASCII, and
     something a user asks or tells an assistant (a question or a request), not a story the model drifted into."""
     text = text.strip()
-    if not min_chars <= len(text) <= max_chars:
-        return False
-    if sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text) < 0.97 * len(text):
+    if not min_chars <= len(text) <= max_chars or not _readable(text):
         return False
     return "?" in text or text.split()[0].lower() in _REQUEST_OPENERS
+
+
+def _readable(text: str) -> bool:
+    """Mostly printable ASCII (the target's samples drift into other scripts and control characters)."""
+    return sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text) >= 0.97 * len(text)
 
 
 _REQUEST_OPENERS = {
@@ -147,7 +150,7 @@ def passage_of(answer: str, max_chars: int = 500) -> str | None:
         return None
     if len({s.lower() for s in kept}) < len(kept) or min(len(s.split()) for s in kept) < 3:
         return None
-    return text if acceptable("summarize " + text, max_chars=max_chars + 16) else None
+    return text if _readable(text) else None
 
 
 def summary_requests(answers: list[str], exclude: set[str] = frozenset()) -> list[Prompt]:
