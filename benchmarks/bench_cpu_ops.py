@@ -99,7 +99,7 @@ def linear_timings(ops: cpu_ops.CpuOps) -> list[dict]:
     for rows in (1, 4, 8, 16, 32):
         xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
         runs = {"onednn_packed": lambda: [p.forward_packed(xs[k]) for p, (_, k) in zip(packed, shapes)],
-                "kernel": lambda: [ops.linear(xs[k], w) for w, (_, k) in zip(weights, shapes)]}
+                "kernel": lambda: [ops.linear(xs[k], p.kernel_weight) for p, (_, k) in zip(packed, shapes)]}
         times = {name: [] for name in runs}
         with torch.inference_mode():
             for _ in range(3):  # interleaved

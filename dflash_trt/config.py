@@ -5,7 +5,8 @@ there (max_batch_size, max_seq_len, tensor_parallel_size, kv_cache_config.dtype,
 speculative_config.max_draft_len ...), so one file drives both backends. Errors name the key.
 
 Environment knobs: DFLASH_TRT_CACHE (embedded.py: where the converted default model and the compiled CPU kernels
-live), DFLASH_TRT_CPU_KERNELS=0 (kernels/cpu_ops.py: torch's ops instead of the CPU kernels), and for
+live), DFLASH_TRT_CPU_KERNELS=0 (kernels/cpu_ops.py: torch's ops instead of the CPU kernels), DFLASH_TRT_AMX=0
+(kernels/cpu_ops.c: the AVX-512 linear kernel on CPUs with AMX too), and for
 debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a step, to test killed builds).
 """
 

@@ -9,6 +9,11 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
 
 typedef union {
     uint32_t u;
@@ -134,12 +139,130 @@ static void linear_features(const uint16_t *x, const uint16_t *w, const uint16_t
 }
 #endif
 
-/* y [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 sums; returns 0 where this build or shape has
- * no kernel (the caller runs torch's linear). */
+#if defined(HAVE_AMX)
+/* AMX: one TDPBF16PS multiplies up to 16 input rows by a 32 x 16 block of w^T, so a 4-row verify step costs what a
+ * 1-row decode does where the AVX-512 tiles above take ~1.25x (their dot products grow with the rows while the weight
+ * bytes stay). The weight is stored in tile order ("tiles" layout, a [N, K] tensor of the same shape): per group of
+ * 64 output features, per 32-wide slice of K, the four 16-feature blocks as TDPBF16PS reads them,
+ * w'[g][kc][j][k2][n][p] = w[64 g + 16 j + n][32 kc + 2 k2 + p], so a group streams from one contiguous range.
+ * Each output is one fp32 accumulation whatever the number of rows, so rows stay independent of their batch. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state = -1; /* -1 unknown, 0 unusable, 1 granted */
+
+static int amx_ready(void) {
+    if (amx_state < 0) {
+        const char *off = getenv("DFLASH_TRT_AMX");
+        /* Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
+        amx_state = (off && off[0] == '0') ? 0 : syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return amx_state;
+}
+
+static void configure_tiles(int64_t rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64; /* C0..C3 [rows x 16 fp32], A [rows x 32] */
+    for (int t = 5; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;            /* B: 16 pairs of K x 16 features */
+    /* GCC 12 does not see _tile_loadconfig read the struct and may drop the stores above (then LDTILECFG faults on
+     * garbage): a compiler barrier keeps them. */
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+/* f32_to_bf16(acc[i] + bias[i]) for 16 outputs at once, bit for bit the scalar rounding. */
+static inline void store_bf16x16(const float *acc, const uint16_t *bias, uint16_t *dst) {
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+}
+
+static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                         int64_t N, int64_t K) {
+    const int64_t groups = N / 64, slices = K / 32, group_elems = slices * 4 * 512;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+#pragma omp parallel
+        {
+            configure_tiles(rows);
+            float acc[16 * 64];
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const uint16_t *b = w + g * group_elems;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kc = 0; kc < slices; kc++) {
+                    /* two slices (8 KB) ahead, into L2 (see LINEAR_TILE); past a group's end the next group's
+                     * first slices, which follow it in memory (a prefetch past the weight's end does not fault) */
+                    for (int i = 0; i < 64; i++) _mm_prefetch((const char *)(b + (kc + 2) * 2048) + i * 64, _MM_HINT_T1);
+                    _tile_loadd(4, x + m0 * K + kc * 32, K * 2);
+                    _tile_loadd(5, b + (kc * 4 + 0) * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, b + (kc * 4 + 1) * 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, b + (kc * 4 + 2) * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, b + (kc * 4 + 3) * 512, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, acc, 256);
+                _tile_stored(1, acc + 16, 256);
+                _tile_stored(2, acc + 32, 256);
+                _tile_stored(3, acc + 48, 256);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t n = 0; n < 64; n += 16)
+                        store_bf16x16(acc + r * 64 + n, bias ? bias + g * 64 + n : NULL, y + (m0 + r) * N + g * 64 + n);
+            }
+            _tile_release();
+        }
+    }
+}
+#endif
+
+/* The weight layout linear_bf16 reads for an [N, K] weight on this CPU: 2 tiles (AMX), 1 rows (w as torch holds
+ * it), 0 none (the caller runs torch's linear). A function of the shape and the CPU only, so a weight always takes
+ * the same kernel. DFLASH_TRT_AMX=0 turns the tiles off. */
+int linear_layout_bf16(int64_t N, int64_t K) {
+    if (K % 32 != 0) return 0;
+#if defined(HAVE_AMX)
+    if (N % 64 == 0 && amx_ready()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    (void)N;
+    return 0;
+#endif
+}
+
+/* y [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 sums, w in linear_layout_bf16(N, K)'s layout;
+ * returns 0 where this build or shape has no kernel (the caller runs torch's linear). */
 int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                 int64_t K) {
+    const int layout = linear_layout_bf16(N, K);
+#if defined(HAVE_AMX)
+    if (layout == 2) {
+        linear_tiles(x, w, bias, y, M, N, K);
+        return 1;
+    }
+#endif
 #if defined(__AVX512BF16__)
-    if (K % 32 != 0) return 0;
+    if (layout != 1) return 0;
     const int64_t wide = N / 4;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < wide + N % 4; t++) {

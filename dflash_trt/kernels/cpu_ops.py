@@ -3,7 +3,8 @@
 At decode sizes torch spends more time dispatching the ~40 small ops of a decoder layer than computing them
 (an 8-row SmolLM2 step took ~18 ms, of which the linears were ~9 ms). The kernels do RMSNorm with its residual
 add, the rotary embedding with the K/V cache write, attention over the cache, the gated MLP's activation and
-bf16 linears of up to 32 rows, one call each, and `llama_layers` runs every layer of a Llama-family model (or a
+bf16 linears of up to 32 rows (AVX-512 dot products, or AMX tiles, whose weights are stored reordered:
+`kernel_weight`), one call each, and `llama_layers` runs every layer of a Llama-family model (or a
 DFlash drafter's block) in one call. They are compiled on first use with the machine's C compiler (`cc` or $CC,
 -O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
 sets, and called on the tensors' memory; where there is no compiler, the build fails (a warning), or with
@@ -104,18 +105,42 @@ class CpuOps:
         self._linear = library.linear_bf16
         self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
         self._linear.restype = ctypes.c_int
+        self._layout = library.linear_layout_bf16
+        self._layout.argtypes = [_i64, _i64]
+        self._layout.restype = ctypes.c_int
+
+    def linear_layout(self, weight: torch.Tensor) -> str | None:
+        """How linear() wants this [N, K] weight stored: "tiles" (AMX), "rows" (as torch holds it; AVX512-BF16), or
+        None where no kernel serves it (not bf16, K not a multiple of 32, or a CPU without either)."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return None
+        return {0: None, 1: "rows", 2: "tiles"}[self._layout(*weight.shape)]
 
     def has_linear(self, weight: torch.Tensor) -> bool:
-        """Whether linear() serves this weight: bf16, rows a multiple of 32 long, a CPU with AVX512-BF16."""
-        if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not weight.is_contiguous():
-            return False
-        probe = torch.zeros(1, weight.shape[1], dtype=torch.bfloat16)
-        out = torch.empty(1, 1, dtype=torch.bfloat16)
-        return bool(self._linear(probe.data_ptr(), weight.data_ptr(), None, out.data_ptr(), 1, 1, weight.shape[1]))
+        return self.linear_layout(weight) is not None
+
+    def kernel_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight as linear() reads it: itself (rows), a reordered copy of the same shape (tiles: per 64
+        features and 32 inputs, the four 16 x 32 blocks AMX multiplies; cpu_ops.c), or None where no kernel serves."""
+        layout = self.linear_layout(weight)
+        if layout is None:
+            return None
+        weight = weight.detach().contiguous()
+        if layout == "rows":
+            return weight
+        n, k = weight.shape
+        return weight.view(n // 64, 4, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous().view(n, k)
+
+    def plain_weight(self, kernel_weight: torch.Tensor) -> torch.Tensor:
+        """kernel_weight()'s inverse: the [N, K] weight as torch holds it."""
+        if self.linear_layout(kernel_weight) != "tiles":
+            return kernel_weight
+        n, k = kernel_weight.shape
+        return kernel_weight.view(n // 64, k // 32, 4, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).contiguous().view(n, k)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ weight [N, K]^T (+ bias) for a weight has_linear() accepted; every row's result is the same
-        whichever rows share the call."""
+        """x [..., K] @ W [N, K]^T (+ bias), where weight = kernel_weight(W); every row's result is the same whichever
+        rows share the call."""
         x = x.contiguous()
         n, k = weight.shape
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)

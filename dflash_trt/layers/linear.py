@@ -5,8 +5,9 @@ A bf16 or fp32 GEMV through oneDNN with the weight reordered once into its block
 KERNEL_MAX_ROWS rows (decode and verify steps) the bf16 kernel in kernels/cpu_ops.c is faster still when the
 weights stream from memory (120 SmolLM2 linears: 5.6 against 6.7 ms at 4 rows, 5.8 against 7.8 at 8; a tie at
 32; benchmarks/bench_cpu_ops.py), and it computes every row the same way whatever rows share the call, so a
-one-token decode and a K-token verify round alike. It reads the plain weight, so a bf16 model holds its
-projections twice (SmolLM2: 212 MB more). Applied as a transform after the model is built (never in model code).
+one-token decode and a K-token verify round alike. It reads the plain weight, or on CPUs with AMX a copy in AMX's
+tile order (kernels/cpu_ops.c), so a bf16 model holds its projections twice or three times (SmolLM2: 212 MB more
+each). Applied as a transform after the model is built (never in model code).
 """
 
 from __future__ import annotations
@@ -25,24 +26,25 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """keep_plain=False drops the kernel's copy of the weight (the packed one is a second copy): for weights too
-    many to hold twice, such as gpt-oss's experts, which then always take oneDNN's path."""
+    """with_kernel=False leaves the bf16 kernel out (its weight can be a copy of its own): for weights too many to hold
+    twice, such as gpt-oss's experts, which then always take oneDNN's path."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, with_kernel: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # The batch-size hint only tunes the blocking; any number of rows works.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach().clone()
-        ops = cpu_ops.load() if keep_plain and weight.dtype == torch.bfloat16 else None
-        # The plain weight too, for the kernel: for a tied output head it is the embedding, already resident.
-        self.plain = weight.detach() if ops is not None and ops.has_linear(weight.detach()) else None
+        ops = cpu_ops.load() if with_kernel and weight.dtype == torch.bfloat16 else None
+        # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
+        # already resident), in "tiles" a reordered copy.
+        self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
-            ops = cpu_ops.for_tensors(x, self.plain)
+        if self.kernel_weight is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
+            ops = cpu_ops.for_tensors(x, self.kernel_weight)
             if ops is not None:
-                return ops.linear(x, self.plain, self.bias)
+                return ops.linear(x, self.kernel_weight, self.bias)
         return self.forward_packed(x)
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +53,10 @@ class PackedLinear(nn.Module):
 
 
 def kernel_weights(*linears: nn.Module) -> list[torch.Tensor] | None:
-    """The plain weights the bf16 kernel reads, one per linear, or None unless the kernel serves every one of them
-    (the condition for running a whole layer in one C call)."""
-    plains = [getattr(linear, "plain", None) for linear in linears]
-    return None if any(p is None for p in plains) else plains
+    """The weights the bf16 kernel reads (PackedLinear.kernel_weight), one per linear, or None unless the kernel
+    serves every one of them (the condition for running a whole layer in one C call)."""
+    weights = [getattr(linear, "kernel_weight", None) for linear in linears]
+    return None if any(w is None for w in weights) else weights
 
 
 def pack_linears(model: nn.Module) -> int:

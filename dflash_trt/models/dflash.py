@@ -318,6 +318,7 @@ class DFlashDrafter(nn.Module):
         c = self.config
         if any(layer.self_attn.is_causal or layer.self_attn.sliding_window for layer in self.layers):
             return None  # blocks that are not one visible prefix: the layers' own path
+        ops = cpu_ops.load()
         entries = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
@@ -325,8 +326,9 @@ class DFlashDrafter(nn.Module):
             if weights is None:
                 return None
             q, kv, o, gate_up, down = weights
+            qkv = ops.kernel_weight(torch.cat([ops.plain_weight(q), ops.plain_weight(kv)]))
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.kv_proj.bias])
-            entries.append([layer.input_layernorm.weight, torch.cat([q, kv]), qkv_bias, o, a.o_proj.bias,
+            entries.append([layer.input_layernorm.weight, qkv, qkv_bias, o, a.o_proj.bias,
                             layer.post_attention_layernorm.weight, gate_up, m.gate_up_proj.bias,
                             down, m.down_proj.bias, a.q_norm.weight, a.k_norm.weight])
         a = self.layers[0].self_attn

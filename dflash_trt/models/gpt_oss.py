@@ -137,9 +137,9 @@ class GptOssExperts(nn.Module):
         if self.packed is not None or not can_pack(self.gate_up_proj):
             return
         self.packed = nn.ModuleList(
-            # keep_plain=False: the stacked weights are dropped below; a plain copy per expert would keep them
-            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], keep_plain=False),
-                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], keep_plain=False)])
+            # with_kernel=False: the stacked weights are dropped below; the kernel's copy per expert would keep them
+            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], with_kernel=False),
+                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], with_kernel=False)])
             for e in range(len(self.experts))
         )
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):

@@ -2,6 +2,9 @@
 cached attention against SDPA over exactly the keys each query may see, rotary + cache write against
 transformers' apply_rotary_pos_emb, the gated activation against F.silu."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,7 +161,11 @@ needs_linear = pytest.mark.skipif(ops is None or not ops.has_linear(torch.zeros(
 
 @needs_linear
 @pytest.mark.parametrize("rows, n, k, bias", [(1, 8, 64, False), (2, 9, 64, True), (3, 13, 96, True), (6, 7, 64, False), (7, 5, 96, True),
-                                                  (9, 4099, 576, False), (32, 6, 1536, True)])
+                                                  (9, 4099, 576, False), (32, 6, 1536, True),
+                                                  # multiples of 64 features: AMX's tiles where the CPU has them,
+                                                  # past 16 rows in more than one pass
+                                                  (1, 64, 64, True), (3, 192, 576, False), (4, 128, 1536, True),
+                                                  (17, 64, 96, False), (32, 256, 64, True)])
 def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     """Against F.linear in fp32 on the same bf16 values (the kernel sums in fp32 and rounds once), with feature
     counts that are not multiples of the kernel's 4-wide tiles; and every row alone gives its batched result
@@ -167,9 +174,11 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
+    kw = ops.kernel_weight(w)
+    assert torch.equal(ops.plain_weight(kw), w)
     with torch.no_grad():
-        got = ops.linear(x, w, b)
-        alone = torch.cat([ops.linear(x[i : i + 1], w, b) for i in range(rows)])
+        got = ops.linear(x, kw, b)
+        alone = torch.cat([ops.linear(x[i : i + 1], kw, b) for i in range(rows)])
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     # one bf16 rounding of the fp32 sum, plus room for a sum taken in another order where terms cancel
     assert bool(((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all())
@@ -180,7 +189,12 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
 def test_linear_declines_weights_it_cannot_serve():
     assert not ops.has_linear(torch.zeros(4, 48, dtype=torch.bfloat16))  # rows not a multiple of 32
     assert not ops.has_linear(torch.zeros(4, 64))  # fp32: oneDNN's packed linear serves it
+    assert ops.kernel_weight(torch.zeros(4, 48, dtype=torch.bfloat16)) is None
     assert ops.has_linear(torch.zeros(4, 64, dtype=torch.bfloat16))
+    # AMX's tiles take whole groups of 64 features; any other count keeps the weight as it is
+    assert ops.linear_layout(torch.zeros(4, 64, dtype=torch.bfloat16)) == "rows"
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() and os.environ.get("DFLASH_TRT_AMX") != "0"
+    assert ops.linear_layout(torch.zeros(128, 64, dtype=torch.bfloat16)) == ("tiles" if amx else "rows")
 
 
 def test_kernels_stand_aside_for_autograd_and_other_dtypes():
