@@ -2,7 +2,9 @@
 cached attention against SDPA over exactly the keys each query may see, rotary + cache write against
 transformers' apply_rotary_pos_emb, the gated activation against F.silu."""
 
+import ctypes
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -193,8 +195,19 @@ def test_linear_declines_weights_it_cannot_serve():
     assert ops.has_linear(torch.zeros(4, 64, dtype=torch.bfloat16))
     # AMX's tiles take whole groups of 64 features; any other count keeps the weight as it is
     assert ops.linear_layout(torch.zeros(4, 64, dtype=torch.bfloat16)) == "rows"
-    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() and os.environ.get("DFLASH_TRT_AMX") != "0"
-    assert ops.linear_layout(torch.zeros(128, 64, dtype=torch.bfloat16)) == ("tiles" if amx else "rows")
+    assert ops.linear_layout(torch.zeros(128, 64, dtype=torch.bfloat16)) == ("tiles" if amx_usable() else "rows")
+
+
+def amx_usable() -> bool:
+    """AMX, asked of the machine rather than of the kernels: the CPU lists amx_bf16, the compiler targets it with
+    -march=native, Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), and DFLASH_TRT_AMX is not 0."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if os.environ.get("DFLASH_TRT_AMX") == "0" or not cpuinfo.exists() or "amx_bf16" not in cpuinfo.read_text():
+        return False
+    macros = subprocess.run([os.environ.get("CC", "cc"), "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True).stdout
+    sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return "__AMX_BF16__" in macros and ctypes.CDLL(None).syscall(sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 def test_kernels_stand_aside_for_autograd_and_other_dtypes():
