@@ -88,8 +88,9 @@ static int scores_fast_f32(const float *q, const float *K, int64_t n, int64_t G,
  * this pass computes: without it the loads outrun the hardware prefetcher and the GEMV falls well short of the
  * memory bandwidth at 4+ rows. The prefetch goes to L2 (T1), not L1: into L1 it stalls on the line fill buffers,
  * which the pass's own loads need, and a 3-row verify step took 1.4x a 1-row decode on a Xeon with AMX (1.25x
- * into L2; SmolLM2-135M's 30 layers, 13.0 against 10.9 ms). Every (row, feature) dot runs the same instruction sequence whatever R, J and the
- * number of rows in the call, so a row's output does not depend on the batch it came in. */
+ * into L2; SmolLM2-135M's 30 layers, 13.0 against 10.9 ms). Every (row, feature) dot runs the same instruction
+ * sequence whatever R, J and the number of rows in the call, so a row's output does not depend on the batch it
+ * came in. */
 #define LINEAR_TILE(R, J)                                                                                        \
     static inline void linear_tile_##R##x##J(const uint16_t *x, const uint16_t *w, const uint16_t *bias,         \
                                              uint16_t *y, int64_t N, int64_t K, int64_t n0) {                    \
@@ -183,7 +184,8 @@ static inline void store_bf16x16(const float *acc, const uint16_t *bias, uint16_
                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
@@ -209,7 +211,8 @@ static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *b
                 for (int64_t kc = 0; kc < slices; kc++) {
                     /* two slices (8 KB) ahead, into L2 (see LINEAR_TILE); past a group's end the next group's
                      * first slices, which follow it in memory (a prefetch past the weight's end does not fault) */
-                    for (int i = 0; i < 64; i++) _mm_prefetch((const char *)(b + (kc + 2) * 2048) + i * 64, _MM_HINT_T1);
+                    const char *ahead = (const char *)(b + (kc + 2) * 2048);
+                    for (int i = 0; i < 64; i++) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
                     _tile_loadd(4, x + m0 * K + kc * 32, K * 2);
                     _tile_loadd(5, b + (kc * 4 + 0) * 512, 64);
                     _tile_dpbf16ps(0, 4, 5);
