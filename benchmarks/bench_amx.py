@@ -36,8 +36,8 @@ def child(ks: list[int], max_tokens: int, per_category: int) -> dict:
     from dflash_trt.kernels import cpu_ops
 
     torch.set_num_threads(2)
-    probe = torch.zeros(64, 64, dtype=torch.bfloat16)
-    layout = cpu_ops.load().linear_layout(probe) if cpu_ops.load() is not None else None
+    ops = cpu_ops.load()
+    layout = ops.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) if ops is not None else None
     prompts, seen = [], {}
     for p in load_dataset("cpu-small"):
         if seen.get(p.category, 0) < per_category:
