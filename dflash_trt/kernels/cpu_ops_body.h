@@ -31,66 +31,62 @@ void CAT(rms_norm_, SFX)(const T *x, const T *residual, T *sum_out, const T *wei
     }
 }
 
-/* s[g, t] = scale * q[g] . K[t] for G query heads and n keys, where scores_fast_* declines. */
-static void CAT(scores_, SFX)(const T *q, const T *K, int64_t n, int64_t G, int64_t D, float scale, float *s) {
-    if (CAT(scores_fast_, SFX)(q, K, n, G, D, scale, s)) return;
+/* s[t] = scale * q . K[t] for n keys, where scores_fast_* declines. */
+static void CAT(scores_, SFX)(const T *q, const T *K, int64_t n, int64_t D, float scale, float *s) {
+    if (CAT(scores_fast_, SFX)(q, K, n, D, scale, s)) return;
     for (int64_t t = 0; t < n; t++) {
         const T *kt = K + t * D;
-        for (int64_t g = 0; g < G; g++) {
-            const T *qg = q + g * D;
-            float dot = 0.0f;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < D; j++) dot += LOAD(qg[j]) * LOAD(kt[j]);
-            s[g * n + t] = dot * scale;
-        }
+        for (int64_t j = 0; j < D; j++) dot += LOAD(q[j]) * LOAD(kt[j]);
+        s[t] = dot * scale;
+    }
+}
+
+/* acc[j] = sum over t of p[t] * V[t, j], in key order. */
+static void CAT(values_, SFX)(const float *p, const T *V, int64_t n, int64_t D, float *acc) {
+    if (CAT(values_fast_, SFX)(p, V, n, D, acc)) return;
+    for (int64_t j = 0; j < D; j++) acc[j] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        const T *vt = V + t * D;
+        const float pt = p[t];
+#pragma omp simd
+        for (int64_t j = 0; j < D; j++) acc[j] = fmaf(pt, LOAD(vt[j]), acc[j]);
     }
 }
 
 /* One query per row against that row's cached keys [0, lens[b]) (the last `window` of them when window > 0).
- * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Query heads of one
- * KV head share each key and value as it is loaded; (row, KV head) pairs are spread over the OpenMP threads. */
+ * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. The (row, query head)
+ * pairs are spread over the OpenMP threads: per KV head there were too few of them to share two threads evenly at
+ * decode (SmolLM2's 3 KV heads: one thread did two thirds of the work). */
 void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache, const int64_t *rows,
                                  const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t max_len,
                                  int64_t D, float scale, int64_t window) {
     const int64_t G = H / KVH;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += lens[b];
-#pragma omp parallel for collapse(2) schedule(static) if (work * KVH * G * D >= 65536)
+#pragma omp parallel for collapse(2) schedule(static) if (work * H * D >= 65536)
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t kh = 0; kh < KVH; kh++) {
+        for (int64_t h = 0; h < H; h++) {
             const int64_t len = lens[b];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
             const int64_t n = len - start;
-            const int64_t base = ((rows[b] * KVH + kh) * max_len + start) * D;
-            const T *K = k_cache + base, *V = v_cache + base;
-            const T *qb = q + (b * H + kh * G) * D;
-            float *acc = malloc(sizeof(float) * (size_t)(G * D + G * n));
-            float *s = acc + G * D; /* [G, n] */
-            CAT(scores_, SFX)(qb, K, n, G, D, scale, s);
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = s + g * n;
-                float m = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
+            const int64_t base = ((rows[b] * KVH + h / G) * max_len + start) * D;
+            float *acc = malloc(sizeof(float) * (size_t)(D + n));
+            float *s = acc + D;
+            CAT(scores_, SFX)(q + (b * H + h) * D, k_cache + base, n, D, scale, s);
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; t++) {
-                    sg[t] = exp_nonpositive(sg[t] - m);
-                    sum += sg[t];
-                }
-                float inv = 1.0f / sum;
-                for (int64_t t = 0; t < n; t++) sg[t] *= inv;
-            }
-            for (int64_t j = 0; j < G * D; j++) acc[j] = 0.0f;
             for (int64_t t = 0; t < n; t++) {
-                const T *vt = V + t * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = s[g * n + t];
-                    float *ag = acc + g * D;
-#pragma omp simd
-                    for (int64_t j = 0; j < D; j++) ag[j] += p * LOAD(vt[j]);
-                }
+                s[t] = exp_nonpositive(s[t] - m);
+                sum += s[t];
             }
-            T *ob = out + (b * H + kh * G) * D;
-            for (int64_t j = 0; j < G * D; j++) ob[j] = STORE(acc[j]);
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < n; t++) s[t] *= inv;
+            CAT(values_, SFX)(s, v_cache + base, n, D, acc);
+            T *o = out + (b * H + h) * D;
+            for (int64_t j = 0; j < D; j++) o[j] = STORE(acc[j]);
             free(acc);
         }
     }

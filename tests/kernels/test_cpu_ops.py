@@ -77,15 +77,20 @@ def _sdpa_per_query(q, cache, layer, rows, lens, scale, window=None):
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 4, 32), (8, 2, 80), (16, 4, 128)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(dtype, heads, kv_heads, d, window):
+    """Key counts on both sides of the kernel's 16-key blocks; and each query alone gives its batched output bit
+    for bit, which is what lets a one-token decode and a K-token verify agree."""
     g = torch.Generator().manual_seed(heads * d)
     cache = _cache(6, 96, kv_heads, d, dtype, g)
-    rows = torch.tensor([4, 0, 5, 5, 2, 1, 3])  # unordered, one row twice (two queries of a verify block)
-    lens = torch.tensor([1, 96, 37, 38, 64, 2, 70])
+    rows = torch.tensor([4, 0, 5, 5, 2, 1, 3, 0])  # unordered, one row twice (two queries of a verify block)
+    lens = torch.tensor([1, 96, 37, 38, 64, 2, 70, 16])
     q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
     got = ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window)
     want = _sdpa_per_query(q, cache, 1, rows, lens, 0.2, window)
     tol = 1e-5 if dtype == torch.float32 else 0.05  # bf16: the output's own rounding, on values of about 1e4
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * 1e4 if dtype == torch.bfloat16 else tol)
+    alone = [ops.cached_attention(q[i : i + 1], cache.k[1], cache.v[1], rows[i : i + 1], lens[i : i + 1], 0.2, window)
+             for i in range(len(rows))]
+    assert torch.equal(got, torch.cat(alone))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
