@@ -15,6 +15,10 @@
 #define HAVE_AMX 1
 #endif
 
+/* Longest run of queries that share a cache row and therefore their keys and values in decode_attention (a verify
+ * block, a drafter block, a prompt chunk); without a window each sees a prefix of the same keys. */
+#define MAX_QUERY_RUN 16
+
 typedef union {
     uint32_t u;
     float f;
@@ -117,43 +121,63 @@ static int scores_fast_f32(const float *q, const float *K, int64_t n, int64_t D,
     return 0;
 }
 
-/* acc[j] = sum over t of p[t] * V[t, j] in key order (one fused multiply-add per term), 64 or 32 columns per pass
- * held in registers; returns 0 where there are no AVX-512 BF16 instructions or D is not a multiple of 32. */
-static int values_fast_bf16(const float *p, const uint16_t *V, int64_t n, int64_t D, float *acc) {
+/* acc[r, j] = sum over t < n[r] of p[r][t] * V[t, j] for R queries over one head's values, each query's terms in key
+ * order (one fused multiply-add each, as the portable loop adds them), so a query's output does not depend on the
+ * others. Up to four queries at a time share each value row as it is loaded and widened to fp32; 64 or 32 columns
+ * per pass stay in registers. Returns 0 where there are no AVX-512 BF16 instructions or D is not a multiple of 32. */
+static int values_fast_bf16(const float *const *p, const int64_t *n, int64_t R, const uint16_t *V, int64_t D,
+                            float *acc) {
 #if defined(__AVX512BF16__)
-    if (D % 32 == 0) {
+    if (D % 32 != 0) return 0;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        int64_t nr[4] = {0, 0, 0, 0}, longest = 0;
+        for (int r = 0; r < 4 && r0 + r < R; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
         int64_t c = 0;
         for (; c + 64 <= D; c += 64) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t t = 0; t < n; t++) {
-                const __m512 pt = _mm512_set1_ps(p[t]);
+            __m512 a[4][4];
+            for (int r = 0; r < 4; r++)
+                for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < longest; t++) {
                 const uint16_t *vt = V + t * D + c;
-                a0 = _mm512_fmadd_ps(pt, bf16x16_to_f32(vt), a0);
-                a1 = _mm512_fmadd_ps(pt, bf16x16_to_f32(vt + 16), a1);
-                a2 = _mm512_fmadd_ps(pt, bf16x16_to_f32(vt + 32), a2);
-                a3 = _mm512_fmadd_ps(pt, bf16x16_to_f32(vt + 48), a3);
+                const __m512 v0 = bf16x16_to_f32(vt), v1 = bf16x16_to_f32(vt + 16);
+                const __m512 v2 = bf16x16_to_f32(vt + 32), v3 = bf16x16_to_f32(vt + 48);
+                for (int r = 0; r < 4; r++)
+                    if (t < nr[r]) {
+                        const __m512 pt = _mm512_set1_ps(p[r0 + r][t]);
+                        a[r][0] = _mm512_fmadd_ps(pt, v0, a[r][0]), a[r][1] = _mm512_fmadd_ps(pt, v1, a[r][1]);
+                        a[r][2] = _mm512_fmadd_ps(pt, v2, a[r][2]), a[r][3] = _mm512_fmadd_ps(pt, v3, a[r][3]);
+                    }
             }
-            _mm512_storeu_ps(acc + c, a0), _mm512_storeu_ps(acc + c + 16, a1);
-            _mm512_storeu_ps(acc + c + 32, a2), _mm512_storeu_ps(acc + c + 48, a3);
+            for (int r = 0; r < 4 && r0 + r < R; r++)
+                for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + (r0 + r) * D + c + 16 * i, a[r][i]);
         }
         for (; c < D; c += 32) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-            for (int64_t t = 0; t < n; t++) {
-                const __m512 pt = _mm512_set1_ps(p[t]);
-                a0 = _mm512_fmadd_ps(pt, bf16x16_to_f32(V + t * D + c), a0);
-                a1 = _mm512_fmadd_ps(pt, bf16x16_to_f32(V + t * D + c + 16), a1);
+            __m512 a[4][2];
+            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < longest; t++) {
+                const __m512 v0 = bf16x16_to_f32(V + t * D + c), v1 = bf16x16_to_f32(V + t * D + c + 16);
+                for (int r = 0; r < 4; r++)
+                    if (t < nr[r]) {
+                        const __m512 pt = _mm512_set1_ps(p[r0 + r][t]);
+                        a[r][0] = _mm512_fmadd_ps(pt, v0, a[r][0]), a[r][1] = _mm512_fmadd_ps(pt, v1, a[r][1]);
+                    }
             }
-            _mm512_storeu_ps(acc + c, a0), _mm512_storeu_ps(acc + c + 16, a1);
+            for (int r = 0; r < 4 && r0 + r < R; r++) {
+                _mm512_storeu_ps(acc + (r0 + r) * D + c, a[r][0]);
+                _mm512_storeu_ps(acc + (r0 + r) * D + c + 16, a[r][1]);
+            }
         }
-        return 1;
     }
-#endif
-    (void)p, (void)V, (void)n, (void)D, (void)acc;
+    return 1;
+#else
+    (void)p, (void)n, (void)R, (void)V, (void)D, (void)acc;
     return 0;
+#endif
 }
 
-static int values_fast_f32(const float *p, const float *V, int64_t n, int64_t D, float *acc) {
-    (void)p, (void)V, (void)n, (void)D, (void)acc;
+static int values_fast_f32(const float *const *p, const int64_t *n, int64_t R, const float *V, int64_t D,
+                           float *acc) {
+    (void)p, (void)n, (void)R, (void)V, (void)D, (void)acc;
     return 0;
 }
 

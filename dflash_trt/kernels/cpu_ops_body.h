@@ -43,53 +43,75 @@ static void CAT(scores_, SFX)(const T *q, const T *K, int64_t n, int64_t D, floa
     }
 }
 
-/* acc[j] = sum over t of p[t] * V[t, j], in key order. */
-static void CAT(values_, SFX)(const float *p, const T *V, int64_t n, int64_t D, float *acc) {
-    if (CAT(values_fast_, SFX)(p, V, n, D, acc)) return;
-    for (int64_t j = 0; j < D; j++) acc[j] = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        const T *vt = V + t * D;
-        const float pt = p[t];
+/* acc[r, j] = sum over t < n[r] of p[r][t] * V[t, j] for R queries, each in key order. */
+static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R, const T *V, int64_t D, float *acc) {
+    if (CAT(values_fast_, SFX)(p, n, R, V, D, acc)) return;
+    for (int64_t r = 0; r < R; r++) {
+        float *a = acc + r * D;
+        for (int64_t j = 0; j < D; j++) a[j] = 0.0f;
+        for (int64_t t = 0; t < n[r]; t++) {
+            const T *vt = V + t * D;
+            const float pt = p[r][t];
 #pragma omp simd
-        for (int64_t j = 0; j < D; j++) acc[j] = fmaf(pt, LOAD(vt[j]), acc[j]);
+            for (int64_t j = 0; j < D; j++) a[j] = fmaf(pt, LOAD(vt[j]), a[j]);
+        }
     }
 }
 
 /* One query per row against that row's cached keys [0, lens[b]) (the last `window` of them when window > 0).
- * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. The (row, query head)
- * pairs are spread over the OpenMP threads: per KV head there were too few of them to share two threads evenly at
- * decode (SmolLM2's 3 KV heads: one thread did two thirds of the work). */
+ * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Consecutive queries of
+ * one cache row form a run that reads each key and value once per head; the (run, query head) pairs are spread over
+ * the OpenMP threads (per KV head there were too few of them to share two threads evenly at decode: SmolLM2's 3 KV
+ * heads left one thread two thirds of the work). Each query's scores, softmax and sum are computed as they would be
+ * alone, so its output does not depend on the others. */
 void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache, const int64_t *rows,
                                  const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t max_len,
                                  int64_t D, float scale, int64_t window) {
     const int64_t G = H / KVH;
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) work += lens[b];
-#pragma omp parallel for collapse(2) schedule(static) if (work * H * D >= 65536)
+    int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(B + 1)), runs = 0, work = 0;
+    if (!run_start) abort();
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t len = lens[b];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            const int64_t n = len - start;
-            const int64_t base = ((rows[b] * KVH + h / G) * max_len + start) * D;
-            float *acc = malloc(sizeof(float) * (size_t)(D + n));
-            float *s = acc + D;
-            CAT(scores_, SFX)(q + (b * H + h) * D, k_cache + base, n, D, scale, s);
+        work += lens[b];
+        if (b == 0 || window > 0 || rows[b] != rows[b - 1] || b - run_start[runs - 1] == MAX_QUERY_RUN)
+            run_start[runs++] = b;
+    }
+    run_start[runs] = B;
+#pragma omp parallel for schedule(static) if (work * H * D >= 65536)
+    for (int64_t item = 0; item < runs * H; item++) {
+        const int64_t first = run_start[item / H], R = run_start[item / H + 1] - first, h = item % H;
+        /* a window keeps runs to one query, so one start serves the run */
+        const int64_t start = (window > 0 && lens[first] > window) ? lens[first] - window : 0;
+        const int64_t base = ((rows[first] * KVH + h / G) * max_len + start) * D;
+        int64_t n[MAX_QUERY_RUN], total = 0;
+        const float *p[MAX_QUERY_RUN];
+        for (int64_t r = 0; r < R; r++) n[r] = lens[first + r] - start, total += n[r];
+        float *buf = malloc(sizeof(float) * (size_t)(R * D + total));
+        if (!buf) abort();
+        float *acc = buf, *s = buf + R * D;
+        for (int64_t r = 0; r < R; r++) {
+            CAT(scores_, SFX)(q + ((first + r) * H + h) * D, k_cache + base, n[r], D, scale, s);
             float m = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+            /* vectorised: as a scalar loop the max's dependency chain took a quarter of the kernel's time */
+#pragma omp simd reduction(max : m)
+            for (int64_t t = 0; t < n[r]; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = 0; t < n[r]; t++) {
                 s[t] = exp_nonpositive(s[t] - m);
                 sum += s[t];
             }
             const float inv = 1.0f / sum;
-            for (int64_t t = 0; t < n; t++) s[t] *= inv;
-            CAT(values_, SFX)(s, v_cache + base, n, D, acc);
-            T *o = out + (b * H + h) * D;
-            for (int64_t j = 0; j < D; j++) o[j] = STORE(acc[j]);
-            free(acc);
+            for (int64_t t = 0; t < n[r]; t++) s[t] *= inv;
+            p[r] = s;
+            s += n[r];
         }
+        CAT(values_, SFX)(p, n, R, v_cache + base, D, acc);
+        for (int64_t r = 0; r < R; r++) {
+            T *o = out + ((first + r) * H + h) * D;
+            for (int64_t j = 0; j < D; j++) o[j] = STORE(acc[r * D + j]);
+        }
+        free(buf);
     }
+    free(run_start);
 }
 
 /* Neox rotary on the leading `rot` channels (x * cos + rotate_half(x) * sin, each product rounded, as torch's
