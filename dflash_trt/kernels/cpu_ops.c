@@ -121,6 +121,28 @@ static int scores_fast_f32(const float *q, const float *K, int64_t n, int64_t D,
     return 0;
 }
 
+#if defined(__AVX512BF16__)
+/* One pass of values_fast_bf16: columns [c, c + 16 W) of the sums of queries 0..rr-1 (rr <= 4; nr[r] = 0 from rr
+ * on); inlined with W = 4 or 2, so the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void values_pass(const float *const *p, const int64_t *nr, int rr,
+                                                              int64_t longest, const uint16_t *V, int64_t D,
+                                                              int64_t c, const int W, float *acc) {
+    __m512 a[4][4], v[4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < W; i++) a[r][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < longest; t++) {
+        for (int i = 0; i < W; i++) v[i] = bf16x16_to_f32(V + t * D + c + 16 * i);
+        for (int r = 0; r < 4; r++)
+            if (t < nr[r]) {
+                const __m512 pt = _mm512_set1_ps(p[r][t]);
+                for (int i = 0; i < W; i++) a[r][i] = _mm512_fmadd_ps(pt, v[i], a[r][i]);
+            }
+    }
+    for (int r = 0; r < rr; r++)
+        for (int i = 0; i < W; i++) _mm512_storeu_ps(acc + r * D + c + 16 * i, a[r][i]);
+}
+#endif
+
 /* acc[r, j] = sum over t < n[r] of p[r][t] * V[t, j] for R queries over one head's values, each query's terms in key
  * order (one fused multiply-add each, as the portable loop adds them), so a query's output does not depend on the
  * others. Up to four queries at a time share each value row as it is loaded and widened to fp32; 64 or 32 columns
@@ -130,43 +152,12 @@ static int values_fast_bf16(const float *const *p, const int64_t *n, int64_t R, 
 #if defined(__AVX512BF16__)
     if (D % 32 != 0) return 0;
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int rr = R - r0 < 4 ? (int)(R - r0) : 4;
         int64_t nr[4] = {0, 0, 0, 0}, longest = 0;
-        for (int r = 0; r < 4 && r0 + r < R; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
+        for (int r = 0; r < rr; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
         int64_t c = 0;
-        for (; c + 64 <= D; c += 64) {
-            __m512 a[4][4];
-            for (int r = 0; r < 4; r++)
-                for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < longest; t++) {
-                const uint16_t *vt = V + t * D + c;
-                const __m512 v0 = bf16x16_to_f32(vt), v1 = bf16x16_to_f32(vt + 16);
-                const __m512 v2 = bf16x16_to_f32(vt + 32), v3 = bf16x16_to_f32(vt + 48);
-                for (int r = 0; r < 4; r++)
-                    if (t < nr[r]) {
-                        const __m512 pt = _mm512_set1_ps(p[r0 + r][t]);
-                        a[r][0] = _mm512_fmadd_ps(pt, v0, a[r][0]), a[r][1] = _mm512_fmadd_ps(pt, v1, a[r][1]);
-                        a[r][2] = _mm512_fmadd_ps(pt, v2, a[r][2]), a[r][3] = _mm512_fmadd_ps(pt, v3, a[r][3]);
-                    }
-            }
-            for (int r = 0; r < 4 && r0 + r < R; r++)
-                for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + (r0 + r) * D + c + 16 * i, a[r][i]);
-        }
-        for (; c < D; c += 32) {
-            __m512 a[4][2];
-            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < longest; t++) {
-                const __m512 v0 = bf16x16_to_f32(V + t * D + c), v1 = bf16x16_to_f32(V + t * D + c + 16);
-                for (int r = 0; r < 4; r++)
-                    if (t < nr[r]) {
-                        const __m512 pt = _mm512_set1_ps(p[r0 + r][t]);
-                        a[r][0] = _mm512_fmadd_ps(pt, v0, a[r][0]), a[r][1] = _mm512_fmadd_ps(pt, v1, a[r][1]);
-                    }
-            }
-            for (int r = 0; r < 4 && r0 + r < R; r++) {
-                _mm512_storeu_ps(acc + (r0 + r) * D + c, a[r][0]);
-                _mm512_storeu_ps(acc + (r0 + r) * D + c + 16, a[r][1]);
-            }
-        }
+        for (; c + 64 <= D; c += 64) values_pass(p + r0, nr, rr, longest, V, D, c, 4, acc + r0 * D);
+        for (; c < D; c += 32) values_pass(p + r0, nr, rr, longest, V, D, c, 2, acc + r0 * D);
     }
     return 1;
 #else
