@@ -18,13 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import per_call_us, record  # noqa: E402
 
 from dflash_trt.embedded import smollm2_dir  # noqa: E402
 from dflash_trt.engine.llm_engine import DTYPES  # noqa: E402
@@ -46,16 +45,6 @@ def build_at(rev: str, out: Path) -> cpu_ops.CpuOps:
     return cpu_ops.CpuOps(ctypes.CDLL(str(lib)))
 
 
-def median_us(fn, calls: int, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
-
-
 def op_timings(builds: dict, contexts: list[int], rounds: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 3, max(contexts) + 4, 64, generator=g).bfloat16()
@@ -70,7 +59,7 @@ def op_timings(builds: dict, contexts: list[int], rounds: int) -> list[dict]:
             times = {name: [] for name in builds}
             for _ in range(rounds):  # interleaved
                 for name, ops in builds.items():
-                    times[name].append(median_us(lambda: ops.cached_attention(q, k, v, rows, lens, 0.125), 200, 1))
+                    times[name].append(per_call_us(lambda: ops.cached_attention(q, k, v, rows, lens, 0.125), 200, 1))
             out.append({"context": length, "queries": queries,
                         **{f"{name}_us": round(statistics.median(t), 1) for name, t in times.items()}})
             print(out[-1], flush=True)
@@ -94,7 +83,7 @@ def layer_timings(builds: dict, contexts: list[int], rounds: int) -> list[dict]:
                         for name, ops in builds.items():
                             cpu_ops.load = lambda ops=ops: ops  # noqa: B023 - the model looks the kernels up per call
                             outputs[name] = target(x, meta, cache, CAPTURE)[0].clone()
-                            times[name].append(median_us(lambda: target(x, meta, cache, CAPTURE), 30, 1) / 1e3)
+                            times[name].append(per_call_us(lambda: target(x, meta, cache, CAPTURE), 30, 1) / 1e3)
                     assert torch.equal(*outputs.values()), f"the builds disagree at L={length}, {tokens} tokens"
                     out.append({"context": length, "tokens": tokens,
                                 **{f"{name}_ms": round(statistics.median(t), 3) for name, t in times.items()}})

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, record  # noqa: E402
+from common import RESULTS, per_call_us, record  # noqa: E402
 
 from dflash_trt.kernels import cpu_ops  # noqa: E402
 from dflash_trt.layers.attention import attend, round_up  # noqa: E402
@@ -33,18 +33,6 @@ from dflash_trt.layers.linear import PackedLinear  # noqa: E402
 from dflash_trt.layers.rotary import apply_rotary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
-    for _ in range(50):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls // repeats):
-            fn()
-        samples.append((time.perf_counter() - start) / (calls // repeats) * 1e6)
-    return round(statistics.median(samples), 2)
 
 
 def op_timings(ops: cpu_ops.CpuOps) -> list[dict]:

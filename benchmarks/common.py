@@ -37,6 +37,19 @@ def commit() -> str:
         return "unknown"
 
 
+def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Median microseconds per call of fn over `repeats` batches of calls // repeats, after 50 warm-up calls."""
+    for _ in range(50):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls // repeats):
+            fn()
+        samples.append((time.perf_counter() - start) / (calls // repeats) * 1e6)
+    return round(statistics.median(samples), 2)
+
+
 def record(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
