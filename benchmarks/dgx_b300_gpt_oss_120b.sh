@@ -3,7 +3,8 @@
 # autoregressive, EAGLE-3 (nvidia/gpt-oss-120b-Eagle3, K=3) and DFlash (z-lab/gpt-oss-120b-DFlash, K in 3 5 7 9), each
 # served by TensorRT-LLM's trtllm-serve from a `dflash-trt build` engine directory, driven by `dflash-trt bench sweep`
 # with the same prompts and concurrencies, then one Pareto plot (tokens/s/GPU against tokens/s/user).
-# Protocol: ../shared/reference/trtllm.md 5.4 (real prompts, ISL/OSL 1k/1k by default, concurrency doubling).
+# Protocol as in TensorRT-LLM's gpt-oss deployment guide (ISL/OSL 1k/1k by default, concurrency doubling), but with
+# real prompts: SPEED-Bench (nvidia/SPEED-Bench) finds that synthetic inputs overestimate throughput.
 #
 # Arms: "DFlash K=k" are fixed-K engines (the config's draft-length schedule removed); "DFlash auto" is the config as
 # written, whose schedule the build chooses per batch size (plan.json). Every engine is built for the preset's
@@ -12,7 +13,7 @@
 # installed (pip install -e .), the three checkpoints in the HF cache or reachable, 8 GPUs.
 #   benchmarks/dgx_b300_gpt_oss_120b.sh                          # all arms, 1k/1k
 #   PRESET=gpu-8k1k KS="3 7" CONC=1,4,16,64,256 benchmarks/dgx_b300_gpt_oss_120b.sh
-# Before timing: nvidia-smi -pm 1 (and the clock/power settings in trtllm.md 5.1) as your site allows.
+# Before timing: nvidia-smi -pm 1 (and the clock/power settings in the trtllm-bench docs) as your site allows.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CONFIG=${CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-throughput.yaml}
@@ -66,7 +67,7 @@ yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
 PY
 }
 variant ar 'o.pop("speculative_config", None)'
-variant eagle3 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # blog11 (trtllm.md 2.x)'
+variant eagle3 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # TRT-LLM tech blog 11'
 
 runs=()
 for arm in $ARMS; do

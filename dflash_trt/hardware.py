@@ -35,7 +35,7 @@ class HardwareProfile:
     # Driver/CUDA context, NCCL and library workspaces, allocator slack: an estimate per device that
     # the planner never hands to weights or caches.
     reserve_bytes: int
-    # DFlash's TRTLLM drafter attention backend needs SM100/SM103 (trtllm.md 1.7.5); others use VANILLA.
+    # DFlash's TRTLLM drafter attention backend needs SM100/SM103 (TRT-LLM dflash_attention.py); others use VANILLA.
     supports_trtllm_dflash_attention: bool = False
     description: str = ""
     # Roofline figures (per device; see the module docstring for sources).
@@ -65,7 +65,7 @@ def cpu_ram_bytes() -> int:
 # below by its dozen or so kernels at a few microseconds each; the step cost is TRT-LLM's per-iteration
 # sampling and bookkeeping that the overlap scheduler does not hide. Together they put gpt-oss-120b at TP8
 # on a B300, batch 1, near 3 ms per autoregressive step (about 330 tok/s/user), consistent with NVIDIA's
-# report that DFlash at 500-600 tok/s/user more than doubles batch-1 interactivity (dflash.md 6.4).
+# report that DFlash at 500-600 tok/s/user more than doubles batch-1 interactivity (NVIDIA DFlash blog, 2026-06-23).
 GPU_ALLREDUCE_LATENCY_S = 5e-6
 GPU_LAYER_OVERHEAD_S = 60e-6
 GPU_STEP_OVERHEAD_S = 300e-6

@@ -34,7 +34,9 @@ def bench() -> None:
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--limit-per-category", type=int, default=None, help="At most N prompts per category.")
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per prompt (default: the dataset's).")
-@click.option("--draft-lens", "-k", default="3,7", show_default=True, help="K values to measure, e.g. 3,7,15.")
+@click.option("--draft-lens", "-k", default=None,
+              help="K values to measure, e.g. 3,7,15 (default: the engine's K with ENGINE, else 3,7 where the drafter "
+              "allows them).")
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
               help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
@@ -57,7 +59,6 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
     if threads:
         torch.set_num_threads(threads)
-    ks = _ints(draft_lens, "--draft-lens")
     vocabs = parse_vocab_sizes(draft_vocab_sizes)
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype, max_batch_size=1)
@@ -65,6 +66,12 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
                                limit_per_category=limit_per_category)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
+    if draft_lens is not None:
+        ks = _ints(draft_lens, "--draft-lens")
+    elif engine:
+        ks = [eng.max_draft_len]
+    else:
+        ks = [k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len]
     if max(ks) > eng.max_draft_len:
         raise click.BadParameter(f"K={max(ks)} exceeds the drafter's limit {eng.max_draft_len}", param_hint="--draft-lens")
     zlab = None

@@ -46,8 +46,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
+    # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse
+    # the packaged prompts.
     engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
-                                                             max_model_len=cfg.max_seq_len + max_new_tokens,
+                                                             max_model_len=max(cfg.max_seq_len, 1024) + max_new_tokens,
                                                              device=device))
     responses = data_dir / "responses.jsonl"
     own = []
@@ -94,6 +96,11 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--anchors", default=32, show_default=True, type=int, help="Random anchors per sequence.")
 @click.option("--eval-every", default=250, show_default=True, type=int)
+@click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=16), help="Tokens of each record trained on (prompt first).")
+@click.option("--gamma", default=None, type=float, help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--sampled-variants", default=1, show_default=True, type=click.IntRange(min=0),
+              help="Sampled responses per prompt besides the greedy one (0: greedy only).")
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
 @click.option("--self-prompts", default=0, show_default=True, type=int,
               help="Also N requests per persona (chat, code, math, qa, writing) written by the target itself (Magpie), "
@@ -104,8 +111,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
-          time_budget, device, anchors, eval_every, max_prompts, self_prompts, mask_token_id, init_from_target, init_drafter,
-          full_vocab_loss, resume) -> None:
+          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, max_prompts, self_prompts,
+          mask_token_id, init_from_target, init_drafter, full_vocab_loss, resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
     from dflash_trt.train.trainer import TrainConfig
@@ -119,15 +126,15 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         ids = [int(x) for x in target_layers.split(",")] if target_layers else None
         cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=ids, num_features=num_features,
                           steps=steps, lr=lr, seqs_per_step=seqs_per_step, micro_batch=micro_batch,
-                          time_budget_s=time_budget, anchors_per_seq=anchors,
-                          eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
+                          time_budget_s=time_budget, anchors_per_seq=anchors, max_seq_len=max_seq_len, gamma=gamma,
+                          seed=seed, eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
                           init_drafter=init_drafter, draft_vocab_loss=not full_vocab_loss)
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
         out_dir = Path(out)
         drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume,
-                                    device=device, self_prompts=self_prompts)
+                                    sampled_variants=sampled_variants, device=device, self_prompts=self_prompts)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"best drafter: {drafter}")

@@ -78,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.steps < 1:
             raise ValueError("num_layers and steps must be >= 1")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
 

@@ -113,3 +113,20 @@ def test_the_cli_parses_draft_vocabulary_sizes():
         parse_vocab_sizes("all,most")
     with pytest.raises(Exception, match="repeats a size"):
         parse_vocab_sizes("0,all,0")
+
+
+def test_an_engine_is_measured_at_its_own_k_unless_told_otherwise(tiny_dirs, tmp_path):
+    from dflash_trt.build import build_engine
+    from tests.test_build import write_config
+
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], None, speculative_config={
+        "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2})
+    engine = build_engine(cfg, tmp_path / "engine", progress=False)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    args = ["bench", "speed", str(engine), "--dataset", str(data), "--max-tokens", "4", "--rounds", "1", "--json"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["draft_lens"] == [2]
+    r = CliRunner().invoke(main, [*args, "-k", "3"])
+    assert r.exit_code != 0 and "K=3" in r.output

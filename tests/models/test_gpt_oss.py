@@ -223,7 +223,7 @@ NEW = 30  # prompts of 5..30 tokens + 30 new: several windows of 8
 
 @pytest.fixture(scope="module")
 def gpt_oss_drafter(gpt_oss_dir, tmp_path_factory) -> Path:
-    # The gpt-oss drafter shape (dflash.md 4.2): attention_bias, YaRN, block 10.
+    # The gpt-oss drafter shape (z-lab/gpt-oss-120b-DFlash config.json): attention_bias, YaRN, block 10.
     return make_drafter(tmp_path_factory.mktemp("gpt_oss_drafter") / "d", gpt_oss_dir, layers=2, block_size=10,
                         target_layer_ids=(0, 2, 3), attention_bias=True,
                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})

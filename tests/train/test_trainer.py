@@ -148,10 +148,15 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     t = make_target(tmp_path / "t")
     r = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run"), "--max-prompts", "40",
                                   "--steps", "4", "--eval-every", "4", "--layers", "1", "--block-size", "4",
-                                  "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1"])
+                                  "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1",
+                                  "--sampled-variants", "0", "--gamma", "2", "--max-seq-len", "64", "--seed", "3"])
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert cfg["block_size"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [1, 2]
+    trained = json.loads((tmp_path / "run" / "drafter" / "training.json").read_text())["config"]
+    assert (trained["gamma"], trained["max_seq_len"], trained["seed"]) == (2.0, 64, 3)
+    modes = {json.loads(line)["mode"] for line in (tmp_path / "run" / "data" / "responses.jsonl").open()}
+    assert modes == {"greedy"}
     # a warm start from the exported drafter continues from its weights
     again = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run2"), "--max-prompts", "40",
                                       "--steps", "1", "--eval-every", "1", "--layers", "1", "--block-size", "4",
@@ -160,6 +165,8 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert again.exit_code == 0, again.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
+    assert bad.exit_code != 0 and "gamma must be > 0" in bad.output
 
 
 def _trainer(t, root, out, **overrides) -> Trainer:
