@@ -66,6 +66,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
                                limit_per_category=limit_per_category)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
+    if eng.drafter is None:
+        raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
     if draft_lens is not None:
         ks = _ints(draft_lens, "--draft-lens")
     elif engine:

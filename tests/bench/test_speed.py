@@ -130,3 +130,6 @@ def test_an_engine_is_measured_at_its_own_k_unless_told_otherwise(tiny_dirs, tmp
     assert json.loads(r.stdout)["draft_lens"] == [2]
     r = CliRunner().invoke(main, [*args, "-k", "3"])
     assert r.exit_code != 0 and "K=3" in r.output
+    plain = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "plain", progress=False)
+    r = CliRunner().invoke(main, ["bench", "speed", str(plain), *args[3:]])
+    assert r.exit_code != 0 and "has no drafter" in r.output
