@@ -54,7 +54,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
               help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
-@click.option("--max-draft-len", "-k", default=None, type=int, help="K draft tokens per step (default: the engine's K with ENGINE, else the drafter's block_size - 1).")
+@click.option("--max-draft-len", "-k", default=None, type=int,
+              help="K draft tokens per step (default: the engine's K with ENGINE, else the drafter's block_size - 1).")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: float32, or the engine's dtype with ENGINE.")
