@@ -80,9 +80,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if zlab_peer:
         from dflash_trt.cli import _default_dirs
 
-        tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))
-        if ddir is None:
-            raise click.UsageError("--zlab-peer needs a drafter (the engine has none)")
+        tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))  # a drafter: checked above
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
