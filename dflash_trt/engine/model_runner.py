@@ -17,11 +17,12 @@ import torch
 
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
+from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
-from dflash_trt.spec.verifier import VerifyResult
+from dflash_trt.spec.verifier import VerifyResult, verify_greedy
 
 
 # oneDNN builds a primitive for every new linear shape (~6 ms each on this CPU, 20x a 64-row bf16 GEMM;
@@ -84,7 +85,7 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [B, V] -> one token per row, by each row's own params and generator
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(-1).tolist()
+            return argmax_last(logits).tolist()
         probs = sampling_probs(logits[:, None], *self._params(seqs))[:, 0]
         return sample_from(probs, uniform([s.generator for s in seqs], 1, self.device)[:, 0]).tolist()
 
@@ -199,6 +200,10 @@ class ModelRunner:
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
         """All rows in one `dflash::verify_block`; each non-greedy row draws its K + 1 uniforms from its own generator."""
         drafts = proposal.draft_tokens  # [B, K]
+        if not logits.is_cuda and all(s.params.greedy for s in seqs):
+            # Off the GPU the op runs its reference, whose GREEDY rule is verify_greedy: called alone it skips the
+            # dispatcher and the uniforms, modes and sampling tensors a mixed batch needs (~0.4 ms a decode step).
+            return verify_greedy(drafts, logits)
         b, k = drafts.shape
         modes = [GREEDY if s.params.greedy else MODE_OF_ACCEPTANCE[s.params.acceptance] for s in seqs]
         u = torch.zeros(b, k + 1, device=self.device)

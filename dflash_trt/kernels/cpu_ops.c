@@ -369,6 +369,63 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
 #endif
 }
 
+/* torch.argmax over each row of n values (n >= 1): the first index of the maximum, where a NaN counts as the
+ * maximum (the first NaN wins). torch reduces a long row on one thread, and slowly for bf16 (a verify block's
+ * 3 x 49,152 logits took ~0.2-0.4 ms inside the decode loop); this is one vectorised pass. Each of 16 lanes keeps
+ * its own first maximum (only a strictly greater value replaces it), so the row's first maximum is the lowest index
+ * among the lanes holding the largest value; the tail after the last full vector comes later in the row and wins
+ * only when strictly greater. A row holding a NaN is rescanned for its first one. */
+static inline float argmax_load1(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static int64_t first_nan(const void *x, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = argmax_load1(x, i, bf16);
+        if (v != v) return i;
+    }
+    return 0;
+}
+
+static inline int64_t argmax_row(const void *x, int64_t n, int bf16) {
+    int64_t i = 1, best_i = 0;
+    float best = argmax_load1(x, 0, bf16);
+#if defined(__AVX512BF16__)
+    if (n >= 16) {
+        const uint16_t *xb = x;
+        const float *xf = x;
+        __m512 lane_max = bf16 ? bf16x16_to_f32(xb) : _mm512_loadu_ps(xf);
+        __m512i lane_i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = lane_i;
+        __mmask16 unordered = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const __m512 v = bf16 ? bf16x16_to_f32(xb + i) : _mm512_loadu_ps(xf + i);
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+            const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
+            lane_i = _mm512_mask_mov_epi32(lane_i, greater, idx);
+        }
+        if (unordered) return first_nan(x, n, bf16);
+        best = _mm512_reduce_max_ps(lane_max);
+        best_i = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(best), _CMP_EQ_OQ), lane_i);
+    }
+#endif
+    for (; i < n; i++) {
+        const float v = argmax_load1(x, i, bf16);
+        if (v != v) return first_nan(x, n, bf16);
+        if (v > best) best = v, best_i = i;
+    }
+    return best_i;
+}
+
+void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n, 1);
+}
+
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n, 0);
+}
+
 #define T uint16_t
 #define LOAD bf16_to_f32
 #define STORE f32_to_bf16

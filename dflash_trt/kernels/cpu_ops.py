@@ -108,6 +108,12 @@ class CpuOps:
         self._layout = library.linear_layout_bf16
         self._layout.argtypes = [_i64, _i64]
         self._layout.restype = ctypes.c_int
+        self._argmax = {}
+        for dtype, sfx in _SUFFIX.items():
+            fn = getattr(library, f"argmax_rows_{sfx}")
+            fn.argtypes = [_p, _i64, _i64, _p]
+            fn.restype = None
+            self._argmax[dtype] = fn
 
     def linear_layout(self, weight: torch.Tensor) -> str | None:
         """How linear() wants this [N, K] weight stored: "tiles" (AMX), "rows" (as torch holds it; AVX512-BF16), or
@@ -146,6 +152,15 @@ class CpuOps:
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
         self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                      x.numel() // k, n, k)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) for x [..., V] (V >= 1): the first index of the maximum, a NaN counting as the
+        maximum; one vectorised pass per row on the calling thread."""
+        x = x.contiguous()
+        n = x.shape[-1]
+        out = torch.empty(x.shape[:-1], dtype=torch.long)
+        self._argmax[x.dtype](x.data_ptr(), x.numel() // n, n, out.data_ptr())
         return out
 
     @staticmethod

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.layers.argmax import argmax_last
+
 
 def sampling_probs(
     logits: torch.Tensor,  # [B, T, V] float
@@ -37,7 +39,7 @@ def sampling_probs(
     else:
         probs = torch.softmax(scores, dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax_last(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs
 

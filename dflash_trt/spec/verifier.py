@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.sampler import sample_from, uniform
 
 
@@ -42,7 +43,7 @@ def _prefix_len(matches: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
     """draft_tokens [B, K], target_logits [B, K + 1, V]."""
-    choice = target_logits.argmax(dim=-1)  # [B, K + 1]
+    choice = argmax_last(target_logits)  # [B, K + 1]
     a = _prefix_len(draft_tokens == choice[:, :-1])
     return VerifyResult(a, choice.gather(1, a[:, None])[:, 0])
 
