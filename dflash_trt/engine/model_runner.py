@@ -17,12 +17,11 @@ import torch
 
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
-from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
-from dflash_trt.spec.verifier import VerifyResult, verify_greedy
+from dflash_trt.spec.verifier import VerifyResult, accept_greedy
 
 
 # oneDNN builds a primitive for every new linear shape (~6 ms each on this CPU, 20x a 64-row bf16 GEMM;
@@ -82,10 +81,11 @@ class ModelRunner:
             torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
         )
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        # logits: [B, V] -> one token per row, by each row's own params and generator
+    def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
+        # hidden: [B, H] final hidden states -> one token per row, by each row's own params and generator
         if all(s.params.greedy for s in seqs):
-            return argmax_last(logits).tolist()
+            return self.target.greedy_tokens(hidden).tolist()
+        logits = self.target.compute_logits(hidden)
         probs = sampling_probs(logits[:, None], *self._params(seqs))[:, 0]
         return sample_from(probs, uniform([s.generator for s in seqs], 1, self.device)[:, 0]).tolist()
 
@@ -117,8 +117,8 @@ class ModelRunner:
         if done:
             # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
             last = torch.tensor([lens[i] - 1 for i in done], device=self.device)
-            logits = self.target.compute_logits(hidden[torch.tensor(done, device=self.device), last])
-            for i, t in zip(done, self._sample([seqs[i] for i in done], logits)):
+            last_hidden = hidden[torch.tensor(done, device=self.device), last]
+            for i, t in zip(done, self._next_tokens([seqs[i] for i in done], last_hidden)):
                 tokens[i] = t
         elapsed = time.perf_counter() - start_time
         for i, s in enumerate(seqs):
@@ -134,7 +134,7 @@ class ModelRunner:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.device)
         positions = torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device)
         hidden, features = self.target(ids, AttentionMetadata.causal_step(self._rows(seqs), positions), self.target_cache, self.capture)
-        tokens = self._sample(seqs, self.target.compute_logits(hidden[:, 0]))
+        tokens = self._next_tokens(seqs, hidden[:, 0])
         elapsed = time.perf_counter() - start
         for i, s in enumerate(seqs):
             s.stats.verify_time += elapsed
@@ -160,8 +160,12 @@ class ModelRunner:
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
         hidden, target_features = self.target(block, AttentionMetadata.causal_step(rows, positions), self.target_cache, self.capture)
-        logits = self.target.compute_logits(hidden)  # [B, K + 1, V]
-        result = self._verify(seqs, proposal, sampling, logits)
+        if not hidden.is_cuda and all(s.params.greedy for s in seqs):
+            # Off the GPU the op runs its reference, whose GREEDY rule needs only the target's argmax: taken alone it
+            # skips fp32 logits, the dispatcher and the uniforms and modes a mixed batch needs (~0.5 ms a step).
+            result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
+        else:
+            result = self._verify(seqs, proposal, sampling, self.target.compute_logits(hidden))
         emitted = result.emitted(proposal.draft_tokens)
         t2 = time.perf_counter()
 
@@ -200,10 +204,6 @@ class ModelRunner:
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
         """All rows in one `dflash::verify_block`; each non-greedy row draws its K + 1 uniforms from its own generator."""
         drafts = proposal.draft_tokens  # [B, K]
-        if not logits.is_cuda and all(s.params.greedy for s in seqs):
-            # Off the GPU the op runs its reference, whose GREEDY rule is verify_greedy: called alone it skips the
-            # dispatcher and the uniforms, modes and sampling tensors a mixed batch needs (~0.4 ms a decode step).
-            return verify_greedy(drafts, logits)
         b, k = drafts.shape
         modes = [GREEDY if s.params.greedy else MODE_OF_ACCEPTANCE[s.params.acceptance] for s in seqs]
         u = torch.zeros(b, k + 1, device=self.device)

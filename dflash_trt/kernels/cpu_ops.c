@@ -498,3 +498,52 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
     return 0;
 #endif
 }
+
+/* Pointers in dflash_step_bf16's context table: the drafter's fc, hidden norm and final norm, then per layer its
+ * k/v projection (kernel layout), k/v bias (or NULL) and k norm (or NULL). */
+enum { C_FC, C_HIDDEN_NORM, C_FINAL_NORM, C_FIXED };
+enum { C_KV, C_KV_BIAS, C_K_NORM, C_PER_LAYER };
+
+/* A DFlash drafter's whole step in one call. The target features of n_ctx newly committed tokens
+ * ([n_ctx, feature_width]) go through fc and the hidden norm and, in every layer, through the k/v projection, k norm
+ * and rotary into the cache at (ctx_rows[i], ctx_positions[i]) (DFlashDrafter.project_context); then the block's N
+ * queries run every layer (llama_layers_bf16, arguments as there) and the final norm into out [N, hidden]
+ * (forward_block). The same kernels in the same order as those calls, so the results are bit-identical; what goes
+ * is the Python and torch dispatch between them. Returns 0 where a linear has no kernel (before anything is
+ * written) or llama_layers_bf16 declines (the caller's fallback then writes the same context K/V again). */
+int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_width, const uint16_t *const *ctx_w,
+                     float hidden_eps, const uint16_t *ctx_cos, const uint16_t *ctx_sin, const int64_t *ctx_rows,
+                     const int64_t *ctx_positions, uint16_t *x, const uint16_t *const *w, int64_t n_layers,
+                     uint16_t *k_cache, uint16_t *v_cache, int64_t layer_stride, const uint16_t *cos,
+                     const uint16_t *sin, int64_t rot, const int64_t *rows, const int64_t *positions,
+                     const int64_t *lens, int64_t N, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                     int64_t max_len, float eps, float qk_eps, float scale, uint16_t *out) {
+    const int64_t kv_width = 2 * KVH * D;
+    if (hidden % 32 || (H * D) % 32 || inter % 32 || !linear_layout_bf16(hidden, feature_width) ||
+        !linear_layout_bf16(kv_width, hidden))
+        return 0;
+    uint16_t *ctx = malloc(sizeof(uint16_t) * (size_t)(n_ctx > 0 ? n_ctx : 1) * (size_t)(2 * hidden + kv_width));
+    if (!ctx) return 0;
+    uint16_t *normed = ctx + n_ctx * hidden, *kv = normed + n_ctx * hidden;
+    if (n_ctx > 0) {
+        linear_bf16(features, ctx_w[C_FC], NULL, ctx, n_ctx, hidden, feature_width);
+        rms_norm_bf16(ctx, NULL, NULL, ctx_w[C_HIDDEN_NORM], normed, n_ctx, hidden, hidden_eps);
+        for (int64_t l = 0; l < n_layers; l++) {
+            const uint16_t *const *lw = ctx_w + C_FIXED + l * C_PER_LAYER;
+            linear_bf16(normed, lw[C_KV], lw[C_KV_BIAS], kv, n_ctx, kv_width, hidden);
+            qkv_rotary_write_bf16(kv, ctx_cos, ctx_sin, NULL, lw[C_K_NORM], qk_eps, ctx_rows, ctx_positions, NULL,
+                                  k_cache + l * layer_stride, v_cache + l * layer_stride, n_ctx, 0, KVH, D, rot,
+                                  max_len);
+        }
+    }
+    free(ctx);
+    int64_t *capture = malloc(sizeof(int64_t) * (size_t)n_layers);
+    if (!capture) return 0;
+    for (int64_t l = 0; l < n_layers; l++) capture[l] = -1;
+    const int done = llama_layers_bf16(x, w, n_layers, k_cache, v_cache, layer_stride, cos, sin, rot, rows, positions,
+                                       lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, capture, NULL,
+                                       0);
+    free(capture);
+    if (done) rms_norm_bf16(x, NULL, NULL, ctx_w[C_FINAL_NORM], out, N, hidden, eps);
+    return done;
+}

@@ -102,6 +102,9 @@ class CpuOps:
         self._layers.argtypes = [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                  _i64, _i64, _f32, _f32, _f32, _p, _p, _i64]
         self._layers.restype = ctypes.c_int
+        self._dflash_step = library.dflash_step_bf16
+        self._dflash_step.argtypes = [_p, _i64, _i64, _p, _f32, _p, _p, _p, _p] + self._layers.argtypes[:22] + [_p]
+        self._dflash_step.restype = ctypes.c_int
         self._linear = library.linear_bf16
         self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
         self._linear.restype = ctypes.c_int
@@ -244,6 +247,33 @@ class CpuOps:
         )
         return (x, features) if done else None
 
+    def dflash_step(
+        self, features: torch.Tensor, context: "ContextTable", ctx_cos: torch.Tensor, ctx_sin: torch.Tensor,
+        ctx_rows: torch.Tensor, ctx_positions: torch.Tensor, x: torch.Tensor, table: "LayerTable",
+        k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+        positions: torch.Tensor, lens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A DFlash drafter's step (bf16) in one call: the features [n_ctx, F] of newly committed tokens into every
+        layer's cache at (ctx_rows, ctx_positions), then the block x [B, Q, hidden] through every layer and the final
+        norm -> [B, Q, hidden]; None where the library declines. Arguments after x as llama_layers'."""
+        features = features.reshape(-1, features.shape[-1]).contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
+        b, n, hidden = x.shape
+        layers, _, kv_heads, max_len, d = k_cache.shape
+        rot = cos.shape[-1]
+        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
+        ctx_cos, ctx_sin = ctx_cos.reshape(-1, rot).contiguous(), ctx_sin.reshape(-1, rot).contiguous()
+        out = torch.empty_like(x)
+        done = self._dflash_step(
+            features.data_ptr(), features.shape[0], features.shape[1], ctypes.addressof(context.pointers),
+            context.hidden_eps, ctx_cos.data_ptr(), ctx_sin.data_ptr(), ctx_rows.data_ptr(), ctx_positions.data_ptr(),
+            x.data_ptr(), ctypes.addressof(table.pointers), layers, k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache[0].numel(), cos.data_ptr(), sin.data_ptr(), rot, rows.data_ptr(), positions.data_ptr(),
+            lens.data_ptr(), b * n, hidden, table.heads, kv_heads, d, table.intermediate, max_len, table.eps,
+            table.qk_eps, table.scale, out.data_ptr(),
+        )
+        return out if done else None
+
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
         scale: float, window: int | None = None,
@@ -276,6 +306,17 @@ class LayerTable:
         self.tensors = [t for entries in per_layer for t in entries]
         self.pointers = (ctypes.c_void_p * len(self.tensors))(*[None if t is None else t.data_ptr() for t in self.tensors])
         self.heads, self.intermediate, self.eps, self.qk_eps, self.scale = heads, intermediate, eps, qk_eps, scale
+
+
+class ContextTable:
+    """The pointers dflash_step passes to C (cpu_ops.c: C_FC .. C_K_NORM): a drafter's fc, hidden norm and final
+    norm, then per layer its k/v projection, bias and k norm. Holds references to its tensors."""
+
+    def __init__(self, fc: torch.Tensor, hidden_norm: torch.Tensor, final_norm: torch.Tensor,
+                 per_layer: list[list[torch.Tensor | None]], hidden_eps: float) -> None:
+        self.tensors = [fc, hidden_norm, final_norm] + [t for entries in per_layer for t in entries]
+        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[None if t is None else t.data_ptr() for t in self.tensors])
+        self.hidden_eps = hidden_eps
 
 
 def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:

@@ -278,6 +278,7 @@ class DFlashDrafter(nn.Module):
         # Ranked token ids shipped beside the checkpoint (spec/draft_vocab.py); not a weight, never exported.
         self.draft_vocab: torch.Tensor | None = None
         self.kernel_table: cpu_ops.LayerTable | None = None  # set by pack_for_inference where the kernels serve
+        self.context_table: cpu_ops.ContextTable | None = None  # likewise, for draft()'s one-call path
 
     def make_cache(self, num_rows: int, max_len: int) -> KVCache:
         c = self.config
@@ -308,11 +309,50 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, meta, cache)
         return self.norm(x)
 
+    def draft(
+        self, features: torch.Tensor, context_meta: AttentionMetadata, block_embeds: torch.Tensor,
+        block_meta: AttentionMetadata, cache: KVCache,
+    ) -> torch.Tensor:
+        """project_context(features, context_meta) then forward_block(block_embeds, block_meta): in one C call where
+        the kernels serve both (bit-identical; a decode step's Python between them is ~0.3 ms on the CPU)."""
+        fused = (
+            self.context_table is not None and block_embeds.dtype == torch.bfloat16
+            # the row counts at which project_context's and forward_block's linears take the same kernels
+            and features.shape[0] * features.shape[1] <= KERNEL_MAX_ROWS
+            and block_embeds.shape[0] * block_embeds.shape[1] <= KERNEL_MAX_ROWS
+        )
+        if fused:
+            block = kernel_step(block_meta, cache, block_embeds, features)
+            context = kernel_step(context_meta, cache, features, max_queries=None)
+            if block is not None and context is not None:
+                (ops, keys), (_, context_keys) = block, context
+                cos, sin = self.rotary(block_meta.positions, block_embeds.dtype)
+                context_cos, context_sin = self.rotary(context_meta.positions, block_embeds.dtype)
+                out = ops.dflash_step(
+                    features, self.context_table, context_cos, context_sin, context_keys.rows, context_keys.positions,
+                    block_embeds, self.kernel_table, cache.k, cache.v, cos, sin, keys.rows, keys.positions, keys.lens,
+                )
+                if out is not None:
+                    return out
+        self.project_context(features, context_meta, cache)
+        return self.forward_block(block_embeds, block_meta, cache)
+
     def pack_for_inference(self) -> None:
-        """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the table
-        that runs a block through all of them in one call."""
+        """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the tables
+        that run a block through all of them (and draft() whole) in one call."""
         pack_linears(self)
         self.kernel_table = self._build_layer_table()
+        self.context_table = self._build_context_table() if self.kernel_table is not None else None
+
+    def _build_context_table(self) -> cpu_ops.ContextTable | None:
+        attns = [layer.self_attn for layer in self.layers]
+        weights = kernel_weights(self.fc, *(a.kv_proj for a in attns))
+        eps = {self.hidden_norm.eps, self.norm.eps, self.kernel_table.eps}
+        if weights is None or len(eps) > 1 or any(a.k_norm.eps != self.kernel_table.qk_eps for a in attns):
+            return None  # one eps per kind is what the C step takes
+        per_layer = [[w, a.kv_proj.bias, a.k_norm.weight] for w, a in zip(weights[1:], attns)]
+        return cpu_ops.ContextTable(weights[0], self.hidden_norm.weight, self.norm.weight, per_layer,
+                                    self.hidden_norm.eps)
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         c = self.config

@@ -81,7 +81,6 @@ class DFlashProposer:
                 f"max_draft_len={num_draft} must be in 1..{self.max_draft_len} (drafter block_size={self.max_draft_len + 1})"
             )
         d = self.drafter
-        d.project_context(features, AttentionMetadata.causal_step(rows, feature_positions), self.cache)
         offsets = torch.arange(num_draft + 1, device=anchors.device)
         positions = anchor_positions[:, None] + offsets  # [B, K + 1]
         block = torch.full_like(positions, self.mask_token_id)
@@ -90,7 +89,7 @@ class DFlashProposer:
         embeds = F.embedding(block, self.embed_weight)
         if d.config.input_embedding_scale != 1.0:
             embeds = embeds * d.config.input_embedding_scale
-        hidden = d.forward_block(embeds, meta, self.cache)
+        hidden = d.draft(features, AttentionMetadata.causal_step(rows, feature_positions), embeds, meta, self.cache)
         logits = d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j
         draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
         draft_probs = None

@@ -43,9 +43,13 @@ def _prefix_len(matches: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
     """draft_tokens [B, K], target_logits [B, K + 1, V]."""
-    choice = argmax_last(target_logits)  # [B, K + 1]
-    a = _prefix_len(draft_tokens == choice[:, :-1])
-    return VerifyResult(a, choice.gather(1, a[:, None])[:, 0])
+    return accept_greedy(draft_tokens, argmax_last(target_logits))
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_choice: torch.Tensor) -> VerifyResult:
+    """The greedy rule given the target's argmax at every block position (target_choice [B, K + 1])."""
+    a = _prefix_len(draft_tokens == target_choice[:, :-1])
+    return VerifyResult(a, target_choice.gather(1, a[:, None])[:, 0])
 
 
 def verify_match(draft_tokens: torch.Tensor, target_probs: torch.Tensor, generators: list[torch.Generator]) -> VerifyResult:

@@ -162,3 +162,54 @@ def test_a_block_through_every_layer_in_one_call_equals_the_layer_by_layer_kerne
         layered = _draft_hidden_ours(ours, ctx, embeds, 11, rows=2)
         ours.kernel_table = table
     assert torch.equal(fused, layered)
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True}], ids=["qwen3", "bias"])
+def test_a_whole_draft_step_in_one_call_equals_project_context_then_forward_block(tmp_path, variant, monkeypatch):
+    """draft() runs the context injection and the block in one C call where the kernels serve both; the oracle is
+    the two calls it replaces (the same kernels, one by one): bit-identical hidden states and drafter caches, over two
+    consecutive steps."""
+    import zlib
+
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3), **variant)
+    target = load_target(t, dtype=torch.bfloat16)
+    ours = load_drafter(d, target.config).to(torch.bfloat16)
+    with torch.no_grad():  # norms at 1 and biases at 0 from random init would hide a swapped or dropped tensor
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
+    ours.pack_for_inference()
+    assert ours.context_table is not None
+    one_call = []
+    step = cpu_ops.CpuOps.dflash_step
+    monkeypatch.setattr(cpu_ops.CpuOps, "dflash_step", lambda self, *a: one_call.append(1) or step(self, *a))
+    rows = torch.arange(2)
+    mask = ours.config.mask_token_id
+    steps = [(0, 11, [5, 9]), (11, 3, [7, 2])]  # (first context position, context tokens, anchors)
+    results = {}
+    for name in ("one call", "two calls"):
+        if name == "two calls":
+            ours.context_table = None
+        cache = ours.make_cache(2, 64)
+        hidden = []
+        g = torch.Generator().manual_seed(0)
+        for first, n, anchors in steps:
+            ctx = torch.randn(2, n, 3 * 64, generator=g).bfloat16()
+            ctx_meta = AttentionMetadata.causal_step(rows, (first + torch.arange(n)).expand(2, -1))
+            block = torch.tensor([[a] + [mask] * 3 for a in anchors])
+            pos = (first + n + torch.arange(4)).expand(2, -1)
+            meta = AttentionMetadata.block_step(rows, pos, torch.full((2,), first + n + 4))
+            with torch.no_grad():
+                hidden.append(ours.draft(ctx, ctx_meta, target.embed_tokens(block), meta, cache))
+        results[name] = hidden, cache
+    assert len(one_call) == 2  # the fused path ran at both steps
+    (fused, fused_cache), (split, split_cache) = results["one call"], results["two calls"]
+    for a, b in zip(fused, split):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache.k, split_cache.k) and torch.equal(fused_cache.v, split_cache.v)
