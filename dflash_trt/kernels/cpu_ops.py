@@ -4,8 +4,8 @@ At decode sizes torch spends more time dispatching the ~40 small ops of a decode
 (an 8-row SmolLM2 step took ~18 ms, of which the linears were ~9 ms). The kernels do RMSNorm with its residual
 add, the rotary embedding with the K/V cache write, attention over the cache, the gated MLP's activation and
 bf16 linears of up to 32 rows (AVX-512 dot products, or AMX tiles, whose weights are stored reordered:
-`kernel_weight`), one call each, and `llama_layers` runs every layer of a Llama-family model (or a
-DFlash drafter's block) in one call. They are compiled on first use with the machine's C compiler (`cc` or $CC,
+`kernel_weight`) and the greedy argmax over logits, one call each; `llama_layers` runs every layer of a
+Llama-family model (or a DFlash drafter's block) in one call, and `dflash_step` a drafter's whole step. They are compiled on first use with the machine's C compiler (`cc` or $CC,
 -O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
 sets, and called on the tensors' memory; where there is no compiler, the build fails (a warning), or with
 DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.

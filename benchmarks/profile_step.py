@@ -1,0 +1,102 @@
+"""Where a decode step's time goes at batch 1: plain decoding against speculative steps at one K, part by part.
+
+Timers wrap the runtime's own calls (engine step, target forward, greedy choice, drafter step and head, pending
+features) while the engine generates for the `cpu-small` prompts, greedy, bf16, 2 threads, after a warm-up pass.
+Timing inside the loop, not in isolation, is the point: between two forwards that stream the weights through the
+caches, a small torch op costs 5-20x what a microbenchmark of it says (benchmarks/README.md, session 15).
+
+    .venv/bin/python benchmarks/profile_step.py [--k 2] [--prompts 12] [--new-tokens 64] [--name profile_step_cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import record  # noqa: E402
+
+from dflash_trt.bench.datasets import load_dataset  # noqa: E402
+from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from dflash_trt.sampling_params import SamplingParams  # noqa: E402
+
+
+def timed(obj, name: str, key: str, samples: dict[str, list[float]]) -> None:
+    """Replace obj.name by a wrapper that appends each call's seconds to samples[key]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        samples[key].append(time.perf_counter() - start)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int) -> dict:
+    engine = LLMEngine.from_dirs(smollm2_dir(), SMOLLM2_DRAFTER, EngineConfig(
+        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative))
+    ids = [engine.encode(p, chat=True) for p in prompts]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate(ids[:2], params)  # warm-up: kernels built, shapes seen
+    samples: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    timed(engine, "step", "engine step", samples)
+    timed(runner, "spec_step" if speculative else "decode_step", "decode step", samples)
+    timed(runner, "prefill", "prefill", samples)
+    timed(runner.target, "forward", "target forward", samples)
+    timed(runner.target, "greedy_tokens", "target head + argmax", samples)
+    if speculative:
+        proposer = runner.proposer
+        timed(proposer, "propose", "propose (all)", samples)
+        timed(proposer.drafter, "draft", "drafter step", samples)
+        timed(proposer.drafter, "compute_logits", "draft head", samples)
+        timed(runner, "_pending_batch", "pending features", samples)
+    start = time.perf_counter()
+    outputs = engine.generate(ids, params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    steps = len(samples["decode step"])
+    prefills = len(samples["prefill"])
+    parts = {}
+    for key, values in samples.items():
+        total = sum(values)
+        if key == "target forward":  # prefill forwards are timed here too: report the decode steps' own
+            total -= sum(sorted(values, reverse=True)[:prefills])
+        parts[key] = {"calls": len(values), "ms_per_decode_step": round(total / steps * 1e3, 3),
+                      "median_ms": round(statistics.median(values) * 1e3, 3)}
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2), "decode_steps": steps,
+            "tokens_per_step": round(tokens / steps, 3), "parts": parts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--name", default="profile_step_cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    prompts = [p.text for p in load_dataset("cpu-small", osl=args.new_tokens)[: args.prompts]]
+    runs = {}
+    for name, spec in (("ar", False), (f"K={args.k}", True), ("ar again", False), (f"K={args.k} again", True)):
+        runs[name] = profile(spec, args.k, prompts, args.new_tokens)
+        r = runs[name]
+        print(f"{name}: {r['tok_s']} tok/s, {r['decode_steps']} steps of {r['tokens_per_step']} tokens")
+        for key, part in r["parts"].items():
+            print(f"  {key:22s} {part['ms_per_decode_step']:7.3f} ms a step  (median call {part['median_ms']:.3f} ms)")
+    path = record(args.name, {"command": " ".join(sys.argv), "k": args.k, "prompts": len(prompts),
+                              "new_tokens": args.new_tokens, "runs": runs})
+    print(f"recorded {path}")
+
+
+if __name__ == "__main__":
+    main()
