@@ -1,11 +1,13 @@
 """The drafter against z-lab's reference `dflash.DFlashDraftModel` (dflash==0.1.0), and its load-time checks."""
 
 import json
+import zlib
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.dflash import DFlashConfig, load_drafter, save_drafter
 from dflash_trt.models.registry import load_target
@@ -136,22 +138,7 @@ def test_a_block_through_every_layer_in_one_call_equals_the_layer_by_layer_kerne
     """Packed bf16 drafters run a block through all their layers in one C call (q_proj and kv_proj as one
     projection); the oracle is the layers' own forward through the same kernels: bit-identical hidden states
     and block K/V. (The layer path is checked against z-lab above.)"""
-    import zlib
-
-    from dflash_trt.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with AVX512-BF16")
-    t = make_target(tmp_path / "t")
-    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3), **variant)
-    target = load_target(t, dtype=torch.bfloat16)
-    ours = load_drafter(d, target.config).to(torch.bfloat16)
-    with torch.no_grad():  # norms at 1 and biases at 0 from random init would hide a swapped or dropped tensor
-        for name, p in ours.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
-    ours.pack_for_inference()
+    target, ours = _packed_bf16_drafter(tmp_path, variant)
     assert ours.kernel_table is not None
     ctx = torch.randn(2, 11, 3 * 64).bfloat16()
     block = torch.tensor([[5] + [ours.config.mask_token_id] * 7, [9] + [ours.config.mask_token_id] * 7])
@@ -169,22 +156,7 @@ def test_a_whole_draft_step_in_one_call_equals_project_context_then_forward_bloc
     """draft() runs the context injection and the block in one C call where the kernels serve both; the oracle is
     the two calls it replaces (the same kernels, one by one): bit-identical hidden states and drafter caches, over two
     consecutive steps."""
-    import zlib
-
-    from dflash_trt.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with AVX512-BF16")
-    t = make_target(tmp_path / "t")
-    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3), **variant)
-    target = load_target(t, dtype=torch.bfloat16)
-    ours = load_drafter(d, target.config).to(torch.bfloat16)
-    with torch.no_grad():  # norms at 1 and biases at 0 from random init would hide a swapped or dropped tensor
-        for name, p in ours.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
-    ours.pack_for_inference()
+    target, ours = _packed_bf16_drafter(tmp_path, variant)
     assert ours.context_table is not None
     one_call = []
     step = cpu_ops.CpuOps.dflash_step
@@ -213,3 +185,21 @@ def test_a_whole_draft_step_in_one_call_equals_project_context_then_forward_bloc
     for a, b in zip(fused, split):
         assert torch.equal(a, b)
     assert torch.equal(fused_cache.k, split_cache.k) and torch.equal(fused_cache.v, split_cache.v)
+
+
+def _packed_bf16_drafter(tmp_path, variant):
+    """A tiny target and a packed bf16 drafter whose norms and biases are perturbed (at 1 and 0 from random init they
+    would hide a swapped or dropped tensor); skips where the CPU kernels lack AVX512-BF16."""
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3), **variant)
+    target = load_target(t, dtype=torch.bfloat16)
+    ours = load_drafter(d, target.config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
+    ours.pack_for_inference()
+    return target, ours
