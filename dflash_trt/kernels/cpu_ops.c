@@ -454,7 +454,8 @@ enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GA
 /* Every decoder layer of a Llama-family model for N tokens (decode, verify, short chunks), in one call: the same
  * kernels in the same order as LlamaDecoderLayer's CPU path, so the results are bit-identical to it; what goes is
  * Python's and torch's per-op overhead between them. x [N, hidden] is the residual stream in and the last
- * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0.
+ * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0
+ * (capture_slot NULL: nothing is captured).
  * Returns 0 (nothing done) where this build has no bf16 linear kernel or a projection's width is not a multiple
  * of 32. */
 int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, uint16_t *k_cache,
@@ -483,7 +484,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
         silu_mul_bf16(gate_up, act, N, inter);
         linear_bf16(act, lw[W_DOWN], lw[W_DOWN_BIAS], tmp, N, hidden, inter);
         for (int64_t j = 0; j < N * hidden; j++) x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(tmp[j]));
-        if (capture_slot[l] >= 0)
+        if (capture_slot && capture_slot[l] >= 0)
             for (int64_t i = 0; i < N; i++)
                 memcpy(features + (i * n_capture + capture_slot[l]) * hidden, x + i * hidden,
                        sizeof(uint16_t) * (size_t)hidden);
@@ -537,13 +538,8 @@ int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_wi
         }
     }
     free(ctx);
-    int64_t *capture = malloc(sizeof(int64_t) * (size_t)n_layers);
-    if (!capture) return 0;
-    for (int64_t l = 0; l < n_layers; l++) capture[l] = -1;
     const int done = llama_layers_bf16(x, w, n_layers, k_cache, v_cache, layer_stride, cos, sin, rot, rows, positions,
-                                       lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, capture, NULL,
-                                       0);
-    free(capture);
+                                       lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, NULL, NULL, 0);
     if (done) rms_norm_bf16(x, NULL, NULL, ctx_w[C_FINAL_NORM], out, N, hidden, eps);
     return done;
 }

@@ -5,8 +5,8 @@ At decode sizes torch spends more time dispatching the ~40 small ops of a decode
 add, the rotary embedding with the K/V cache write, attention over the cache, the gated MLP's activation and
 bf16 linears of up to 32 rows (AVX-512 dot products, or AMX tiles, whose weights are stored reordered:
 `kernel_weight`) and the greedy argmax over logits, one call each; `llama_layers` runs every layer of a
-Llama-family model (or a DFlash drafter's block) in one call, and `dflash_step` a drafter's whole step. They are compiled on first use with the machine's C compiler (`cc` or $CC,
--O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
+Llama-family model (or a DFlash drafter's block) in one call, and `dflash_step` a drafter's whole step. They are
+compiled on first use with the machine's C compiler (`cc` or $CC, -O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
 sets, and called on the tensors' memory; where there is no compiler, the build fails (a warning), or with
 DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
 """
@@ -228,23 +228,15 @@ class CpuOps:
         """Every decoder layer of a Llama-family model over x [B, Q, hidden] (bf16) in one call; the caches are the
         model's whole K/V tensors [layers, rows, KVH, max_len, D]. -> (the last layer's output, the captured layers'
         outputs concatenated in capture_layer_ids' order, or None); None where the library declines."""
-        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
+        x, cos, sin, args = self._layer_args(x, table, k_cache, v_cache, cos, sin, rows, positions, lens)
         b, n, hidden = x.shape
-        layers, _, kv_heads, max_len, d = k_cache.shape
-        slots = [-1] * layers
+        slots = [-1] * k_cache.shape[0]
         for slot, layer in enumerate(capture_layer_ids):
             slots[layer] = slot
         capture = torch.tensor(slots, dtype=torch.int64)
         features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
-        rot = cos.shape[-1]
-        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
-        done = self._layers(
-            x.data_ptr(), ctypes.addressof(table.pointers), layers, k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache[0].numel(), cos.data_ptr(), sin.data_ptr(), rot, rows.data_ptr(), positions.data_ptr(),
-            lens.data_ptr(), b * n, hidden, table.heads, kv_heads, d, table.intermediate, max_len, table.eps,
-            table.qk_eps, table.scale, capture.data_ptr(), features.data_ptr() if features is not None else None,
-            len(capture_layer_ids),
-        )
+        done = self._layers(*args, capture.data_ptr(), features.data_ptr() if features is not None else None,
+                            len(capture_layer_ids))
         return (x, features) if done else None
 
     def dflash_step(
@@ -257,22 +249,35 @@ class CpuOps:
         layer's cache at (ctx_rows, ctx_positions), then the block x [B, Q, hidden] through every layer and the final
         norm -> [B, Q, hidden]; None where the library declines. Arguments after x as llama_layers'."""
         features = features.reshape(-1, features.shape[-1]).contiguous()
-        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
-        b, n, hidden = x.shape
-        layers, _, kv_heads, max_len, d = k_cache.shape
         rot = cos.shape[-1]
-        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
         ctx_cos, ctx_sin = ctx_cos.reshape(-1, rot).contiguous(), ctx_sin.reshape(-1, rot).contiguous()
+        x, cos, sin, args = self._layer_args(x, table, k_cache, v_cache, cos, sin, rows, positions, lens)
         out = torch.empty_like(x)
         done = self._dflash_step(
             features.data_ptr(), features.shape[0], features.shape[1], ctypes.addressof(context.pointers),
             context.hidden_eps, ctx_cos.data_ptr(), ctx_sin.data_ptr(), ctx_rows.data_ptr(), ctx_positions.data_ptr(),
+            *args, out.data_ptr(),
+        )
+        return out if done else None
+
+    def _layer_args(
+        self, x: torch.Tensor, table: "LayerTable", k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """-> (a contiguous copy of x: the residual stream C updates in place, cos and sin as [tokens, rot] rows,
+        llama_layers_bf16's arguments up to `scale`, which dflash_step_bf16 takes too). The arguments hold the first
+        three's pointers: the caller keeps them referenced until the call returns."""
+        x = x.clone(memory_format=torch.contiguous_format)
+        b, n, hidden = x.shape
+        layers, _, kv_heads, max_len, d = k_cache.shape
+        rot = cos.shape[-1]
+        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
+        return x, cos, sin, (
             x.data_ptr(), ctypes.addressof(table.pointers), layers, k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache[0].numel(), cos.data_ptr(), sin.data_ptr(), rot, rows.data_ptr(), positions.data_ptr(),
             lens.data_ptr(), b * n, hidden, table.heads, kv_heads, d, table.intermediate, max_len, table.eps,
-            table.qk_eps, table.scale, out.data_ptr(),
+            table.qk_eps, table.scale,
         )
-        return out if done else None
 
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
