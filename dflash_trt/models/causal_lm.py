@@ -64,13 +64,27 @@ class CausalLM(nn.Module):
 
         Layer l's capture is its output after the residual add: transformers' hidden_states[l + 1].
         """
-        x = self.embed_tokens(input_ids)
+        return self.run_layers(self.embed_tokens(input_ids), meta, cache, 0, capture_layer_ids)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # [B, Q, H]: the embeddings (start 0) or decoder layer start - 1's output
+        meta: AttentionMetadata,
+        cache: KVCache,
+        start: int = 0,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layers start.. then the final norm; forward's result when start is 0.
+
+        A later start finishes the target from a captured layer output (train/teacher.py): the trainer's
+        teacher logits cost the layers after the deepest feature, not a whole forward.
+        """
         cos, sin = self.rotary(meta.positions, x.dtype)
         extra = self._layer_args(meta)
         captured = {}
         wanted = set(capture_layer_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, cache, *extra)
+        for i in range(start, len(self.layers)):
+            x = self.layers[i](x, cos, sin, meta, cache, *extra)
             if i in wanted:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None

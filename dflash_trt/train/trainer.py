@@ -36,6 +36,7 @@ from dflash_trt.models.weights import WeightSet
 from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
 from dflash_trt.train.blocks import IGNORE, TrainBlocks, sample_blocks, training_mask
 from dflash_trt.train.feature_cache import FeatureSource
+from dflash_trt.train.teacher import Teacher, distill_loss
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class TrainConfig:
     # drafts among), as inference computes it: SmolLM2's head shrinks from 49,152 rows to ~15k, and the head was
     # two thirds of a CPU training step. False: over the whole vocabulary.
     draft_vocab_loss: bool = True
+    # Weight of the KL to the target's own next-token distribution (train/teacher.py) against the hard labels'
+    # cross-entropy: loss = (1 - distill) * CE + distill * KL. 0: hard labels only.
+    distill: float = 0.0
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -82,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must be in [0, 1], got {self.distill}")
 
 
 def drafter_config_for(target_cfg, cfg: TrainConfig) -> DFlashConfig:
@@ -163,6 +169,7 @@ class Trainer:
             self.head = self.head[self.vocab_ids.to(self.device)]
             self.label_of = torch.full((target.lm_head_weight.shape[0],), -1, dtype=torch.long)
             self.label_of[self.vocab_ids] = torch.arange(self.vocab_ids.numel())
+        self.teacher = Teacher(target, dcfg.target_layer_ids, self.head) if cfg.distill else None
         params = [p for p in self.drafter.parameters()]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -189,6 +196,7 @@ class Trainer:
         Sequence i's context is its first max(anchor) tokens, padded to the longest; its blocks are padded
         to the most blocks. The padded [n, 1, M, S + M] mask keeps each sequence's training mask in place
         (context columns 0.., block columns S..); padding queries see only themselves and carry no label.
+        With distillation the teacher reads the features up to the last label's position.
         """
         cfg, dev = self.cfg, self.device
         n, bsz = len(items), cfg.block_size
@@ -207,7 +215,16 @@ class Trainer:
             mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
             pad = torch.arange(q, m)
             mask[i, 0, pad, s + pad] = True
-        feats = self.features.batch([r for r, _ in items], ctx_lens).to(dev, torch.float32)
+        recs = [r for r, _ in items]
+        if self.teacher is None:
+            feats = self.features.batch(recs, ctx_lens).to(dev, torch.float32)
+        else:
+            seq_lens = [min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len) for r in recs]
+            full = self.features.batch(recs, [min(t, c + bsz - 1) for t, c in zip(seq_lens, ctx_lens)])
+            feats = full[:, :s].clone()
+            for i, c in enumerate(ctx_lens):
+                feats[i, c:] = 0  # as without distillation (the mask hides them anyway)
+            feats = feats.to(dev, torch.float32)
         block_ids, positions, labels, weights, mask = (t.to(dev) for t in (block_ids, positions, labels, weights, mask))
         embeds = F.embedding(block_ids, self.embed).float()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -215,7 +232,12 @@ class Trainer:
             keep = labels != IGNORE
             logits = F.linear(hidden[keep], self.head).float()
         seq_of = torch.arange(n, device=dev)[:, None].expand(n, m)[keep]
-        ce = F.cross_entropy(logits, labels[keep], reduction="none") * weights[keep]
+        ce = F.cross_entropy(logits, labels[keep], reduction="none")
+        if self.teacher is not None:
+            # Slot k of a block is labelled with the token at its position; the target chose it one position back.
+            teacher = self.teacher.logits(full, seq_of, positions[keep] - 1)
+            ce = (1 - cfg.distill) * ce + cfg.distill * distill_loss(logits, teacher)
+        ce = ce * weights[keep]
         per_seq = torch.zeros(n, device=dev).index_add(0, seq_of, ce)
         per_seq = per_seq / torch.zeros(n, device=dev).index_add(0, seq_of, weights[keep]).clamp_min(math.ulp(1.0))
         return per_seq.mean()

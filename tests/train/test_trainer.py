@@ -161,12 +161,14 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     again = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run2"), "--max-prompts", "40",
                                       "--steps", "1", "--eval-every", "1", "--layers", "1", "--block-size", "4",
                                       "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1", "--data",
-                                      str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter")])
+                                      str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter"), "--distill", "0.5"])
     assert again.exit_code == 0, again.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
     assert bad.exit_code != 0 and "gamma must be > 0" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--distill", "1.5"])
+    assert bad.exit_code != 0 and "--distill" in bad.output
 
 
 def _trainer(t, root, out, **overrides) -> Trainer:
@@ -178,9 +180,10 @@ def _trainer(t, root, out, **overrides) -> Trainer:
                    FeatureCache(root / "data" / "features"), out, cfg)
 
 
-def _oracle_loss(tr, items) -> torch.Tensor:
+def _oracle_loss(tr, items, distill: float = 0.0, hf=None) -> torch.Tensor:
     """Every sequence alone, under its unpadded mask, with the whole head's logits masked to the draft vocabulary
-    and CE weighted by hand; a label outside the draft vocabulary is left out."""
+    and CE weighted by hand; a label outside the draft vocabulary is left out. With distill, the teacher is
+    transformers' forward of the whole sequence."""
     t_head = tr.target.lm_head_weight.detach()
     outside = torch.ones(t_head.shape[0], dtype=torch.bool)
     outside[tr.vocab_ids] = False
@@ -196,6 +199,15 @@ def _oracle_loss(tr, items) -> torch.Tensor:
         logits[:, outside] = -torch.inf
         keep = (b.labels != IGNORE) & ~outside[b.labels.clamp_min(0)]
         ce = torch.nn.functional.cross_entropy(logits[keep], b.labels[keep], reduction="none")
+        if distill:
+            ids = (r["prompt_ids"] + r["response_ids"])[: tr.cfg.max_seq_len]
+            with torch.no_grad():
+                teacher = hf(torch.tensor([ids])).logits[0].float()[b.block_positions[keep] - 1]
+            teacher[:, outside] = -torch.inf
+            kl = torch.nn.functional.kl_div(logits[keep].log_softmax(-1)[:, ~outside],
+                                            teacher.log_softmax(-1)[:, ~outside], log_target=True,
+                                            reduction="none").sum(-1)
+            ce = (1 - distill) * ce + distill * kl
         want.append((ce * b.weights[keep]).sum() / b.weights[keep].sum())
     return torch.stack(want).mean()
 
@@ -210,6 +222,24 @@ def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
     items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
     assert len({b.block_ids.numel() for _, b in items}) > 1 or len({int(b.anchors.max()) for _, b in items}) > 1
     assert torch.allclose(tr._batch_loss(items), _oracle_loss(tr, items), rtol=1e-2)
+
+
+@pytest.mark.parametrize("distill", [0.5, 1.0])
+def test_distillation_adds_the_kl_to_the_targets_own_next_token_distribution(trained, distill):
+    t, root = trained
+    tr = _trainer(t, root, root / f"distill{distill}", distill=distill)
+    hf = AutoModelForCausalLM.from_pretrained(t).eval()
+    with torch.no_grad():  # a sure teacher (a random target's logits are nearly flat), so that a shifted one shows
+        tr.target.norm.weight.mul_(30)
+        hf.model.norm.weight.mul_(30)
+    gen = torch.Generator().manual_seed(6)
+    recs = sorted(tr.train_records, key=lambda r: len(r["response_ids"]))
+    items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
+    got = tr._batch_loss(items)
+    assert torch.allclose(got, _oracle_loss(tr, items, distill, hf), rtol=1e-3)
+    assert not torch.allclose(got, _oracle_loss(tr, items), rtol=1e-3)  # the KL term is really there
+    got.backward()
+    assert all(p.grad is not None for p in tr.drafter.parameters())
 
 
 def test_held_out_labels_the_draft_vocabulary_lacks_are_left_out_of_the_loss(trained):
