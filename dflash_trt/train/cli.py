@@ -107,7 +107,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                    "and summarization requests quoting its answers to the qa ones; all answered like the rest.")
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
-@click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same shape).")
+@click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same width; with fewer layers than --layers, the extra ones start as identities).")
 @click.option("--distill", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="Weight of the KL to the target's own next-token distribution against the hard labels' CE (0: hard labels only).")
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")

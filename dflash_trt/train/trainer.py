@@ -62,7 +62,7 @@ class TrainConfig:
     gamma: float | None = None  # None: by block size (7 for 16, 5 for 10, 4 for 8)
     max_seq_len: int = 1024
     init_from_target: bool = False  # start drafter layers from the target's last layers (EAGLE-style)
-    init_drafter: str | None = None  # warm start from a z-lab-format drafter (e.g. a shipped one), same shape
+    init_drafter: str | None = None  # warm start from a z-lab-format drafter (e.g. a shipped one); grow_from
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96
@@ -123,6 +123,27 @@ def init_from_target_layers(drafter: DFlashDrafter, target_dir: Path) -> None:
         drafter.norm.weight.copy_(w.get("model.norm.weight"))
 
 
+def grow_from(drafter: DFlashDrafter, warm: DFlashDrafter, source: str) -> None:
+    """Warm-start `drafter` from `warm`, which may have fewer layers: its layers come first, and each extra one
+    starts with zero o_proj and down_proj, so it adds nothing to the residual stream and the deeper drafter drafts
+    exactly what `warm` did until training moves them (capacity, not a restart, when a drafter underfits)."""
+    have, want = warm.config.num_hidden_layers, drafter.config.num_hidden_layers
+    if warm.config.target_layer_ids != drafter.config.target_layer_ids or have > want:
+        raise ValueError(f"{source}: target_layer_ids/layers {warm.config.target_layer_ids}/{have} do not fit the "
+                         f"run's {drafter.config.target_layer_ids}/{want} (same ids, at most as many layers)")
+    missing, unexpected = drafter.load_state_dict(warm.float().state_dict(), strict=False)
+    grown = tuple(f"layers.{i}." for i in range(have, want))
+    if unexpected or any(not k.startswith(grown) for k in missing):
+        raise ValueError(f"{source}: tensors {sorted(unexpected)} unexpected, {sorted(missing)} missing")
+    with torch.no_grad():
+        for layer in drafter.layers[have:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            for bias in (layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias):
+                if bias is not None:
+                    bias.zero_()
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if step < warmup:
@@ -155,11 +176,7 @@ class Trainer:
         if cfg.init_from_target:
             init_from_target_layers(self.drafter, target_dir)
         if cfg.init_drafter:
-            warm = load_drafter(cfg.init_drafter, target.config)
-            if warm.config.target_layer_ids != dcfg.target_layer_ids or warm.config.num_hidden_layers != cfg.num_layers:
-                raise ValueError(f"{cfg.init_drafter}: target_layer_ids/layers {warm.config.target_layer_ids}/"
-                                 f"{warm.config.num_hidden_layers} differ from the run's {dcfg.target_layer_ids}/{cfg.num_layers}")
-            self.drafter.load_state_dict(warm.float().state_dict())
+            grow_from(self.drafter, load_drafter(cfg.init_drafter, target.config), cfg.init_drafter)
         self.drafter.to(self.device)
         self.embed = target.embed_tokens.weight.detach()  # frozen, shared
         self.head = target.lm_head_weight.detach()

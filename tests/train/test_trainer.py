@@ -123,6 +123,27 @@ def test_resume_continues_from_the_checkpoint(trained):
     assert [e["step"] for e in log[-4:]] == [121, 122, 123, 124]  # picked up at step 120, not from scratch
 
 
+def test_a_warm_start_from_a_shallower_drafter_adds_layers_that_change_nothing_until_trained(trained):
+    t, root = trained
+    warm_dir = root / "out" / "drafter"  # the fixture's one-layer drafter
+    tr = _trainer(t, root, root / "grown", num_layers=3, init_drafter=str(warm_dir), lr=1e-3)
+    warm = load_drafter(warm_dir, tr.target.config).float()
+    r = tr.train_records[0]
+    b = tr._sample(r, torch.Generator().manual_seed(7))
+    c = int(b.anchors.max())
+    args = (torch.from_numpy(tr.features.get(r["id"])[:c].astype("float32"))[None], torch.arange(c)[None],
+            tr.embed[b.block_ids].float()[None], b.block_positions[None], training_mask(c, b.anchors, 8)[None, None])
+    with torch.no_grad():
+        assert torch.equal(tr.drafter.forward_train(*args), warm.forward_train(*args))
+    tr.cfg.steps = 3
+    tr.train()
+    assert tr.drafter.layers[2].mlp.down_proj.weight.abs().sum() > 0  # the new layers learn
+    with torch.no_grad():
+        assert not torch.allclose(tr.drafter.forward_train(*args), warm.forward_train(*args))
+    with pytest.raises(ValueError, match="at most as many layers"):
+        _trainer(t, root, root / "shrunk", num_layers=1, init_drafter=str(root / "grown" / "drafter"))
+
+
 def test_sampled_responses_are_reproducible_and_resumable(tmp_path):
     from dflash_trt.train.responses import generate_responses
 
