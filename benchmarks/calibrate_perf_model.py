@@ -1,8 +1,9 @@
 """Calibrate the CPU profile of the roofline step-time model (dflash_trt/perf_model.py) against this runtime.
 
 Measures the wall time of one engine step of this project's runtime on SmolLM2-135M-Instruct (bf16, 2
-threads) with a random drafter (block 16, so tau ~ 1: the step cost alone) at batch 1, 2, 4, 8, 16 and
-K = 0, 3, 7; fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least
+threads) with a random drafter (block 16, so tau ~ 1: the step cost alone) that drafts among the shipped
+drafter's draft vocabulary (its draft_vocab.json: the per-row head and argmax costs the runtime really pays, which
+the fitted draft overhead would otherwise carry for the whole vocabulary) at batch 1, 2, 4, 8, 16 and K = 0, 3, 7; fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least
 squares on the relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads);
 and records predicted against measured per point, plus the draft-length schedule that the measured and
 the modelled step times each choose with the shipped drafter's measured tau (benchmarks/README.md).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,12 +37,13 @@ from common import record  # noqa: E402
 from dflash_trt import SamplingParams  # noqa: E402
 from dflash_trt.config import build_config_from_dict  # noqa: E402
 from dflash_trt.draft_schedule import choose_draft_len_schedule  # noqa: E402
-from dflash_trt.embedded import smollm2_dir  # noqa: E402
+from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from dflash_trt.hardware import profile  # noqa: E402
 from dflash_trt.models.dflash import load_drafter  # noqa: E402
 from dflash_trt.models.registry import load_target  # noqa: E402
 from dflash_trt.perf_model import PerfModel  # noqa: E402
+from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16)
 KS = (0, 3, 7)
@@ -143,6 +146,7 @@ def main() -> None:
         print(f"warning: load average {load_before[0]:.1f}; step times will include other processes' work")
     tdir = smollm2_dir()
     ddir = random_drafter(Path(tempfile.mkdtemp()) / "drafter")
+    shutil.copy(SMOLLM2_DRAFTER / DRAFT_VOCAB_FILE, ddir / DRAFT_VOCAB_FILE)
     target = load_target(tdir, torch.bfloat16)
     drafter = load_drafter(ddir, target.config, torch.bfloat16)
     engines = {k: LLMEngine(target, None, drafter if k else None,
@@ -158,7 +162,8 @@ def main() -> None:
     cfg = build_config_from_dict({"name": "calibration", "model": "embedded:smollm2-135m-instruct", "hardware": "cpu",
                                   "dtype": "bfloat16", "max_batch_size": max(BATCHES), "max_seq_len": 512,
                                   "speculative_config": {"speculative_model": str(ddir)}})
-    model = PerfModel(target.config, drafter.config, cfg, profile("cpu"), context_len=PROMPT_LEN)
+    model = PerfModel(target.config, drafter.config, cfg, profile("cpu"), context_len=PROMPT_LEN,
+                      draft_vocab_size=drafter.draft_vocab.numel())
     fitted = fit(model, points)
     calibrated = dataclasses.replace(model, hw=dataclasses.replace(model.hw, **fitted))
     for p in points:
@@ -179,7 +184,7 @@ def main() -> None:
     path = record("perf_model_cpu", {
         "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
         "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
-                 f"block 16), prompts of {PROMPT_LEN} random tokens, greedy; fastest (measured_s) and median of "
+                 f"block 16, the shipped drafter's {drafter.draft_vocab.numel()}-token draft vocabulary), prompts of {PROMPT_LEN} random tokens, greedy; fastest (measured_s) and median of "
                  f"{args.steps} steps after 2 warm-up steps, best of {args.rounds} round(s)",
         "valid": not noisy,
         "noisy_points": noisy,
