@@ -3,7 +3,8 @@
 Only the drafter's layers, fc and norms train; the target's embedding and lm_head are shared and
 frozen. Each step draws sequences, samples random anchors inside their responses (train/blocks.py),
 runs every block of a sequence in one drafter forward under the block-sparse mask, and minimises the
-position-decayed cross-entropy. AdamW, linear warmup then cosine decay, gradient clipping.
+position-decayed cross-entropy (with `distill`, mixed with the KL to the target's own next-token distribution:
+train/teacher.py). AdamW, linear warmup then cosine decay, gradient clipping.
 checkpoint.pt (drafter, optimizer, step, RNG) makes a run resumable; drafter/ holds the best
 checkpoint so far in z-lab's format, judged by the held-out acceptance length tau.
 """
