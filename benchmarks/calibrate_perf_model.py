@@ -3,9 +3,9 @@
 Measures the wall time of one engine step of this project's runtime on SmolLM2-135M-Instruct (bf16, 2
 threads) with a random drafter (block 16, so tau ~ 1: the step cost alone) that drafts among the shipped
 drafter's draft vocabulary (its draft_vocab.json: the per-row head and argmax costs the runtime really pays, which
-the fitted draft overhead would otherwise carry for the whole vocabulary) at batch 1, 2, 4, 8, 16 and K = 0, 3, 7; fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least
-squares on the relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads);
-and records predicted against measured per point, plus the draft-length schedule that the measured and
+the fitted draft overhead would otherwise carry for the whole vocabulary) at batch 1, 2, 4, 8, 16 and K = 0, 3, 7;
+fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least squares on the
+relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads); and records predicted against measured per point, plus the draft-length schedule that the measured and
 the modelled step times each choose with the shipped drafter's measured tau (benchmarks/README.md).
 Each point is fitted at its fastest step (contention only adds time) and recorded with its median. Run
 it on a quiet machine (load average below 2): the record keeps the load average before and after, and
@@ -184,7 +184,8 @@ def main() -> None:
     path = record("perf_model_cpu", {
         "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
         "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
-                 f"block 16, the shipped drafter's {drafter.draft_vocab.numel()}-token draft vocabulary), prompts of {PROMPT_LEN} random tokens, greedy; fastest (measured_s) and median of "
+                 f"block 16, the shipped drafter's {drafter.draft_vocab.numel()}-token draft vocabulary), prompts of "
+                 f"{PROMPT_LEN} random tokens, greedy; fastest (measured_s) and median of "
                  f"{args.steps} steps after 2 warm-up steps, best of {args.rounds} round(s)",
         "valid": not noisy,
         "noisy_points": noisy,

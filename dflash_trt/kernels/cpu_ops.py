@@ -6,9 +6,10 @@ add, the rotary embedding with the K/V cache write, attention over the cache, th
 bf16 linears of up to 32 rows (AVX-512 dot products, or AMX tiles, whose weights are stored reordered:
 `kernel_weight`) and the greedy argmax over logits, one call each; `llama_layers` runs every layer of a
 Llama-family model (or a DFlash drafter's block) in one call, and `dflash_step` a drafter's whole step. They are
-compiled on first use with the machine's C compiler (`cc` or $CC, -O3 -march=native) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction
-sets, and called on the tensors' memory; where there is no compiler, the build fails (a warning), or with
-DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
+compiled on first use with the machine's C compiler (`cc` or $CC, -O3 -march=native) into
+$DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction sets, and called on the
+tensors' memory; where there is no compiler, the build fails (a warning), or with DFLASH_TRT_CPU_KERNELS=0,
+`load()` returns None and torch's ops run instead.
 """
 
 from __future__ import annotations

@@ -214,7 +214,6 @@ class Trainer:
         Sequence i's context is its first max(anchor) tokens, padded to the longest; its blocks are padded
         to the most blocks. The padded [n, 1, M, S + M] mask keeps each sequence's training mask in place
         (context columns 0.., block columns S..); padding queries see only themselves and carry no label.
-        With distillation the teacher reads the features up to the last label's position.
         """
         cfg, dev = self.cfg, self.device
         n, bsz = len(items), cfg.block_size
@@ -233,16 +232,11 @@ class Trainer:
             mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
             pad = torch.arange(q, m)
             mask[i, 0, pad, s + pad] = True
-        recs = [r for r, _ in items]
-        if self.teacher is None:
-            feats = self.features.batch(recs, ctx_lens).to(dev, torch.float32)
-        else:
-            seq_lens = [min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len) for r in recs]
-            full = self.features.batch(recs, [min(t, c + bsz - 1) for t, c in zip(seq_lens, ctx_lens)])
-            feats = full[:, :s].clone()
-            for i, c in enumerate(ctx_lens):
-                feats[i, c:] = 0  # as without distillation (the mask hides them anyway)
-            feats = feats.to(dev, torch.float32)
+        # The teacher predicts the token at a label's position from the features before it: up to the last label.
+        lengths = ctx_lens if self.teacher is None else [
+            int(b.block_positions[b.labels != IGNORE].max()) for _, b in items]
+        full = self.features.batch([r for r, _ in items], lengths)
+        feats = full[:, :s].to(dev, torch.float32)  # context columns past a sequence's own are masked
         block_ids, positions, labels, weights, mask = (t.to(dev) for t in (block_ids, positions, labels, weights, mask))
         embeds = F.embedding(block_ids, self.embed).float()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
