@@ -7,11 +7,13 @@ benchmark prompts, while a K=3 step costs ~1.4x a plain one there, so a fixed K 
 AdaptiveDraftLen keeps, per batch-size bucket, running means of the plain step time and of the step time at
 each K it has run, plus, per K, a running mean of the tokens a row commits per step (tau). Each step it keeps the
 scheduled K only while tau(K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens per second, and every
-`probe_every` steps it runs the other mode once to keep both measurements current. A probe costs a step of the
-losing mode (and, from plain mode, a catch-up step), ~1.5% of a paying K's throughput at 16 steps, so each probe
-that leaves the choice as it was doubles the interval to the next one (up to `max_probe_every`), and any change
-of choice brings it back to `probe_every`: a clear winner is probed rarely, a close call often. tau is averaged as it is
-measured: a mean of per-step acceptance rates put through the geometric model (spec/acceptance_model.py) would
+`probe_every` steps it runs the other mode once to keep both measurements current. While speculation wins, a
+probe is a plain step (and a catch-up step after it), ~1.5% of a paying K's throughput at 16 steps, and what it
+measures, the plain step time, drifts slowly: each such probe that leaves the choice as it was doubles the interval
+to the next (up to `max_probe_every`), and any change of choice brings it back to `probe_every`. While plain
+decoding wins, speculation is probed every `probe_every` steps: tau changes with the text, and is learned only from
+speculative steps (session 5 backed these probes off too, and an unlucky start then kept a paying K off).
+tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model (spec/acceptance_model.py) would
 read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2, their rates 0 and 1 to a rate
 giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38, enough to keep a paying K=2 off).
 Each side is measured `warmup` times before any decision, and its first step is dropped: first calls pay
@@ -41,8 +43,8 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class AdaptiveDraftLen:
-    probe_every: int = 16  # steps between runs of the mode not chosen, after any change of choice
-    max_probe_every: int = 256  # the interval doubles up to this while probes confirm the choice
+    probe_every: int = 16  # steps between runs of the mode not chosen
+    max_probe_every: int = 256  # while speculation wins, the interval doubles up to this as probes confirm it
     probe_len: int = 2  # speculative steps per probe from plain mode (the first one catches up)
     smoothing: float = 0.25  # weight of the newest step time in its running mean, once warm
     tau_smoothing: float = 0.05  # and of the newest step's tau: a step's tau is one of 1..K+1, so a longer memory
@@ -76,15 +78,14 @@ class AdaptiveDraftLen:
         self._spec_won[bucket] = spec_wins
         n = self._since_probe.get(bucket, 0) + 1
         self._since_probe[bucket] = n
+        self._probe_interval[bucket] = interval
         if n >= interval:
             self._since_probe[bucket] = 0
-            # doubled now; a probe that changes the choice resets it at the next decision
-            self._probe_interval[bucket] = min(2 * interval, self.max_probe_every)
-            if spec_wins:
+            if spec_wins:  # doubled now; a probe that changes the choice resets it at the next decision
+                self._probe_interval[bucket] = min(2 * interval, self.max_probe_every)
                 return 0
             self._probe_left[bucket] = self.probe_len - 1
             return k
-        self._probe_interval[bucket] = interval
         return k if spec_wins else 0
 
     def observe(self, batch_size: int, k: int, step_s: float | None, tokens_per_row: list[int],
