@@ -13,9 +13,10 @@ measures, the plain step time, drifts slowly: each such probe that leaves the ch
 to the next (up to `max_probe_every`), and any change of choice brings it back to `probe_every`. While plain
 decoding wins, speculation is probed every `probe_every` steps: tau changes with the text, and is learned only from
 speculative steps (session 5 backed these probes off too, and an unlucky start then kept a paying K off).
-tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model (spec/acceptance_model.py) would
-read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2, their rates 0 and 1 to a rate
-giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38, enough to keep a paying K=2 off).
+tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model
+(spec/acceptance_model.py) would read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2,
+their rates 0 and 1 to a rate giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38,
+enough to keep a paying K=2 off).
 Each side is measured `warmup` times before any decision, and its first step is dropped: first calls pay
 one-off costs (seen: a first plain step slow enough to keep a useless drafter on for a whole request).
 A speculative step that follows plain steps (or a prompt) first injects all their pending target features into
