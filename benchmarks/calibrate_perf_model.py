@@ -5,8 +5,9 @@ threads) with a random drafter (block 16, so tau ~ 1: the step cost alone) that 
 drafter's draft vocabulary (its draft_vocab.json: the per-row head and argmax costs the runtime really pays, which
 the fitted draft overhead would otherwise carry for the whole vocabulary) at batch 1, 2, 4, 8, 16 and K = 0, 3, 7;
 fits the CPU profile's memory bandwidth, FLOP/s, per-step and per-draft overheads by least squares on the
-relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads); and records predicted against measured per point, plus the draft-length schedule that the measured and
-the modelled step times each choose with the shipped drafter's measured tau (benchmarks/README.md).
+relative error (grid over bandwidth and FLOP/s, linear least squares for the overheads); and records predicted
+against measured per point, plus the draft-length schedule that the measured and the modelled step times each
+choose with the shipped drafter's measured tau (benchmarks/README.md).
 Each point is fitted at its fastest step (contention only adds time) and recorded with its median. Run
 it on a quiet machine (load average below 2): the record keeps the load average before and after, and
 marks the fit unusable ("valid": false) when a point's median step exceeds 1.5x its fastest, the sign
