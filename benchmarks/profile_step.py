@@ -6,6 +6,7 @@ Timing inside the loop, not in isolation, is the point: between two forwards tha
 caches, a small torch op costs 5-20x what a microbenchmark of it says (benchmarks/README.md, session 15).
 
     .venv/bin/python benchmarks/profile_step.py [--k 2] [--prompts 12] [--new-tokens 64] [--name profile_step_cpu]
+        [--compare-head-screen]
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def timed(obj, name: str, key: str, samples: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int) -> dict:
+def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int, screen_head: bool = True) -> dict:
     engine = LLMEngine.from_dirs(smollm2_dir(), SMOLLM2_DRAFTER, EngineConfig(
-        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative))
+        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative, screen_head=screen_head))
     ids = [engine.encode(p, chat=True) for p in prompts]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(ids[:2], params)  # warm-up: kernels built, shapes seen
@@ -74,7 +75,7 @@ def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int) -> d
         parts[key] = {"calls": len(values), "ms_per_decode_step": round(total / steps * 1e3, 3),
                       "median_ms": round(statistics.median(values) * 1e3, 3)}
     return {"tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2), "decode_steps": steps,
-            "tokens_per_step": round(tokens / steps, 3), "parts": parts}
+            "tokens_per_step": round(tokens / steps, 3), "parts": parts, "token_ids": [o.token_ids for o in outputs]}
 
 
 def main() -> None:
@@ -83,12 +84,24 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--name", default="profile_step_cpu")
+    ap.add_argument("--compare-head-screen", action="store_true",
+                    help="each run also without the output head's int8 screen (EngineConfig.screen_head), alternating")
     args = ap.parse_args()
     torch.set_num_threads(2)
     prompts = [p.text for p in load_dataset("cpu-small", osl=args.new_tokens)[: args.prompts]]
     runs = {}
-    for name, spec in (("ar", False), (f"K={args.k}", True), ("ar again", False), (f"K={args.k} again", True)):
-        runs[name] = profile(spec, args.k, prompts, args.new_tokens)
+    plan = [("ar", False), (f"K={args.k}", True), ("ar again", False), (f"K={args.k} again", True)]
+    if args.compare_head_screen:
+        plan = [(f"{name}{suffix}", spec, screen) for name, spec in plan
+                for suffix, screen in (("", True), (", full head", False))]
+    else:
+        plan = [(name, spec, True) for name, spec in plan]
+    tokens = {}
+    for name, spec, screen in plan:
+        runs[name] = profile(spec, args.k, prompts, args.new_tokens, screen)
+        tokens[name] = runs[name].pop("token_ids")
+        if name.endswith(", full head"):
+            runs[name]["identical_to_screened"] = tokens[name] == tokens[name.removesuffix(", full head")]
         r = runs[name]
         print(f"{name}: {r['tok_s']} tok/s, {r['decode_steps']} steps of {r['tokens_per_step']} tokens")
         for key, part in r["parts"].items():

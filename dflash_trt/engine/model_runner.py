@@ -39,6 +39,7 @@ class ModelRunner:
         max_model_len: int,
         pack_weights: bool = True,
         draft_vocab: torch.Tensor | None = None,
+        screen_head: bool = True,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -55,7 +56,7 @@ class ModelRunner:
             )
             self.capture = tuple(drafter.config.target_layer_ids)
         if pack_weights:
-            target.pack_for_inference()
+            target.pack_for_inference(screen_head)
             if drafter is not None:
                 drafter.pack_for_inference()
 

@@ -112,6 +112,12 @@ class CpuOps:
         self._layout = library.linear_layout_bf16
         self._layout.argtypes = [_i64, _i64]
         self._layout.restype = ctypes.c_int
+        self._head_argmax = library.head_argmax_bf16
+        self._head_argmax.argtypes = [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p]
+        self._head_argmax.restype = ctypes.c_int
+        self._head_screen = library.head_screen_available
+        self._head_screen.argtypes = []
+        self._head_screen.restype = ctypes.c_int
         self._argmax = {}
         for dtype, sfx in _SUFFIX.items():
             fn = getattr(library, f"argmax_rows_{sfx}")
@@ -166,6 +172,26 @@ class CpuOps:
         out = torch.empty(x.shape[:-1], dtype=torch.long)
         self._argmax[x.dtype](x.data_ptr(), x.numel() // n, n, out.data_ptr())
         return out
+
+    def has_head_screen(self) -> bool:
+        """Whether head_argmax can run here (AVX512-BF16 and AVX512-VNNI)."""
+        return bool(self._head_screen())
+
+    def head_argmax(self, x: torch.Tensor, screen, weight: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor | None:
+        """argmax(linear(x, weight), -1) for bf16 x [M, K] through an int8 screen of the head (layers/greedy_head.py
+        `GreedyHead`: q, qsum, scale, err, wnorm; weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None
+        where the kernel declines (then nothing is decided: more than 8 rows, a row that is not finite, or no kernel
+        for this CPU or head)."""
+        x = x.contiguous()
+        m, k = x.shape
+        n = weight.shape[0]
+        if scratch.dtype != torch.float32 or scratch.numel() < 3 * m * n // 2:
+            raise ValueError(f"head_argmax: scratch needs {3 * m * n // 2} float32 values, got {scratch.numel()} {scratch.dtype}")
+        out = torch.empty(m, dtype=torch.long)
+        done = self._head_argmax(x.data_ptr(), m, k, screen.q.data_ptr(), screen.qsum.data_ptr(),
+                                 screen.scale.data_ptr(), screen.err.data_ptr(), screen.wnorm.data_ptr(),
+                                 weight.data_ptr(), n, scratch.data_ptr(), out.data_ptr())
+        return out if done else None
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.greedy_head import GreedyHead
 from dflash_trt.layers.linear import PackedLinear, can_pack, pack_linears
 from dflash_trt.models.config import DecoderConfig
 
@@ -33,11 +34,21 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_for_inference(self) -> None:
-        """Prepack every projection and the output head for fast CPU inference (no-op elsewhere)."""
+    _greedy_head: GreedyHead | None = None
+
+    @property
+    def greedy_head(self) -> GreedyHead | None:
+        """The head's int8 screen for greedy tokens, where pack_for_inference built one."""
+        return self._greedy_head
+
+    def pack_for_inference(self, screen_head: bool = True) -> None:
+        """Prepack every projection and the output head for fast CPU inference (no-op elsewhere); screen_head adds
+        the head's int8 screen for greedy tokens (layers/greedy_head.py; same tokens, half the bytes read)."""
         if self.packed_head is not None or not can_pack(self.embed_tokens.weight):
             return
         self.add_module("_packed_head", PackedLinear(self.lm_head_weight))
+        if screen_head and GreedyHead.serves(self.lm_head_weight, self.packed_head.kernel_weight):
+            self._greedy_head = GreedyHead(self.lm_head_weight, self.packed_head.kernel_weight)
         self._pack_extra()
         pack_linears(self.layers)
 
@@ -101,5 +112,10 @@ class CausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1) without widening the logits to fp32 first: the widening is exact and
-        monotone, so the argmax is the same (a decode step's ~0.07 ms on the CPU)."""
+        monotone, so the argmax is the same (a decode step's ~0.07 ms on the CPU). Where the head's screen serves
+        (up to 8 rows through the bf16 kernel) it chooses the same tokens reading about half the head."""
+        if self._greedy_head is not None:
+            tokens = self._greedy_head.argmax(hidden)
+            if tokens is not None:
+                return tokens
         return argmax_last(self.lm_head_forward(hidden))

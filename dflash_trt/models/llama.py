@@ -118,8 +118,8 @@ class LlamaForCausalLM(CausalLM):
                 return self.norm(out[0]), out[1]
         return super().forward(input_ids, meta, cache, capture_layer_ids)
 
-    def pack_for_inference(self) -> None:
-        super().pack_for_inference()
+    def pack_for_inference(self, screen_head: bool = True) -> None:
+        super().pack_for_inference(screen_head)
         self.kernel_table = self._build_layer_table()
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:

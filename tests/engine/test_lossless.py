@@ -36,9 +36,10 @@ def hf_greedy(target_dir, prompt, new=NEW, eos=None):
 
 
 def _engine(tiny_dirs, arch, k, rows=4, **cfg):
-    target = load_target(tiny_dirs[arch])
-    drafter = load_drafter(tiny_dirs[f"{arch}_drafter"], target.config)
-    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, **cfg))
+    config = EngineConfig(max_batch_size=rows, max_draft_len=k, **cfg)
+    target = load_target(tiny_dirs[arch], config.torch_dtype)
+    drafter = load_drafter(tiny_dirs[f"{arch}_drafter"], target.config, config.torch_dtype)
+    return LLMEngine(target, None, drafter, config)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -90,6 +91,39 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
         assert o.token_ids == ref.token_ids
         if forced:
             assert o.tau > 1.5
+
+
+@pytest.fixture(scope="module")
+def screenable_dirs(tmp_path_factory) -> dict:
+    """A target whose vocabulary is whole 64-feature groups (128), which the head's int8 screen serves."""
+    root = tmp_path_factory.mktemp("screenable")
+    target = make_target(root / "target", "qwen3", seed=7, vocab=128)
+    return {"qwen3": target, "qwen3_drafter": make_drafter(root / "drafter", target, block_size=8)}
+
+
+def _head_screen() -> bool:
+    ops = cpu_ops.load()
+    return _batch_invariant_bf16() and ops.has_head_screen()
+
+
+@pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI")
+@pytest.mark.parametrize("k, batch", [(0, 1), (0, 4), (3, 2), (7, 1), (7, 2)])
+def test_bf16_greedy_tokens_are_the_same_through_the_heads_int8_screen(screenable_dirs, k, batch):
+    """The screen (layers/greedy_head.py) serves steps of up to 8 rows (K=7 at batch 2 is 16: the full head runs);
+    every token equals plain decoding's through the full head, forced drafts (15% corrupted) included."""
+    prompts = _prompts(batch)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    full = _engine(screenable_dirs, "qwen3", None, rows=batch, dtype="bfloat16", speculative=False, screen_head=False)
+    assert full.target.greedy_head is None
+    ref = [o.token_ids for o in full.generate(prompts, params)]
+    engine = _engine(screenable_dirs, "qwen3", k or None, rows=batch, dtype="bfloat16", speculative=k > 0)
+    assert engine.target.greedy_head is not None
+    if k:
+        force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, ref))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    if k:
+        assert all(o.tau > 1.5 for o in outs)
 
 
 def test_stops_at_eos_like_the_target(tiny_dirs):

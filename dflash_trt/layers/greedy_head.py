@@ -1,0 +1,58 @@
+"""GreedyHead: the greedy token of a bf16 output head, bit for bit the full head's argmax, reading half its bytes.
+
+At one to a few rows the output head is read from memory, not computed: SmolLM2's 49,152 x 576 bf16 head is 57 MB,
+2.3 ms of a 12 ms decode step on the 2-core CPU (benchmarks/profile_step.py). An int8 copy with one scale per
+output feature screens every feature with a guaranteed error bound, and only the 64-feature groups that can hold
+the maximum are computed exactly, by the same bf16 kernel as the full head (kernels/cpu_ops.c `head_argmax_bf16`:
+the bound and why the chosen token is exactly the full head's, ties and rounding included). On SmolLM2's decode
+steps about 4 features in 49,152 survive the screen (at most 71 in 536 steps measured). Sampling needs every
+logit and keeps the full head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.kernels import cpu_ops
+
+
+MAX_ROWS = 8  # cpu_ops.c SCREEN_MAX_ROWS: above it the screen's dot products cost more than the bytes it saves
+
+
+class GreedyHead:
+    def __init__(self, weight: torch.Tensor, kernel_weight: torch.Tensor) -> None:
+        """weight: the head [N, K] as torch holds it (bf16, finite); kernel_weight: cpu_ops' copy of it."""
+        n, k = weight.shape
+        w = weight.detach().double()
+        scale = (w.abs().amax(dim=1) / 127).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+        up = 1 + 1e-6  # norms rounded up into fp32: the bound may only grow
+        self.err = ((w - q * scale.double()[:, None]).norm(dim=1) * up).float()
+        self.wnorm = (w.norm(dim=1) * up).float()
+        self.scale = scale
+        self.qsum = q.sum(dim=1).to(torch.int32)
+        # per 16 features and 4 inputs, as VPDPBUSD reads them: [N / 16][K / 4][16][4]
+        self.q = q.to(torch.int8).view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        self.kernel_weight = kernel_weight
+        # Reused by every call (a fresh one is mmap'd and page-faulted each step): a GreedyHead serves one thread,
+        # the engine's.
+        self._scratch = torch.empty(3 * MAX_ROWS * n // 2, dtype=torch.float32)
+
+    @staticmethod
+    def serves(weight: torch.Tensor, kernel_weight: torch.Tensor | None) -> bool:
+        """Whether the screen applies: a CPU with its kernel, a bf16 head the bf16 kernel computes, in whole
+        64-feature groups, finite."""
+        ops = cpu_ops.load()
+        return (ops is not None and ops.has_head_screen() and kernel_weight is not None
+                and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 64 == 0
+                and bool(torch.isfinite(weight).all()))
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The greedy tokens for hidden [..., K] (bf16, CPU), or None where the screen declines (the caller then
+        runs the full head): more than MAX_ROWS rows, a row that is not finite, no kernel for this CPU."""
+        ops = cpu_ops.for_tensors(hidden)
+        if ops is None or hidden.dtype != torch.bfloat16 or hidden.numel() > MAX_ROWS * hidden.shape[-1]:
+            return None
+        out = ops.head_argmax(hidden.reshape(-1, hidden.shape[-1]), self, self.kernel_weight, self._scratch)
+        return None if out is None else out.view(hidden.shape[:-1])

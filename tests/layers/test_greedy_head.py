@@ -1,0 +1,141 @@
+"""GreedyHead chooses exactly the token torch.argmax chooses over the full bf16 head's logits (the bf16 kernel's,
+themselves tested against F.linear in tests/kernels/test_cpu_ops.py), ties and rounding included, and declines
+what it cannot decide."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.kernels import cpu_ops
+from dflash_trt.layers.greedy_head import MAX_ROWS, GreedyHead
+
+ops = cpu_ops.load()
+
+
+def screen_available() -> bool:
+    return ops is not None and ops.has_head_screen() and ops.has_linear(torch.zeros(64, 32, dtype=torch.bfloat16))
+
+
+pytestmark = pytest.mark.skipif(not screen_available(), reason="no CPU kernel for the screen (AVX512-BF16 and -VNNI)")
+
+
+def full_head_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(ops.linear(x, ops.kernel_weight(w)), dim=-1)
+
+
+def head(w: torch.Tensor) -> GreedyHead:
+    return GreedyHead(w, ops.kernel_weight(w))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rows=st.integers(1, MAX_ROWS), n=st.sampled_from([64, 128, 1024, 4096]), k=st.sampled_from([32, 64, 576]),
+       seed=st.integers(0, 2**16), outliers=st.booleans(), duplicates=st.integers(0, 8),
+       temperature=st.sampled_from([0.1, 1.0, 10.0]))
+def test_equals_the_full_heads_argmax(rows, n, k, seed, outliers, duplicates, temperature):
+    """Random heads and hidden states, with SmolLM2-like massive-activation channels, rows repeated exactly (ties
+    the first index must win) or nudged by one bf16 step (near-ties), and logits from flat to peaked."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    for _ in range(duplicates):
+        src, dst = torch.randint(0, n, (2,), generator=g).tolist()
+        w[dst] = w[src]
+        if torch.rand(1, generator=g).item() < 0.5:
+            w[dst, torch.randint(0, k, (1,), generator=g)] *= 1 + 2**-7
+    w = w.bfloat16()
+    x = torch.randn(rows, k, generator=g) * temperature
+    if outliers:
+        x[:, torch.randint(0, k, (2,), generator=g)] *= 300
+    x = x.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(head(w).argmax(x), full_head_argmax(x, w))
+
+
+def test_rounding_ties_go_to_the_first_index():
+    """Two logits 0.47 apart that both round to bf16's 126.0, in different 64-feature groups: the first index wins.
+    The screen's error bound alone (0.13 either side here) ranks the second strictly higher and would never compute
+    the first's group; only the margin for bf16's rounding keeps it (integer-valued weights and inputs: every
+    product and sum is exact)."""
+    k, n, second = 32, 128, 64
+    w = torch.zeros(n, k)
+    w[0, :2] = torch.tensor([127.0, -30.0]) / 16
+    w[second, :2] = torch.tensor([127.0, 30.0]) / 16
+    x = torch.zeros(1, k)
+    x[0, :2] = torch.tensor([127.0, 1.0]) / 8
+    w, x = w.bfloat16(), x.bfloat16()
+    with torch.no_grad():
+        logits = ops.linear(x, ops.kernel_weight(w))
+        assert logits[0, 0] == logits[0, second] == 126.0  # (16129 - 30) / 128 and (16129 + 30) / 128, rounded
+        assert head(w).argmax(x).item() == 0 == full_head_argmax(x, w).item()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_quantization_error_cannot_hide_the_maximum(seed):
+    """Feature 0's int8 copy is off by almost half a step in every input, each time in the direction of x, so its
+    screened logit falls well below its true one; feature 64, exact in int8, lies in between. The true maximum is
+    feature 0, and only the bound's |x| |e_j| term keeps its group from being dropped."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 32, 128
+    x = torch.randn(k, generator=g)
+    x[0] = 0
+    x = x.bfloat16().double()
+    step = 2.0**-4
+    w0 = step * (torch.randint(-20, 20, (k,), generator=g).double() + 0.46 * torch.sign(x))
+    w0[0] = 127 * step  # the outlier that sets feature 0's int8 scale, where x is 0
+    w0 = w0.bfloat16().double()
+    true0 = float(x @ w0)
+    screened0 = float(x @ torch.round(w0 / step)) * step
+    q1 = torch.round(x * 127 / x.abs().max())
+    w1 = (q1 * (screened0 + 0.8 * (true0 - screened0)) / float(x @ q1)).bfloat16().double()
+    assert screened0 < float(x @ w1) < true0
+    w = torch.zeros(n, k, dtype=torch.float64)
+    w[0], w[64] = w0, w1
+    w, x = w.bfloat16(), x.bfloat16()[None]
+    with torch.no_grad():
+        assert torch.equal(head(w).argmax(x), full_head_argmax(x, w))
+
+
+def test_all_equal_logits_choose_index_zero():
+    w = torch.randn(256, 64).bfloat16()
+    with torch.no_grad():
+        assert head(w).argmax(torch.zeros(2, 64, dtype=torch.bfloat16)).tolist() == [0, 0]
+        same = head(w[:1].expand(256, 64).contiguous())
+        assert same.argmax(torch.randn(3, 64).bfloat16()).tolist() == [0, 0, 0]
+
+
+def test_the_bound_holds_for_the_quantized_head():
+    """|x . w_j - s_j (x . q_j)| <= |x| err_j: the per-feature error norms the kernel's bound is built on."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(128, 64, generator=g) * torch.rand(128, 1, generator=g)).bfloat16()
+    h = head(w)
+    q = h.q.transpose(1, 2).reshape(128, 64).double()  # back from [N / 16][K / 4][16][4]
+    assert torch.equal(h.qsum, q.sum(1).int())
+    x = torch.randn(50, 64, generator=g).double()
+    gap = (x @ w.double().T - (x @ q.T) * h.scale.double()).abs()
+    assert bool((gap <= x.norm(dim=1, keepdim=True) * h.err.double()[None]).all())
+    assert bool((h.wnorm.double() >= w.double().norm(dim=1)).all())
+
+
+def test_declines_what_it_cannot_decide():
+    w = torch.randn(128, 64).bfloat16()
+    h = head(w)
+    with torch.no_grad():
+        assert h.argmax(torch.randn(MAX_ROWS + 1, 64).bfloat16()) is None  # the full head is cheaper there
+        nan = torch.randn(2, 64).bfloat16()
+        nan[1, 3] = float("nan")
+        assert h.argmax(nan) is None  # the full head's argmax decides (a NaN logit counts as the maximum)
+        assert h.argmax(torch.randn(2, 64)) is None  # fp32 hidden states: the bf16 kernel does not compute them
+    assert h.argmax(torch.randn(2, 64).bfloat16()) is None  # autograd on: torch's ops run
+    assert not GreedyHead.serves(w[:100], ops.kernel_weight(w[:100]))  # not whole 64-feature groups
+    inf = w.clone()
+    inf[5, 5] = float("inf")
+    assert not GreedyHead.serves(inf, ops.kernel_weight(inf))
+
+
+def test_shapes_follow_the_hidden_states():
+    w = torch.randn(128, 64).bfloat16()
+    x = torch.randn(2, 3, 64).bfloat16()
+    with torch.no_grad():
+        out = head(w).argmax(x)
+    assert out.shape == (2, 3) and out.dtype == torch.long
+    assert torch.equal(out, full_head_argmax(x.reshape(6, 64), w).view(2, 3))
