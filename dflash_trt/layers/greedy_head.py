@@ -16,6 +16,7 @@ import torch
 from dflash_trt.kernels import cpu_ops
 
 
+_CHUNK = 8192
 MAX_ROWS = 8  # cpu_ops.c SCREEN_MAX_ROWS: above it the screen's dot products cost more than the bytes it saves
 
 
@@ -23,17 +24,25 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor, kernel_weight: torch.Tensor) -> None:
         """weight: the head [N, K] as torch holds it (bf16, finite); kernel_weight: cpu_ops' copy of it."""
         n, k = weight.shape
-        w = weight.detach().double()
-        scale = (w.abs().amax(dim=1) / 127).float()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+        self.scale = torch.empty(n)
+        self.err = torch.empty(n)
+        self.wnorm = torch.empty(n)
+        self.qsum = torch.empty(n, dtype=torch.int32)
+        q = torch.empty(n, k, dtype=torch.int8)
         up = 1 + 1e-6  # norms rounded up into fp32: the bound may only grow
-        self.err = ((w - q * scale.double()[:, None]).norm(dim=1) * up).float()
-        self.wnorm = (w.norm(dim=1) * up).float()
-        self.scale = scale
-        self.qsum = q.sum(dim=1).to(torch.int32)
+        for start in range(0, n, _CHUNK):  # in float64 a chunk at a time: gpt-oss's whole head would take 4.6 GB
+            rows = slice(start, start + _CHUNK)
+            w = weight[rows].detach().double()
+            scale = (w.abs().amax(dim=1) / 127).float()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            qc = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+            self.scale[rows] = scale
+            self.err[rows] = ((w - qc * scale.double()[:, None]).norm(dim=1) * up).float()
+            self.wnorm[rows] = (w.norm(dim=1) * up).float()
+            self.qsum[rows] = qc.sum(dim=1).to(torch.int32)
+            q[rows] = qc.to(torch.int8)
         # per 16 features and 4 inputs, as VPDPBUSD reads them: [N / 16][K / 4][16][4]
-        self.q = q.to(torch.int8).view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        self.q = q.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
         self.kernel_weight = kernel_weight
         # Reused by every call (a fresh one is mmap'd and page-faulted each step): a GreedyHead serves one thread,
         # the engine's.
