@@ -6,7 +6,7 @@ Timing inside the loop, not in isolation, is the point: between two forwards tha
 caches, a small torch op costs 5-20x what a microbenchmark of it says (benchmarks/README.md, session 15).
 
     .venv/bin/python benchmarks/profile_step.py [--k 2] [--prompts 12] [--new-tokens 64] [--name profile_step_cpu]
-        [--compare-head-screen]
+        [--compare screen_head]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -42,9 +43,9 @@ def timed(obj, name: str, key: str, samples: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int, screen_head: bool = True) -> dict:
+def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int, **config) -> dict:
     engine = LLMEngine.from_dirs(smollm2_dir(), SMOLLM2_DRAFTER, EngineConfig(
-        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative, screen_head=screen_head))
+        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative, **config))
     ids = [engine.encode(p, chat=True) for p in prompts]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(ids[:2], params)  # warm-up: kernels built, shapes seen
@@ -84,24 +85,25 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--name", default="profile_step_cpu")
-    ap.add_argument("--compare-head-screen", action="store_true",
-                    help="each run also without the output head's int8 screen (EngineConfig.screen_head), alternating")
+    ap.add_argument("--compare", metavar="FIELD", choices=[f.name for f in fields(EngineConfig) if f.type in (bool, "bool")],
+                    help="an EngineConfig switch (screen_head, int8_drafter, ...): each run also with it off, alternating")
     args = ap.parse_args()
     torch.set_num_threads(2)
     prompts = [p.text for p in load_dataset("cpu-small", osl=args.new_tokens)[: args.prompts]]
     runs = {}
     plan = [("ar", False), (f"K={args.k}", True), ("ar again", False), (f"K={args.k} again", True)]
-    if args.compare_head_screen:
-        plan = [(f"{name}{suffix}", spec, screen) for name, spec in plan
-                for suffix, screen in (("", True), (", full head", False))]
+    off = f", {args.compare} off"
+    if args.compare:
+        plan = [(f"{name}{suffix}", spec, config) for name, spec in plan
+                for suffix, config in (("", {}), (off, {args.compare: False}))]
     else:
-        plan = [(name, spec, True) for name, spec in plan]
+        plan = [(name, spec, {}) for name, spec in plan]
     tokens = {}
-    for name, spec, screen in plan:
-        runs[name] = profile(spec, args.k, prompts, args.new_tokens, screen)
+    for name, spec, config in plan:
+        runs[name] = profile(spec, args.k, prompts, args.new_tokens, **config)
         tokens[name] = runs[name].pop("token_ids")
-        if name.endswith(", full head"):
-            runs[name]["identical_to_screened"] = tokens[name] == tokens[name.removesuffix(", full head")]
+        if args.compare and name.endswith(off):
+            runs[name]["identical_to_on"] = tokens[name] == tokens[name.removesuffix(off)]
         r = runs[name]
         print(f"{name}: {r['tok_s']} tok/s, {r['decode_steps']} steps of {r['tokens_per_step']} tokens")
         for key, part in r["parts"].items():

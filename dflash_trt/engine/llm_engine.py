@@ -36,6 +36,9 @@ class EngineConfig:
     # Greedy tokens of a bf16 head through its int8 screen on the CPU (layers/greedy_head.py: the same tokens,
     # about half the head's bytes read); False: the full head every step.
     screen_head: bool = True
+    # The drafter's C step with int8 projections (cpu_ops.Int8Weight) on CPUs with AVX512-VNNI: half the bytes a
+    # step streams; drafts may differ slightly from bf16's (the target's verify keeps the output exact).
+    int8_drafter: bool = True
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
@@ -106,7 +109,7 @@ class LLMEngine:
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
         self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights,
-                                  self._draft_vocab(config), config.screen_head)
+                                  self._draft_vocab(config), config.screen_head, config.int8_drafter)
         k = config.max_draft_len
         if self.drafter is not None:
             limit = self.runner.max_draft_len

@@ -40,6 +40,7 @@ class ModelRunner:
         pack_weights: bool = True,
         draft_vocab: torch.Tensor | None = None,
         screen_head: bool = True,
+        int8_drafter: bool = False,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -58,7 +59,7 @@ class ModelRunner:
         if pack_weights:
             target.pack_for_inference(screen_head)
             if drafter is not None:
-                drafter.pack_for_inference()
+                drafter.pack_for_inference(int8_drafter)
 
     @property
     def draft_vocab_size(self) -> int | None:

@@ -471,7 +471,8 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq
     for (int r = 0; r < R; r++) {
         const __m512 d1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * r], offset));
         const __m512 d2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * r + 1], offset));
-        const __m512 dot = _mm512_fmadd_ps(d1, _mm512_set1_ps(xs[2 * r]), _mm512_mul_ps(d2, _mm512_set1_ps(xs[2 * r + 1])));
+        const __m512 dot =
+            _mm512_fmadd_ps(d1, _mm512_set1_ps(xs[2 * r]), _mm512_mul_ps(d2, _mm512_set1_ps(xs[2 * r + 1])));
         _mm512_storeu_ps(dst + r * N, _mm512_mul_ps(dot, s));
     }
 }
@@ -550,14 +551,16 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
         __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
         for (int64_t j = 0; j < N; j += 16) {
             const __m512 v = _mm512_loadu_ps(d + j);
-            const __m512 e = _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
+            const __m512 e =
+                _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
             lo = _mm512_max_ps(lo, _mm512_sub_ps(v, e));
             hi = _mm512_max_ps(hi, _mm512_add_ps(v, e));
         }
         const float l = _mm512_reduce_max_ps(lo), h = _mm512_reduce_max_ps(hi);
         const __m512 floor_ = _mm512_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
         for (int64_t j = 0; j < N; j += 16) {
-            const __m512 e = _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
+            const __m512 e =
+                _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
             if (_mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(d + j), e), floor_, _CMP_GE_OQ))
                 wanted[j / SCREEN_GROUP] = 1;
         }
@@ -585,6 +588,96 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
         (void)scratch, (void)out;
     return 0;
 #endif
+}
+
+/* screen_row's two int8 levels of a bf16 row without its bounds, vectorised in fp32 (the remainder after the first
+ * level rounds, which only linear_q8's approximation sees): the scalar float64 version took ~0.07 ms for a drafter's
+ * 2 x 2,880 fc inputs, a sixth of what the int8 weights save. 0 if the row is not finite. */
+static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs) {
+    float rest[8192];
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) _mm512_storeu_ps(rest + k, bf16x16_to_f32(x + k));
+    for (; k < K; k++) rest[k] = bf16_to_f32(x[k]);
+    for (int level = 0; level < 2; level++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (k = 0; k < K; k += 16) {
+            const __mmask16 m = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, rest + k)));
+        }
+        const float top = _mm512_reduce_max_ps(amax);
+        if (!isfinite(top)) return 0; /* a NaN compares false in the max: caught below, at the first level */
+        const float sx = top > 0 ? top / 127 : 1.0f;
+        const __m512 inv = _mm512_set1_ps(1.0f / sx), scale = _mm512_set1_ps(sx);
+        for (k = 0; k < K; k += 16) {
+            const __mmask16 m = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(m, rest + k);
+            if (!level && _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)) return 0;
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            _mm512_mask_storeu_ps(rest + k, m, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), scale, v));
+            _mm_mask_storeu_epi8(xq + level * K + k, m,
+                                 _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+        }
+        xs[level] = sx;
+    }
+    return 1;
+}
+
+/* An int8 weight for linear_q8: q and qsum as head_argmax_bf16 reads them, one scale per output feature. */
+typedef struct {
+    const int8_t *q;
+    const int32_t *qsum;
+    const float *scale;
+} q8_weight;
+
+/* y [M, N] = x [M, K] @ (s q)^T (+ bias), bf16 in and out, from an int8 weight: half the bytes of linear_bf16's,
+ * for a DFlash drafter, whose drafts the target verifies (an approximation there costs acceptance, never
+ * correctness). x is quantized in two int8 levels per row as in head_argmax_bf16 (VPDPBUSD's integer dots exact;
+ * the second level leaves an error near 2^-16 of the row's largest value), so each row's result is the same
+ * whatever rows share the call; a row that is not finite gives NaNs. Returns 0 where this build has no VNNI. */
+int linear_q8(const uint16_t *x, const q8_weight *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+              int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (N % 16 || K % 4 || K > 8192) return 0;
+    uint8_t *xq = malloc((size_t)(2 * SCREEN_MAX_ROWS * K));
+    if (!xq) return 0;
+    for (int64_t m0 = 0; m0 < M; m0 += SCREEN_MAX_ROWS) {
+        const int R = (int)(M - m0 < SCREEN_MAX_ROWS ? M - m0 : SCREEN_MAX_ROWS);
+        float xs[2 * SCREEN_MAX_ROWS];
+        int finite[SCREEN_MAX_ROWS];
+        for (int r = 0; r < R; r++) finite[r] = quantize_row_fast(x + (m0 + r) * K, K, xq + 2 * r * K, xs + 2 * r);
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            float out[SCREEN_MAX_ROWS * 16];
+            const int8_t *qb = w->q + b * K * 16;
+            switch (R) {
+#define Q8_CASE(RR) \
+    case RR: screen_block(xq, xs, RR, qb, K, w->qsum + b * 16, w->scale + b * 16, out, 16); break;
+                Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8)
+#undef Q8_CASE
+            }
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 16; j++) {
+                    const float v = out[r * 16 + j] + (bias ? bf16_to_f32(bias[b * 16 + j]) : 0.0f);
+                    y[(m0 + r) * N + b * 16 + j] = finite[r] ? f32_to_bf16(v) : 0x7fc0;
+                }
+        }
+    }
+    free(xq);
+    return 1;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
+    return 0;
+#endif
+}
+
+/* A table's projection, bf16 (linear_bf16's layout) or int8 (a q8_weight), as the table was built. */
+static inline void linear_table(int q8, const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                                int64_t M, int64_t N, int64_t K) {
+    if (q8)
+        linear_q8(x, (const q8_weight *)w, bias, y, M, N, K);
+    else
+        linear_bf16(x, (const uint16_t *)w, bias, y, M, N, K);
 }
 
 #define T uint16_t
@@ -616,16 +709,20 @@ enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GA
  * kernels in the same order as LlamaDecoderLayer's CPU path, so the results are bit-identical to it; what goes is
  * Python's and torch's per-op overhead between them. x [N, hidden] is the residual stream in and the last
  * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0
- * (capture_slot NULL: nothing is captured).
- * Returns 0 (nothing done) where this build has no bf16 linear kernel or a projection's width is not a multiple
- * of 32. */
+ * (capture_slot NULL: nothing is captured). q8: the table's projections are q8_weight (linear_q8: a DFlash
+ * drafter's int8 tables), else bf16 kernel weights.
+ * Returns 0 (nothing done) where this build has no bf16 linear kernel (or no int8 one, with q8) or a projection's
+ * width is not a multiple of 32. */
 int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, uint16_t *k_cache,
                       uint16_t *v_cache, int64_t layer_stride, const uint16_t *cos, const uint16_t *sin, int64_t rot,
                       const int64_t *rows, const int64_t *positions, const int64_t *lens, int64_t N, int64_t hidden,
                       int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, float qk_eps,
-                      float scale, const int64_t *capture_slot, uint16_t *features, int64_t n_capture) {
+                      float scale, const int64_t *capture_slot, uint16_t *features, int64_t n_capture, int64_t q8) {
 #if defined(__AVX512BF16__)
     if (hidden % 32 || (H * D) % 32 || inter % 32) return 0;
+#if !defined(__AVX512VNNI__)
+    if (q8) return 0;
+#endif
     const int64_t qkv_width = (H + 2 * KVH) * D;
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)N * (size_t)(2 * hidden + qkv_width + 2 * H * D + 3 * inter));
     if (!h) return 0;
@@ -635,15 +732,15 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
         const uint16_t *const *lw = w + l * W_PER_LAYER;
         uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
         rms_norm_bf16(x, NULL, NULL, lw[W_IN_NORM], h, N, hidden, eps);
-        linear_bf16(h, lw[W_QKV], lw[W_QKV_BIAS], qkv, N, qkv_width, hidden);
+        linear_table(q8, h, lw[W_QKV], lw[W_QKV_BIAS], qkv, N, qkv_width, hidden);
         qkv_rotary_write_bf16(qkv, cos, sin, lw[W_Q_NORM], lw[W_K_NORM], qk_eps, rows, positions, q, kc, vc, N, H,
                               KVH, D, rot, max_len);
         decode_attention_bf16(q, kc, vc, rows, lens, attn, N, H, KVH, max_len, D, scale, 0);
-        linear_bf16(attn, lw[W_O], lw[W_O_BIAS], tmp, N, hidden, H * D);
+        linear_table(q8, attn, lw[W_O], lw[W_O_BIAS], tmp, N, hidden, H * D);
         rms_norm_bf16(tmp, x, x, lw[W_POST_NORM], h, N, hidden, eps); /* x += attention; h = norm(x) */
-        linear_bf16(h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);
+        linear_table(q8, h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);
         silu_mul_bf16(gate_up, act, N, inter);
-        linear_bf16(act, lw[W_DOWN], lw[W_DOWN_BIAS], tmp, N, hidden, inter);
+        linear_table(q8, act, lw[W_DOWN], lw[W_DOWN_BIAS], tmp, N, hidden, inter);
         for (int64_t j = 0; j < N * hidden; j++) x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(tmp[j]));
         if (capture_slot && capture_slot[l] >= 0)
             for (int64_t i = 0; i < N; i++)
@@ -656,7 +753,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
     (void)x, (void)w, (void)n_layers, (void)k_cache, (void)v_cache, (void)layer_stride, (void)cos, (void)sin;
     (void)rot, (void)rows, (void)positions, (void)lens, (void)N, (void)hidden, (void)H, (void)KVH, (void)D;
     (void)inter, (void)max_len, (void)eps, (void)qk_eps, (void)scale, (void)capture_slot, (void)features;
-    (void)n_capture;
+    (void)n_capture, (void)q8;
     return 0;
 #endif
 }
@@ -671,28 +768,32 @@ enum { C_KV, C_KV_BIAS, C_K_NORM, C_PER_LAYER };
  * and rotary into the cache at (ctx_rows[i], ctx_positions[i]) (DFlashDrafter.project_context); then the block's N
  * queries run every layer (llama_layers_bf16, arguments as there) and the final norm into out [N, hidden]
  * (forward_block). The same kernels in the same order as those calls, so the results are bit-identical; what goes
- * is the Python and torch dispatch between them. Returns 0 where a linear has no kernel (before anything is
- * written) or llama_layers_bf16 declines (the caller's fallback then writes the same context K/V again). */
+ * is the Python and torch dispatch between them (q8: every projection int8, as in llama_layers_bf16). Returns 0
+ * where a linear has no kernel (before anything is written) or llama_layers_bf16 declines (the caller's fallback
+ * then writes the same context K/V again). */
 int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_width, const uint16_t *const *ctx_w,
                      float hidden_eps, const uint16_t *ctx_cos, const uint16_t *ctx_sin, const int64_t *ctx_rows,
                      const int64_t *ctx_positions, uint16_t *x, const uint16_t *const *w, int64_t n_layers,
                      uint16_t *k_cache, uint16_t *v_cache, int64_t layer_stride, const uint16_t *cos,
                      const uint16_t *sin, int64_t rot, const int64_t *rows, const int64_t *positions,
                      const int64_t *lens, int64_t N, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter,
-                     int64_t max_len, float eps, float qk_eps, float scale, uint16_t *out) {
+                     int64_t max_len, float eps, float qk_eps, float scale, uint16_t *out, int64_t q8) {
     const int64_t kv_width = 2 * KVH * D;
-    if (hidden % 32 || (H * D) % 32 || inter % 32 || !linear_layout_bf16(hidden, feature_width) ||
-        !linear_layout_bf16(kv_width, hidden))
+    if (hidden % 32 || (H * D) % 32 || inter % 32 ||
+        (!q8 && (!linear_layout_bf16(hidden, feature_width) || !linear_layout_bf16(kv_width, hidden))))
         return 0;
+#if !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
+    if (q8) return 0;
+#endif
     uint16_t *ctx = malloc(sizeof(uint16_t) * (size_t)(n_ctx > 0 ? n_ctx : 1) * (size_t)(2 * hidden + kv_width));
     if (!ctx) return 0;
     uint16_t *normed = ctx + n_ctx * hidden, *kv = normed + n_ctx * hidden;
     if (n_ctx > 0) {
-        linear_bf16(features, ctx_w[C_FC], NULL, ctx, n_ctx, hidden, feature_width);
+        linear_table(q8, features, ctx_w[C_FC], NULL, ctx, n_ctx, hidden, feature_width);
         rms_norm_bf16(ctx, NULL, NULL, ctx_w[C_HIDDEN_NORM], normed, n_ctx, hidden, hidden_eps);
         for (int64_t l = 0; l < n_layers; l++) {
             const uint16_t *const *lw = ctx_w + C_FIXED + l * C_PER_LAYER;
-            linear_bf16(normed, lw[C_KV], lw[C_KV_BIAS], kv, n_ctx, kv_width, hidden);
+            linear_table(q8, normed, lw[C_KV], lw[C_KV_BIAS], kv, n_ctx, kv_width, hidden);
             qkv_rotary_write_bf16(kv, ctx_cos, ctx_sin, NULL, lw[C_K_NORM], qk_eps, ctx_rows, ctx_positions, NULL,
                                   k_cache + l * layer_stride, v_cache + l * layer_stride, n_ctx, 0, KVH, D, rot,
                                   max_len);
@@ -700,7 +801,8 @@ int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_wi
     }
     free(ctx);
     const int done = llama_layers_bf16(x, w, n_layers, k_cache, v_cache, layer_stride, cos, sin, rot, rows, positions,
-                                       lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, NULL, NULL, 0);
+                                       lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, NULL, NULL, 0,
+                                       q8);
     if (done) rms_norm_bf16(x, NULL, NULL, ctx_w[C_FINAL_NORM], out, N, hidden, eps);
     return done;
 }

@@ -101,14 +101,18 @@ class CpuOps:
             self._fns[dtype] = (norm, attn, rope, silu)
         self._layers = library.llama_layers_bf16
         self._layers.argtypes = [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64]
+                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64, _i64]
         self._layers.restype = ctypes.c_int
         self._dflash_step = library.dflash_step_bf16
-        self._dflash_step.argtypes = [_p, _i64, _i64, _p, _f32, _p, _p, _p, _p] + self._layers.argtypes[:22] + [_p]
+        self._dflash_step.argtypes = ([_p, _i64, _i64, _p, _f32, _p, _p, _p, _p] + self._layers.argtypes[:22]
+                                      + [_p, _i64])
         self._dflash_step.restype = ctypes.c_int
         self._linear = library.linear_bf16
         self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
         self._linear.restype = ctypes.c_int
+        self._linear_q8 = library.linear_q8
+        self._linear_q8.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64]
+        self._linear_q8.restype = ctypes.c_int
         self._layout = library.linear_layout_bf16
         self._layout.argtypes = [_i64, _i64]
         self._layout.restype = ctypes.c_int
@@ -164,6 +168,16 @@ class CpuOps:
                      x.numel() // k, n, k)
         return out
 
+    def linear_q8(self, x: torch.Tensor, weight: "Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [..., K] (bf16) @ the int8 weight's (s q)^T (+ bias) -> bf16 [..., N]; each row's result is the same
+        whichever rows share the call. None where this build has no int8 kernel (AVX512-VNNI)."""
+        x = x.contiguous()
+        n, k = weight.shape
+        out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        done = self._linear_q8(x.data_ptr(), ctypes.addressof(weight.struct),
+                               bias.data_ptr() if bias is not None else None, out.data_ptr(), x.numel() // k, n, k)
+        return out if done else None
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for x [..., V] (V >= 1): the first index of the maximum, a NaN counting as the
         maximum; one vectorised pass per row on the calling thread."""
@@ -177,16 +191,18 @@ class CpuOps:
         """Whether head_argmax can run here (AVX512-BF16 and AVX512-VNNI)."""
         return bool(self._head_screen())
 
-    def head_argmax(self, x: torch.Tensor, screen, weight: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor | None:
-        """argmax(linear(x, weight), -1) for bf16 x [M, K] through an int8 screen of the head (layers/greedy_head.py
-        `GreedyHead`: q, qsum, scale, err, wnorm; weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None
+    def head_argmax(self, x: torch.Tensor, screen: Int8Weight, weight: torch.Tensor,
+                    scratch: torch.Tensor) -> torch.Tensor | None:
+        """argmax(linear(x, weight), -1) for bf16 x [M, K] through the head's int8 copy `screen` (layers/greedy_head.py;
+        weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None
         where the kernel declines (then nothing is decided: more than 8 rows, a row that is not finite, or no kernel
         for this CPU or head)."""
         x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]
         if scratch.dtype != torch.float32 or scratch.numel() < 3 * m * n // 2:
-            raise ValueError(f"head_argmax: scratch needs {3 * m * n // 2} float32 values, got {scratch.numel()} {scratch.dtype}")
+            raise ValueError(f"head_argmax: scratch needs {3 * m * n // 2} float32 values, "
+                             f"got {scratch.numel()} {scratch.dtype}")
         out = torch.empty(m, dtype=torch.long)
         done = self._head_argmax(x.data_ptr(), m, k, screen.q.data_ptr(), screen.qsum.data_ptr(),
                                  screen.scale.data_ptr(), screen.err.data_ptr(), screen.wnorm.data_ptr(),
@@ -263,7 +279,7 @@ class CpuOps:
         capture = torch.tensor(slots, dtype=torch.int64)
         features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
         done = self._layers(*args, capture.data_ptr(), features.data_ptr() if features is not None else None,
-                            len(capture_layer_ids))
+                            len(capture_layer_ids), int(table.int8))
         return (x, features) if done else None
 
     def dflash_step(
@@ -283,7 +299,7 @@ class CpuOps:
         done = self._dflash_step(
             features.data_ptr(), features.shape[0], features.shape[1], ctypes.addressof(context.pointers),
             context.hidden_eps, ctx_cos.data_ptr(), ctx_sin.data_ptr(), ctx_rows.data_ptr(), ctx_positions.data_ptr(),
-            *args, out.data_ptr(),
+            *args, out.data_ptr(), int(table.int8),
         )
         return out if done else None
 
@@ -325,29 +341,79 @@ class CpuOps:
         return out
 
 
+class _Int8Struct(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("qsum", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class Int8Weight:
+    """An [N, K] weight in int8 with one scale per output feature (w ~ scale[:, None] * q), as cpu_ops.c's
+    linear_q8 and head_argmax_bf16 read it: q per 16 features and 4 inputs ([N / 16][K / 4][16][4], VPDPBUSD's
+    order), qsum the sum of each feature's q; err and wnorm bound what the int8 copy misses (|w_j - s_j q_j| and |w_j|,
+    rounded up). Quantized a chunk of features at a time in float64 (a whole gpt-oss head at once would take 4.6 GB)."""
+
+    CHUNK = 8192
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        if n % 16 or k % 4 or k > 8192:
+            raise ValueError(f"Int8Weight: [{n}, {k}] is not whole blocks of 16 features and 4 inputs, at most 8,192")
+        self.shape = (n, k)
+        self.scale, self.err, self.wnorm = torch.empty(n), torch.empty(n), torch.empty(n)
+        self.qsum = torch.empty(n, dtype=torch.int32)
+        q = torch.empty(n, k, dtype=torch.int8)
+        up = 1 + 1e-6  # norms rounded up into fp32: a bound built on them may only grow
+        for start in range(0, n, self.CHUNK):
+            rows = slice(start, start + self.CHUNK)
+            w = weight[rows].detach().double()
+            scale = (w.abs().amax(dim=1) / 127).float()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            qc = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+            self.scale[rows] = scale
+            self.err[rows] = ((w - qc * scale.double()[:, None]).norm(dim=1) * up).float()
+            self.wnorm[rows] = (w.norm(dim=1) * up).float()
+            self.qsum[rows] = qc.sum(dim=1).to(torch.int32)
+            q[rows] = qc.to(torch.int8)
+        self.q = q.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        self.struct = _Int8Struct(self.q.data_ptr(), self.qsum.data_ptr(), self.scale.data_ptr())
+
+    def dequantized(self) -> torch.Tensor:
+        """scale * q as an fp32 [N, K] tensor (what linear_q8 multiplies by, for references)."""
+        n, k = self.shape
+        return self.q.transpose(1, 2).reshape(n, k).float() * self.scale[:, None]
+
+
+def _pointer(entry: torch.Tensor | Int8Weight | None) -> int | None:
+    if entry is None:
+        return None
+    return ctypes.addressof(entry.struct) if isinstance(entry, Int8Weight) else entry.data_ptr()
+
+
 class LayerTable:
     """The pointers llama_layers passes to C, 12 per layer (cpu_ops.c: W_IN_NORM .. W_K_NORM), and the layers'
-    shapes. Holds references to its tensors, so the pointers stay valid while it lives."""
+    shapes. The projections are all bf16 kernel weights or all Int8Weight (int8: linear_q8 runs them). Holds
+    references to its tensors, so the pointers stay valid while it lives."""
 
     PER_LAYER = 12
 
-    def __init__(self, per_layer: list[list[torch.Tensor | None]], heads: int, intermediate: int, eps: float,
-                 qk_eps: float, scale: float) -> None:
+    def __init__(self, per_layer: list[list[torch.Tensor | Int8Weight | None]], heads: int, intermediate: int,
+                 eps: float, qk_eps: float, scale: float, int8: bool = False) -> None:
         if any(len(entries) != self.PER_LAYER for entries in per_layer):
             raise ValueError(f"LayerTable: {self.PER_LAYER} entries per layer expected")
         self.tensors = [t for entries in per_layer for t in entries]
-        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[None if t is None else t.data_ptr() for t in self.tensors])
+        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[_pointer(t) for t in self.tensors])
         self.heads, self.intermediate, self.eps, self.qk_eps, self.scale = heads, intermediate, eps, qk_eps, scale
+        self.int8 = int8
 
 
 class ContextTable:
     """The pointers dflash_step passes to C (cpu_ops.c: C_FC .. C_K_NORM): a drafter's fc, hidden norm and final
-    norm, then per layer its k/v projection, bias and k norm. Holds references to its tensors."""
+    norm, then per layer its k/v projection, bias and k norm; the projections in the format of the LayerTable it
+    runs with. Holds references to its tensors."""
 
-    def __init__(self, fc: torch.Tensor, hidden_norm: torch.Tensor, final_norm: torch.Tensor,
-                 per_layer: list[list[torch.Tensor | None]], hidden_eps: float) -> None:
+    def __init__(self, fc: torch.Tensor | Int8Weight, hidden_norm: torch.Tensor, final_norm: torch.Tensor,
+                 per_layer: list[list[torch.Tensor | Int8Weight | None]], hidden_eps: float) -> None:
         self.tensors = [fc, hidden_norm, final_norm] + [t for entries in per_layer for t in entries]
-        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[None if t is None else t.data_ptr() for t in self.tensors])
+        self.pointers = (ctypes.c_void_p * len(self.tensors))(*[_pointer(t) for t in self.tensors])
         self.hidden_eps = hidden_eps
 
 

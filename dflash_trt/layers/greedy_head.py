@@ -16,33 +16,14 @@ import torch
 from dflash_trt.kernels import cpu_ops
 
 
-_CHUNK = 8192
 MAX_ROWS = 8  # cpu_ops.c SCREEN_MAX_ROWS: above it the screen's dot products cost more than the bytes it saves
 
 
 class GreedyHead:
     def __init__(self, weight: torch.Tensor, kernel_weight: torch.Tensor) -> None:
         """weight: the head [N, K] as torch holds it (bf16, finite); kernel_weight: cpu_ops' copy of it."""
-        n, k = weight.shape
-        self.scale = torch.empty(n)
-        self.err = torch.empty(n)
-        self.wnorm = torch.empty(n)
-        self.qsum = torch.empty(n, dtype=torch.int32)
-        q = torch.empty(n, k, dtype=torch.int8)
-        up = 1 + 1e-6  # norms rounded up into fp32: the bound may only grow
-        for start in range(0, n, _CHUNK):  # in float64 a chunk at a time: gpt-oss's whole head would take 4.6 GB
-            rows = slice(start, start + _CHUNK)
-            w = weight[rows].detach().double()
-            scale = (w.abs().amax(dim=1) / 127).float()
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            qc = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
-            self.scale[rows] = scale
-            self.err[rows] = ((w - qc * scale.double()[:, None]).norm(dim=1) * up).float()
-            self.wnorm[rows] = (w.norm(dim=1) * up).float()
-            self.qsum[rows] = qc.sum(dim=1).to(torch.int32)
-            q[rows] = qc.to(torch.int8)
-        # per 16 features and 4 inputs, as VPDPBUSD reads them: [N / 16][K / 4][16][4]
-        self.q = q.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        n = weight.shape[0]
+        self.int8 = cpu_ops.Int8Weight(weight)
         self.kernel_weight = kernel_weight
         # Reused by every call (a fresh one is mmap'd and page-faulted each step): a GreedyHead serves one thread,
         # the engine's.
@@ -63,5 +44,5 @@ class GreedyHead:
         ops = cpu_ops.for_tensors(hidden)
         if ops is None or hidden.dtype != torch.bfloat16 or hidden.numel() > MAX_ROWS * hidden.shape[-1]:
             return None
-        out = ops.head_argmax(hidden.reshape(-1, hidden.shape[-1]), self, self.kernel_weight, self._scratch)
+        out = ops.head_argmax(hidden.reshape(-1, hidden.shape[-1]), self.int8, self.kernel_weight, self._scratch)
         return None if out is None else out.view(hidden.shape[:-1])

@@ -266,6 +266,11 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _int8(kernel_weight: torch.Tensor) -> cpu_ops.Int8Weight:
+    """A projection's bf16 kernel weight in int8 for the drafter's C tables."""
+    return cpu_ops.Int8Weight(cpu_ops.load().plain_weight(kernel_weight))
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -337,24 +342,30 @@ class DFlashDrafter(nn.Module):
         self.project_context(features, context_meta, cache)
         return self.forward_block(block_embeds, block_meta, cache)
 
-    def pack_for_inference(self) -> None:
+    def pack_for_inference(self, int8_weights: bool = False) -> None:
         """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the tables
-        that run a block through all of them (and draft() whole) in one call."""
+        that run a block through all of them (and draft() whole) in one call. int8_weights: the tables' projections
+        in int8 (cpu_ops.Int8Weight, one scale per output feature; half the bytes each step streams) where the CPU
+        has the kernel; the layers' own torch path (long contexts) keeps bf16."""
         pack_linears(self)
-        self.kernel_table = self._build_layer_table()
-        self.context_table = self._build_context_table() if self.kernel_table is not None else None
+        ops = cpu_ops.load()
+        int8 = int8_weights and ops is not None and ops.has_head_screen()
+        self.kernel_table = self._build_layer_table(int8)
+        self.context_table = self._build_context_table(int8) if self.kernel_table is not None else None
 
-    def _build_context_table(self) -> cpu_ops.ContextTable | None:
+    def _build_context_table(self, int8: bool) -> cpu_ops.ContextTable | None:
         attns = [layer.self_attn for layer in self.layers]
         weights = kernel_weights(self.fc, *(a.kv_proj for a in attns))
         eps = {self.hidden_norm.eps, self.norm.eps, self.kernel_table.eps}
         if weights is None or len(eps) > 1 or any(a.k_norm.eps != self.kernel_table.qk_eps for a in attns):
             return None  # one eps per kind is what the C step takes
+        if int8:
+            weights = [_int8(w) for w in weights]
         per_layer = [[w, a.kv_proj.bias, a.k_norm.weight] for w, a in zip(weights[1:], attns)]
         return cpu_ops.ContextTable(weights[0], self.hidden_norm.weight, self.norm.weight, per_layer,
                                     self.hidden_norm.eps)
 
-    def _build_layer_table(self) -> cpu_ops.LayerTable | None:
+    def _build_layer_table(self, int8: bool) -> cpu_ops.LayerTable | None:
         c = self.config
         if any(layer.self_attn.is_causal or layer.self_attn.sliding_window for layer in self.layers):
             return None  # blocks that are not one visible prefix: the layers' own path
@@ -367,13 +378,15 @@ class DFlashDrafter(nn.Module):
                 return None
             q, kv, o, gate_up, down = weights
             qkv = ops.kernel_weight(torch.cat([ops.plain_weight(q), ops.plain_weight(kv)]))
+            if int8:
+                qkv, o, gate_up, down = (_int8(w) for w in (qkv, o, gate_up, down))
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.kv_proj.bias])
             entries.append([layer.input_layernorm.weight, qkv, qkv_bias, o, a.o_proj.bias,
                             layer.post_attention_layernorm.weight, gate_up, m.gate_up_proj.bias,
                             down, m.down_proj.bias, a.q_norm.weight, a.k_norm.weight])
         a = self.layers[0].self_attn
         return cpu_ops.LayerTable(entries, c.num_attention_heads, c.intermediate_size, c.rms_norm_eps, a.q_norm.eps,
-                                  a.scale)
+                                  a.scale, int8)
 
     def forward_train(
         self,

@@ -73,8 +73,9 @@ def _batch_invariant_bf16() -> bool:
 
 @pytest.mark.skipif(not _batch_invariant_bf16(), reason="needs the CPU kernels with AVX512-BF16 (bf16 rows then "
                     "compute alike in one-token and K-token steps)")
+@pytest.mark.parametrize("int8_drafter", [True, False], ids=["int8 drafter", "bf16 drafter"])
 @pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, False), (3, 4, True), (15, 1, True)])
-def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch, forced):
+def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch, forced, int8_drafter):
     """In bf16 too: the CPU kernels compute every token of a step the same way whatever the step's shape (torch's
     path attended with a grouped bf16 matmul in one-token steps and SDPA in verify blocks, which round apart; the
     bitwise check is tests/models/test_llama.py, this is the end-to-end one). The oracle is the same runtime's
@@ -83,7 +84,8 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
     prompts = _prompts(batch)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)
-    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16")
+    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", int8_drafter=int8_drafter)
+    assert engine.drafter.kernel_table.int8 == (int8_drafter and cpu_ops.load().has_head_screen())
     if forced:
         force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
     outs = engine.generate(prompts, params)

@@ -192,6 +192,54 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     assert torch.equal(got, alone)
 
 
+needs_int8 = pytest.mark.skipif(ops is None or not ops.has_head_screen(), reason="no AVX512-VNNI for the int8 kernels")
+
+
+@needs_int8
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 20), n=st.sampled_from([16, 48, 576]), k=st.sampled_from([4, 64, 576, 2880]),
+       bias=st.booleans(), outliers=st.booleans(), seed=st.integers(0, 99))
+def test_linear_q8_against_its_dequantized_weight(rows, n, k, bias, outliers, seed):
+    """Against a float64 matmul with the int8 weight's own dequantized values (scale * q): what is left is the
+    input's two-level int8 quantization (at most ~2^-16 of a row's largest value per element), fp32 sums and one bf16
+    rounding; with SmolLM2-like outlier channels too. Every row alone gives its batched result bit for bit (rows run
+    in chunks of 8, each quantized by itself), past a chunk's end included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    if outliers:
+        x[:, torch.randint(0, k, (2,), generator=g)] *= 300
+    x = x.bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    q8 = cpu_ops.Int8Weight(w)
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    with torch.no_grad():
+        got = ops.linear_q8(x, q8, b)
+        alone = torch.cat([ops.linear_q8(x[i : i + 1], q8, b) for i in range(rows)])
+    wq = q8.dequantized().double()
+    want = x.double() @ wq.T + (b.double() if bias else 0)
+    magnitude = x.double().abs() @ wq.abs().T
+    tol = x.double().abs().amax(1, keepdim=True) * 2.0**-14 * wq.abs().sum(1)[None] + 1e-5 * magnitude
+    assert bool(((got.double() - want).abs() <= tol + want.abs() * 2.0**-8).all())
+    assert torch.equal(got, alone)
+    assert float((wq - w.double()).abs().max()) <= float(w.double().abs().max()) / 254 * 1.001  # half an int8 step
+
+
+@needs_int8
+def test_linear_q8_gives_nans_for_a_row_that_is_not_finite_and_leaves_the_others():
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5] = float("nan")
+    q8 = cpu_ops.Int8Weight(torch.randn(32, 64).bfloat16())
+    with torch.no_grad():
+        got = ops.linear_q8(x, q8)
+        assert bool(got[1].isnan().all()) and not bool(got[[0, 2]].isnan().any())
+        assert torch.equal(got[[0, 2]], ops.linear_q8(x[[0, 2]], q8))
+
+
+def test_int8_weights_need_whole_blocks():
+    with pytest.raises(ValueError, match=r"\[40, 64\] is not whole blocks"):
+        cpu_ops.Int8Weight(torch.zeros(40, 64, dtype=torch.bfloat16))
+
+
 @needs_linear
 def test_linear_declines_weights_it_cannot_serve():
     assert not ops.has_linear(torch.zeros(4, 48, dtype=torch.bfloat16))  # rows not a multiple of 32

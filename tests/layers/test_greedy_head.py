@@ -107,13 +107,14 @@ def test_the_bound_holds_for_the_quantized_head():
     """|x . w_j - s_j (x . q_j)| <= |x| err_j: the per-feature error norms the kernel's bound is built on."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(128, 64, generator=g) * torch.rand(128, 1, generator=g)).bfloat16()
-    h = head(w)
-    q = h.q.transpose(1, 2).reshape(128, 64).double()  # back from [N / 16][K / 4][16][4]
-    assert torch.equal(h.qsum, q.sum(1).int())
+    q8 = head(w).int8
+    q = q8.q.transpose(1, 2).reshape(128, 64).double()  # back from [N / 16][K / 4][16][4]
+    assert torch.equal(q8.qsum, q.sum(1).int())
+    assert torch.allclose(q8.dequantized().double(), q * q8.scale.double()[:, None])
     x = torch.randn(50, 64, generator=g).double()
-    gap = (x @ w.double().T - (x @ q.T) * h.scale.double()).abs()
-    assert bool((gap <= x.norm(dim=1, keepdim=True) * h.err.double()[None]).all())
-    assert bool((h.wnorm.double() >= w.double().norm(dim=1)).all())
+    gap = (x @ w.double().T - (x @ q.T) * q8.scale.double()).abs()
+    assert bool((gap <= x.norm(dim=1, keepdim=True) * q8.err.double()[None]).all())
+    assert bool((q8.wnorm.double() >= w.double().norm(dim=1)).all())
 
 
 def test_declines_what_it_cannot_decide():

@@ -187,6 +187,39 @@ def test_a_whole_draft_step_in_one_call_equals_project_context_then_forward_bloc
     assert torch.equal(fused_cache.k, split_cache.k) and torch.equal(fused_cache.v, split_cache.v)
 
 
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True}], ids=["qwen3", "bias"])
+def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_path, variant, monkeypatch):
+    """pack_for_inference(int8_weights=True) puts the C step's projections in int8 (one scale per output feature,
+    cpu_ops.Int8Weight). Against the bf16 tables, over two steps: hidden states within a few percent, row by row (a
+    projection wired to the wrong slot or transposed would be off by ~100%), and not equal (the int8 path ran)."""
+    target, ours = _packed_bf16_drafter(tmp_path, variant)
+    if not cpu_ops.load().has_head_screen():
+        pytest.skip("needs the CPU kernels with AVX512-VNNI")
+    one_call = []
+    step = cpu_ops.CpuOps.dflash_step
+    monkeypatch.setattr(cpu_ops.CpuOps, "dflash_step", lambda self, *a: one_call.append(a[7].int8) or step(self, *a))
+    rows, mask = torch.arange(2), ours.config.mask_token_id
+    results = {}
+    for int8 in (False, True):
+        ours.pack_for_inference(int8_weights=int8)
+        cache = ours.make_cache(2, 64)
+        g = torch.Generator().manual_seed(0)
+        hidden = []
+        for first, n, anchors in [(0, 11, [5, 9]), (11, 3, [7, 2])]:
+            ctx = torch.randn(2, n, 3 * 64, generator=g).bfloat16()
+            ctx_meta = AttentionMetadata.causal_step(rows, (first + torch.arange(n)).expand(2, -1))
+            block = torch.tensor([[a] + [mask] * 3 for a in anchors])
+            pos = (first + n + torch.arange(4)).expand(2, -1)
+            meta = AttentionMetadata.block_step(rows, pos, torch.full((2,), first + n + 4))
+            with torch.no_grad():
+                hidden.append(ours.draft(ctx, ctx_meta, target.embed_tokens(block), meta, cache).float())
+        results[int8] = hidden
+    assert one_call == [False, False, True, True]
+    for exact, approx in zip(results[False], results[True]):
+        error = (approx - exact).norm(dim=-1) / exact.norm(dim=-1)
+        assert float(error.max()) < 0.05 and float(error.max()) > 0
+
+
 def _packed_bf16_drafter(tmp_path, variant):
     """A tiny target and a packed bf16 drafter whose norms and biases are perturbed (at 1 and 0 from random init they
     would hide a swapped or dropped tensor); skips where the CPU kernels lack AVX512-BF16."""
