@@ -161,25 +161,11 @@ def test_a_whole_draft_step_in_one_call_equals_project_context_then_forward_bloc
     one_call = []
     step = cpu_ops.CpuOps.dflash_step
     monkeypatch.setattr(cpu_ops.CpuOps, "dflash_step", lambda self, *a: one_call.append(1) or step(self, *a))
-    rows = torch.arange(2)
-    mask = ours.config.mask_token_id
-    steps = [(0, 11, [5, 9]), (11, 3, [7, 2])]  # (first context position, context tokens, anchors)
     results = {}
     for name in ("one call", "two calls"):
         if name == "two calls":
             ours.context_table = None
-        cache = ours.make_cache(2, 64)
-        hidden = []
-        g = torch.Generator().manual_seed(0)
-        for first, n, anchors in steps:
-            ctx = torch.randn(2, n, 3 * 64, generator=g).bfloat16()
-            ctx_meta = AttentionMetadata.causal_step(rows, (first + torch.arange(n)).expand(2, -1))
-            block = torch.tensor([[a] + [mask] * 3 for a in anchors])
-            pos = (first + n + torch.arange(4)).expand(2, -1)
-            meta = AttentionMetadata.block_step(rows, pos, torch.full((2,), first + n + 4))
-            with torch.no_grad():
-                hidden.append(ours.draft(ctx, ctx_meta, target.embed_tokens(block), meta, cache))
-        results[name] = hidden, cache
+        results[name] = _two_draft_steps(target, ours)
     assert len(one_call) == 2  # the fused path ran at both steps
     (fused, fused_cache), (split, split_cache) = results["one call"], results["two calls"]
     for a, b in zip(fused, split):
@@ -198,26 +184,33 @@ def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_p
     one_call = []
     step = cpu_ops.CpuOps.dflash_step
     monkeypatch.setattr(cpu_ops.CpuOps, "dflash_step", lambda self, *a: one_call.append(a[7].int8) or step(self, *a))
-    rows, mask = torch.arange(2), ours.config.mask_token_id
     results = {}
     for int8 in (False, True):
         ours.pack_for_inference(int8_weights=int8)
-        cache = ours.make_cache(2, 64)
-        g = torch.Generator().manual_seed(0)
-        hidden = []
-        for first, n, anchors in [(0, 11, [5, 9]), (11, 3, [7, 2])]:
-            ctx = torch.randn(2, n, 3 * 64, generator=g).bfloat16()
-            ctx_meta = AttentionMetadata.causal_step(rows, (first + torch.arange(n)).expand(2, -1))
-            block = torch.tensor([[a] + [mask] * 3 for a in anchors])
-            pos = (first + n + torch.arange(4)).expand(2, -1)
-            meta = AttentionMetadata.block_step(rows, pos, torch.full((2,), first + n + 4))
-            with torch.no_grad():
-                hidden.append(ours.draft(ctx, ctx_meta, target.embed_tokens(block), meta, cache).float())
-        results[int8] = hidden
+        results[int8] = _two_draft_steps(target, ours)[0]
     assert one_call == [False, False, True, True]
     for exact, approx in zip(results[False], results[True]):
+        exact, approx = exact.float(), approx.float()
         error = (approx - exact).norm(dim=-1) / exact.norm(dim=-1)
         assert float(error.max()) < 0.05 and float(error.max()) > 0
+
+
+def _two_draft_steps(target, drafter):
+    """draft() at two consecutive steps of two rows on a fresh cache, from seeded random features ->
+    ([hidden of each step], cache)."""
+    rows, mask = torch.arange(2), drafter.config.mask_token_id
+    cache = drafter.make_cache(2, 64)
+    g = torch.Generator().manual_seed(0)
+    hidden = []
+    for first, n, anchors in [(0, 11, [5, 9]), (11, 3, [7, 2])]:  # (first context position, context tokens, anchors)
+        ctx = torch.randn(2, n, 3 * 64, generator=g).bfloat16()
+        ctx_meta = AttentionMetadata.causal_step(rows, (first + torch.arange(n)).expand(2, -1))
+        block = torch.tensor([[a] + [mask] * 3 for a in anchors])
+        pos = (first + n + torch.arange(4)).expand(2, -1)
+        meta = AttentionMetadata.block_step(rows, pos, torch.full((2,), first + n + 4))
+        with torch.no_grad():
+            hidden.append(drafter.draft(ctx, ctx_meta, target.embed_tokens(block), meta, cache))
+    return hidden, cache
 
 
 def _packed_bf16_drafter(tmp_path, variant):
