@@ -57,6 +57,12 @@ def _engine_options(f):
         click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
+        click.option("--head-screen/--full-head", default=None,
+                     help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, about "
+                     "half its bytes read; default) or through the full head."),
+        click.option("--int8-drafter/--bf16-drafter", default=None,
+                     help="The drafter's CPU step with int8 projections (default where the CPU has AVX512-VNNI; drafts "
+                     "may differ slightly, outputs never) or bf16 ones."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -64,12 +70,12 @@ def _engine_options(f):
 
 
 def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
-               max_queue_len, max_prefill_tokens, dtype):
+               max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
                 draft_len_schedule=schedule or None, adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
-                dtype=dtype)
+                dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
 
 
 @click.command()
@@ -81,8 +87,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
-          adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, host, port, backend,
-          served_model_name) -> None:
+          adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter,
+          host, port, backend, served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -101,7 +107,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
             max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
-            max_queue_len, max_prefill_tokens, dtype))
+            max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
         names.append(name)
         return llm
 

@@ -1,0 +1,26 @@
+"""`dflash-trt serve`'s engine options reach the engine's configuration (load_engine), unset ones as None (keep the
+engine's or EngineConfig's default)."""
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.server import cli
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], {"screen_head": None, "int8_drafter": None}),
+    (["--full-head", "--bf16-drafter"], {"screen_head": False, "int8_drafter": False}),
+    (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
+])
+def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
+    seen = {}
+
+    def load_engine(engine, target, drafter, no_spec, **overrides):
+        seen.update(overrides)
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(cli, "load_engine", load_engine)
+    result = CliRunner().invoke(cli.serve, ["--no-spec", "--max-batch-size", "2", *args])
+    assert result.exit_code == 1 and "stop before serving" in result.output
+    assert {k: seen[k] for k in expected} == expected
+    assert seen["max_batch_size"] == 2
