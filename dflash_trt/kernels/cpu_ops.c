@@ -426,21 +426,6 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n, 0);
 }
 
-/* The greedy token of a bf16 output head, argmax(x @ w^T) per row, exactly as linear_bf16 then argmax_rows_bf16
- * choose it, reading about half the head's bytes. An int8 copy of the head screens every feature: w_j = s_j q_j + e_j
- * (q stored per 16 features and 4 inputs as VPDPBUSD reads it, q[N / 16][K / 4][16][4]; qsum_j = sum_k q_jk), and
- * x = sx1 qx1 + sx2 qx2 + ex, two int8 levels (the second quantizes the first's remainder: one level alone leaves
- * SmolLM2's outlier dimensions an error that keeps hundreds of features in), so
- *   x . w_j = s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) + (x - ex) . e_j + ex . w_j,
- * the integer dots exact and the rest at most a |e_j| + b |w_j| (Cauchy-Schwarz; a = |x - ex|, b = |ex| plus 1e-3 |x|
- * for every fp32 rounding on the way, this one's and linear_bf16's). With lo the largest lower bound and hi the
- * largest upper bound of any feature's dot, a feature whose upper bound is below lo - 2^-6 max(|lo|, |hi|) falls
- * below the maximum by more than bf16's rounding can close (at most 2^-8 of a value either side), so its rounded
- * logit is strictly smaller than the maximum's: neither the argmax nor a tie before it. The 64-feature groups of the
- * others are computed by linear_bf16 itself, whose every output is the same whatever features share its call, and
- * scanned in index order, so ties resolve to the first index as torch's do. scratch holds 3 M N / 2 floats. Returns 0
- * (nothing done) without AVX512-VNNI or a bf16 linear kernel for the head, for more than SCREEN_MAX_ROWS rows,
- * and for a row that is not finite (the caller's full path then decides, NaNs included). */
 /* With the weights streaming from memory (between two forwards) the screen beats the full head up to 8 rows: 2.1
  * against 2.7 ms for SmolLM2's at 8 rows, 1.4 against 2.5 at one (with warm caches 8 rows are a tie). */
 #define SCREEN_MAX_ROWS 8
@@ -477,7 +462,8 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq
     }
 }
 
-/* Quantizes row x [K] into xq (two levels of K bytes) and xs; a and b as above. 0 if the row is not finite. */
+/* Quantizes row x [K] into xq (two levels of K bytes) and xs, with head_argmax_bf16's a and b (below). 0 if the
+ * row is not finite. */
 static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *a, float *b) {
     double rest[8192], xx = 0;
     if (K > 8192) return 0;
@@ -519,6 +505,21 @@ int head_screen_available(void) {
 #endif
 }
 
+/* The greedy token of a bf16 output head, argmax(x @ w^T) per row, exactly as linear_bf16 then argmax_rows_bf16
+ * choose it, reading about half the head's bytes. An int8 copy of the head screens every feature: w_j = s_j q_j + e_j
+ * (q stored per 16 features and 4 inputs as VPDPBUSD reads it, q[N / 16][K / 4][16][4]; qsum_j = sum_k q_jk), and
+ * x = sx1 qx1 + sx2 qx2 + ex, two int8 levels (the second quantizes the first's remainder: one level alone leaves
+ * SmolLM2's outlier dimensions an error that keeps hundreds of features in), so
+ *   x . w_j = s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) + (x - ex) . e_j + ex . w_j,
+ * the integer dots exact and the rest at most a |e_j| + b |w_j| (Cauchy-Schwarz; a = |x - ex|, b = |ex| plus 1e-3 |x|
+ * for every fp32 rounding on the way, this one's and linear_bf16's). With lo the largest lower bound and hi the
+ * largest upper bound of any feature's dot, a feature whose upper bound is below lo - 2^-6 max(|lo|, |hi|) falls
+ * below the maximum by more than bf16's rounding can close (at most 2^-8 of a value either side), so its rounded
+ * logit is strictly smaller than the maximum's: neither the argmax nor a tie before it. The 64-feature groups of the
+ * others are computed by linear_bf16 itself, whose every output is the same whatever features share its call, and
+ * scanned in index order, so ties resolve to the first index as torch's do. scratch holds 3 M N / 2 floats. Returns 0
+ * (nothing done) without AVX512-VNNI or a bf16 linear kernel for the head, for more than SCREEN_MAX_ROWS rows,
+ * and for a row that is not finite (the caller's full path then decides, NaNs included). */
 int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {
@@ -590,6 +591,7 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 /* screen_row's two int8 levels of a bf16 row without its bounds, vectorised in fp32 (the remainder after the first
  * level rounds, which only linear_q8's approximation sees): the scalar float64 version took ~0.07 ms for a drafter's
  * 2 x 2,880 fc inputs, a sixth of what the int8 weights save. 0 if the row is not finite. */
@@ -622,6 +624,7 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
     }
     return 1;
 }
+#endif
 
 /* An int8 weight for linear_q8: q and qsum as head_argmax_bf16 reads them, one scale per output feature. */
 typedef struct {
