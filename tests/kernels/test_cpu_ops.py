@@ -4,6 +4,8 @@ transformers' apply_rotary_pos_emb, the gated activation against F.silu."""
 
 import ctypes
 import os
+import platform
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -289,3 +291,22 @@ def test_a_failing_compiler_leaves_torch_ops_with_a_warning(tmp_path, monkeypatc
         assert cpu_ops.load_with(str(broken)) is None
     assert not list((tmp_path / "cpu_ops").glob("*.so"))  # nothing half-built left behind
     assert cpu_ops.load_with(str(tmp_path / "no-such-compiler")) is None
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None or platform.machine() != "x86_64",
+                    reason="needs a C compiler for x86-64")
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3", "skylake-avx512", "sapphirerapids"])
+def test_the_kernels_compile_for_cpus_with_fewer_instruction_sets(tmp_path, march):
+    """-march=native builds only what the CPU has; every other CPU compiles the same source with its own subset (no
+    AVX-512, AVX-512 without BF16 or VNNI, ...), and a kernel guarded for one instruction set must not be reached by
+    another's build. Each build links and exports every function cpu_ops.py binds."""
+    source = Path(cpu_ops.__file__).parent / "cpu_ops.c"
+    lib = tmp_path / f"cpu_ops-{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_ops._FLAGS]
+    result = subprocess.run([os.environ.get("CC", "cc"), *flags, "-Werror", str(source), "-o", str(lib)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_available", "llama_layers_bf16",
+                 "dflash_step_bf16", "argmax_rows_bf16", "rms_norm_bf16", "decode_attention_f32"):
+        assert f" {name}\n" in symbols, name
