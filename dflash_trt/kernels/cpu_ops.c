@@ -496,11 +496,54 @@ static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, floa
 }
 #endif
 
-/* 1 where this build has head_argmax_bf16's screen (it may still decline a head linear_bf16 has no kernel for). */
-int head_screen_available(void) {
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    return 1;
+/* approx [M, N]: every feature's screened value s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) for M <= SCREEN_MAX_ROWS
+ * quantized rows. */
+static void screened_values(const uint8_t *xq, const float *xs, int64_t M, const int8_t *q, int64_t K,
+                            const int32_t *qsum, const float *scale, float *approx, int64_t N) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *qb = q + b * K * 16;
+        switch (M) {
+#define SCREEN_CASE(R) \
+    case R: screen_block(xq, xs, R, qb, K, qsum + b * 16, scale + b * 16, approx + b * 16, N); break;
+            SCREEN_CASE(1) SCREEN_CASE(2) SCREEN_CASE(3) SCREEN_CASE(4)
+            SCREEN_CASE(5) SCREEN_CASE(6) SCREEN_CASE(7) SCREEN_CASE(8)
+#undef SCREEN_CASE
+        }
+    }
+}
+#endif
+
+/* The rows head_argmax_bf16 screens for inputs of size K on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI, else 0 (it
+ * may still decline a head linear_bf16 has no kernel for). K is for CPUs whose limit would depend on it: an AMX-INT8
+ * version (TDPBUSD, K a multiple of 64, 16 rows) measured 2.3 against the full head's 2.5 ms at 12 rows and lost to
+ * this one below 9, about 1% of a 4-row step: not kept. */
+int64_t head_screen_rows(int64_t K) {
+    (void)K;
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return SCREEN_MAX_ROWS;
 #else
+    return 0;
+#endif
+}
+
+/* The screened values head_argmax_bf16 bounds, for bf16 x [M, K] into approx [M, N] (tests check them against
+ * x @ (s q)^T); 0 where the screen declines (as head_argmax_bf16 does). */
+int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
+                       const float *scale, int64_t N, float *approx) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (M < 1 || M > head_screen_rows(K) || N % SCREEN_GROUP) return 0;
+    float xs[2 * SCREEN_MAX_ROWS], a, c;
+    uint8_t *xq = malloc((size_t)(2 * M * K));
+    int ok = xq != NULL;
+    for (int64_t r = 0; ok && r < M; r++) ok = screen_row(x + r * K, K, xq + 2 * r * K, xs + 2 * r, &a, &c);
+    if (ok) screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
+    free(xq);
+    return ok;
+#else
+    (void)x, (void)M, (void)K, (void)q, (void)qsum, (void)scale, (void)N, (void)approx;
     return 0;
 #endif
 }
@@ -524,7 +567,7 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    if (M < 1 || M > SCREEN_MAX_ROWS || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
+    if (M < 1 || M > head_screen_rows(K) || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a[SCREEN_MAX_ROWS], c[SCREEN_MAX_ROWS];
     uint8_t *xq = malloc((size_t)(2 * M * K)), *wanted = calloc((size_t)(N / SCREEN_GROUP), 1);
     int ok = xq && wanted;
@@ -535,17 +578,7 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
     }
     float *approx = scratch;
     uint16_t *exact = (uint16_t *)(scratch + M * N);
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *qb = q + b * K * 16;
-        switch (M) {
-#define SCREEN_CASE(R) \
-    case R: screen_block(xq, xs, R, qb, K, qsum + b * 16, scale + b * 16, approx + b * 16, N); break;
-            SCREEN_CASE(1) SCREEN_CASE(2) SCREEN_CASE(3) SCREEN_CASE(4)
-            SCREEN_CASE(5) SCREEN_CASE(6) SCREEN_CASE(7) SCREEN_CASE(8)
-#undef SCREEN_CASE
-        }
-    }
+    screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
     for (int64_t r = 0; r < M; r++) {
         const float *d = approx + r * N;
         const __m512 av = _mm512_set1_ps(a[r]), cv = _mm512_set1_ps(c[r]);

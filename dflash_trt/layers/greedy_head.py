@@ -16,18 +16,17 @@ import torch
 from dflash_trt.kernels import cpu_ops
 
 
-MAX_ROWS = 8  # cpu_ops.c SCREEN_MAX_ROWS: above it the screen's dot products cost more than the bytes it saves
-
-
 class GreedyHead:
     def __init__(self, weight: torch.Tensor, kernel_weight: torch.Tensor) -> None:
         """weight: the head [N, K] as torch holds it (bf16, finite); kernel_weight: cpu_ops' copy of it."""
-        n = weight.shape[0]
+        n, k = weight.shape
         self.int8 = cpu_ops.Int8Weight(weight)
         self.kernel_weight = kernel_weight
+        # Above these rows the screen costs more than the full head (kernels/cpu_ops.c head_screen_rows).
+        self.max_rows = cpu_ops.load().head_screen_rows(k)
         # Reused by every call (a fresh one is mmap'd and page-faulted each step): a GreedyHead serves one thread,
         # the engine's.
-        self._scratch = torch.empty(3 * MAX_ROWS * n // 2, dtype=torch.float32)
+        self._scratch = torch.empty(3 * self.max_rows * n // 2, dtype=torch.float32)
 
     @staticmethod
     def serves(weight: torch.Tensor, kernel_weight: torch.Tensor | None) -> bool:
@@ -40,9 +39,9 @@ class GreedyHead:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy tokens for hidden [..., K] (bf16, CPU), or None where the screen declines (the caller then
-        runs the full head): more than MAX_ROWS rows, a row that is not finite, no kernel for this CPU."""
+        runs the full head): more than max_rows rows, a row that is not finite, no kernel for this CPU."""
         ops = cpu_ops.for_tensors(hidden)
-        if ops is None or hidden.dtype != torch.bfloat16 or hidden.numel() > MAX_ROWS * hidden.shape[-1]:
+        if ops is None or hidden.dtype != torch.bfloat16 or hidden.numel() > self.max_rows * hidden.shape[-1]:
             return None
         out = ops.head_argmax(hidden.reshape(-1, hidden.shape[-1]), self.int8, self.kernel_weight, self._scratch)
         return None if out is None else out.view(hidden.shape[:-1])

@@ -113,7 +113,8 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1) without widening the logits to fp32 first: the widening is exact and
         monotone, so the argmax is the same (a decode step's ~0.07 ms on the CPU). Where the head's screen serves
-        (up to 8 rows through the bf16 kernel) it chooses the same tokens reading about half the head."""
+        (up to GreedyHead.max_rows rows, 8, through the bf16 kernel) it chooses the same tokens reading about half the
+        head."""
         if self._greedy_head is not None:
             tokens = self._greedy_head.argmax(hidden)
             if tokens is not None:

@@ -307,6 +307,6 @@ def test_the_kernels_compile_for_cpus_with_fewer_instruction_sets(tmp_path, marc
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
-    for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_available", "llama_layers_bf16",
+    for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_rows", "llama_layers_bf16",
                  "dflash_step_bf16", "argmax_rows_bf16", "rms_norm_bf16", "decode_attention_f32"):
         assert f" {name}\n" in symbols, name
