@@ -72,21 +72,23 @@ GPU_STEP_OVERHEAD_S = 300e-6
 GPU_PERF_SOURCE = "published peaks (hardware.py docstring); fixed costs are estimates (GPU_* constants)"
 
 # Effective values of this runtime on this machine, fitted by benchmarks/calibrate_perf_model.py to 15 measured
-# engine steps (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7, 2026-12-01 19:55 UTC on the Intel Xeon with AMX,
-# with the CPU kernels of kernels/cpu_ops.c: AMX linears, every layer in one call, the drafter's step in one call;
-# record benchmarks/results/perf_model_cpu.json: mean |error| 4.8%, max 10.9%). They are not peaks: weight bytes do not
-# change with the batch, so bandwidth and fixed cost are not separately identifiable here; the fit puts most of the
-# weight read into the 10.9 ms step cost, the batch-dependent work at ~580 GFLOP/s, and a drafter forward's fixed cost
-# at 0.65 ms (the calibration's random drafter drafts among the shipped 2,048-token draft vocabulary, as the runtime
-# does; the fit of 17:29 UTC, with a whole-vocabulary drafter, carried that head in a 2.1 ms draft cost, beside a 9.3 ms
-# step). This machine's speed drifts with its host by up to ~25%.
-CPU_MEM_BANDWIDTH_BYTES_S = 1.02e11
-CPU_DENSE_FLOPS = 5.82e11
-CPU_STEP_OVERHEAD_S = 1.09e-2
-CPU_DRAFT_OVERHEAD_S = 6.5e-4
+# engine steps (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7, 2026-12-02 00:13 UTC on the Intel Xeon with AMX,
+# with the CPU kernels of kernels/cpu_ops.c: AMX linears, every layer in one call, the drafter's step in one call with
+# int8 projections, greedy tokens through the output head's int8 screen; record benchmarks/results/perf_model_cpu.json:
+# mean |error| 4.0%, max 10.4%). They are not peaks: weight bytes do not change with the batch, so bandwidth and fixed
+# cost are not separately identifiable here (the fit's bandwidth is its grid's edge); it puts the weight read into the
+# 9.7 ms step cost, the batch-dependent work at ~630 GFLOP/s, and a drafter forward's fixed cost at 0.45 ms (the
+# calibration's random drafter drafts among the shipped 2,048-token draft vocabulary, as the runtime does). The fit
+# of 2026-12-01 19:55 UTC, before the screen and the int8 drafter: 10.9 ms, 580 GFLOP/s, 0.65 ms. This machine's
+# speed drifts with its host by up to ~25%.
+CPU_MEM_BANDWIDTH_BYTES_S = 3.16e11
+CPU_DENSE_FLOPS = 6.31e11
+CPU_STEP_OVERHEAD_S = 9.68e-3
+CPU_DRAFT_OVERHEAD_S = 4.5e-4
 # One target model only: a per-layer cost cannot be told apart from the per-step cost, so it is folded in.
 CPU_LAYER_OVERHEAD_S = 0.0
-CPU_PERF_SOURCE = "fitted: benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-12-01, 4.8% mean error)"
+CPU_PERF_SOURCE = ("fitted: benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-12-02, "
+                   "4.0% mean error)")
 
 
 def profile(name: str) -> HardwareProfile:
