@@ -212,9 +212,8 @@ class CpuOps:
     def head_argmax(self, x: torch.Tensor, screen: Int8Weight, weight: torch.Tensor,
                     scratch: torch.Tensor) -> torch.Tensor | None:
         """argmax(linear(x, weight), -1) for bf16 x [M, K] through the head's int8 copy `screen` (layers/greedy_head.py;
-        weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None
-        where the kernel declines (then nothing is decided: more than head_screen_rows(K) rows, a row that is not
-        finite, or no kernel for this CPU or head)."""
+        weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None where the kernel declines (then nothing is
+        decided: more than head_screen_rows(K) rows, a row that is not finite, or no kernel for this CPU or head)."""
         x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]
