@@ -494,34 +494,34 @@ static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, floa
     *b = (float)((sqrt(ee) + 1e-3 * sqrt(xx)) * (1 + 1e-6));
     return 1;
 }
-#endif
 
+/* screen_block for a row count known only at run time (1..SCREEN_MAX_ROWS): each case compiles with its accumulators
+ * in registers. */
+static void screen_block_rows(const uint8_t *xq, const float *xs, int R, const int8_t *qb, int64_t K,
+                              const int32_t *qsum, const float *scale, float *dst, int64_t N) {
+    switch (R) {
+#define SCREEN_CASE(RR) \
+    case RR: screen_block(xq, xs, RR, qb, K, qsum, scale, dst, N); break;
+        SCREEN_CASE(1) SCREEN_CASE(2) SCREEN_CASE(3) SCREEN_CASE(4)
+        SCREEN_CASE(5) SCREEN_CASE(6) SCREEN_CASE(7) SCREEN_CASE(8)
+#undef SCREEN_CASE
+    }
+}
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 /* approx [M, N]: every feature's screened value s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) for M <= SCREEN_MAX_ROWS
  * quantized rows. */
 static void screened_values(const uint8_t *xq, const float *xs, int64_t M, const int8_t *q, int64_t K,
                             const int32_t *qsum, const float *scale, float *approx, int64_t N) {
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *qb = q + b * K * 16;
-        switch (M) {
-#define SCREEN_CASE(R) \
-    case R: screen_block(xq, xs, R, qb, K, qsum + b * 16, scale + b * 16, approx + b * 16, N); break;
-            SCREEN_CASE(1) SCREEN_CASE(2) SCREEN_CASE(3) SCREEN_CASE(4)
-            SCREEN_CASE(5) SCREEN_CASE(6) SCREEN_CASE(7) SCREEN_CASE(8)
-#undef SCREEN_CASE
-        }
-    }
+    for (int64_t b = 0; b < N / 16; b++)
+        screen_block_rows(xq, xs, (int)M, q + b * K * 16, K, qsum + b * 16, scale + b * 16, approx + b * 16, N);
 }
 #endif
 
-/* The rows head_argmax_bf16 screens for inputs of size K on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI, else 0 (it
- * may still decline a head linear_bf16 has no kernel for). K is for CPUs whose limit would depend on it: an AMX-INT8
- * version (TDPBUSD, K a multiple of 64, 16 rows) measured 2.3 against the full head's 2.5 ms at 12 rows and lost to
- * this one below 9, about 1% of a 4-row step: not kept. */
-int64_t head_screen_rows(int64_t K) {
-    (void)K;
+/* The rows head_argmax_bf16 screens on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI (and so linear_q8 runs), else 0
+ * (it may still decline a head linear_bf16 has no kernel for). An AMX-INT8 version (TDPBUSD, 16 rows) measured 2.3
+ * against the full head's 2.5 ms at 12 rows and lost to this one below 9, about 1% of a 4-row step: not kept. */
+int64_t head_screen_rows(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     return SCREEN_MAX_ROWS;
 #else
@@ -534,7 +534,7 @@ int64_t head_screen_rows(int64_t K) {
 int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                        const float *scale, int64_t N, float *approx) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    if (M < 1 || M > head_screen_rows(K) || N % SCREEN_GROUP) return 0;
+    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a, c;
     uint8_t *xq = malloc((size_t)(2 * M * K));
     int ok = xq != NULL;
@@ -567,7 +567,7 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    if (M < 1 || M > head_screen_rows(K) || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
+    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a[SCREEN_MAX_ROWS], c[SCREEN_MAX_ROWS];
     uint8_t *xq = malloc((size_t)(2 * M * K)), *wanted = calloc((size_t)(N / SCREEN_GROUP), 1);
     int ok = xq && wanted;
@@ -580,24 +580,22 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
     uint16_t *exact = (uint16_t *)(scratch + M * N);
     screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
     for (int64_t r = 0; r < M; r++) {
-        const float *d = approx + r * N;
+        float *d = approx + r * N; /* screened values in, upper bounds out */
         const __m512 av = _mm512_set1_ps(a[r]), cv = _mm512_set1_ps(c[r]);
         __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
         for (int64_t j = 0; j < N; j += 16) {
             const __m512 v = _mm512_loadu_ps(d + j);
             const __m512 e =
                 _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
+            const __m512 upper = _mm512_add_ps(v, e);
             lo = _mm512_max_ps(lo, _mm512_sub_ps(v, e));
-            hi = _mm512_max_ps(hi, _mm512_add_ps(v, e));
+            hi = _mm512_max_ps(hi, upper);
+            _mm512_storeu_ps(d + j, upper);
         }
         const float l = _mm512_reduce_max_ps(lo), h = _mm512_reduce_max_ps(hi);
         const __m512 floor_ = _mm512_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
-        for (int64_t j = 0; j < N; j += 16) {
-            const __m512 e =
-                _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
-            if (_mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(d + j), e), floor_, _CMP_GE_OQ))
-                wanted[j / SCREEN_GROUP] = 1;
-        }
+        for (int64_t j = 0; j < N; j += 16)
+            if (_mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), floor_, _CMP_GE_OQ)) wanted[j / SCREEN_GROUP] = 1;
     }
     float best[SCREEN_MAX_ROWS];
     for (int64_t r = 0; r < M; r++) best[r] = -INFINITY, out[r] = -1;
@@ -685,13 +683,7 @@ int linear_q8(const uint16_t *x, const q8_weight *w, const uint16_t *bias, uint1
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
             float out[SCREEN_MAX_ROWS * 16];
-            const int8_t *qb = w->q + b * K * 16;
-            switch (R) {
-#define Q8_CASE(RR) \
-    case RR: screen_block(xq, xs, RR, qb, K, w->qsum + b * 16, w->scale + b * 16, out, 16); break;
-                Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8)
-#undef Q8_CASE
-            }
+            screen_block_rows(xq, xs, R, w->q + b * K * 16, K, w->qsum + b * 16, w->scale + b * 16, out, 16);
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < 16; j++) {
                     const float v = out[r * 16 + j] + (bias ? bf16_to_f32(bias[b * 16 + j]) : 0.0f);

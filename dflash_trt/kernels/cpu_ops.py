@@ -123,7 +123,7 @@ class CpuOps:
         self._head_screen_values.argtypes = [_p, _i64, _i64, _p, _p, _p, _i64, _p]
         self._head_screen_values.restype = ctypes.c_int
         self._head_screen_rows = library.head_screen_rows
-        self._head_screen_rows.argtypes = [_i64]
+        self._head_screen_rows.argtypes = []
         self._head_screen_rows.restype = _i64
         self._argmax = {}
         for dtype, sfx in _SUFFIX.items():
@@ -190,13 +190,13 @@ class CpuOps:
         self._argmax[x.dtype](x.data_ptr(), x.numel() // n, n, out.data_ptr())
         return out
 
-    def has_head_screen(self) -> bool:
+    def has_int8_kernels(self) -> bool:
         """Whether the int8 kernels (head_argmax, linear_q8) run here: AVX512-BF16 and AVX512-VNNI."""
-        return self.head_screen_rows(32) > 0
+        return self.head_screen_rows() > 0
 
-    def head_screen_rows(self, k: int) -> int:
-        """The most rows head_argmax screens for inputs of size k here: 8 with AVX512-VNNI, 0 without."""
-        return int(self._head_screen_rows(k))
+    def head_screen_rows(self) -> int:
+        """The most rows head_argmax screens here: 8 with AVX512-VNNI, 0 without."""
+        return int(self._head_screen_rows())
 
     def head_screen_values(self, x: torch.Tensor, screen: Int8Weight) -> torch.Tensor | None:
         """The values head_argmax screens with, fp32 [M, N] for bf16 x [M, K]: about x @ (scale q)^T (for tests); None
@@ -213,7 +213,7 @@ class CpuOps:
                     scratch: torch.Tensor) -> torch.Tensor | None:
         """argmax(linear(x, weight), -1) for bf16 x [M, K] through the head's int8 copy `screen` (layers/greedy_head.py;
         weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None where the kernel declines (then nothing is
-        decided: more than head_screen_rows(K) rows, a row that is not finite, or no kernel for this CPU or head)."""
+        decided: more than head_screen_rows() rows, a row that is not finite, or no kernel for this CPU or head)."""
         x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]

@@ -19,11 +19,11 @@ from dflash_trt.kernels import cpu_ops
 class GreedyHead:
     def __init__(self, weight: torch.Tensor, kernel_weight: torch.Tensor) -> None:
         """weight: the head [N, K] as torch holds it (bf16, finite); kernel_weight: cpu_ops' copy of it."""
-        n, k = weight.shape
+        n = weight.shape[0]
         self.int8 = cpu_ops.Int8Weight(weight)
         self.kernel_weight = kernel_weight
         # Above these rows the screen costs more than the full head (kernels/cpu_ops.c head_screen_rows).
-        self.max_rows = cpu_ops.load().head_screen_rows(k)
+        self.max_rows = cpu_ops.load().head_screen_rows()
         # Reused by every call (a fresh one is mmap'd and page-faulted each step): a GreedyHead serves one thread,
         # the engine's.
         self._scratch = torch.empty(3 * self.max_rows * n // 2, dtype=torch.float32)
@@ -33,7 +33,7 @@ class GreedyHead:
         """Whether the screen applies: a CPU with its kernel, a bf16 head the bf16 kernel computes, in whole
         64-feature groups of at most 8,192 inputs, finite."""
         ops = cpu_ops.load()
-        return (ops is not None and ops.has_head_screen() and kernel_weight is not None
+        return (ops is not None and ops.has_int8_kernels() and kernel_weight is not None
                 and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 64 == 0
                 and weight.shape[1] <= 8192 and bool(torch.isfinite(weight).all()))
 

@@ -349,7 +349,7 @@ class DFlashDrafter(nn.Module):
         has the kernel; the layers' own torch path (long contexts) keeps bf16."""
         pack_linears(self)
         ops = cpu_ops.load()
-        int8 = int8_weights and ops is not None and ops.has_head_screen()
+        int8 = int8_weights and ops is not None and ops.has_int8_kernels()
         self.kernel_table = self._build_layer_table(int8)
         self.context_table = self._build_context_table(int8) if self.kernel_table is not None else None
 
@@ -377,9 +377,12 @@ class DFlashDrafter(nn.Module):
             if weights is None:
                 return None
             q, kv, o, gate_up, down = weights
-            qkv = ops.kernel_weight(torch.cat([ops.plain_weight(q), ops.plain_weight(kv)]))
-            if int8:
-                qkv, o, gate_up, down = (_int8(w) for w in (qkv, o, gate_up, down))
+            qkv_plain = torch.cat([ops.plain_weight(q), ops.plain_weight(kv)])
+            if int8:  # from the plain weights: the fused qkv is never laid out for the bf16 kernel
+                qkv = cpu_ops.Int8Weight(qkv_plain)
+                o, gate_up, down = (_int8(w) for w in (o, gate_up, down))
+            else:
+                qkv = ops.kernel_weight(qkv_plain)
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.kv_proj.bias])
             entries.append([layer.input_layernorm.weight, qkv, qkv_bias, o, a.o_proj.bias,
                             layer.post_attention_layernorm.weight, gate_up, m.gate_up_proj.bias,

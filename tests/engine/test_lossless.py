@@ -85,7 +85,7 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)
     engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", int8_drafter=int8_drafter)
-    assert engine.drafter.kernel_table.int8 == (int8_drafter and cpu_ops.load().has_head_screen())
+    assert engine.drafter.kernel_table.int8 == (int8_drafter and cpu_ops.load().has_int8_kernels())
     if forced:
         force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
     outs = engine.generate(prompts, params)
@@ -105,7 +105,7 @@ def screenable_dirs(tmp_path_factory) -> dict:
 
 def _head_screen() -> bool:
     ops = cpu_ops.load()
-    return _batch_invariant_bf16() and ops.has_head_screen()
+    return _batch_invariant_bf16() and ops.has_int8_kernels()
 
 
 @pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI")

@@ -194,7 +194,7 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     assert torch.equal(got, alone)
 
 
-needs_int8 = pytest.mark.skipif(ops is None or not ops.has_head_screen(), reason="no AVX512-VNNI for the int8 kernels")
+needs_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_kernels(), reason="no AVX512-VNNI for the int8 kernels")
 
 
 @needs_int8

@@ -14,7 +14,7 @@ ops = cpu_ops.load()
 
 
 def screen_available() -> bool:
-    return ops is not None and ops.has_head_screen() and ops.has_linear(torch.zeros(64, 32, dtype=torch.bfloat16))
+    return ops is not None and ops.has_int8_kernels() and ops.has_linear(torch.zeros(64, 32, dtype=torch.bfloat16))
 
 
 pytestmark = pytest.mark.skipif(not screen_available(), reason="no CPU kernel for the screen (AVX512-BF16 and -VNNI)")
@@ -51,7 +51,7 @@ def test_equals_the_full_heads_argmax(rows, n, k, seed, outliers, duplicates, te
     with torch.no_grad():
         h = head(w)
         got = h.argmax(x)
-        assert (got is None) == (rows > ops.head_screen_rows(k))
+        assert (got is None) == (rows > ops.head_screen_rows())
         if got is not None:
             assert torch.equal(got, full_head_argmax(x, w))
 
@@ -63,7 +63,7 @@ def test_the_screened_values_are_the_int8_heads_logits(rows, k, seed, outliers):
     the inputs' second-level remainder (2^-16 of a row's largest value per element, here allowed 2^-14) can make, with
     outlier channels that leave most of a row to the second level. The argmax tests cannot see an error the bound's
     slack absorbs; this one can."""
-    if rows > ops.head_screen_rows(k):
+    if rows > ops.head_screen_rows():
         return
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(128, k, generator=g) * 0.05).bfloat16()
@@ -76,7 +76,8 @@ def test_the_screened_values_are_the_int8_heads_logits(rows, k, seed, outliers):
         got = ops.head_screen_values(x, q8).double()
     wq = q8.dequantized().double()
     want = x.double() @ wq.T
-    tol = x.double().abs().amax(1, keepdim=True) * 2.0**-14 * wq.abs().sum(1)[None] + 1e-5 * (x.double().abs() @ wq.abs().T)
+    magnitude = x.double().abs() @ wq.abs().T
+    tol = x.double().abs().amax(1, keepdim=True) * 2.0**-14 * wq.abs().sum(1)[None] + 1e-5 * magnitude
     assert bool(((got - want).abs() <= tol).all())
 
 

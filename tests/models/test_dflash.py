@@ -179,7 +179,7 @@ def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_p
     cpu_ops.Int8Weight). Against the bf16 tables, over two steps: hidden states within a few percent, row by row (a
     projection wired to the wrong slot or transposed would be off by ~100%), and not equal (the int8 path ran)."""
     target, ours = _packed_bf16_drafter(tmp_path, variant)
-    if not cpu_ops.load().has_head_screen():
+    if not cpu_ops.load().has_int8_kernels():
         pytest.skip("needs the CPU kernels with AVX512-VNNI")
     one_call = []
     step = cpu_ops.CpuOps.dflash_step
