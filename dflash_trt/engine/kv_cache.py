@@ -40,6 +40,15 @@ class KVCache:
         self.k[layer].view(-1, head_dim).index_copy_(0, idx, k.reshape(-1, head_dim))
         self.v[layer].view(-1, head_dim).index_copy_(0, idx, v.reshape(-1, head_dim))
 
+    def move(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """For (row, start, nodes): the K/V at start + nodes[d] go to start + d in every layer (a draft tree's
+        accepted path, root first, to the positions of its depths). Read before written: sources may overlap."""
+        for row, start, nodes in moves:
+            src = torch.tensor(nodes, device=self.k.device) + start
+            dst = torch.arange(len(nodes), device=self.k.device) + start
+            for cache in (self.k, self.v):
+                cache[:, row, :, dst] = cache[:, row, :, src]
+
     def _flat_index(self, meta: AttentionMetadata) -> torch.Tensor:
         """Row-major offsets of (row, head, position) in a [rows, kv_heads, max_len] layer -> [B * Q * kv_heads]."""
         cached = meta.flat_index.get(id(self))

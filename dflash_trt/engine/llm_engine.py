@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.draft_schedule import expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -40,6 +41,9 @@ class EngineConfig:
     # step streams; drafts may differ slightly from bf16's (the target's verify keeps the output exact).
     int8_drafter: bool = True
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
+    # batch-size threshold -> draft tree nodes (spec/draft_tree.py; the draft_len_schedule's rule, 0 or absent: a
+    # chain): all-greedy steps verify that many drafts chosen from each slot's top tokens, K slots deep.
+    draft_tree: dict[int, int] = field(default_factory=dict)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
     # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
@@ -57,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for b, n in self.draft_tree.items():
+            if b < 1 or n < 0:
+                raise ValueError(f"draft_tree {{{b}: {n}}}: batch sizes must be >= 1 and node counts >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -70,7 +77,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     acceptance_lengths: list[int] = field(default_factory=list)
-    draft_lens: list[int] = field(default_factory=list)  # K of each speculative step
+    draft_lens: list[int] = field(default_factory=list)  # drafts of each speculative step: K, or a tree's nodes
     tau: float = 0.0
     acceptance_histogram: list[int] = field(default_factory=list)
     draft_time: float = 0.0
@@ -125,6 +132,10 @@ class LLMEngine:
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             load_window=config.load_window,
         ))
+        if self.drafter is not None and config.draft_tree and max(config.draft_tree.values()) > self.runner.max_draft_len:
+            # the target cache keeps room past a row's last position for one drafter block, no more
+            raise ValueError(f"draft_tree={config.draft_tree}: at most {self.runner.max_draft_len} nodes "
+                             f"(the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
@@ -238,7 +249,11 @@ class LLMEngine:
             before = (active[0].stats.draft_time, active[0].stats.verify_time)
             # more pending features than a steady step's (read before the step takes them in)
             catch_up = self.adaptive is not None and k > 0 and max(s.num_pending_features for s in active) > k + 1
-            emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
+            nodes = self._tree_nodes(active) if k > 0 else 0
+            if nodes:
+                emitted = self.runner.tree_step(active, k, nodes)
+            else:
+                emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
             # Every row of a step is charged the step's time, so one row's increase is the step's.
             result.draft_time = active[0].stats.draft_time - before[0]
             result.verify_time = active[0].stats.verify_time - before[1]
@@ -251,7 +266,7 @@ class LLMEngine:
                 n = s.append(toks, self.max_model_len)
                 if k > 0:
                     s.stats.acceptance_lengths.append(n)
-                    s.stats.draft_lens.append(k)
+                    s.stats.draft_lens.append(nodes or k)
                     result.acceptance_lengths.append(n)
                 result.updated.append(s)
         now = time.perf_counter()
@@ -262,6 +277,13 @@ class LLMEngine:
         result.updated.extend(batch.aborted)
         self._busy_since = time.perf_counter() if batch.decodes and self.has_unfinished() else None
         return result
+
+    def _tree_nodes(self, active: list[Sequence]) -> int:
+        """Draft tree nodes for this step's batch: the config's draft_tree for its size when every row is greedy
+        (trees verify greedily), else 0 (a chain)."""
+        if not self.config.draft_tree or self.drafter is None or not all(s.params.greedy for s in active):
+            return 0
+        return expand(self.config.draft_tree, len(active))
 
     def make_output(self, s: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

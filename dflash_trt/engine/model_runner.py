@@ -20,6 +20,7 @@ from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_b
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.spec.draft_tree import accept_tree
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
 from dflash_trt.spec.verifier import VerifyResult, accept_greedy
 
@@ -173,6 +174,40 @@ class ModelRunner:
 
         for i, s in enumerate(seqs):
             s.pending_features = [target_features[i, : len(emitted[i])]]
+            s.stats.draft_time += t1 - t0
+            s.stats.verify_time += t2 - t1
+        return emitted
+
+    @torch.inference_mode()
+    def tree_step(self, seqs: list[Sequence], depth: int, nodes: int) -> list[list[int]]:
+        """Greedy rows: draft a tree of `nodes` nodes up to `depth` slots deep per row (spec/draft_tree.py), verify it
+        in one target forward, return each row's emitted tokens: the accepted path's drafts and the target's next."""
+        assert self.proposer is not None, "tree_step needs a drafter"
+        dev = self.device
+        rows = self._rows(seqs)
+        anchor_pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev)
+        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
+
+        t0 = time.perf_counter()
+        features, feature_pos = self._pending_batch(seqs, anchor_pos)
+        tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes)
+        t1 = time.perf_counter()
+
+        meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
+        hidden, target_features = self.target(tree.tokens, meta, self.target_cache, self.capture)
+        choices = self.target.greedy_tokens(hidden)  # [B, N + 1]: the target's token after each node
+        paths = accept_tree(tree, choices)
+        tokens, choices = tree.tokens.tolist(), choices.tolist()
+        emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
+        # The accepted nodes' K/V move to the positions of their depths (node j was written at anchor + j), where
+        # the next step's queries look for them; the rest is left behind, masked, as a chain's rejected drafts are.
+        moves = [(int(rows[i]), int(anchor_pos[i]), path) for i, path in enumerate(paths) if path != list(range(len(path)))]
+        if moves:
+            self.target_cache.move(moves)
+        t2 = time.perf_counter()
+
+        for i, s in enumerate(seqs):
+            s.pending_features = [target_features[i, paths[i]]]
             s.stats.draft_time += t1 - t0
             s.stats.verify_time += t2 - t1
         return emitted

@@ -90,7 +90,7 @@ class CpuOps:
             norm.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _f32]
             norm.restype = None
             attn = getattr(library, f"decode_attention_{sfx}")
-            attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64]
+            attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _p]
             attn.restype = None
             rope = getattr(library, f"qkv_rotary_write_{sfx}")
             rope.argtypes = [_p, _p, _p, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]
@@ -101,7 +101,7 @@ class CpuOps:
             self._fns[dtype] = (norm, attn, rope, silu)
         self._layers = library.llama_layers_bf16
         self._layers.argtypes = [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64, _i64]
+                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64, _i64, _p]
         self._layers.restype = ctypes.c_int
         self._dflash_step = library.dflash_step_bf16
         self._dflash_step.argtypes = ([_p, _i64, _i64, _p, _f32, _p, _p, _p, _p] + self._layers.argtypes[:22]
@@ -283,11 +283,12 @@ class CpuOps:
     def llama_layers(
         self, x: torch.Tensor, table: "LayerTable", k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
-        capture_layer_ids: tuple[int, ...] = (),
+        capture_layer_ids: tuple[int, ...] = (), tree: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Every decoder layer of a Llama-family model over x [B, Q, hidden] (bf16) in one call; the caches are the
         model's whole K/V tensors [layers, rows, KVH, max_len, D]. -> (the last layer's output, the captured layers'
-        outputs concatenated in capture_layer_ids' order, or None); None where the library declines."""
+        outputs concatenated in capture_layer_ids' order, or None); None where the library declines. tree: as
+        cached_attention's."""
         x, cos, sin, args = self._layer_args(x, table, k_cache, v_cache, cos, sin, rows, positions, lens)
         b, n, hidden = x.shape
         slots = [-1] * k_cache.shape[0]
@@ -296,7 +297,7 @@ class CpuOps:
         capture = torch.tensor(slots, dtype=torch.int64)
         features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
         done = self._layers(*args, capture.data_ptr(), features.data_ptr() if features is not None else None,
-                            len(capture_layer_ids), int(table.int8))
+                            len(capture_layer_ids), int(table.int8), _tree_pointer(tree, b * n))
         return (x, features) if done else None
 
     def dflash_step(
@@ -341,10 +342,12 @@ class CpuOps:
 
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, tree: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each query q[i] ([N, H, D]) attends over cache row rows[i] of k/v_cache ([cache rows, KVH, max_len, D]),
-        keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]."""
+        keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]. tree (a draft tree's
+        verify, QueryKeys.tree): int64 [N, 2] of (start, bits): keys t >= start visible only where bit t - start is
+        set."""
         q = q.contiguous()
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape
@@ -353,9 +356,17 @@ class CpuOps:
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            b, h, kvh, max_len, d, scale, window or 0,
+            b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b, window),
         )
         return out
+
+
+def _tree_pointer(tree: torch.Tensor | None, queries: int, window: int | None = None) -> int | None:
+    if tree is None:
+        return None
+    if window or tree.dtype != torch.int64 or tree.shape != (queries, 2) or not tree.is_contiguous():
+        raise ValueError(f"tree must be a contiguous int64 [{queries}, 2] without a window, got {tuple(tree.shape)}")
+    return tree.data_ptr()
 
 
 class _Int8Struct(ctypes.Structure):

@@ -59,6 +59,10 @@ static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R
 }
 
 /* One query per row against that row's cached keys [0, lens[b]) (the last `window` of them when window > 0).
+ * tree (or NULL): per query a (start, bits) pair of int64; keys t >= start are then visible only where bit t - start
+ * of bits is set (a draft tree's ancestors, verify_tree in spec/draft_tree.py). A hidden key's weight is exactly 0 and
+ * the softmax's sum runs over the visible keys packed together, so a node's output is bit for bit what a chain of its
+ * ancestors would give: the same terms in the same order.
  * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Consecutive queries of
  * one cache row form a run that reads each key and value once per head; the (run, query head) pairs are spread over
  * the OpenMP threads (per KV head there were too few of them to share two threads evenly at decode: SmolLM2's 3 KV
@@ -66,7 +70,7 @@ static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R
  * alone, so its output does not depend on the others. */
 void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache, const int64_t *rows,
                                  const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t max_len,
-                                 int64_t D, float scale, int64_t window) {
+                                 int64_t D, float scale, int64_t window, const int64_t *tree) {
     const int64_t G = H / KVH;
     int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(B + 1)), runs = 0, work = 0;
     if (!run_start) abort();
@@ -85,20 +89,36 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
         int64_t n[MAX_QUERY_RUN], total = 0;
         const float *p[MAX_QUERY_RUN];
         for (int64_t r = 0; r < R; r++) n[r] = lens[first + r] - start, total += n[r];
-        float *buf = malloc(sizeof(float) * (size_t)(R * D + total));
+        float *buf = malloc(sizeof(float) * (size_t)(R * D + total + (tree ? total : 0)));
         if (!buf) abort();
-        float *acc = buf, *s = buf + R * D;
+        float *acc = buf, *s = buf + R * D, *packed = s + total;
         for (int64_t r = 0; r < R; r++) {
             CAT(scores_, SFX)(q + ((first + r) * H + h) * D, k_cache + base, n[r], D, scale, s);
+            int64_t from = n[r]; /* keys [from, n[r]) are the tree's: visible by their bit */
+            uint64_t bits = 0;
+            if (tree) {
+                from = tree[2 * (first + r)] - start;
+                bits = (uint64_t)tree[2 * (first + r) + 1];
+                for (int64_t t = from; t < n[r]; t++)
+                    if (!((bits >> (t - from)) & 1u)) s[t] = -INFINITY;
+            }
             float m = -INFINITY, sum = 0.0f;
             /* vectorised: as a scalar loop the max's dependency chain took a quarter of the kernel's time */
 #pragma omp simd reduction(max : m)
             for (int64_t t = 0; t < n[r]; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n[r]; t++) {
-                s[t] = exp_nonpositive(s[t] - m);
-                sum += s[t];
+#pragma omp simd
+            for (int64_t t = 0; t < n[r]; t++) s[t] = exp_nonpositive(s[t] - m);
+            const float *terms = s;
+            int64_t count = n[r];
+            if (from < n[r]) { /* hidden keys are exact zeros: drop them so the sum's lanes see a chain's terms */
+                memcpy(packed, s, sizeof(float) * (size_t)from);
+                count = from;
+                for (int64_t t = from; t < n[r]; t++)
+                    if ((bits >> (t - from)) & 1u) packed[count++] = s[t];
+                terms = packed;
             }
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < count; t++) sum += terms[t];
             const float inv = 1.0f / sum;
             for (int64_t t = 0; t < n[r]; t++) s[t] *= inv;
             p[r] = s;

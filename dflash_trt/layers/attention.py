@@ -5,7 +5,10 @@ positions only, which is what makes rollback free (see engine/kv_cache.py):
 - causal (target, prefill and verify): key t is visible to the query at position p iff t <= p;
 - block (drafter): every query of a row sees all keys t < block_end[row], i.e. the drafter
   context plus the whole block, bidirectionally;
-- a sliding window additionally hides keys with p - t >= window (and t - p >= window in blocks).
+- a sliding window additionally hides keys with p - t >= window (and t - p >= window in blocks);
+- tree (target, verifying a draft tree: spec/draft_tree.py): the step's tokens are written at consecutive cache
+  positions from the row's first one, but each takes its rotary position from its depth; keys before that first
+  position stay causal, and of the step's own keys a query sees only its ancestors and itself (a bitmask).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class QueryKeys:
     positions: torch.Tensor  # int64 [N]: where its own K/V go
     lens: torch.Tensor  # int64 [N]: the keys it sees, [0, lens)
     longest: int
+    tree: torch.Tensor | None = None  # int64 [N, 2]: (first tree position, visible-key bits) per query (tree steps)
 
 
 @dataclass
@@ -41,6 +45,8 @@ class AttentionMetadata:
     causal: bool = True
     block_end: torch.Tensor | None = None  # [B] for non-causal blocks: keys t < block_end are visible
     row_slice: slice | None = None  # rows as a slice when they are contiguous (read without a copy)
+    rotary_positions: torch.Tensor | None = None  # [B, Q] where they differ from positions (tree steps)
+    tree: torch.Tensor | None = None  # int64 [B, Q]: bit j set = the key at positions[b, 0] + j is visible
     _masks: dict = field(default_factory=dict, repr=False)
     flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
     _query_keys: "QueryKeys | None" = field(default=None, repr=False)
@@ -52,6 +58,21 @@ class AttentionMetadata:
     @classmethod
     def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor) -> "AttentionMetadata":
         return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
+
+    @classmethod
+    def tree_step(cls, rows: torch.Tensor, start: torch.Tensor, depths: torch.Tensor,
+                  ancestors: torch.Tensor) -> "AttentionMetadata":
+        """A draft tree's verify: node j of row b (j = 0 the root) is written at start[b] + j and rotated at
+        start[b] + depths[b, j]; ancestors[b, j] has bit i set where node i is node j or one of its ancestors (so
+        every parent precedes its children: causal order is kept)."""
+        positions = start[:, None] + torch.arange(depths.shape[1], device=start.device)
+        return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows),
+                   rotary_positions=start[:, None] + depths, tree=ancestors.to(torch.int64))
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """The positions the queries and keys of this step are rotated at."""
+        return self.positions if self.rotary_positions is None else self.rotary_positions
 
     def mask(self, window: int | None = None, causal: bool | None = None, kv_len: int | None = None) -> torch.Tensor | None:
         """Boolean mask [B, 1, Q, kv_len], or None when every key is visible. A kv_len beyond self.kv_len
@@ -71,13 +92,21 @@ class AttentionMetadata:
             positions = self.positions.to(torch.int64).reshape(-1).contiguous()
             rows = self.rows.to(torch.int64).repeat_interleave(q).contiguous()
             lens = positions + 1 if self.causal else self.block_end.to(torch.int64).repeat_interleave(q).contiguous()
-            self._query_keys = QueryKeys(rows, positions, lens, int(lens.max()))
+            tree = None
+            if self.tree is not None:  # (first tree position, bits) per query
+                first = self.positions[:, :1].to(torch.int64).expand(-1, q).reshape(-1)
+                tree = torch.stack([first, self.tree.reshape(-1)], dim=1).contiguous()
+            self._query_keys = QueryKeys(rows, positions, lens, int(lens.max()), tree)
         return self._query_keys
 
     def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
         t = torch.arange(kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
-        p = self.positions[:, :, None]  # [B, Q, 1]
-        if causal:
+        p = self.rope_positions[:, :, None]  # [B, Q, 1]
+        if self.tree is not None:
+            rel = t - self.positions[:, :1, None]  # the key's node index for the step's own keys
+            bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1
+            visible = (rel < 0) | ((rel < self.positions.shape[1]) & (bit == 1))
+        elif causal:
             visible = t <= p
         else:
             visible = t < self.block_end[:, None, None]

@@ -90,7 +90,7 @@ class CausalLM(nn.Module):
         A later start finishes the target from a captured layer output (train/teacher.py): the trainer's
         teacher logits cost the layers after the deepest feature, not a whole forward.
         """
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        cos, sin = self.rotary(meta.rope_positions, x.dtype)
         extra = self._layer_args(meta)
         captured = {}
         wanted = set(capture_layer_ids)

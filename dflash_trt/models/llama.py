@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
             q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads, norms)
-            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale)
+            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, tree=keys.tree)
             return self.o_proj(out.view(b, n, -1))
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)
@@ -111,9 +111,9 @@ class LlamaForCausalLM(CausalLM):
         if step is not None:
             ops, keys = step
             x = self.embed_tokens(input_ids)
-            cos, sin = self.rotary(meta.positions, x.dtype)
+            cos, sin = self.rotary(meta.rope_positions, x.dtype)
             out = ops.llama_layers(x, table, cache.k, cache.v, cos, sin, keys.rows, keys.positions, keys.lens,
-                                   tuple(capture_layer_ids))
+                                   tuple(capture_layer_ids), keys.tree)
             if out is not None:
                 return self.norm(out[0]), out[1]
         return super().forward(input_ids, meta, cache, capture_layer_ids)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
+from dflash_trt.spec.draft_tree import DraftTree, build_tree
 from dflash_trt.spec.draft_vocab import DraftHead
 
 
@@ -76,6 +77,44 @@ class DFlashProposer:
         num_draft: int,
         sampling: DraftSampling | None = None,
     ) -> Proposal:
+        logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, num_draft)
+        draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
+        draft_probs = None
+        if sampling is not None and sampling.rows.numel():
+            draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
+            u = uniform(sampling.generators, num_draft, logits.device)
+            draft_tokens[sampling.rows] = sample_from(draft_probs, u)
+        if self.draft_vocab is not None:
+            draft_tokens = self.draft_vocab[draft_tokens]
+            if draft_probs is not None:  # the proposal over the whole vocabulary: zero outside the set
+                full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.embed_weight.shape[0])
+                draft_probs = full.index_copy_(-1, self.draft_vocab, draft_probs)
+        return Proposal(draft_tokens, draft_probs)
+
+    @torch.inference_mode()
+    def propose_tree(
+        self,
+        rows: torch.Tensor,
+        features: torch.Tensor,
+        feature_positions: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        depth: int,
+        nodes: int,
+        width: int = 4,
+    ) -> DraftTree:
+        """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` best paths
+        through each slot's `width` most likely tokens (spec/draft_tree.py). Greedy rows only."""
+        logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, depth)
+        width = min(width, nodes, logits.shape[-1])
+        top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)
+        tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
+        # a shallow block (the scheduler shortens K near a request's end) holds fewer paths
+        return build_tree(anchors, tokens, top.values, min(nodes, depth * width))
+
+    def _slot_logits(self, rows, features, feature_positions, anchors, anchor_positions, num_draft) -> torch.Tensor:
+        """The drafter's step: [B, num_draft, V] logits of block slots 1..num_draft (over the draft vocabulary
+        when there is one)."""
         if not 1 <= num_draft <= self.max_draft_len:
             raise ValueError(
                 f"max_draft_len={num_draft} must be in 1..{self.max_draft_len} (drafter block_size={self.max_draft_len + 1})"
@@ -90,16 +129,4 @@ class DFlashProposer:
         if d.config.input_embedding_scale != 1.0:
             embeds = embeds * d.config.input_embedding_scale
         hidden = d.draft(features, AttentionMetadata.causal_step(rows, feature_positions), embeds, meta, self.cache)
-        logits = d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j
-        draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
-        draft_probs = None
-        if sampling is not None and sampling.rows.numel():
-            draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
-            u = uniform(sampling.generators, num_draft, logits.device)
-            draft_tokens[sampling.rows] = sample_from(draft_probs, u)
-        if self.draft_vocab is not None:
-            draft_tokens = self.draft_vocab[draft_tokens]
-            if draft_probs is not None:  # the proposal over the whole vocabulary: zero outside the set
-                full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.embed_weight.shape[0])
-                draft_probs = full.index_copy_(-1, self.draft_vocab, draft_probs)
-        return Proposal(draft_tokens, draft_probs)
+        return d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j

@@ -1,0 +1,108 @@
+"""Draft trees: greedy verification of several drafts per step, chosen from the drafter's per-slot top tokens.
+
+A DFlash block gives, in one drafter forward, a distribution for every slot 1..K after the anchor. A chain drafts
+each slot's argmax; when slot 1's argmax is wrong the whole step yields one token. A tree spends the same target
+forward on more rows: of all the paths that pick one of the top `width` tokens at each slot, it verifies the
+`nodes` whose product of slot probabilities is highest (best-first, the EAGLE-2 selection: arXiv 2406.16858), so it
+goes deep where the drafter is sure and wide where it is not. The set is prefix-closed (a path's probability never
+exceeds its prefix's), so it is a tree rooted at the anchor.
+
+Greedy only: the target's argmax at each verified node says which child, if any, continues the accepted path; the
+emitted tokens are the accepted path's drafts plus the target's token after its last node, exactly the tokens plain
+decoding would give. Measured offline on the `cpu-small` prompts with the shipped SmolLM2 drafter (session 19,
+benchmarks/README.md): a chain of K=2 accepts 1.64 tokens a step, trees of 3 / 4 / 7 nodes 1.79 / 1.86 / 1.99.
+
+Node order: node 0 is the root (the anchor), then nodes in the order they were chosen, so every parent precedes its
+children (the attention stays causal in node order: layers/attention.py AttentionMetadata.tree_step).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+MAX_TREE_NODES = 63  # draft nodes per row: the root and its nodes fit one 64-bit visibility mask
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N + 1] node tokens; column 0 is the root (the anchor)
+    parents: list[list[int]]  # per row, per node: the parent's node index (-1 for the root)
+    depths: torch.Tensor  # [B, N + 1] int64: 0 for the root, a node's slot for the others
+    ancestors: torch.Tensor  # [B, N + 1] int64: bit i set where node i is the node itself or one of its ancestors
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes per row (the root excluded)."""
+        return self.tokens.shape[1] - 1
+
+
+def select_paths(logprobs: list[list[list[float]]], nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` rank paths of highest summed log-probability, in the order chosen (best first).
+
+    logprobs[d][r]: log-probability of slot d + 1's r-th most likely token (each slot's list sorted descending). A
+    path (r_1, ..., r_k) drafts slot j's r_j-th token at depth j; ties go to the path found first."""
+    depth, width = len(logprobs), len(logprobs[0]) if logprobs else 0
+    heap = [(-logprobs[0][r], (r,)) for r in range(width)]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        d = len(path)
+        if d < depth:
+            for r in range(width):
+                heapq.heappush(heap, (neg - logprobs[d][r], path + (r,)))
+    return chosen
+
+
+def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, nodes: int) -> DraftTree:
+    """anchors [B]; top_tokens / top_logprobs [B, K, W]: each slot's W most likely draft tokens, best first ->
+    a DraftTree of exactly `nodes` draft nodes per row (nodes <= K * W keeps every row's tree full)."""
+    b, k, w = top_tokens.shape
+    if not 1 <= nodes <= min(MAX_TREE_NODES, k * w):
+        raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {min(MAX_TREE_NODES, k * w)} "
+                         f"(K={k} slots x {w} tokens each)")
+    tokens = torch.empty(b, nodes + 1, dtype=torch.long)
+    depths = torch.zeros(b, nodes + 1, dtype=torch.int64)
+    ancestors = torch.ones(b, nodes + 1, dtype=torch.int64)
+    parents: list[list[int]] = []
+    top = top_tokens.cpu().tolist()
+    tokens[:, 0] = anchors.cpu()
+    for row, lp in enumerate(top_logprobs.float().cpu().tolist()):
+        paths = select_paths(lp, nodes)
+        index = {(): 0}
+        row_parents = [-1]
+        for j, path in enumerate(paths, start=1):
+            parent = index[path[:-1]]
+            index[path] = j
+            row_parents.append(parent)
+            tokens[row, j] = top[row][len(path) - 1][path[-1]]
+            depths[row, j] = len(path)
+            ancestors[row, j] = int(ancestors[row, parent]) | (1 << j)
+        parents.append(row_parents)
+    dev = top_tokens.device
+    return DraftTree(tokens.to(dev), parents, depths.to(dev), ancestors.to(dev))
+
+
+def accept_tree(tree: DraftTree, target_tokens: torch.Tensor) -> list[list[int]]:
+    """Greedy acceptance: target_tokens [B, N + 1] is the target's argmax at every node. From the root, follow the
+    child whose token is the target's choice at the current node -> per row the accepted path's node indices, root
+    first (the emitted tokens are those nodes' drafts after the root, then target_tokens at the last one)."""
+    paths = []
+    tokens, choices = tree.tokens.tolist(), target_tokens.tolist()
+    for row, parents in enumerate(tree.parents):
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents[1:], start=1):
+            children.setdefault(parent, []).append(node)
+        path = [0]
+        while True:
+            want = choices[row][path[-1]]
+            nxt = next((c for c in children.get(path[-1], ()) if tokens[row][c] == want), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+        paths.append(path)
+    return paths
