@@ -25,3 +25,32 @@ def force_drafts(engine, truth_by_slot: dict[int, list[int]], error_rate: float,
         return Proposal(drafts, out.draft_probs)
 
     proposer.propose = propose
+
+
+def force_tree_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0) -> None:
+    """For draft trees: every slot's distribution puts the true token at rank 0 (55%), 1 (20%), 2 (10%), 3 (5%) or
+    outside the top four (10%), so trees accept deep paths, paths off the chain of top tokens, and nothing."""
+    proposer = engine.runner.proposer
+    real = proposer._slot_logits
+    vocab = proposer.draft_vocab
+    index = None if vocab is None else {int(t): i for i, t in enumerate(vocab.tolist())}
+    g = torch.Generator().manual_seed(seed)
+
+    def slot_logits(rows, features, feature_positions, anchors, anchor_positions, num_draft):
+        logits = real(rows, features, feature_positions, anchors, anchor_positions, num_draft)
+        fake = torch.rand(logits.shape, generator=g) - 20.0
+        width = fake.shape[-1]
+        for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
+            full = truth_by_slot[row]
+            for j in range(num_draft):
+                truth = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
+                t = truth if index is None else index.get(truth)
+                rank = int(torch.multinomial(torch.tensor([0.55, 0.2, 0.1, 0.05, 0.1]), 1, generator=g))
+                decoys = [d for d in torch.randperm(width, generator=g)[:5].tolist() if d != t][:rank]
+                for n, d in enumerate(decoys):
+                    fake[i, j, d] = 10.0 - n
+                if t is not None:
+                    fake[i, j, t] = 10.0 - rank + 0.5 if rank < 4 else -30.0
+        return fake.to(logits.dtype)
+
+    proposer._slot_logits = slot_logits

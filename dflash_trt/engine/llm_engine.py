@@ -251,7 +251,7 @@ class LLMEngine:
             catch_up = self.adaptive is not None and k > 0 and max(s.num_pending_features for s in active) > k + 1
             nodes = self._tree_nodes(active) if k > 0 else 0
             if nodes:
-                emitted = self.runner.tree_step(active, k, nodes)
+                emitted, nodes = self.runner.tree_step(active, k, nodes)
             else:
                 emitted = self.runner.spec_step(active, k) if k > 0 else self.runner.decode_step(active)
             # Every row of a step is charged the step's time, so one row's increase is the step's.

@@ -179,9 +179,10 @@ class ModelRunner:
         return emitted
 
     @torch.inference_mode()
-    def tree_step(self, seqs: list[Sequence], depth: int, nodes: int) -> list[list[int]]:
+    def tree_step(self, seqs: list[Sequence], depth: int, nodes: int) -> tuple[list[list[int]], int]:
         """Greedy rows: draft a tree of `nodes` nodes up to `depth` slots deep per row (spec/draft_tree.py), verify it
-        in one target forward, return each row's emitted tokens: the accepted path's drafts and the target's next."""
+        in one target forward -> (each row's emitted tokens: the accepted path's drafts and the target's next; the
+        nodes drafted, fewer where a shallow tree holds fewer paths)."""
         assert self.proposer is not None, "tree_step needs a drafter"
         dev = self.device
         rows = self._rows(seqs)
@@ -210,7 +211,7 @@ class ModelRunner:
             s.pending_features = [target_features[i, paths[i]]]
             s.stats.draft_time += t1 - t0
             s.stats.verify_time += t2 - t1
-        return emitted
+        return emitted, tree.num_nodes
 
     def _pending_batch(self, seqs: list[Sequence], anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor.

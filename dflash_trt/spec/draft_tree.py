@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TREE_NODES = 63  # draft nodes per row: the root and its nodes fit one 64-bit visibility mask
+MAX_TREE_NODES = 62  # draft nodes per row: the root and its nodes fit a signed 64-bit visibility mask
 
 
 @dataclass
@@ -58,12 +58,17 @@ def select_paths(logprobs: list[list[list[float]]], nodes: int) -> list[tuple[in
     return chosen
 
 
+def max_nodes(depth: int, width: int) -> int:
+    """Paths through `depth` slots of `width` tokens each, capped at MAX_TREE_NODES."""
+    return min(MAX_TREE_NODES, sum(width**d for d in range(1, depth + 1)))
+
+
 def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, nodes: int) -> DraftTree:
     """anchors [B]; top_tokens / top_logprobs [B, K, W]: each slot's W most likely draft tokens, best first ->
-    a DraftTree of exactly `nodes` draft nodes per row (nodes <= K * W keeps every row's tree full)."""
+    a DraftTree of exactly `nodes` draft nodes per row."""
     b, k, w = top_tokens.shape
-    if not 1 <= nodes <= min(MAX_TREE_NODES, k * w):
-        raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {min(MAX_TREE_NODES, k * w)} "
+    if not 1 <= nodes <= max_nodes(k, w):
+        raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {max_nodes(k, w)} "
                          f"(K={k} slots x {w} tokens each)")
     tokens = torch.empty(b, nodes + 1, dtype=torch.long)
     depths = torch.zeros(b, nodes + 1, dtype=torch.int64)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
-from dflash_trt.spec.draft_tree import DraftTree, build_tree
+from dflash_trt.spec.draft_tree import DraftTree, build_tree, max_nodes
 from dflash_trt.spec.draft_vocab import DraftHead
 
 
@@ -110,7 +110,7 @@ class DFlashProposer:
         top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)
         tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
         # a shallow block (the scheduler shortens K near a request's end) holds fewer paths
-        return build_tree(anchors, tokens, top.values, min(nodes, depth * width))
+        return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)))
 
     def _slot_logits(self, rows, features, feature_positions, anchors, anchor_positions, num_draft) -> torch.Tensor:
         """The drafter's step: [B, num_draft, V] logits of block slots 1..num_draft (over the draft vocabulary

@@ -13,7 +13,7 @@ from dflash_trt.kernels import cpu_ops
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from tests.conftest import make_drafter, make_target
-from tests.forced_drafts import force_drafts
+from tests.forced_drafts import force_drafts, force_tree_drafts
 from tests.stats import assert_matches
 
 NEW = 40
@@ -66,6 +66,52 @@ def test_greedy_is_lossless_when_most_drafts_are_accepted(tiny_dirs, k):
         assert any(1 < a < k + 1 for a in o.acceptance_lengths)
 
 
+def _recorded_moves(engine) -> list:
+    """Wrap the target cache's move (a draft tree's accepted path off the chain of top tokens) to record its calls."""
+    cache, moves = engine.runner.target_cache, []
+    real = cache.move
+
+    def move(m):
+        moves.extend(m)
+        real(m)
+
+    cache.move = move
+    return moves
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("k, nodes, batch", [(3, 4, 1), (3, 6, 4), (7, 7, 2), (2, 5, 1)])
+def test_greedy_draft_trees_equal_target_greedy(tiny_dirs, arch, k, nodes, batch):
+    """Draft trees (spec/draft_tree.py) with drafts that put the true token at rank 0-3 of a slot or nowhere: paths
+    are accepted deep, off the chain of top tokens (whose K/V then move) and not at all; every token is transformers'
+    greedy token."""
+    prompts = _prompts(batch)
+    refs = [hf_greedy(tiny_dirs[arch], p) for p in prompts]
+    engine = _engine(tiny_dirs, arch, k, rows=batch, draft_tree={batch: nodes})
+    force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    moves = _recorded_moves(engine)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 1.5 and max(o.draft_lens) == nodes
+    assert moves
+
+
+def test_a_batch_with_a_sampled_row_drafts_a_chain(tiny_dirs):
+    prompts = _prompts(2)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_tree={2: 6})
+    greedy, sampled = SamplingParams(max_new_tokens=NEW, ignore_eos=True), SamplingParams(
+        max_new_tokens=NEW, ignore_eos=True, temperature=1.0, seed=1)
+    outs = engine.generate(prompts, [greedy, sampled])
+    assert outs[0].token_ids == hf_greedy(tiny_dirs["qwen3"], prompts[0])
+    assert outs[0].draft_lens[:5] == [3] * 5  # chains while the sampled row runs (a tree may follow when it is done)
+
+
+def test_a_draft_tree_larger_than_the_drafters_block_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="draft_tree"):
+        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 16})
+
+
 def _batch_invariant_bf16() -> bool:
     ops = cpu_ops.load()
     return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
@@ -93,6 +139,21 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
         assert o.token_ids == ref.token_ids
         if forced:
             assert o.tau > 1.5
+
+
+@pytest.mark.skipif(not _batch_invariant_bf16(), reason="needs the CPU kernels with AVX512-BF16")
+@pytest.mark.parametrize("k, nodes, batch", [(3, 5, 1), (4, 7, 4)])
+def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, batch):
+    """Through the kernels' tree attention (each node's softmax over its ancestors' keys as a chain would sum it)."""
+    prompts = _prompts(batch)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)
+    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", draft_tree={batch: nodes})
+    force_tree_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))})
+    moves = _recorded_moves(engine)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.tau > 1.5 for o in outs) and moves
 
 
 @pytest.fixture(scope="module")

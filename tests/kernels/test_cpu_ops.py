@@ -96,6 +96,48 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(dtype, heads,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(dtype):
+    """A draft tree's verify (spec/draft_tree.py): nodes at consecutive positions from `start`, each seeing the keys
+    before `start` and, of the tree's own, its ancestors and itself. Against SDPA over exactly those keys; and bit for
+    bit the output the same query gets when its ancestors sit contiguously after the prefix (a chain), which is what
+    keeps a tree's verify as exact as a chain's."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, start = 9, 3, 64, 40
+    cache = _cache(2, 96, kv_heads, d, dtype, g)
+    parents = [-1, 0, 0, 1, 2, 3, 1, 5]  # node 0 the root; every parent before its children
+    ancestors = []
+    for node, parent in enumerate(parents):
+        ancestors.append((ancestors[parent] if parent >= 0 else 0) | (1 << node))
+    n = len(parents)
+    rows = torch.full((n,), 1)
+    lens = start + torch.arange(n) + 1
+    tree = torch.tensor([[start, bits] for bits in ancestors], dtype=torch.int64)
+    q = (torch.randn(n, heads, d, generator=g) * 1e-4).to(dtype)  # scores of about 1: a spread softmax, whose sum's order shows
+    got = ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, tree=tree)
+
+    # the chain arrangement: node j's prefix then its ancestors in order, copied into another cache row
+    for j in range(n):
+        keys = list(range(start)) + [start + i for i in range(n) if ancestors[j] >> i & 1]
+        for layer_cache in (cache.k, cache.v):
+            layer_cache[0, 0, :, : len(keys)] = layer_cache[0, 1, :, keys]
+        chain = ops.cached_attention(q[j : j + 1], cache.k[0], cache.v[0], torch.tensor([0]),
+                                     torch.tensor([len(keys)]), 0.125)
+        want = _sdpa_per_query(q[j : j + 1], cache, 0, torch.tensor([0]), torch.tensor([len(keys)]), 0.125)
+        tol = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(got[j : j + 1].float(), want, rtol=tol, atol=tol * 1e4)  # values of about 1e4
+        assert torch.equal(got[j : j + 1], chain), f"node {j}"
+
+
+def test_tree_attention_refuses_a_window_or_a_malformed_tree():
+    cache = _cache(1, 16, 1, 32, torch.float32, torch.Generator().manual_seed(0))
+    q, rows, lens = torch.zeros(2, 1, 32), torch.zeros(2, dtype=torch.long), torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="tree"):
+        ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, window=4, tree=torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="tree"):
+        ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, tree=torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim, qk_norm", [(64, False), (32, False), (64, True)])
 def test_qkv_rotary_write_equals_transformers_rotary_and_an_indexed_write(dtype, rotary_dim, qk_norm):
     """Two rows x 3 tokens of fused q/k/v: q comes back rotated; k (rotated) and v land at (row, position) and

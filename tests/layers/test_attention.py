@@ -53,3 +53,37 @@ def test_cache_read_refuses_more_keys_than_it_holds():
     with pytest.raises(ValueError, match="kv_len=17"):
         cache.read(0, meta, 17)
     assert cache.read(0, meta, 16)[0].shape == (2, 1, 16, 4)
+
+
+def test_a_tree_step_sees_the_prefix_and_each_nodes_ancestors_at_rotary_positions_of_their_depth():
+    # two rows; row 0's tree: root, two children of the root, a grandchild under the second child
+    start = torch.tensor([3, 5])
+    parents = [[-1, 0, 0, 2], [-1, 0, 1, 2]]
+    depths, ancestors = [], []
+    for row in parents:
+        d, a = [], []
+        for node, p in enumerate(row):
+            d.append(0 if p < 0 else d[p] + 1)
+            a.append((0 if p < 0 else a[p]) | (1 << node))
+        depths.append(d), ancestors.append(a)
+    meta = AttentionMetadata.tree_step(torch.tensor([1, 0]), start, torch.tensor(depths), torch.tensor(ancestors))
+    assert meta.positions.tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]  # written at consecutive positions
+    assert meta.rope_positions.tolist() == [[3, 4, 4, 5], [5, 6, 7, 8]]  # rotated at start + depth
+    mask = meta.mask(kv_len=12)[:, 0]
+    for b in range(2):
+        for q in range(4):
+            for t in range(12):
+                node = t - int(start[b])
+                want = node < 0 or (node < 4 and (node == q or _is_ancestor(parents[b], node, q)))
+                assert bool(mask[b, q, t]) == want, (b, q, t)
+    keys = meta.query_keys()
+    assert keys.tree.tolist() == [[3, a] for a in ancestors[0]] + [[5, a] for a in ancestors[1]]
+    assert keys.lens.tolist() == [4, 5, 6, 7, 6, 7, 8, 9]  # up to the node itself: its ancestors come before it
+
+
+def _is_ancestor(parents, a, node):
+    while parents[node] >= 0:
+        node = parents[node]
+        if node == a:
+            return True
+    return False
