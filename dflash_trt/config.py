@@ -47,6 +47,10 @@ class SpeculativeConfig(_Strict):
     # spec/draft_vocab.py); 0: the whole vocabulary; None: every token the file lists. TensorRT-LLM scores the
     # whole head.
     draft_vocab_size: int | None = Field(default=None, ge=0)
+    # This project's torch runtime only: batch-size threshold -> draft tree nodes, the draft_len_schedule's rule
+    # (spec/draft_tree.py): all-greedy steps verify that many drafts, the best paths through each slot's top tokens,
+    # up to K slots deep, instead of a chain of K; 0 or past the largest key: a chain. TensorRT-LLM drafts a chain.
+    draft_tree: dict[int, int] | None = None
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
     use_rejection_sampling: bool = False
@@ -59,6 +63,9 @@ class SpeculativeConfig(_Strict):
                     f"acceptance_by_draft_len entry {k}: {tau} needs K >= 1 and 1 <= tau <= K + 1 "
                     "(tau counts the bonus token)"
                 )
+        for bs, nodes in (self.draft_tree or {}).items():
+            if bs < 1 or nodes < 0:
+                raise ValueError(f"draft_tree entry {bs}: {nodes} needs batch size >= 1 and nodes >= 0")
         if self.draft_len_schedule is not None and self.max_concurrency is not None:
             raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
         if self.draft_len_schedule == "auto":

@@ -90,6 +90,8 @@ class EngineDir:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
+        if spec.get("draft_tree") and "draft_tree" in known:
+            values["draft_tree"] = {int(b): int(n) for b, n in spec["draft_tree"].items()}
         if spec.get("adaptive_draft_len"):
             values["adaptive_draft_len"] = True
         if spec.get("draft_vocab_size") is not None:

@@ -280,6 +280,30 @@ def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, 
     assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key
 
 
+def _tree_config(tmp_path: Path, tiny_dirs, tree: dict) -> Path:
+    raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
+           "max_batch_size": 2, "max_seq_len": 256,
+           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 3,
+                                  "draft_tree": tree}}
+    path = tmp_path / "tree.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+    out = build_engine(_tree_config(tmp_path, tiny_dirs, {1: 5, 2: 3}), tmp_path / "e", progress=False)
+    assert EngineDir(out).engine_config().draft_tree == {1: 5, 2: 3}
+    assert EngineDir(out).engine_config(draft_tree={}).draft_tree == {}
+    options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
+
+
+def test_a_draft_tree_larger_than_the_drafters_block_fails_the_build_naming_the_key(tiny_dirs, tmp_path):
+    block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
+    with pytest.raises(ValueError, match=rf"speculative_config.draft_tree=.*allows at most {block - 1} nodes"):
+        prepare_build(_tree_config(tmp_path, tiny_dirs, {1: block}))
+
+
 def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):
     drafter = tmp_path / "drafter"
     shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)

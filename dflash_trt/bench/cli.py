@@ -40,6 +40,8 @@ def bench() -> None:
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
               help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
+@click.option("--tree-nodes", default="0", show_default=True,
+              help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5.")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -48,7 +50,7 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the JSON result here.")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
-          rounds, dtype, threads, zlab_peer, as_json, output) -> None:
+          tree_nodes, rounds, dtype, threads, zlab_peer, as_json, output) -> None:
     """Autoregressive vs DFlash at batch 1, greedy, per prompt category: tau, histogram, tok/s, speedup."""
     import torch
     from tqdm import tqdm
@@ -82,7 +84,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
         tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))  # a drafter: checked above
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
-    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs)
+    trees = _ints(tree_nodes, "--tree-nodes")
+    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
@@ -90,7 +93,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
     from dflash_trt.bench.sweep import machine_info
 
-    result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "rounds": rounds,
+    result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees, "rounds": rounds,
               "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     if output:

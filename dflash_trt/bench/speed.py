@@ -30,6 +30,9 @@ class SpeedConfig:
     # Draft vocabularies to compare at every K (EngineConfig.draft_vocab_size: None = the drafter's own, 0 = the
     # whole vocabulary). With more than one, systems are named "K=3 vocab=all" / "K=3 vocab=0" / "K=3 vocab=8192".
     draft_vocab_sizes: list[int | None] = field(default_factory=lambda: [None])
+    # Draft tree sizes to compare at every K (EngineConfig.draft_tree at one row; 0: a chain). Systems with a tree are
+    # named "K=3 tree=5".
+    tree_nodes: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -49,22 +52,26 @@ class _Tally:
             self.histogram[i] += c
 
 
-def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,)
-                    ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
-    """An autoregressive engine and one engine per (K, draft vocabulary), all sharing `engine`'s weights and
-    tokenizer, keyed by system name."""
-    cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={})
+def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
+                    tree_nodes: list[int] = (0,)) -> tuple[LLMEngine, dict[str, LLMEngine]]:
+    """An autoregressive engine and one engine per (K, draft vocabulary, draft tree), all sharing `engine`'s weights
+    and tokenizer, keyed by system name."""
+    cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={})
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")
     if len(set(draft_vocab_sizes)) != len(draft_vocab_sizes):
         raise ValueError(f"draft vocabulary sizes repeat: {list(draft_vocab_sizes)}")
+    if len(set(tree_nodes)) != len(tree_nodes):
+        raise ValueError(f"draft tree sizes repeat: {list(tree_nodes)}")
     specs = {}
     for k in draft_lens:
         for v in draft_vocab_sizes:
-            name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
-            specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter,
-                                    dataclasses.replace(cfg, speculative=True, max_draft_len=k, draft_vocab_size=v))
+            for n in tree_nodes:
+                name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
+                name += f" tree={n}" if n else ""
+                specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter, dataclasses.replace(
+                    cfg, speculative=True, max_draft_len=k, draft_vocab_size=v, draft_tree={1: n} if n else {}))
     return ar, specs
 
 
@@ -103,7 +110,7 @@ def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
               zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
     """Measure every category; returns the JSON-ready result (see module doc)."""
-    ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes)
+    ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
 

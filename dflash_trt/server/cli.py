@@ -8,15 +8,16 @@ from pathlib import Path
 import click
 
 
-def parse_schedule(text: str | None) -> dict[int, int]:
-    """"1:15,4:7,16:3" -> {1: 15, 4: 7, 16: 3} (batch size -> K)."""
+def parse_schedule(text: str | None, option: str = "--draft-len-schedule") -> dict[int, int]:
+    """"1:15,4:7,16:3" -> {1: 15, 4: 7, 16: 3} (batch size -> K, or draft tree nodes)."""
     if not text:
         return {}
     try:
         pairs = [item.split(":") for item in text.split(",") if item.strip()]
         return {int(b): int(k) for b, k in pairs}
     except ValueError as e:
-        raise click.BadParameter(f"expected BATCH:K[,BATCH:K...], e.g. 1:15,8:7,32:3; got {text!r}") from e
+        raise click.BadParameter(f"expected BATCH:N[,BATCH:N...], e.g. 1:15,8:7,32:3; got {text!r}",
+                                 param_hint=option) from e
 
 
 def load_engine(engine_dir, target, drafter, no_spec, **overrides):
@@ -48,6 +49,10 @@ def _engine_options(f):
         click.option("--max-draft-len", "-k", type=int, default=None, help="K draft tokens per step."),
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
                      "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
+        click.option("--draft-tree", default=None,
+                     help="Draft tree nodes by batch size, the schedule's rule: greedy steps verify that many drafts, "
+                     "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "
+                     "default: the engine's speculative_config.draft_tree, else chains)."),
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
@@ -69,11 +74,12 @@ def _engine_options(f):
     return f
 
 
-def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
-               max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
+def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, adaptive_draft_len,
+               draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
+    tree = None if draft_tree is None else ({} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree"))
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
-                draft_len_schedule=schedule or None, adaptive_draft_len=adaptive_draft_len,
+                draft_len_schedule=schedule or None, draft_tree=tree, adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
                 dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
 
@@ -87,7 +93,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
-          adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter,
+          draft_tree, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter,
           host, port, backend, served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
@@ -106,8 +112,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
-            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, adaptive_draft_len, draft_vocab_size,
-            max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
+            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, adaptive_draft_len,
+            draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
         names.append(name)
         return llm
 

@@ -8,7 +8,9 @@ from dflash_trt.server import cli
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], {"screen_head": None, "int8_drafter": None}),
+    ([], {"screen_head": None, "int8_drafter": None, "draft_tree": None}),
+    (["--draft-tree", "1:5,2:3"], {"draft_tree": {1: 5, 2: 3}}),
+    (["--draft-tree", "0"], {"draft_tree": {}}),
     (["--full-head", "--bf16-drafter"], {"screen_head": False, "int8_drafter": False}),
     (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
 ])
@@ -24,3 +26,8 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
     assert result.exit_code == 1 and "stop before serving" in result.output
     assert {k: seen[k] for k in expected} == expected
     assert seen["max_batch_size"] == 2
+
+
+def test_a_malformed_draft_tree_names_the_option():
+    result = CliRunner().invoke(cli.serve, ["--draft-tree", "five"])
+    assert result.exit_code == 2 and "--draft-tree" in result.output
