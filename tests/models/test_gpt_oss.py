@@ -21,7 +21,7 @@ from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxf
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from tests.conftest import EOS, VOCAB, make_drafter, save_char_tokenizer
-from tests.forced_drafts import force_drafts
+from tests.forced_drafts import force_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
 WINDOW = 8
@@ -239,11 +239,11 @@ def _hf_greedy(hf, prompt):
     return out[0, len(prompt):].tolist()
 
 
-def _engine(target_dir, drafter_dir, k, rows):
+def _engine(target_dir, drafter_dir, k, rows, **cfg):
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target.config)
     assert drafter.config.attention_bias and drafter.config.rope["rope_type"] == "yarn"
-    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96))
+    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96, **cfg))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -257,6 +257,18 @@ def test_greedy_speculative_equals_target_greedy(gpt_oss_dir, gpt_oss_drafter, h
     engine = _engine(gpt_oss_dir, gpt_oss_drafter, 9, batch)
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
     outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    assert max(max(o.acceptance_lengths) for o in outs) >= 4
+
+
+def test_greedy_draft_trees_equal_target_greedy_across_window_boundaries(gpt_oss_dir, gpt_oss_drafter, hf_model):
+    """Tree verification through the torch path's mask: sliding-window layers and attention sinks, nodes rotated at
+    their depths; accepted paths off the chain move their K/V."""
+    prompts = _prompts(2)
+    refs = [_hf_greedy(hf_model, p) for p in prompts]
+    engine = _engine(gpt_oss_dir, gpt_oss_drafter, 4, 2, draft_tree={2: 9})
+    force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     assert max(max(o.acceptance_lengths) for o in outs) >= 4
 
