@@ -9,8 +9,9 @@ exceeds its prefix's), so it is a tree rooted at the anchor.
 
 Greedy only: the target's argmax at each verified node says which child, if any, continues the accepted path; the
 emitted tokens are the accepted path's drafts plus the target's token after its last node, exactly the tokens plain
-decoding would give. Measured offline on the `cpu-small` prompts with the shipped SmolLM2 drafter (session 19,
-benchmarks/README.md): a chain of K=2 accepts 1.64 tokens a step, trees of 3 / 4 / 7 nodes 1.79 / 1.86 / 1.99.
+decoding would give. On the CPU default at one row (`bench speed --dataset cpu-small --tree-nodes`, benchmarks/README.md,
+session 19) a chain of K=3 accepts 1.65 tokens a step, a tree of 6 nodes up to 3 deep 1.94: 1.41x plain decoding
+against 1.31x, the extra rows nearly free in a memory-bound step.
 
 Node order: node 0 is the root (the anchor), then nodes in the order they were chosen, so every parent precedes its
 children (the attention stays causal in node order: layers/attention.py AttentionMetadata.tree_step).
@@ -66,30 +67,28 @@ def max_nodes(depth: int, width: int) -> int:
 def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, nodes: int) -> DraftTree:
     """anchors [B]; top_tokens / top_logprobs [B, K, W]: each slot's W most likely draft tokens, best first ->
     a DraftTree of exactly `nodes` draft nodes per row."""
-    b, k, w = top_tokens.shape
+    _, k, w = top_tokens.shape
     if not 1 <= nodes <= max_nodes(k, w):
         raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {max_nodes(k, w)} "
                          f"(K={k} slots x {w} tokens each)")
-    tokens = torch.empty(b, nodes + 1, dtype=torch.long)
-    depths = torch.zeros(b, nodes + 1, dtype=torch.int64)
-    ancestors = torch.ones(b, nodes + 1, dtype=torch.int64)
-    parents: list[list[int]] = []
+    # Python lists, one tensor each at the end: element-wise tensor writes cost ~5x the whole selection
     top = top_tokens.cpu().tolist()
-    tokens[:, 0] = anchors.cpu()
-    for row, lp in enumerate(top_logprobs.float().cpu().tolist()):
-        paths = select_paths(lp, nodes)
+    tokens, depths, ancestors, parents = [], [], [], []
+    for row, (anchor, lp) in enumerate(zip(anchors.tolist(), top_logprobs.float().cpu().tolist())):
         index = {(): 0}
-        row_parents = [-1]
-        for j, path in enumerate(paths, start=1):
+        row_tokens, row_depths, row_ancestors, row_parents = [anchor], [0], [1], [-1]
+        for j, path in enumerate(select_paths(lp, nodes), start=1):
             parent = index[path[:-1]]
             index[path] = j
             row_parents.append(parent)
-            tokens[row, j] = top[row][len(path) - 1][path[-1]]
-            depths[row, j] = len(path)
-            ancestors[row, j] = int(ancestors[row, parent]) | (1 << j)
+            row_tokens.append(top[row][len(path) - 1][path[-1]])
+            row_depths.append(len(path))
+            row_ancestors.append(row_ancestors[parent] | (1 << j))
+        tokens.append(row_tokens), depths.append(row_depths), ancestors.append(row_ancestors)
         parents.append(row_parents)
     dev = top_tokens.device
-    return DraftTree(tokens.to(dev), parents, depths.to(dev), ancestors.to(dev))
+    return DraftTree(torch.tensor(tokens, device=dev), parents, torch.tensor(depths, device=dev),
+                     torch.tensor(ancestors, device=dev))
 
 
 def accept_tree(tree: DraftTree, target_tokens: torch.Tensor) -> list[list[int]]:
