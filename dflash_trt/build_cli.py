@@ -17,6 +17,14 @@ def _table(rows: list[tuple[str, str]], title: str) -> str:
     return "\n".join(lines)
 
 
+def _tree(spec: dict | None) -> str:
+    tree = (spec or {}).get("draft_tree")
+    if not tree:
+        return "none (chains)"
+    pairs = ", ".join(f"{b}: {n}" for b, n in sorted(tree.items(), key=lambda kv: int(kv[0])))
+    return "{" + pairs + "} (batch size -> nodes, greedy steps)"
+
+
 def format_plan(plan: dict) -> str:
     hw = plan["hardware"]
     head = [
@@ -124,6 +132,7 @@ def inspect(engine, verify) -> None:
          f"{src['drafter']['ref']} ({d['num_hidden_layers']} layers, block {d['block_size']}, target_layer_ids "
          f"{d['target_layer_ids']}, mask {d['mask_token_id']})"),
         ("K (max_draft_len)", str(m["max_draft_len"])),
+        ("draft tree (torch)", _tree(m["build_config"].get("speculative_config"))),
         ("chat template", "yes" if m["tokenizer"]["chat_template"] else "no"),
         ("TensorRT-LLM target", m["trtllm"]["version"]),
         ("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if k != "format_version")),

@@ -293,6 +293,7 @@ def _tree_config(tmp_path: Path, tiny_dirs, tree: dict) -> Path:
 def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
     out = build_engine(_tree_config(tmp_path, tiny_dirs, {1: 5, 2: 3}), tmp_path / "e", progress=False)
     assert EngineDir(out).engine_config().draft_tree == {1: 5, 2: 3}
+    assert "{1: 5, 2: 3} (batch size -> nodes" in CliRunner().invoke(main, ["inspect", str(out)]).output
     assert EngineDir(out).engine_config(draft_tree={}).draft_tree == {}
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
