@@ -6,7 +6,8 @@ runtime's --no-spec mode and its speculative mode at each K in the same round; s
 (each system's tokens over its median total wall-clock time). Outputs are compared token for token (bf16 may diverge on near-ties: counted, not hidden).
 
     .venv/bin/python benchmarks/bench_drafter.py [--drafter drafters/smollm2-135m-dflash] [--prompts 8]
-        [--ks 3,7] [--draft-vocab-sizes all,0] [--tree-nodes 0,6] [--new-tokens 128] [--rounds 2] [--dtype bfloat16|float32]
+        [--ks 3,7] [--draft-vocab-sizes all,0] [--tree-nodes 0,6] [--new-tokens 128] [--rounds 2]
+        [--dtype bfloat16|float32]
         [--name drafter_smollm2_cpu]
 """
 

@@ -78,7 +78,8 @@ sweep_once() {  # sweep_once NAME RESULT.json: start NAME's server, sweep it, st
   case $name in
     *-dflash) label="$name K=$K${SCHEDULE:+ schedule $SCHEDULE}" ;;
     ours-engine) label="ours-engine ($(python3 -c 'import json,sys; e=sys.argv[1]; s=json.load(open(e + "/plan.json"))["draft_len_schedule"]
-c=json.load(open(e + "/manifest.json"))["build_config"]["speculative_config"]; a, t = c.get("adaptive_draft_len"), c.get("draft_tree")
+c=json.load(open(e + "/manifest.json"))["build_config"]["speculative_config"]
+a, t = c.get("adaptive_draft_len"), c.get("draft_tree")
 print("K by batch {" + ", ".join(f"{b}: {k}" for b, k in s.items()) + "}" + (", adaptive" if a else "")
       + (", tree nodes {" + ", ".join(f"{b}: {n}" for b, n in t.items()) + "}" if t else ""))' "$ENGINE"))" ;;
     *) label=$name ;;

@@ -266,32 +266,26 @@ def test_auto_schedule_that_never_pays_is_an_error_naming_the_key(tiny_dirs, tmp
         prepare_build(_auto_config(tmp_path, tiny_dirs, {7: 1.0}))
 
 
-def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+def _spec_config(tmp_path: Path, tiny_dirs, **spec) -> Path:
+    """A tiny CPU build config whose speculative_config (K=3) adds `spec`."""
     raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
            "max_batch_size": 2, "max_seq_len": 256,
-           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 3,
-                                  "adaptive_draft_len": True}}
-    path = tmp_path / "adaptive.yaml"
+           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 3, **spec}}
+    path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(raw))
-    out = build_engine(path, tmp_path / "e", progress=False)
+    return path
+
+
+def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, adaptive_draft_len=True), tmp_path / "e", progress=False)
     assert EngineDir(out).engine_config().adaptive_draft_len is True
     assert EngineDir(out).engine_config(adaptive_draft_len=False).adaptive_draft_len is False
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key
 
 
-def _tree_config(tmp_path: Path, tiny_dirs, tree: dict) -> Path:
-    raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
-           "max_batch_size": 2, "max_seq_len": 256,
-           "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 3,
-                                  "draft_tree": tree}}
-    path = tmp_path / "tree.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
-    out = build_engine(_tree_config(tmp_path, tiny_dirs, {1: 5, 2: 3}), tmp_path / "e", progress=False)
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 5, 2: 3}), tmp_path / "e", progress=False)
     assert EngineDir(out).engine_config().draft_tree == {1: 5, 2: 3}
     assert "{1: 5, 2: 3} (batch size -> nodes" in CliRunner().invoke(main, ["inspect", str(out)]).output
     assert EngineDir(out).engine_config(draft_tree={}).draft_tree == {}
@@ -302,7 +296,7 @@ def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_pa
 def test_a_draft_tree_larger_than_the_drafters_block_fails_the_build_naming_the_key(tiny_dirs, tmp_path):
     block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
     with pytest.raises(ValueError, match=rf"speculative_config.draft_tree=.*allows at most {block - 1} nodes"):
-        prepare_build(_tree_config(tmp_path, tiny_dirs, {1: block}))
+        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block}))
 
 
 def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):

@@ -150,9 +150,7 @@ class ModelRunner:
         """Draft num_draft tokens per row, verify them in one target forward, return each row's emitted tokens."""
         assert self.proposer is not None, "spec_step needs a drafter"
         dev = self.device
-        rows = self._rows(seqs)
-        anchor_pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev)
-        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
+        rows, anchor_pos, anchors = self._anchors(seqs)
 
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
@@ -171,11 +169,7 @@ class ModelRunner:
             result = self._verify(seqs, proposal, sampling, self.target.compute_logits(hidden))
         emitted = result.emitted(proposal.draft_tokens)
         t2 = time.perf_counter()
-
-        for i, s in enumerate(seqs):
-            s.pending_features = [target_features[i, : len(emitted[i])]]
-            s.stats.draft_time += t1 - t0
-            s.stats.verify_time += t2 - t1
+        self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], t1 - t0, t2 - t1)
         return emitted
 
     @torch.inference_mode()
@@ -184,10 +178,7 @@ class ModelRunner:
         in one target forward -> (each row's emitted tokens: the accepted path's drafts and the target's next; the
         nodes drafted, fewer where a shallow tree holds fewer paths)."""
         assert self.proposer is not None, "tree_step needs a drafter"
-        dev = self.device
-        rows = self._rows(seqs)
-        anchor_pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev)
-        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
+        rows, anchor_pos, anchors = self._anchors(seqs)
 
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
@@ -202,16 +193,28 @@ class ModelRunner:
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
         # The accepted nodes' K/V move to the positions of their depths (node j was written at anchor + j), where
         # the next step's queries look for them; the rest is left behind, masked, as a chain's rejected drafts are.
-        moves = [(int(rows[i]), int(anchor_pos[i]), path) for i, path in enumerate(paths) if path != list(range(len(path)))]
+        moves = [(int(rows[i]), int(anchor_pos[i]), p) for i, p in enumerate(paths) if p != list(range(len(p)))]
         if moves:
             self.target_cache.move(moves)
         t2 = time.perf_counter()
-
-        for i, s in enumerate(seqs):
-            s.pending_features = [target_features[i, paths[i]]]
-            s.stats.draft_time += t1 - t0
-            s.stats.verify_time += t2 - t1
+        self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], t1 - t0, t2 - t1)
         return emitted, tree.num_nodes
+
+    def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's cache row, anchor position (its committed length) and anchor (its last token, which the
+        target has not seen yet)."""
+        dev = self.device
+        return (self._rows(seqs), torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev),
+                torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev))
+
+    @staticmethod
+    def _committed(seqs: list[Sequence], features: list[torch.Tensor], draft_s: float, verify_s: float) -> None:
+        """After a speculative step: each row's committed tokens' target features become its pending ones; every
+        row is charged the step's time."""
+        for s, f in zip(seqs, features):
+            s.pending_features = [f]
+            s.stats.draft_time += draft_s
+            s.stats.verify_time += verify_s
 
     def _pending_batch(self, seqs: list[Sequence], anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor.
