@@ -22,7 +22,7 @@ def _tree(spec: dict | None) -> str:
     if not tree:
         return "none (chains)"
     pairs = ", ".join(f"{b}: {n}" for b, n in sorted(tree.items(), key=lambda kv: int(kv[0])))
-    return "{" + pairs + "} (batch size -> nodes, greedy steps)"
+    return "{" + pairs + "} (batch size -> nodes)"
 
 
 def format_plan(plan: dict) -> str:

@@ -48,8 +48,9 @@ class SpeculativeConfig(_Strict):
     # whole head.
     draft_vocab_size: int | None = Field(default=None, ge=0)
     # This project's torch runtime only: batch-size threshold -> draft tree nodes, the draft_len_schedule's rule
-    # (spec/draft_tree.py): all-greedy steps verify that many drafts, the best paths through each slot's top tokens,
-    # up to K slots deep, instead of a chain of K; 0 or past the largest key: a chain. TensorRT-LLM drafts a chain.
+    # (spec/draft_tree.py): steps verify that many drafts, the best paths through each slot's top tokens,
+    # up to K slots deep, instead of a chain of K (greedy and "match"-sampled requests; a batch with a "rejection"
+    # row drafts a chain); 0 or past the largest key: a chain. TensorRT-LLM drafts a chain.
     draft_tree: dict[int, int] | None = None
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"

@@ -42,7 +42,8 @@ class EngineConfig:
     int8_drafter: bool = True
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     # batch-size threshold -> draft tree nodes (spec/draft_tree.py; the draft_len_schedule's rule, 0 or absent: a
-    # chain): all-greedy steps verify that many drafts chosen from each slot's top tokens, K slots deep.
+    # chain): steps whose rows are greedy or sampled by the "match" rule verify that many drafts chosen from each
+    # slot's top tokens, K slots deep.
     draft_tree: dict[int, int] = field(default_factory=dict)
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
@@ -279,9 +280,10 @@ class LLMEngine:
         return result
 
     def _tree_nodes(self, active: list[Sequence]) -> int:
-        """Draft tree nodes for this step's batch: the config's draft_tree for its size when every row is greedy
-        (trees verify greedily), else 0 (a chain)."""
-        if not self.config.draft_tree or self.drafter is None or not all(s.params.greedy for s in active):
+        """Draft tree nodes for this step's batch: the config's draft_tree for its size when every row is greedy or
+        sampled under the "match" rule (trees verify by the target's own choice at each node), else 0 (a chain)."""
+        tree_rows = all(s.params.greedy or s.params.acceptance == "match" for s in active)
+        if not self.config.draft_tree or self.drafter is None or not tree_rows:
             return 0
         return expand(self.config.draft_tree, len(active))
 

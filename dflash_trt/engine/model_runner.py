@@ -174,9 +174,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def tree_step(self, seqs: list[Sequence], depth: int, nodes: int) -> tuple[list[list[int]], int]:
-        """Greedy rows: draft a tree of `nodes` nodes up to `depth` slots deep per row (spec/draft_tree.py), verify it
-        in one target forward -> (each row's emitted tokens: the accepted path's drafts and the target's next; the
-        nodes drafted, fewer where a shallow tree holds fewer paths)."""
+        """Greedy rows and rows sampled under the "match" rule: draft a tree of `nodes` nodes up to `depth` slots deep
+        per row (spec/draft_tree.py), verify it in one target forward -> (each row's emitted tokens: the accepted path's
+        drafts and the target's next; the nodes drafted, fewer where a shallow tree holds fewer paths)."""
         assert self.proposer is not None, "tree_step needs a drafter"
         rows, anchor_pos, anchors = self._anchors(seqs)
 
@@ -187,7 +187,7 @@ class ModelRunner:
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
         hidden, target_features = self.target(tree.tokens, meta, self.target_cache, self.capture)
-        choices = self.target.greedy_tokens(hidden)  # [B, N + 1]: the target's token after each node
+        choices = self._tree_choices(seqs, hidden, tree.depths, depth)  # [B, N + 1]: the token after each node
         paths = accept_tree(tree, choices)
         tokens, choices = tree.tokens.tolist(), choices.tolist()
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
@@ -199,6 +199,19 @@ class ModelRunner:
         t2 = time.perf_counter()
         self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], t1 - t0, t2 - t1)
         return emitted, tree.num_nodes
+
+    def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
+                      depth: int) -> torch.Tensor:
+        """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,
+        drawn with the row's uniform for the node's depth (K + 1 per row per step, as a chain's match rule draws), so
+        each token the path emits is the target's own sample given the tokens before it."""
+        if all(s.params.greedy for s in seqs):
+            return self.target.greedy_tokens(hidden)
+        u = torch.zeros(len(seqs), depth + 1, device=self.device)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        u[sampled] = uniform([seqs[i].generator for i in sampled], depth + 1, self.device)
+        probs = sampling_probs(self.target.compute_logits(hidden), *self._params(seqs))  # greedy rows: one-hot
+        return sample_from(probs, u.gather(1, depths))
 
     def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's cache row, anchor position (its committed length) and anchor (its last token, which the

@@ -50,7 +50,7 @@ def _engine_options(f):
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
                      "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
         click.option("--draft-tree", default=None,
-                     help="Draft tree nodes by batch size, the schedule's rule: greedy steps verify that many drafts, "
+                     help="Draft tree nodes by batch size, the schedule's rule: steps verify that many drafts, "
                      "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "
                      "default: the engine's speculative_config.draft_tree, else chains)."),
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,

@@ -104,7 +104,7 @@ class DFlashProposer:
         width: int = 4,
     ) -> DraftTree:
         """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` best paths
-        through each slot's `width` most likely tokens (spec/draft_tree.py). Greedy rows only."""
+        through each slot's `width` most likely tokens (spec/draft_tree.py)."""
         logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, depth)
         width = min(width, nodes, logits.shape[-1])
         top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)

@@ -97,14 +97,16 @@ def test_greedy_draft_trees_equal_target_greedy(tiny_dirs, arch, k, nodes, batch
     assert moves
 
 
-def test_a_batch_with_a_sampled_row_drafts_a_chain(tiny_dirs):
+@pytest.mark.parametrize("rule, drafts", [("match", 6), ("rejection", 3)])
+def test_a_batch_with_a_row_of_the_rejection_rule_drafts_a_chain(tiny_dirs, rule, drafts):
+    """Trees verify by the target's own choice at each node: greedy, or sampled under the "match" rule."""
     prompts = _prompts(2)
     engine = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_tree={2: 6})
     greedy, sampled = SamplingParams(max_new_tokens=NEW, ignore_eos=True), SamplingParams(
-        max_new_tokens=NEW, ignore_eos=True, temperature=1.0, seed=1)
+        max_new_tokens=NEW, ignore_eos=True, temperature=1.0, seed=1, acceptance=rule)
     outs = engine.generate(prompts, [greedy, sampled])
     assert outs[0].token_ids == hf_greedy(tiny_dirs["qwen3"], prompts[0])
-    assert outs[0].draft_lens[:5] == [3] * 5  # chains while the sampled row runs (a tree may follow when it is done)
+    assert outs[0].draft_lens[:5] == [drafts] * 5  # while the sampled row runs (a tree may follow when it is done)
 
 
 def test_a_draft_tree_larger_than_the_drafters_block_is_refused(tiny_dirs):
@@ -287,10 +289,29 @@ def test_sampled_output_follows_the_target_distribution(small_vocab, rule, tempe
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 
 
-def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab):
+def test_sampled_draft_trees_follow_the_target_distribution(small_vocab):
+    """The "match" rule through draft trees: at each node the target samples, with the row's uniform for that depth,
+    and a child carrying the sample continues the path."""
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, 1.5, 0, 1.0)
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, draft_tree={1500: 5}))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, ignore_eos=True) for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    assert all(max(o.draft_lens) == 5 for o in outs)  # trees, not chains
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 5  # drafts accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+@pytest.mark.parametrize("tree", [{}, {8: 5}], ids=["chain", "tree"])
+def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab, tree):
     t, d = small_vocab
     target = load_target(t)
-    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=8, max_draft_len=3))
+    engine = LLMEngine(target, None, load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=8, max_draft_len=3, draft_tree=tree))
     p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
     alone = engine.generate([[1, 2, 3]], p)[0].token_ids
     batched = engine.generate([[0, 1], [1, 2, 3], [3, 3, 3, 3]], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True), p,
