@@ -32,6 +32,18 @@ def test_no_spec_needs_no_drafter_and_gives_the_same_greedy_tokens(tiny_dirs):
     assert plain["tau"] is None
 
 
+def test_a_draft_tree_gives_the_same_greedy_tokens(tiny_dirs):
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    plain = json.loads(_run(*args, "--no-spec").stdout)
+    drafter = ["--drafter", str(tiny_dirs["qwen3_drafter"]), "-k", "3"]
+    tree = json.loads(_run(*args, *drafter, "--tree-nodes", "5").stdout)
+    assert tree["token_ids"] == plain["token_ids"]
+    too_big = CliRunner().invoke(main, [*args, *drafter, "--tree-nodes", "99"])  # reaches the engine, which refuses
+    assert too_big.exit_code == 1 and "draft_tree" in too_big.output
+    negative = CliRunner().invoke(main, [*args, *drafter, "--tree-nodes", "-1"])
+    assert negative.exit_code == 2 and "--tree-nodes" in negative.output
+
+
 def test_missing_drafter_is_a_usage_error(tiny_dirs):
     r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x"])
     assert r.exit_code != 0 and "--drafter" in r.output
