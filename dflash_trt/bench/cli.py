@@ -40,8 +40,9 @@ def bench() -> None:
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
               help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
-@click.option("--tree-nodes", default="0", show_default=True,
-              help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5.")
+@click.option("--tree-nodes", default=None,
+              help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5 (default: the "
+              "engine's tree at one row with ENGINE, else a chain).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -57,6 +58,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.bench.speed import SpeedConfig, format_table, run_speed, zlab_runner
+    from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
 
     if threads:
@@ -84,7 +86,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
         tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))  # a drafter: checked above
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
-    trees = _ints(tree_nodes, "--tree-nodes")
+    if tree_nodes is not None:
+        trees = _ints(tree_nodes, "--tree-nodes")
+    else:
+        trees = [expand(eng.config.draft_tree, 1) if engine and eng.config.draft_tree else 0]
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,

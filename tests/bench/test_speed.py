@@ -105,6 +105,15 @@ def test_draft_vocabularies_are_compared_side_by_side_and_stay_lossless(tiny_dir
         assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
 
 
+def test_draft_trees_are_compared_with_chains_and_stay_lossless(tiny_dirs):
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
+    r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, tree_nodes=[0, 5]), chat=False)
+    assert r["systems"] == ["ar", "K=3", "K=3 tree=5"]
+    for system in r["systems"][1:]:
+        assert r["overall"][system]["identical_outputs"] == "3/3"
+        assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
+
+
 def test_the_cli_parses_draft_vocabulary_sizes():
     from dflash_trt.bench.cli import parse_vocab_sizes
 
@@ -115,19 +124,21 @@ def test_the_cli_parses_draft_vocabulary_sizes():
         parse_vocab_sizes("0,all,0")
 
 
-def test_an_engine_is_measured_at_its_own_k_unless_told_otherwise(tiny_dirs, tmp_path):
+def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_dirs, tmp_path):
     from dflash_trt.build import build_engine
     from tests.test_build import write_config
 
     cfg = write_config(tmp_path, tiny_dirs["qwen3"], None, speculative_config={
-        "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2})
+        "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2, "draft_tree": {1: 4}})
     engine = build_engine(cfg, tmp_path / "engine", progress=False)
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
     args = ["bench", "speed", str(engine), "--dataset", str(data), "--max-tokens", "4", "--rounds", "1", "--json"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["draft_lens"] == [2]
+    assert json.loads(r.stdout)["draft_lens"] == [2] and json.loads(r.stdout)["tree_nodes"] == [4]
+    r = CliRunner().invoke(main, [*args, "--tree-nodes", "0"])
+    assert json.loads(r.stdout)["systems"] == ["ar", "K=2"]
     r = CliRunner().invoke(main, [*args, "-k", "3"])
     assert r.exit_code != 0 and "K=3" in r.output
     plain = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "plain", progress=False)
