@@ -103,9 +103,13 @@ class AttentionMetadata:
         t = torch.arange(kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
         p = self.rope_positions[:, :, None]  # [B, Q, 1]
         if self.tree is not None:
-            rel = t - self.positions[:, :1, None]  # the key's node index for the step's own keys
+            q = self.positions.shape[1]
+            rel = t - self.positions[:, :1, None]  # [B, 1, T]: the key's node index for the step's own keys
             bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1
-            visible = (rel < 0) | ((rel < self.positions.shape[1]) & (bit == 1))
+            visible = (rel < 0) | ((rel < q) & (bit == 1))
+            # a window measures a tree key from its node's depth, as a chain of its ancestors would place it
+            depth_pos = self.rotary_positions.gather(1, rel[:, 0].clamp(0, q - 1))[:, None]  # [B, 1, T]
+            t = torch.where((rel >= 0) & (rel < q), depth_pos, t)
         elif causal:
             visible = t <= p
         else:

@@ -81,6 +81,29 @@ def test_a_tree_step_sees_the_prefix_and_each_nodes_ancestors_at_rotary_position
     assert keys.lens.tolist() == [4, 5, 6, 7, 6, 7, 8, 9]  # up to the node itself: its ancestors come before it
 
 
+def test_a_window_measures_tree_keys_from_their_nodes_depths():
+    """As a chain of its ancestors would place them: node 5 (depth 3) does not see node 3 (depth 1) through a window of
+    2, although node 3 sits two cache positions before it."""
+    parents = [-1, 0, 0, 1, 3, 4]
+    depths, ancestors = [], []
+    for node, p in enumerate(parents):
+        depths.append(0 if p < 0 else depths[p] + 1)
+        ancestors.append((0 if p < 0 else ancestors[p]) | (1 << node))
+    start = 10
+    meta = AttentionMetadata.tree_step(torch.tensor([0]), torch.tensor([start]), torch.tensor([depths]),
+                                       torch.tensor([ancestors]))
+    mask = meta.mask(window=2, kv_len=20)[0, 0]
+    for q in range(6):
+        for t in range(20):
+            node = t - start
+            if node < 0:
+                want = start + depths[q] - t < 2
+            else:
+                want = node < 6 and (node == q or _is_ancestor(parents, node, q)) and depths[q] - depths[node] < 2
+            assert bool(mask[q, t]) == want, (q, t)
+    assert not mask[5, start + 3] and mask[5, start + 4]
+
+
 def _is_ancestor(parents, a, node):
     while parents[node] >= 0:
         node = parents[node]
