@@ -86,6 +86,33 @@ def test_32_concurrent_streams_each_equal_generate(server, oracle):
     assert server.wait_idle()
 
 
+def test_a_server_that_drafts_trees_answers_like_generate(tiny_dirs, oracle):
+    """Greedy streams under concurrent load equal plain greedy answers; a default (sampled, "match") request drafts
+    trees too and comes back well-formed."""
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=8, max_draft_len=3, draft_tree={8: 5}))
+    try:
+        wants = expected(oracle, PROMPTS[:8], 16)
+
+        async def one(client, prompt):
+            resp = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+            return resp.choices[0].text, resp.choices[0].model_extra["acceptance"]
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
+            async with client:
+                return await asyncio.gather(*(one(client, p) for p in PROMPTS[:8]))
+
+        got = asyncio.run(run())
+        assert [text for text, _ in got] == [w.text for w in wants]
+        # 5 nodes a step (4 where the end of a request leaves one slot): more than K=3 chains would draft
+        assert all(acc["total_draft_tokens"] > 3 * acc["num_steps"] for _, acc in got if acc["num_steps"] > 1)
+        sampled = s.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, seed=3)
+        assert sampled.usage.completion_tokens == 12 or sampled.choices[0].finish_reason == "stop"
+        assert s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_a_burst_of_disconnects_leaves_no_row_in_use(server):
     client = server.client()
     streams = []
