@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash_trt.draft_schedule import check_table
 from dflash_trt.hardware import PROFILE_NAMES, profile
 
 EMBEDDED_PREFIX = "embedded:"
@@ -64,9 +65,7 @@ class SpeculativeConfig(_Strict):
                     f"acceptance_by_draft_len entry {k}: {tau} needs K >= 1 and 1 <= tau <= K + 1 "
                     "(tau counts the bonus token)"
                 )
-        for bs, nodes in (self.draft_tree or {}).items():
-            if bs < 1 or nodes < 0:
-                raise ValueError(f"draft_tree entry {bs}: {nodes} needs batch size >= 1 and nodes >= 0")
+        check_table(self.draft_tree or {}, "draft_tree", "nodes")
         if self.draft_len_schedule is not None and self.max_concurrency is not None:
             raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
         if self.draft_len_schedule == "auto":
@@ -80,9 +79,7 @@ class SpeculativeConfig(_Strict):
             schedule = self.draft_len_schedule
             if not schedule:
                 raise ValueError("draft_len_schedule must not be empty")
-            for bs, k in schedule.items():
-                if bs < 1 or k < 0:
-                    raise ValueError(f"draft_len_schedule entry {bs}: {k} needs batch size >= 1 and K >= 0")
+            check_table(schedule, "draft_len_schedule", "K")
             # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
             if 1 not in schedule:
                 raise ValueError(

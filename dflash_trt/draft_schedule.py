@@ -14,6 +14,15 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 
 
+def check_table(table: Mapping[int, int], name: str, value: str, limit: tuple[str, int] | None = None) -> None:
+    """ValueError naming `name` where a table under this rule (batch-size threshold -> K, or draft tree nodes) has a
+    batch size below 1 or a value below 0 (or above the named limit, e.g. ("max_draft_len", 3))."""
+    for b, v in table.items():
+        if b < 1 or v < 0 or (limit is not None and v > limit[1]):
+            bound = ">= 0" if limit is None else f"in 0..{limit[0]}={limit[1]}"
+            raise ValueError(f"{name} entry {b}: {v} needs batch size >= 1 and {value} {bound}")
+
+
 def expand(schedule: Mapping[int, int], batch_size: int) -> int:
     """K for a batch of `batch_size` rows: the value of the smallest key >= batch_size; 0 above every key."""
     keys = sorted(schedule)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.draft_schedule import choose_draft_len_schedule, compress, expand
+from dflash_trt.draft_schedule import check_table, choose_draft_len_schedule, compress, expand
 
 
 def _rule(schedule: dict[int, int], b: int) -> int:
@@ -89,3 +89,29 @@ def test_bad_tables_are_refused():
         choose_draft_len_schedule({0: 1.0}, lambda b, k: 1.0, [1], 3)
     with pytest.raises(ValueError, match="batch_sizes"):
         choose_draft_len_schedule({1: 1.5}, lambda b, k: 1.0, [], 3)
+
+
+@pytest.mark.parametrize("table, limit, words", [
+    ({0: 2}, None, "entry 0: 2 needs batch size >= 1"),
+    ({1: -1}, None, "entry 1: -1 needs batch size >= 1 and nodes >= 0"),
+    ({1: 4}, ("the block", 3), "entry 1: 4 needs batch size >= 1 and nodes in 0..the block=3"),
+])
+def test_a_table_with_a_bad_entry_is_refused_naming_it(table, limit, words):
+    check_table({1: 3, 8: 0}, "draft_tree", "nodes", ("the block", 3))  # zeros and the limit itself are fine
+    with pytest.raises(ValueError, match=f"draft_tree {words}"):
+        check_table(table, "draft_tree", "nodes", limit=limit)
+
+
+def test_every_config_that_takes_such_a_table_refuses_a_bad_one():
+    from dflash_trt.config import SpeculativeConfig
+    from dflash_trt.engine.llm_engine import EngineConfig
+    from dflash_trt.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="draft_tree entry 0"):
+        SpeculativeConfig(speculative_model="d", draft_tree={0: 3})
+    with pytest.raises(ValueError, match="draft_len_schedule entry 2: -1"):
+        SpeculativeConfig(speculative_model="d", draft_len_schedule={1: 3, 2: -1})
+    with pytest.raises(ValueError, match="draft_tree entry 1: -2"):
+        EngineConfig(draft_tree={1: -2})
+    with pytest.raises(ValueError, match="draft_len_schedule entry 1: 5 .* in 0..max_draft_len=3"):
+        SchedulerConfig(max_num_seqs=2, max_model_len=64, max_draft_len=3, draft_len_schedule={1: 5})

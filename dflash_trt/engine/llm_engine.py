@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.draft_schedule import expand
+from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -62,9 +62,7 @@ class EngineConfig:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        for b, n in self.draft_tree.items():
-            if b < 1 or n < 0:
-                raise ValueError(f"draft_tree {{{b}: {n}}}: batch sizes must be >= 1 and node counts >= 0")
+        check_table(self.draft_tree, "draft_tree", "nodes")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from dflash_trt.draft_schedule import expand
+from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.slot_allocator import SlotAllocator
 
@@ -52,11 +52,7 @@ class SchedulerConfig:
             raise ValueError(f"load_window must be >= 1, got {self.load_window}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        for b, k in self.draft_len_schedule.items():
-            if b < 1 or not 0 <= k <= self.max_draft_len:
-                raise ValueError(
-                    f"draft_len_schedule {{{b}: {k}}}: batch sizes must be >= 1 and K in 0..max_draft_len={self.max_draft_len}"
-                )
+        check_table(self.draft_len_schedule, "draft_len_schedule", "K", ("max_draft_len", self.max_draft_len))
 
     def draft_len_for(self, batch_size: int) -> int:
         """K for a batch: TensorRT-LLM's rule over the schedule (0 above its largest key); max_draft_len without one."""
