@@ -85,8 +85,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--name", default="profile_step_cpu")
-    ap.add_argument("--compare", metavar="FIELD", choices=[f.name for f in fields(EngineConfig) if f.type in (bool, "bool")],
-                    help="an EngineConfig switch (screen_head, int8_drafter, ...): each run also with it off, alternating")
+    switches = [f.name for f in fields(EngineConfig) if f.type in (bool, "bool")]
+    ap.add_argument("--compare", metavar="FIELD", choices=switches,
+                    help="an EngineConfig switch (screen_head, int8_drafter, ...): each run also with it off, "
+                    "alternating")
     args = ap.parse_args()
     torch.set_num_threads(2)
     prompts = [p.text for p in load_dataset("cpu-small", osl=args.new_tokens)[: args.prompts]]

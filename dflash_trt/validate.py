@@ -47,7 +47,8 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
                 "and never exceed it"
             )
     if spec.draft_tree and max(spec.draft_tree.values()) > limit:
-        # the runtime's cache keeps room for one drafter block past a row's last position, and a tree writes its nodes there
+        # the runtime's cache keeps room for one drafter block past a row's last position; a tree writes its nodes
+        # there
         raise ValueError(
             f"speculative_config.draft_tree={spec.draft_tree}: draft_block_size={drafter.block_size} (checkpoint) "
             f"allows at most {limit} nodes"

@@ -33,7 +33,8 @@ def test_no_spec_needs_no_drafter_and_gives_the_same_greedy_tokens(tiny_dirs):
 
 
 def test_a_draft_tree_gives_the_same_greedy_tokens(tiny_dirs):
-    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--max-new-tokens", "20", "--ignore-eos",
+            "--json"]
     plain = json.loads(_run(*args, "--no-spec").stdout)
     drafter = ["--drafter", str(tiny_dirs["qwen3_drafter"]), "-k", "3"]
     tree = json.loads(_run(*args, *drafter, "--tree-nodes", "5").stdout)

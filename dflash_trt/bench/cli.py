@@ -98,8 +98,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
     from dflash_trt.bench.sweep import machine_info
 
-    result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees, "rounds": rounds,
-              "prompts": len(prompts), "threads": torch.get_num_threads(),
+    result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees,
+              "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     if output:
         Path(output).write_text(json.dumps(result, indent=2) + "\n")

@@ -131,7 +131,8 @@ class LLMEngine:
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             load_window=config.load_window,
         ))
-        if self.drafter is not None and config.draft_tree and max(config.draft_tree.values()) > self.runner.max_draft_len:
+        most_nodes = max(config.draft_tree.values(), default=0)
+        if self.drafter is not None and most_nodes > self.runner.max_draft_len:
             # the target cache keeps room past a row's last position for one drafter block, no more
             raise ValueError(f"draft_tree={config.draft_tree}: at most {self.runner.max_draft_len} nodes "
                              f"(the drafter's block_size - 1)")

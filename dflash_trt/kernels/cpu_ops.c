@@ -737,8 +737,8 @@ enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GA
  * kernels in the same order as LlamaDecoderLayer's CPU path, so the results are bit-identical to it; what goes is
  * Python's and torch's per-op overhead between them. x [N, hidden] is the residual stream in and the last
  * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0
- * (capture_slot NULL: nothing is captured); tree: a draft tree's visibility, as decode_attention's. q8: the table's projections are q8_weight (linear_q8: a DFlash
- * drafter's int8 tables), else bf16 kernel weights.
+ * (capture_slot NULL: nothing is captured); tree: a draft tree's visibility, as decode_attention's. q8: the
+ * table's projections are q8_weight (linear_q8: a DFlash drafter's int8 tables), else bf16 kernel weights.
  * Returns 0 (nothing done) where this build has no bf16 linear kernel (or no int8 one, with q8) or a projection's
  * width is not a multiple of 32. */
 int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, uint16_t *k_cache,

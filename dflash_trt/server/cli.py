@@ -63,8 +63,8 @@ def _engine_options(f):
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
         click.option("--head-screen/--full-head", default=None,
-                     help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, about "
-                     "half its bytes read; default) or through the full head."),
+                     help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, "
+                     "about half its bytes read; default) or through the full head."),
         click.option("--int8-drafter/--bf16-drafter", default=None,
                      help="The drafter's CPU step with int8 projections (default where the CPU has AVX512-VNNI; drafts "
                      "may differ slightly, outputs never) or bf16 ones."),
@@ -77,7 +77,9 @@ def _engine_options(f):
 def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, adaptive_draft_len,
                draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
-    tree = None if draft_tree is None else ({} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree"))
+    tree = None
+    if draft_tree is not None:
+        tree = {} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree")
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
                 draft_len_schedule=schedule or None, draft_tree=tree, adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
@@ -93,8 +95,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
-          draft_tree, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter,
-          host, port, backend, served_model_name) -> None:
+          draft_tree, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
+          int8_drafter, host, port, backend, served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":

@@ -11,9 +11,11 @@ Verification by the target's own choice: its argmax (greedy) or its sample (the 
 uniform for the node's depth) at each verified node says which child, if any, continues the accepted path; the
 emitted tokens are the accepted path's drafts plus the target's token after its last node, exactly the tokens plain
 decoding would give (greedy), each drawn from the target's distribution given the tokens before it (sampled). The
-"rejection" rule, whose drafts are samples of the drafter, drafts chains. On the CPU default at one row (`bench speed --dataset cpu-small --tree-nodes`, benchmarks/README.md,
-session 19) a chain of K=3 accepts 1.65 tokens a step, a tree of 6 nodes up to 3 deep 1.94: 1.41x plain decoding
-against 1.31x, the extra rows nearly free in a memory-bound step.
+"rejection" rule, whose drafts are samples of the drafter, drafts chains.
+
+On the CPU default at one row (`bench speed --dataset cpu-small --tree-nodes`, benchmarks/README.md, session 19) a
+chain of K=3 accepts 1.65 tokens a step, a tree of 6 nodes up to 3 deep 1.94: 1.41x plain decoding against 1.31x,
+the extra rows nearly free in a memory-bound step.
 
 Node order: node 0 is the root (the anchor), then nodes in the order they were chosen, so every parent precedes its
 children (the attention stays causal in node order: layers/attention.py AttentionMetadata.tree_step).

@@ -112,7 +112,8 @@ def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(dtype):
     rows = torch.full((n,), 1)
     lens = start + torch.arange(n) + 1
     tree = torch.tensor([[start, bits] for bits in ancestors], dtype=torch.int64)
-    q = (torch.randn(n, heads, d, generator=g) * 1e-4).to(dtype)  # scores of about 1: a spread softmax, whose sum's order shows
+    # scores of about 1: a spread softmax, where the order of its sum shows
+    q = (torch.randn(n, heads, d, generator=g) * 1e-4).to(dtype)
     got = ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, tree=tree)
 
     # the chain arrangement: node j's prefix then its ancestors in order, copied into another cache row
@@ -132,7 +133,8 @@ def test_tree_attention_refuses_a_window_or_a_malformed_tree():
     cache = _cache(1, 16, 1, 32, torch.float32, torch.Generator().manual_seed(0))
     q, rows, lens = torch.zeros(2, 1, 32), torch.zeros(2, dtype=torch.long), torch.tensor([3, 4])
     with pytest.raises(ValueError, match="tree"):
-        ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, window=4, tree=torch.zeros(2, 2, dtype=torch.long))
+        ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, window=4,
+                             tree=torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="tree"):
         ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, tree=torch.zeros(2, dtype=torch.long))
 
