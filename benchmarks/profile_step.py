@@ -5,8 +5,8 @@ features) while the engine generates for the `cpu-small` prompts, greedy, bf16, 
 Timing inside the loop, not in isolation, is the point: between two forwards that stream the weights through the
 caches, a small torch op costs 5-20x what a microbenchmark of it says (benchmarks/README.md, session 15).
 
-    .venv/bin/python benchmarks/profile_step.py [--k 2] [--prompts 12] [--new-tokens 64] [--name profile_step_cpu]
-        [--compare screen_head]
+    .venv/bin/python benchmarks/profile_step.py [--k 2] [--tree-nodes 6] [--prompts 12] [--new-tokens 64]
+        [--name profile_step_cpu] [--compare screen_head]
 """
 
 from __future__ import annotations
@@ -43,22 +43,25 @@ def timed(obj, name: str, key: str, samples: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int, **config) -> dict:
+def profile(speculative: bool, k: int, prompts: list[str], new_tokens: int, tree_nodes: int = 0, **config) -> dict:
+    tree = {1: tree_nodes} if tree_nodes else {}
     engine = LLMEngine.from_dirs(smollm2_dir(), SMOLLM2_DRAFTER, EngineConfig(
-        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative, **config))
+        dtype="bfloat16", max_batch_size=1, max_draft_len=k, speculative=speculative, draft_tree=tree,
+        draft_len_schedule={}, **config))
     ids = [engine.encode(p, chat=True) for p in prompts]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(ids[:2], params)  # warm-up: kernels built, shapes seen
     samples: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     timed(engine, "step", "engine step", samples)
-    timed(runner, "spec_step" if speculative else "decode_step", "decode step", samples)
+    step = "decode_step" if not speculative else "tree_step" if tree_nodes else "spec_step"
+    timed(runner, step, "decode step", samples)
     timed(runner, "prefill", "prefill", samples)
     timed(runner.target, "forward", "target forward", samples)
     timed(runner.target, "greedy_tokens", "target head + argmax", samples)
     if speculative:
         proposer = runner.proposer
-        timed(proposer, "propose", "propose (all)", samples)
+        timed(proposer, "propose_tree" if tree_nodes else "propose", "propose (all)", samples)
         timed(proposer.drafter, "draft", "drafter step", samples)
         timed(proposer.drafter, "compute_logits", "draft head", samples)
         timed(runner, "_pending_batch", "pending features", samples)
@@ -84,6 +87,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tree-nodes", type=int, default=0, help="draft trees of this many nodes (0: chains)")
     ap.add_argument("--name", default="profile_step_cpu")
     switches = [f.name for f in fields(EngineConfig) if f.type in (bool, "bool")]
     ap.add_argument("--compare", metavar="FIELD", choices=switches,
@@ -102,7 +106,7 @@ def main() -> None:
         plan = [(name, spec, {}) for name, spec in plan]
     tokens = {}
     for name, spec, config in plan:
-        runs[name] = profile(spec, args.k, prompts, args.new_tokens, **config)
+        runs[name] = profile(spec, args.k, prompts, args.new_tokens, args.tree_nodes, **config)
         tokens[name] = runs[name].pop("token_ids")
         if args.compare and name.endswith(off):
             runs[name]["identical_to_on"] = tokens[name] == tokens[name.removesuffix(off)]
@@ -110,7 +114,8 @@ def main() -> None:
         print(f"{name}: {r['tok_s']} tok/s, {r['decode_steps']} steps of {r['tokens_per_step']} tokens")
         for key, part in r["parts"].items():
             print(f"  {key:22s} {part['ms_per_decode_step']:7.3f} ms a step  (median call {part['median_ms']:.3f} ms)")
-    path = record(args.name, {"command": " ".join(sys.argv), "k": args.k, "prompts": len(prompts),
+    path = record(args.name, {"command": " ".join(sys.argv), "k": args.k, "tree_nodes": args.tree_nodes,
+                              "prompts": len(prompts),
                               "new_tokens": args.new_tokens, "runs": runs})
     print(f"recorded {path}")
 

@@ -18,6 +18,9 @@
 /* Longest run of queries that share a cache row and therefore their keys and values in decode_attention (a verify
  * block, a drafter block, a prompt chunk); without a window each sees a prefix of the same keys. */
 #define MAX_QUERY_RUN 16
+/* Row-wise kernels (norms, rotary, residual adds) split their rows over the threads from this many rows on: below,
+ * the fork and join cost more than the rows (a decode or verify step's). */
+#define PARALLEL_MIN_ROWS 16
 
 typedef union {
     uint32_t u;
@@ -282,15 +285,27 @@ static inline void store_bf16x16(const float *acc, const uint16_t *bias, uint16_
 static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
                          int64_t N, int64_t K) {
     const int64_t groups = N / 64, slices = K / 32, group_elems = slices * 4 * 512;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    /* Above 16 rows (a prompt chunk) every group's weights serve all the 16-row chunks while they are in cache:
+     * chunk by chunk, each chunk streamed the whole weight again (a 32-row chunk cost 2.5x a 16-row one). The rows
+     * are padded to whole tiles there; a tile row's outputs depend on that row alone, so every row's result is the
+     * one it gets alone. */
+    const int64_t tile_rows = M < 16 ? M : 16, chunks = (M + 15) / 16;
+    uint16_t *padded = NULL;
+    if (M > 16 && M % 16) {
+        padded = calloc((size_t)(chunks * 16 * K), sizeof(uint16_t));
+        if (!padded) abort();
+        memcpy(padded, x, sizeof(uint16_t) * (size_t)(M * K));
+        x = padded;
+    }
 #pragma omp parallel
-        {
-            configure_tiles(rows);
-            float acc[16 * 64];
+    {
+        configure_tiles(tile_rows);
+        float acc[16 * 64];
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
-                const uint16_t *b = w + g * group_elems;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *b = w + g * group_elems;
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t m0 = c * 16, rows = M - m0 < 16 ? M - m0 : 16;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
@@ -298,8 +313,10 @@ static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *b
                 for (int64_t kc = 0; kc < slices; kc++) {
                     /* two slices (8 KB) ahead, into L2 (see LINEAR_TILE); past a group's end the next group's
                      * first slices, which follow it in memory (a prefetch past the weight's end does not fault) */
-                    const char *ahead = (const char *)(b + (kc + 2) * 2048);
-                    for (int i = 0; i < 64; i++) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
+                    if (c == 0) {
+                        const char *ahead = (const char *)(b + (kc + 2) * 2048);
+                        for (int i = 0; i < 64; i++) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
+                    }
                     _tile_loadd(4, x + m0 * K + kc * 32, K * 2);
                     _tile_loadd(5, b + (kc * 4 + 0) * 512, 64);
                     _tile_dpbf16ps(0, 4, 5);
@@ -318,9 +335,10 @@ static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *b
                     for (int64_t n = 0; n < 64; n += 16)
                         store_bf16x16(acc + r * 64 + n, bias ? bias + g * 64 + n : NULL, y + (m0 + r) * N + g * 64 + n);
             }
-            _tile_release();
         }
+        _tile_release();
     }
+    free(padded);
 }
 #endif
 
@@ -770,6 +788,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
         linear_table(q8, h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);
         silu_mul_bf16(gate_up, act, N, inter);
         linear_table(q8, act, lw[W_DOWN], lw[W_DOWN_BIAS], tmp, N, hidden, inter);
+#pragma omp parallel for schedule(static) if (N >= PARALLEL_MIN_ROWS)
         for (int64_t j = 0; j < N * hidden; j++) x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(tmp[j]));
         if (capture_slot && capture_slot[l] >= 0)
             for (int64_t i = 0; i < N; i++)

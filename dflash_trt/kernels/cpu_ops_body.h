@@ -19,6 +19,8 @@ static void CAT(norm_row_, SFX)(const T *x, const T *weight, float eps, int64_t 
  * normalised (the pre-norm residual add of a decoder layer in one pass). */
 void CAT(rms_norm_, SFX)(const T *x, const T *residual, T *sum_out, const T *weight, T *out,
                          int64_t n, int64_t d, float eps) {
+    /* rows are independent: a prompt chunk's split over the threads (a decode step's few stay on one) */
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ROWS)
     for (int64_t i = 0; i < n; i++) {
         const T *xi = x + i * d;
         if (residual) {
@@ -80,8 +82,10 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             run_start[runs++] = b;
     }
     run_start[runs] = B;
-#pragma omp parallel for schedule(static) if (work * H * D >= 65536)
-    for (int64_t item = 0; item < runs * H; item++) {
+    /* dynamic, longest first: a prompt chunk's later runs see more keys, and static shares left one thread waiting */
+#pragma omp parallel for schedule(dynamic, 1) if (work * H * D >= 65536)
+    for (int64_t i = 0; i < runs * H; i++) {
+        const int64_t item = runs * H - 1 - i;
         const int64_t first = run_start[item / H], R = run_start[item / H + 1] - first, h = item % H;
         /* a window keeps runs to one query, so one start serves the run */
         const int64_t start = (window > 0 && lens[first] > window) ? lens[first] - window : 0;
@@ -152,8 +156,9 @@ void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const
                                  float eps, const int64_t *rows, const int64_t *positions, T *q_out, T *k_cache,
                                  T *v_cache, int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t rot,
                                  int64_t max_len) {
-    T normed[D];
+#pragma omp parallel for schedule(static) if (N >= PARALLEL_MIN_ROWS)
     for (int64_t i = 0; i < N; i++) {
+        T normed[D];
         const T *src = qkv + i * (H + 2 * KVH) * D;
         const T *c = cos + i * rot, *s = sin + i * rot;
         for (int64_t h = 0; h < H; h++) {

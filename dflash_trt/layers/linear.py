@@ -2,10 +2,11 @@
 
 A bf16 or fp32 GEMV through oneDNN with the weight reordered once into its blocked layout runs about
 2x faster on AVX-512 CPUs than `F.linear` on the plain weight, with bit-identical results. For up to
-KERNEL_MAX_ROWS rows (decode and verify steps) the bf16 kernel in kernels/cpu_ops.c is faster still when the
-weights stream from memory (120 SmolLM2 linears: 5.6 against 6.7 ms at 4 rows, 5.8 against 7.8 at 8; a tie at
-32; benchmarks/bench_cpu_ops.py), and it computes every row the same way whatever rows share the call, so a
-one-token decode and a K-token verify round alike. It reads the plain weight, or on CPUs with AMX a copy in AMX's
+KERNEL_MAX_ROWS rows (decode and verify steps, short prompt chunks) the bf16 kernel in kernels/cpu_ops.c is
+faster still when the weights stream from memory (120 SmolLM2 linears: 5.6 against 6.7 ms at 4 rows, 5.8 against
+7.8 at 8, a tie at 32, benchmarks/bench_cpu_ops.py; with AMX tiles, 30 gate/up projections: 4.9 against 6.7 ms at
+32 rows, 6.9 against 8.2 at 64, a tie at 128), and it computes every row the same way whatever rows share the call,
+so a one-token decode and a K-token verify round alike. It reads the plain weight, or on CPUs with AMX a copy in AMX's
 tile order (kernels/cpu_ops.c), so a bf16 model holds its projections twice or three times (SmolLM2: 212 MB more
 each). Applied as a transform after the model is built (never in model code).
 """
@@ -18,7 +19,9 @@ from torch import nn
 from dflash_trt.kernels import cpu_ops
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-KERNEL_MAX_ROWS = 32
+# Rows up to which the bf16 kernel serves a linear, by the weight layout this CPU's kernel reads
+# (cpu_ops.linear_layout): AVX-512 BF16 dot products ("rows"), or AMX tiles, whose cost grows far slower with the rows.
+KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -39,9 +42,10 @@ class PackedLinear(nn.Module):
         # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
         # already resident), in "tiles" a reordered copy.
         self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
+        self.kernel_max_rows = 0 if self.kernel_weight is None else KERNEL_MAX_ROWS[ops.linear_layout(weight)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_weight is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
+        if self.kernel_weight is not None and x.numel() <= self.kernel_max_rows * self.in_features:
             ops = cpu_ops.for_tensors(x, self.kernel_weight)
             if ops is not None:
                 return ops.linear(x, self.kernel_weight, self.bias)

@@ -23,7 +23,7 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.kernels.draft_attention import draft_attention
 from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
-from dflash_trt.layers.linear import KERNEL_MAX_ROWS, kernel_weights, pack_linears
+from dflash_trt.layers.linear import kernel_weights, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
@@ -32,6 +32,9 @@ from dflash_trt.models.weights import CheckpointError, WeightSet
 from dflash_trt.spec.draft_vocab import load_draft_vocab
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
+# A drafter step runs in one call to the CPU kernels up to this many rows (a step's block, a few steps' features):
+# its int8 projections' VNNI dots grow with the rows, and a prompt's features are better served per layer.
+ONE_CALL_MAX_ROWS = 32
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -302,7 +305,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         cos, sin = self.rotary(meta.positions, x.dtype)
         table = self.kernel_table
-        step = kernel_step(meta, cache, x) if table is not None and x.shape[0] * x.shape[1] <= KERNEL_MAX_ROWS else None
+        step = kernel_step(meta, cache, x) if table is not None and x.shape[0] * x.shape[1] <= ONE_CALL_MAX_ROWS else None
         if step is not None:
             # Every layer in one C call: a drafter layer is a Llama layer once q_proj and kv_proj are one projection
             # (the block's K/V written after the context, as DFlashAttention's kernel path does; bit-identical to it).
@@ -323,8 +326,8 @@ class DFlashDrafter(nn.Module):
         fused = (
             self.context_table is not None and block_embeds.dtype == torch.bfloat16
             # the row counts at which project_context's and forward_block's linears take the same kernels
-            and features.shape[0] * features.shape[1] <= KERNEL_MAX_ROWS
-            and block_embeds.shape[0] * block_embeds.shape[1] <= KERNEL_MAX_ROWS
+            and features.shape[0] * features.shape[1] <= ONE_CALL_MAX_ROWS
+            and block_embeds.shape[0] * block_embeds.shape[1] <= ONE_CALL_MAX_ROWS
         )
         if fused:
             block = kernel_step(block_meta, cache, block_embeds, features)

@@ -216,8 +216,9 @@ needs_linear = pytest.mark.skipif(ops is None or not ops.has_linear(torch.zeros(
 @pytest.mark.parametrize("rows, n, k, bias", [
     (1, 8, 64, False), (2, 9, 64, True), (3, 13, 96, True), (6, 7, 64, False), (7, 5, 96, True), (9, 4099, 576, False),
     (32, 6, 1536, True),
-    # multiples of 64 features: AMX's tiles where the CPU has them, past 16 rows in more than one pass
+    # multiples of 64 features: AMX's tiles where the CPU has them, past 16 rows 16 at a time (the last padded)
     (1, 64, 64, True), (3, 192, 576, False), (4, 128, 1536, True), (17, 64, 96, False), (32, 256, 64, True),
+    (45, 128, 576, True), (128, 64, 64, False),
 ])
 def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     """Against F.linear in fp32 on the same bf16 values (the kernel sums in fp32 and rounds once), with feature

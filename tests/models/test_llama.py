@@ -137,10 +137,42 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
     with torch.no_grad():
         caches = [ours.make_cache(3, 32) for _ in range(2)]
         for cache in caches:
-            ours(ids[:, :20], _run(ours, ids[:, :20]), cache)  # a 20-token prefill: the layer-by-layer path
+            ours(ids[:, :20], _run(ours, ids[:, :20]), cache)  # a 20-token prefill
         for step in (slice(20, 21), slice(21, 24)):
             meta = lambda: _run(ours, ids[:, step], step.start)  # noqa: E731 (fresh metadata per call)
             fused = ours(ids[:, step], meta(), caches[0], capture_layer_ids=(3, 1))
             layered = CausalLM.forward(ours, ids[:, step], meta(), caches[1], capture_layer_ids=(3, 1))
             assert torch.equal(fused[0], layered[0]) and torch.equal(fused[1], layered[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_path):
+    """Prompt chunks of up to one_call_max_tokens run every layer in one C call too (past 16 rows the linear
+    kernel's AMX tiles take 16 at a time, the last padded): every token's hidden state, captured features and K/V
+    are bit for bit what one-token decode steps give, so a prompt computes alike however it is chunked; and the
+    logits agree with transformers' fp32 forward on the same weights up to bf16's rounding."""
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with AVX512-BF16")
+    d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    ours = load_target(d, dtype=torch.bfloat16)
+    ours.pack_for_inference()
+    n = min(45, ours.one_call_max_tokens)  # 45 with AMX tiles (3 tile passes, the last padded), else 32
+    assert n > 16
+    ids = torch.randint(0, 96, (2, n))
+    with torch.no_grad():
+        caches = [ours.make_cache(2, 64) for _ in range(2)]
+        chunk, chunk_features = ours(ids, _run(ours, ids), caches[0], capture_layer_ids=(2, 0))
+        steps = [ours(ids[:, i : i + 1], _run(ours, ids[:, i : i + 1], i), caches[1], capture_layer_ids=(2, 0))
+                 for i in range(n)]
+        hf = AutoModelForCausalLM.from_pretrained(d).eval()
+        want = hf(ids).logits
+        got = ours.compute_logits(chunk).float()
+    assert torch.equal(chunk, torch.cat([h for h, _ in steps], 1))
+    assert torch.equal(chunk_features, torch.cat([f for _, f in steps], 1))
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 0.03, f"bf16 chunk logits {err:.4f} of the largest logit away from transformers' fp32"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
