@@ -15,21 +15,28 @@ static void CAT(norm_row_, SFX)(const T *x, const T *weight, float eps, int64_t 
     for (int64_t j = 0; j < d; j++) dst[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(x[j]) * r)));
 }
 
+/* Row i of rms_norm below. */
+static void CAT(rms_norm_row_, SFX)(const T *x, const T *residual, T *sum_out, const T *weight, T *out, int64_t i,
+                                    int64_t d, float eps) {
+    const T *xi = x + i * d;
+    if (residual) {
+        const T *ri = residual + i * d;
+        T *si = sum_out + i * d;
+        for (int64_t j = 0; j < d; j++) si[j] = STORE(LOAD(xi[j]) + LOAD(ri[j]));
+        xi = si;
+    }
+    CAT(norm_row_, SFX)(xi, weight, eps, d, out + i * d);
+}
+
 /* out = weight * rms_norm(x) over rows of d; with residual: x + residual is rounded, written to sum_out and
  * normalised (the pre-norm residual add of a decoder layer in one pass). */
 void CAT(rms_norm_, SFX)(const T *x, const T *residual, T *sum_out, const T *weight, T *out,
                          int64_t n, int64_t d, float eps) {
-    /* rows are independent: a prompt chunk's split over the threads (a decode step's few stay on one) */
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ROWS)
-    for (int64_t i = 0; i < n; i++) {
-        const T *xi = x + i * d;
-        if (residual) {
-            const T *ri = residual + i * d;
-            T *si = sum_out + i * d;
-            for (int64_t j = 0; j < d; j++) si[j] = STORE(LOAD(xi[j]) + LOAD(ri[j]));
-            xi = si;
-        }
-        CAT(norm_row_, SFX)(xi, weight, eps, d, out + i * d);
+    if (n >= PARALLEL_MIN_ROWS) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) CAT(rms_norm_row_, SFX)(x, residual, sum_out, weight, out, i, d, eps);
+    } else {
+        for (int64_t i = 0; i < n; i++) CAT(rms_norm_row_, SFX)(x, residual, sum_out, weight, out, i, d, eps);
     }
 }
 
@@ -82,11 +89,13 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             run_start[runs++] = b;
     }
     run_start[runs] = B;
-    /* dynamic, longest first: a prompt chunk's later runs see more keys, and static shares left one thread waiting */
-#pragma omp parallel for schedule(dynamic, 1) if (work * H * D >= 65536)
-    for (int64_t i = 0; i < runs * H; i++) {
-        const int64_t item = runs * H - 1 - i;
-        const int64_t first = run_start[item / H], R = run_start[item / H + 1] - first, h = item % H;
+    /* Runs in the order first, last, second, second to last, ...: a prompt chunk's later runs see more keys, and
+     * the threads' contiguous shares of the runs in order left one waiting; a run's heads stay together, so the query
+     * heads of one KV head share its keys in cache. */
+#pragma omp parallel for schedule(static) if (work * H * D >= 65536)
+    for (int64_t item = 0; item < runs * H; item++) {
+        const int64_t at = item / H, run = at % 2 ? runs - 1 - at / 2 : at / 2;
+        const int64_t first = run_start[run], R = run_start[run + 1] - first, h = item % H;
         /* a window keeps runs to one query, so one start serves the run */
         const int64_t start = (window > 0 && lens[first] > window) ? lens[first] - window : 0;
         const int64_t base = ((rows[first] * KVH + h / G) * max_len + start) * D;
@@ -149,6 +158,34 @@ static void CAT(rotary_, SFX)(const T *x, const T *cos, const T *sin, int64_t d,
     for (int64_t j = rot; j < d; j++) dst[j] = x[j];
 }
 
+/* Token i of qkv_rotary_write below. */
+static void CAT(qkv_rotary_row_, SFX)(const T *qkv, const T *cos, const T *sin, const T *q_norm, const T *k_norm,
+                                      float eps, const int64_t *rows, const int64_t *positions, T *q_out, T *k_cache,
+                                      T *v_cache, int64_t i, int64_t H, int64_t KVH, int64_t D, int64_t rot,
+                                      int64_t max_len) {
+    T normed[D];
+    const T *src = qkv + i * (H + 2 * KVH) * D;
+    const T *c = cos + i * rot, *s = sin + i * rot;
+    for (int64_t h = 0; h < H; h++) {
+        const T *x = src + h * D;
+        if (q_norm) {
+            CAT(norm_row_, SFX)(x, q_norm, eps, D, normed);
+            x = normed;
+        }
+        CAT(rotary_, SFX)(x, c, s, D, rot, q_out + (i * H + h) * D);
+    }
+    for (int64_t h = 0; h < KVH; h++) {
+        const int64_t at = ((rows[i] * KVH + h) * max_len + positions[i]) * D;
+        const T *x = src + (H + h) * D;
+        if (k_norm) {
+            CAT(norm_row_, SFX)(x, k_norm, eps, D, normed);
+            x = normed;
+        }
+        CAT(rotary_, SFX)(x, c, s, D, rot, k_cache + at);
+        memcpy(v_cache + at, src + (H + KVH + h) * D, sizeof(T) * (size_t)D);
+    }
+}
+
 /* The attention block's input side for N tokens of fused q/k/v projections ([N, (H + 2 KVH) * D]): optional
  * per-head norms on q and k, rotary at each token's position (cos/sin: [N, rot]), q to q_out ([N, H, D]), and k, v
  * written into one layer of the cache ([cache rows, KVH, max_len, D]) at (rows[i], positions[i]). */
@@ -156,29 +193,15 @@ void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const
                                  float eps, const int64_t *rows, const int64_t *positions, T *q_out, T *k_cache,
                                  T *v_cache, int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t rot,
                                  int64_t max_len) {
-#pragma omp parallel for schedule(static) if (N >= PARALLEL_MIN_ROWS)
-    for (int64_t i = 0; i < N; i++) {
-        T normed[D];
-        const T *src = qkv + i * (H + 2 * KVH) * D;
-        const T *c = cos + i * rot, *s = sin + i * rot;
-        for (int64_t h = 0; h < H; h++) {
-            const T *x = src + h * D;
-            if (q_norm) {
-                CAT(norm_row_, SFX)(x, q_norm, eps, D, normed);
-                x = normed;
-            }
-            CAT(rotary_, SFX)(x, c, s, D, rot, q_out + (i * H + h) * D);
-        }
-        for (int64_t h = 0; h < KVH; h++) {
-            const int64_t at = ((rows[i] * KVH + h) * max_len + positions[i]) * D;
-            const T *x = src + (H + h) * D;
-            if (k_norm) {
-                CAT(norm_row_, SFX)(x, k_norm, eps, D, normed);
-                x = normed;
-            }
-            CAT(rotary_, SFX)(x, c, s, D, rot, k_cache + at);
-            memcpy(v_cache + at, src + (H + KVH + h) * D, sizeof(T) * (size_t)D);
-        }
+    if (N >= PARALLEL_MIN_ROWS) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < N; i++)
+            CAT(qkv_rotary_row_, SFX)(qkv, cos, sin, q_norm, k_norm, eps, rows, positions, q_out, k_cache, v_cache, i,
+                                      H, KVH, D, rot, max_len);
+    } else {
+        for (int64_t i = 0; i < N; i++)
+            CAT(qkv_rotary_row_, SFX)(qkv, cos, sin, q_norm, k_norm, eps, rows, positions, q_out, k_cache, v_cache, i,
+                                      H, KVH, D, rot, max_len);
     }
 }
 
