@@ -107,3 +107,24 @@ def smollm2_dir() -> Path:
     from dflash_trt.embedded import smollm2_dir as convert_once
 
     return convert_once()
+
+
+@pytest.fixture(scope="session")
+def avx2_ops(tmp_path_factory):
+    """The CPU kernels as a CPU with AVX2 and FMA but no AVX-512 (most laptops) builds them (-march=x86-64-v3),
+    loaded here: this machine runs that code too."""
+    from dflash_trt.kernels import cpu_ops
+
+    flags = cpu_ops._cpu_features().split()
+    if not {"avx2", "fma"} <= set(flags):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_TRT_MARCH", "x86-64-v3")
+    mp.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp("avx2")))
+    try:
+        ops = cpu_ops.load_with(os.environ.get("CC", "cc"))
+    finally:
+        mp.undo()
+    if ops is None:
+        pytest.skip("no C compiler")
+    return ops

@@ -6,8 +6,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#define HAVE_AVX2_LINEAR 1
 #endif
 #if defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -232,6 +235,67 @@ static void linear_features(const uint16_t *x, const uint16_t *w, const uint16_t
 }
 #endif
 
+#if defined(HAVE_AVX2_LINEAR)
+/* AVX2 + FMA, for CPUs without AVX-512 BF16 (most laptops and desktops): the weight's bf16 widened to fp32 (exact)
+ * and multiplied by the input, widened once per call, in fused multiply-adds, eight lanes per feature, R input rows
+ * x J features per pass over K (K % 32 == 0), the next J weight rows prefetched into L2 as LINEAR_TILE does. The
+ * lanes are summed in one fixed order, and every (row, feature) dot runs the same instruction sequence whatever R, J
+ * and the rows in the call, so a row's output does not depend on its batch. */
+static inline __m256 bf16x8_to_f32(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
+static inline float sum_x8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+#define LINEAR_TILE8(R, J)                                                                                       \
+    static inline void linear8_tile_##R##x##J(const float *x, const uint16_t *w, const uint16_t *bias,           \
+                                              uint16_t *y, int64_t N, int64_t K, int64_t n0) {                   \
+        __m256 acc[R][J];                                                                                        \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();                                         \
+        const char *next = (const char *)(w + (n0 + J) * K);                                                     \
+        for (int64_t k = 0; k < K; k += 8) {                                                                     \
+            if (k % 32 == 0)                                                                                     \
+                for (int j = 0; j < J; j++) _mm_prefetch(next + (j * K + k) * 2, _MM_HINT_T1);                   \
+            __m256 wv[J];                                                                                        \
+            for (int j = 0; j < J; j++) wv[j] = bf16x8_to_f32(w + (n0 + j) * K + k);                             \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m256 xv = _mm256_loadu_ps(x + r * K + k);                                                \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);                   \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int j = 0; j < J; j++) {                                                                        \
+                float sum = sum_x8(acc[r][j]);                                                                   \
+                if (bias) sum += bf16_to_f32(bias[n0 + j]);                                                      \
+                y[r * N + n0 + j] = f32_to_bf16(sum);                                                            \
+            }                                                                                                    \
+    }
+LINEAR_TILE8(4, 2)
+LINEAR_TILE8(3, 2)
+LINEAR_TILE8(2, 2)
+LINEAR_TILE8(1, 2)
+LINEAR_TILE8(4, 1)
+LINEAR_TILE8(3, 1)
+LINEAR_TILE8(2, 1)
+LINEAR_TILE8(1, 1)
+
+typedef void (*linear8_tile)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+
+static void linear8_features(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                             int64_t N, int64_t K, int64_t n0, int pair) {
+    static const linear8_tile tail2[4] = {NULL, linear8_tile_1x2, linear8_tile_2x2, linear8_tile_3x2};
+    static const linear8_tile tail1[4] = {NULL, linear8_tile_1x1, linear8_tile_2x1, linear8_tile_3x1};
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) (pair ? linear8_tile_4x2 : linear8_tile_4x1)(x + m * K, w, bias, y + m * N, N, K, n0);
+    if (m < M) (pair ? tail2 : tail1)[M - m](x + m * K, w, bias, y + m * N, N, K, n0);
+}
+#endif
+
 #if defined(HAVE_AMX)
 /* AMX: one TDPBF16PS multiplies up to 16 input rows by a 32 x 16 block of w^T, so a 4-row verify step costs what a
  * 1-row decode does where the AVX-512 tiles above take ~1.25x (their dot products grow with the rows while the weight
@@ -351,7 +415,7 @@ int linear_layout_bf16(int64_t N, int64_t K) {
 #if defined(HAVE_AMX)
     if (N % 64 == 0 && amx_ready()) return 2;
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(HAVE_AVX2_LINEAR)
     return 1;
 #else
     return 0;
@@ -380,6 +444,21 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
         else
             linear_features(x, w, bias, y, M, N, K, 4 * wide + (t - wide), 0);
     }
+    return 1;
+#elif defined(HAVE_AVX2_LINEAR)
+    if (layout != 1) return 0;
+    float *x32 = malloc(sizeof(float) * (size_t)(M * K));
+    if (!x32) return 0;
+    for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
+    const int64_t pairs = N / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < pairs + N % 2; t++) {
+        if (t < pairs)
+            linear8_features(x32, w, bias, y, M, N, K, 2 * t, 1);
+        else
+            linear8_features(x32, w, bias, y, M, N, K, N - 1, 0);
+    }
+    free(x32);
     return 1;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
@@ -748,7 +827,7 @@ static inline float f32_id(float x) { return x; }
 #undef SFX
 
 /* x += y over n rows of d, each sum rounded to bf16; a prompt chunk's rows split over the threads. */
-static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n, int64_t d) {
+static inline void add_bf16(uint16_t *x, const uint16_t *y, int64_t n, int64_t d) {
     if (n >= PARALLEL_MIN_ROWS) {
 #pragma omp parallel for schedule(static)
         for (int64_t j = 0; j < n * d; j++) x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(y[j]));
@@ -775,9 +854,9 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
                       int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, float qk_eps,
                       float scale, const int64_t *capture_slot, uint16_t *features, int64_t n_capture, int64_t q8,
                       const int64_t *tree) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(HAVE_AVX2_LINEAR)
     if (hidden % 32 || (H * D) % 32 || inter % 32) return 0;
-#if !defined(__AVX512VNNI__)
+#if !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
     if (q8) return 0;
 #endif
     const int64_t qkv_width = (H + 2 * KVH) * D;

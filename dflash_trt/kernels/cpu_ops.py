@@ -3,13 +3,13 @@
 At decode sizes torch spends more time dispatching the ~40 small ops of a decoder layer than computing them
 (an 8-row SmolLM2 step took ~18 ms, of which the linears were ~9 ms). The kernels do RMSNorm with its residual
 add, the rotary embedding with the K/V cache write, attention over the cache, the gated MLP's activation and
-bf16 linears of up to 32 rows (AVX-512 dot products, or AMX tiles, whose weights are stored reordered:
-`kernel_weight`) and the greedy argmax over logits, one call each; `llama_layers` runs every layer of a
-Llama-family model (or a DFlash drafter's block) in one call, and `dflash_step` a drafter's whole step. They are
-compiled on first use with the machine's C compiler (`cc` or $CC, -O3 -march=native) into
-$DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler and the CPU's instruction sets, and called on the
-tensors' memory; where there is no compiler, the build fails (a warning), or with DFLASH_TRT_CPU_KERNELS=0,
-`load()` returns None and torch's ops run instead.
+bf16 linears (AVX-512 or AVX2 dot products, or AMX tiles, whose weights are stored reordered: `kernel_weight`) and
+the greedy argmax over logits, one call each; `llama_layers` runs every layer of a Llama-family model (or a DFlash
+drafter's block) in one call, and `dflash_step` a drafter's whole step. They are compiled on first use with the
+machine's C compiler (`cc` or $CC, -O3 -march=native; $DFLASH_TRT_MARCH names another -march, e.g. x86-64-v3 for
+the instruction sets of an AVX2 laptop) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler, the
+flags and the CPU's instruction sets, and called on the tensors' memory; where there is no compiler, the build fails
+(a warning), or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
 """
 
 from __future__ import annotations
@@ -39,13 +39,18 @@ def cache_dir() -> Path:
     return project_cache() / "cpu_ops"
 
 
+def _flags() -> tuple[str, ...]:
+    march = os.environ.get("DFLASH_TRT_MARCH", "native")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
+
+
 def _library_path(compiler: str) -> Path:
     here = Path(__file__).parent
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update(" ".join((compiler, version, platform.machine(), _cpu_features(), *_FLAGS)).encode())
+    digest.update(" ".join((compiler, version, platform.machine(), _cpu_features(), *_flags())).encode())
     return cache_dir() / f"cpu_ops-{digest.hexdigest()[:16]}.so"
 
 
@@ -69,7 +74,7 @@ def build(compiler: str = "cc") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, str(Path(__file__).parent / "cpu_ops.c"), "-o", tmp]
+        cmd = [compiler, *_flags(), str(Path(__file__).parent / "cpu_ops.c"), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{result.stderr}")

@@ -13,7 +13,10 @@ each). Applied as a transform after the model is built (never in model code).
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.kernels import cpu_ops
@@ -24,25 +27,44 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128}
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """oneDNN prepacks this weight: bf16 only where the CPU has its bf16 instructions (AVX-512, AVX-NE-CONVERT); on
+    an AVX2 laptop its reorder raises."""
+    return (weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+            and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def can_pack(weight: torch.Tensor, with_kernel: bool = True) -> bool:
+    """A PackedLinear serves this weight: oneDNN prepacks it, or (with_kernel) the bf16 kernel reads it."""
+    if onednn_packs(weight):
+        return True
+    ops = cpu_ops.load() if with_kernel and weight.device.type == "cpu" and weight.dim() == 2 else None
+    return ops is not None and ops.linear_layout(weight) is not None
 
 
 class PackedLinear(nn.Module):
     """with_kernel=False leaves the bf16 kernel out (its weight can be a copy of its own): for weights too many to hold
-    twice, such as gpt-oss's experts, which then always take oneDNN's path."""
+    twice, such as gpt-oss's experts, which then always take oneDNN's path. Where oneDNN cannot pack the weight (bf16
+    on an AVX2 CPU), rows past the kernel's run torch's linear on the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, with_kernel: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # The batch-size hint only tunes the blocking; any number of rows works.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if onednn_packs(weight) else None
         self.bias = None if bias is None else bias.detach().clone()
         ops = cpu_ops.load() if with_kernel and weight.dtype == torch.bfloat16 else None
         # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
         # already resident), in "tiles" a reordered copy.
         self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
-        self.kernel_max_rows = 0 if self.kernel_weight is None else KERNEL_MAX_ROWS[ops.linear_layout(weight)]
+        self.kernel_max_rows = 0
+        if self.kernel_weight is not None:
+            # without oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
+            self.kernel_max_rows = KERNEL_MAX_ROWS[ops.linear_layout(weight)] if self.packed is not None else sys.maxsize
+        self.weight = None if self.packed is not None else weight.detach()
+        if self.packed is None and self.kernel_weight is None:
+            raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
+                             "here (check can_pack first)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None and x.numel() <= self.kernel_max_rows * self.in_features:
@@ -52,7 +74,9 @@ class PackedLinear(nn.Module):
         return self.forward_packed(x)
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN's packed linear, whatever the row count."""
+        """oneDNN's packed linear (or torch's where oneDNN cannot pack the weight), whatever the row count."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 

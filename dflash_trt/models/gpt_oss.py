@@ -134,7 +134,7 @@ class GptOssExperts(nn.Module):
 
     def pack(self) -> None:
         """Prepack every expert's two projections (oneDNN, bit-identical) and drop the stacked weights."""
-        if self.packed is not None or not can_pack(self.gate_up_proj):
+        if self.packed is not None or not can_pack(self.gate_up_proj, with_kernel=False):
             return
         self.packed = nn.ModuleList(
             # with_kernel=False: the stacked weights are dropped below; the kernel's copy per expert would keep them

@@ -23,9 +23,9 @@ from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.weights import WeightSet
 
 # Steps of up to this many tokens (decode, verify, prompt chunks) run every layer in one call to the CPU kernels
-# where the projections take AMX tiles; above, the kernels' per-query attention falls behind SDPA's (SmolLM2-135M,
-# 2 threads: a 64-token prompt 22 against 34 ms, 256 tokens 75 against 86, 512 tokens 177 against 166). Without AMX,
-# as far as the bf16 linear kernel serves (KERNEL_MAX_ROWS["rows"]).
+# where the projections take AMX tiles (or where oneDNN has no bf16: an AVX2 CPU); above, the kernels' per-query
+# attention falls behind SDPA's (SmolLM2-135M, 2 threads: a 64-token prompt 22 against 34 ms, 256 tokens 75 against
+# 86, 512 tokens 177 against 166). With AVX-512 dot products, as far as the linear kernel serves (32 rows).
 ONE_CALL_MAX_TOKENS = 256
 
 
@@ -130,7 +130,7 @@ class LlamaForCausalLM(CausalLM):
         self.kernel_table = self._build_layer_table()
         if self.kernel_table is not None:
             rows = self.layers[0].self_attn.qkv_proj.kernel_max_rows
-            self.one_call_max_tokens = ONE_CALL_MAX_TOKENS if rows == KERNEL_MAX_ROWS["tiles"] else rows
+            self.one_call_max_tokens = rows if rows <= KERNEL_MAX_ROWS["rows"] else ONE_CALL_MAX_TOKENS
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         """The layers' weights for cpu_ops.llama_layers when every projection runs on the bf16 linear kernel."""

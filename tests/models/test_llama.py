@@ -176,3 +176,33 @@ def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_p
     err = (got - want).abs().max() / want.abs().max()
     assert err < 0.03, f"bf16 chunk logits {err:.4f} of the largest logit away from transformers' fp32"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_an_avx2_build_runs_every_layer_in_one_call_alike_for_any_step_shape(tmp_path, avx2_ops, monkeypatch):
+    """With the kernels an AVX2 laptop builds (no AVX-512; tests/conftest.py), Llama-family steps still run every layer
+    in one C call: four one-token decode steps, a four-token verify block and one prompt chunk give bit-identical
+    bf16 hidden states and K/V (what keeps greedy speculation token-exact in bf16 there), and the logits agree with
+    transformers' fp32 forward up to bf16's rounding. Where oneDNN has no bf16 (an AVX2 CPU), every row count takes
+    the kernel: prompt chunks of up to 256 tokens in the one call."""
+    from dflash_trt.kernels import cpu_ops
+    from dflash_trt.layers import linear
+
+    monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
+    monkeypatch.setattr(linear, "onednn_packs", lambda w: w.dtype == torch.float32)  # no bf16 reorder, as on AVX2
+    d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    ours = load_target(d, dtype=torch.bfloat16)
+    ours.pack_for_inference()
+    assert ours.kernel_table is not None and ours.one_call_max_tokens == 256
+    assert ours.layers[0].self_attn.qkv_proj.packed is None  # torch's linear past the kernel, never oneDNN's reorder
+    ids = torch.randint(0, 96, (2, 40))
+    with torch.no_grad():
+        caches = [ours.make_cache(2, 48) for _ in range(3)]
+        whole = ours(ids, _run(ours, ids), caches[0])[0]
+        ours(ids[:, :36], _run(ours, ids[:, :36]), caches[1])
+        block = ours(ids[:, 36:], _run(ours, ids[:, 36:], 36), caches[1])[0]
+        steps = [ours(ids[:, i : i + 1], _run(ours, ids[:, i : i + 1], i), caches[2])[0] for i in range(40)]
+        want = AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits
+        got = ours.compute_logits(whole).float()
+    assert torch.equal(whole, torch.cat(steps, 1)) and torch.equal(block, whole[:, 36:])
+    assert all(torch.equal(c.k, caches[0].k) and torch.equal(c.v, caches[0].v) for c in caches[1:])
+    assert (got - want).abs().max() / want.abs().max() < 0.03
