@@ -18,11 +18,16 @@ def _table(rows: list[tuple[str, str]], title: str) -> str:
 
 
 def _tree(spec: dict | None) -> str:
-    tree = (spec or {}).get("draft_tree")
-    if not tree:
-        return "none (chains)"
-    pairs = ", ".join(f"{b}: {n}" for b, n in sorted(tree.items(), key=lambda kv: int(kv[0])))
-    return "{" + pairs + "} (batch size -> nodes)"
+    spec = spec or {}
+    tree, without_amx = spec.get("draft_tree"), spec.get("draft_tree_without_amx")
+
+    def table(t: dict) -> str:
+        return "{" + ", ".join(f"{b}: {n}" for b, n in sorted(t.items(), key=lambda kv: int(kv[0]))) + "}"
+
+    text = table(tree) + " (batch size -> nodes)" if tree else "none (chains)"
+    if without_amx is not None:
+        text += f"; on CPUs without AMX {table(without_amx) if without_amx else 'none (chains)'}"
+    return text
 
 
 def format_plan(plan: dict) -> str:

@@ -58,7 +58,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               help="K draft tokens per step (default: the engine's K with ENGINE, else the drafter's block_size - 1).")
 @click.option("--tree-nodes", default=None, type=click.IntRange(min=0),
               help="Verify a draft tree of N nodes per step instead of a chain (spec/draft_tree.py); 0: a chain. "
-              "Default: the engine's speculative_config.draft_tree, else a chain.")
+              "Default: the engine's speculative_config.draft_tree (draft_tree_without_amx on a CPU without AMX "
+              "tiles), else a chain.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: float32, or the engine's dtype with ENGINE.")
@@ -92,7 +93,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 return
             engine = open_engine(engine_path, "torch", max_batch_size=1, max_model_len=max_model_len,
                                  max_draft_len=max_draft_len, speculative=False if no_spec else None, dtype=dtype,
-                                 draft_tree=tree)
+                                 draft_tree=tree, draft_tree_without_amx=tree)
         else:
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")

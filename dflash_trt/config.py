@@ -53,6 +53,9 @@ class SpeculativeConfig(_Strict):
     # up to K slots deep, instead of a chain of K (greedy and "match"-sampled requests; a batch with a "rejection"
     # row drafts a chain); 0 or past the largest key: a chain. TensorRT-LLM drafts a chain.
     draft_tree: dict[int, int] | None = None
+    # This project's torch runtime only: the draft_tree table on a CPU whose linears have no AMX tiles (None:
+    # draft_tree). There every extra row of a verify step costs its dot products, and large trees lose.
+    draft_tree_without_amx: dict[int, int] | None = None
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
     use_rejection_sampling: bool = False
@@ -66,6 +69,7 @@ class SpeculativeConfig(_Strict):
                     "(tau counts the bonus token)"
                 )
         check_table(self.draft_tree or {}, "draft_tree", "nodes")
+        check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.draft_len_schedule is not None and self.max_concurrency is not None:
             raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
         if self.draft_len_schedule == "auto":

@@ -90,8 +90,9 @@ class EngineDir:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
-        if spec.get("draft_tree") and "draft_tree" in known:
-            values["draft_tree"] = {int(b): int(n) for b, n in spec["draft_tree"].items()}
+        for key in ("draft_tree", "draft_tree_without_amx"):
+            if spec.get(key) is not None and key in known:
+                values[key] = {int(b): int(n) for b, n in spec[key].items()}
         if spec.get("adaptive_draft_len"):
             values["adaptive_draft_len"] = True
         if spec.get("draft_vocab_size") is not None:

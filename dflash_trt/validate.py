@@ -46,13 +46,15 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
                 f"speculative_config.draft_len_schedule={spec.draft_len_schedule} must start at max_draft_len={k} "
                 "and never exceed it"
             )
-    if spec.draft_tree and max(spec.draft_tree.values()) > limit:
-        # the runtime's cache keeps room for one drafter block past a row's last position; a tree writes its nodes
-        # there
-        raise ValueError(
-            f"speculative_config.draft_tree={spec.draft_tree}: draft_block_size={drafter.block_size} (checkpoint) "
-            f"allows at most {limit} nodes"
-        )
+    for key in ("draft_tree", "draft_tree_without_amx"):
+        tree = getattr(spec, key)
+        if tree and max(tree.values()) > limit:
+            # the runtime's cache keeps room for one drafter block past a row's last position; a tree writes its
+            # nodes there
+            raise ValueError(
+                f"speculative_config.{key}={tree}: draft_block_size={drafter.block_size} (checkpoint) "
+                f"allows at most {limit} nodes"
+            )
     return k
 
 

@@ -285,9 +285,12 @@ def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, 
 
 
 def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
-    out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 5, 2: 3}), tmp_path / "e", progress=False)
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 5, 2: 3}, draft_tree_without_amx={1: 2}),
+                       tmp_path / "e", progress=False)
     assert EngineDir(out).engine_config().draft_tree == {1: 5, 2: 3}
-    assert "{1: 5, 2: 3} (batch size -> nodes" in CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert EngineDir(out).engine_config().draft_tree_without_amx == {1: 2}
+    shown = CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "{1: 5, 2: 3} (batch size -> nodes); on CPUs without AMX {1: 2}" in shown
     assert EngineDir(out).engine_config(draft_tree={}).draft_tree == {}
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
@@ -297,6 +300,8 @@ def test_a_draft_tree_larger_than_the_drafters_block_fails_the_build_naming_the_
     block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
     with pytest.raises(ValueError, match=rf"speculative_config.draft_tree=.*allows at most {block - 1} nodes"):
         prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block}))
+    with pytest.raises(ValueError, match=rf"speculative_config.draft_tree_without_amx=.*at most {block - 1} nodes"):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree_without_amx={1: block}))
 
 
 def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):

@@ -109,6 +109,8 @@ def test_every_config_that_takes_such_a_table_refuses_a_bad_one():
 
     with pytest.raises(ValueError, match="draft_tree entry 0"):
         SpeculativeConfig(speculative_model="d", draft_tree={0: 3})
+    with pytest.raises(ValueError, match="draft_tree_without_amx entry 2: -1"):
+        SpeculativeConfig(speculative_model="d", draft_tree_without_amx={2: -1})
     with pytest.raises(ValueError, match="draft_len_schedule entry 2: -1"):
         SpeculativeConfig(speculative_model="d", draft_len_schedule={1: 3, 2: -1})
     with pytest.raises(ValueError, match="draft_tree entry 1: -2"):

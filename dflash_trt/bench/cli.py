@@ -42,7 +42,7 @@ def bench() -> None:
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
 @click.option("--tree-nodes", default=None,
               help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5 (default: the "
-              "engine's tree at one row with ENGINE, else a chain).")
+              "tree the ENGINE drafts at one row on this CPU, else a chain).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -89,7 +89,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if tree_nodes is not None:
         trees = _ints(tree_nodes, "--tree-nodes")
     else:
-        trees = [expand(eng.config.draft_tree, 1) if engine and eng.config.draft_tree else 0]
+        trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,

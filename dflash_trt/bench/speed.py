@@ -56,7 +56,9 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
                     tree_nodes: list[int] = (0,)) -> tuple[LLMEngine, dict[str, LLMEngine]]:
     """An autoregressive engine and one engine per (K, draft vocabulary, draft tree), all sharing `engine`'s weights
     and tokenizer, keyed by system name."""
-    cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={})
+    # each system's tree as named, whatever the CPU (draft_tree_without_amx would pick another)
+    cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
+                              draft_tree_without_amx=None)
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")

@@ -14,6 +14,7 @@ from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
+from dflash_trt.layers.linear import on_amx_tiles
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
@@ -45,6 +46,9 @@ class EngineConfig:
     # chain): steps whose rows are greedy or sampled by the "match" rule verify that many drafts chosen from each
     # slot's top tokens, K slots deep.
     draft_tree: dict[int, int] = field(default_factory=dict)
+    # The draft_tree table where the target's CPU linears have no AMX tiles (None: draft_tree): there each extra
+    # verify row costs its dot products (benchmarks/README.md, "Prompt chunks in one call, AVX2 laptops").
+    draft_tree_without_amx: dict[int, int] | None = None
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
     # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
@@ -63,6 +67,7 @@ class EngineConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_table(self.draft_tree, "draft_tree", "nodes")
+        check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -131,10 +136,13 @@ class LLMEngine:
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             load_window=config.load_window,
         ))
-        most_nodes = max(config.draft_tree.values(), default=0)
+        # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller table, where there is one.
+        cheap_rows = config.device != "cpu" or on_amx_tiles(target) or config.draft_tree_without_amx is None
+        self.draft_tree = config.draft_tree if cheap_rows else config.draft_tree_without_amx
+        most_nodes = max(self.draft_tree.values(), default=0)
         if self.drafter is not None and most_nodes > self.runner.max_draft_len:
             # the target cache keeps room past a row's last position for one drafter block, no more
-            raise ValueError(f"draft_tree={config.draft_tree}: at most {self.runner.max_draft_len} nodes "
+            raise ValueError(f"draft_tree={self.draft_tree}: at most {self.runner.max_draft_len} nodes "
                              f"(the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
@@ -279,12 +287,12 @@ class LLMEngine:
         return result
 
     def _tree_nodes(self, active: list[Sequence]) -> int:
-        """Draft tree nodes for this step's batch: the config's draft_tree for its size when every row is greedy or
+        """Draft tree nodes for this step's batch: the engine's draft_tree for its size when every row is greedy or
         sampled under the "match" rule (trees verify by the target's own choice at each node), else 0 (a chain)."""
         tree_rows = all(s.params.greedy or s.params.acceptance == "match" for s in active)
-        if not self.config.draft_tree or self.drafter is None or not tree_rows:
+        if not self.draft_tree or self.drafter is None or not tree_rows:
             return 0
-        return expand(self.config.draft_tree, len(active))
+        return expand(self.draft_tree, len(active))
 
     def make_output(self, s: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

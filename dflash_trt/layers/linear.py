@@ -57,10 +57,11 @@ class PackedLinear(nn.Module):
         # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
         # already resident), in "tiles" a reordered copy.
         self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
+        self.kernel_layout = None if self.kernel_weight is None else ops.linear_layout(weight)
         self.kernel_max_rows = 0
         if self.kernel_weight is not None:
             # without oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
-            self.kernel_max_rows = KERNEL_MAX_ROWS[ops.linear_layout(weight)] if self.packed is not None else sys.maxsize
+            self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout] if self.packed is not None else sys.maxsize
         self.weight = None if self.packed is not None else weight.detach()
         if self.packed is None and self.kernel_weight is None:
             raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
@@ -85,6 +86,16 @@ def kernel_weights(*linears: nn.Module) -> list[torch.Tensor] | None:
     serves every one of them (the condition for running a whole layer in one C call)."""
     weights = [getattr(linear, "kernel_weight", None) for linear in linears]
     return None if any(w is None for w in weights) else weights
+
+
+def on_amx_tiles(model: nn.Module) -> bool:
+    """Whether most of the weights the bf16 kernel serves in `model` (by size) run on its AMX tiles: there a verify
+    step's extra rows cost about what one row does."""
+    sizes = {"tiles": 0, "rows": 0}
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.kernel_weight is not None:
+            sizes[m.kernel_layout] += m.kernel_weight.numel()
+    return sizes["tiles"] > 0 and sizes["tiles"] >= sizes["rows"]
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -52,7 +52,8 @@ def _engine_options(f):
         click.option("--draft-tree", default=None,
                      help="Draft tree nodes by batch size, the schedule's rule: steps verify that many drafts, "
                      "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "
-                     "default: the engine's speculative_config.draft_tree, else chains)."),
+                     "default: the engine's speculative_config.draft_tree, or its draft_tree_without_amx on a CPU "
+                     "without AMX tiles, else chains). Applies on any CPU."),
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
@@ -82,6 +83,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
         tree = {} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree")
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
                 draft_len_schedule=schedule or None, draft_tree=tree, adaptive_draft_len=adaptive_draft_len,
+                # the tree asked for, on any CPU
+                draft_tree_without_amx=None if tree is None else tree,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
                 dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
 

@@ -112,6 +112,43 @@ def test_a_batch_with_a_row_of_the_rejection_rule_drafts_a_chain(tiny_dirs, rule
 def test_a_draft_tree_larger_than_the_drafters_block_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="draft_tree"):
         _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 16})
+    with pytest.raises(ValueError, match="draft_tree"):  # the table this CPU would use, whichever it is
+        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 16}, draft_tree_without_amx={1: 16})
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["AMX tiles", "dot products"])
+def test_a_cpu_without_amx_tiles_drafts_the_smaller_tree_and_stays_exact(tiny_dirs, monkeypatch, tiles):
+    """draft_tree_without_amx replaces draft_tree where the target's CPU linears do not run on AMX tiles (each verify
+    row then costs its dot products); the output is the target's greedy either way."""
+    from dflash_trt.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "on_amx_tiles", lambda target: tiles)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 6}, draft_tree_without_amx={1: 2})
+    assert engine.draft_tree == ({1: 6} if tiles else {1: 2})
+    prompt = _prompts(1)[0]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], prompt)
+    assert max(out.draft_lens) == out.draft_lens[0] == (6 if tiles else 2)  # fewer fit a shallow block near the end
+    without = _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 6})  # no such table: draft_tree everywhere
+    assert without.draft_tree == {1: 6}
+
+
+def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkeypatch):
+    """on_amx_tiles: a packed bf16 target whose projections the kernel reads in tile order (this CPU, with AMX), not
+    an fp32 one (oneDNN only) nor one the kernel serves with dot products (an AVX2 build)."""
+    from dflash_trt.layers import linear
+
+    def packed(dtype):
+        target = load_target(tiny_dirs["qwen3"], dtype)
+        target.pack_for_inference()
+        return target
+
+    ops = cpu_ops.load()
+    amx = ops is not None and ops.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "tiles"
+    assert linear.on_amx_tiles(packed(torch.bfloat16)) == amx
+    assert not linear.on_amx_tiles(packed(torch.float32))
+    monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
+    assert not linear.on_amx_tiles(packed(torch.bfloat16))
 
 
 def _batch_invariant_bf16() -> bool:
