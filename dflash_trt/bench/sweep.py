@@ -317,6 +317,12 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     }
 
 
+# Settings that change which instructions run, recorded with a machine (another CPU emulated: benchmarks/README.md,
+# session 20).
+_INSTRUCTION_ENV = ("DFLASH_TRT_MARCH", "DFLASH_TRT_AMX", "DFLASH_TRT_CPU_KERNELS", "ATEN_CPU_CAPABILITY",
+                    "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -326,7 +332,9 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+    info = {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+    env = {k: os.environ[k] for k in _INSTRUCTION_ENV if k in os.environ}
+    return {**info, "environment": env} if env else info
 
 
 async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,

@@ -433,3 +433,17 @@ def test_reasoning_deltas_count_as_generated_chunks():
     _read_event({"choices": [{"delta": {"reasoning": " more"}}]}, "chat", 0.3, res)
     _read_event({"choices": [{"delta": {"content": "Answer"}}]}, "chat", 0.4, res)
     assert res.chunk_times == [0.2, 0.3, 0.4] and res.ttft == pytest.approx(0.2)
+
+
+def test_the_machine_record_names_the_settings_that_change_its_instructions(monkeypatch):
+    """A run under DFLASH_TRT_MARCH / ONEDNN_MAX_CPU_ISA (another CPU emulated) says so in its record; a plain run
+    records no environment."""
+    from dflash_trt.bench.sweep import _INSTRUCTION_ENV, machine_info
+
+    for key in _INSTRUCTION_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert "environment" not in machine_info()
+    monkeypatch.setenv("DFLASH_TRT_MARCH", "x86-64-v3")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("UNRELATED", "1")
+    assert machine_info()["environment"] == {"DFLASH_TRT_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2"}
