@@ -93,7 +93,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 return
             engine = open_engine(engine_path, "torch", max_batch_size=1, max_model_len=max_model_len,
                                  max_draft_len=max_draft_len, speculative=False if no_spec else None, dtype=dtype,
-                                 draft_tree=tree, draft_tree_without_amx=tree)
+                                 draft_tree=tree)
         else:
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")

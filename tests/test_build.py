@@ -292,6 +292,7 @@ def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_pa
     shown = CliRunner().invoke(main, ["inspect", str(out)]).output
     assert "{1: 5, 2: 3} (batch size -> nodes); on CPUs without AMX {1: 2}" in shown
     assert EngineDir(out).engine_config(draft_tree={}).draft_tree == {}
+    assert EngineDir(out).engine_config(draft_tree={}).draft_tree_without_amx == {}  # asked for: on any CPU
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
 

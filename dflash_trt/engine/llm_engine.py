@@ -139,11 +139,12 @@ class LLMEngine:
         # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller table, where there is one.
         cheap_rows = config.device != "cpu" or on_amx_tiles(target) or config.draft_tree_without_amx is None
         self.draft_tree = config.draft_tree if cheap_rows else config.draft_tree_without_amx
-        most_nodes = max(self.draft_tree.values(), default=0)
-        if self.drafter is not None and most_nodes > self.runner.max_draft_len:
-            # the target cache keeps room past a row's last position for one drafter block, no more
-            raise ValueError(f"draft_tree={self.draft_tree}: at most {self.runner.max_draft_len} nodes "
-                             f"(the drafter's block_size - 1)")
+        for key in ("draft_tree", "draft_tree_without_amx"):  # both, whichever this CPU takes
+            tree = getattr(config, key) or {}
+            if self.drafter is not None and max(tree.values(), default=0) > self.runner.max_draft_len:
+                # the target cache keeps room past a row's last position for one drafter block, no more
+                raise ValueError(f"{key}={tree}: at most {self.runner.max_draft_len} nodes "
+                                 f"(the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(

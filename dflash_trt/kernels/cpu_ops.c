@@ -348,6 +348,7 @@ static inline void store_bf16x16(const float *acc, const uint16_t *bias, uint16_
 
 static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
                          int64_t N, int64_t K) {
+    if (M <= 0) return; /* no tile configuration holds 0 rows */
     const int64_t groups = N / 64, slices = K / 32, group_elems = slices * 4 * 512;
     /* Above 16 rows (a prompt chunk) every group's weights serve all the 16-row chunks while they are in cache:
      * chunk by chunk, each chunk streamed the whole weight again (a 32-row chunk cost 2.5x a 16-row one). The rows
@@ -447,8 +448,8 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     return 1;
 #elif defined(HAVE_AVX2_LINEAR)
     if (layout != 1) return 0;
-    float *x32 = malloc(sizeof(float) * (size_t)(M * K));
-    if (!x32) return 0;
+    float *x32 = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
+    if (!x32) abort();
     for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
     const int64_t pairs = N / 2;
 #pragma omp parallel for schedule(static)
@@ -840,9 +841,10 @@ static inline void add_bf16(uint16_t *x, const uint16_t *y, int64_t n, int64_t d
 enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN, W_DOWN_BIAS,
        W_Q_NORM, W_K_NORM, W_PER_LAYER };
 
-/* Every decoder layer of a Llama-family model for N tokens (decode, verify, short chunks), in one call: the same
- * kernels in the same order as LlamaDecoderLayer's CPU path, so the results are bit-identical to it; what goes is
- * Python's and torch's per-op overhead between them. x [N, hidden] is the residual stream in and the last
+/* Every decoder layer of a Llama-family model for N tokens (decode, verify, prompt chunks), in one call: for steps
+ * the layers' CPU path runs on these kernels too (up to 16 queries a row) the same kernels in the same order, so the
+ * results are bit-identical to it; what goes is Python's and torch's per-op overhead between them.
+ * x [N, hidden] is the residual stream in and the last
  * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0
  * (capture_slot NULL: nothing is captured); tree: a draft tree's visibility, as decode_attention's. q8: the
  * table's projections are q8_weight (linear_q8: a DFlash drafter's int8 tables), else bf16 kernel weights.

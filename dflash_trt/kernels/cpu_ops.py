@@ -138,8 +138,8 @@ class CpuOps:
             self._argmax[dtype] = fn
 
     def linear_layout(self, weight: torch.Tensor) -> str | None:
-        """How linear() wants this [N, K] weight stored: "tiles" (AMX), "rows" (as torch holds it; AVX512-BF16), or
-        None where no kernel serves it (not bf16, K not a multiple of 32, or a CPU without either)."""
+        """How linear() wants this [N, K] weight stored: "tiles" (AMX), "rows" (as torch holds it; AVX512-BF16, or AVX2
+        and FMA), or None where no kernel serves it (not bf16, K not a multiple of 32, or a CPU without any)."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             return None
         return {0: None, 1: "rows", 2: "tiles"}[self._layout(*weight.shape)]

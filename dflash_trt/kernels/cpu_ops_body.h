@@ -158,11 +158,11 @@ static void CAT(rotary_, SFX)(const T *x, const T *cos, const T *sin, int64_t d,
     for (int64_t j = rot; j < d; j++) dst[j] = x[j];
 }
 
-/* Token i of qkv_rotary_write below. */
+/* Token i of qkv_rotary_write below; with skip_last, a token at the cache's last position writes q alone. */
 static void CAT(qkv_rotary_row_, SFX)(const T *qkv, const T *cos, const T *sin, const T *q_norm, const T *k_norm,
                                       float eps, const int64_t *rows, const int64_t *positions, T *q_out, T *k_cache,
                                       T *v_cache, int64_t i, int64_t H, int64_t KVH, int64_t D, int64_t rot,
-                                      int64_t max_len) {
+                                      int64_t max_len, int skip_last) {
     T normed[D];
     const T *src = qkv + i * (H + 2 * KVH) * D;
     const T *c = cos + i * rot, *s = sin + i * rot;
@@ -174,6 +174,7 @@ static void CAT(qkv_rotary_row_, SFX)(const T *qkv, const T *cos, const T *sin, 
         }
         CAT(rotary_, SFX)(x, c, s, D, rot, q_out + (i * H + h) * D);
     }
+    if (skip_last && positions[i] == max_len - 1) return;
     for (int64_t h = 0; h < KVH; h++) {
         const int64_t at = ((rows[i] * KVH + h) * max_len + positions[i]) * D;
         const T *x = src + (H + h) * D;
@@ -194,14 +195,20 @@ void CAT(qkv_rotary_write_, SFX)(const T *qkv, const T *cos, const T *sin, const
                                  T *v_cache, int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t rot,
                                  int64_t max_len) {
     if (N >= PARALLEL_MIN_ROWS) {
+        /* A prompt chunk's padding is written at the cache's last position (never a live one), several tokens of a
+         * row at once: those writes go after the parallel pass, in token order, as the serial loop makes them. */
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < N; i++)
             CAT(qkv_rotary_row_, SFX)(qkv, cos, sin, q_norm, k_norm, eps, rows, positions, q_out, k_cache, v_cache, i,
-                                      H, KVH, D, rot, max_len);
+                                      H, KVH, D, rot, max_len, 1);
+        for (int64_t i = 0; i < N; i++)
+            if (positions[i] == max_len - 1)
+                CAT(qkv_rotary_row_, SFX)(qkv, cos, sin, q_norm, k_norm, eps, rows, positions, q_out, k_cache,
+                                          v_cache, i, H, KVH, D, rot, max_len, 0);
     } else {
         for (int64_t i = 0; i < N; i++)
             CAT(qkv_rotary_row_, SFX)(qkv, cos, sin, q_norm, k_norm, eps, rows, positions, q_out, k_cache, v_cache, i,
-                                      H, KVH, D, rot, max_len);
+                                      H, KVH, D, rot, max_len, 0);
     }
 }
 

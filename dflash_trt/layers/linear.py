@@ -22,8 +22,9 @@ from torch import nn
 from dflash_trt.kernels import cpu_ops
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-# Rows up to which the bf16 kernel serves a linear, by the weight layout this CPU's kernel reads
-# (cpu_ops.linear_layout): AVX-512 BF16 dot products ("rows"), or AMX tiles, whose cost grows far slower with the rows.
+# Rows up to which the bf16 kernel serves a linear where oneDNN packs it too, by the weight layout this CPU's kernel
+# reads (cpu_ops.linear_layout): dot products ("rows": AVX-512 BF16, or AVX2 and FMA on CPUs without it; measured
+# with AVX-512 BF16), or AMX tiles, whose cost grows far slower with the rows.
 KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128}
 
 

@@ -305,7 +305,8 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         cos, sin = self.rotary(meta.positions, x.dtype)
         table = self.kernel_table
-        step = kernel_step(meta, cache, x) if table is not None and x.shape[0] * x.shape[1] <= ONE_CALL_MAX_ROWS else None
+        fits = table is not None and x.shape[0] * x.shape[1] <= ONE_CALL_MAX_ROWS
+        step = kernel_step(meta, cache, x) if fits else None
         if step is not None:
             # Every layer in one C call: a drafter layer is a Llama layer once q_proj and kv_proj are one projection
             # (the block's K/V written after the context, as DFlashAttention's kernel path does; bit-identical to it).

@@ -110,11 +110,13 @@ class LlamaForCausalLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, capture_layer_ids: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # Decode and verify steps on the CPU: every layer in one call to the kernels (the same kernels, in the same
-        # order, as the layers' own CPU path: bit-identical), so Python's per-layer and per-op overhead goes.
+        # Decode, verify and prompt steps on the CPU: every layer in one call to the kernels, so Python's per-layer and
+        # per-op overhead goes (up to 16 queries a row the same kernels in the same order as the layers' own CPU path:
+        # bit-identical; above, that path attends with SDPA).
         table = self.kernel_table
         fits = table is not None and input_ids.numel() <= self.one_call_max_tokens
-        step = kernel_step(meta, cache, self.embed_tokens.weight, max_queries=self.one_call_max_tokens) if fits else None
+        step = (kernel_step(meta, cache, self.embed_tokens.weight, max_queries=self.one_call_max_tokens)
+                if fits else None)
         if step is not None:
             ops, keys = step
             x = self.embed_tokens(input_ids)

@@ -83,8 +83,6 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
         tree = {} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree")
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
                 draft_len_schedule=schedule or None, draft_tree=tree, adaptive_draft_len=adaptive_draft_len,
-                # the tree asked for, on any CPU
-                draft_tree_without_amx=None if tree is None else tree,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
                 dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
 

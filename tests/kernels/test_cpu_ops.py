@@ -237,6 +237,7 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     # one bf16 rounding of the fp32 sum, plus room for a sum taken in another order where terms cancel
     assert bool(((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all())
     assert torch.equal(got, alone)
+    assert ops.linear(x[:0], kw, b).shape == (0, n)  # an empty batch is an empty result
 
 
 def test_an_avx2_build_serves_bf16_linears_alike_whatever_the_batch(avx2_ops):
@@ -376,3 +377,25 @@ def test_the_kernels_compile_for_cpus_with_fewer_instruction_sets(tmp_path, marc
     for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_rows", "llama_layers_bf16",
                  "dflash_step_bf16", "argmax_rows_bf16", "rms_norm_bf16", "decode_attention_f32"):
         assert f" {name}\n" in symbols, name
+
+
+@needs_linear
+def test_without_onednn_bf16_a_packed_linear_takes_the_kernel_at_any_size_and_torch_past_it(monkeypatch):
+    """Where oneDNN cannot reorder a bf16 weight (an AVX2 CPU: its reorder raises), PackedLinear keeps the plain weight:
+    the kernel serves every row count, and torch's linear what the kernel cannot (here: under autograd); a weight
+    neither serves is refused by name."""
+    from dflash_trt.layers import linear
+
+    monkeypatch.setattr(linear, "onednn_packs", lambda w: False)
+    g = torch.Generator().manual_seed(5)
+    w, b = (torch.randn(64, 96, generator=g) * 0.1).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    layer = linear.PackedLinear(w, b)
+    assert layer.packed is None and layer.kernel_max_rows > 1000
+    x = torch.randn(300, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), ops.linear(x, layer.kernel_weight, b))  # 300 rows: still the kernel
+    with torch.enable_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, w, b))  # autograd: torch's linear on the plain weight
+    assert not linear.can_pack(w, with_kernel=False)
+    with pytest.raises(ValueError, match="no packed or kernel path serves a torch.bfloat16 weight of shape"):
+        linear.PackedLinear(w, b, with_kernel=False)

@@ -101,7 +101,7 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
 
     ops = cpu_ops.load()
     if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with AVX512-BF16")
+        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()  # as the engine runs it: the linears through the kernel
@@ -124,7 +124,7 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
 
     ops = cpu_ops.load()
     if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with AVX512-BF16")
+        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", arch, hidden_size=256, intermediate_size=512, head_dim=64, **overrides)
     ours = load_target(d, dtype=torch.bfloat16)
     with torch.no_grad():  # random init leaves every norm weight at 1 and every bias at 0: make them count
@@ -155,7 +155,7 @@ def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_p
 
     ops = cpu_ops.load()
     if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with AVX512-BF16")
+        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()

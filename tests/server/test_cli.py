@@ -9,8 +9,8 @@ from dflash_trt.server import cli
 
 @pytest.mark.parametrize("args, expected", [
     ([], {"screen_head": None, "int8_drafter": None, "draft_tree": None}),
-    (["--draft-tree", "1:5,2:3"], {"draft_tree": {1: 5, 2: 3}, "draft_tree_without_amx": {1: 5, 2: 3}}),
-    (["--draft-tree", "0"], {"draft_tree": {}, "draft_tree_without_amx": {}}),
+    (["--draft-tree", "1:5,2:3"], {"draft_tree": {1: 5, 2: 3}}),
+    (["--draft-tree", "0"], {"draft_tree": {}}),
     (["--full-head", "--bf16-drafter"], {"screen_head": False, "int8_drafter": False}),
     (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
 ])
