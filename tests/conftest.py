@@ -109,18 +109,16 @@ def smollm2_dir() -> Path:
     return convert_once()
 
 
-@pytest.fixture(scope="session")
-def avx2_ops(tmp_path_factory):
-    """The CPU kernels as a CPU with AVX2 and FMA but no AVX-512 (most laptops) builds them (-march=x86-64-v3),
-    loaded here: this machine runs that code too."""
+def _kernels_built_for(tmp_path_factory, march: str, needs: set[str]):
+    """The CPU kernels built with -march=`march` (another CPU's instruction sets), loaded here; skipped unless this
+    CPU runs them (its /proc/cpuinfo flags include `needs`)."""
     from dflash_trt.kernels import cpu_ops
 
-    flags = cpu_ops._cpu_features().split()
-    if not {"avx2", "fma"} <= set(flags):
-        pytest.skip("this CPU cannot run an AVX2 build")
+    if not needs <= set(cpu_ops._cpu_features().split()):
+        pytest.skip(f"this CPU cannot run a {march} build")
     mp = pytest.MonkeyPatch()
-    mp.setenv("DFLASH_TRT_MARCH", "x86-64-v3")
-    mp.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp("avx2")))
+    mp.setenv("DFLASH_TRT_MARCH", march)
+    mp.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp(march)))
     try:
         ops = cpu_ops.load_with(os.environ.get("CC", "cc"))
     finally:
@@ -128,3 +126,16 @@ def avx2_ops(tmp_path_factory):
     if ops is None:
         pytest.skip("no C compiler")
     return ops
+
+
+@pytest.fixture(scope="session")
+def avx2_ops(tmp_path_factory):
+    """The kernels as a CPU with AVX2 and FMA but no AVX-512 (most laptops) builds them."""
+    return _kernels_built_for(tmp_path_factory, "x86-64-v3", {"avx2", "fma"})
+
+
+@pytest.fixture(scope="session")
+def avx512f_ops(tmp_path_factory):
+    """The kernels as an AVX-512 CPU without BF16 (Skylake, Cascade Lake) builds them."""
+    return _kernels_built_for(tmp_path_factory, "skylake-avx512", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                                   "avx512dq", "avx512cd"})

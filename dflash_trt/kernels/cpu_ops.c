@@ -10,7 +10,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-#define HAVE_AVX2_LINEAR 1
+#define HAVE_AVX2_LINEAR 1 /* the widened-fp32 linear: 16 lanes with AVX-512F (Skylake, Cascade Lake), else 8 */
 #endif
 #if defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -236,62 +236,79 @@ static void linear_features(const uint16_t *x, const uint16_t *w, const uint16_t
 #endif
 
 #if defined(HAVE_AVX2_LINEAR)
-/* AVX2 + FMA, for CPUs without AVX-512 BF16 (most laptops and desktops): the weight's bf16 widened to fp32 (exact)
- * and multiplied by the input, widened once per call, in fused multiply-adds, eight lanes per feature, R input rows
- * x J features per pass over K (K % 32 == 0), the next J weight rows prefetched into L2 as LINEAR_TILE does. The
- * lanes are summed in one fixed order, and every (row, feature) dot runs the same instruction sequence whatever R, J
- * and the rows in the call, so a row's output does not depend on its batch. */
-static inline __m256 bf16x8_to_f32(const uint16_t *src) {
+/* AVX2 + FMA, for CPUs without AVX-512 BF16 (most laptops and desktops; Skylake and Cascade Lake servers with
+ * AVX-512F's 16 lanes): the weight's bf16 widened to fp32 (exact) and multiplied by the input, widened once per call,
+ * in fused multiply-adds, LANES lanes per feature, R input rows x J features per pass over K (K % 32 == 0), the next
+ * J weight rows prefetched into L2 as LINEAR_TILE does. The lanes are summed in one fixed order, and every (row,
+ * feature) dot runs the same instruction sequence whatever R, J and the rows in the call, so a row's output does not
+ * depend on its batch. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec_f32;
+static inline vec_f32 bf16_lanes_to_f32(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+#define vec_zero _mm512_setzero_ps
+#define vec_load _mm512_loadu_ps
+#define vec_fma _mm512_fmadd_ps
+#define vec_sum _mm512_reduce_add_ps
+#else
+#define LANES 8
+typedef __m256 vec_f32;
+static inline vec_f32 bf16_lanes_to_f32(const uint16_t *src) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
 }
-
-static inline float sum_x8(__m256 v) {
+#define vec_zero _mm256_setzero_ps
+#define vec_load _mm256_loadu_ps
+#define vec_fma _mm256_fmadd_ps
+static inline float vec_sum(__m256 v) {
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
+#endif
 
-#define LINEAR_TILE8(R, J)                                                                                       \
-    static inline void linear8_tile_##R##x##J(const float *x, const uint16_t *w, const uint16_t *bias,           \
+#define WIDENED_TILE(R, J)                                                                                       \
+    static inline void widened_tile_##R##x##J(const float *x, const uint16_t *w, const uint16_t *bias,           \
                                               uint16_t *y, int64_t N, int64_t K, int64_t n0) {                   \
-        __m256 acc[R][J];                                                                                        \
+        vec_f32 acc[R][J];                                                                                       \
         for (int r = 0; r < R; r++)                                                                              \
-            for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();                                         \
+            for (int j = 0; j < J; j++) acc[r][j] = vec_zero();                                                  \
         const char *next = (const char *)(w + (n0 + J) * K);                                                     \
-        for (int64_t k = 0; k < K; k += 8) {                                                                     \
+        for (int64_t k = 0; k < K; k += LANES) {                                                                 \
             if (k % 32 == 0)                                                                                     \
                 for (int j = 0; j < J; j++) _mm_prefetch(next + (j * K + k) * 2, _MM_HINT_T1);                   \
-            __m256 wv[J];                                                                                        \
-            for (int j = 0; j < J; j++) wv[j] = bf16x8_to_f32(w + (n0 + j) * K + k);                             \
+            vec_f32 wv[J];                                                                                       \
+            for (int j = 0; j < J; j++) wv[j] = bf16_lanes_to_f32(w + (n0 + j) * K + k);                         \
             for (int r = 0; r < R; r++) {                                                                        \
-                const __m256 xv = _mm256_loadu_ps(x + r * K + k);                                                \
-                for (int j = 0; j < J; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);                   \
+                const vec_f32 xv = vec_load(x + r * K + k);                                                      \
+                for (int j = 0; j < J; j++) acc[r][j] = vec_fma(xv, wv[j], acc[r][j]);                           \
             }                                                                                                    \
         }                                                                                                        \
         for (int r = 0; r < R; r++)                                                                              \
             for (int j = 0; j < J; j++) {                                                                        \
-                float sum = sum_x8(acc[r][j]);                                                                   \
+                float sum = vec_sum(acc[r][j]);                                                                  \
                 if (bias) sum += bf16_to_f32(bias[n0 + j]);                                                      \
                 y[r * N + n0 + j] = f32_to_bf16(sum);                                                            \
             }                                                                                                    \
     }
-LINEAR_TILE8(4, 2)
-LINEAR_TILE8(3, 2)
-LINEAR_TILE8(2, 2)
-LINEAR_TILE8(1, 2)
-LINEAR_TILE8(4, 1)
-LINEAR_TILE8(3, 1)
-LINEAR_TILE8(2, 1)
-LINEAR_TILE8(1, 1)
+WIDENED_TILE(4, 2)
+WIDENED_TILE(3, 2)
+WIDENED_TILE(2, 2)
+WIDENED_TILE(1, 2)
+WIDENED_TILE(4, 1)
+WIDENED_TILE(3, 1)
+WIDENED_TILE(2, 1)
+WIDENED_TILE(1, 1)
 
-typedef void (*linear8_tile)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+typedef void (*widened_tile)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
 
-static void linear8_features(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+static void widened_features(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
                              int64_t N, int64_t K, int64_t n0, int pair) {
-    static const linear8_tile tail2[4] = {NULL, linear8_tile_1x2, linear8_tile_2x2, linear8_tile_3x2};
-    static const linear8_tile tail1[4] = {NULL, linear8_tile_1x1, linear8_tile_2x1, linear8_tile_3x1};
+    static const widened_tile tail2[4] = {NULL, widened_tile_1x2, widened_tile_2x2, widened_tile_3x2};
+    static const widened_tile tail1[4] = {NULL, widened_tile_1x1, widened_tile_2x1, widened_tile_3x1};
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) (pair ? linear8_tile_4x2 : linear8_tile_4x1)(x + m * K, w, bias, y + m * N, N, K, n0);
+    for (; m + 4 <= M; m += 4) (pair ? widened_tile_4x2 : widened_tile_4x1)(x + m * K, w, bias, y + m * N, N, K, n0);
     if (m < M) (pair ? tail2 : tail1)[M - m](x + m * K, w, bias, y + m * N, N, K, n0);
 }
 #endif
@@ -455,9 +472,9 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < pairs + N % 2; t++) {
         if (t < pairs)
-            linear8_features(x32, w, bias, y, M, N, K, 2 * t, 1);
+            widened_features(x32, w, bias, y, M, N, K, 2 * t, 1);
         else
-            linear8_features(x32, w, bias, y, M, N, K, N - 1, 0);
+            widened_features(x32, w, bias, y, M, N, K, N - 1, 0);
     }
     free(x32);
     return 1;

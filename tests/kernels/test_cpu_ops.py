@@ -240,22 +240,25 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
     assert ops.linear(x[:0], kw, b).shape == (0, n)  # an empty batch is an empty result
 
 
-def test_an_avx2_build_serves_bf16_linears_alike_whatever_the_batch(avx2_ops):
-    """Built without AVX-512 (-march=x86-64-v3), the linear kernel widens bf16 to fp32 and multiplies with FMA: the
-    same bound against F.linear in fp32, and every row alone bit for bit its batched result (which makes bf16
-    speculation token-exact there too); the int8 kernels and the head's screen need AVX512-VNNI and stand aside."""
-    assert avx2_ops.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "rows"
-    assert not avx2_ops.has_int8_kernels() and avx2_ops.head_screen_rows() == 0
+@pytest.mark.parametrize("build", ["avx2_ops", "avx512f_ops"])
+def test_builds_without_avx512_bf16_serve_bf16_linears_alike_whatever_the_batch(build, request):
+    """Built without AVX-512 BF16 (-march=x86-64-v3: 8 lanes; skylake-avx512: 16), the linear kernel widens bf16 to
+    fp32 and multiplies with FMA: the same bound against F.linear in fp32, and every row alone bit for bit its batched
+    result (which makes bf16 speculation token-exact there too); the int8 kernels and the head's screen need
+    AVX512-VNNI and stand aside."""
+    built = request.getfixturevalue(build)
+    assert built.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "rows"
+    assert not built.has_int8_kernels() and built.head_screen_rows() == 0
     for rows, n, k, bias in [(1, 8, 64, False), (3, 13, 96, True), (4, 7, 576, False), (7, 5, 96, True),
                              (9, 4099, 576, False), (45, 192, 576, True)]:
         g = torch.Generator().manual_seed(rows * n)
         x = torch.randn(rows, k, generator=g).bfloat16()
         w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
         b = torch.randn(n, generator=g).bfloat16() if bias else None
-        kw = avx2_ops.kernel_weight(w)
+        kw = built.kernel_weight(w)
         with torch.no_grad():
-            got = avx2_ops.linear(x, kw, b)
-            alone = torch.cat([avx2_ops.linear(x[i : i + 1], kw, b) for i in range(rows)])
+            got = built.linear(x, kw, b)
+            alone = torch.cat([built.linear(x[i : i + 1], kw, b) for i in range(rows)])
         want = F.linear(x.float(), w.float(), None if b is None else b.float())
         assert bool(((got.float() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all()), (rows, n, k)
         assert torch.equal(got, alone), (rows, n, k)

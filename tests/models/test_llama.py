@@ -178,8 +178,11 @@ def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_p
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-def test_an_avx2_build_runs_every_layer_in_one_call_alike_for_any_step_shape(tmp_path, avx2_ops, monkeypatch):
-    """With the kernels an AVX2 laptop builds (no AVX-512; tests/conftest.py), Llama-family steps still run every layer
+@pytest.mark.parametrize("build", ["avx2_ops", "avx512f_ops"])
+def test_builds_without_avx512_bf16_run_every_layer_in_one_call_alike_for_any_step_shape(tmp_path, build, request,
+                                                                                        monkeypatch):
+    """With the kernels an AVX2 laptop or an AVX-512 CPU without BF16 builds (tests/conftest.py), Llama-family steps
+    still run every layer
     in one C call: four one-token decode steps, a four-token verify block and one prompt chunk give bit-identical
     bf16 hidden states and K/V (what keeps greedy speculation token-exact in bf16 there), and the logits agree with
     transformers' fp32 forward up to bf16's rounding. Where oneDNN has no bf16 (an AVX2 CPU), every row count takes
@@ -187,7 +190,8 @@ def test_an_avx2_build_runs_every_layer_in_one_call_alike_for_any_step_shape(tmp
     from dflash_trt.kernels import cpu_ops
     from dflash_trt.layers import linear
 
-    monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
+    built = request.getfixturevalue(build)
+    monkeypatch.setattr(cpu_ops, "load", lambda: built)
     monkeypatch.setattr(linear, "onednn_packs", lambda w: w.dtype == torch.float32)  # no bf16 reorder, as on AVX2
     d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
