@@ -14,7 +14,7 @@ from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
-from dflash_trt.layers.linear import on_amx_tiles
+from dflash_trt.layers.linear import kernel_layout, on_amx_tiles
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
@@ -109,6 +109,10 @@ class RequestOutput:
         return n / self.decode_time if n > 0 and self.decode_time > 0 else 0.0
 
 
+# How the target's CPU linears run, for the engine's start-up line (layers/linear.py kernel_layout).
+_LINEAR_PATHS = {"tiles": "AMX tiles", "rows": "the kernel's dot products (no AMX)", None: "torch/oneDNN"}
+
+
 class LLMEngine:
     def __init__(self, target: torch.nn.Module, tokenizer, drafter: DFlashDrafter | None, config: EngineConfig) -> None:
         self.config = config
@@ -148,10 +152,12 @@ class LLMEngine:
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
-            "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s",
+            "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s, "
+            "draft tree %s, CPU linears %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
+            self.draft_tree or "none", _LINEAR_PATHS[kernel_layout(target)] if config.device == "cpu" else "-",
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 sampling: in distribution), on every path: batch 1 and ragged batches, every K, both acceptance rules."""
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -146,9 +147,17 @@ def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkey
     ops = cpu_ops.load()
     amx = ops is not None and ops.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "tiles"
     assert linear.on_amx_tiles(packed(torch.bfloat16)) == amx
-    assert not linear.on_amx_tiles(packed(torch.float32))
+    assert not linear.on_amx_tiles(packed(torch.float32)) and linear.kernel_layout(packed(torch.float32)) is None
     monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
-    assert not linear.on_amx_tiles(packed(torch.bfloat16))
+    assert not linear.on_amx_tiles(packed(torch.bfloat16)) and linear.kernel_layout(packed(torch.bfloat16)) == "rows"
+
+
+def test_the_engine_says_how_its_cpu_linears_run_and_which_tree_it_drafts(tiny_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="dflash_trt"):
+        _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 4}, draft_tree_without_amx={1: 2})
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: "))
+    # the tiny fp32 target's linears run on oneDNN; on such a CPU path the smaller table applies
+    assert "CPU linears torch/oneDNN" in line and "draft tree {1: 2}" in line
 
 
 def _batch_invariant_bf16() -> bool:
