@@ -47,7 +47,7 @@ class EngineConfig:
     # slot's top tokens, K slots deep.
     draft_tree: dict[int, int] = field(default_factory=dict)
     # The draft_tree table where the target's CPU linears have no AMX tiles (None: draft_tree): there each extra
-    # verify row costs its dot products (benchmarks/README.md, "Prompt chunks in one call, AVX2 laptops").
+    # verify row costs its dot products (benchmarks/README.md, "AVX2 laptops and CPUs without AMX").
     draft_tree_without_amx: dict[int, int] | None = None
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
