@@ -239,14 +239,18 @@ static void linear_features(const uint16_t *x, const uint16_t *w, const uint16_t
 /* AVX2 + FMA, for CPUs without AVX-512 BF16 (most laptops and desktops; Skylake and Cascade Lake servers with
  * AVX-512F's 16 lanes): the weight's bf16 widened to fp32 (exact) and multiplied by the input, widened once per call,
  * in fused multiply-adds, LANES lanes per feature, R input rows x J features per pass over K (K % 32 == 0), the next
- * J weight rows prefetched into L2 as LINEAR_TILE does. The lanes are summed in one fixed order, and every (row,
+ * J weight rows prefetched into L2 as LINEAR_TILE does. 2 LANES weights widen in two instructions: a shift gives the
+ * even-indexed ones, a mask the odd (widening 16 bits to 32 took two per LANES), so the input is stored with each
+ * block's even-indexed values first (widened_input). The lanes are summed in one fixed order, and every (row,
  * feature) dot runs the same instruction sequence whatever R, J and the rows in the call, so a row's output does not
  * depend on its batch. */
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec_f32;
-static inline vec_f32 bf16_lanes_to_f32(const uint16_t *src) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+static inline void bf16_pairs_to_f32(const uint16_t *src, vec_f32 *even, vec_f32 *odd) {
+    const __m512i v = _mm512_loadu_si512(src);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 #define vec_zero _mm512_setzero_ps
 #define vec_load _mm512_loadu_ps
@@ -255,8 +259,10 @@ static inline vec_f32 bf16_lanes_to_f32(const uint16_t *src) {
 #else
 #define LANES 8
 typedef __m256 vec_f32;
-static inline vec_f32 bf16_lanes_to_f32(const uint16_t *src) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+static inline void bf16_pairs_to_f32(const uint16_t *src, vec_f32 *even, vec_f32 *odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)src);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 #define vec_zero _mm256_setzero_ps
 #define vec_load _mm256_loadu_ps
@@ -275,14 +281,14 @@ static inline float vec_sum(__m256 v) {
         for (int r = 0; r < R; r++)                                                                              \
             for (int j = 0; j < J; j++) acc[r][j] = vec_zero();                                                  \
         const char *next = (const char *)(w + (n0 + J) * K);                                                     \
-        for (int64_t k = 0; k < K; k += LANES) {                                                                 \
+        for (int64_t k = 0; k < K; k += 2 * LANES) {                                                             \
             if (k % 32 == 0)                                                                                     \
                 for (int j = 0; j < J; j++) _mm_prefetch(next + (j * K + k) * 2, _MM_HINT_T1);                   \
-            vec_f32 wv[J];                                                                                       \
-            for (int j = 0; j < J; j++) wv[j] = bf16_lanes_to_f32(w + (n0 + j) * K + k);                         \
+            vec_f32 we[J], wo[J];                                                                                \
+            for (int j = 0; j < J; j++) bf16_pairs_to_f32(w + (n0 + j) * K + k, &we[j], &wo[j]);                 \
             for (int r = 0; r < R; r++) {                                                                        \
-                const vec_f32 xv = vec_load(x + r * K + k);                                                      \
-                for (int j = 0; j < J; j++) acc[r][j] = vec_fma(xv, wv[j], acc[r][j]);                           \
+                const vec_f32 xe = vec_load(x + r * K + k), xo = vec_load(x + r * K + k + LANES);                \
+                for (int j = 0; j < J; j++) acc[r][j] = vec_fma(xo, wo[j], vec_fma(xe, we[j], acc[r][j]));      \
             }                                                                                                    \
         }                                                                                                        \
         for (int r = 0; r < R; r++)                                                                              \
@@ -310,6 +316,16 @@ static void widened_features(const float *x, const uint16_t *w, const uint16_t *
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) (pair ? widened_tile_4x2 : widened_tile_4x1)(x + m * K, w, bias, y + m * N, N, K, n0);
     if (m < M) (pair ? tail2 : tail1)[M - m](x + m * K, w, bias, y + m * N, N, K, n0);
+}
+
+/* x [M, K] bf16 widened to fp32, each block of 2 LANES values stored even-indexed first, as the tiles read it. */
+static void widened_input(const uint16_t *x, int64_t M, int64_t K, float *out) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K; b += 2 * LANES)
+            for (int64_t i = 0; i < LANES; i++) {
+                out[r * K + b + i] = bf16_to_f32(x[r * K + b + 2 * i]);
+                out[r * K + b + LANES + i] = bf16_to_f32(x[r * K + b + 2 * i + 1]);
+            }
 }
 #endif
 
@@ -467,7 +483,7 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     if (layout != 1) return 0;
     float *x32 = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
     if (!x32) abort();
-    for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
+    widened_input(x, M, K, x32);
     const int64_t pairs = N / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < pairs + N % 2; t++) {
