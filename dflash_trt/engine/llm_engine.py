@@ -14,7 +14,7 @@ from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
-from dflash_trt.layers.linear import kernel_layout, on_amx_tiles
+from dflash_trt.layers.linear import kernel_layout
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
@@ -141,7 +141,8 @@ class LLMEngine:
             load_window=config.load_window,
         ))
         # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller table, where there is one.
-        cheap_rows = config.device != "cpu" or on_amx_tiles(target) or config.draft_tree_without_amx is None
+        layout = kernel_layout(target) if config.device == "cpu" else None
+        cheap_rows = config.device != "cpu" or layout == "tiles" or config.draft_tree_without_amx is None
         self.draft_tree = config.draft_tree if cheap_rows else config.draft_tree_without_amx
         for key in ("draft_tree", "draft_tree_without_amx"):  # both, whichever this CPU takes
             tree = getattr(config, key) or {}
@@ -157,7 +158,7 @@ class LLMEngine:
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", _LINEAR_PATHS[kernel_layout(target)] if config.device == "cpu" else "-",
+            self.draft_tree or "none", _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:

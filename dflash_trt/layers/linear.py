@@ -91,7 +91,8 @@ def kernel_weights(*linears: nn.Module) -> list[torch.Tensor] | None:
 
 def kernel_layout(model: nn.Module) -> str | None:
     """The layout (cpu_ops.linear_layout) of most of the weights the bf16 kernel serves in `model`, by size: "tiles"
-    (AMX), "rows" (dot products), or None where the kernel serves none."""
+    (AMX, where a verify step's extra rows cost about what one row does), "rows" (dot products), or None where the
+    kernel serves none."""
     sizes = {"tiles": 0, "rows": 0}
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.kernel_weight is not None:
@@ -100,11 +101,6 @@ def kernel_layout(model: nn.Module) -> str | None:
         return None
     return "tiles" if sizes["tiles"] >= sizes["rows"] else "rows"
 
-
-def on_amx_tiles(model: nn.Module) -> bool:
-    """Whether most of `model`'s kernel-served weights run on AMX tiles: there a verify step's extra rows cost about
-    what one row does."""
-    return kernel_layout(model) == "tiles"
 
 
 def pack_linears(model: nn.Module) -> int:

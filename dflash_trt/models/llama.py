@@ -115,8 +115,8 @@ class LlamaForCausalLM(CausalLM):
         # bit-identical; above, that path attends with SDPA).
         table = self.kernel_table
         fits = table is not None and input_ids.numel() <= self.one_call_max_tokens
-        step = (kernel_step(meta, cache, self.embed_tokens.weight, max_queries=self.one_call_max_tokens)
-                if fits else None)
+        # a row's queries are at most the step's tokens: fits bounds both
+        step = kernel_step(meta, cache, self.embed_tokens.weight, max_queries=None) if fits else None
         if step is not None:
             ops, keys = step
             x = self.embed_tokens(input_ids)

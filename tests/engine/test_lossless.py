@@ -123,7 +123,7 @@ def test_a_cpu_without_amx_tiles_drafts_the_smaller_tree_and_stays_exact(tiny_di
     row then costs its dot products); the output is the target's greedy either way."""
     from dflash_trt.engine import llm_engine
 
-    monkeypatch.setattr(llm_engine, "on_amx_tiles", lambda target: tiles)
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda target: "tiles" if tiles else "rows")
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 6}, draft_tree_without_amx={1: 2})
     assert engine.draft_tree == ({1: 6} if tiles else {1: 2})
     prompt = _prompts(1)[0]
@@ -135,7 +135,7 @@ def test_a_cpu_without_amx_tiles_drafts_the_smaller_tree_and_stays_exact(tiny_di
 
 
 def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkeypatch):
-    """on_amx_tiles: a packed bf16 target whose projections the kernel reads in tile order (this CPU, with AMX), not
+    """kernel_layout: a packed bf16 target whose projections the kernel reads in tile order (this CPU, with AMX), not
     an fp32 one (oneDNN only) nor one the kernel serves with dot products (an AVX2 build)."""
     from dflash_trt.layers import linear
 
@@ -146,10 +146,10 @@ def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkey
 
     ops = cpu_ops.load()
     amx = ops is not None and ops.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "tiles"
-    assert linear.on_amx_tiles(packed(torch.bfloat16)) == amx
-    assert not linear.on_amx_tiles(packed(torch.float32)) and linear.kernel_layout(packed(torch.float32)) is None
+    assert (linear.kernel_layout(packed(torch.bfloat16)) == "tiles") == amx
+    assert linear.kernel_layout(packed(torch.float32)) is None
     monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
-    assert not linear.on_amx_tiles(packed(torch.bfloat16)) and linear.kernel_layout(packed(torch.bfloat16)) == "rows"
+    assert linear.kernel_layout(packed(torch.bfloat16)) == "rows"
 
 
 def test_the_engine_says_how_its_cpu_linears_run_and_which_tree_it_drafts(tiny_dirs, caplog):
