@@ -27,6 +27,8 @@ def _tree(spec: dict | None) -> str:
     text = table(tree) + " (batch size -> nodes)" if tree else "none (chains)"
     if without_amx is not None:
         text += f"; on CPUs without AMX {table(without_amx) if without_amx else 'none (chains)'}"
+    if spec.get("lookup_nodes"):
+        text += f"; with a context lookup branch of up to {spec['lookup_nodes']} tokens"
     return text
 
 

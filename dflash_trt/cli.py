@@ -60,13 +60,18 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               help="Verify a draft tree of N nodes per step instead of a chain (spec/draft_tree.py); 0: a chain. "
               "Default: the engine's speculative_config.draft_tree (draft_tree_without_amx on a CPU without AMX "
               "tiles), else a chain.")
+@click.option("--lookup-nodes", default=None, type=click.IntRange(min=0),
+              help="Tree steps also verify up to N tokens copied from the prompt or output where its last tokens "
+              "occurred before (spec/context_lookup.py); 0: none. Default: the engine's "
+              "speculative_config.lookup_nodes, else none.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: float32, or the engine's dtype with ENGINE.")
 @click.option("--max-model-len", default=None, type=int, help="Default: 4096, or the engine's max_seq_len with ENGINE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
-             seed, stop, acceptance, max_draft_len, tree_nodes, no_spec, dtype, max_model_len, as_json) -> None:
+             seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, max_model_len,
+             as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
@@ -93,13 +98,14 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 return
             engine = open_engine(engine_path, "torch", max_batch_size=1, max_model_len=max_model_len,
                                  max_draft_len=max_draft_len, speculative=False if no_spec else None, dtype=dtype,
-                                 draft_tree=tree)
+                                 draft_tree=tree, lookup_nodes=lookup_nodes)
         else:
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")
             target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
             config = EngineConfig(max_batch_size=1, max_model_len=max_model_len or 4096, max_draft_len=max_draft_len,
-                                  speculative=not no_spec, dtype=dtype or "float32", draft_tree=tree or {})
+                                  speculative=not no_spec, dtype=dtype or "float32", draft_tree=tree or {},
+                                  lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
         out = engine.generate([engine.encode(prompt, chat=chat)], params)[0]

@@ -97,6 +97,8 @@ class EngineDir:
             values["adaptive_draft_len"] = True
         if spec.get("draft_vocab_size") is not None:
             values["draft_vocab_size"] = int(spec["draft_vocab_size"])
+        if spec.get("lookup_nodes"):
+            values["lookup_nodes"] = int(spec["lookup_nodes"])
         if overrides.get("draft_tree") is not None and overrides.get("draft_tree_without_amx") is None:
             overrides = {**overrides, "draft_tree_without_amx": overrides["draft_tree"]}  # asked for: on any CPU
         for key, value in overrides.items():

@@ -55,6 +55,11 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
                 f"speculative_config.{key}={tree}: draft_block_size={drafter.block_size} (checkpoint) "
                 f"allows at most {limit} nodes"
             )
+    if spec.lookup_nodes > limit:
+        raise ValueError(
+            f"speculative_config.lookup_nodes={spec.lookup_nodes}: a context lookup branch is at most "
+            f"{limit} tokens deep (draft_block_size={drafter.block_size}, checkpoint)"
+        )
     return k
 
 

@@ -54,3 +54,26 @@ def force_tree_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0
         return fake.to(logits.dtype)
 
     proposer._slot_logits = slot_logits
+
+
+def force_lookup_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0) -> None:
+    """For context lookup branches: each step's branch is the true continuation (50%), the truth with one token
+    wrong at a random depth (30%) or nothing (20%), so branches are accepted whole, in part and not at all, alone
+    and where they share nodes with the drafter's tree."""
+    g = torch.Generator().manual_seed(seed)
+
+    def branches(seqs, max_len):
+        out = []
+        for s in seqs:
+            full, pos = truth_by_slot[s.slot], s.num_tokens
+            branch = [full[pos + j] if pos + j < len(full) else 0 for j in range(max_len)]
+            u = torch.rand(1, generator=g).item()
+            if u < 0.2:
+                branch = []
+            elif u < 0.5 and branch:
+                wrong = int(torch.randint(len(branch), (1,), generator=g))
+                branch[wrong] = (branch[wrong] + 1) % 90
+            out.append(branch)
+        return out
+
+    engine.runner._lookup_branches = branches

@@ -297,8 +297,20 @@ def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_pa
     assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
 
 
+def test_a_context_lookup_branch_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 3}, lookup_nodes=2), tmp_path / "e",
+                       progress=False)
+    assert EngineDir(out).engine_config().lookup_nodes == 2
+    assert EngineDir(out).engine_config(lookup_nodes=0).lookup_nodes == 0
+    assert "with a context lookup branch of up to 2 tokens" in CliRunner().invoke(main, ["inspect", str(out)]).output
+    options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    assert "lookup_nodes" not in options["speculative_config"]
+
+
 def test_a_draft_tree_larger_than_the_drafters_block_fails_the_build_naming_the_key(tiny_dirs, tmp_path):
     block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
+    with pytest.raises(ValueError, match=rf"speculative_config.lookup_nodes={block}: .* at most {block - 1} tokens"):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, lookup_nodes=block))
     with pytest.raises(ValueError, match=rf"speculative_config.draft_tree=.*allows at most {block - 1} nodes"):
         prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block}))
     with pytest.raises(ValueError, match=rf"speculative_config.draft_tree_without_amx=.*at most {block - 1} nodes"):

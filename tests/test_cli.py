@@ -43,6 +43,10 @@ def test_a_draft_tree_gives_the_same_greedy_tokens(tiny_dirs):
     assert too_big.exit_code == 1 and "draft_tree" in too_big.output
     negative = CliRunner().invoke(main, [*args, *drafter, "--tree-nodes", "-1"])
     assert negative.exit_code == 2 and "--tree-nodes" in negative.output
+    lookup = json.loads(_run(*args, *drafter, "--tree-nodes", "3", "--lookup-nodes", "3").stdout)
+    assert lookup["token_ids"] == plain["token_ids"]
+    too_deep = CliRunner().invoke(main, [*args, *drafter, "--tree-nodes", "3", "--lookup-nodes", "99"])
+    assert too_deep.exit_code == 1 and "lookup_nodes" in too_deep.output
 
 
 def test_missing_drafter_is_a_usage_error(tiny_dirs):

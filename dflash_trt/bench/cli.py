@@ -43,6 +43,9 @@ def bench() -> None:
 @click.option("--tree-nodes", default=None,
               help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5 (default: the "
               "tree the ENGINE drafts at one row on this CPU, else a chain).")
+@click.option("--lookup-nodes", default=None,
+              help="Context lookup branches to compare on each tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
+              "(default: the ENGINE's lookup_nodes, else none).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -51,7 +54,7 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the JSON result here.")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
-          tree_nodes, rounds, dtype, threads, zlab_peer, as_json, output) -> None:
+          tree_nodes, lookup_nodes, rounds, dtype, threads, zlab_peer, as_json, output) -> None:
     """Autoregressive vs DFlash at batch 1, greedy, per prompt category: tau, histogram, tok/s, speedup."""
     import torch
     from tqdm import tqdm
@@ -90,7 +93,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         trees = _ints(tree_nodes, "--tree-nodes")
     else:
         trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
-    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees)
+    lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else [eng.config.lookup_nodes]
+    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
@@ -99,7 +103,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.sweep import machine_info
 
     result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees,
-              "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
+              "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     if output:
         Path(output).write_text(json.dumps(result, indent=2) + "\n")

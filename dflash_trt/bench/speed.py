@@ -33,6 +33,9 @@ class SpeedConfig:
     # Draft tree sizes to compare at every K (EngineConfig.draft_tree at one row; 0: a chain). Systems with a tree are
     # named "K=3 tree=5".
     tree_nodes: list[int] = field(default_factory=lambda: [0])
+    # Context lookup branches to compare on every tree (EngineConfig.lookup_nodes; 0: none). Systems with one are
+    # named "K=7 tree=6 lookup=7".
+    lookup_nodes: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -53,9 +56,9 @@ class _Tally:
 
 
 def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
-                    tree_nodes: list[int] = (0,)) -> tuple[LLMEngine, dict[str, LLMEngine]]:
-    """An autoregressive engine and one engine per (K, draft vocabulary, draft tree), all sharing `engine`'s weights
-    and tokenizer, keyed by system name."""
+                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,)) -> tuple[LLMEngine, dict[str, LLMEngine]]:
+    """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, lookup branch; a chain takes no
+    lookup branch), all sharing `engine`'s weights and tokenizer, keyed by system name."""
     # each system's tree as named, whatever the CPU (draft_tree_without_amx would pick another)
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
                               draft_tree_without_amx=None)
@@ -66,14 +69,18 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
         raise ValueError(f"draft vocabulary sizes repeat: {list(draft_vocab_sizes)}")
     if len(set(tree_nodes)) != len(tree_nodes):
         raise ValueError(f"draft tree sizes repeat: {list(tree_nodes)}")
+    if len(set(lookup_nodes)) != len(lookup_nodes):
+        raise ValueError(f"lookup branch sizes repeat: {list(lookup_nodes)}")
     specs = {}
     for k in draft_lens:
         for v in draft_vocab_sizes:
             for n in tree_nodes:
-                name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
-                name += f" tree={n}" if n else ""
-                specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter, dataclasses.replace(
-                    cfg, speculative=True, max_draft_len=k, draft_vocab_size=v, draft_tree={1: n} if n else {}))
+                for lookup in sorted({x if n else 0 for x in lookup_nodes}):
+                    name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
+                    name += (f" tree={n}" if n else "") + (f" lookup={lookup}" if lookup else "")
+                    specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter, dataclasses.replace(
+                        cfg, speculative=True, max_draft_len=k, draft_vocab_size=v, draft_tree={1: n} if n else {},
+                        lookup_nodes=lookup))
     return ar, specs
 
 
@@ -112,7 +119,8 @@ def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
               zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
     """Measure every category; returns the JSON-ready result (see module doc)."""
-    ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes)
+    ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes,
+                                  cfg.lookup_nodes)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
 

@@ -49,6 +49,9 @@ class EngineConfig:
     # The draft_tree table where the target's CPU linears have no AMX tiles (None: draft_tree): there each extra
     # verify row costs its dot products (benchmarks/README.md, "AVX2 laptops and CPUs without AMX").
     draft_tree_without_amx: dict[int, int] | None = None
+    # Tree steps add a branch of up to this many tokens copied from the row's own context (spec/context_lookup.py;
+    # at most K deep); 0: none.
+    lookup_nodes: int = 0
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
     # Draft among the drafter's N most frequent tokens (spec/draft_vocab.py). None: all the tokens its
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_table(self.draft_tree, "draft_tree", "nodes")
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
+        if self.lookup_nodes < 0:
+            raise ValueError(f"lookup_nodes must be >= 0, got {self.lookup_nodes}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -124,7 +129,8 @@ class LLMEngine:
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
         self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights,
-                                  self._draft_vocab(config), config.screen_head, config.int8_drafter)
+                                  self._draft_vocab(config), config.screen_head, config.int8_drafter,
+                                  config.lookup_nodes if self.drafter is not None else 0)
         k = config.max_draft_len
         if self.drafter is not None:
             limit = self.runner.max_draft_len
@@ -150,15 +156,18 @@ class LLMEngine:
                 # the target cache keeps room past a row's last position for one drafter block, no more
                 raise ValueError(f"{key}={tree}: at most {self.runner.max_draft_len} nodes "
                                  f"(the drafter's block_size - 1)")
+        if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
+            raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "
+                             f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s, "
-            "draft tree %s, CPU linears %s",
+            "draft tree %s, context lookup %s, CPU linears %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
+            self.draft_tree or "none", config.lookup_nodes or "off", _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_b
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
-from dflash_trt.spec.draft_tree import accept_tree
+from dflash_trt.spec.draft_tree import accept_tree, graft
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
 from dflash_trt.spec.verifier import VerifyResult, accept_greedy
 
@@ -42,13 +42,16 @@ class ModelRunner:
         draft_vocab: torch.Tensor | None = None,
         screen_head: bool = True,
         int8_drafter: bool = False,
+        lookup_nodes: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.device = target.embed_tokens.weight.device
         self.max_model_len = max_model_len
         block = drafter.config.block_size if drafter is not None else 1
-        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1)
+        # a tree step writes node j at its anchor + j: room for a drafter block and a context lookup branch
+        self.lookup_nodes = lookup_nodes
+        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1 + lookup_nodes)
         self.proposer = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
@@ -183,6 +186,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
         tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes)
+        if self.lookup_nodes:
+            tree = graft(tree, self._lookup_branches(seqs, min(depth, self.lookup_nodes)), self.proposer.mask_token_id)
         t1 = time.perf_counter()
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
@@ -199,6 +204,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], t1 - t0, t2 - t1)
         return emitted, tree.num_nodes
+
+    @staticmethod
+    def _lookup_branches(seqs: list[Sequence], max_len: int) -> list[list[int]]:
+        """Each row's context lookup draft (spec/context_lookup.py) after its last committed token."""
+        return [s.context_lookup().draft(s.prompt_ids + s.output_ids, max_len) for s in seqs]
 
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
                       depth: int) -> torch.Tensor:

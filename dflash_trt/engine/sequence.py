@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.spec.context_lookup import ContextLookup
 
 _ids = itertools.count()
 
@@ -52,12 +53,19 @@ class Sequence:
         # stretch of plain steps adds one per step, and re-concatenating each time would copy O(n^2).
         self.pending_features: list = []
         self.stats = SequenceStats()
+        self._lookup: ContextLookup | None = None
         self.stop_check = None  # callable(output_ids) -> bool, for stop strings
 
     @property
     def num_pending_features(self) -> int:
         """Committed tokens whose target features the drafter cache has not taken in yet."""
         return sum(f.shape[0] for f in self.pending_features)
+
+    def context_lookup(self) -> ContextLookup:
+        """The n-gram index of this request's tokens (spec/context_lookup.py), built on first use."""
+        if self._lookup is None:
+            self._lookup = ContextLookup()
+        return self._lookup
 
     @property
     def is_finished(self) -> bool:

@@ -54,6 +54,10 @@ def _engine_options(f):
                      "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "
                      "default: the engine's speculative_config.draft_tree, or its draft_tree_without_amx on a CPU "
                      "without AMX tiles, else chains). Applies on any CPU."),
+        click.option("--lookup-nodes", type=click.IntRange(min=0), default=None,
+                     help="Tree steps also verify up to N tokens copied from the request's own context where its "
+                     "last tokens occurred before (prompt lookup); 0: none (default: the engine's "
+                     "speculative_config.lookup_nodes, else none)."),
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
@@ -75,14 +79,15 @@ def _engine_options(f):
     return f
 
 
-def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, adaptive_draft_len,
-               draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
+def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
+               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
     tree = None
     if draft_tree is not None:
         tree = {} if draft_tree.strip() == "0" else parse_schedule(draft_tree, "--draft-tree")
     return dict(max_batch_size=max_batch_size, max_model_len=max_model_len, max_draft_len=max_draft_len,
-                draft_len_schedule=schedule or None, draft_tree=tree, adaptive_draft_len=adaptive_draft_len,
+                draft_len_schedule=schedule or None, draft_tree=tree, lookup_nodes=lookup_nodes,
+                adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
                 dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
 
@@ -96,8 +101,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
-          draft_tree, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
-          int8_drafter, host, port, backend, served_model_name) -> None:
+          draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype,
+          head_screen, int8_drafter, host, port, backend, served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -115,8 +120,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
-            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, adaptive_draft_len,
-            draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
+            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
+            adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
         names.append(name)
         return llm
 

@@ -95,6 +95,39 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
                      torch.tensor(ancestors, device=dev))
 
 
+def graft(tree: DraftTree, branches: list[list[int]], pad_token: int) -> DraftTree:
+    """Per row, the token chain branches[b] added below the root: it follows existing nodes while their tokens match
+    and adds nodes from there (spec/context_lookup.py's drafts beside the drafter's paths). Rows end up with equal
+    node counts: shorter ones are padded with root children of `pad_token` (a token the target never emits, such as
+    the drafter's mask token; were it ever the target's choice, accepting it would still emit the target's token)."""
+    tokens, depths, ancestors = tree.tokens.tolist(), tree.depths.tolist(), tree.ancestors.tolist()
+    parents = [list(p) for p in tree.parents]
+    for row, branch in enumerate(branches):
+        child = {(p, tokens[row][j]): j for j, p in enumerate(parents[row]) if p >= 0}
+        node = 0
+        for token in branch:
+            nxt = child.get((node, token))
+            if nxt is None:
+                nxt = len(parents[row])
+                if nxt > MAX_TREE_NODES:
+                    break
+                child[(node, token)] = nxt
+                parents[row].append(node)
+                tokens[row].append(token)
+                depths[row].append(depths[row][node] + 1)
+                ancestors[row].append(ancestors[row][node] | (1 << nxt))
+            node = nxt
+    width = max(len(p) for p in parents)
+    for row in range(len(parents)):
+        while len(parents[row]) < width:
+            j = len(parents[row])
+            parents[row].append(0), tokens[row].append(pad_token), depths[row].append(1)
+            ancestors[row].append(1 | (1 << j))
+    dev = tree.tokens.device
+    return DraftTree(torch.tensor(tokens, device=dev), parents, torch.tensor(depths, device=dev),
+                     torch.tensor(ancestors, device=dev))
+
+
 def accept_tree(tree: DraftTree, target_tokens: torch.Tensor) -> list[list[int]]:
     """Greedy acceptance: target_tokens [B, N + 1] is the target's argmax at every node. From the root, follow the
     child whose token is the target's choice at the current node -> per row the accepted path's node indices, root

@@ -14,7 +14,7 @@ from dflash_trt.kernels import cpu_ops
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from tests.conftest import make_drafter, make_target
-from tests.forced_drafts import force_drafts, force_tree_drafts
+from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 from tests.stats import assert_matches
 
 NEW = 40
@@ -96,6 +96,43 @@ def test_greedy_draft_trees_equal_target_greedy(tiny_dirs, arch, k, nodes, batch
         assert o.token_ids == ref
         assert o.tau > 1.5 and max(o.draft_lens) == nodes
     assert moves
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 4, 3, 1), (7, 5, 7, 4)])
+def test_greedy_trees_with_context_lookup_branches_equal_target_greedy(tiny_dirs, arch, k, nodes, lookup, batch):
+    """Context lookup branches (spec/context_lookup.py) grafted beside the drafter's paths, accepted whole, in part
+    and not at all, sharing nodes with the tree or not, in rows padded to one node count: every token is
+    transformers' greedy token."""
+    prompts = _prompts(batch)
+    refs = [hf_greedy(tiny_dirs[arch], p) for p in prompts]
+    engine = _engine(tiny_dirs, arch, k, rows=batch, draft_tree={batch: nodes}, lookup_nodes=lookup)
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    force_tree_drafts(engine, truth)
+    force_lookup_drafts(engine, truth)
+    moves = _recorded_moves(engine)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 2.0 and max(o.draft_lens) > nodes  # branches added nodes, and long paths were accepted
+    assert moves
+
+
+def test_greedy_with_context_lookup_equals_target_greedy(tiny_dirs):
+    """The real lookup on prompts that repeat themselves (it drafts on most steps): transformers' greedy tokens."""
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 6 + [40]]
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_tree={2: 3}, lookup_nodes=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+    assert max(n for o in outs for n in o.draft_lens) > 3
+
+
+def test_a_context_lookup_deeper_than_the_drafters_block_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="lookup_nodes"):
+        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 3}, lookup_nodes=16)
+    with pytest.raises(ValueError, match="lookup_nodes"):
+        EngineConfig(lookup_nodes=-1)
 
 
 @pytest.mark.parametrize("rule, drafts", [("match", 6), ("rejection", 3)])
@@ -191,14 +228,19 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
 
 @pytest.mark.skipif(not _batch_invariant_bf16(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
-@pytest.mark.parametrize("k, nodes, batch", [(3, 5, 1), (4, 7, 4)])
-def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, batch):
-    """Through the kernels' tree attention (each node's softmax over its ancestors' keys as a chain would sum it)."""
+@pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 5, 0, 1), (4, 7, 0, 4), (7, 6, 7, 2)])
+def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, lookup, batch):
+    """Through the kernels' tree attention (each node's softmax over its ancestors' keys as a chain would sum it),
+    also with context lookup branches (up to 14 nodes a row)."""
     prompts = _prompts(batch)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     plain = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", speculative=False).generate(prompts, params)
-    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", draft_tree={batch: nodes})
-    force_tree_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))})
+    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, dtype="bfloat16", draft_tree={batch: nodes},
+                     lookup_nodes=lookup)
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    force_tree_drafts(engine, truth)
+    if lookup:
+        force_lookup_drafts(engine, truth)
     moves = _recorded_moves(engine)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -336,19 +378,22 @@ def test_sampled_output_follows_the_target_distribution(small_vocab, rule, tempe
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 
 
-def test_sampled_draft_trees_follow_the_target_distribution(small_vocab):
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_sampled_draft_trees_follow_the_target_distribution(small_vocab, lookup):
     """The "match" rule through draft trees: at each node the target samples, with the row's uniform for that depth,
-    and a child carrying the sample continues the path."""
+    and a child carrying the sample continues the path; with context lookup branches beside the drafter's paths
+    too."""
     t, d = small_vocab
     prompt = [1, 3, 0, 2, 1]
     expected = _exact_joint(t, prompt, 1.5, 0, 1.0)
     target = load_target(t)
     engine = LLMEngine(target, None, load_drafter(d, target.config),
-                       EngineConfig(max_batch_size=1500, max_draft_len=3, draft_tree={1500: 5}))
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, draft_tree={1500: 5}, lookup_nodes=lookup))
     n = 4500
     params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, ignore_eos=True) for s in range(n)]
     outs = engine.generate([prompt] * n, params)
-    assert all(max(o.draft_lens) == 5 for o in outs)  # trees, not chains
+    assert all(max(o.draft_lens) >= 5 for o in outs)  # trees, not chains
+    assert lookup == 0 or max(max(o.draft_lens) for o in outs) > 5  # branches drafted
     assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 5  # drafts accepted
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 

@@ -11,6 +11,8 @@ from dflash_trt.server import cli
     ([], {"screen_head": None, "int8_drafter": None, "draft_tree": None}),
     (["--draft-tree", "1:5,2:3"], {"draft_tree": {1: 5, 2: 3}}),
     (["--draft-tree", "0"], {"draft_tree": {}}),
+    ([], {"lookup_nodes": None}),
+    (["--lookup-nodes", "5"], {"lookup_nodes": 5}),
     (["--full-head", "--bf16-drafter"], {"screen_head": False, "int8_drafter": False}),
     (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
 ])

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.spec.draft_tree import accept_tree, build_tree, select_paths
+from dflash_trt.spec.draft_tree import accept_tree, build_tree, graft, select_paths
 
 
 def _logprobs(draw_values: list[float], depth: int, width: int) -> list[list[float]]:
@@ -99,3 +99,34 @@ def test_a_tree_holds_at_most_the_paths_its_slots_allow():
     assert len(_tree(nodes=39).parents[0]) == 40  # 3 + 9 + 27 paths through 3 slots of 3 tokens
     with pytest.raises(ValueError, match="40 nodes"):
         _tree(nodes=40)
+
+
+def test_a_grafted_branch_shares_the_nodes_it_agrees_with_and_adds_the_rest():
+    """graft: the lookup's chain below the root follows the drafter's nodes while their tokens match; rows with a
+    shorter chain are padded with root children of the pad token, so every row has as many nodes."""
+    tree = _tree()
+    first = tree.tokens[0, 1:].tolist()
+    branch0 = [int(tree.tokens[0, 1]), 77, 78]  # agrees with node 1 (the top slot-1 token), then leaves the tree
+    grafted = graft(tree, [branch0, []], pad_token=99)
+    assert grafted.num_nodes == 7
+    assert grafted.tokens[0, 1:6].tolist() == first  # the drafter's nodes keep their places
+    assert grafted.tokens[0, 6:].tolist() == [77, 78]
+    assert grafted.parents[0][6:] == [1, 6] and grafted.depths[0, 6:].tolist() == [2, 3]
+    assert grafted.tokens[1, 6:].tolist() == [99, 99] and grafted.parents[1][6:] == [0, 0]
+    for row in range(2):
+        for j in range(1, 8):
+            p = grafted.parents[row][j]
+            assert grafted.depths[row, j] == grafted.depths[row, p] + 1
+            assert int(grafted.ancestors[row, j]) == int(grafted.ancestors[row, p]) | (1 << j)
+    # the target agreeing with the branch all the way: its path runs through the shared node into the new ones
+    choices = torch.zeros(2, 8, dtype=torch.long)
+    choices[0, 0], choices[0, 1], choices[0, 6], choices[0, 7] = branch0[0], 77, 78, 5
+    assert accept_tree(grafted, choices)[0] == [0, 1, 6, 7]
+
+
+def test_a_branch_the_tree_already_holds_adds_nothing():
+    tree = _tree()
+    path = [int(tree.tokens[1, j]) for j in (1, 2, 3)]  # row 1's chain of top tokens
+    grafted = graft(tree, [[], path], pad_token=99)
+    assert grafted.num_nodes == tree.num_nodes
+    assert torch.equal(grafted.tokens, tree.tokens) and grafted.parents == tree.parents

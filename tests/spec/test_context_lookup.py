@@ -1,0 +1,46 @@
+"""Context lookup (spec/context_lookup.py): its incremental index against a search of the whole context."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.spec.context_lookup import ContextLookup
+
+
+def _search(tokens: list[int], max_len: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The definition: the longest suffix (max_ngram down to min_ngram tokens) that occurred earlier; the tokens
+    after its latest earlier occurrence."""
+    end = len(tokens)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        for start in range(end - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[end - n :]:
+                return tokens[start + n : start + n + max_len]
+    return []
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60), data=st.data())
+def test_each_draft_is_the_latest_earlier_occurrence_of_the_longest_suffix(tokens, data):
+    """Asked at growing lengths of one request (the index is incremental), every answer is the full search's."""
+    max_ngram = data.draw(st.integers(1, 4))
+    min_ngram = data.draw(st.integers(1, max_ngram))
+    lookup = ContextLookup(max_ngram, min_ngram)
+    end = 0
+    while end < len(tokens):
+        end = min(len(tokens), end + data.draw(st.integers(1, 7)))
+        max_len = data.draw(st.integers(0, 8))
+        assert lookup.draft(tokens[:end], max_len) == _search(tokens[:end], max_len, max_ngram, min_ngram)
+
+
+def test_a_summary_that_quotes_its_passage_drafts_the_rest_of_the_quote():
+    passage = [5, 6, 7, 8, 9, 10, 11]
+    answer = [1, 2, 6, 7]  # ... quoting "6 7" of the passage so far
+    assert ContextLookup().draft(passage + [3] + answer, 4) == [8, 9, 10, 11]
+    assert ContextLookup().draft([5, 6, 7, 8], 4) == []  # nothing repeats yet
+
+
+def test_the_ngram_bounds_are_checked():
+    with pytest.raises(ValueError, match="min_ngram"):
+        ContextLookup(2, 3)
+    with pytest.raises(ValueError, match="min_ngram"):
+        ContextLookup(2, 0)
