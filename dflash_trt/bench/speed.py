@@ -56,7 +56,8 @@ class _Tally:
 
 
 def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
-                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,)) -> tuple[LLMEngine, dict[str, LLMEngine]]:
+                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,),
+                    ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
     """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, lookup branch; a chain takes no
     lookup branch), all sharing `engine`'s weights and tokenizer, keyed by system name."""
     # each system's tree as named, whatever the CPU (draft_tree_without_amx would pick another)

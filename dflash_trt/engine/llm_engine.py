@@ -167,7 +167,8 @@ class LLMEngine:
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", config.lookup_nodes or "off", _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
+            self.draft_tree or "none", config.lookup_nodes or "off",
+            _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:

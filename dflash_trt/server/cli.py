@@ -121,7 +121,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
             max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-            adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter))
+            adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
+            int8_drafter))
         names.append(name)
         return llm
 
