@@ -80,7 +80,8 @@ def _engine_options(f):
 
 
 def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen, int8_drafter):
+               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
+               int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
     tree = None
     if draft_tree is not None:
