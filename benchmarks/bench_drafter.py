@@ -6,7 +6,7 @@ runtime's --no-spec mode and its speculative mode at each K in the same round; s
 (each system's tokens over its median total wall-clock time). Outputs are compared token for token (bf16 may diverge on near-ties: counted, not hidden).
 
     .venv/bin/python benchmarks/bench_drafter.py [--drafter drafters/smollm2-135m-dflash] [--prompts 8]
-        [--ks 3,7] [--draft-vocab-sizes all,0] [--tree-nodes 0,6] [--new-tokens 128] [--rounds 2]
+        [--ks 3,7] [--draft-vocab-sizes all,0] [--tree-nodes 0,6] [--lookup-nodes 0,3] [--new-tokens 128] [--rounds 2]
         [--dtype bfloat16|float32]
         [--name drafter_smollm2_cpu]
 """
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--ks", default="3,7")
     ap.add_argument("--draft-vocab-sizes", default="all", help="all (the drafter's file), 0 (whole vocabulary), N")
     ap.add_argument("--tree-nodes", default="0", help="draft tree sizes at each K (0: a chain), e.g. 0,6")
+    ap.add_argument("--lookup-nodes", default="0", help="context lookup branches on each tree (0: none), e.g. 0,3")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="drafter_smollm2_cpu")
@@ -48,7 +49,8 @@ def main() -> None:
     vocabs = parse_vocab_sizes(args.draft_vocab_sizes)
     trees = [int(n) for n in args.tree_nodes.split(",")]
     result = run_speed(engine, prompts, SpeedConfig(draft_lens=ks, rounds=args.rounds, draft_vocab_sizes=vocabs,
-                                                    tree_nodes=trees))
+                                                    tree_nodes=trees,
+                                                    lookup_nodes=[int(n) for n in args.lookup_nodes.split(",")]))
     print(format_table(result))
     ar = result["overall"]["ar"]["tok_s"]
     rows = {name.removeprefix("K="): r | {"ar_tok_s": ar} for name, r in result["overall"].items() if name != "ar"}

@@ -28,7 +28,7 @@ def _tree(spec: dict | None) -> str:
     if without_amx is not None:
         text += f"; on CPUs without AMX {table(without_amx) if without_amx else 'none (chains)'}"
     if spec.get("lookup_nodes"):
-        text += f"; with a context lookup branch of up to {spec['lookup_nodes']} tokens"
+        text += f"; with context lookup branches of up to {spec['lookup_nodes']} tokens"
     return text
 
 

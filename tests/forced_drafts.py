@@ -58,8 +58,8 @@ def force_tree_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0
 
 def force_lookup_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0) -> None:
     """For context lookup branches: each step's branch is the true continuation (50%), the truth with one token
-    wrong at a random depth (30%) or nothing (20%), so branches are accepted whole, in part and not at all, alone
-    and where they share nodes with the drafter's tree."""
+    wrong at a random depth (30%) or nothing (20%), scored as likely as the drafter's top paths, so branches are
+    accepted whole, in part and not at all, and share nodes with the drafter's tree or replace some."""
     g = torch.Generator().manual_seed(seed)
 
     def branches(seqs, max_len):
@@ -73,7 +73,7 @@ def force_lookup_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int =
             elif u < 0.5 and branch:
                 wrong = int(torch.randint(len(branch), (1,), generator=g))
                 branch[wrong] = (branch[wrong] + 1) % 90
-            out.append(branch)
+            out.append([(t, -0.3 * (d + 1)) for d, t in enumerate(branch)])
         return out
 
     engine.runner._lookup_branches = branches

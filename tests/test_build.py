@@ -302,7 +302,7 @@ def test_a_context_lookup_branch_reaches_the_torch_runtime_and_not_trtllm(tiny_d
                        progress=False)
     assert EngineDir(out).engine_config().lookup_nodes == 2
     assert EngineDir(out).engine_config(lookup_nodes=0).lookup_nodes == 0
-    assert "with a context lookup branch of up to 2 tokens" in CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "with context lookup branches of up to 2 tokens" in CliRunner().invoke(main, ["inspect", str(out)]).output
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "lookup_nodes" not in options["speculative_config"]
 

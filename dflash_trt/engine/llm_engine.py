@@ -49,8 +49,9 @@ class EngineConfig:
     # The draft_tree table where the target's CPU linears have no AMX tiles (None: draft_tree): there each extra
     # verify row costs its dot products (benchmarks/README.md, "AVX2 laptops and CPUs without AMX").
     draft_tree_without_amx: dict[int, int] | None = None
-    # Tree steps add a branch of up to this many tokens copied from the row's own context (spec/context_lookup.py;
-    # at most K deep); 0: none.
+    # Tree steps also weigh a branch of up to this many tokens copied from the row's own context where its last
+    # tokens occurred before (spec/context_lookup.py): its prefixes take the tree's nodes where likelier than the
+    # drafter's paths (the node count stays draft_tree's); 0: none.
     lookup_nodes: int = 0
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)

@@ -20,7 +20,7 @@ from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_b
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
-from dflash_trt.spec.draft_tree import accept_tree, graft
+from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
 from dflash_trt.spec.verifier import VerifyResult, accept_greedy
 
@@ -49,9 +49,8 @@ class ModelRunner:
         self.device = target.embed_tokens.weight.device
         self.max_model_len = max_model_len
         block = drafter.config.block_size if drafter is not None else 1
-        # a tree step writes node j at its anchor + j: room for a drafter block and a context lookup branch
         self.lookup_nodes = lookup_nodes
-        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1 + lookup_nodes)
+        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1)
         self.proposer = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
@@ -185,9 +184,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
-        tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes)
-        if self.lookup_nodes:
-            tree = graft(tree, self._lookup_branches(seqs, min(depth, self.lookup_nodes)), self.proposer.mask_token_id)
+        branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
+        tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes, branches)
         t1 = time.perf_counter()
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
@@ -196,6 +194,10 @@ class ModelRunner:
         paths = accept_tree(tree, choices)
         tokens, choices = tree.tokens.tolist(), choices.tolist()
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
+        for i, branch in enumerate(branches or ()):  # how deep each lookup was verified and accepted
+            drafted = [t for t, _ in branch]
+            verified = tree_depth(tree, i, drafted)
+            seqs[i].context_lookup().observe(verified, common_prefix(drafted[:verified], emitted[i][:-1]))
         # The accepted nodes' K/V move to the positions of their depths (node j was written at anchor + j), where
         # the next step's queries look for them; the rest is left behind, masked, as a chain's rejected drafts are.
         moves = [(int(rows[i]), int(anchor_pos[i]), p) for i, p in enumerate(paths) if p != list(range(len(p)))]
@@ -206,9 +208,10 @@ class ModelRunner:
         return emitted, tree.num_nodes
 
     @staticmethod
-    def _lookup_branches(seqs: list[Sequence], max_len: int) -> list[list[int]]:
-        """Each row's context lookup draft (spec/context_lookup.py) after its last committed token."""
-        return [s.context_lookup().draft(s.prompt_ids + s.output_ids, max_len) for s in seqs]
+    def _lookup_branches(seqs: list[Sequence], max_len: int) -> list[list[tuple[int, float]]]:
+        """Each row's context lookup draft after its last committed token, with its scores
+        (spec/context_lookup.py)."""
+        return [s.context_lookup().scored_draft(s.prompt_ids + s.output_ids, max_len) for s in seqs]
 
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
                       depth: int) -> torch.Tensor:

@@ -2,19 +2,26 @@
 
 Answers repeat their prompt and themselves: a summary quotes the passage, a list repeats its own phrasing, a small
 model loops. Where the last n tokens (n from `max_ngram` down to `min_ngram`) occurred before, the tokens that
-followed their latest earlier occurrence are a draft that costs no model at all. The engine grafts it onto a step's
-draft tree (spec/draft_tree.py `graft`) beside the drafter's paths, so the target verifies both in the same forward
-and keeps whichever it agrees with: the output stays the target's own, whatever the draft.
-
-On the SmolLM2 drafter's held-out prompts a 7-token lookup branch beside a 6-node tree (K=7) would accept about 0.4
-more tokens a step, offline (benchmarks/README.md, "Context lookup").
+followed their latest earlier occurrence are a draft that costs no model at all. The engine offers it to a step's
+draft tree (spec/draft_tree.py `build_tree`) beside the drafter's paths: each of the branch's prefixes is scored by
+how often this request's lookups were accepted that deep, the drafter's paths by their probabilities, and the tree's
+nodes go to the likeliest of both. The target verifies them in one forward and keeps what it agrees with, so the
+output stays the target's own whatever the draft.
 """
 
 from __future__ import annotations
 
+import math
+
+# P(a lookup is accepted at least d tokens deep) before a request has any: about what SmolLM2's lookups reach on the
+# `cpu-small` prompts (0.41 at depth 1, then ~0.75 per token; benchmarks/README.md, "Context lookup").
+PRIOR_FIRST, PRIOR_NEXT = 0.4, 0.75
+PRIOR_WEIGHT = 4.0  # the prior counts as this many observed lookups at each depth
+
 
 class ContextLookup:
-    """An incremental index of one request's n-grams: where each last occurred, so a lookup costs a dict probe."""
+    """One request's n-gram index (where each n-gram last occurred, so a lookup is a dict probe) and how deep its
+    lookups have been accepted."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -22,6 +29,8 @@ class ContextLookup:
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first: the most specific match wins
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence sits
         self._indexed = 0  # continuations indexed: positions 1.._indexed - 1 (of the tokens seen so far)
+        self._verified: list[int] = []  # per depth d - 1: lookups the target verified at least d tokens deep
+        self._accepted: list[int] = []  # per depth d - 1: lookups it accepted at least d tokens deep
 
     def draft(self, tokens: list[int], max_len: int) -> list[int]:
         """Up to max_len tokens that followed the latest earlier occurrence of the longest matching suffix of
@@ -40,3 +49,24 @@ class ContextLookup:
                 if start is not None:
                     return tokens[start : start + max_len]
         return []
+
+    def scored_draft(self, tokens: list[int], max_len: int) -> list[tuple[int, float]]:
+        """draft()'s tokens, each with the log-probability that the target accepts the draft up to it: this
+        request's acceptance so far at that depth, shrunk towards the prior, never rising with depth."""
+        out, best = [], 0.0
+        for d, token in enumerate(self.draft(tokens, max_len)):
+            prior = PRIOR_FIRST * PRIOR_NEXT**d
+            verified, accepted = (self._verified[d], self._accepted[d]) if d < len(self._verified) else (0, 0)
+            best = min(best, math.log((accepted + PRIOR_WEIGHT * prior) / (verified + PRIOR_WEIGHT)))
+            out.append((token, best))
+        return out
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A step verified the draft's first `verified` tokens and accepted its first `accepted`."""
+        if len(self._verified) < verified:
+            grow = verified - len(self._verified)
+            self._verified += [0] * grow
+            self._accepted += [0] * grow
+        for d in range(verified):
+            self._verified[d] += 1
+            self._accepted[d] += d < accepted

@@ -68,9 +68,15 @@ def max_nodes(depth: int, width: int) -> int:
     return min(MAX_TREE_NODES, sum(width**d for d in range(1, depth + 1)))
 
 
-def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, nodes: int) -> DraftTree:
+def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: torch.Tensor, nodes: int,
+               branches: list[list[tuple[int, float]]] | None = None) -> DraftTree:
     """anchors [B]; top_tokens / top_logprobs [B, K, W]: each slot's W most likely draft tokens, best first ->
-    a DraftTree of exactly `nodes` draft nodes per row."""
+    a DraftTree of exactly `nodes` draft nodes per row.
+
+    branches[b], where given: a chain of (token, log-probability of the chain up to it) below row b's root from
+    another source (spec/context_lookup.py), scored on the drafter's scale. The row's `nodes` then go to the most
+    likely of the drafter's paths and the branch's prefixes together (`merge`): a branch takes rows from the
+    drafter's least likely paths only where it is the likelier, and shares the nodes both propose."""
     _, k, w = top_tokens.shape
     if not 1 <= nodes <= max_nodes(k, w):
         raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {max_nodes(k, w)} "
@@ -79,13 +85,16 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
     top = top_tokens.cpu().tolist()
     tokens, depths, ancestors, parents = [], [], [], []
     for row, (anchor, lp) in enumerate(zip(anchors.tolist(), top_logprobs.float().cpu().tolist())):
+        drafted = [(tuple(top[row][d][r] for d, r in enumerate(path)), sum(lp[d][r] for d, r in enumerate(path)))
+                   for path in select_paths(lp, nodes)]
+        paths = [p for p, _ in drafted] if branches is None else merge(drafted, branches[row], nodes)
         index = {(): 0}
         row_tokens, row_depths, row_ancestors, row_parents = [anchor], [0], [1], [-1]
-        for j, path in enumerate(select_paths(lp, nodes), start=1):
+        for j, path in enumerate(paths, start=1):
             parent = index[path[:-1]]
             index[path] = j
             row_parents.append(parent)
-            row_tokens.append(top[row][len(path) - 1][path[-1]])
+            row_tokens.append(path[-1])
             row_depths.append(len(path))
             row_ancestors.append(row_ancestors[parent] | (1 << j))
         tokens.append(row_tokens), depths.append(row_depths), ancestors.append(row_ancestors)
@@ -95,37 +104,44 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
                      torch.tensor(ancestors, device=dev))
 
 
-def graft(tree: DraftTree, branches: list[list[int]], pad_token: int) -> DraftTree:
-    """Per row, the token chain branches[b] added below the root: it follows existing nodes while their tokens match
-    and adds nodes from there (spec/context_lookup.py's drafts beside the drafter's paths). Rows end up with equal
-    node counts: shorter ones are padded with root children of `pad_token` (a token the target never emits, such as
-    the drafter's mask token; were it ever the target's choice, accepting it would still emit the target's token)."""
-    tokens, depths, ancestors = tree.tokens.tolist(), tree.depths.tolist(), tree.ancestors.tolist()
-    parents = [list(p) for p in tree.parents]
-    for row, branch in enumerate(branches):
-        child = {(p, tokens[row][j]): j for j, p in enumerate(parents[row]) if p >= 0}
-        node = 0
-        for token in branch:
-            nxt = child.get((node, token))
-            if nxt is None:
-                nxt = len(parents[row])
-                if nxt > MAX_TREE_NODES:
-                    break
-                child[(node, token)] = nxt
-                parents[row].append(node)
-                tokens[row].append(token)
-                depths[row].append(depths[row][node] + 1)
-                ancestors[row].append(ancestors[row][node] | (1 << nxt))
-            node = nxt
-    width = max(len(p) for p in parents)
-    for row in range(len(parents)):
-        while len(parents[row]) < width:
-            j = len(parents[row])
-            parents[row].append(0), tokens[row].append(pad_token), depths[row].append(1)
-            ancestors[row].append(1 | (1 << j))
-    dev = tree.tokens.device
-    return DraftTree(torch.tensor(tokens, device=dev), parents, torch.tensor(depths, device=dev),
-                     torch.tensor(ancestors, device=dev))
+def merge(drafted: list[tuple[tuple[int, ...], float]], branch: list[tuple[int, float]],
+          nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` likeliest distinct token paths of the drafter's (token path, log-probability) list, best first,
+    and a branch's prefixes, each source taken in its own order (both are prefix-closed in it, so the result is a
+    tree whose parents come before their children)."""
+    chain = [(tuple(t for t, _ in branch[: d + 1]), score) for d, (_, score) in enumerate(branch)]
+    kept: list[tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
+    i = j = 0
+    while len(kept) < nodes and (i < len(drafted) or j < len(chain)):
+        if j < len(chain) and (i == len(drafted) or chain[j][1] > drafted[i][1]):
+            path, j = chain[j][0], j + 1
+        else:
+            path, i = drafted[i][0], i + 1
+        if path not in seen:
+            seen.add(path)
+            kept.append(path)
+    return kept
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def tree_depth(tree: DraftTree, row: int, chain: list[int]) -> int:
+    """How many leading tokens of `chain` the row's tree holds as a path from its root."""
+    tokens, parents = tree.tokens[row].tolist(), tree.parents[row]
+    node, depth = 0, 0
+    for token in chain:
+        node = next((j for j, p in enumerate(parents) if p == node and tokens[j] == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 def accept_tree(tree: DraftTree, target_tokens: torch.Tensor) -> list[list[int]]:

@@ -101,16 +101,18 @@ class DFlashProposer:
         anchor_positions: torch.Tensor,
         depth: int,
         nodes: int,
+        branches: list[list[tuple[int, float]]] | None = None,
         width: int = 4,
     ) -> DraftTree:
-        """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` best paths
-        through each slot's `width` most likely tokens (spec/draft_tree.py)."""
+        """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` likeliest of
+        the paths through each slot's `width` most likely tokens and of the prefixes of the row's branch, where
+        given (spec/draft_tree.py build_tree)."""
         logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, depth)
         width = min(width, nodes, logits.shape[-1])
         top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)
         tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
         # a shallow block (the scheduler shortens K near a request's end) holds fewer paths
-        return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)))
+        return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)), branches)
 
     def _slot_logits(self, rows, features, feature_positions, anchors, anchor_positions, num_draft) -> torch.Tensor:
         """The drafter's step: [B, num_draft, V] logits of block slots 1..num_draft (over the draft vocabulary

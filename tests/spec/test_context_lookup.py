@@ -1,10 +1,13 @@
-"""Context lookup (spec/context_lookup.py): its incremental index against a search of the whole context."""
+"""Context lookup (spec/context_lookup.py): its incremental index against a search of the whole context, and its
+scores against the acceptance it observed."""
+
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.spec.context_lookup import ContextLookup
+from dflash_trt.spec.context_lookup import PRIOR_FIRST, PRIOR_NEXT, ContextLookup
 
 
 def _search(tokens: list[int], max_len: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -44,3 +47,22 @@ def test_the_ngram_bounds_are_checked():
         ContextLookup(2, 3)
     with pytest.raises(ValueError, match="min_ngram"):
         ContextLookup(2, 0)
+
+
+def test_scores_start_at_the_prior_and_follow_what_the_target_accepted():
+    """scored_draft: log P(accepted this deep), the prior before any step, never rising with depth; lookups the
+    target keeps accepting score higher, lookups it keeps rejecting lower."""
+    tokens = [1, 2, 3, 4, 5, 1, 2]  # "1 2" occurred before: the draft is 3 4 5 1 2
+    fresh = ContextLookup().scored_draft(tokens, 4)
+    assert [t for t, _ in fresh] == [3, 4, 5, 1]
+    assert fresh[0][1] == pytest.approx(math.log(PRIOR_FIRST))
+    assert fresh[2][1] == pytest.approx(math.log(PRIOR_FIRST * PRIOR_NEXT**2))
+    good, bad = ContextLookup(), ContextLookup()
+    for _ in range(20):
+        good.observe(verified=4, accepted=4)
+        bad.observe(verified=4, accepted=0)
+    good_scores = [s for _, s in good.scored_draft(tokens, 4)]
+    bad_scores = [s for _, s in bad.scored_draft(tokens, 4)]
+    assert all(g > f[1] > b for g, f, b in zip(good_scores, fresh, bad_scores))
+    assert good_scores[0] > math.log(0.8) and bad_scores[0] < math.log(0.1)
+    assert good_scores == sorted(good_scores, reverse=True) and bad_scores == sorted(bad_scores, reverse=True)

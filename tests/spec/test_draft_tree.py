@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.spec.draft_tree import accept_tree, build_tree, graft, select_paths
+from dflash_trt.spec.draft_tree import (accept_tree, build_tree, common_prefix, max_nodes, merge, select_paths,
+                                         tree_depth)
 
 
 def _logprobs(draw_values: list[float], depth: int, width: int) -> list[list[float]]:
@@ -101,32 +102,59 @@ def test_a_tree_holds_at_most_the_paths_its_slots_allow():
         _tree(nodes=40)
 
 
-def test_a_grafted_branch_shares_the_nodes_it_agrees_with_and_adds_the_rest():
-    """graft: the lookup's chain below the root follows the drafter's nodes while their tokens match; rows with a
-    shorter chain are padded with root children of the pad token, so every row has as many nodes."""
-    tree = _tree()
-    first = tree.tokens[0, 1:].tolist()
-    branch0 = [int(tree.tokens[0, 1]), 77, 78]  # agrees with node 1 (the top slot-1 token), then leaves the tree
-    grafted = graft(tree, [branch0, []], pad_token=99)
-    assert grafted.num_nodes == 7
-    assert grafted.tokens[0, 1:6].tolist() == first  # the drafter's nodes keep their places
-    assert grafted.tokens[0, 6:].tolist() == [77, 78]
-    assert grafted.parents[0][6:] == [1, 6] and grafted.depths[0, 6:].tolist() == [2, 3]
-    assert grafted.tokens[1, 6:].tolist() == [99, 99] and grafted.parents[1][6:] == [0, 0]
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_a_branch_and_the_drafters_paths_share_the_nodes_by_likelihood(data):
+    """merge: of the drafter's paths (best first) and the branch's prefixes (scores never rising), the `nodes` most
+    likely distinct token paths, a path both propose counted once at its higher score; a tree (prefix-closed)."""
+    depth, width = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    values = data.draw(st.lists(st.floats(1e-3, 1.0), min_size=depth * width, max_size=depth * width, unique=True))
+    lp = _logprobs(values, depth, width)
+    tokens = [[10 * (d + 1) + r for r in range(width)] for d in range(depth)]  # slot d's rank-r token
+    drafted = [(tuple(tokens[d][r] for d, r in enumerate(p)), sum(lp[d][r] for d, r in enumerate(p)))
+               for p in select_paths(lp, max_nodes(depth, width))]
+    chain_tokens = data.draw(st.lists(st.sampled_from([10, 11, 20, 21, 30, 99]), min_size=0, max_size=4))
+    steps = data.draw(st.lists(st.floats(0.01, 2.0), min_size=len(chain_tokens), max_size=len(chain_tokens),
+                               unique=True))
+    branch = [(t, -sum(steps[: d + 1])) for d, t in enumerate(chain_tokens)]
+    nodes = data.draw(st.integers(1, len(drafted)))
+    kept = merge(drafted, branch, nodes)
+    score: dict = {}
+    for path, sc in drafted + [(tuple(chain_tokens[: d + 1]), sc) for d, (_, sc) in enumerate(branch)]:
+        score[path] = max(sc, score.get(path, -math.inf))
+    assert len(kept) == len(set(kept)) == nodes
+    assert sorted(score[p] for p in kept) == pytest.approx(sorted(score.values())[::-1][:nodes][::-1])
+    for i, p in enumerate(kept):
+        assert len(p) == 1 or p[:-1] in kept[:i]
+
+
+def test_a_likely_branch_takes_the_drafters_least_likely_nodes_and_shares_the_rest():
+    """build_tree with a branch: row 0's branch starts on its top slot-1 token and leaves the tree after it; likelier
+    than the drafter's last paths, it replaces them; row 1's unlikely branch changes nothing."""
+    plain = _tree(5)
+    top0 = int(plain.tokens[0, 1])
+    tokens = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]],
+                           [[40, 41, 42], [50, 51, 52], [60, 61, 62]]])
+    probs = torch.tensor([[[0.5, 0.4, 0.1], [0.6, 0.3, 0.1], [0.6, 0.3, 0.1]],
+                          [[0.9, 0.05, 0.05], [0.8, 0.1, 0.1], [0.7, 0.2, 0.1]]])
+    branches = [[(top0, math.log(0.9)), (77, math.log(0.8)), (78, math.log(0.7))], [(99, math.log(0.01))]]
+    tree = build_tree(torch.tensor([1, 2]), tokens, probs.log(), 5, branches)
+    assert tree.num_nodes == 5
+    assert tree_depth(tree, 0, [top0, 77, 78]) == 3  # shared first node, then two of its own
+    assert tree_depth(tree, 1, [99]) == 0
+    assert torch.equal(tree.tokens[1], plain.tokens[1]) and tree.parents[1] == plain.parents[1]
     for row in range(2):
-        for j in range(1, 8):
-            p = grafted.parents[row][j]
-            assert grafted.depths[row, j] == grafted.depths[row, p] + 1
-            assert int(grafted.ancestors[row, j]) == int(grafted.ancestors[row, p]) | (1 << j)
-    # the target agreeing with the branch all the way: its path runs through the shared node into the new ones
-    choices = torch.zeros(2, 8, dtype=torch.long)
-    choices[0, 0], choices[0, 1], choices[0, 6], choices[0, 7] = branch0[0], 77, 78, 5
-    assert accept_tree(grafted, choices)[0] == [0, 1, 6, 7]
+        for j in range(1, 6):
+            p = tree.parents[row][j]
+            assert 0 <= p < j and tree.depths[row, j] == tree.depths[row, p] + 1
+            assert int(tree.ancestors[row, j]) == int(tree.ancestors[row, p]) | (1 << j)
+    choices = torch.zeros(2, 6, dtype=torch.long)  # the target agrees with the branch all the way
+    node77 = next(j for j in range(6) if int(tree.tokens[0, j]) == 77)
+    node78 = next(j for j in range(6) if int(tree.tokens[0, j]) == 78)
+    choices[0, 0], choices[0, 1], choices[0, node77], choices[0, node78] = top0, 77, 78, 5
+    assert accept_tree(tree, choices)[0] == [0, 1, node77, node78]
 
 
-def test_a_branch_the_tree_already_holds_adds_nothing():
-    tree = _tree()
-    path = [int(tree.tokens[1, j]) for j in (1, 2, 3)]  # row 1's chain of top tokens
-    grafted = graft(tree, [[], path], pad_token=99)
-    assert grafted.num_nodes == tree.num_nodes
-    assert torch.equal(grafted.tokens, tree.tokens) and grafted.parents == tree.parents
+def test_common_prefix_counts_leading_agreement():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([7], [7]) == 1
