@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q
 
 demo: setup
-	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --max-draft-len 7 --tree-nodes 6 \
+	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --max-draft-len 7 --tree-nodes 6 --lookup-nodes 7 \
 		-p "Write a short poem about the sea."
 	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --no-spec \
 		-p "Write a short poem about the sea."
