@@ -58,7 +58,8 @@ class SpeculativeConfig(_Strict):
     draft_tree_without_amx: dict[int, int] | None = None
     # This project's torch runtime only: tree steps also weigh a branch of up to this many tokens copied from the
     # request's own context where its last tokens occurred before (prompt lookup; spec/context_lookup.py): its
-    # prefixes take the tree's nodes where likelier than the drafter's paths; at most max_draft_len. 0: none.
+    # prefixes take the tree's nodes where likelier than the drafter's paths; at most the drafter's block_size - 1
+    # (deeper than a step's K it is cut to K). 0: none.
     lookup_nodes: int = Field(default=0, ge=0)
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"

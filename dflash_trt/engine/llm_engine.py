@@ -160,6 +160,9 @@ class LLMEngine:
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "
                              f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")
+        if self.drafter is not None and config.lookup_nodes and not self.draft_tree:
+            logger.warning("lookup_nodes=%d has no effect: context lookups join draft trees, and this engine drafts "
+                           "chains (set draft_tree, or --tree-nodes / --draft-tree)", config.lookup_nodes)
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
@@ -168,7 +171,7 @@ class LLMEngine:
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", config.lookup_nodes or "off",
+            self.draft_tree or "none", self.runner.lookup_nodes if self.draft_tree else "off",
             _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
         )
 

@@ -194,9 +194,10 @@ class ModelRunner:
         paths = accept_tree(tree, choices)
         tokens, choices = tree.tokens.tolist(), choices.tolist()
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
-        for i, branch in enumerate(branches or ()):  # how deep each lookup was verified and accepted
+        # How deep each lookup was verified and accepted, counted alike where the drafter proposed the same nodes.
+        for i, branch in enumerate(branches or ()):
             drafted = [t for t, _ in branch]
-            verified = tree_depth(tree, i, drafted)
+            verified = tree_depth(tokens[i], tree.parents[i], drafted)
             seqs[i].context_lookup().observe(verified, common_prefix(drafted[:verified], emitted[i][:-1]))
         # The accepted nodes' K/V move to the positions of their depths (node j was written at anchor + j), where
         # the next step's queries look for them; the rest is left behind, masked, as a chain's rejected drafts are.
@@ -211,7 +212,7 @@ class ModelRunner:
     def _lookup_branches(seqs: list[Sequence], max_len: int) -> list[list[tuple[int, float]]]:
         """Each row's context lookup draft after its last committed token, with its scores
         (spec/context_lookup.py)."""
-        return [s.context_lookup().scored_draft(s.prompt_ids + s.output_ids, max_len) for s in seqs]
+        return [s.context_lookup().scored_draft(max_len) for s in seqs]
 
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
                       depth: int) -> torch.Tensor:

@@ -62,9 +62,11 @@ class Sequence:
         return sum(f.shape[0] for f in self.pending_features)
 
     def context_lookup(self) -> ContextLookup:
-        """The n-gram index of this request's tokens (spec/context_lookup.py), built on first use."""
+        """The n-gram index of this request's tokens (spec/context_lookup.py), built on first use, caught up with
+        the tokens committed since the last."""
         if self._lookup is None:
             self._lookup = ContextLookup()
+        self._lookup.extend(self.prompt_ids, self.output_ids)
         return self._lookup
 
     @property

@@ -27,34 +27,47 @@ class ContextLookup:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"context lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first: the most specific match wins
+        self.tokens: list[int] = []  # the request's tokens so far (its own copy: extended, never rebuilt)
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence sits
-        self._indexed = 0  # continuations indexed: positions 1.._indexed - 1 (of the tokens seen so far)
+        self._indexed = 0  # continuation starts indexed so far: positions < _indexed
         self._verified: list[int] = []  # per depth d - 1: lookups the target verified at least d tokens deep
         self._accepted: list[int] = []  # per depth d - 1: lookups it accepted at least d tokens deep
 
-    def draft(self, tokens: list[int], max_len: int) -> list[int]:
-        """Up to max_len tokens that followed the latest earlier occurrence of the longest matching suffix of
-        `tokens` (the request's prompt and output so far; only ever extended between calls); [] without one."""
-        if max_len <= 0:
-            return []
-        end = len(tokens)
-        for i in range(max(1, self._indexed), end):  # the n-grams ending just before each new continuation start
+    def extend(self, prompt: list[int], output: list[int]) -> None:
+        """Catch up with the request: its prompt and output so far, which only ever grow."""
+        seen = len(self.tokens)
+        if seen < len(prompt):
+            self.tokens += prompt[seen:]
+            seen = len(prompt)
+        self.tokens += output[seen - len(prompt) :]
+
+    def draft(self, max_len: int) -> list[int]:
+        """Up to max_len tokens following the latest earlier occurrence of the longest matching suffix of the tokens
+        so far (n-grams from max_ngram down to min_ngram tokens); [] without one. Where the occurrence is the
+        request's own recent text (a loop), the copy runs on through what it has copied."""
+        tokens, end = self.tokens, len(self.tokens)
+        for i in range(self._indexed, end):  # the n-grams ending just before each new continuation start
             for n in self.ngrams:
                 if i >= n:
                     self._next[tuple(tokens[i - n : i])] = i
-        self._indexed = max(self._indexed, end)
+        self._indexed = end
+        if max_len <= 0:
+            return []
         for n in self.ngrams:
             if end > n:  # an n-gram ending at `end` can only have occurred earlier when end > n
                 start = self._next.get(tuple(tokens[end - n :]))
                 if start is not None:
-                    return tokens[start : start + max_len]
+                    out = tokens[start : start + max_len]
+                    while len(out) < max_len:  # the match runs into the present: continue the period
+                        out.append(out[len(out) - (end - start)])
+                    return out
         return []
 
-    def scored_draft(self, tokens: list[int], max_len: int) -> list[tuple[int, float]]:
+    def scored_draft(self, max_len: int) -> list[tuple[int, float]]:
         """draft()'s tokens, each with the log-probability that the target accepts the draft up to it: this
         request's acceptance so far at that depth, shrunk towards the prior, never rising with depth."""
         out, best = [], 0.0
-        for d, token in enumerate(self.draft(tokens, max_len)):
+        for d, token in enumerate(self.draft(max_len)):
             prior = PRIOR_FIRST * PRIOR_NEXT**d
             verified, accepted = (self._verified[d], self._accepted[d]) if d < len(self._verified) else (0, 0)
             best = min(best, math.log((accepted + PRIOR_WEIGHT * prior) / (verified + PRIOR_WEIGHT)))

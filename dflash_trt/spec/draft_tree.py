@@ -132,9 +132,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tree_depth(tree: DraftTree, row: int, chain: list[int]) -> int:
-    """How many leading tokens of `chain` the row's tree holds as a path from its root."""
-    tokens, parents = tree.tokens[row].tolist(), tree.parents[row]
+def tree_depth(tokens: list[int], parents: list[int], chain: list[int]) -> int:
+    """How many leading tokens of `chain` a tree row (its node tokens and parents) holds as a path from its root."""
     node, depth = 0, 0
     for token in chain:
         node = next((j for j, p in enumerate(parents) if p == node and tokens[j] == token), None)

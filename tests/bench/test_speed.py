@@ -114,7 +114,7 @@ def test_draft_trees_are_compared_with_chains_and_stay_lossless(tiny_dirs):
         assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
 
 
-def test_context_lookup_branches_ride_on_trees_and_stay_lossless(tiny_dirs):
+def test_systems_with_context_lookups_ride_on_trees_and_stay_lossless(tiny_dirs):
     engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
     r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, tree_nodes=[0, 3], lookup_nodes=[0, 3]),
                   chat=False)

@@ -129,7 +129,7 @@ def test_greedy_trees_with_context_lookup_branches_equal_target_greedy(tiny_dirs
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for o, ref in zip(outs, refs):
         assert o.token_ids == ref
-        assert o.tau > 2.0 and set(o.draft_lens) == {nodes}  # the branch shares the tree's nodes, adds none
+        assert o.tau > 2.0 and max(o.draft_lens) == nodes  # the branch shares the tree's nodes, adds none
     assert moves and max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
@@ -141,7 +141,7 @@ def test_greedy_with_context_lookup_equals_target_greedy(tiny_dirs, monkeypatch)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
-    assert max(v for v, _ in lookups) >= 1  # lookups were verified
+    assert max(a for _, a in lookups) >= 1  # lookups were verified and accepted
 
 
 def test_a_context_lookup_deeper_than_the_drafters_block_is_refused(tiny_dirs):

@@ -11,13 +11,16 @@ from dflash_trt.spec.context_lookup import PRIOR_FIRST, PRIOR_NEXT, ContextLooku
 
 
 def _search(tokens: list[int], max_len: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """The definition: the longest suffix (max_ngram down to min_ngram tokens) that occurred earlier; the tokens
-    after its latest earlier occurrence."""
+    """The definition: the longest suffix (max_ngram down to min_ngram tokens) that occurred earlier; the max_len
+    tokens after its latest earlier occurrence in the tokens followed by the draft itself (a loop runs on)."""
     end = len(tokens)
     for n in range(max_ngram, min_ngram - 1, -1):
         for start in range(end - n - 1, -1, -1):
             if tokens[start : start + n] == tokens[end - n :]:
-                return tokens[start + n : start + n + max_len]
+                full = list(tokens)
+                for i in range(max_len):
+                    full.append(full[start + n + i])
+                return full[end:]
     return []
 
 
@@ -27,19 +30,32 @@ def test_each_draft_is_the_latest_earlier_occurrence_of_the_longest_suffix(token
     """Asked at growing lengths of one request (the index is incremental), every answer is the full search's."""
     max_ngram = data.draw(st.integers(1, 4))
     min_ngram = data.draw(st.integers(1, max_ngram))
+    prompt_len = data.draw(st.integers(1, len(tokens)))
     lookup = ContextLookup(max_ngram, min_ngram)
     end = 0
     while end < len(tokens):
         end = min(len(tokens), end + data.draw(st.integers(1, 7)))
+        lookup.extend(tokens[: min(end, prompt_len)], tokens[prompt_len:end])
         max_len = data.draw(st.integers(0, 8))
-        assert lookup.draft(tokens[:end], max_len) == _search(tokens[:end], max_len, max_ngram, min_ngram)
+        assert lookup.draft(max_len) == _search(tokens[:end], max_len, max_ngram, min_ngram)
+
+
+def _lookup(prompt: list[int], output: list[int] = ()) -> ContextLookup:
+    lookup = ContextLookup()
+    lookup.extend(prompt, list(output))
+    return lookup
 
 
 def test_a_summary_that_quotes_its_passage_drafts_the_rest_of_the_quote():
     passage = [5, 6, 7, 8, 9, 10, 11]
     answer = [1, 2, 6, 7]  # ... quoting "6 7" of the passage so far
-    assert ContextLookup().draft(passage + [3] + answer, 4) == [8, 9, 10, 11]
-    assert ContextLookup().draft([5, 6, 7, 8], 4) == []  # nothing repeats yet
+    assert _lookup(passage + [3], answer).draft(4) == [8, 9, 10, 11]
+    assert _lookup([5, 6, 7, 8]).draft(4) == []  # nothing repeats yet
+
+
+def test_a_loop_drafts_on_through_its_period():
+    assert _lookup([9], [7] * 9).draft(7) == [7] * 7
+    assert _lookup([1, 2] * 3, [1, 2]).draft(5) == [1, 2, 1, 2, 1]
 
 
 def test_the_ngram_bounds_are_checked():
@@ -53,16 +69,16 @@ def test_scores_start_at_the_prior_and_follow_what_the_target_accepted():
     """scored_draft: log P(accepted this deep), the prior before any step, never rising with depth; lookups the
     target keeps accepting score higher, lookups it keeps rejecting lower."""
     tokens = [1, 2, 3, 4, 5, 1, 2]  # "1 2" occurred before: the draft is 3 4 5 1 2
-    fresh = ContextLookup().scored_draft(tokens, 4)
+    fresh = _lookup(tokens).scored_draft(4)
     assert [t for t, _ in fresh] == [3, 4, 5, 1]
     assert fresh[0][1] == pytest.approx(math.log(PRIOR_FIRST))
     assert fresh[2][1] == pytest.approx(math.log(PRIOR_FIRST * PRIOR_NEXT**2))
-    good, bad = ContextLookup(), ContextLookup()
+    good, bad = _lookup(tokens), _lookup(tokens)
     for _ in range(20):
         good.observe(verified=4, accepted=4)
         bad.observe(verified=4, accepted=0)
-    good_scores = [s for _, s in good.scored_draft(tokens, 4)]
-    bad_scores = [s for _, s in bad.scored_draft(tokens, 4)]
+    good_scores = [s for _, s in good.scored_draft(4)]
+    bad_scores = [s for _, s in bad.scored_draft(4)]
     assert all(g > f[1] > b for g, f, b in zip(good_scores, fresh, bad_scores))
     assert good_scores[0] > math.log(0.8) and bad_scores[0] < math.log(0.1)
     assert good_scores == sorted(good_scores, reverse=True) and bad_scores == sorted(bad_scores, reverse=True)

@@ -41,13 +41,15 @@ def test_a_confident_drafter_goes_deep_and_an_unsure_one_goes_wide():
     assert set(select_paths(unsure, 3)) == {(0,), (1,), (0, 0)}
 
 
-def _tree(nodes=5):
-    # 2 rows, K = 3 slots, 3 tokens per slot; row 1 is sure of slot 1, row 0 is not
-    tokens = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]],
-                           [[40, 41, 42], [50, 51, 52], [60, 61, 62]]])
-    probs = torch.tensor([[[0.5, 0.4, 0.1], [0.6, 0.3, 0.1], [0.6, 0.3, 0.1]],
-                          [[0.9, 0.05, 0.05], [0.8, 0.1, 0.1], [0.7, 0.2, 0.1]]])
-    return build_tree(torch.tensor([1, 2]), tokens, probs.log(), nodes)
+# 2 rows, K = 3 slots, 3 tokens per slot; row 1 is sure of slot 1, row 0 is not
+_TOKENS = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]],
+                        [[40, 41, 42], [50, 51, 52], [60, 61, 62]]])
+_PROBS = torch.tensor([[[0.5, 0.4, 0.1], [0.6, 0.3, 0.1], [0.6, 0.3, 0.1]],
+                       [[0.9, 0.05, 0.05], [0.8, 0.1, 0.1], [0.7, 0.2, 0.1]]])
+
+
+def _tree(nodes=5, branches=None):
+    return build_tree(torch.tensor([1, 2]), _TOKENS, _PROBS.log(), nodes, branches)
 
 
 def test_a_tree_holds_the_anchor_then_its_nodes_with_depths_and_ancestor_bits():
@@ -133,15 +135,11 @@ def test_a_likely_branch_takes_the_drafters_least_likely_nodes_and_shares_the_re
     than the drafter's last paths, it replaces them; row 1's unlikely branch changes nothing."""
     plain = _tree(5)
     top0 = int(plain.tokens[0, 1])
-    tokens = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]],
-                           [[40, 41, 42], [50, 51, 52], [60, 61, 62]]])
-    probs = torch.tensor([[[0.5, 0.4, 0.1], [0.6, 0.3, 0.1], [0.6, 0.3, 0.1]],
-                          [[0.9, 0.05, 0.05], [0.8, 0.1, 0.1], [0.7, 0.2, 0.1]]])
     branches = [[(top0, math.log(0.9)), (77, math.log(0.8)), (78, math.log(0.7))], [(99, math.log(0.01))]]
-    tree = build_tree(torch.tensor([1, 2]), tokens, probs.log(), 5, branches)
+    tree = _tree(5, branches)
     assert tree.num_nodes == 5
-    assert tree_depth(tree, 0, [top0, 77, 78]) == 3  # shared first node, then two of its own
-    assert tree_depth(tree, 1, [99]) == 0
+    assert tree_depth(tree.tokens[0].tolist(), tree.parents[0], [top0, 77, 78]) == 3  # shared, then its own two
+    assert tree_depth(tree.tokens[1].tolist(), tree.parents[1], [99]) == 0
     assert torch.equal(tree.tokens[1], plain.tokens[1]) and tree.parents[1] == plain.parents[1]
     for row in range(2):
         for j in range(1, 6):
