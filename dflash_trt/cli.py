@@ -61,9 +61,9 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               "Default: the engine's speculative_config.draft_tree (draft_tree_without_amx on a CPU without AMX "
               "tiles), else a chain.")
 @click.option("--lookup-nodes", default=None, type=click.IntRange(min=0),
-              help="Tree steps also weigh up to N tokens copied from the prompt or output where its last tokens "
-              "occurred before (spec/context_lookup.py), in the tree's nodes where likelier than the drafter's "
-              "paths; 0: none. Default: the engine's speculative_config.lookup_nodes, else none.")
+              help="Steps also weigh up to N tokens copied from the prompt or output where its last tokens occurred "
+              "before (spec/context_lookup.py): in a tree's nodes, or as a chain's drafts, where likelier than the "
+              "drafter's; 0: none. Default: the engine's speculative_config.lookup_nodes, else none.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: float32, or the engine's dtype with ENGINE.")

@@ -56,10 +56,11 @@ class SpeculativeConfig(_Strict):
     # This project's torch runtime only: the draft_tree table on a CPU whose linears have no AMX tiles (None:
     # draft_tree). There every extra row of a verify step costs its dot products, and large trees lose.
     draft_tree_without_amx: dict[int, int] | None = None
-    # This project's torch runtime only: tree steps also weigh a branch of up to this many tokens copied from the
-    # request's own context where its last tokens occurred before (prompt lookup; spec/context_lookup.py): its
-    # prefixes take the tree's nodes where likelier than the drafter's paths; at most the drafter's block_size - 1
-    # (deeper than a step's K it is cut to K). 0: none.
+    # This project's torch runtime only: speculative steps also weigh up to this many tokens copied from the
+    # request's own context where its last tokens occurred before (prompt lookup; spec/context_lookup.py): a tree's
+    # nodes go to its prefixes where likelier than the drafter's paths, a chain drafts it instead of the drafter's
+    # where it expects more accepted tokens; at most the drafter's block_size - 1 (deeper than a step's K it is cut
+    # to K). 0: none.
     lookup_nodes: int = Field(default=0, ge=0)
     max_concurrency: int | None = Field(default=None, ge=1)
     attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"

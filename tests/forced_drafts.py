@@ -13,8 +13,8 @@ def force_drafts(engine, truth_by_slot: dict[int, list[int]], error_rate: float,
     real = proposer.propose
     g = torch.Generator().manual_seed(seed)
 
-    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
-        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
+    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None, **options):
+        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling, **options)
         drafts = out.draft_tokens.clone()
         for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
             full = truth_by_slot[row]
@@ -22,7 +22,7 @@ def force_drafts(engine, truth_by_slot: dict[int, list[int]], error_rate: float,
                 truth = full[pos + 1 + j] if pos + 1 + j < len(full) else 0
                 wrong = torch.rand(1, generator=g).item() < error_rate
                 drafts[i, j] = (truth + 1) % 90 if wrong else truth
-        return Proposal(drafts, out.draft_probs)
+        return Proposal(drafts, out.draft_probs, out.draft_logprobs)
 
     proposer.propose = propose
 

@@ -44,7 +44,7 @@ def bench() -> None:
               help="Draft tree sizes to compare at each K (spec/draft_tree.py; 0: a chain), e.g. 0,5 (default: the "
               "tree the ENGINE drafts at one row on this CPU, else a chain).")
 @click.option("--lookup-nodes", default=None,
-              help="Context lookup branches to compare on each tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
+              help="Context lookups to compare at each K and tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
               "(default: the ENGINE's lookup_nodes, else none).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)

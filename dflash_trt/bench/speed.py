@@ -33,7 +33,7 @@ class SpeedConfig:
     # Draft tree sizes to compare at every K (EngineConfig.draft_tree at one row; 0: a chain). Systems with a tree are
     # named "K=3 tree=5".
     tree_nodes: list[int] = field(default_factory=lambda: [0])
-    # Context lookup branches to compare on every tree (EngineConfig.lookup_nodes; 0: none). Systems with one are
+    # Context lookups to compare at every K and tree (EngineConfig.lookup_nodes; 0: none). Systems with one are
     # named "K=7 tree=6 lookup=7".
     lookup_nodes: list[int] = field(default_factory=lambda: [0])
 
@@ -58,8 +58,8 @@ class _Tally:
 def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
                     tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,),
                     ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
-    """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, lookup branch; a chain takes no
-    lookup branch), all sharing `engine`'s weights and tokenizer, keyed by system name."""
+    """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, context lookup), all sharing
+    `engine`'s weights and tokenizer, keyed by system name."""
     # each system's tree as named, whatever the CPU (draft_tree_without_amx would pick another)
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
                               draft_tree_without_amx=None)
@@ -76,7 +76,7 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
     for k in draft_lens:
         for v in draft_vocab_sizes:
             for n in tree_nodes:
-                for lookup in sorted({x if n else 0 for x in lookup_nodes}):
+                for lookup in lookup_nodes:
                     name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
                     name += (f" tree={n}" if n else "") + (f" lookup={lookup}" if lookup else "")
                     specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter, dataclasses.replace(

@@ -49,9 +49,10 @@ class EngineConfig:
     # The draft_tree table where the target's CPU linears have no AMX tiles (None: draft_tree): there each extra
     # verify row costs its dot products (benchmarks/README.md, "AVX2 laptops and CPUs without AMX").
     draft_tree_without_amx: dict[int, int] | None = None
-    # Tree steps also weigh a branch of up to this many tokens copied from the row's own context where its last
-    # tokens occurred before (spec/context_lookup.py): its prefixes take the tree's nodes where likelier than the
-    # drafter's paths (the node count stays draft_tree's); 0: none.
+    # Speculative steps also weigh up to this many tokens copied from the row's own context where its last tokens
+    # occurred before (spec/context_lookup.py): in a tree its prefixes take the nodes where likelier than the drafter's
+    # paths (the node count stays draft_tree's); a chain drafts it instead of the drafter's where it expects more
+    # accepted tokens (greedy and "match" rows). 0: none.
     lookup_nodes: int = 0
     adaptive_draft_len: bool = False  # run K=0 where plain steps measure faster (engine/adaptive_draft.py)
     load_window: int = 8  # the schedule's K follows the most requests running over this many steps (scheduler.py)
@@ -160,9 +161,6 @@ class LLMEngine:
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "
                              f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")
-        if self.drafter is not None and config.lookup_nodes and not self.draft_tree:
-            logger.warning("lookup_nodes=%d has no effect: context lookups join draft trees, and this engine drafts "
-                           "chains (set draft_tree, or --tree-nodes / --draft-tree)", config.lookup_nodes)
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         logger.info(
@@ -171,7 +169,7 @@ class LLMEngine:
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", self.runner.lookup_nodes if self.draft_tree else "off",
+            self.draft_tree or "none", self.runner.lookup_nodes or "off",
             _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
         )
 

@@ -11,6 +11,7 @@ A speculative step (arXiv 2602.06036 §3) for rows b with anchor a_b at position
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -157,7 +158,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
         sampling = self._draft_sampling(seqs)
-        proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling)
+        proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling,
+                                         with_logprobs=bool(self.lookup_nodes))
+        lookups = self._swap_in_lookups(seqs, proposal, num_draft) if self.lookup_nodes else {}
         t1 = time.perf_counter()
 
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
@@ -170,9 +173,27 @@ class ModelRunner:
         else:
             result = self._verify(seqs, proposal, sampling, self.target.compute_logits(hidden))
         emitted = result.emitted(proposal.draft_tokens)
+        for i, drafted in lookups.items():
+            seqs[i].context_lookup().observe(drafted, min(drafted, len(emitted[i]) - 1))
         t2 = time.perf_counter()
         self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], t1 - t0, t2 - t1)
         return emitted
+
+    def _swap_in_lookups(self, seqs: list[Sequence], proposal, num_draft: int) -> dict[int, int]:
+        """Chain steps: a row whose context lookup (spec/context_lookup.py) expects more accepted tokens than the
+        drafter's chain (the sums of their prefixes' probabilities) drafts the lookup instead, the drafter's tokens
+        filling the slots past it. Greedy and "match" rows only (the "rejection" rule needs the drafter's
+        distribution). -> {row: lookup tokens drafted}."""
+        branches = self._lookup_branches(seqs, min(num_draft, self.lookup_nodes))
+        drafter_expected = proposal.draft_logprobs.cumsum(dim=1).exp().sum(dim=1).tolist()
+        swapped = {}
+        for i, (s, branch) in enumerate(zip(seqs, branches)):
+            if not branch or not (s.params.greedy or s.params.acceptance == "match"):
+                continue
+            if sum(math.exp(score) for _, score in branch) > drafter_expected[i]:
+                proposal.draft_tokens[i, : len(branch)] = torch.tensor([t for t, _ in branch])
+                swapped[i] = len(branch)
+        return swapped
 
     @torch.inference_mode()
     def tree_step(self, seqs: list[Sequence], depth: int, nodes: int) -> tuple[list[list[int]], int]:

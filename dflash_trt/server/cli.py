@@ -55,10 +55,10 @@ def _engine_options(f):
                      "default: the engine's speculative_config.draft_tree, or its draft_tree_without_amx on a CPU "
                      "without AMX tiles, else chains). Applies on any CPU."),
         click.option("--lookup-nodes", type=click.IntRange(min=0), default=None,
-                     help="Tree steps also weigh up to N tokens copied from the request's own context where its "
-                     "last tokens occurred before (prompt lookup): they take the tree's nodes where likelier than "
-                     "the drafter's paths; 0: none (default: the engine's speculative_config.lookup_nodes, else "
-                     "none)."),
+                     help="Steps also weigh up to N tokens copied from the request's own context where its last "
+                     "tokens occurred before (prompt lookup): in a tree's nodes, or as a chain's drafts, where "
+                     "likelier than the drafter's; 0: none (default: the engine's speculative_config.lookup_nodes, "
+                     "else none)."),
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),

@@ -5,8 +5,9 @@ model loops. Where the last n tokens (n from `max_ngram` down to `min_ngram`) oc
 followed their latest earlier occurrence are a draft that costs no model at all. The engine offers it to a step's
 draft tree (spec/draft_tree.py `build_tree`) beside the drafter's paths: each of the branch's prefixes is scored by
 how often this request's lookups were accepted that deep, the drafter's paths by their probabilities, and the tree's
-nodes go to the likeliest of both. The target verifies them in one forward and keeps what it agrees with, so the
-output stays the target's own whatever the draft.
+nodes go to the likeliest of both; a chain step drafts the lookup instead of the drafter's chain where its prefixes'
+probabilities sum higher (the tokens each is expected to get accepted; engine/model_runner.py). The target verifies
+the drafts in one forward and keeps what it agrees with, so the output stays the target's own whatever the draft.
 """
 
 from __future__ import annotations

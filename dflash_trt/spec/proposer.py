@@ -37,6 +37,7 @@ class DraftSampling:
 class Proposal:
     draft_tokens: torch.Tensor  # [B, K]
     draft_probs: torch.Tensor | None  # [R, K, V] for DraftSampling.rows, else None
+    draft_logprobs: torch.Tensor | None = None  # [B, K] each argmax draft's log-probability, where asked for
 
 
 class DFlashProposer:
@@ -76,9 +77,13 @@ class DFlashProposer:
         anchor_positions: torch.Tensor,  # [B]
         num_draft: int,
         sampling: DraftSampling | None = None,
+        with_logprobs: bool = False,
     ) -> Proposal:
         logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, num_draft)
         draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
+        logprobs = None
+        if with_logprobs:  # before sampled rows replace their argmax: theirs are not argmax drafts
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_tokens[..., None])[..., 0]
         draft_probs = None
         if sampling is not None and sampling.rows.numel():
             draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
@@ -89,7 +94,7 @@ class DFlashProposer:
             if draft_probs is not None:  # the proposal over the whole vocabulary: zero outside the set
                 full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.embed_weight.shape[0])
                 draft_probs = full.index_copy_(-1, self.draft_vocab, draft_probs)
-        return Proposal(draft_tokens, draft_probs)
+        return Proposal(draft_tokens, draft_probs, logprobs)
 
     @torch.inference_mode()
     def propose_tree(

@@ -114,11 +114,11 @@ def test_draft_trees_are_compared_with_chains_and_stay_lossless(tiny_dirs):
         assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]
 
 
-def test_systems_with_context_lookups_ride_on_trees_and_stay_lossless(tiny_dirs):
+def test_systems_with_context_lookups_are_compared_and_stay_lossless(tiny_dirs):
     engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
     r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, tree_nodes=[0, 3], lookup_nodes=[0, 3]),
                   chat=False)
-    assert r["systems"] == ["ar", "K=3", "K=3 tree=3", "K=3 tree=3 lookup=3"]  # a chain takes no branch
+    assert r["systems"] == ["ar", "K=3", "K=3 lookup=3", "K=3 tree=3", "K=3 tree=3 lookup=3"]
     for system in r["systems"][1:]:
         assert r["overall"][system]["identical_outputs"] == "3/3"
         assert r["overall"][system]["tokens"] == r["overall"]["ar"]["tokens"]

@@ -394,6 +394,23 @@ def test_sampled_output_follows_the_target_distribution(small_vocab, rule, tempe
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 
 
+def test_sampled_chains_with_context_lookups_follow_the_target_distribution(small_vocab, monkeypatch):
+    """The "match" rule on chains where a context lookup replaces the drafter's chain: the target samples each token
+    and a draft carrying the sample is kept, whoever drafted it."""
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, 1.5, 0, 1.0)
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, lookup_nodes=3))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, ignore_eos=True) for s in range(n)]
+    lookups = _recorded_lookups(monkeypatch)
+    outs = engine.generate([prompt] * n, params)
+    assert sum(a for _, a in lookups) > n / 20  # lookups drafted and accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
 @pytest.mark.parametrize("lookup", [0, 3])
 def test_sampled_draft_trees_follow_the_target_distribution(small_vocab, monkeypatch, lookup):
     """The "match" rule through draft trees: at each node the target samples, with the row's uniform for that depth,
@@ -565,3 +582,36 @@ def test_sampling_follows_the_target_distribution_with_a_draft_vocabulary(small_
     outs = engine.generate([prompt] * n, params)
     assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
     assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+@pytest.mark.parametrize("k, batch", [(3, 1), (7, 2)])
+def test_greedy_chains_with_context_lookups_equal_target_greedy(tiny_dirs, monkeypatch, k, batch):
+    """Chain steps draft a row's context lookup instead of the drafter's chain where it expects more accepted
+    tokens (forced lookups, likelier than the tiny drafter's chains), the drafter's tokens past it: transformers'
+    greedy tokens, lookups accepted whole and in part."""
+    prompts = _prompts(batch)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    engine = _engine(tiny_dirs, "qwen3", k, rows=batch, lookup_nodes=k)
+    force_lookup_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    lookups = _recorded_lookups(monkeypatch)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 1.5 and set(o.draft_lens) <= set(range(1, k + 1))  # chains
+    assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
+
+
+def test_a_chain_row_of_the_rejection_rule_keeps_the_drafters_drafts(tiny_dirs, monkeypatch):
+    """The rejection rule accepts by the drafter's own distribution: its rows never draft a lookup; a greedy row
+    beside it does."""
+    prompts = _prompts(2)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, lookup_nodes=3)
+    force_lookup_drafts(engine, {i: p + hf_greedy(tiny_dirs["qwen3"], p) for i, p in enumerate(prompts)})
+    seen = []
+    real = ContextLookup.observe
+    monkeypatch.setattr(ContextLookup, "observe", lambda self, v, a: (seen.append(self), real(self, v, a)))
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=1.0, seed=1, acceptance="rejection")
+    outs = engine.generate(prompts, [greedy, sampled])
+    assert outs[0].token_ids == hf_greedy(tiny_dirs["qwen3"], prompts[0])
+    assert seen and len({id(x) for x in seen}) == 1  # one request's lookups only: the greedy row's
