@@ -158,9 +158,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         features, feature_pos = self._pending_batch(seqs, anchor_pos)
         sampling = self._draft_sampling(seqs)
+        lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
+        # the drafter's log-probabilities only where a lookup competes with its chain
         proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling,
-                                         with_logprobs=bool(self.lookup_nodes))
-        lookups = self._swap_in_lookups(seqs, proposal, num_draft) if self.lookup_nodes else {}
+                                         with_logprobs=bool(lookups))
+        lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
         t1 = time.perf_counter()
 
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
@@ -179,17 +181,21 @@ class ModelRunner:
         self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], t1 - t0, t2 - t1)
         return emitted
 
-    def _swap_in_lookups(self, seqs: list[Sequence], proposal, num_draft: int) -> dict[int, int]:
-        """Chain steps: a row whose context lookup (spec/context_lookup.py) expects more accepted tokens than the
-        drafter's chain (the sums of their prefixes' probabilities) drafts the lookup instead, the drafter's tokens
-        filling the slots past it. Greedy and "match" rows only (the "rejection" rule needs the drafter's
-        distribution). -> {row: lookup tokens drafted}."""
-        branches = self._lookup_branches(seqs, min(num_draft, self.lookup_nodes))
+    def _chain_lookups(self, seqs: list[Sequence], num_draft: int) -> dict[int, list[tuple[int, float]]]:
+        """A chain step's context lookups (spec/context_lookup.py): {row: its scored draft} for the greedy and
+        "match" rows that have one (the "rejection" rule needs the drafter's distribution)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.greedy or s.params.acceptance == "match"]
+        branches = self._lookup_branches([seqs[i] for i in rows], min(num_draft, self.lookup_nodes))
+        return {i: branch for i, branch in zip(rows, branches) if branch}
+
+    @staticmethod
+    def _swap_in_lookups(proposal, lookups: dict[int, list[tuple[int, float]]]) -> dict[int, int]:
+        """A row whose lookup expects more accepted tokens than the drafter's chain (the sums of their prefixes'
+        probabilities) drafts the lookup instead, the drafter's tokens filling the slots past it.
+        -> {row: lookup tokens drafted}."""
         drafter_expected = proposal.draft_logprobs.cumsum(dim=1).exp().sum(dim=1).tolist()
         swapped = {}
-        for i, (s, branch) in enumerate(zip(seqs, branches)):
-            if not branch or not (s.params.greedy or s.params.acceptance == "match"):
-                continue
+        for i, branch in lookups.items():
             if sum(math.exp(score) for _, score in branch) > drafter_expected[i]:
                 proposal.draft_tokens[i, : len(branch)] = torch.tensor([t for t, _ in branch])
                 swapped[i] = len(branch)

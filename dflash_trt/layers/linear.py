@@ -102,7 +102,6 @@ def kernel_layout(model: nn.Module) -> str | None:
     return "tiles" if sizes["tiles"] >= sizes["rows"] else "rows"
 
 
-
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable nn.Linear in `model` by a PackedLinear; returns how many were packed."""
     count = 0

@@ -85,9 +85,11 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
     top = top_tokens.cpu().tolist()
     tokens, depths, ancestors, parents = [], [], [], []
     for row, (anchor, lp) in enumerate(zip(anchors.tolist(), top_logprobs.float().cpu().tolist())):
-        drafted = [(tuple(top[row][d][r] for d, r in enumerate(path)), sum(lp[d][r] for d, r in enumerate(path)))
-                   for path in select_paths(lp, nodes)]
-        paths = [p for p, _ in drafted] if branches is None else merge(drafted, branches[row], nodes)
+        ranks = select_paths(lp, nodes)
+        paths = [tuple(top[row][d][r] for d, r in enumerate(path)) for path in ranks]
+        if branches is not None:  # scores only where a branch competes for the nodes
+            scores = [sum(lp[d][r] for d, r in enumerate(path)) for path in ranks]
+            paths = merge(list(zip(paths, scores)), branches[row], nodes)
         index = {(): 0}
         row_tokens, row_depths, row_ancestors, row_parents = [anchor], [0], [1], [-1]
         for j, path in enumerate(paths, start=1):
