@@ -72,6 +72,10 @@ class TrainConfig:
     # drafts among), as inference computes it: SmolLM2's head shrinks from 49,152 rows to ~15k, and the head was
     # two thirds of a CPU training step. False: over the whole vocabulary.
     draft_vocab_loss: bool = True
+    # Keep only the N most frequent training-response tokens (None: all of them): the vocabulary the drafter ships,
+    # drafts among and, with draft_vocab_loss, is trained over, so that training's softmax is inference's (the
+    # shipped SmolLM2 drafter drafts among 2,048) and its head costs N rows.
+    draft_vocab_size: int | None = None
     # Weight of the KL to the target's own next-token distribution (train/teacher.py) against the hard labels'
     # cross-entropy: loss = (1 - distill) * CE + distill * KL. 0: hard labels only.
     distill: float = 0.0
@@ -87,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill must be in [0, 1], got {self.distill}")
 
@@ -167,6 +173,8 @@ class Trainer:
         self.heldout = [r for r in records if r["split"] == "heldout" and r["id"] in features]
         # What the exported drafter will draft among; evaluation drafts among it too (spec/draft_vocab.py).
         self.vocab_ids, self.vocab_counts = rank_tokens(r["response_ids"] for r in self.train_records)
+        keep = cfg.draft_vocab_size
+        self.vocab_ids, self.vocab_counts = self.vocab_ids[:keep], self.vocab_counts[:keep]
         if not self.train_records:
             raise ValueError("no training sequences with cached features")
         dcfg = drafter_config_for(target.config, cfg)

@@ -1,6 +1,7 @@
 """A tiny end-to-end training run: target-generated data, feature cache, trainer, export, resume."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -182,14 +183,18 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     again = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "run2"), "--max-prompts", "40",
                                       "--steps", "1", "--eval-every", "1", "--layers", "1", "--block-size", "4",
                                       "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1", "--data",
-                                      str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter"), "--distill", "0.5"])
+                                      str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter"), "--distill", "0.5",
+                                      "--draft-vocab-size", "7"])
     assert again.exit_code == 0, again.output
+    assert len(json.loads((tmp_path / "run2" / "drafter" / "draft_vocab.json").read_text())["token_ids"]) == 7
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
     assert bad.exit_code != 0 and "gamma must be > 0" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--distill", "1.5"])
     assert bad.exit_code != 0 and "--distill" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--draft-vocab-size", "0"])
+    assert bad.exit_code != 0 and "--draft-vocab-size" in bad.output
 
 
 def _trainer(t, root, out, **overrides) -> Trainer:
@@ -340,3 +345,20 @@ def test_the_exported_drafter_ships_its_training_tokens_most_frequent_first(trai
     # vLLM loads every *.safetensors of a drafter directory as weights: the vocabulary must not be one.
     assert [f.name for f in (root / "out" / "drafter").glob("*.safetensors")] == ["model.safetensors"]
     assert [counts[i] for i in ids] == sorted(counts.values(), reverse=True)
+
+
+def test_a_draft_vocabulary_size_keeps_the_most_frequent_tokens_for_the_loss_and_the_export(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "vocab5", draft_vocab_size=5)
+    counts = Counter(tok for r in tr.train_records for tok in r["response_ids"])
+    assert tr.vocab_ids.tolist() == sorted(counts, key=lambda tok: (-counts[tok], tok))[:5]
+    assert tr.head.shape[0] == 5
+    gen = torch.Generator().manual_seed(7)
+    items = [(r, b) for r in tr.train_records[:3] if (b := tr._sample(r, gen)) is not None]
+    assert torch.allclose(tr._batch_loss(items), _oracle_loss(tr, items), rtol=1e-2)
+    tr.export(root / "vocab5" / "drafter", {})
+    from dflash_trt.spec.draft_vocab import load_draft_vocab
+
+    assert load_draft_vocab(root / "vocab5" / "drafter", vocab_size=128).tolist() == tr.vocab_ids.tolist()
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        TrainConfig(draft_vocab_size=0)
