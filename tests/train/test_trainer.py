@@ -11,6 +11,7 @@ from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
+from dflash_trt.spec.draft_vocab import load_draft_vocab
 from dflash_trt.train.cli import prepare_and_train
 from dflash_trt.train.blocks import IGNORE, training_mask
 from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
@@ -335,8 +336,6 @@ def test_without_evaluation_prompts_the_best_drafter_is_chosen_by_held_out_loss(
 def test_the_exported_drafter_ships_its_training_tokens_most_frequent_first(trained):
     from collections import Counter
 
-    from dflash_trt.spec.draft_vocab import load_draft_vocab
-
     t, root = trained
     counts = Counter(tok for r in read_records(root / "data" / "responses.jsonl") if r["split"] == "train"
                      for tok in r["response_ids"])
@@ -357,8 +356,6 @@ def test_a_draft_vocabulary_size_keeps_the_most_frequent_tokens_for_the_loss_and
     items = [(r, b) for r in tr.train_records[:3] if (b := tr._sample(r, gen)) is not None]
     assert torch.allclose(tr._batch_loss(items), _oracle_loss(tr, items), rtol=1e-2)
     tr.export(root / "vocab5" / "drafter", {})
-    from dflash_trt.spec.draft_vocab import load_draft_vocab
-
     assert load_draft_vocab(root / "vocab5" / "drafter", vocab_size=128).tolist() == tr.vocab_ids.tolist()
     with pytest.raises(ValueError, match="draft_vocab_size"):
         TrainConfig(draft_vocab_size=0)
