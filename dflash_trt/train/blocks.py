@@ -56,6 +56,18 @@ def sample_blocks(
     candidates = torch.arange(lo, hi + 1)
     n = min(num_anchors, candidates.numel())
     anchors = candidates[torch.randperm(candidates.numel(), generator=generator)[:n]].sort().values
+    return blocks_at(token_ids, anchors, block_size, mask_token_id, gamma)
+
+
+def blocks_at(
+    token_ids: torch.Tensor,  # [T] prompt + response
+    anchors: torch.Tensor,  # [N] sorted distinct positions <= T - 2
+    block_size: int,
+    mask_token_id: int,
+    gamma: float | None = None,
+) -> TrainBlocks:
+    """The blocks [token at anchor, MASK x (B-1)] at the given anchors, labelled with the tokens that follow."""
+    t, n = token_ids.numel(), anchors.numel()
     offsets = torch.arange(block_size)
     positions = (anchors[:, None] + offsets).reshape(-1)  # [N * B]
     block_ids = torch.full((n, block_size), mask_token_id, dtype=torch.long)
@@ -67,6 +79,17 @@ def sample_blocks(
     w = torch.cat([torch.zeros(1), decay_weights(block_size, gamma)])[None].expand(n, -1).clone()
     w[labels == IGNORE] = 0.0
     return TrainBlocks(anchors, block_ids.reshape(-1), positions, labels.reshape(-1), w.reshape(-1))
+
+
+def next_step_anchors(anchors: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """Where a greedy decoding step from each anchor would leave the next one: the first wrong slot's position.
+
+    correct [N, B-1] says whether slot k's draft (k = 1..B-1) equals the label (False where there is none). A
+    step from anchor a accepts the drafts before the first wrong slot j and commits the target's own token
+    there, which anchors the next step: a + j, or a + B after a fully accepted block.
+    """
+    wrong = torch.cat([~correct, torch.ones_like(correct[:, :1])], dim=1)
+    return anchors + 1 + wrong.int().argmax(dim=1)
 
 
 def training_mask(context_len: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

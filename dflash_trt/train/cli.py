@@ -112,11 +112,14 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
               help="Weight of the KL to the target's own next-token distribution against the hard labels' CE (0: hard labels only).")
 @click.option("--draft-vocab-size", default=None, type=click.IntRange(min=1),
               help="Draft among (and train the loss over) only the N most frequent response tokens (default: all).")
+@click.option("--steer-anchors", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Share of the random anchors moved to where the drafter's next decoding step from them would start.")
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
           time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, max_prompts, self_prompts,
-          mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, full_vocab_loss, resume) -> None:
+          mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
+          resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
     from dflash_trt.train.trainer import TrainConfig
@@ -133,7 +136,8 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
                           time_budget_s=time_budget, anchors_per_seq=anchors, max_seq_len=max_seq_len, gamma=gamma,
                           seed=seed, eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
                           init_drafter=init_drafter, draft_vocab_loss=not full_vocab_loss,
-                          draft_vocab_size=draft_vocab_size, distill=distill)
+                          draft_vocab_size=draft_vocab_size, distill=distill,
+                          steer_anchors=steer_anchors)
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]

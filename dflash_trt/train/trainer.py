@@ -35,7 +35,7 @@ from dflash_trt.models.dflash import (
 )
 from dflash_trt.models.weights import WeightSet
 from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
-from dflash_trt.train.blocks import IGNORE, TrainBlocks, sample_blocks, training_mask
+from dflash_trt.train.blocks import IGNORE, TrainBlocks, blocks_at, next_step_anchors, sample_blocks, training_mask
 from dflash_trt.train.feature_cache import FeatureSource
 from dflash_trt.train.teacher import Teacher, distill_loss
 
@@ -79,6 +79,11 @@ class TrainConfig:
     # Weight of the KL to the target's own next-token distribution (train/teacher.py) against the hard labels'
     # cross-entropy: loss = (1 - distill) * CE + distill * KL. 0: hard labels only.
     distill: float = 0.0
+    # Share of each sequence's random anchors moved, before the step trains on them, to where a greedy decoding step
+    # from them would start the next one (train/blocks.py next_step_anchors), judged by the drafter as it is: real
+    # steps start right after a rejection, where text is harder than at a random position (benchmarks/README,
+    # session 22: teacher-forced tau 2.63 at random anchors, 2.38 walking the steps). 0: random anchors only.
+    steer_anchors: float = 0.0
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -95,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill must be in [0, 1], got {self.distill}")
+        if not 0.0 <= self.steer_anchors <= 1.0:
+            raise ValueError(f"steer_anchors must be in [0, 1], got {self.steer_anchors}")
 
 
 def drafter_config_for(target_cfg, cfg: TrainConfig) -> DFlashConfig:
@@ -210,14 +217,17 @@ class Trainer:
             self._load_checkpoint()
 
     # -- one batch of sequences ------------------------------------------------------------------------
+    def _token_ids(self, rec: dict) -> torch.Tensor:
+        return torch.tensor((rec["prompt_ids"] + rec["response_ids"])[: self.cfg.max_seq_len])
+
     def _sample(self, rec: dict, gen: torch.Generator) -> TrainBlocks | None:
         cfg = self.cfg
-        ids = torch.tensor((rec["prompt_ids"] + rec["response_ids"])[: cfg.max_seq_len])
-        return sample_blocks(ids, len(rec["prompt_ids"]), cfg.anchors_per_seq, cfg.block_size,
+        return sample_blocks(self._token_ids(rec), len(rec["prompt_ids"]), cfg.anchors_per_seq, cfg.block_size,
                              self.drafter.config.mask_token_id, gen, cfg.gamma)
 
-    def _batch_loss(self, items: list[tuple[dict, TrainBlocks]]) -> torch.Tensor:
-        """Mean over sequences of each one's decay-weighted CE, all blocks of all sequences in one forward.
+    def _forward(self, items: list[tuple[dict, TrainBlocks]], full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every block of every sequence in one drafter forward -> hidden [n, M, H], label rows, weights and
+        positions [n, M]; `full` holds each sequence's features at least up to its last anchor.
 
         Sequence i's context is its first max(anchor) tokens, padded to the longest; its blocks are padded
         to the most blocks. The padded [n, 1, M, S + M] mask keeps each sequence's training mask in place
@@ -240,17 +250,27 @@ class Trainer:
             mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
             pad = torch.arange(q, m)
             mask[i, 0, pad, s + pad] = True
-        # The teacher predicts the token at a label's position from the features before it: up to the last label.
-        lengths = ctx_lens if self.teacher is None else [
-            int(b.block_positions[b.labels != IGNORE].max()) for _, b in items]
-        full = self.features.batch([r for r, _ in items], lengths)
         feats = full[:, :s].to(dev, torch.float32)  # context columns past a sequence's own are masked
         block_ids, positions, labels, weights, mask = (t.to(dev) for t in (block_ids, positions, labels, weights, mask))
         embeds = F.embedding(block_ids, self.embed).float()
+        hidden = self.drafter.forward_train(feats, torch.arange(s, device=dev).expand(n, s), embeds, positions, mask)
+        return hidden, labels, weights, positions
+
+    def _batch_loss(self, items: list[tuple[dict, TrainBlocks]], full: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean over sequences of each one's decay-weighted CE, all blocks of all sequences in one forward.
+        `full`: the sequences' features if already computed (long enough for _forward and the teacher)."""
+        cfg, dev = self.cfg, self.device
+        n = len(items)
+        if full is None:
+            # The teacher predicts the token at a label's position from the features before it: up to the last label.
+            lengths = [int(b.anchors.max()) if self.teacher is None
+                       else int(b.block_positions[b.labels != IGNORE].max()) for _, b in items]
+            full = self.features.batch([r for r, _ in items], lengths)
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            hidden = self.drafter.forward_train(feats, torch.arange(s, device=dev).expand(n, s), embeds, positions, mask)
+            hidden, labels, weights, positions = self._forward(items, full)
             keep = labels != IGNORE
             logits = F.linear(hidden[keep], self.head).float()
+        m = labels.shape[1]
         seq_of = torch.arange(n, device=dev)[:, None].expand(n, m)[keep]
         ce = F.cross_entropy(logits, labels[keep], reduction="none")
         if self.teacher is not None:
@@ -261,6 +281,36 @@ class Trainer:
         per_seq = torch.zeros(n, device=dev).index_add(0, seq_of, ce)
         per_seq = per_seq / torch.zeros(n, device=dev).index_add(0, seq_of, weights[keep]).clamp_min(math.ulp(1.0))
         return per_seq.mean()
+
+    @torch.no_grad()
+    def _steer(self, items: list[tuple[dict, TrainBlocks]],
+               gen: torch.Generator) -> tuple[list[tuple[dict, TrainBlocks]], torch.Tensor]:
+        """Move a steer_anchors share of each sequence's anchors to where a greedy decoding step from them, drafted
+        by the drafter as it is now, would start the next one -> the new blocks and the sequences' whole features
+        (computed once, for this probe and for the loss)."""
+        cfg, bsz = self.cfg, self.cfg.block_size
+        ids = [self._token_ids(r) for r, _ in items]
+        full = self.features.batch([r for r, _ in items], [t.numel() for t in ids])
+        mask_id = self.drafter.config.mask_token_id
+        moved = [torch.randperm(b.anchors.numel(), generator=gen)[: round(cfg.steer_anchors * b.anchors.numel())]
+                 for _, b in items]
+        probed = [i for i, idx in enumerate(moved) if idx.numel()]
+        if not probed:
+            return items, full
+        probes = [(items[i][0], blocks_at(ids[i], items[i][1].anchors[moved[i]], bsz, mask_id)) for i in probed]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            hidden, labels, _, _ = self._forward(probes, full[probed])
+            drafts = F.linear(hidden, self.head).argmax(-1)
+        out = list(items)
+        for row, i in enumerate(probed):
+            k = moved[i].numel()
+            correct = (drafts[row, : k * bsz] == labels[row, : k * bsz]).view(k, bsz)[:, 1:].cpu()
+            anchors = items[i][1].anchors.clone()
+            nxt = next_step_anchors(anchors[moved[i]], correct)
+            inside = nxt <= ids[i].numel() - 2
+            anchors[moved[i][inside]] = nxt[inside]
+            out[i] = (items[i][0], blocks_at(ids[i], torch.unique(anchors), bsz, mask_id, cfg.gamma))
+        return out, full
 
     def _rows_of(self, labels: torch.Tensor) -> torch.Tensor:
         """Token labels as rows of self.head; a token the head lacks (only held-out data has them) is ignored."""
@@ -289,7 +339,7 @@ class Trainer:
             picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
             total, n = 0.0, 0
             for batch in self._batches([self.train_records[i] for i in picks], self.gen):
-                loss = self._batch_loss(batch)
+                loss = self._batch_loss(*self._steer(batch, self.gen)) if cfg.steer_anchors else self._batch_loss(batch)
                 (loss * len(batch) / cfg.seqs_per_step).backward()
                 total += loss.item() * len(batch)
                 n += len(batch)

@@ -6,7 +6,7 @@ import torch
 
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.dflash import DFlashConfig, new_drafter
-from dflash_trt.train.blocks import IGNORE, decay_weights, sample_blocks, training_mask
+from dflash_trt.train.blocks import IGNORE, decay_weights, next_step_anchors, sample_blocks, training_mask
 
 
 def test_mask_on_a_small_case_matches_the_definition():
@@ -44,6 +44,18 @@ def test_blocks_take_anchors_in_the_response_and_label_the_next_tokens():
         for k in range(1, 4):
             assert labels[j, k].item() == (ids[a + k].item() if a + k < 20 else IGNORE)
     assert bool((b.weights[b.labels == IGNORE] == 0).all())
+
+
+def test_the_next_step_starts_at_the_first_wrong_draft():
+    gen = torch.Generator().manual_seed(1)
+    anchors = torch.randint(0, 50, (200,), generator=gen)
+    correct = torch.rand(200, 7, generator=gen) < 0.7
+    correct[:3] = True  # whole blocks accepted
+    for a, c, got in zip(anchors.tolist(), correct.tolist(), next_step_anchors(anchors, correct).tolist()):
+        accepted = 0
+        while accepted < 7 and c[accepted]:
+            accepted += 1
+        assert got == a + accepted + 1  # the accepted drafts, then the target's own token, which anchors the next step
 
 
 def test_training_forward_equals_the_inference_forward_block_by_block():

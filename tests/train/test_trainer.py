@@ -185,9 +185,10 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
                                       "--steps", "1", "--eval-every", "1", "--layers", "1", "--block-size", "4",
                                       "--target-layers", "1,2", "--anchors", "4", "--seqs-per-step", "1", "--data",
                                       str(tmp_path / "run" / "data"), "--init-drafter", str(tmp_path / "run" / "drafter"), "--distill", "0.5",
-                                      "--draft-vocab-size", "7"])
+                                      "--draft-vocab-size", "7", "--steer-anchors", "0.5"])
     assert again.exit_code == 0, again.output
     assert len(json.loads((tmp_path / "run2" / "drafter" / "draft_vocab.json").read_text())["token_ids"]) == 7
+    assert json.loads((tmp_path / "run2" / "drafter" / "training.json").read_text())["config"]["steer_anchors"] == 0.5
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
@@ -196,6 +197,8 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert bad.exit_code != 0 and "--distill" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--draft-vocab-size", "0"])
     assert bad.exit_code != 0 and "--draft-vocab-size" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--steer-anchors", "2"])
+    assert bad.exit_code != 0 and "--steer-anchors" in bad.output
 
 
 def _trainer(t, root, out, **overrides) -> Trainer:
@@ -267,6 +270,49 @@ def test_distillation_adds_the_kl_to_the_targets_own_next_token_distribution(tra
     assert not torch.allclose(got, _oracle_loss(tr, items), rtol=1e-3)  # the KL term is really there
     got.backward()
     assert all(p.grad is not None for p in tr.drafter.parameters())
+
+
+def test_steered_anchors_move_to_where_the_drafters_next_decoding_step_would_start(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "steer", steer_anchors=0.5, anchors_per_seq=8)
+    recs = sorted(tr.train_records, key=lambda r: len(r["response_ids"]))
+    items = [(r, tr._sample(r, torch.Generator().manual_seed(8))) for r in (recs[len(recs) // 2], recs[-1])]
+    gen = torch.Generator().manual_seed(9)
+    picker = torch.Generator().manual_seed(9)
+    steered, full = tr._steer(items, gen)
+    t_head = tr.target.lm_head_weight.detach()
+    outside = torch.ones(t_head.shape[0], dtype=torch.bool)
+    outside[tr.vocab_ids] = False
+    for (r, b), (_, got) in zip(items, steered):
+        ids = (r["prompt_ids"] + r["response_ids"])[: tr.cfg.max_seq_len]
+        moved = torch.randperm(8, generator=picker)[:4].tolist()
+        want = b.anchors.tolist()
+        for i in moved:
+            a = want[i]
+            # The drafter alone on the block at a, its whole head masked to the draft vocabulary, then one greedy step.
+            feats = torch.from_numpy(tr.features.get(r["id"])[:a].astype("float32"))[None]
+            block = [ids[a]] + [tr.drafter.config.mask_token_id] * 7
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                h = tr.drafter.forward_train(feats, torch.arange(a)[None], tr.embed[torch.tensor(block)].float()[None],
+                                             torch.arange(a, a + 8)[None],
+                                             training_mask(a, torch.tensor([a]), 8)[None, None])[0]
+                logits = (h @ t_head.T).float()
+            logits[:, outside] = -torch.inf
+            drafts = logits.argmax(-1).tolist()
+            j = 1
+            while j < 8 and a + j < len(ids) and drafts[j] == ids[a + j]:
+                j += 1
+            if a + j <= len(ids) - 2:
+                want[i] = a + j
+        want = sorted(set(want))  # a step may land on another anchor
+        assert got.anchors.tolist() == want
+        assert got.block_ids.view(-1, 8)[:, 0].tolist() == [ids[a] for a in want]
+    assert any(not torch.equal(b.anchors, g.anchors) for (_, b), (_, g) in zip(items, steered))
+    # the features computed once for the probe are the loss's
+    assert torch.allclose(tr._batch_loss(steered, full), tr._batch_loss(steered), rtol=1e-5)
+    tr.cfg.steps = 2
+    tr.train()
+    assert tr.step == 2
 
 
 def test_held_out_labels_the_draft_vocabulary_lacks_are_left_out_of_the_loss(trained):
