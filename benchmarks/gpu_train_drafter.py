@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--gen-rows", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=300)  # an evaluation costs ~2 s on an H200
     ap.add_argument("--eval-prompts", type=int, default=8, help="0: pick the best drafter by held-out loss")
+    ap.add_argument("--steer-anchors", type=float, default=0.0,
+                    help="share of the anchors moved to where the drafter's next step would start (TrainConfig)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -187,7 +189,7 @@ def main() -> None:
                       mask_token_id=mask_id, steps=1_000_000, lr=args.lr, warmup_ratio=0.03,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=32, max_seq_len=max_seq_len,
                       eval_every=40 if args.smoke else args.eval_every, eval_prompts=args.eval_prompts, eval_new_tokens=96,
-                      time_budget_s=args.train_seconds, init_drafter=init)
+                      time_budget_s=args.train_seconds, init_drafter=init, steer_anchors=args.steer_anchors)
     trainer = Trainer(target, target_dir, tokenizer, records, TargetFeatures(target, layer_ids), work / "out", cfg)
     t0 = time.monotonic()
     trainer.train()
