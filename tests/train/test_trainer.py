@@ -210,23 +210,32 @@ def _trainer(t, root, out, **overrides) -> Trainer:
                    FeatureCache(root / "data" / "features"), out, cfg)
 
 
-def _oracle_loss(tr, items, distill: float = 0.0, hf=None) -> torch.Tensor:
-    """Every sequence alone, under its unpadded mask, with the whole head's logits masked to the draft vocabulary
-    and CE weighted by hand; a label outside the draft vocabulary is left out. With distill, the teacher is
-    transformers' forward of the whole sequence."""
-    t_head = tr.target.lm_head_weight.detach()
-    outside = torch.ones(t_head.shape[0], dtype=torch.bool)
+def _outside_draft_vocab(tr) -> torch.Tensor:
+    outside = torch.ones(tr.target.lm_head_weight.shape[0], dtype=torch.bool)
     outside[tr.vocab_ids] = False
+    return outside
+
+
+def _alone_logits(tr, rec, anchors, block_ids, positions) -> torch.Tensor:
+    """The drafter on one sequence's blocks alone, under their unpadded mask, with the whole head's logits masked
+    to the draft vocabulary."""
+    c = int(anchors.max())
+    feats = torch.from_numpy(tr.features.get(rec["id"])[:c].astype("float32"))[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = tr.drafter.forward_train(feats, torch.arange(c)[None], tr.embed[block_ids].float()[None], positions[None],
+                                     training_mask(c, anchors, 8)[None, None])[0]
+        logits = (h @ tr.target.lm_head_weight.detach().T).float()
+    logits[:, _outside_draft_vocab(tr)] = -torch.inf
+    return logits
+
+
+def _oracle_loss(tr, items, distill: float = 0.0, hf=None) -> torch.Tensor:
+    """Every sequence alone (_alone_logits) and CE weighted by hand; a label outside the draft vocabulary is left
+    out. With distill, the teacher is transformers' forward of the whole sequence."""
+    outside = _outside_draft_vocab(tr)
     want = []
     for r, b in items:
-        c = int(b.anchors.max())
-        feats = torch.from_numpy(tr.features.get(r["id"])[:c].astype("float32"))[None]
-        mask = training_mask(c, b.anchors, 8)[None, None]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = tr.drafter.forward_train(feats, torch.arange(c)[None], tr.embed[b.block_ids].float()[None],
-                                         b.block_positions[None], mask)[0]
-            logits = (h @ t_head.T).float()
-        logits[:, outside] = -torch.inf
+        logits = _alone_logits(tr, r, b.anchors, b.block_ids, b.block_positions)
         keep = (b.labels != IGNORE) & ~outside[b.labels.clamp_min(0)]
         ce = torch.nn.functional.cross_entropy(logits[keep], b.labels[keep], reduction="none")
         if distill:
@@ -280,25 +289,16 @@ def test_steered_anchors_move_to_where_the_drafters_next_decoding_step_would_sta
     gen = torch.Generator().manual_seed(9)
     picker = torch.Generator().manual_seed(9)
     steered, full = tr._steer(items, gen)
-    t_head = tr.target.lm_head_weight.detach()
-    outside = torch.ones(t_head.shape[0], dtype=torch.bool)
-    outside[tr.vocab_ids] = False
     for (r, b), (_, got) in zip(items, steered):
         ids = (r["prompt_ids"] + r["response_ids"])[: tr.cfg.max_seq_len]
         moved = torch.randperm(8, generator=picker)[:4].tolist()
         want = b.anchors.tolist()
         for i in moved:
             a = want[i]
-            # The drafter alone on the block at a, its whole head masked to the draft vocabulary, then one greedy step.
-            feats = torch.from_numpy(tr.features.get(r["id"])[:a].astype("float32"))[None]
-            block = [ids[a]] + [tr.drafter.config.mask_token_id] * 7
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                h = tr.drafter.forward_train(feats, torch.arange(a)[None], tr.embed[torch.tensor(block)].float()[None],
-                                             torch.arange(a, a + 8)[None],
-                                             training_mask(a, torch.tensor([a]), 8)[None, None])[0]
-                logits = (h @ t_head.T).float()
-            logits[:, outside] = -torch.inf
-            drafts = logits.argmax(-1).tolist()
+            # The drafter alone on the block at a, then one greedy step.
+            block = torch.tensor([ids[a]] + [tr.drafter.config.mask_token_id] * 7)
+            with torch.no_grad():
+                drafts = _alone_logits(tr, r, torch.tensor([a]), block, torch.arange(a, a + 8)).argmax(-1).tolist()
             j = 1
             while j < 8 and a + j < len(ids) and drafts[j] == ids[a + j]:
                 j += 1
