@@ -90,16 +90,31 @@ class CausalLM(nn.Module):
         A later start finishes the target from a captured layer output (train/teacher.py): the trainer's
         teacher logits cost the layers after the deepest feature, not a whole forward.
         """
+        x, features = self._layers(x, meta, cache, start, len(self.layers), capture_layer_ids)
+        return self.norm(x), features
+
+    def capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+                capture_layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """forward's captured features alone [B, Q, H * len(capture_layer_ids)]: the layers after the deepest
+        captured one and the final norm change no feature, so they do not run (a feature cache's build and the
+        trainer's features on the fly: SmolLM2's [1, 8, 14, 20, 27] skip 2 of its 30 layers)."""
+        _, features = self._layers(self.embed_tokens(input_ids), meta, cache, 0, max(capture_layer_ids) + 1,
+                                   capture_layer_ids)
+        return features
+
+    def _layers(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache, start: int, stop: int,
+                capture_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layers start..stop - 1 -> (the last one's output, the captured layers' outputs or None)."""
         cos, sin = self.rotary(meta.rope_positions, x.dtype)
         extra = self._layer_args(meta)
         captured = {}
         wanted = set(capture_layer_ids)
-        for i in range(start, len(self.layers)):
+        for i in range(start, stop):
             x = self.layers[i](x, cos, sin, meta, cache, *extra)
             if i in wanted:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
-        return self.norm(x), features
+        return x, features
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output projection in the model dtype (shared with the drafter)."""

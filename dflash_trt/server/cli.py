@@ -211,13 +211,17 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 
         t, d = _default_dirs(None, drafter, no_spec)
         target, drafter = str(t), (str(d) if d else None)
-    settings = ModelSettings(
-        engine_dir=str(Path(engine).resolve()) if engine else "", target_dir=str(Path(target).resolve()) if target else "",
-        drafter_dir=str(Path(drafter).resolve()) if drafter and not no_spec else "", speculative=not no_spec,
-        backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
-        max_draft_len=max_draft_len or 0, dtype=dtype or "",
-    )
+    elif engine is None and drafter is None and not no_spec:
+        # caught here, before a repository is written that tritonserver could only fail to load
+        raise click.UsageError("--target DIR needs --drafter DIR (speculative decoding) or --no-spec")
     try:
+        settings = ModelSettings(
+            engine_dir=str(Path(engine).resolve()) if engine else "",
+            target_dir=str(Path(target).resolve()) if target else "",
+            drafter_dir=str(Path(drafter).resolve()) if drafter and not no_spec else "", speculative=not no_spec,
+            backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
+            max_draft_len=max_draft_len or 0, dtype=dtype or "",
+        )
         path = export_repository(repo, model_name, settings)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e

@@ -164,5 +164,4 @@ def _features(target, id_lists: list[list[int]], cache, layer_ids) -> torch.Tens
         ids[i, : len(x)] = torch.tensor(x)
     rows = torch.arange(len(id_lists), device=dev)
     meta = AttentionMetadata.causal_step(rows, torch.arange(n, device=dev).expand(len(id_lists), n))
-    _, feats = target(ids.to(dev), meta, cache, tuple(layer_ids))
-    return feats
+    return target.capture(ids.to(dev), meta, cache, tuple(layer_ids))

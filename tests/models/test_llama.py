@@ -50,6 +50,22 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, arch, rope):
     assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
 
 
+def test_capture_alone_runs_only_the_layers_up_to_the_deepest_captured_one(tmp_path):
+    d = make_target(tmp_path / "t", "llama", seed=8, layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    ours = load_target(d)
+    ran = []
+    for i, layer in enumerate(ours.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    ids = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        feats = ours.capture(ids, _run(ours, ids), ours.make_cache(2, 32), (1, 0))
+    assert ran == [0, 1]  # layers 2 and 3 change no captured feature
+    assert torch.allclose(feats[..., :64], ref.hidden_states[2], atol=TOL)
+    assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
+
+
 def test_incremental_decode_equals_full_forward(tmp_path):
     d = make_target(tmp_path / "t", "qwen3")
     ours = load_target(d)

@@ -1,5 +1,5 @@
 """`dflash-trt serve`'s engine options reach the engine's configuration (load_engine), unset ones as None (keep the
-engine's or EngineConfig's default)."""
+engine's or EngineConfig's default); `dflash-trt triton export` refuses what tritonserver could not load."""
 
 import pytest
 from click.testing import CliRunner
@@ -33,3 +33,14 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
 def test_a_malformed_draft_tree_names_the_option():
     result = CliRunner().invoke(cli.serve, ["--draft-tree", "five"])
     assert result.exit_code == 2 and "--draft-tree" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--target DIR needs --drafter DIR (speculative decoding) or --no-spec"),
+    (["--backend", "trtllm", "--no-spec"], "the trtllm backend serves an engine directory"),
+])
+def test_triton_export_of_a_target_that_cannot_be_served_fails_before_writing(tmp_path, tiny_dirs, args, message):
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), *args])
+    assert result.exit_code != 0 and message in result.output
+    assert not repo.exists()
