@@ -212,7 +212,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
         t, d = _default_dirs(None, drafter, no_spec)
         target, drafter = str(t), (str(d) if d else None)
     elif engine is None and drafter is None and not no_spec:
-        # caught here, before a repository is written that tritonserver could only fail to load
+        # ModelSettings refuses it too, in its own terms; the user typed flags, so name them
         raise click.UsageError("--target DIR needs --drafter DIR (speculative decoding) or --no-spec")
     try:
         settings = ModelSettings(
