@@ -206,14 +206,11 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
     """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
     from dflash_trt.server.triton import ModelSettings, export_repository
 
-    if engine is None and target is None:
+    if engine is None:  # generate's resolution: the embedded defaults, and a usage error naming the flags
         from dflash_trt.cli import _default_dirs
 
-        t, d = _default_dirs(None, drafter, no_spec)
+        t, d = _default_dirs(target, drafter, no_spec)
         target, drafter = str(t), (str(d) if d else None)
-    elif engine is None and drafter is None and not no_spec:
-        # ModelSettings refuses it too, in its own terms; the user typed flags, so name them
-        raise click.UsageError("--target DIR needs --drafter DIR (speculative decoding) or --no-spec")
     try:
         settings = ModelSettings(
             engine_dir=str(Path(engine).resolve()) if engine else "",

@@ -36,7 +36,7 @@ def test_a_malformed_draft_tree_names_the_option():
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "--target DIR needs --drafter DIR (speculative decoding) or --no-spec"),
+    ([], "speculative decoding needs --drafter DIR (or pass --no-spec for plain decoding)"),
     (["--backend", "trtllm", "--no-spec"], "the trtllm backend serves an engine directory"),
 ])
 def test_triton_export_of_a_target_that_cannot_be_served_fails_before_writing(tmp_path, tiny_dirs, args, message):
