@@ -93,11 +93,12 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         trees = _ints(tree_nodes, "--tree-nodes")
     else:
         trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
-    most = eng.drafter.config.block_size - 1  # the engine would refuse more, but only after timing the AR round
-    if max(trees) > most:
-        raise click.BadParameter(f"a tree of {max(trees)} nodes exceeds the drafter's limit {most} (its block_size - 1)",
-                                 param_hint="--tree-nodes")
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else [eng.config.lookup_nodes]
+    most = eng.runner.max_draft_len  # the engine's own bound: its sibling engines would refuse more with a traceback
+    for hint, sizes in (("--tree-nodes", trees), ("--lookup-nodes", lookups)):
+        if max(sizes) > most:
+            raise click.BadParameter(f"{max(sizes)} nodes exceed the drafter's limit {most} (its block_size - 1)",
+                                     param_hint=hint)
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
