@@ -42,9 +42,12 @@ def generate_responses(
     temperature: float = 0.8,
     batch_size: int = 16,
     deadline: float | None = None,
+    first_id: int = 0,
 ) -> list[dict]:
     """Append {id, source, split, mode, prompt_ids, response_ids} records for every (prompt, mode).
 
+    Record ids are "<first_id + position in prompts>:<mode>": prompts appended to a stored list pass the list's
+    length, so that their records extend the stored ones without answering those again.
     deadline (time.monotonic()): start no batch after it; a later call picks up what is missing.
     """
     done = {r["id"] for r in read_records(out_path)}
@@ -52,7 +55,7 @@ def generate_responses(
     for i, p in enumerate(prompts):
         modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
         for mode in modes:
-            rid = f"{i}:{mode}"
+            rid = f"{first_id + i}:{mode}"
             if rid not in done:
                 jobs.append((rid, p, mode, engine.encode(p.text, chat=True)))
     jobs.sort(key=lambda j: len(j[3]))  # similar lengths batch together

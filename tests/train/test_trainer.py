@@ -159,6 +159,20 @@ def test_sampled_responses_are_reproducible_and_resumable(tmp_path):
     assert generate_responses(engine, PROMPTS[:3], tmp_path / "a.jsonl", sampled_variants=2) == first  # nothing redone
 
 
+def test_responses_to_appended_prompts_continue_the_stored_ids(tmp_path):
+    from dflash_trt.train.responses import generate_responses
+
+    t = make_target(tmp_path / "t")
+    engine = LLMEngine.from_dirs(t, None, EngineConfig(max_batch_size=4, speculative=False))
+    whole = generate_responses(engine, PROMPTS[:5], tmp_path / "whole.jsonl", max_new_tokens=8, sampled_variants=0)
+    head = generate_responses(engine, PROMPTS[:3], tmp_path / "head.jsonl", max_new_tokens=8, sampled_variants=0)
+    tail = generate_responses(engine, PROMPTS[3:5], tmp_path / "tail.jsonl", max_new_tokens=8, sampled_variants=0,
+                              first_id=3)
+    assert sorted(r["id"] for r in tail) == ["3:greedy", "4:greedy"]
+    by_id = {r["id"]: r for r in whole}
+    assert all(r == by_id[r["id"]] for r in head + tail)
+
+
 def test_train_command_runs_the_whole_pipeline(tmp_path):
     import importlib.util
 
