@@ -51,7 +51,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     stored_prompts, stored_records = args.data / "self_prompts.jsonl", args.data / "responses.jsonl.gz"
-    base = all_prompts() + read_prompts(stored_prompts)
+    stored = read_prompts(stored_prompts)
+    base = all_prompts() + stored
     with gzip.open(stored_records, "rt") as f:
         last = max(int(json.loads(line)["id"].split(":")[0]) for line in f)
     if last >= len(base):
@@ -90,7 +91,7 @@ def main() -> None:
             fo.write(line)
         for r in records:
             fo.write(json.dumps(r) + "\n")
-    write_prompts(stored_prompts, read_prompts(stored_prompts) + new)
+    write_prompts(stored_prompts, stored + new)
     tmp.replace(stored_records)
     held = sum(r["split"] == "heldout" for r in records)
     print(f"appended {len(new)} requests ({len(summaries)} summaries) and {len(records)} records ({held} held out): "
