@@ -27,12 +27,10 @@ from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine  # noqa: E402
 from dflash_trt.models.registry import load_target  # noqa: E402
 from dflash_trt.train.prompts import all_prompts  # noqa: E402
-from dflash_trt.train.responses import generate_responses  # noqa: E402
 from dflash_trt.train.self_prompts import (  # noqa: E402
+    answer_with_summaries,
     generate_self_prompts,
-    qa_answers,
     read_prompts,
-    summary_requests,
     write_prompts,
 )
 
@@ -78,12 +76,10 @@ def main() -> None:
         new = generate_self_prompts(engine, args.per_persona, seed=args.seed, exclude=exclude,
                                     chunk=max(128, 4 * args.rows))
         write_prompts(requests, new)
-    records = generate_responses(engine, new, answers, args.max_new_tokens, sampled_variants=0,
-                                 batch_size=args.rows, first_id=len(base))
-    summaries = summary_requests(qa_answers(records, tokenizer), exclude | {p.text for p in new})
+    summaries, records = answer_with_summaries(engine, tokenizer, new, answers, exclude,
+                                               max_new_tokens=args.max_new_tokens, sampled_variants=0,
+                                               batch_size=args.rows, first_id=len(base))
     new += summaries
-    records = generate_responses(engine, new, answers, args.max_new_tokens, sampled_variants=0,
-                                 batch_size=args.rows, first_id=len(base))
 
     tmp = stored_records.with_suffix(".tmp")
     with gzip.open(stored_records, "rt") as fi, gzip.open(tmp, "wt") as fo:

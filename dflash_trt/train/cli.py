@@ -36,9 +36,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     from dflash_trt.train.responses import generate_responses
     from dflash_trt.train.self_prompts import (
         SUMMARY_SOURCE,
+        answer_with_summaries,
         cached_self_prompts,
-        qa_answers,
-        summary_requests,
         write_prompts,
     )
     from dflash_trt.train.trainer import Trainer
@@ -51,21 +50,21 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
                                                              max_model_len=max(cfg.max_seq_len, 1024) + max_new_tokens,
                                                              device=device))
-    responses = data_dir / "responses.jsonl"
+    responses, prompts_path = data_dir / "responses.jsonl", data_dir / "self_prompts.jsonl"
     own = []
     if self_prompts:
         # After the packaged prompts, so that their records keep their ids; the benchmark's prompts stay unseen.
         bench = {p.text for p in load_dataset("cpu-small")}
-        own = cached_self_prompts(engine, data_dir / "self_prompts.jsonl", self_prompts, bench)
+        own = cached_self_prompts(engine, prompts_path, self_prompts, bench)
         prompts = list(prompts) + own
-    records = generate_responses(engine, prompts, responses, max_new_tokens, sampled_variants, batch_size=rows)
+    answer = dict(max_new_tokens=max_new_tokens, sampled_variants=sampled_variants, batch_size=rows)
     if own and not any(p.source == SUMMARY_SOURCE for p in own):
         # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
-        summaries = summary_requests(qa_answers(records, tokenizer), bench | {p.text for p in prompts})
-        if summaries:  # none without qa answers (data stored before the qa persona): nothing to store or answer
-            write_prompts(data_dir / "self_prompts.jsonl", own + summaries)
-            records = generate_responses(engine, prompts + summaries, responses, max_new_tokens, sampled_variants,
-                                         batch_size=rows)
+        _, records = answer_with_summaries(engine, tokenizer, prompts, responses, bench,
+                                           store=lambda summaries: write_prompts(prompts_path, own + summaries),
+                                           **answer)
+    else:
+        records = generate_responses(engine, prompts, responses, **answer)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)

@@ -18,12 +18,14 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
 from dflash_trt.engine.llm_engine import LLMEngine
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.prompts import Prompt, stable_hash
+from dflash_trt.train.responses import generate_responses
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,23 @@ def qa_answers(records: list[dict], tokenizer) -> list[str]:
     qa = [r for r in records if r["source"] == "self/qa" and r["mode"] == "greedy"]
     qa.sort(key=lambda r: int(r["id"].split(":")[0]))
     return [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for r in qa]
+
+
+def answer_with_summaries(engine: LLMEngine, tokenizer, prompts: list[Prompt], out_path: Path, exclude: set[str],
+                          store: Callable[[list[Prompt]], None] | None = None, **generate) -> tuple[list[Prompt], list[dict]]:
+    """Answer prompts (generate_responses, its keyword arguments in generate), then the summarization requests
+    quoting the qa answers among them; returns (summaries, records of prompts + summaries).
+
+    store(summaries) runs before they are answered: records name prompts by position, so a caller that keeps its
+    prompts file in step with the records stores the summaries first.
+    """
+    records = generate_responses(engine, prompts, out_path, **generate)
+    summaries = summary_requests(qa_answers(records, tokenizer), set(exclude) | {p.text for p in prompts})
+    if not summaries:  # none without qa answers: nothing to store or answer
+        return [], records
+    if store is not None:
+        store(summaries)
+    return summaries, generate_responses(engine, list(prompts) + summaries, out_path, **generate)
 
 
 def read_prompts(path: Path) -> list[Prompt]:
