@@ -179,7 +179,8 @@ def qa_answers(records: list[dict], tokenizer) -> list[str]:
 
 
 def answer_with_summaries(engine: LLMEngine, tokenizer, prompts: list[Prompt], out_path: Path, exclude: set[str],
-                          store: Callable[[list[Prompt]], None] | None = None, **generate) -> tuple[list[Prompt], list[dict]]:
+                          store: Callable[[list[Prompt]], None] | None = None,
+                          **generate) -> tuple[list[Prompt], list[dict]]:
     """Answer prompts (generate_responses, its keyword arguments in generate), then the summarization requests
     quoting the qa answers among them; returns (summaries, records of prompts + summaries).
 
