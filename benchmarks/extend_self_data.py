@@ -29,7 +29,7 @@ from dflash_trt.models.registry import load_target  # noqa: E402
 from dflash_trt.train.prompts import all_prompts  # noqa: E402
 from dflash_trt.train.self_prompts import (  # noqa: E402
     answer_with_summaries,
-    generate_self_prompts,
+    cached_self_prompts,
     read_prompts,
     write_prompts,
 )
@@ -68,14 +68,10 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     requests, answers = args.work / "requests.jsonl", args.work / "responses.jsonl"
-    if requests.is_file():
-        new = read_prompts(requests)
-        if new and new[0].text in exclude:
-            sys.exit(f"{requests}: already appended to {stored_prompts}; remove {args.work} to grow the data again")
-    else:
-        new = generate_self_prompts(engine, args.per_persona, seed=args.seed, exclude=exclude,
-                                    chunk=max(128, 4 * args.rows))
-        write_prompts(requests, new)
+    new = cached_self_prompts(engine, requests, args.per_persona, exclude, seed=args.seed,
+                              chunk=max(128, 4 * args.rows))
+    if new and new[0].text in exclude:  # generation excludes them: these are a stored run's, already appended
+        sys.exit(f"{requests}: already appended to {stored_prompts}; remove {args.work} to grow the data again")
     summaries, records = answer_with_summaries(engine, tokenizer, new, answers, exclude,
                                                max_new_tokens=args.max_new_tokens, sampled_variants=0,
                                                batch_size=args.rows, first_id=len(base))

@@ -209,13 +209,15 @@ def write_prompts(path: Path, prompts: list[Prompt]) -> None:
     tmp.replace(path)
 
 
-def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exclude: set[str] = frozenset()) -> list[Prompt]:
-    """The prompts stored at path, else generated and stored. A rerun reuses them: records name prompts by
-    position, and a regeneration on other numerics would sample other texts."""
+def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exclude: set[str] = frozenset(),
+                        **sampling) -> list[Prompt]:
+    """The prompts stored at path, else generated (generate_self_prompts, its keyword arguments in sampling) and
+    stored. A rerun reuses them: records name prompts by position, and a regeneration on other numerics would sample
+    other texts."""
     if path.is_file():
         prompts = read_prompts(path)
         logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
         return prompts
-    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude)
+    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude, **sampling)
     write_prompts(path, prompts)
     return prompts
