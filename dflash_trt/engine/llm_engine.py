@@ -15,6 +15,7 @@ from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.layers.linear import kernel_layout
+from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
@@ -208,7 +209,8 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, with the generation prompt."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template: use /v1/completions (or drop --chat)")
+            raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
+                             "without --chat)")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
@@ -218,14 +220,13 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
         seq = Sequence(prompt_ids, params, self.eos_token_ids)
-        seq.generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            seq.generator.manual_seed(params.seed)
-        else:
-            seq.generator.seed()
+        seq.uniforms = PositionalUniforms(params.seed)
+        seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())
         if params.stop and self.tokenizer is not None:
             stops = list(params.stop)
-            seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-64:]) for x in stops)
+            # the text a client gets: without special tokens, as make_output decodes it
+            seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-64:], skip_special_tokens=True)
+                                             for x in stops)
         return seq
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

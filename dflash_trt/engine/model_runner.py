@@ -19,7 +19,7 @@ import torch
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, round_up
-from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
+from dflash_trt.layers.sampler import sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
@@ -88,12 +88,23 @@ class ModelRunner:
         )
 
     def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
-        # hidden: [B, H] final hidden states -> one token per row, by each row's own params and generator
+        # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
         if all(s.params.greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
         logits = self.target.compute_logits(hidden)
         probs = sampling_probs(logits[:, None], *self._params(seqs))[:, 0]
-        return sample_from(probs, uniform([s.generator for s in seqs], 1, self.device)[:, 0]).tolist()
+        return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
+
+    def _uniforms(self, seqs: list[Sequence], n: int) -> torch.Tensor:
+        """[B, n] uniforms for each row's next n output positions. A "match" (or greedy) row's come from its
+        positional stream (layers/sampler.py PositionalUniforms), so its tokens do not depend on how many each step
+        drafted; a "rejection" row's are fresh draws, as that rule's acceptance tests need (its tokens depend on the
+        drafts anyway)."""
+        return torch.stack([
+            torch.rand(n, generator=s.generator) if s.params.acceptance == "rejection" and not s.params.greedy
+            else s.uniforms.at(len(s.output_ids), n)
+            for s in seqs
+        ]).to(self.device)
 
     @torch.inference_mode()
     def prefill(
@@ -244,13 +255,13 @@ class ModelRunner:
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
                       depth: int) -> torch.Tensor:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,
-        drawn with the row's uniform for the node's depth (K + 1 per row per step, as a chain's match rule draws), so
-        each token the path emits is the target's own sample given the tokens before it."""
+        drawn with the row's uniform for the output position at the node's depth, so each token the path emits is the
+        target's own sample given the tokens before it."""
         if all(s.params.greedy for s in seqs):
             return self.target.greedy_tokens(hidden)
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        u[sampled] = uniform([seqs[i].generator for i in sampled], depth + 1, self.device)
+        u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
         probs = sampling_probs(self.target.compute_logits(hidden), *self._params(seqs))  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, depths))
 
@@ -297,14 +308,14 @@ class ModelRunner:
         return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub])
 
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
-        """All rows in one `dflash::verify_block`; each non-greedy row draws its K + 1 uniforms from its own generator."""
+        """All rows in one `dflash::verify_block`; each sampled row takes K + 1 uniforms (`_uniforms`)."""
         drafts = proposal.draft_tokens  # [B, K]
         b, k = drafts.shape
         modes = [GREEDY if s.params.greedy else MODE_OF_ACCEPTANCE[s.params.acceptance] for s in seqs]
         u = torch.zeros(b, k + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            u[sampled] = uniform([seqs[i].generator for i in sampled], k + 1, self.device)
+            u[sampled] = self._uniforms([seqs[i] for i in sampled], k + 1)
         draft_probs = None  # [B, K, V], rows of the rejection rule only
         if sampling is not None:
             draft_probs = proposal.draft_probs.new_zeros(b, k, proposal.draft_probs.shape[-1])

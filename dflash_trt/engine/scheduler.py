@@ -109,6 +109,11 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         return list(self._running.values())
 
+    @property
+    def capacity(self) -> int:
+        """The most requests it holds at once: a row each, plus the queue."""
+        return self.slots.num_slots + self.config.max_queue_len
+
     def has_work(self) -> bool:
         with self._lock:
             return bool(self.waiting or self._running or self._aborted)

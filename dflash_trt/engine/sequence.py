@@ -48,7 +48,8 @@ class Sequence:
         self.slot: int = -1
         self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
         self.decode_start: float | None = None  # perf_counter when the first token was sampled
-        self.generator: Any = None  # torch.Generator, owned by the model runner
+        self.uniforms: Any = None  # layers.sampler.PositionalUniforms: the target's sampling uniforms
+        self.generator: Any = None  # torch.Generator: the drafter's samples and the rejection rule's uniforms
         # Target features ([n_i, F] each) of tokens not yet in the drafter cache, joined only when injected: a
         # stretch of plain steps adds one per step, and re-concatenating each time would copy O(n^2).
         self.pending_features: list = []

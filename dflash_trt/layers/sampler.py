@@ -2,12 +2,14 @@
 
 The same `sampling_probs` shapes the target's and the drafter's distributions, so the acceptance
 rules compare like with like. Order: temperature, then top-k, then top-p over the top-k
-probabilities (z-lab's order). Each row draws from its own torch.Generator, so a request's output
-depends on its seed only, not on what else is in the batch.
+probabilities (z-lab's order). Each row draws from its own streams, so a request's output depends on
+its seed only, not on what else is in the batch; with `PositionalUniforms`, not on how many tokens
+each step drafted either.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dflash_trt.layers.argmax import argmax_last
@@ -47,6 +49,39 @@ def sampling_probs(
 def uniform(generators: list[torch.Generator], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, n] uniforms in [0, 1), row b drawn from generators[b]."""
     return torch.stack([torch.rand(n, generator=g) for g in generators]).to(device)
+
+
+class PositionalUniforms:
+    """One request's uniforms indexed by output position: the token at output position p is drawn with `at(p, 1)`.
+
+    Under the "match" rule every emitted token is the target's own inverse-CDF sample with its position's uniform
+    (spec/verifier.py), so indexing the uniforms by position, not by draw order, makes a seeded request's tokens
+    the same whatever each step drafted (K, trees, plain steps chosen by timing) and whatever shared its batch,
+    and equal to plain sampling with the same seed. Reusing a position's uniform after a rejected draft keeps the
+    distribution exact: the emitted sequence is the one plain sampling computes from these same independent
+    uniforms, and what a discarded branch sampled is never seen.
+
+    PCG64 from numpy (the whole seed enters, where torch's CPU generator keeps its low 32 bits), drawn in float32
+    so that no value rounds up to 1.0.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        entropy = None if seed is None else [abs(seed), int(seed < 0)]
+        self._seeds = np.random.SeedSequence(entropy)
+        self._rng = np.random.Generator(np.random.PCG64(self._seeds))
+        self._values = np.empty(0, dtype=np.float32)
+
+    def at(self, start: int, n: int) -> torch.Tensor:
+        """[n] float32 uniforms in [0, 1) for output positions start .. start + n - 1."""
+        need = start + n
+        if need > self._values.size:  # draw ahead, at least 64 at a time
+            more = max(need - self._values.size, 64)
+            self._values = np.concatenate([self._values, self._rng.random(more, dtype=np.float32)])
+        return torch.from_numpy(self._values[start:need].copy())
+
+    def derived_seed(self) -> int:
+        """A 63-bit seed for another generator of the same request (the rejection rule's torch.Generator)."""
+        return int(self._seeds.spawn(1)[0].generate_state(1, np.uint64)[0]) >> 1
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 @dataclass
@@ -39,6 +40,10 @@ class _Submitted:
     prompt_lens: list[int]
     queue: asyncio.Queue  # (choice index, RequestUpdate)
     detoks: list[IncrementalDetokenizer]
+
+
+def _is_union_tag(loc: str | int) -> bool:
+    return isinstance(loc, str) and (loc in {"str", "int", "float", "bool", "list", "dict"} or "[" in loc)
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -51,7 +56,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
         body = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code))
-        return JSONResponse(body.model_dump(), status_code=e.status)
+        return JSONResponse(body.model_dump(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -66,7 +71,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         logger.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {e}", "server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not loop.is_alive:
             return error_response(APIError(503, "the engine loop is not running", "server_error"))
@@ -82,6 +87,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def models() -> JSONResponse:
         cards = p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=engine.max_model_len)])
         return JSONResponse(cards.model_dump())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> JSONResponse:
+        _check_model(name)
+        return JSONResponse(p.ModelCard(id=model_name, max_model_len=engine.max_model_len).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -107,7 +117,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # a template that rejects this conversation (roles, order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        submitted = _submit(req, [ids], req.max_new_tokens)
+        submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param)
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         (out,) = await _wait_all(request, submitted)
@@ -130,7 +140,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return schema.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            param = ".".join(str(x) for x in err["loc"]) or None
+            # a union's failed branch adds its type to the location ("prompt.str"): name the field alone
+            param = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) or None
             msg = err["msg"].removeprefix("Value error, ")
             raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
 
@@ -148,7 +159,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}", param="prompt")
         return list(prompt)
 
-    def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None, max_param: str) -> SamplingParams:
         limit = engine.max_model_len
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -158,10 +169,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if max_tokens is None:
             max_tokens = limit - prompt_len
         if max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
+            raise APIError(400, f"{max_param} must be > 0, got {max_tokens}", param=max_param)
         if prompt_len + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
-                                f"and max_tokens is {max_tokens}", param="max_tokens", code="context_length_exceeded")
+                                f"and {max_param} is {max_tokens}", param=max_param, code="context_length_exceeded")
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=max(0, req.top_k), seed=req.seed, stop=req.stop_list,
@@ -169,8 +180,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> _Submitted:
-        params = [_params(req, len(ids), max_tokens) for ids in prompts]  # validate all before queueing any
+    def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
+                max_param: str = "max_tokens") -> _Submitted:
+        params = [_params(req, len(ids), max_tokens, max_param) for ids in prompts]  # validate all before queueing any
+        capacity = engine.scheduler.capacity
+        if len(prompts) > capacity:  # would be refused however long the client waited
+            raise APIError(400, f"the request has {len(prompts)} prompts; this server holds at most {capacity} requests "
+                                "at a time (rows plus queue): send fewer per request", param="prompt")
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids: list[int] = []
@@ -182,7 +198,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             except QueueFullError as e:
                 for rid in ids:
                     loop.abort(rid)
-                raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full") from e
+                raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
+                               headers={"Retry-After": "1"}) from e
             except ValueError as e:
                 for rid in ids:
                     loop.abort(rid)
@@ -248,8 +265,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)
-                chunk.usage = _usage([out])
-            yield chunk.model_dump()
+            yield chunk.model_dump(exclude={"usage"})
         if req.stream_options and req.stream_options.include_usage:
             yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
 
@@ -265,8 +281,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)
-                chunk.usage = _usage([out])
-            yield chunk.model_dump()
+            yield chunk.model_dump(exclude={"usage"})
         if req.stream_options and req.stream_options.include_usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
 

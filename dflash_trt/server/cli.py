@@ -44,9 +44,10 @@ def _engine_options(f):
                      help="HF-format target directory instead of ENGINE (default: the embedded SmolLM2-135M-Instruct)."),
         click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory."),
         click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter)."),
-        click.option("--max-batch-size", type=int, default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
-        click.option("--max-model-len", type=int, default=None, help="Prompt + generated tokens per request."),
-        click.option("--max-draft-len", "-k", type=int, default=None, help="K draft tokens per step."),
+        click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
+        click.option("--max-model-len", type=click.IntRange(min=1), default=None, help="Prompt + generated tokens per request."),
+        click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
+                     help="K draft tokens per step, at every batch size (with ENGINE it replaces the engine's draft-length schedule unless --draft-len-schedule is given)."),
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
                      "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
         click.option("--draft-tree", default=None,
@@ -67,7 +68,8 @@ def _engine_options(f):
                      "vocabulary (default: every token the file lists, else the whole vocabulary)."),
         click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
         click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Default: the engine's dtype with ENGINE, else float32."),
         click.option("--head-screen/--full-head", default=None,
                      help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, "
                      "about half its bytes read; default) or through the full head."),
@@ -98,7 +100,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (127.0.0.1: this machine only).")
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
 @click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
@@ -196,11 +198,15 @@ def triton() -> None:
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter).")
 @click.option("--model-name", default="dflash", show_default=True, help="The Triton model name.")
-@click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True)
-@click.option("--max-batch-size", type=int, default=8, show_default=True)
-@click.option("--max-model-len", type=int, default=None)
-@click.option("--max-draft-len", "-k", type=int, default=None)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
+              help="The runtime the model drives: this project's, or tensorrt_llm.LLM (needs TensorRT-LLM there).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Rows decoded together.")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Context length (default: the engine's max_seq_len, else 4096).")
+@click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
+              help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Default: the engine's dtype with ENGINE, else float32.")
 def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
                   max_draft_len, dtype) -> None:
     """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
@@ -227,9 +233,11 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 
 @triton.command("serve")
 @click.argument("repo", type=click.Path(exists=True, file_okay=False))
-@click.option("--http-port", default=8000, show_default=True, type=int)
-@click.option("--grpc-port", default=8001, show_default=True, type=int)
-@click.option("--metrics-port", default=8002, show_default=True, type=int)
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP/REST port.")
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
+              help="gRPC port (streaming needs it).")
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
+              help="Prometheus metrics port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address for all three endpoints.")
 def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
     """Run tritonserver (the one nvidia-pytriton ships) on REPO until Ctrl-C / SIGTERM."""

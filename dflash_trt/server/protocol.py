@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
 class ErrorInfo(BaseModel):
@@ -25,28 +25,52 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def _null_is_unset(data: Any) -> Any:
+    """OpenAI clients send `null` for a field they leave unset: take the default, as OpenAI does."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_unset(data)
 
 
 class _SamplingRequest(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias ...) are accepted and ignored, as OpenAI servers do.
+    # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
+    # change the answer's content or shape and are not implemented (logprobs, logit_bias, tools, ...) are refused
+    # below rather than silently dropped. Integers and booleans are strict: "5" or true is no max_tokens.
     model_config = ConfigDict(extra="ignore")
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
-    stream: bool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI features this server does not implement: refused unless off
+    logprobs: StrictBool | StrictInt | None = None  # chat: a bool; completions: how many (0 or null: off)
+    top_logprobs: StrictInt | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
     # extensions
-    top_k: int = Field(0, ge=-1)  # 0 or -1: no top-k
-    ignore_eos: bool = False
+    top_k: StrictInt = Field(0, ge=-1)  # 0 or -1: no top-k
+    ignore_eos: StrictBool = False
     acceptance: Literal["match", "rejection"] = "match"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_unset(data)
 
     @field_validator("n")
     @classmethod
@@ -62,6 +86,48 @@ class _SamplingRequest(BaseModel):
             raise ValueError("penalties are not supported (they would change the target's distribution); use 0")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop strings must not be empty (an empty one would match before any text)")
+        return v
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v:
+            raise ValueError("logprobs are not supported; leave logprobs and top_logprobs unset")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported (it would change the target's distribution)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calling is not supported; send the request without tools")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool calling is not supported; leave tool_choice unset")
+        return v
+
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -69,10 +135,29 @@ class _SamplingRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _some_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        ok = isinstance(v, str) or isinstance(v, list) and (
+            all(isinstance(x, str) for x in v) or all(_is_id(x) for x in v)
+            or all(isinstance(x, list) and all(_is_id(t) for t in x) for x in v))
+        if not ok:
+            raise ValueError("the prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                             "of token ids")
+        return v
 
     @field_validator("echo")
     @classmethod
@@ -81,11 +166,25 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo is not supported")
         return v
 
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if all(isinstance(x, int) for x in p):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
@@ -100,6 +199,23 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in v} - {"text"}
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calls are not supported")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -111,8 +227,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the output limit came from, for errors that name it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -4,6 +4,7 @@ sampling: in distribution), on every path: batch 1 and ragged batches, every K, 
 import itertools
 import logging
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -443,6 +444,48 @@ def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab, tree):
     batched = engine.generate([[0, 1], [1, 2, 3], [3, 3, 3, 3]], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True), p,
                                                               SamplingParams(max_new_tokens=12, temperature=1.0, seed=2, ignore_eos=True)])[1].token_ids
     assert alone == batched
+
+
+def hf_sample(target_dir, prompt, seed, temperature, new=NEW):
+    """transformers' logits sampled by inverse CDF, the token at output position p with the p-th float32 draw of
+    PCG64(SeedSequence([seed, 0])) (layers/sampler.py PositionalUniforms' documented stream; the oracle)."""
+    key = ("sample", str(target_dir), tuple(prompt), seed, temperature, new)
+    if key not in _refs:
+        hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+        u = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0]))).random(new, dtype=np.float32)
+        ids = list(prompt)
+        with torch.no_grad():
+            for p in range(new):
+                cdf = torch.softmax(hf(torch.tensor([ids])).logits[0, -1].float() / temperature, -1).cumsum(-1)
+                ids.append(min(int(torch.searchsorted(cdf, float(u[p]) * cdf[-1], right=True)), len(cdf) - 1))
+        _refs[key] = ids[len(prompt):]
+    return _refs[key]
+
+
+@pytest.mark.parametrize("variant", ["plain", "K=3", "K=7", "tree", "lookup", "plain steps between"])
+def test_a_seeded_match_sample_is_the_targets_own_sample_whatever_each_step_drafts(tiny_dirs, variant):
+    """Under the "match" rule a seeded request's tokens are the target's plain samples with the seed's positional
+    uniforms: the same with or without speculation, at any K, through trees, lookups and plain steps chosen by
+    timing, beside other requests. Drafts are forced to the oracle's tokens (with errors), so most are accepted."""
+    prompts, seeds = _prompts(3), [11, 42, 2**40 + 3]
+    refs = [hf_sample(tiny_dirs["qwen3"], p, s, 1.0) for p, s in zip(prompts, seeds)]
+    k = {"K=7": 7, "plain": 0}.get(variant, 3)
+    cfg = {"tree": {"draft_tree": {4: 5}}, "lookup": {"lookup_nodes": 3},
+           "plain steps between": {"adaptive_draft_len": True}}.get(variant, {})
+    engine = _engine(tiny_dirs, "qwen3", max(k, 1), rows=3, **cfg)
+    if variant == "plain":
+        engine = LLMEngine(engine.target, None, None, EngineConfig(max_batch_size=3, speculative=False))
+    elif variant == "tree":
+        force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    else:
+        force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.2)
+    if variant == "plain steps between":
+        engine.adaptive = _Alternate(2)
+    params = [SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=s, ignore_eos=True) for s in seeds]
+    outs = engine.generate(prompts, params)
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert variant == "plain" or o.tau > 1.5  # the forced drafts were accepted: the target sampled the same
 
 
 class _Alternate:

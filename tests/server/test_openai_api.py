@@ -47,6 +47,7 @@ def test_streamed_completion_concatenates_to_the_same_text(server, oracle):
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.num_tokens
+    assert all(c.usage is None for c in chunks[:-1])  # OpenAI: the last chunk alone carries usage
 
 
 def test_chat_uses_the_chat_template_streaming_and_not(server, oracle):
@@ -60,7 +61,8 @@ def test_chat_uses_the_chat_template_streaming_and_not(server, oracle):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
-    assert chunks[-1].choices[0].finish_reason == want.finish_reason and chunks[-1].usage is not None
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert all(c.usage is None for c in chunks)  # usage only when stream_options.include_usage asks for it
 
 
 def test_32_concurrent_streams_each_equal_generate(server, oracle):
@@ -162,6 +164,31 @@ BAD = [
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id beyond the vocabulary (96)
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["a", 1]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),  # would match before any text
+    ({"model": MODEL, "prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),  # strict: no truthy strings
+    ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    # features that would change the answer, refused instead of silently ignored
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+]
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+BAD_CHAT = [
+    ({**CHAT, "logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages.0.tool_calls"),
 ]
 
 
@@ -176,6 +203,9 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for body, param in BAD_CHAT:
+        r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     client = server.client()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
@@ -195,9 +225,36 @@ def scrape(server) -> dict[str, float]:
     return values
 
 
+def test_null_fields_take_their_defaults(server):
+    """OpenAI clients send null for what they leave unset."""
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": None, "temperature": None, "top_p": None, "n": None,
+            "stream": None, "stop": None, "seed": None, "presence_penalty": None, "logprobs": None,
+            "stream_options": None}
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 16  # the completions default
+
+
+def test_a_request_with_more_prompts_than_the_server_holds_is_a_400_not_a_retry(tiny_dirs):
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=1))
+    try:
+        r = httpx.post(s.base_url + "/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "at most 2" in r.text
+        r = httpx.post(s.base_url + "/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2,
+                                                          "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        s.stop()
+
+
 def test_models_health_and_metrics(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.head(server.url + "/health").status_code == 200
     before = scrape(server)
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0)
     after = scrape(server)
@@ -223,6 +280,7 @@ def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model=MODEL, prompt="late", max_tokens=4)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        assert e.value.response.headers["retry-after"] == "1"
         busy.close()
         assert s.wait_idle(15)
         assert client.completions.create(model=MODEL, prompt="late", max_tokens=4, temperature=0).choices

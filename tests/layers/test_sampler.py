@@ -1,0 +1,43 @@
+"""PositionalUniforms: a request's uniforms indexed by output position, whatever order they are asked for in."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.layers.sampler import PositionalUniforms
+
+
+def _reference(seed: int, n: int) -> np.ndarray:
+    """The documented stream: PCG64 over SeedSequence([|seed|, seed < 0]), float32 draws in order."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([abs(seed), int(seed < 0)]))).random(
+        n, dtype=np.float32)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(-(2**70), 2**70), asks=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 20)), max_size=12))
+def test_each_position_gets_the_same_uniform_whatever_was_asked_before(seed, asks):
+    u, want = PositionalUniforms(seed), _reference(seed, 300)
+    for start, n in asks:
+        assert np.array_equal(u.at(start, n).numpy(), want[start:start + n])
+
+
+def test_the_whole_seed_counts_and_values_stay_below_one():
+    # torch's CPU generator keeps a seed's low 32 bits: 1 and 2**32 + 1 would sample alike
+    assert not np.array_equal(PositionalUniforms(1).at(0, 8).numpy(), PositionalUniforms(2**32 + 1).at(0, 8).numpy())
+    assert not np.array_equal(PositionalUniforms(5).at(0, 8).numpy(), PositionalUniforms(-5).at(0, 8).numpy())
+    values = PositionalUniforms(0).at(0, 100_000)
+    assert values.dtype.is_floating_point and float(values.min()) >= 0 and float(values.max()) < 1
+
+
+def test_an_unseeded_stream_is_fresh():
+    assert not np.array_equal(PositionalUniforms(None).at(0, 8).numpy(), PositionalUniforms(None).at(0, 8).numpy())
+
+
+@pytest.mark.parametrize("seed", [0, 7, -3, 2**64 + 9])
+def test_the_derived_seed_fits_a_torch_generator(seed):
+    import torch
+
+    s = PositionalUniforms(seed).derived_seed()
+    assert 0 <= s < 2**63 and s == PositionalUniforms(seed).derived_seed()
+    torch.Generator().manual_seed(s)
