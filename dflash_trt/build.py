@@ -12,8 +12,12 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,11 +192,16 @@ def _write_weights(src: Path, dst: Path, link: bool, progress: bool) -> None:
             bar.update(f.stat().st_size)
 
 
+def _tokenizer_files(src: Path) -> list[str]:
+    found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not any(n in found for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{src}: no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model)")
+    return found
+
+
 def _write_tokenizer(src: Path, dst: Path) -> list[str]:
     dst.mkdir(parents=True)
-    copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not any(n in copied for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{src}: no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model)")
+    copied = _tokenizer_files(src)
     for n in copied:
         shutil.copy2(src / n, dst / n)
     return copied
@@ -262,10 +271,18 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
         missing = p.target if p.target.path is None else p.drafter
         raise FileNotFoundError(f"{missing.ref!r} is not on disk; fetch it with `hf download {missing.ref}`")
     _check_tensors(p)
+    _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with _sigterm_unwinds():
+        tmp.mkdir()
+        _write_files(p, out, tmp, progress)
+    return out
+
+
+def _write_files(p: PreparedBuild, out: Path, tmp: Path, progress: bool) -> None:
+    """Write the engine into `tmp`, then swap it in at `out`; on any exit short of that, remove `tmp`."""
     try:
         _write_weights(p.target.path, tmp / "target", p.config.target_weights == "link", progress)
         _stall("target")
@@ -317,4 +334,22 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a stopped job, `timeout`, a scheduler) unwinds like Ctrl-C, so a half-written engine is removed
+    at once rather than by the next build to the same place. SIGKILL cannot be caught: that case stays the next
+    build's (_remove_stale_temps)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

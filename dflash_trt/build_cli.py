@@ -86,17 +86,22 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--plan-only", is_flag=True, help="Validate and plan without converting or writing anything.")
-@click.option("--drafter", help="Override speculative_config.speculative_model (HF id or ./path).")
-@click.option("--max-batch-size", type=int, help="Override max_batch_size.")
-@click.option("--max-seq-len", type=int, help="Override max_seq_len.")
-@click.option("--max-draft-len", "-k", type=int, help="Override speculative_config.max_draft_len.")
+@click.option("--drafter", help="Override speculative_config.speculative_model (HF id, or a directory: relative to "
+              "the current directory here, where the YAML's own paths are relative to the YAML).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), help="Override max_batch_size.")
+@click.option("--max-seq-len", type=click.IntRange(min=1), help="Override max_seq_len.")
+@click.option("--max-draft-len", "-k", type=click.IntRange(min=1), help="Override speculative_config.max_draft_len "
+              "(the file's draft_len_schedule is capped at it).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_draft_len, force, as_json) -> None:
     """Validate, plan and write an engine directory from a build config (build_configs/*.yaml)."""
     from dflash_trt.build import build_engine, prepare_build
     from dflash_trt.engine_dir import EngineDir
+    from dflash_trt.model_source import is_local_ref
 
+    if drafter is not None and (is_local_ref(drafter) or Path(drafter).expanduser().is_dir()):
+        drafter = str(Path(drafter).expanduser().resolve())  # a path on the command line is the shell's, not the YAML's
     overrides = {"speculative_config.speculative_model": drafter, "max_batch_size": max_batch_size,
                  "max_seq_len": max_seq_len, "speculative_config.max_draft_len": max_draft_len}
     try:

@@ -45,17 +45,19 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template (with the generation prompt).")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate at most.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass; 1 disables it.")
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="Fixes a sampled answer: with --acceptance match, the same text "
+              "at any K, with or without speculation (default: a fresh seed).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
               help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
-@click.option("--max-draft-len", "-k", default=None, type=int,
-              help="K draft tokens per step (default: the engine's K with ENGINE, else the drafter's block_size - 1).")
+@click.option("--max-draft-len", "-k", default=None, type=click.IntRange(min=1),
+              help="K draft tokens per step, at every batch size (default: the engine's K and draft-length schedule with ENGINE, else the drafter's block_size - 1).")
 @click.option("--tree-nodes", default=None, type=click.IntRange(min=0),
               help="Verify a draft tree of N nodes per step instead of a chain (spec/draft_tree.py); 0: a chain. "
               "Default: the engine's speculative_config.draft_tree (draft_tree_without_amx on a CPU without AMX "

@@ -251,9 +251,19 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: the top level must be a mapping of keys to values")
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            _set_dotted(raw, key, value)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    k = overrides.get("speculative_config.max_draft_len")
+    if k is not None:
+        spec = raw.get("speculative_config")
+        if not isinstance(spec, dict) or not spec.get("speculative_model") and \
+                "speculative_config.speculative_model" not in overrides:
+            raise ValueError(f"{source}: max_draft_len={k} was given but the config has no drafter "
+                             "(speculative_config.speculative_model): add one, or drop the K override")
+        schedule = spec.get("draft_len_schedule")
+        if isinstance(schedule, dict):  # K at batch 1 (TensorRT-LLM's rule), and no batch size drafting more
+            spec["draft_len_schedule"] = {b: k if int(b) == 1 else min(int(n), k) for b, n in schedule.items()}
+    for key, value in overrides.items():
+        _set_dotted(raw, key, value)
     try:
         return BuildConfig.model_validate(raw)
     except ValidationError as e:

@@ -38,6 +38,9 @@ class EngineDir:
         missing = [k for k in ("format_version", "files", "build_config", "target") if k not in self.manifest]
         if missing:
             raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+        gone = [rel for rel in self.manifest["files"] if not (self.path / rel).is_file()]
+        if gone:  # cheap (no checksums): every command that opens an engine says so before reading any of it
+            raise ValueError(f"{self.path / gone[0]}: listed in {MANIFEST} but missing; rebuild the engine")
 
     def verify(self) -> None:
         """ValueError naming the file when the format version or any file's checksum does not match."""
@@ -99,6 +102,8 @@ class EngineDir:
             values["draft_vocab_size"] = int(spec["draft_vocab_size"])
         if spec.get("lookup_nodes"):
             values["lookup_nodes"] = int(spec["lookup_nodes"])
+        if overrides.get("max_draft_len") is not None and overrides.get("draft_len_schedule") is None:
+            values.pop("draft_len_schedule", None)  # -k K asks for K drafts a step: the built schedule would cap it
         if overrides.get("draft_tree") is not None and overrides.get("draft_tree_without_amx") is None:
             overrides = {**overrides, "draft_tree_without_amx": overrides["draft_tree"]}  # asked for: on any CPU
         for key, value in overrides.items():

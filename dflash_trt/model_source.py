@@ -69,5 +69,5 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
     hint = "" if allow_bundled else " (`--plan-only` can plan with bundled config values where they exist)"
     raise FileNotFoundError(
         f"{key}={ref!r} is not on disk: fetch it with `hf download {ref}` (huggingface_hub) on a machine with "
-        f"network access, or set {key} to a local directory{hint}"
+        f"network access, or set {key} to a local directory (written ./{ref} if that is what you meant){hint}"
     )

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from dflash_trt.build import STALL_ENV, build_engine, prepare_build
 from dflash_trt.cli import main
 from dflash_trt.engine_dir import EngineDir, open_engine
+from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.spec.draft_vocab import save_draft_vocab
 from dflash_trt.trtllm.llm_api_keys import NESTED_KEYS, TOP_LEVEL_KEYS
 from tests.conftest import make_drafter
@@ -104,6 +105,15 @@ def test_checksum_mismatch_is_refused_by_generate_and_open_engine(tiny_engine, t
     (bad / "manifest.json").write_text("{")
     with pytest.raises(ValueError, match="invalid JSON"):
         EngineDir(bad)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["generate", "-p", "x"]])
+def test_a_file_missing_from_an_engine_is_named_by_every_command(tiny_engine, tmp_path, command):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    (bad / "plan.json").unlink()
+    r = CliRunner().invoke(main, [command[0], str(bad), *command[1:]])
+    assert r.exit_code == 1 and "plan.json: listed in manifest.json but missing" in r.output, r.output
 
 
 def _pairing_error(tiny_dirs, tmp_path, edit, **extra) -> str:
@@ -218,6 +228,76 @@ def test_a_checkpoint_missing_a_tensor_fails_before_anything_is_written(tiny_dir
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
+def _broken_drafter(tmp_path: Path, tiny_dirs, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], d)
+    tensors = load_file(d / "model.safetensors")
+    config = json.loads((d / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _second_layer(tensors: dict, config: dict) -> None:
+    """Weights for one layer more than config.json counts: a config that undercounts its checkpoint."""
+    tensors.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in tensors.items() if k.startswith("layers.0.")})
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_second_layer, "hold layers 1 beyond num_hidden_layers=1"),
+    (lambda t, c: t.update({"norm.weight": t["norm.weight"].to(torch.int32)}), "'norm.weight' is torch.int32"),
+])
+def test_a_drafter_whose_weights_do_not_match_its_config_fails_naming_it(tiny_dirs, tmp_path, edit, words):
+    d = _broken_drafter(tmp_path, tiny_dirs, edit)
+    with pytest.raises(ValueError, match=words):
+        build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(d), "-p", "hi"])
+    assert r.exit_code != 0 and words in r.output and "Traceback" not in r.output
+
+
+def test_a_truncated_safetensors_file_is_named_not_a_traceback(tiny_dirs, tmp_path):
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], d)
+    data = (d / "model.safetensors").read_bytes()
+    for cut in (100, len(data) - 1000):  # inside the header; inside the tensors
+        (d / "model.safetensors").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"{d / 'model.safetensors'}.*truncated"):
+            build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+        r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(d), "-p", "hi"])
+        assert r.exit_code != 0 and "truncated" in r.output and "Traceback" not in r.output
+
+
+def test_a_target_without_a_tokenizer_fails_before_any_file_is_written(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    for f in t.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_build_stopped_by_sigterm_removes_its_own_temporary_directory(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    out = tmp_path / "engines" / "e"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "build", str(cfg), "-o", str(out)],
+                            env={**os.environ, STALL_ENV: "files"}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not list(out.parent.glob(".e.build-*/trtllm/config.yaml")) and time.time() < deadline:
+            assert proc.poll() is None, "the build exited before it could be stopped"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) != 0
+    finally:
+        proc.kill()
+    assert list(out.parent.iterdir()) == []
+
+
 def _auto_config(tmp_path: Path, tiny_dirs, acceptance: dict) -> Path:
     raw = {"name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32",
            "max_batch_size": 2, "max_seq_len": 256,
@@ -282,6 +362,34 @@ def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, 
     assert EngineDir(out).engine_config(adaptive_draft_len=False).adaptive_draft_len is False
     options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
     assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key
+
+
+def test_k_given_when_opening_an_engine_replaces_its_draft_len_schedule(tiny_dirs, tmp_path):
+    """-k K on generate / serve asks for K drafts a step: the schedule built for another K neither caps it nor makes
+    it fail."""
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, max_draft_len=7, draft_len_schedule={1: 7, 2: 2}), tmp_path / "e",
+                       progress=False)
+    assert EngineDir(out).engine_config().draft_len_schedule == {1: 7, 2: 2}
+    for k in (3, 7):
+        cfg = EngineDir(out).engine_config(max_draft_len=k)
+        assert cfg.max_draft_len == k and not cfg.draft_len_schedule
+    engine = open_engine(out, max_draft_len=3)
+    assert max(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].draft_lens) == 3
+    assert EngineDir(out).engine_config(max_draft_len=3, draft_len_schedule={1: 3, 2: 1}).draft_len_schedule == \
+        {1: 3, 2: 1}
+
+
+def test_a_drafter_path_on_the_command_line_is_relative_to_the_current_directory(tiny_dirs, tmp_path, monkeypatch):
+    cfg_dir = tmp_path / "configs"
+    cfg_dir.mkdir()
+    cfg = write_config(cfg_dir, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    shutil.copytree(tiny_dirs["qwen3_drafter"], tmp_path / "mine")
+    monkeypatch.chdir(tmp_path)
+    for ref in ("./mine", "mine"):
+        r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--json", "--drafter", ref])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--drafter", "./missing"])
+    assert r.exit_code != 0 and str(tmp_path / "missing") in r.output
 
 
 def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):

@@ -82,6 +82,20 @@ def test_overrides_use_dotted_keys():
     assert cfg.speculative_config.max_draft_len == 5 and cfg.max_seq_len == 1024 and cfg.max_batch_size == 8
 
 
+def test_a_k_override_caps_the_files_draft_len_schedule():
+    spec = {"speculative_model": "z/d", "max_draft_len": 7, "draft_len_schedule": {1: 7, 4: 2, 8: 5}}
+    cfg = build_config_from_dict({**BASE, "speculative_config": spec}, "t.yaml", {"speculative_config.max_draft_len": 3})
+    assert cfg.speculative_config.max_draft_len == 3
+    assert cfg.speculative_config.draft_len_schedule == {1: 3, 4: 2, 8: 3}
+    cfg = build_config_from_dict({**BASE, "speculative_config": spec}, "t.yaml", {"speculative_config.max_draft_len": 9})
+    assert cfg.speculative_config.draft_len_schedule == {1: 9, 4: 2, 8: 5}
+
+
+def test_a_k_override_without_a_drafter_says_so():
+    with pytest.raises(ValueError, match="no drafter"):
+        build_config_from_dict(dict(BASE), "t.yaml", {"speculative_config.max_draft_len": 3})
+
+
 def _models(target_id, drafter_id=None):
     t = decoder_config_from_dict(bundled_config(target_id))
     d = DFlashConfig.from_dict(bundled_config(drafter_id)) if drafter_id else None

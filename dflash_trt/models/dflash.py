@@ -12,6 +12,7 @@ Context K/V live in a per-row cache indexed by absolute position, [0, L); the bl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from dflash_trt.models.config import DecoderConfig, read_config_json, standardiz
 from dflash_trt.models.llama import GatedMLP
 from dflash_trt.models.weights import CheckpointError, WeightSet
 from dflash_trt.spec.draft_vocab import load_draft_vocab
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
 # A drafter step runs in one call to the CPU kernels up to this many rows (a step's block, a few steps' features):
@@ -430,6 +433,9 @@ class DFlashDrafter(nn.Module):
         h, q_size, kv_size = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
         def put(name: str, value: torch.Tensor) -> None:
+            if not value.is_floating_point():
+                raise CheckpointError(f"{weights.model_dir}: tensor {name!r} is {value.dtype}; a drafter's weights "
+                                      "are floating point")
             own[name].data.copy_(value)
 
         put("fc.weight", weights.get("fc.weight", (h, len(c.target_layer_ids) * h)))
@@ -457,6 +463,15 @@ class DFlashDrafter(nn.Module):
             up = weights.get(m + "up_proj.weight", (c.intermediate_size, h))
             put(m + "gate_up_proj.weight", torch.cat([gate, up]))
             put(m + "down_proj.weight", weights.get(m + "down_proj.weight", (h, c.intermediate_size)))
+        deeper = sorted({n.split(".")[1] for n in weights.unused()
+                         if n.startswith("layers.") and n.split(".")[1].isdigit()
+                         and int(n.split(".")[1]) >= c.num_hidden_layers}, key=int)
+        if deeper:  # a config.json that undercounts the checkpoint's layers would draft with some of them
+            raise CheckpointError(f"{weights.model_dir}: the weights hold layers {', '.join(deeper)} beyond "
+                                  f"num_hidden_layers={c.num_hidden_layers} in config.json")
+        if weights.unused():
+            logger.warning("%s: %d drafter tensors not used, e.g. %s", weights.model_dir, len(weights.unused()),
+                           weights.unused()[:3])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under z-lab's unprefixed names, k/v and gate/up split back."""

@@ -17,6 +17,15 @@ class CheckpointError(ValueError):
     """A checkpoint is missing a tensor, has a wrong shape, or cannot be read."""
 
 
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError for a bad header or a cut-short file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated or corrupt") from e
+
+
 class WeightSet:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -30,7 +39,7 @@ class WeightSet:
             if not files:
                 raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
+                with _open(f) as h:
                     for name in h.keys():
                         self._file_of[name] = f
         self._handles: dict[Path, object] = {}
@@ -47,11 +56,14 @@ class WeightSet:
             raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        t = self._handles[path].get_tensor(name)
+            self._handles[path] = _open(path)
+        try:
+            t = self._handles[path].get_tensor(name)
+        except Exception as e:  # safetensors' own error types: a file cut short after its header
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e}); the file may be truncated") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(
-                f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
+                f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
             )
         self.used.add(name)
         return t
