@@ -11,13 +11,15 @@ import click
 from dflash_trt.bench.datasets import PRESETS
 
 
-def _ints(text: str, name: str) -> list[int]:
+def _ints(text: str, name: str, minimum: int = 0) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from e
-    if not values or min(values) < 0:
-        raise click.BadParameter(f"expected comma-separated non-negative integers, got {text!r}", param_hint=name)
+    if not values or min(values) < minimum:
+        raise click.BadParameter(f"expected comma-separated integers >= {minimum}, got {text!r}", param_hint=name)
+    if len(set(values)) != len(values):
+        raise click.BadParameter(f"{text!r} repeats a value", param_hint=name)
     return values
 
 
@@ -29,11 +31,13 @@ def bench() -> None:
 @bench.command()
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target instead of ENGINE (default: the embedded SmolLM2).")
-@click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format drafter (default: the engine's, or the shipped one).")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False),
+              help="z-lab-format drafter, required with --target (without --target: the embedded SmolLM2's "
+              "shipped drafter).")
 @click.option("--dataset", default="categories", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
-@click.option("--limit-per-category", type=int, default=None, help="At most N prompts per category.")
-@click.option("--max-tokens", type=int, default=None, help="Output tokens per prompt (default: the dataset's).")
+@click.option("--limit-per-category", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default=None,
               help="K values to measure, e.g. 3,7,15 (default: the engine's K with ENGINE, else 3,7 where the drafter "
               "allows them).")
@@ -46,13 +50,16 @@ def bench() -> None:
 @click.option("--lookup-nodes", default=None,
               help="Context lookups to compare at each K and tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
               "(default: the ENGINE's lookup_nodes, else none).")
-@click.option("--rounds", type=int, default=2, show_default=True, help="Timed rounds (the median is reported).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Timed rounds (the median is reported).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True,
+              help="Weights and activations of every system.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
 @click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K). It "
               "drafts over the whole vocabulary: include 0 in --draft-vocab-sizes to compare like with like.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the JSON result here.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the JSON result here (missing folders are created).")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
           tree_nodes, lookup_nodes, rounds, dtype, threads, zlab_peer, as_json, output) -> None:
     """Autoregressive vs DFlash at batch 1, greedy, per prompt category: tau, histogram, tok/s, speedup."""
@@ -64,9 +71,22 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
 
+    if engine and (target or drafter):
+        raise click.UsageError("pass ENGINE or --target/--drafter, not both")
+    if target and not drafter:
+        raise click.UsageError("--target needs --drafter DIR: bench speed compares plain decoding with DFlash")
+    # every value is checked before the model loads and the run starts: a mistake must not cost a benchmark
+    vocabs = parse_vocab_sizes(draft_vocab_sizes)
+    ks = _ints(draft_lens, "--draft-lens", minimum=1) if draft_lens is not None else None
+    trees = _ints(tree_nodes, "--tree-nodes") if tree_nodes is not None else None
+    lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
+    if output:
+        try:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
     if threads:
         torch.set_num_threads(threads)
-    vocabs = parse_vocab_sizes(draft_vocab_sizes)
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype, max_batch_size=1)
         prompts = load_dataset(dataset, osl=max_tokens, tokenizer=eng.tokenizer, categories=list(categories) or None,
@@ -75,25 +95,23 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.ClickException(str(e)) from e
     if eng.drafter is None:
         raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
-    if draft_lens is not None:
-        ks = _ints(draft_lens, "--draft-lens")
-    elif engine:
-        ks = [eng.max_draft_len]
-    else:
-        ks = [k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len]
+    if ks is None:
+        ks = [eng.max_draft_len] if engine else ([k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len])
     if max(ks) > eng.max_draft_len:
-        raise click.BadParameter(f"K={max(ks)} exceeds the drafter's limit {eng.max_draft_len}", param_hint="--draft-lens")
+        # an ENGINE's bound is the K it was built with (its max_draft_len), not its drafter's block_size - 1
+        limit = (f"the engine's K={eng.max_draft_len} (its max_draft_len)" if engine
+                 else f"the drafter's limit {eng.max_draft_len} (its block_size - 1)")
+        raise click.BadParameter(f"K={max(ks)} exceeds {limit}", param_hint="--draft-lens")
     zlab = None
     if zlab_peer:
         from dflash_trt.cli import _default_dirs
 
         tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))  # a drafter: checked above
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
-    if tree_nodes is not None:
-        trees = _ints(tree_nodes, "--tree-nodes")
-    else:
+    if trees is None:
         trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
-    lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else [eng.config.lookup_nodes]
+    if lookups is None:
+        lookups = [eng.config.lookup_nodes]
     most = eng.runner.max_draft_len  # the engine's own bound: its sibling engines would refuse more with a traceback
     for hint, sizes in (("--tree-nodes", trees), ("--lookup-nodes", lookups)):
         if max(sizes) > most:
@@ -110,9 +128,12 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees,
               "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
+    click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
-        Path(output).write_text(json.dumps(result, indent=2) + "\n")
-    click.echo(json.dumps(result) if as_json else format_table(result))
+        try:
+            Path(output).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise click.ClickException(f"cannot write {output}: {e}") from e
 
 
 def parse_vocab_sizes(text: str) -> list[int | None]:
@@ -144,15 +165,18 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 @click.option("--concurrency", "concurrencies", default="1,2,4,8", show_default=True, help="Concurrent streams per point, e.g. 1,2,4,8,16.")
 @click.option("--dataset", default="cpu-small", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
-@click.option("--isl", type=int, default=None, help="Input tokens per prompt (long-context prompts of real text).")
-@click.option("--osl", type=int, default=None, help="Output tokens per request (default: the dataset's; a cap with --stop-at-eos).")
+@click.option("--isl", type=click.IntRange(min=1), default=None, help="Input tokens per prompt (long-context prompts of real text).")
+@click.option("--osl", type=click.IntRange(min=1), default=None, help="Output tokens per request (default: the dataset's; a cap with --stop-at-eos).")
 @click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly; default ~4 chars/token.")
-@click.option("--requests-per-concurrency", type=int, default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
-@click.option("--warmup", type=int, default=None, help="Warm-up requests before the first point (default: its concurrency).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs behind the endpoint (for tokens/s/GPU).")
-@click.option("--api", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
+@click.option("--warmup", type=click.IntRange(min=0), default=None, help="Warm-up requests before the first point (default: its concurrency).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the order of the prompts.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GPUs behind the endpoint (for tokens/s/GPU).")
+@click.option("--api", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
+              help="/v1/chat/completions (the prompts as user messages) or /v1/completions (raw prompts).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature of every request (0: greedy).")
 @click.option("--ignore-eos/--stop-at-eos", default=True, show_default=True,
               help="Generate exactly --osl tokens (the usual sweep convention) or stop at EOS like real traffic.")
 @click.option("--label", default=None, help="The run's name in plots (default: the model name).")
@@ -164,6 +188,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.bench.sweep import SweepConfig, SweepError, run_sweep, write_results
 
+    concurrencies = _ints(concurrencies, "--concurrency", minimum=1)
     tok = None
     if tokenizer:
         from transformers import AutoTokenizer
@@ -175,7 +200,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     model = model or served_model(url)
     try:
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None)
-        cfg = SweepConfig(url=url, model=model, concurrencies=_ints(concurrencies, "--concurrency"),
+        cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
                           label=label or model)
@@ -202,14 +227,17 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
 
 @bench.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
-@click.option("--title", default=None)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The image to write; its extension picks the format (.png, .svg, .pdf, .jpg, ...; none: PNG).")
+@click.option("--title", default=None, help="The plot's title (default: Throughput vs interactivity).")
 def plot(runs, output, title) -> None:
     """Overlay sweep results as tokens/s/GPU against tokens/s/user, each run's Pareto frontier marked."""
-    from dflash_trt.bench.plot import load_runs, plot_pareto
+    from dflash_trt.bench.plot import UnsupportedFormat, load_runs, plot_pareto
 
     try:
         path = plot_pareto(load_runs(runs), output, title)
+    except UnsupportedFormat as e:
+        raise click.BadParameter(str(e), param_hint="--output") from e
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"wrote {path}", err=True)

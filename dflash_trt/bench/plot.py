@@ -11,6 +11,10 @@ from pathlib import Path
 X_KEY, Y_KEY = "tok_s_per_user", "tok_s_per_gpu"
 
 
+class UnsupportedFormat(ValueError):
+    """The output's extension names an image format matplotlib cannot write."""
+
+
 def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point dominates (both coordinates maximised), ordered by x.
     Equal points do not dominate each other, so all copies of a frontier point are kept."""
@@ -45,11 +49,19 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
 
 
 def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
-    """One PNG: every point of every run, annotated with its concurrency, and each run's frontier."""
+    """One image, in the format `out`'s extension names (PNG without one): every point of every run, annotated with
+    its concurrency, and each run's frontier."""
     # The Agg canvas is bound to this figure only: no pyplot, no process-wide backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    out = Path(out)
+    # explicit, as matplotlib would append ".png" to a name without an extension and write elsewhere than asked
+    fmt = out.suffix[1:].lower() or "png"
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if fmt not in formats:
+        raise UnsupportedFormat(f"{out}: matplotlib cannot write {fmt!r} images; use one of "
+                                f"{', '.join(sorted(formats))}")
     fig = Figure(figsize=(8, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -72,7 +84,6 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, format="png")
+    fig.savefig(out, dpi=120, format=fmt)
     return out

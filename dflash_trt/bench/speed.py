@@ -213,11 +213,13 @@ def _report(tallies: dict[str, dict[str, _Tally]], systems: list[str]) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'category':<14} {'system':<18} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'identical':>10}"]
-    rows = list(result["categories"].items()) + [("ALL", result["overall"])]
-    for cat, by_system in rows:
+    """One row per category and system, then ALL; every column as wide as its widest cell (system names grow
+    with each compared option)."""
+    rows = [("category", "system", "tau", "tok/s", "speedup", "identical")]
+    for cat, by_system in [*result["categories"].items(), ("ALL", result["overall"])]:
         for s, r in by_system.items():
-            tau = f"{r['tau']:.2f}" if "tau" in r else "-"
-            sp = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-            lines.append(f"{cat:<14} {s:<18} {tau:>5} {r['tok_s']:>7.1f} {sp:>8} {r.get('identical_outputs', '-'):>10}")
-    return "\n".join(lines)
+            rows.append((cat, s, f"{r['tau']:.2f}" if "tau" in r else "-", f"{r['tok_s']:.1f}",
+                         f"{r['speedup']:.2f}x" if "speedup" in r else "-", r.get("identical_outputs", "-")))
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows)

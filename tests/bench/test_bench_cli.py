@@ -2,6 +2,7 @@
 
 import json
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -44,10 +45,35 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     assert r.exit_code != 0 and "127.0.0.1" in r.output
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "-o", str(tmp_path / "x.json")])
     assert r.exit_code != 0 and "/v1/models" in r.output and "--model" in r.output
-    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "--concurrency", "0",
-                                  "-o", str(tmp_path / "x.json")])
-    assert r.exit_code != 0 and "concurrencies" in r.output
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     r = CliRunner().invoke(main, ["bench", "plot", str(bad), "-o", str(tmp_path / "p.png")])
     assert r.exit_code != 0 and "bad.json" in r.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--concurrency", "0"], "--concurrency"), (["--concurrency", "1,1"], "--concurrency"), (["--isl", "0"], "--isl"),
+    (["--osl", "0"], "--osl"), (["--requests-per-concurrency", "0"], "--requests-per-concurrency"),
+    (["--warmup", "-1"], "--warmup"), (["--gpus", "0"], "--gpus"), (["--temperature", "-1"], "--temperature"),
+])
+def test_sweep_refuses_out_of_range_numbers_naming_the_option(tmp_path, args, option):
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", *args, "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output, r.output
+
+
+def test_plot_refuses_an_image_format_it_cannot_write(tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"points": [{"concurrency": 1, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0}]}))
+    r = CliRunner().invoke(main, ["bench", "plot", str(run), "-o", str(tmp_path / "p.xyz")])
+    assert r.exit_code == 2 and "--output" in r.output and "'xyz'" in r.output, r.output
+    assert not (tmp_path / "p.xyz").exists()
+
+
+def test_every_bench_option_says_what_it_does():
+    from dflash_trt.bench.cli import bench
+
+    for name, command in bench.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"bench {name} {param.opts[0]}"

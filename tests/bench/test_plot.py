@@ -81,3 +81,16 @@ def test_load_runs(tmp_path):
         load_runs([broken])
     with pytest.raises(ValueError, match="missing.json"):
         load_runs([tmp_path / "missing.json"])
+
+
+@pytest.mark.parametrize("name, magic", [("p.jpg", b"\xff\xd8\xff"), ("p.svg", b"<?xml"), ("p.pdf", b"%PDF"),
+                                         ("pareto", b"\x89PNG")])
+def test_plot_writes_the_format_its_name_asks_for(tmp_path, name, magic):
+    out = plot_pareto([run("AR", [(1, 2), (2, 1)])], tmp_path / name)
+    assert out == tmp_path / name and out.read_bytes().startswith(magic)
+
+
+def test_plot_refuses_a_format_matplotlib_cannot_write(tmp_path):
+    with pytest.raises(ValueError, match="p.xyz: .*'xyz'.*png"):
+        plot_pareto([run("AR", [(1, 2)])], tmp_path / "p.xyz")
+    assert not (tmp_path / "p.xyz").exists()

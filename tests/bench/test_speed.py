@@ -156,7 +156,86 @@ def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_
     r = CliRunner().invoke(main, [*args, "--tree-nodes", "0"])
     assert json.loads(r.stdout)["systems"] == ["ar", "K=2"]
     r = CliRunner().invoke(main, [*args, "-k", "3"])
-    assert r.exit_code != 0 and "K=3" in r.output
+    assert r.exit_code != 0 and "K=3 exceeds the engine's K=2" in r.output
     plain = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "plain", progress=False)
     r = CliRunner().invoke(main, ["bench", "speed", str(plain), *args[3:]])
     assert r.exit_code != 0 and "has no drafter" in r.output
+
+
+def speed_cli(tiny_dirs, data, *args):
+    return CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                     str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), *args])
+
+
+@pytest.mark.parametrize("args, option", [
+    (["-k", "0"], "--draft-lens"), (["-k", "3,3"], "--draft-lens"), (["--tree-nodes", "0,0"], "--tree-nodes"),
+    (["--rounds", "0"], "--rounds"), (["--max-tokens", "0"], "--max-tokens"),
+    (["--limit-per-category", "0"], "--limit-per-category"), (["--threads", "-1"], "--threads"),
+])
+def test_out_of_range_numbers_are_usage_errors_that_name_the_option(tiny_dirs, tmp_path, args, option):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    r = speed_cli(tiny_dirs, data, *args)
+    assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output, r.output
+
+
+def test_target_without_drafter_asks_for_the_drafter_only(tiny_dirs):
+    r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"])])
+    assert r.exit_code == 2 and "--drafter" in r.output and "--no-spec" not in r.output, r.output
+
+
+def test_an_engine_cannot_be_combined_with_another_target_or_drafter(tiny_dirs, tmp_path):
+    r = CliRunner().invoke(main, ["bench", "speed", str(tmp_path), "--drafter", str(tiny_dirs["qwen3_drafter"])])
+    assert r.exit_code == 2 and "ENGINE or --target/--drafter, not both" in r.output, r.output
+
+
+def test_the_table_is_printed_and_the_result_written_into_new_folders(tiny_dirs, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    out = tmp_path / "new" / "dir" / "speed.json"
+    r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "1", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("category") and json.loads(out.read_text())["draft_lens"] == [3]
+
+
+def test_an_output_that_cannot_be_a_file_is_refused_before_the_run(tiny_dirs, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    (tmp_path / "file").write_text("")
+    r = speed_cli(tiny_dirs, data, "-o", str(tmp_path / "file" / "speed.json"))
+    assert r.exit_code == 2 and "--output" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_result_that_cannot_be_written_is_still_printed(tiny_dirs, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "1", "-o", str(tmp_path / "speed.json"))
+    assert r.exit_code == 1 and r.stdout.startswith("category") and "speed.json" in r.output
+    assert "No space left" in r.output and "Traceback" not in r.output
+
+
+def test_table_columns_stay_aligned_with_long_labels():
+    import re
+
+    from dflash_trt.bench.speed import format_table
+
+    row = {"tokens": 10, "wall_s": 1.0, "tok_s": 10.0}
+    spec = row | {"speedup": 1.5, "identical_outputs": "3/3", "tau": 2.25, "acceptance_histogram": [1]}
+    systems = {"ar": row, "K=2 vocab=all tree=3 lookup=3": spec, "K=2 vocab=0 tree=3 lookup=3": spec}
+    table = format_table({"categories": {"summarization-long": systems, "x": systems}, "overall": systems})
+    header, *lines = table.splitlines()
+
+    def ends(line):  # where the four numeric columns end (right-aligned)
+        return [m.end() for m in re.finditer(r"\S+", line)][-4:]
+
+    for line, system in zip(lines, [*systems] * 3):
+        assert ends(line) == ends(header), table
+        assert line[header.index("system"):].startswith(system), table
