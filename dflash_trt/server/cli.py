@@ -27,6 +27,8 @@ def load_engine(engine_dir, target, drafter, no_spec, **overrides):
     if engine_dir is not None:
         from dflash_trt.engine_dir import open_engine
 
+        if target or drafter:  # an engine carries its own models: one of them would be silently ignored
+            raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
         if no_spec:
             overrides["speculative"] = False
         return open_engine(engine_dir, backend="torch", **overrides), Path(engine_dir).resolve().name

@@ -44,3 +44,9 @@ def test_triton_export_of_a_target_that_cannot_be_served_fails_before_writing(tm
     result = CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), *args])
     assert result.exit_code != 0 and message in result.output
     assert not repo.exists()
+
+
+def test_an_engine_with_another_target_or_drafter_is_a_usage_error(tmp_path, tiny_dirs):
+    for flag in ("--target", "--drafter"):
+        result = CliRunner().invoke(cli.serve, [str(tmp_path), flag, str(tiny_dirs["qwen3"])])
+        assert result.exit_code == 2 and "pass either ENGINE or --target/--drafter, not both" in result.output
