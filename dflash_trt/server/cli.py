@@ -141,7 +141,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
     app = create_app(loop, name, metrics)
     mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
-    click.echo(f"serving '{name}' ({mode}, {llm.config.max_batch_size} rows, max_model_len {llm.max_model_len}) "
+    click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
+               f"{llm.max_model_len}) "
                f"on http://{host}:{port}/v1", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     try:
