@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from dflash_trt.models.config import DecoderConfig
+    from dflash_trt.train.trainer import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+# The TrainConfig fields that shape the drafter or the tokens it reads and drafts, by flag: a checkpoint continues
+# only under its own values (another block size would be accepted, and train a different drafter than it saved).
+DRAFTER_FLAGS = {"num_layers": "--layers", "block_size": "--block-size", "target_layer_ids": "--target-layers",
+                 "mask_token_id": "--mask-token-id", "draft_vocab_size": "--draft-vocab-size"}
 
 
 def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
@@ -16,6 +31,43 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
         if tid not in used and tid < vocab_size:
             return tid
     return vocab_size - 1
+
+
+def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
+    """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later)."""
+    n = target_cfg.num_hidden_layers
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
+    if bad:
+        raise click.BadParameter(f"{bad} not among the target's {n} layers (0..{n - 1})",
+                                 param_hint="'--target-layers'")
+    vocab = target_cfg.vocab_size
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
+        raise click.BadParameter(f"{cfg.mask_token_id} is not a token of the target (vocabulary 0..{vocab - 1})",
+                                 param_hint="'--mask-token-id'")
+
+
+def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool) -> None:
+    """Refuse to overwrite OUT's checkpointed run, or to continue it as another drafter; a resumed run keeps the
+    checkpoint's mask token unless one is given (the one chosen from the data could change as records are added)."""
+    from dflash_trt.train.trainer import TrainConfig, saved_run
+
+    saved = saved_run(out_dir)
+    if saved is None:
+        if resume:
+            logger.warning("--resume: %s holds no checkpoint.pt; training starts from step 0", out_dir)
+        return
+    if not resume:
+        raise click.UsageError(f"{out_dir} already holds a training run (checkpoint.pt, step {saved['step']}): "
+                               "pass --resume to continue it, or choose another --out")
+    # Over the defaults: older checkpoints predate some fields.
+    old = {**asdict(TrainConfig()), **saved["config"]}
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = old["mask_token_id"]
+    differ = [f"{flag} {old[key]} in the checkpoint, {getattr(cfg, key)} now" for key, flag in DRAFTER_FLAGS.items()
+              if old[key] != getattr(cfg, key)]
+    if differ:
+        raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} holds another drafter ({'; '.join(differ)}): "
+                               "pass the checkpoint's values, or choose another --out")
 
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
@@ -30,6 +82,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+    from dflash_trt.models.config import decoder_config_from_dict, read_config_json
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
     from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache
@@ -42,6 +95,12 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     )
     from dflash_trt.train.trainer import Trainer
 
+    # Everything checkable is checked before the data stages, which can take hours.
+    target_cfg = decoder_config_from_dict(read_config_json(target_dir), str(target_dir / "config.json"))
+    cfg.target_layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers,
+                                                                                 cfg.num_features))
+    check_against_target(cfg, target_cfg)
+    match_checkpoint(out_dir, cfg, resume)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
@@ -67,41 +126,70 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         records = generate_responses(engine, prompts, responses, **answer)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
-    layer_ids = cfg.target_layer_ids or build_target_layer_ids(target.config.num_hidden_layers, cfg.num_features)
-    cfg.target_layer_ids = list(layer_ids)
     if device == "cpu":
         sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
-        features = build_feature_cache(target, sequences, data_dir / "features", layer_ids)
+        features = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids)
     else:
-        features = TargetFeatures(target, list(layer_ids))
+        features = TargetFeatures(target, cfg.target_layer_ids)
     trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)
     trainer.train()
     return out_dir / "drafter"
+
+
+def _layer_ids(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated layer indices such as 1,8,14, got {value!r}") from None
+
+
+def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """cpu, or a CUDA device this torch can reach (else loading the target fails with an AssertionError)."""
+    import torch
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"expected cpu, cuda or cuda:N, got {value!r}")
+    if value != "cpu" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{value}: no CUDA device is available to this torch {torch.__version__}")
+    if value.startswith("cuda:") and int(value[5:]) >= torch.cuda.device_count():
+        raise click.BadParameter(f"{value}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return value
 
 
 @click.command("train")
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (checkpoint.pt, train_log.jsonl, drafter/).")
 @click.option("--data", type=click.Path(file_okay=False), help="Data directory (responses + feature cache; default OUT/data).")
-@click.option("--layers", default=2, show_default=True, type=int, help="Drafter decoder layers.")
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1), help="Drafter decoder layers.")
 @click.option("--block-size", default=16, show_default=True, type=int, help="Draft block size B (K up to B-1).")
-@click.option("--target-layers", default=None, help="Comma-separated target layer ids to fuse (default: z-lab spacing).")
-@click.option("--num-features", default=5, show_default=True, type=int, help="Target layers to fuse when --target-layers is not given.")
-@click.option("--steps", default=2000, show_default=True, type=int)
-@click.option("--lr", default=6e-4, show_default=True, type=float)
-@click.option("--seqs-per-step", default=4, show_default=True, type=int)
-@click.option("--micro-batch", default=None, type=int, help="Sequences per drafter forward (default: all of --seqs-per-step).")
-@click.option("--time-budget", default=None, type=float, help="Seconds: fit --steps and the LR schedule into this wall-clock time.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--anchors", default=32, show_default=True, type=int, help="Random anchors per sequence.")
-@click.option("--eval-every", default=250, show_default=True, type=int)
+@click.option("--target-layers", default=None, callback=_layer_ids,
+              help="Comma-separated target layer ids to fuse (default: z-lab spacing).")
+@click.option("--num-features", default=5, show_default=True, type=click.IntRange(min=1), help="Target layers to fuse when --target-layers is not given.")
+@click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1),
+              help="Optimizer steps in all (with --resume, counting the checkpoint's).")
+@click.option("--lr", default=6e-4, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Peak AdamW learning rate (linear warmup over the first 4% of steps, then cosine decay to 5% of it).")
+@click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Training records drawn per optimizer step.")
+@click.option("--micro-batch", default=None, type=click.IntRange(min=1), help="Sequences per drafter forward (default: all of --seqs-per-step).")
+@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True), help="Seconds: fit --steps and the LR schedule into this wall-clock time.")
+@click.option("--device", default="cpu", show_default=True, callback=_device, help="cpu or cuda[:N].")
+@click.option("--anchors", default=32, show_default=True, type=click.IntRange(min=1), help="Random anchors per sequence.")
+@click.option("--eval-every", default=250, show_default=True, type=click.IntRange(min=1),
+              help="Steps between evaluations on the held-out records (also after the last step); each one saves "
+                   "checkpoint.pt, and OUT/drafter when it scores best (always, with nothing held out).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=16), help="Tokens of each record trained on (prompt first).")
 @click.option("--gamma", default=None, type=float, help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the drafter's initialization and of the records and anchors drawn for each step.")
 @click.option("--sampled-variants", default=1, show_default=True, type=click.IntRange(min=0),
               help="Sampled responses per prompt besides the greedy one (0: greedy only).")
-@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts (quick runs).")
-@click.option("--self-prompts", default=0, show_default=True, type=int,
+@click.option("--response-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Most tokens the target generates per response (responses already in DATA are kept as they are).")
+@click.option("--max-prompts", default=None, type=click.IntRange(min=1), help="Use only the first N prompts (quick runs).")
+@click.option("--self-prompts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also N requests per persona (chat, code, math, qa, writing) written by the target itself (Magpie), "
                    "and summarization requests quoting its answers to the qa ones; all answered like the rest.")
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
@@ -116,8 +204,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
-          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, max_prompts, self_prompts,
-          mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
+          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens, max_prompts,
+          self_prompts, mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
           resume) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
@@ -129,8 +217,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
 
         target = smollm2_dir()
     try:
-        ids = [int(x) for x in target_layers.split(",")] if target_layers else None
-        cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=ids, num_features=num_features,
+        cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=target_layers, num_features=num_features,
                           steps=steps, lr=lr, seqs_per_step=seqs_per_step, micro_batch=micro_batch,
                           time_budget_s=time_budget, anchors_per_seq=anchors, max_seq_len=max_seq_len, gamma=gamma,
                           seed=seed, eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
@@ -142,7 +229,8 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
             prompts = prompts[:max_prompts]
         out_dir = Path(out)
         drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume,
-                                    sampled_variants=sampled_variants, device=device, self_prompts=self_prompts)
+                                    max_new_tokens=response_tokens, sampled_variants=sampled_variants, device=device,
+                                    self_prompts=self_prompts)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"best drafter: {drafter}")

@@ -92,7 +92,7 @@ def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
         index = json.loads(path.read_text())
         if index["target_layer_ids"] != list(layer_ids):
             raise ValueError(f"{path}: cached target_layer_ids={index['target_layer_ids']} differ from {list(layer_ids)}; "
-                             "use another --features directory")
+                             "use another --data directory")
         return index
     return {"feature_dim": feature_dim, "target_layer_ids": list(layer_ids), "shards": []}
 

@@ -6,7 +6,7 @@ runs every block of a sequence in one drafter forward under the block-sparse mas
 position-decayed cross-entropy (with `distill`, mixed with the KL to the target's own next-token distribution:
 train/teacher.py). AdamW, linear warmup then cosine decay, gradient clipping.
 checkpoint.pt (drafter, optimizer, step, RNG) makes a run resumable; drafter/ holds the best
-checkpoint so far in z-lab's format, judged by the held-out acceptance length tau.
+checkpoint so far in z-lab's format, judged by the held-out acceptance length tau (with nothing held out, the latest).
 """
 
 from __future__ import annotations
@@ -158,6 +158,15 @@ def grow_from(drafter: DFlashDrafter, warm: DFlashDrafter, source: str) -> None:
                     bias.zero_()
 
 
+def saved_run(out_dir: Path) -> dict | None:
+    """{step, config} of the run checkpointed in out_dir (None if none), read without loading its tensors."""
+    path = Path(out_dir) / "checkpoint.pt"
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False, mmap=True)
+    return {"step": state["step"], "config": state["config"]}
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if step < warmup:
@@ -184,6 +193,9 @@ class Trainer:
         self.vocab_ids, self.vocab_counts = self.vocab_ids[:keep], self.vocab_counts[:keep]
         if not self.train_records:
             raise ValueError("no training sequences with cached features")
+        if not self.heldout:
+            logger.warning("no held-out records: evaluations score nothing, and %s holds the latest step's drafter",
+                           self.out_dir / "drafter")
         dcfg = drafter_config_for(target.config, cfg)
         if dcfg.target_layer_ids != features.target_layer_ids:
             raise ValueError(f"feature cache holds target_layer_ids={features.target_layer_ids}, "
@@ -360,8 +372,9 @@ class Trainer:
                 entry.update(self.evaluate())
                 self._eval_s = time.perf_counter() - t_eval
                 self._save_checkpoint()
-                score = entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]
-                if score > self.best_score:
+                if "val_loss" not in entry:  # nothing held out to choose by
+                    self.export(self.out_dir / "drafter", entry)
+                elif (score := entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]) > self.best_score:
                     self.best_score = score
                     self.export(self.out_dir / "drafter", entry)
                 self.drafter.train()
@@ -386,15 +399,18 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss (fixed anchors) and, unless eval_prompts is 0, held-out tau from real speculative
-        greedy decoding."""
+        greedy decoding; a metric with nothing held out to measure is left out (a 0 would read as a score)."""
         from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
         from dflash_trt.sampling_params import SamplingParams
 
         self.drafter.eval()
         gen = torch.Generator().manual_seed(1234)
         batches = self._batches(self.heldout[:32], gen)
-        val_loss = sum(float(self._batch_loss(b)) * len(b) for b in batches) / max(sum(map(len, batches)), 1)
-        if not self.cfg.eval_prompts:
+        if not batches:
+            return {}
+        val_loss = sum(float(self._batch_loss(b)) * len(b) for b in batches) / sum(map(len, batches))
+        prompts = [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
+        if not prompts:
             return {"val_loss": val_loss}
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
         draft.draft_vocab = self.vocab_ids if self.vocab_ids.numel() else None
@@ -403,11 +419,10 @@ class Trainer:
                            EngineConfig(max_batch_size=1, max_model_len=self.cfg.max_seq_len + 256,
                                         dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype),
                                         device=str(self.device)))
-        prompts = [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens)) if prompts else []
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens))
         steps = sum(len(o.acceptance_lengths) for o in outs)
         committed = sum(sum(o.acceptance_lengths) for o in outs)
-        return {"val_loss": val_loss, "val_tau": committed / steps if steps else 0.0}
+        return {"val_loss": val_loss, **({"val_tau": committed / steps} if steps else {})}
 
     # -- persistence ----------------------------------------------------------------------------------
     def export(self, path: Path, metrics: dict) -> None:

@@ -1,6 +1,7 @@
 """The on-disk feature cache: the target's hidden states, resumable and extendable."""
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -43,3 +44,10 @@ def test_a_sequence_cached_shorter_is_cached_again_in_full(tmp_path):
     cache = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40)
     assert [cache.get(sid).shape[0] for sid, _ in seqs] == [len(ids) for _, ids in seqs]
     assert (tmp_path / "cache" / "shard_00000.npy").read_bytes() == first  # kept, never overwritten
+
+
+def test_a_cache_of_other_layers_is_refused_naming_the_data_option(tmp_path):
+    target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
+    build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[0\] differ from \[1\]; use another --data directory"):
+        build_feature_cache(target, _sequences(2), tmp_path / "cache", [1])

@@ -1,6 +1,7 @@
 """A tiny end-to-end training run: target-generated data, feature cache, trainer, export, resume."""
 
 import json
+import logging
 from collections import Counter
 
 import pytest
@@ -215,13 +216,13 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert bad.exit_code != 0 and "--steer-anchors" in bad.output
 
 
-def _trainer(t, root, out, **overrides) -> Trainer:
+def _trainer(t, root, out, records: list[dict] | None = None, **overrides) -> Trainer:
     cfg = TrainConfig(**{**dict(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=8, lr=1e-2, seqs_per_step=4,
                                 anchors_per_seq=6, eval_every=1000, eval_prompts=1, eval_new_tokens=4, max_seq_len=96,
                                 mask_token_id=0), **overrides})
     target = load_target(t)
-    return Trainer(target, t, None, read_records(root / "data" / "responses.jsonl"),
-                   FeatureCache(root / "data" / "features"), out, cfg)
+    records = read_records(root / "data" / "responses.jsonl") if records is None else records
+    return Trainer(target, t, None, records, FeatureCache(root / "data" / "features"), out, cfg)
 
 
 def _outside_draft_vocab(tr) -> torch.Tensor:
@@ -391,6 +392,19 @@ def test_without_evaluation_prompts_the_best_drafter_is_chosen_by_held_out_loss(
     best = min(log, key=lambda e: e["val_loss"])
     saved = json.loads((root / "by_loss" / "drafter" / "training.json").read_text())
     assert saved["step"] == best["step"] and tr.best_score == -best["val_loss"]
+
+
+def test_without_held_out_records_evaluations_score_nothing_and_the_latest_drafter_is_exported(trained, caplog):
+    t, root = trained
+    records = [r for r in read_records(root / "data" / "responses.jsonl") if r["split"] == "train"]
+    with caplog.at_level(logging.WARNING):
+        tr = _trainer(t, root, root / "no_heldout", records, steps=4, eval_every=2)
+        tr.train()
+    assert caplog.text.count("no held-out records") == 1
+    log = [json.loads(x) for x in (root / "no_heldout" / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [1, 2, 3, 4]
+    assert not any({"val_loss", "val_tau"} & set(e) for e in log)  # not a loss or tau of 0
+    assert json.loads((root / "no_heldout" / "drafter" / "training.json").read_text())["step"] == 4
 
 
 def test_the_exported_drafter_ships_its_training_tokens_most_frequent_first(trained):
