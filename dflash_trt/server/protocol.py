@@ -30,6 +30,17 @@ def _null_is_unset(data: Any) -> Any:
     return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
+def _refuse_set(*fields: str, message: str):
+    """A validator for OpenAI fields this server does not implement: unset, null, false, 0 or empty pass; anything
+    else is refused with `message`, rather than silently ignored."""
+    def refuse(cls, v: Any) -> Any:
+        if v:
+            raise ValueError(message)
+        return v
+
+    return field_validator(*fields)(classmethod(refuse))
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -93,19 +104,11 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty (an empty one would match before any text)")
         return v
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v:
-            raise ValueError("logprobs are not supported; leave logprobs and top_logprobs unset")
-        return v
+    _no_logprobs = _refuse_set("logprobs", "top_logprobs",
+                               message="logprobs are not supported; leave logprobs and top_logprobs unset")
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported (it would change the target's distribution)")
-        return v
+    _no_logit_bias = _refuse_set("logit_bias",
+                                 message="logit_bias is not supported (it would change the target's distribution)")
 
     @field_validator("response_format")
     @classmethod
@@ -114,12 +117,7 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported; send the request without tools")
-        return v
+    _no_tools = _refuse_set("tools", message="tool calling is not supported; send the request without tools")
 
     @field_validator("tool_choice")
     @classmethod
@@ -159,12 +157,7 @@ class CompletionRequest(_SamplingRequest):
                              "of token ids")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    _no_echo = _refuse_set("echo", message="echo is not supported")
 
     @field_validator("best_of")
     @classmethod
@@ -173,12 +166,7 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"only best_of=1 is supported, got {v}")
         return v
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix (insertion) is not supported")
-        return v
+    _no_suffix = _refuse_set("suffix", message="suffix (insertion) is not supported")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -210,12 +198,7 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
         return v
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calls are not supported")
-        return v
+    _no_tool_calls = _refuse_set("tool_calls", message="tool calls are not supported")
 
     def text(self) -> str:
         if self.content is None:
