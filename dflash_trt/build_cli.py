@@ -41,7 +41,7 @@ def format_plan(plan: dict) -> str:
         ("dtype / KV cache", f"{plan['dtype']} / {plan['kv_cache_dtype']}"),
         ("max_batch_size x max_seq_len", f"{plan['max_batch_size_per_rank']} x {plan['max_seq_len']} per rank"),
         ("K (max_draft_len)", str(plan["max_draft_len"])),
-        ("draft_len_schedule", str(plan["draft_len_schedule"])),
+        ("draft_len_schedule", _schedule(plan["draft_len_schedule"])),
         ("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"),
     ]
     comps = [(k, f"{v / GB:9.3f} GB") for k, v in plan["components"].items()]
@@ -80,6 +80,11 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
              f"{perf['schedule_source'] or 'none'})")
     return (title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
             + f"\n(hardware figures: {perf['hardware']['perf_source']})")
+
+
+def _schedule(table: dict | None) -> str:
+    """A batch size -> K table alike whether it comes from the planner (int keys) or plan.json (JSON's str keys)."""
+    return str(table) if not table else str({int(b): k for b, k in table.items()})
 
 
 @click.command("build")

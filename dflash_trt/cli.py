@@ -34,6 +34,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
         target_dir = Path(target)
     if not no_spec and drafter is None:
         raise click.UsageError("speculative decoding needs --drafter DIR (or pass --no-spec for plain decoding)")
+    if no_spec and drafter is not None:  # one of the two was not meant
+        raise click.UsageError("--no-spec decodes without a drafter: drop --drafter (or --no-spec)")
     return target_dir, (Path(drafter) if drafter and not no_spec else None)
 
 

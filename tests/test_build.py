@@ -83,6 +83,13 @@ def test_engine_directory_layout_and_manifest(tiny_engine, tiny_dirs):
             assert set(value) <= NESTED_KEYS[key], key
 
 
+def test_a_built_engines_schedule_prints_as_the_plan_does(tiny_dirs, tmp_path):
+    cfg = _spec_config(tmp_path, tiny_dirs, draft_len_schedule={1: 3, 2: 1})
+    planned = CliRunner().invoke(main, ["build", str(cfg), "--plan-only"]).output
+    built = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e")]).output
+    assert "{1: 3, 2: 1}" in planned and "{1: 3, 2: 1}" in built and "'1'" not in built
+
+
 def test_inspect_prints_manifest_and_plan_tables(tiny_engine):
     r = CliRunner().invoke(main, ["inspect", str(tiny_engine), "--verify"])
     assert r.exit_code == 0, r.output

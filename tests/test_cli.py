@@ -54,6 +54,12 @@ def test_missing_drafter_is_a_usage_error(tiny_dirs):
     assert r.exit_code != 0 and "--drafter" in r.output
 
 
+def test_no_spec_with_a_drafter_is_a_usage_error_not_an_ignored_flag(tiny_dirs):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                  str(tiny_dirs["qwen3_drafter"]), "--no-spec", "-p", "x"])
+    assert r.exit_code == 2 and "--no-spec decodes without a drafter" in r.output
+
+
 def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
     r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--top-p", "1.5"])
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.output

@@ -40,6 +40,9 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
     if bad:
         raise click.BadParameter(f"{bad} not among the target's {n} layers (0..{n - 1})",
                                  param_hint="'--target-layers'")
+    if len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):  # z-lab's spacing, given too many for the target
+        raise click.BadParameter(f"{cfg.target_layer_ids} repeats a layer (given, or spaced by --num-features "
+                                 f"{cfg.num_features} over a {n}-layer target)", param_hint="'--target-layers'")
     vocab = target_cfg.vocab_size
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
         raise click.BadParameter(f"{cfg.mask_token_id} is not a token of the target (vocabulary 0..{vocab - 1})",

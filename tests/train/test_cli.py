@@ -96,6 +96,7 @@ def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(tar
     (["--mask-token-id", str(VOCAB)], f"'--mask-token-id': {VOCAB} is not a token of the target (vocabulary 0..{VOCAB - 1})"),
     (["--target-layers", "1,4"], "'--target-layers': [4] not among the target's 4 layers (0..3)"),
     (["--target-layers", "1,x"], "'--target-layers': expected comma-separated layer indices such as 1,8,14, got '1,x'"),
+    (["--target-layers", "1,1"], "'--target-layers': [1, 1] repeats a layer"),
     (["--device", "foo"], "'--device': expected cpu, cuda or cuda:N, got 'foo'"),
     (["--device", "cuda"], "'--device': cuda: no CUDA device is available"),
     (["--eval-every", "0"], "'--eval-every'"),
