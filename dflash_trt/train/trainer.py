@@ -191,8 +191,15 @@ class Trainer:
         self.vocab_ids, self.vocab_counts = rank_tokens(r["response_ids"] for r in self.train_records)
         keep = cfg.draft_vocab_size
         self.vocab_ids, self.vocab_counts = self.vocab_ids[:keep], self.vocab_counts[:keep]
+        # A record whose prompt fills max_seq_len has no label to train on: drawn, it would make a step of nothing.
+        fits = [r for r in self.train_records if min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len)
+                - 2 >= len(r["prompt_ids"])]
+        if len(fits) < len(self.train_records):
+            logger.warning("%d of %d training records have no response token within max_seq_len=%d: not drawn",
+                           len(self.train_records) - len(fits), len(self.train_records), cfg.max_seq_len)
+        self.train_records = fits
         if not self.train_records:
-            raise ValueError("no training sequences with cached features")
+            raise ValueError("no training sequences with cached features and a response token within max_seq_len")
         if not self.heldout:
             logger.warning("no held-out records: evaluations score nothing, and %s holds the latest step's drafter",
                            self.out_dir / "drafter")

@@ -14,7 +14,7 @@ from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.spec.draft_vocab import load_draft_vocab
 from dflash_trt.train.cli import prepare_and_train
-from dflash_trt.train.blocks import IGNORE, training_mask
+from dflash_trt.train.blocks import IGNORE, sample_blocks, training_mask
 from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
 from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.responses import read_records
@@ -433,3 +433,24 @@ def test_a_draft_vocabulary_size_keeps_the_most_frequent_tokens_for_the_loss_and
     assert load_draft_vocab(root / "vocab5" / "drafter", vocab_size=128).tolist() == tr.vocab_ids.tolist()
     with pytest.raises(ValueError, match="draft_vocab_size"):
         TrainConfig(draft_vocab_size=0)
+
+
+def test_records_whose_prompt_fills_max_seq_len_are_never_drawn(trained, caplog):
+    """Such a record has no label (sample_blocks finds no anchor): a step drawing only it would train on nothing and
+    log a loss of 0."""
+    t, root = trained
+    records = read_records(root / "data" / "responses.jsonl")
+    train = [r for r in records if r["split"] == "train"]
+    window = max(len(r["prompt_ids"]) for r in train) + 1
+    g = torch.Generator()
+    blockless = [r["id"] for r in train if sample_blocks(torch.tensor((r["prompt_ids"] + r["response_ids"])[:window]),
+                                                          len(r["prompt_ids"]), 4, 8, 0, g) is None]
+    with caplog.at_level(logging.WARNING):
+        tr = _trainer(t, root, root / "short_window", records, steps=3, max_seq_len=window)
+    assert blockless and sorted(r["id"] for r in tr.train_records) == sorted(set(r["id"] for r in train) - set(blockless))
+    assert f"{len(blockless)} of {len(train)} training records have no response token" in caplog.text
+    tr.train()
+    log = [json.loads(x) for x in (root / "short_window" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and all(e["loss"] > 0 for e in log)
+    with pytest.raises(ValueError, match="a response token within max_seq_len"):
+        _trainer(t, root, root / "no_window", records, max_seq_len=min(len(r["prompt_ids"]) for r in train))
