@@ -215,6 +215,8 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
     """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
     from dflash_trt.server.triton import ModelSettings, export_repository
 
+    if engine is not None and (target or drafter):
+        raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
     if engine is None:  # generate's resolution: the embedded defaults, and a usage error naming the flags
         from dflash_trt.cli import _default_dirs
 

@@ -111,11 +111,40 @@ def config_pbtxt(model_name: str, settings: ModelSettings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_sources(settings: ModelSettings) -> None:
+    """What tritonserver would find only when it loads the model, checked from the config files alone: the engine
+    or the target/drafter pair, and K within the drafter's block (ValueError naming the file or setting)."""
+    from dflash_trt.models.config import decoder_config_from_dict, read_config_json
+    from dflash_trt.models.dflash import DFlashConfig
+
+    block = None
+    if settings.engine_dir:
+        from dflash_trt.engine_dir import EngineDir
+
+        engine = EngineDir(settings.engine_dir)
+        if settings.backend == "trtllm" and engine.plan["layout"] != "trtllm":
+            raise ValueError(f"{engine.path} was planned for this project's runtime (layout "
+                             f"{engine.plan['layout']!r}), not TensorRT-LLM: export it with --backend torch")
+        if settings.speculative and engine.manifest.get("drafter"):
+            block = engine.manifest["drafter"]["block_size"]
+    else:
+        target = decoder_config_from_dict(read_config_json(settings.target_dir),
+                                          str(Path(settings.target_dir) / "config.json"))
+        if settings.speculative:
+            source = str(Path(settings.drafter_dir) / "config.json")
+            drafter = DFlashConfig.from_dict(read_config_json(settings.drafter_dir), source)
+            drafter.check_pairing(target, source)
+            block = drafter.block_size
+    if settings.max_draft_len and block is not None and settings.max_draft_len > block - 1:
+        raise ValueError(f"max_draft_len={settings.max_draft_len} exceeds the drafter's block_size - 1 = {block - 1}")
+
+
 def export_repository(repo: str | Path, model_name: str, settings: ModelSettings) -> Path:
     """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory."""
     for path in (settings.engine_dir, settings.target_dir, settings.drafter_dir):
         if path and not Path(path).is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
+    check_sources(settings)
     model_dir = Path(repo) / model_name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, settings))

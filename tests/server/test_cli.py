@@ -1,7 +1,10 @@
 """`dflash-trt serve`'s engine options reach the engine's configuration (load_engine), unset ones as None (keep the
 engine's or EngineConfig's default); `dflash-trt triton export` refuses what tritonserver could not load."""
 
+import shutil
+
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from dflash_trt.server import cli
@@ -50,3 +53,33 @@ def test_an_engine_with_another_target_or_drafter_is_a_usage_error(tmp_path, tin
     for flag in ("--target", "--drafter"):
         result = CliRunner().invoke(cli.serve, [str(tmp_path), flag, str(tiny_dirs["qwen3"])])
         assert result.exit_code == 2 and "pass either ENGINE or --target/--drafter, not both" in result.output
+
+
+def test_triton_export_checks_k_and_the_config_files_before_writing(tmp_path, tiny_dirs):
+    repo = tmp_path / "repo"
+    base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"])]
+    result = CliRunner().invoke(cli.triton, [*base, "-k", "99"])
+    assert result.exit_code == 1 and "max_draft_len=99 exceeds the drafter's block_size - 1 = 15" in result.output
+    broken = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], broken)
+    (broken / "config.json").write_text("{")
+    result = CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(broken), "--no-spec"])
+    assert result.exit_code == 1 and str(broken / "config.json") in result.output
+    assert not repo.exists()
+
+
+def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_not_planned_for(tmp_path, tiny_dirs):
+    from dflash_trt.build import build_engine
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32", "max_batch_size": 2,
+        "max_seq_len": 256, "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"])}}))
+    engine = build_engine(config, tmp_path / "engine", progress=False)
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--target", str(tiny_dirs["qwen3"])])
+    assert result.exit_code == 2 and "not both" in result.output
+    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--backend", "trtllm"])
+    assert result.exit_code == 1 and "export it with --backend torch" in result.output
+    assert not repo.exists()
+    assert CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)]).exit_code == 0
