@@ -13,10 +13,10 @@ debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dflash_trt.draft_schedule import check_table
 from dflash_trt.hardware import PROFILE_NAMES, profile
@@ -24,8 +24,25 @@ from dflash_trt.hardware import PROFILE_NAMES, profile
 EMBEDDED_PREFIX = "embedded:"
 
 
+def _scalar_kind(annotation: Any) -> type | None:
+    """int or bool for a field typed so (or Optional so), else None."""
+    kinds = {a for a in (get_args(annotation) or (annotation,)) if a is not type(None)}
+    return next(iter(kinds)) if len(kinds) == 1 and kinds <= {int, bool} else None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_scalars(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `true` as 1 and "4" as 4: in a hand-written YAML file those are mistakes
+        kind = _scalar_kind(cls.model_fields[info.field_name].annotation)
+        if kind is int and (isinstance(v, bool) or isinstance(v, (str, float))):
+            raise ValueError(f"expected an integer, got {v!r}")
+        if kind is bool and not isinstance(v, bool) and v is not None:
+            raise ValueError(f"expected true or false, got {v!r}")
+        return v
 
 
 class SpeculativeConfig(_Strict):

@@ -39,6 +39,13 @@ def _err(overrides: dict, **top) -> str:
         ({"hardware": "a100"}, "hardware", "b300"),
         ({"max_batch_size": 0}, "max_batch_size", "greater than or equal to 1"),
         ({"speculative_config": {"max_draft_len": 4}}, "speculative_config.speculative_model", "required key is missing"),
+        # YAML mistakes pydantic's lax mode would read as numbers and flags
+        ({"max_batch_size": True}, "max_batch_size", "expected an integer, got True"),
+        ({"max_seq_len": "4096"}, "max_seq_len", "expected an integer, got '4096'"),
+        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size", "expected an integer, got 2.0"),
+        ({"enable_attention_dp": "yes"}, "enable_attention_dp", "expected true or false, got 'yes'"),
+        ({"speculative_config": {"speculative_model": "z/d", "adaptive_draft_len": 1}},
+         "speculative_config.adaptive_draft_len", "expected true or false, got 1"),
     ],
 )
 def test_schema_errors_name_the_offending_key(top, key, words):
