@@ -7,8 +7,8 @@ Terms and rules are spec/verifier.py's. Each row b has a mode:
   accepts) sample from normalize(max(0, p - q)) (p alone after K accepts) with uniforms[b, K]
 (arXiv 2211.17192). p is the target's distribution after temperature -> top-k -> top-p, computed by
 the runtime's own sampler (layers/sampler.py), so speculative and plain sampling agree exactly.
-The uniforms are drawn by the caller from each row's generator, so a request's randomness depends on
-its seed only and the op stays a pure function (CUDA-graph safe on the GPU path).
+The uniforms come from the caller (engine/model_runner.py `_uniforms`: by output position under MATCH), so a
+request's randomness depends on its seed only and the op stays a pure function (CUDA-graph safe on the GPU path).
 
 Worked example (GREEDY, K = 3): drafts [5, 9, 2], argmax per block position [5, 9, 7, 4] ->
 num_accepted = 2 (5 and 9 match, 2 != 7), bonus = 7; the row emits [5, 9, 7].
