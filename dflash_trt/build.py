@@ -324,16 +324,31 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, progress: bool) -> None
             "files": checksums,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():  # --force: swap, then delete the old engine
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        with _signals_held():  # a SIGTERM between the two renames would leave neither engine at `out`
+            if out.exists():  # --force: swap, then delete the old engine
+                old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block ends (then unwind as usual)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 @contextmanager

@@ -272,13 +272,16 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
     k = overrides.get("speculative_config.max_draft_len")
     if k is not None:
         spec = raw.get("speculative_config")
-        if not isinstance(spec, dict) or not spec.get("speculative_model") and \
-                "speculative_config.speculative_model" not in overrides:
+        spec = spec if isinstance(spec, dict) else {}
+        if not spec.get("speculative_model") and "speculative_config.speculative_model" not in overrides:
             raise ValueError(f"{source}: max_draft_len={k} was given but the config has no drafter "
                              "(speculative_config.speculative_model): add one, or drop the K override")
         schedule = spec.get("draft_len_schedule")
-        if isinstance(schedule, dict):  # K at batch 1 (TensorRT-LLM's rule), and no batch size drafting more
-            spec["draft_len_schedule"] = {b: k if int(b) == 1 else min(int(n), k) for b, n in schedule.items()}
+        exact = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+        if isinstance(schedule, dict) and all(exact(b) and exact(n) for b, n in schedule.items()):
+            # K at batch 1 (TensorRT-LLM's rule), and no batch size drafting more; a malformed table is left to
+            # the schema's error, which names the key
+            spec["draft_len_schedule"] = {b: k if b == 1 else min(n, k) for b, n in schedule.items()}
     for key, value in overrides.items():
         _set_dotted(raw, key, value)
     try:

@@ -101,6 +101,15 @@ def test_a_k_override_caps_the_files_draft_len_schedule():
 def test_a_k_override_without_a_drafter_says_so():
     with pytest.raises(ValueError, match="no drafter"):
         build_config_from_dict(dict(BASE), "t.yaml", {"speculative_config.max_draft_len": 3})
+    cfg = build_config_from_dict(dict(BASE), "t.yaml", {"speculative_config.speculative_model": "z/d",
+                                                       "speculative_config.max_draft_len": 3})  # --drafter gives one
+    assert cfg.speculative_config.max_draft_len == 3
+
+
+def test_a_k_override_leaves_a_malformed_schedule_to_the_schema_error():
+    spec = {"speculative_model": "z/d", "max_draft_len": 7, "draft_len_schedule": {1: 7, 4: None}}
+    with pytest.raises(ValueError, match="t.yaml: key 'speculative_config.draft_len_schedule"):
+        build_config_from_dict({**BASE, "speculative_config": spec}, "t.yaml", {"speculative_config.max_draft_len": 3})
 
 
 def _models(target_id, drafter_id=None):

@@ -61,12 +61,13 @@ class PositionalUniforms:
     distribution exact: the emitted sequence is the one plain sampling computes from these same independent
     uniforms, and what a discarded branch sampled is never seen.
 
-    PCG64 from numpy (the whole seed enters, where torch's CPU generator keeps its low 32 bits), drawn in float32
-    so that no value rounds up to 1.0.
+    PCG64 from numpy over SeedSequence(2 |seed| + [seed < 0]) (the whole seed enters, where torch's CPU generator
+    keeps its low 32 bits; one integer, as a list of words would be zero-padded into another seed's), drawn in
+    float32 so that no value rounds up to 1.0.
     """
 
     def __init__(self, seed: int | None) -> None:
-        entropy = None if seed is None else [abs(seed), int(seed < 0)]
+        entropy = None if seed is None else 2 * abs(seed) + int(seed < 0)
         self._seeds = np.random.SeedSequence(entropy)
         self._rng = np.random.Generator(np.random.PCG64(self._seeds))
         self._values = np.empty(0, dtype=np.float32)
@@ -80,8 +81,10 @@ class PositionalUniforms:
         return torch.from_numpy(self._values[start:need].copy())
 
     def derived_seed(self) -> int:
-        """A 63-bit seed for another generator of the same request (the rejection rule's torch.Generator)."""
-        return int(self._seeds.spawn(1)[0].generate_state(1, np.uint64)[0]) >> 1
+        """A 63-bit seed for another generator of the same request (the rejection rule's torch.Generator), the same
+        at every call."""
+        child = np.random.SeedSequence(self._seeds.entropy, spawn_key=(1,))
+        return int(child.generate_state(1, np.uint64)[0]) >> 1
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 
 class ErrorInfo(BaseModel):
@@ -25,9 +25,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# null here means "no limit" (up to the context), as vLLM reads it, not the completions default of 16
+_NULL_MEANS_NONE = frozenset({"max_tokens", "max_completion_tokens"})
+
+
 def _null_is_unset(data: Any) -> Any:
     """OpenAI clients send `null` for a field they leave unset: take the default, as OpenAI does."""
-    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if v is not None or k in _NULL_MEANS_NONE}
 
 
 def _refuse_set(*fields: str, message: str):
@@ -53,19 +59,19 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
     # change the answer's content or shape and are not implemented (logprobs, logit_bias, tools, ...) are refused
-    # below rather than silently dropped. Integers and booleans are strict: "5" or true is no max_tokens.
+    # below rather than silently dropped. Numbers and booleans are strict: "5" or true is no max_tokens.
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     # OpenAI features this server does not implement: refused unless off
     logprobs: StrictBool | StrictInt | None = None  # chat: a bool; completions: how many (0 or null: off)
     top_logprobs: StrictInt | None = None

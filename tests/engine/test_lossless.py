@@ -448,11 +448,12 @@ def test_a_seed_fixes_the_sample_whatever_the_batch(small_vocab, tree):
 
 def hf_sample(target_dir, prompt, seed, temperature, new=NEW):
     """transformers' logits sampled by inverse CDF, the token at output position p with the p-th float32 draw of
-    PCG64(SeedSequence([seed, 0])) (layers/sampler.py PositionalUniforms' documented stream; the oracle)."""
+    PCG64(SeedSequence(2 * seed)) for a seed >= 0 (layers/sampler.py PositionalUniforms' documented stream; the
+    oracle)."""
     key = ("sample", str(target_dir), tuple(prompt), seed, temperature, new)
     if key not in _refs:
         hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
-        u = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0]))).random(new, dtype=np.float32)
+        u = np.random.Generator(np.random.PCG64(np.random.SeedSequence(2 * seed))).random(new, dtype=np.float32)
         ids = list(prompt)
         with torch.no_grad():
             for p in range(new):

@@ -9,8 +9,8 @@ from dflash_trt.layers.sampler import PositionalUniforms
 
 
 def _reference(seed: int, n: int) -> np.ndarray:
-    """The documented stream: PCG64 over SeedSequence([|seed|, seed < 0]), float32 draws in order."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([abs(seed), int(seed < 0)]))).random(
+    """The documented stream: PCG64 over SeedSequence(2 |seed| + [seed < 0]), float32 draws in order."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(2 * abs(seed) + int(seed < 0)))).random(
         n, dtype=np.float32)
 
 
@@ -25,7 +25,9 @@ def test_each_position_gets_the_same_uniform_whatever_was_asked_before(seed, ask
 def test_the_whole_seed_counts_and_values_stay_below_one():
     # torch's CPU generator keeps a seed's low 32 bits: 1 and 2**32 + 1 would sample alike
     assert not np.array_equal(PositionalUniforms(1).at(0, 8).numpy(), PositionalUniforms(2**32 + 1).at(0, 8).numpy())
-    assert not np.array_equal(PositionalUniforms(5).at(0, 8).numpy(), PositionalUniforms(-5).at(0, 8).numpy())
+    for a, b in ((5, -5), (-5, 2**32 + 5), (-(2**40), 2**64 + 2**40)):  # padded word lists would collide these
+        assert not np.array_equal(PositionalUniforms(a).at(0, 8).numpy(), PositionalUniforms(b).at(0, 8).numpy())
+        assert PositionalUniforms(a).derived_seed() != PositionalUniforms(b).derived_seed()
     values = PositionalUniforms(0).at(0, 100_000)
     assert values.dtype.is_floating_point and float(values.min()) >= 0 and float(values.max()) < 1
 
@@ -38,6 +40,7 @@ def test_an_unseeded_stream_is_fresh():
 def test_the_derived_seed_fits_a_torch_generator(seed):
     import torch
 
-    s = PositionalUniforms(seed).derived_seed()
-    assert 0 <= s < 2**63 and s == PositionalUniforms(seed).derived_seed()
+    u = PositionalUniforms(seed)
+    s = u.derived_seed()
+    assert 0 <= s < 2**63 and s == u.derived_seed() == PositionalUniforms(seed).derived_seed()
     torch.Generator().manual_seed(s)

@@ -171,6 +171,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),  # strict: no truthy strings
     ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "0.7"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": True}, 400, "top_p"),
     # features that would change the answer, refused instead of silently ignored
     ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
@@ -227,12 +229,16 @@ def scrape(server) -> dict[str, float]:
 
 def test_null_fields_take_their_defaults(server):
     """OpenAI clients send null for what they leave unset."""
-    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": None, "temperature": None, "top_p": None, "n": None,
-            "stream": None, "stop": None, "seed": None, "presence_penalty": None, "logprobs": None,
-            "stream_options": None}
+    body = {"model": MODEL, "prompt": PROMPTS[4], "temperature": None, "top_p": None, "n": None, "stream": None,
+            "stop": None, "seed": None, "presence_penalty": None, "logprobs": None, "stream_options": None,
+            "ignore_eos": True}
     r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] <= 16  # the completions default
+    assert r.json()["usage"]["completion_tokens"] == 16  # the completions default
+    # but a null max_tokens means no limit: up to the context (256 here), as vLLM reads it
+    r = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": None}, timeout=60)
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 256
 
 
 def test_a_request_with_more_prompts_than_the_server_holds_is_a_400_not_a_retry(tiny_dirs):
