@@ -59,7 +59,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
               help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
 @click.option("--max-draft-len", "-k", default=None, type=click.IntRange(min=1),
-              help="K draft tokens per step, at every batch size (default: the engine's K and draft-length schedule with ENGINE, else the drafter's block_size - 1).")
+              help="K draft tokens per step (default: the engine's K with ENGINE, else the drafter's block_size - 1; "
+              "with ENGINE its draft-length schedule is capped at K).")
 @click.option("--tree-nodes", default=None, type=click.IntRange(min=0),
               help="Verify a draft tree of N nodes per step instead of a chain (spec/draft_tree.py); 0: a chain. "
               "Default: the engine's speculative_config.draft_tree (draft_tree_without_amx on a CPU without AMX "

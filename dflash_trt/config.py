@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from dflash_trt.draft_schedule import check_table
+from dflash_trt.draft_schedule import check_table, with_k
 from dflash_trt.hardware import PROFILE_NAMES, profile
 
 EMBEDDED_PREFIX = "embedded:"
@@ -279,9 +279,8 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
         schedule = spec.get("draft_len_schedule")
         exact = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
         if isinstance(schedule, dict) and all(exact(b) and exact(n) for b, n in schedule.items()):
-            # K at batch 1 (TensorRT-LLM's rule), and no batch size drafting more; a malformed table is left to
-            # the schema's error, which names the key
-            spec["draft_len_schedule"] = {b: k if b == 1 else min(n, k) for b, n in schedule.items()}
+            # a malformed table is left to the schema's error, which names the key
+            spec["draft_len_schedule"] = with_k(schedule, k)
     for key, value in overrides.items():
         _set_dotted(raw, key, value)
     try:

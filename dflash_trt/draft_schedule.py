@@ -23,6 +23,12 @@ def check_table(table: Mapping[int, int], name: str, value: str, limit: tuple[st
             raise ValueError(f"{name} entry {b}: {v} needs batch size >= 1 and {value} {bound}")
 
 
+def with_k(schedule: Mapping[int, int], k: int) -> dict[int, int]:
+    """The schedule for a K given by hand (-k): K at one row (TensorRT-LLM's rule: key 1 is max_draft_len), no batch
+    size drafting more than K, and the batch sizes the schedule turned speculation down at kept so."""
+    return {b: k if b == 1 else min(n, k) for b, n in schedule.items()}
+
+
 def expand(schedule: Mapping[int, int], batch_size: int) -> int:
     """K for a batch of `batch_size` rows: the value of the smallest key >= batch_size; 0 above every key."""
     keys = sorted(schedule)

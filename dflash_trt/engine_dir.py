@@ -78,6 +78,7 @@ class EngineDir:
 
     def engine_config(self, **overrides):
         """The torch runtime's EngineConfig for this engine; keyword overrides (None = keep) win."""
+        from dflash_trt.draft_schedule import with_k
         from dflash_trt.engine.llm_engine import EngineConfig
 
         cfg, plan = self.build_config, self.plan
@@ -102,8 +103,9 @@ class EngineDir:
             values["draft_vocab_size"] = int(spec["draft_vocab_size"])
         if spec.get("lookup_nodes"):
             values["lookup_nodes"] = int(spec["lookup_nodes"])
-        if overrides.get("max_draft_len") is not None and overrides.get("draft_len_schedule") is None:
-            values.pop("draft_len_schedule", None)  # -k K asks for K drafts a step: the built schedule would cap it
+        k = overrides.get("max_draft_len")
+        if k is not None and overrides.get("draft_len_schedule") is None and values.get("draft_len_schedule"):
+            values["draft_len_schedule"] = with_k(values["draft_len_schedule"], k)
         if overrides.get("draft_tree") is not None and overrides.get("draft_tree_without_amx") is None:
             overrides = {**overrides, "draft_tree_without_amx": overrides["draft_tree"]}  # asked for: on any CPU
         for key, value in overrides.items():

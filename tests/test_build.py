@@ -371,17 +371,18 @@ def test_adaptive_draft_len_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, 
     assert "adaptive_draft_len" not in options["speculative_config"]  # not a TensorRT-LLM key
 
 
-def test_k_given_when_opening_an_engine_replaces_its_draft_len_schedule(tiny_dirs, tmp_path):
-    """-k K on generate / serve asks for K drafts a step: the schedule built for another K neither caps it nor makes
-    it fail."""
-    out = build_engine(_spec_config(tmp_path, tiny_dirs, max_draft_len=7, draft_len_schedule={1: 7, 2: 2}), tmp_path / "e",
-                       progress=False)
-    assert EngineDir(out).engine_config().draft_len_schedule == {1: 7, 2: 2}
+def test_k_given_when_opening_an_engine_caps_its_draft_len_schedule(tiny_dirs, tmp_path):
+    """-k K on generate / serve drafts K at one row, whatever K the engine was built with, and no more at any batch
+    size; batch sizes where the schedule turned speculation down stay so (it used to fail below the built K and be
+    ignored above it)."""
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, max_draft_len=5, draft_len_schedule={1: 5, 2: 4, 3: 0}),
+                       tmp_path / "e", progress=False)
+    assert EngineDir(out).engine_config().draft_len_schedule == {1: 5, 2: 4, 3: 0}
+    assert EngineDir(out).engine_config(max_draft_len=3).draft_len_schedule == {1: 3, 2: 3, 3: 0}
+    assert EngineDir(out).engine_config(max_draft_len=7).draft_len_schedule == {1: 7, 2: 4, 3: 0}
     for k in (3, 7):
-        cfg = EngineDir(out).engine_config(max_draft_len=k)
-        assert cfg.max_draft_len == k and not cfg.draft_len_schedule
-    engine = open_engine(out, max_draft_len=3)
-    assert max(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].draft_lens) == 3
+        engine = open_engine(out, max_draft_len=k)
+        assert max(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].draft_lens) == k
     assert EngineDir(out).engine_config(max_draft_len=3, draft_len_schedule={1: 3, 2: 1}).draft_len_schedule == \
         {1: 3, 2: 1}
 

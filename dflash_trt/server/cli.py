@@ -49,7 +49,8 @@ def _engine_options(f):
         click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
         click.option("--max-model-len", type=click.IntRange(min=1), default=None, help="Prompt + generated tokens per request."),
         click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
-                     help="K draft tokens per step, at every batch size (with ENGINE it replaces the engine's draft-length schedule unless --draft-len-schedule is given)."),
+                     help="K draft tokens per step (with ENGINE: at one row, the engine's draft-length schedule capped at K at "
+                     "larger batches, unless --draft-len-schedule is given)."),
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
                      "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
         click.option("--draft-tree", default=None,
