@@ -38,7 +38,7 @@ class _Strict(BaseModel):
     def _exact_scalars(cls, v: Any, info: ValidationInfo) -> Any:
         # pydantic's lax mode reads `true` as 1 and "4" as 4: in a hand-written YAML file those are mistakes
         kind = _scalar_kind(cls.model_fields[info.field_name].annotation)
-        if kind is int and (isinstance(v, bool) or isinstance(v, (str, float))):
+        if kind is int and isinstance(v, (bool, str, float)):
             raise ValueError(f"expected an integer, got {v!r}")
         if kind is bool and not isinstance(v, bool) and v is not None:
             raise ValueError(f"expected true or false, got {v!r}")

@@ -83,15 +83,16 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    card = p.ModelCard(id=model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=engine.max_model_len)])
-        return JSONResponse(cards.model_dump())
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> JSONResponse:
         _check_model(name)
-        return JSONResponse(p.ModelCard(id=model_name, max_model_len=engine.max_model_len).model_dump())
+        return JSONResponse(card.model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

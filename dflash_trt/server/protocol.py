@@ -47,16 +47,18 @@ def _refuse_set(*fields: str, message: str):
     return field_validator(*fields)(classmethod(refuse))
 
 
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-
+class _NullIsUnset(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls(cls, data: Any) -> Any:
         return _null_is_unset(data)
 
 
-class _SamplingRequest(BaseModel):
+class StreamOptions(_NullIsUnset):
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(_NullIsUnset):
     # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
     # change the answer's content or shape and are not implemented (logprobs, logit_bias, tools, ...) are refused
     # below rather than silently dropped. Numbers and booleans are strict: "5" or true is no max_tokens.
@@ -83,11 +85,6 @@ class _SamplingRequest(BaseModel):
     top_k: StrictInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
     acceptance: Literal["match", "rejection"] = "match"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return _null_is_unset(data)
 
     @field_validator("n")
     @classmethod
