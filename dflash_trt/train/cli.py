@@ -49,10 +49,11 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
                                  param_hint="'--mask-token-id'")
 
 
-def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool) -> None:
-    """Refuse to overwrite OUT's checkpointed run, or to continue it as another drafter; a resumed run keeps the
-    checkpoint's mask token unless one is given (the one chosen from the data could change as records are added)."""
-    from dflash_trt.train.trainer import TrainConfig, saved_run
+def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: DecoderConfig) -> None:
+    """Refuse to overwrite OUT's checkpointed run, or to continue it as another drafter or for another target's shape;
+    a resumed run keeps the checkpoint's mask token unless one is given (the one chosen from the data could change as
+    records are added)."""
+    from dflash_trt.train.trainer import TrainConfig, drafter_config_for, saved_run, shape_mismatches
 
     saved = saved_run(out_dir)
     if saved is None:
@@ -66,11 +67,18 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool) -> None:
     old = {**asdict(TrainConfig()), **saved["config"]}
     if cfg.mask_token_id is None:
         cfg.mask_token_id = old["mask_token_id"]
+        check_against_target(cfg, target_cfg)
     differ = [f"{flag} {old[key]} in the checkpoint, {getattr(cfg, key)} now" for key, flag in DRAFTER_FLAGS.items()
               if old[key] != getattr(cfg, key)]
     if differ:
         raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} holds another drafter ({'; '.join(differ)}): "
                                "pass the checkpoint's values, or choose another --out")
+    if cfg.mask_token_id is not None:  # None: a checkpoint older than the mask token's record; shapes unchecked
+        shapes = shape_mismatches(saved["shapes"], drafter_config_for(target_cfg, cfg))
+        if shapes:
+            raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} holds a drafter for a target of another "
+                                   f"shape ({'; '.join(shapes[:3])}{'; ...' if len(shapes) > 3 else ''}): pass the "
+                                   "--target it was trained for, or choose another --out")
 
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
@@ -103,7 +111,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     cfg.target_layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers,
                                                                                  cfg.num_features))
     check_against_target(cfg, target_cfg)
-    match_checkpoint(out_dir, cfg, resume)
+    match_checkpoint(out_dir, cfg, resume, target_cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128

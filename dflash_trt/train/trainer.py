@@ -164,7 +164,17 @@ def saved_run(out_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     state = torch.load(path, weights_only=False, mmap=True)
-    return {"step": state["step"], "config": state["config"]}
+    return {"step": state["step"], "config": state["config"],
+            "shapes": {name: tuple(t.shape) for name, t in state["drafter"].items()}}
+
+
+def shape_mismatches(saved: dict[str, tuple], dcfg: DFlashConfig) -> list[str]:
+    """The tensors of a saved drafter whose shapes differ from those of a drafter built from dcfg (built on the meta
+    device: shapes only, no memory)."""
+    with torch.device("meta"):
+        want = {name: tuple(t.shape) for name, t in DFlashDrafter(dcfg).state_dict().items()}
+    return [f"{name} {list(saved.get(name, ()))} in the checkpoint, {list(want.get(name, ()))} for this target"
+            for name in sorted(set(saved) | set(want)) if saved.get(name) != want.get(name)]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -84,6 +84,14 @@ def test_a_resumed_run_keeps_the_checkpoints_mask_token_unless_told_another(targ
     assert json.loads((out / "drafter" / "training.json").read_text())["config"]["mask_token_id"] == mask
 
 
+def test_resuming_for_a_target_of_another_shape_is_refused_naming_a_tensor(run, tmp_path):
+    wider = make_target(tmp_path / "wider", hidden_size=48)
+    r = _train(wider, run, "--resume")
+    assert r.exit_code == 2, r.output
+    assert "holds a drafter for a target of another shape" in r.output
+    assert "fc.weight [64, 128] in the checkpoint, [48, 96] for this target" in r.output
+
+
 def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(target, run, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         r = _train(target, tmp_path / "new", "--resume", "--data", str(run / "data"))
