@@ -14,7 +14,11 @@ backend). Extension point, as read in NVIDIA/TensorRT-LLM (the PyTorch backend o
 `register_dflash_drafter()` registers a builder that serves VANILLA drafters with a `DFlashForCausalLM`
 subclass whose attention callable is `draft_attention_with_kvcache` below (same contract, our op), and
 hands everything else (the TRTLLM backend, Laguna, DSpark checkpoints) to the built-in builder.
-Call it in the process that builds the `tensorrt_llm.LLM`, before building it.
+Call it, before the model is built, in the process that builds the model: TensorRT-LLM builds it in its
+executor worker processes (MPI workers; a separate process even at TP1 unless TLLM_WORKER_USE_SINGLE_PROCESS=1),
+not in the process that constructs `tensorrt_llm.LLM`, so a call there alone does not reach them
+(modeling_utils.register_draft_model names `trtllm-serve --custom_module_dirs` as the way in for external
+builders). dflash-trt's launchers (launch.py) do not call it yet: VANILLA there needs flash-attn installed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Run an engine directory on TensorRT-LLM: the LLM API for one-off generation, trtllm-serve for serving.
 
-Both read the engine's trtllm/config.yaml and run from the engine directory, where its relative
-paths (speculative_model: drafter) resolve.
+Both read the engine's trtllm/config.yaml, whose paths are relative to the engine (speculative_model: drafter)
+so an engine can be moved, and hand TensorRT-LLM those paths made absolute: it resolves a relative
+speculative_model against the working directory of each process that reads it (TorchLlmArgs reads the drafter's
+config.json, CachedModelLoader takes a path that is not a local directory for a Hugging Face Hub id, and the
+executor workers are separate MPI processes), so "drafter" from any other directory would be fetched from the Hub.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -40,35 +44,59 @@ def require_tensorrt_llm():
 
 
 def load_options(engine_path: Path) -> dict:
+    """The engine's LLM-API options with the paths in them absolute (the drafter directory of this engine)."""
+    engine_path = Path(engine_path).resolve()
     path = engine_path / CONFIG_PATH
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the engine has no TensorRT-LLM config; rebuild it with dflash-trt build")
-    return yaml.safe_load(path.read_text())
+    options = yaml.safe_load(path.read_text())
+    spec = options.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("speculative_model") is not None:
+        model = Path(str(spec["speculative_model"]))
+        if not model.is_absolute():
+            local = engine_path / model
+            if not local.is_dir():
+                raise FileNotFoundError(
+                    f"{path}: speculative_config.speculative_model={str(model)!r} is not a directory of the engine "
+                    f"({local}); rebuild the engine"
+                )
+            spec["speculative_model"] = str(local)
+    return options
+
+
+def runtime_config(engine) -> Path:
+    """A copy of the engine's trtllm/config.yaml with absolute paths (load_options), for `trtllm-serve --config`.
+
+    Written outside the engine directory, whose files the manifest checksums."""
+    fd, name = tempfile.mkstemp(prefix=f"dflash-trt-{engine.path.name}-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# {engine.path / CONFIG_PATH} with absolute paths, written by dflash-trt serve\n")
+        yaml.safe_dump(load_options(engine.path), f, sort_keys=False)
+    return Path(name)
 
 
 def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None) -> list[dict]:
     """Generate with tensorrt_llm.LLM from a verified EngineDir; one dict (text, token_ids) per prompt."""
     trtllm = require_tensorrt_llm()
-    options = load_options(engine.path)
-    cwd = os.getcwd()
-    os.chdir(engine.path)  # relative paths in the config resolve against the engine directory
-    try:
-        llm = trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
-        params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k or None, seed=seed)
-        outs = llm.generate(prompts, params)
-    finally:
-        os.chdir(cwd)
+    options = load_options(engine.path)  # its paths absolute: no working directory to depend on
+    llm = trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
+    params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=top_k or None, seed=seed)
+    outs = llm.generate(prompts, params)
     return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)} for o in outs]
 
 
 def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str]:
-    """The trtllm-serve command line for an engine (run it with cwd=engine.path)."""
+    """The trtllm-serve command line for an engine; every path in it, and in the config it passes, is absolute.
+
+    Options as `trtllm-serve serve` defines them (tensorrt_llm/commands/serve.py): MODEL, --tokenizer, --host,
+    --port, and the YAML as --config (alias of --extra_llm_api_options), whose keys override the CLI defaults
+    (tensor_parallel_size, max_batch_size, ... come from it)."""
     exe = shutil.which("trtllm-serve")
     if exe is None:
         raise RuntimeError(
             f"trtllm-serve is not on PATH: install TensorRT-LLM {TENSORRT_LLM_VERSION}, or use --backend torch"
         )
     return [exe, str(engine.target_dir), "--tokenizer", str(engine.tokenizer_dir), "--host", host, "--port", str(port),
-            "--config", str(engine.path / CONFIG_PATH)]
+            "--config", str(runtime_config(engine))]
