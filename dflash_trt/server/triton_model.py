@@ -44,8 +44,16 @@ def _response(text, finish_reason="", accepted=0, drafted=0):
     ])
 
 
-def _error(message):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def _error(message, code=None):
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def _cancelled():
+    # python_backend README, "Decoupled mode": the FINAL flag is still needed when the request is cancelled;
+    # without it the model never unloads ("Found 1 live models" until the exit timeout). TensorRT-LLM's llmapi
+    # model answers a cancelled request the same way (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py).
+    return _error("request cancelled by the client", pb_utils.TritonError.CANCELLED)
 
 
 class TritonPythonModel:
@@ -99,12 +107,16 @@ class TritonPythonModel:
             raise ValueError(f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens ({max_tokens}) exceeds "
                              f"the model's maximum context length {limit}")
         detok = IncrementalDetokenizer(self.engine.tokenizer, stop)
-        state = {"id": None}
+        closed = []  # set once the request is answered as cancelled
 
         def on_update(update):
+            if closed:  # the engine's own final update for the aborted request goes nowhere
+                return
             if sender.is_cancelled():
-                if state["id"] is not None:
-                    self.loop.abort(state["id"])
+                closed.append(True)
+                if not update.finished:
+                    self.loop.abort(update.request_id)
+                sender.send(_cancelled(), flags=FINAL)
                 return
             if update.error is not None:
                 sender.send(_error(update.error), flags=FINAL)
@@ -122,7 +134,7 @@ class TritonPythonModel:
                 sender.send(_response(out.text, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
                             flags=FINAL)
 
-        state["id"] = self.loop.submit(prompt, SamplingParams(**params), on_update)
+        self.loop.submit(prompt, SamplingParams(**params), on_update)
 
     # --- trtllm backend: TensorRT-LLM's LLM API with the engine's config -----------------------------
 
@@ -140,24 +152,43 @@ class TritonPythonModel:
         threading.Thread(target=self._aio.run_forever, daemon=True).start()
 
     def _start_trtllm(self, text, streaming, params, sender):
+        # return_perf_metrics: the request's speculative-decoding counts come back in
+        # outputs[0].request_perf_metrics.speculative_decoding, which is where TensorRT-LLM's own llmapi Triton
+        # model reads acceptance_rate / total_accepted_draft_tokens / total_draft_tokens from.
         sampling = self._trtllm.SamplingParams(max_tokens=params["max_new_tokens"], temperature=params["temperature"],
                                                top_p=params["top_p"], top_k=params["top_k"] or None,
-                                               seed=params["seed"], stop=params["stop"] or None)
+                                               seed=params["seed"], stop=params["stop"] or None,
+                                               return_perf_metrics=True)
 
         async def run():
             sent = 0
             try:
-                async for out in self._llm.generate_async(text, sampling, streaming=streaming):
+                generation = self._llm.generate_async(text, sampling, streaming=streaming)
+                async for out in generation:
+                    if sender.is_cancelled():
+                        generation.abort()
+                        sender.send(_cancelled(), flags=FINAL)
+                        return
                     seq = out.outputs[0]
                     if not out.finished and not streaming:
                         continue
                     delta = seq.text[sent:] if streaming else seq.text
                     sent = len(seq.text)
                     if out.finished:
-                        sender.send(_response(delta, str(seq.finish_reason or "")), flags=FINAL)
+                        accepted, drafted = _trtllm_acceptance(seq)
+                        sender.send(_response(delta, str(seq.finish_reason or ""), accepted, drafted), flags=FINAL)
                     elif delta:
                         sender.send(_response(delta))
             except Exception as e:
                 sender.send(_error(str(e)), flags=FINAL)
 
         asyncio.run_coroutine_threadsafe(run(), self._aio)
+
+
+def _trtllm_acceptance(seq):
+    """(accepted, drafted) draft tokens of a finished tensorrt_llm CompletionOutput; (0, 0) without perf metrics."""
+    metrics = getattr(seq, "request_perf_metrics", None)
+    spec = getattr(metrics, "speculative_decoding", None) if metrics is not None else None
+    if spec is None:
+        return 0, 0
+    return int(spec.total_accepted_draft_tokens), int(spec.total_draft_tokens)

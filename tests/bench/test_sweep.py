@@ -46,9 +46,11 @@ class StubState:
     metrics: bool = True
     acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
     decoded_per_iter: dict = field(default_factory=dict)  # prompt text -> trtllm-serve's avg_decoded_tokens_per_iter
+    metrics_format: str = "vllm"  # or "trtllm": trtllm-serve's JSON iteration statistics
     inflight: int = 0
     arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
     finished: int = 0
+    iteration_stats: list = field(default_factory=list)  # trtllm-serve's queue, drained by each GET /metrics
 
     def metrics_text(self) -> str:
         # Two engines, as vLLM labels its counters, so the parser must sum label sets.
@@ -106,6 +108,19 @@ def stub_app(state: StubState, n_chunks: int = 6):
                 if text in state.decoded_per_iter:
                     extra["avg_decoded_tokens_per_iter"] = state.decoded_per_iter[text]
                 state.finished += 1
+                # trtllm-serve: one iteration-stats entry per engine iteration, here STEPS iterations of this one
+                # request, K drafts each, ACCEPTED accepted in all (ACCEPTED // STEPS per step, rest on the first).
+                # Shape as trtllm-serve's /metrics returns it (docs/source/commands/trtllm-serve, "Metrics
+                # Endpoint"; specDecodingStats fields as in cpp/include/tensorrt_llm/executor/types.h
+                # SpecDecodingStats, serialized camelCase).
+                for step in range(STEPS):
+                    got = ACCEPTED // STEPS + (ACCEPTED % STEPS if step == 0 else 0)
+                    state.iteration_stats.append({
+                        "iter": len(state.iteration_stats), "iterLatencyMS": 16.5, "gpuMemUsage": 56401920000,
+                        "inflightBatchingStats": {"numContextRequests": 0, "numGenRequests": 1},
+                        "specDecodingStats": {"numDraftTokens": K, "numAcceptedTokens": got,
+                                              "numRequestsWithDraftTokens": 1, "acceptanceLength": 1.0 + got,
+                                              "iterLatencyMS": 2.0, "draftOverhead": 0.1}})
                 usage = {"prompt_tokens": len(text), "completion_tokens": n_chunks * state.tokens_per_chunk}
                 final = chunk(None, "length", **extra)
                 if state.usage:
@@ -126,6 +141,9 @@ def stub_app(state: StubState, n_chunks: int = 6):
     async def metrics():
         if not state.metrics:
             return PlainTextResponse("not found", status_code=404)
+        if state.metrics_format == "trtllm":  # a JSON list, and the queue is emptied by the read
+            stats, state.iteration_stats = state.iteration_stats, []
+            return JSONResponse(stats)
         return PlainTextResponse(state.metrics_text())
 
     return app
@@ -333,6 +351,67 @@ def test_no_acceptance_without_fields_or_metrics(stub):
     stub.reset(metrics=False)
     (pt,) = run_sweep(config(stub.url, [1], min_requests=1), prompts("a"))["points"]
     assert pt["acceptance"] is None and pt["metrics_acceptance"] is None
+
+
+def test_acceptance_from_trtllm_serve_iteration_stats(stub):
+    """trtllm-serve's /metrics: a JSON list of iteration statistics that each read drains. Over a point:
+    tau = (accepted + requests with drafts) / requests with drafts, as TensorRT-LLM computes its acceptance length
+    from the same stats (tests/integration/defs/accuracy/accuracy_core.py, compute_acceptance_length)."""
+    stub.reset(metrics_format="trtllm")
+    points = run_sweep(config(stub.url, [1, 2], min_requests=4, warmup_requests=2), prompts("a"))["points"]
+    for pt in points:
+        acc = pt["acceptance"]
+        assert acc["source"] == "metrics" and acc["metrics"] == "trtllm"
+        n = pt["num_requests"]  # only this point's requests: warm-up and the previous point were drained
+        assert acc["num_steps"] == n * STEPS and acc["num_iterations"] == n * STEPS
+        assert acc["tau"] == pytest.approx((n * ACCEPTED + n * STEPS) / (n * STEPS))
+        assert acc["acceptance_rate"] == pytest.approx(ACCEPTED / (STEPS * K))
+    # without enable_iter_perf_stats trtllm-serve answers []: a readable /metrics (asked again) with no figure
+    empty = parse_metrics("[]")
+    assert empty is not None and acceptance_delta(empty, empty) is None
+
+
+def test_trtllm_iteration_stats_as_json_strings():
+    """LLM.get_stats documents its items as JSON strings ('{"cpuMemUsage": ..., "iter": 0, ...}'); a /metrics
+    list of those parses the same as a list of objects."""
+    entry = {"iter": 0, "specDecodingStats": {"numDraftTokens": 6, "numAcceptedTokens": 4,
+                                              "numRequestsWithDraftTokens": 2}}
+    as_objects = parse_metrics(json.dumps([entry, {"iter": 1}]))
+    assert parse_metrics(json.dumps([json.dumps(entry), json.dumps({"iter": 1})])) == as_objects
+    acc = acceptance_delta({}, as_objects)
+    assert acc["tau"] == pytest.approx((4 + 2) / 2) and acc["acceptance_rate"] == pytest.approx(4 / 6)
+    assert acc["num_iterations"] == 2
+
+
+def test_vllm_per_position_acceptance():
+    """vLLM's counters as its SpecDecodingProm registers them (vllm/v1/spec_decode/metrics.py): the same names,
+    labels and per-position counter, exposed by prometheus_client as vLLM's /metrics does."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, registry=reg)
+    tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=reg)
+    accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=reg)
+    per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                      labels + ["position"], registry=reg)
+
+    def observe(engine: str, n_drafts: int, accepted_at: list[int]) -> None:  # K = 3 draft tokens per draft
+        drafts.labels("m", engine).inc(n_drafts)
+        tokens.labels("m", engine).inc(3 * n_drafts)
+        accepted.labels("m", engine).inc(sum(accepted_at))
+        for pos, n in enumerate(accepted_at):
+            per_pos.labels("m", engine, str(pos)).inc(n)
+
+    observe("0", 10, [5, 5, 5])
+    before = parse_metrics(generate_latest(reg).decode())
+    observe("0", 10, [8, 4, 2])
+    observe("1", 10, [6, 2, 0])
+    acc = acceptance_delta(before, parse_metrics(generate_latest(reg).decode()))
+    assert acc["metrics"] == "vllm" and acc["num_steps"] == 20
+    assert acc["tau"] == pytest.approx(1 + 22 / 20)
+    assert acc["acceptance_rate"] == pytest.approx(22 / 60)
+    assert acc["acceptance_per_position"] == pytest.approx([14 / 20, 6 / 20, 2 / 20])
 
 
 def test_dflash_histogram_delta():

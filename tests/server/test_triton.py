@@ -132,7 +132,78 @@ def test_triton_bad_request_gets_an_error_and_the_server_keeps_serving(triton):
     assert ok["finish_reason"][0]
 
 
-def test_triton_serve_stops_cleanly_on_sigterm(triton):
+def _post(http_port: int, path: str, body: dict) -> tuple[int, str]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_triton_http_generate_extension(triton, tiny_dirs):
+    """Triton's generate extension maps JSON keys onto the model's input names (text_input,
+    sampling_param_max_tokens, streaming, as in TensorRT-LLM's llmapi model): /generate takes exactly one
+    response, /generate_stream an SSE event per response; a bad request is answered with its error."""
+    import json
+
+    oracle = tiny_engine(tiny_dirs, max_batch_size=8)
+    want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=12))[0]
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
+                         {"text_input": PROMPT, "sampling_param_max_tokens": 12})
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["text_output"] == want.text and out["finish_reason"] == want.finish_reason
+    assert out["total_draft_tokens"] == want.total_draft_tokens
+
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate_stream",
+                         {"text_input": PROMPT, "sampling_param_max_tokens": 12, "streaming": True})
+    assert status == 200, body
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == want.text
+    assert events[-1]["finish_reason"] == want.finish_reason
+
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
+                         {"text_input": PROMPT, "sampling_param_max_tokens": 100_000})
+    assert status == 400 and "maximum context length 256" in body
+
+
+def _cancel_a_stream(url: str) -> None:
+    """A streaming request cancelled by its client after its first response (tritonclient's gRPC cancellation)."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    for name, value, dtype in [("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+                               ("streaming", np.array([True]), "BOOL"),
+                               ("sampling_param_max_tokens", np.array([200], dtype=np.int32), "INT32")]:
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.async_stream_infer(MODEL, inputs)
+    result, error = responses.get(timeout=60)
+    assert error is None and result.as_numpy("finish_reason")[0] == b""  # still generating
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+def test_triton_serve_stops_cleanly_on_sigterm_after_a_cancelled_stream(triton):
+    """A cancelled request must still get its final flag (python_backend README, "Decoupled mode": "Sending the
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL flag at the end of response is still needed even the request is
+    cancelled"); without it the model never unloads and tritonserver gives up after --exit-timeout-secs
+    ("Found 1 live models", "Exit timeout expired", exit code 1)."""
+    _cancel_a_stream(triton["grpc"])
+    (ok,) = _infer(triton["grpc"], PROMPT, 4, streaming=False)  # the model keeps serving
+    assert ok["finish_reason"][0]
     proc = triton["proc"]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, triton["log"].read_text()[-2000:]
+    log = triton["log"]
+    assert proc.wait(60) == 0, log.read_text()[-2000:]
+    assert "Exit timeout expired" not in log.read_text()
