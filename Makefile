@@ -27,8 +27,9 @@ demo: setup
 	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --no-spec \
 		-p "Write a short poem about the sea."
 
-# Serve the default engine (built on first use) on 127.0.0.1:$(SERVE_PORT); without a trained drafter
-# yet, the embedded SmolLM2 is served without speculation.
+# Serve the default engine (built on first use) on 127.0.0.1:$(SERVE_PORT); should the shipped drafter be
+# missing from drafters/, the embedded SmolLM2 is served without speculation. The curl it prints samples
+# (OpenAI's default temperature, 1.0); add "temperature": 0 for generate's greedy text.
 SERVE_ENGINE ?= engines/smollm2-135m-cpu
 SERVE_PORT ?= 8000
 SERVE_DRAFTER := drafters/smollm2-135m-dflash

@@ -41,7 +41,7 @@ def format_plan(plan: dict) -> str:
         ("dtype / KV cache", f"{plan['dtype']} / {plan['kv_cache_dtype']}"),
         ("max_batch_size x max_seq_len", f"{plan['max_batch_size_per_rank']} x {plan['max_seq_len']} per rank"),
         ("K (max_draft_len)", str(plan["max_draft_len"])),
-        ("draft_len_schedule", _schedule(plan["draft_len_schedule"])),
+        ("draft_len_schedule", _schedule(plan["draft_len_schedule"], plan["max_draft_len"])),
         ("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"),
     ]
     comps = [(k, f"{v / GB:9.3f} GB") for k, v in plan["components"].items()]
@@ -82,9 +82,12 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
             + f"\n(hardware figures: {perf['hardware']['perf_source']})")
 
 
-def _schedule(table: dict | None) -> str:
-    """A batch size -> K table alike whether it comes from the planner (int keys) or plan.json (JSON's str keys)."""
-    return str(table) if not table else str({int(b): k for b, k in table.items()})
+def _schedule(table: dict | None, k: int = 0) -> str:
+    """A batch size -> K table alike whether it comes from the planner (int keys) or plan.json (JSON's str keys);
+    without one, what every batch size drafts."""
+    if not table:
+        return f"none (K={k} at every batch size)" if k else "none (no drafter)"
+    return str({int(b): v for b, v in table.items()})
 
 
 @click.command("build")
@@ -111,6 +114,8 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
                  "max_seq_len": max_seq_len, "speculative_config.max_draft_len": max_draft_len}
     try:
         if plan_only:
+            if output is not None:
+                raise click.UsageError("--plan-only writes nothing: drop -o/--output (or --plan-only to build)")
             plan = prepare_build(config, overrides, allow_bundled=True).plan.to_dict()
         else:
             if output is None:

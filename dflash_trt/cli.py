@@ -44,7 +44,9 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--backend", type=click.Choice(["torch", "trtllm", "auto"]), default="auto", show_default=True,
               help="With ENGINE: this project's torch runtime, or TensorRT-LLM (auto: trtllm when importable on a GPU engine).")
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False),
+              help="z-lab-format DFlash drafter directory (default without --target: the embedded SmolLM2's shipped "
+              "drafter, drafters/smollm2-135m-dflash).")
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template (with the generation prompt).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
@@ -72,7 +74,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: float32, or the engine's dtype with ENGINE.")
-@click.option("--max-model-len", default=None, type=int, help="Default: 4096, or the engine's max_seq_len with ENGINE.")
+@click.option("--max-model-len", default=None, type=click.IntRange(min=2),
+              help="Prompt + generated tokens. Default: 4096, or the engine's max_seq_len with ENGINE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
              seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, max_model_len,
@@ -97,6 +100,10 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 gpu = built.plan["layout"] == "trtllm"
                 backend = "trtllm" if gpu and launch.tensorrt_llm_available() else "torch"
             if backend == "trtllm":
+                _refuse_unpassed_to_trtllm(chat=chat, stop=stop, ignore_eos=ignore_eos, no_spec=no_spec,
+                                           acceptance=acceptance != "match", max_draft_len=max_draft_len,
+                                           tree_nodes=tree_nodes, lookup_nodes=lookup_nodes, dtype=dtype,
+                                           max_model_len=max_model_len)
                 built.verify()
                 text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
                 click.echo(json.dumps(text) if as_json else text["text"])
@@ -108,7 +115,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")
             target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
-            config = EngineConfig(max_batch_size=1, max_model_len=max_model_len or 4096, max_draft_len=max_draft_len,
+            config = EngineConfig(max_batch_size=1, max_model_len=4096 if max_model_len is None else max_model_len,
+                                  max_draft_len=max_draft_len,
                                   speculative=not no_spec, dtype=dtype or "float32", draft_tree=tree or {},
                                   lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
@@ -136,7 +144,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         return
     click.echo(out.text)
     click.echo("---", err=True)
-    mode = "autoregressive" if no_spec else f"DFlash K={engine.max_draft_len}"
+    mode = "autoregressive" if no_spec else f"DFlash K={engine.max_draft_len}" + _tree_text(engine)
     tau = "" if no_spec else f", tau {out.tau:.2f}"
     click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
@@ -144,6 +152,30 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
+
+
+def _tree_text(engine) -> str:
+    """What a one-row step verifies besides K: the draft tree's nodes and the context lookups, as the engine runs
+    them on this CPU (draft_tree_without_amx where it has no AMX tiles)."""
+    from dflash_trt.draft_schedule import expand
+
+    nodes = expand(engine.draft_tree, 1) if engine.draft_tree else 0
+    lookups = engine.runner.lookup_nodes
+    return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")
+
+
+def _refuse_unpassed_to_trtllm(**given) -> None:
+    """`--backend trtllm` generates through tensorrt_llm.LLM with the prompt as is and max_tokens, temperature,
+    top_p, top_k and seed only: a flag it would drop must not be silently ignored."""
+    names = {"chat": "--chat", "stop": "--stop", "ignore_eos": "--ignore-eos", "no_spec": "--no-spec",
+             "acceptance": "--acceptance", "max_draft_len": "--max-draft-len", "tree_nodes": "--tree-nodes",
+             "lookup_nodes": "--lookup-nodes", "dtype": "--dtype", "max_model_len": "--max-model-len"}
+    dropped = [names[k] for k, v in given.items() if v not in (None, False, ())]
+    if dropped:
+        raise click.UsageError(
+            f"the TensorRT-LLM backend does not take {', '.join(dropped)} here (it passes the prompt as is with "
+            "--max-new-tokens, --temperature, --top-p, --top-k and --seed); use --backend torch, or drop them"
+        )
 
 
 from dflash_trt.train.cli import train as _train  # noqa: E402

@@ -63,3 +63,112 @@ def test_no_spec_with_a_drafter_is_a_usage_error_not_an_ignored_flag(tiny_dirs):
 def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
     r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--top-p", "1.5"])
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.output
+
+
+# --- what a user walking through the README sees (flags, defaults, refusals) ---
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tiny_dirs, tmp_path_factory):
+    """A built engine over the tiny Qwen3 target and drafter: 2 rows, a 3-node tree at one row (on any CPU)."""
+    from dflash_trt.build import build_engine
+
+    root = tmp_path_factory.mktemp("cli_engine")
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32", "max_batch_size": 2,
+        "max_seq_len": 256, "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]),
+                                                   "max_draft_len": 3, "draft_tree": {1: 3},
+                                                   "draft_tree_without_amx": {1: 3}}}))
+    return build_engine(config, root / "engine", progress=False), config
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-5"])
+def test_generate_refuses_a_max_model_len_too_small_naming_the_option(value):
+    # 0 used to mean the default (4096) silently, while -5 reached the engine's check
+    r = CliRunner().invoke(main, ["generate", "--no-spec", "-p", "x", "--max-model-len", value])
+    assert r.exit_code == 2 and "--max-model-len" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
+    engine, _ = tiny_engine_dir
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos"])
+    assert r.exit_code == 0, r.output
+    assert "DFlash K=3, tree of 3 nodes:" in r.stderr
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos",
+                                  "--tree-nodes", "0", "--lookup-nodes", "2"])
+    assert r.exit_code == 0, r.output
+    assert "DFlash K=3, lookups of up to 2:" in r.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--chat"], "--chat"), (["--stop", "."], "--stop"), (["--ignore-eos"], "--ignore-eos"), (["-k", "2"], "--max-draft-len"),
+    (["--acceptance", "rejection"], "--acceptance"), (["--dtype", "bfloat16"], "--dtype"),
+])
+def test_generate_on_trtllm_refuses_the_flags_it_would_drop(tiny_engine_dir, args, flag):
+    engine, _ = tiny_engine_dir
+    r = CliRunner().invoke(main, ["generate", str(engine), "--backend", "trtllm", "-p", "x", *args])
+    assert r.exit_code == 2 and flag in r.output and "--backend torch" in r.output, r.output
+
+
+def test_build_plan_only_with_an_output_is_a_usage_error_not_an_ignored_flag(tiny_engine_dir, tmp_path):
+    _, config = tiny_engine_dir
+    r = CliRunner().invoke(main, ["build", str(config), "--plan-only", "-o", str(tmp_path / "e")])
+    assert r.exit_code == 2 and "--plan-only writes nothing" in r.output
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_plan_without_a_schedule_says_what_every_batch_size_drafts(tiny_engine_dir):
+    _, config = tiny_engine_dir
+    r = CliRunner().invoke(main, ["build", str(config), "--plan-only"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.strip().startswith("draft_len_schedule"))
+    assert "none (K=3 at every batch size)" in line and "None" not in line
+
+
+def test_triton_export_of_an_engine_keeps_its_rows_unless_told(tiny_engine_dir, tmp_path):
+    engine, _ = tiny_engine_dir
+
+    def rows(*args):
+        repo = tmp_path / f"repo{len(args)}"
+        r = CliRunner().invoke(main, ["triton", "export", str(engine), "-o", str(repo), *args])
+        assert r.exit_code == 0, r.output
+        text = (repo / "dflash" / "config.pbtxt").read_text()
+        return text.split('key: "max_batch_size", value: { string_value: "')[1].split('"')[0]
+
+    assert rows() == "2"  # the engine's max_batch_size, not 8
+    assert rows("--max-batch-size", "3") == "3"
+
+
+def test_serve_and_triton_export_help_state_the_defaults_they_keep():
+    import dataclasses
+
+    from dflash_trt.engine.llm_engine import EngineConfig
+    from dflash_trt.server import cli as server_cli
+    from dflash_trt.server.triton import ModelSettings
+
+    cfg = EngineConfig()
+    assert server_cli.DEFAULT_MAX_MODEL_LEN == cfg.max_model_len
+    assert server_cli.DEFAULT_MAX_QUEUE_LEN == cfg.max_queue_len
+    assert server_cli.DEFAULT_MAX_PREFILL_TOKENS == cfg.max_prefill_tokens
+    assert server_cli.TRITON_DEFAULT_MAX_BATCH_SIZE == {f.name: f.default for f in dataclasses.fields(ModelSettings)}[
+        "max_batch_size"]
+    serve_help = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
+    for text in (f"else {cfg.max_model_len})", f"(default: {cfg.max_queue_len})", f"(default: {cfg.max_prefill_tokens})",
+                 "drafters/smollm2-135m-dflash", "else K at every batch size"):
+        assert text in serve_help, text
+    export_help = " ".join(CliRunner().invoke(main, ["triton", "export", "--help"]).output.split())
+    assert f"max_seq_len, else {cfg.max_model_len})" in export_help
+    assert "the engine's max_batch_size, else 8" in export_help
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--max-queue-len", "-1"], "--max-queue-len"), (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
+    (["--draft-vocab-size", "-1"], "--draft-vocab-size"), (["--max-model-len", "1"], "--max-model-len"),
+])
+def test_serve_refuses_out_of_range_numbers_before_loading_a_model(args, option):
+    r = CliRunner().invoke(main, ["serve", "--no-spec", *args])
+    assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output, r.output

@@ -52,8 +52,8 @@ def bench() -> None:
               "(default: the ENGINE's lookup_nodes, else none).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timed rounds (the median is reported).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True,
-              help="Weights and activations of every system.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Weights and activations of every system (default: the ENGINE's dtype, else bfloat16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
 @click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K). It "
               "drafts over the whole vocabulary: include 0 in --draft-vocab-sizes to compare like with like.")
@@ -88,7 +88,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if threads:
         torch.set_num_threads(threads)
     try:
-        eng, name = load_engine(engine, target, drafter, False, dtype=dtype, max_batch_size=1)
+        eng, name = load_engine(engine, target, drafter, False, dtype=dtype if dtype or engine else "bfloat16",
+                                max_batch_size=1)
         prompts = load_dataset(dataset, osl=max_tokens, tokenizer=eng.tokenizer, categories=list(categories) or None,
                                limit_per_category=limit_per_category)
     except (ValueError, FileNotFoundError) as e:
@@ -125,7 +126,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
     from dflash_trt.bench.sweep import machine_info
 
-    result = {"model": name, "dataset": dataset, "dtype": dtype, "draft_lens": ks, "tree_nodes": trees,
+    result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
               "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
@@ -294,6 +295,8 @@ def served_model(url: str) -> str:
     models = server_root(url) + "/v1/models"
     try:
         ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
+    except httpx.TransportError as e:  # nothing answered: --model would not help
+        raise click.ClickException(f"{models}: cannot reach the endpoint ({e}); is a server running at {url}?") from e
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
         raise click.ClickException(f"{models}: cannot list the served models ({e}); pass --model") from e
     if not ids:

@@ -7,6 +7,13 @@ from pathlib import Path
 
 import click
 
+# EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
+# tests/test_cli.py checks they agree)
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_QUEUE_LEN = 256
+DEFAULT_MAX_PREFILL_TOKENS = 512
+TRITON_DEFAULT_MAX_BATCH_SIZE = 8
+
 
 def parse_schedule(text: str | None, option: str = "--draft-len-schedule") -> dict[int, int]:
     """"1:15,4:7,16:3" -> {1: 15, 4: 7, 16: 3} (batch size -> K, or draft tree nodes)."""
@@ -44,15 +51,20 @@ def _engine_options(f):
     options = [
         click.option("--target", type=click.Path(exists=True, file_okay=False),
                      help="HF-format target directory instead of ENGINE (default: the embedded SmolLM2-135M-Instruct)."),
-        click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory."),
+        click.option("--drafter", type=click.Path(exists=True, file_okay=False),
+                     help="z-lab-format DFlash drafter directory (default without --target: the embedded SmolLM2's "
+                     "shipped drafter, drafters/smollm2-135m-dflash)."),
         click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter)."),
         click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="Requests decoded together (cache rows); default 8 or the engine's."),
-        click.option("--max-model-len", type=click.IntRange(min=1), default=None, help="Prompt + generated tokens per request."),
+        click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+                     help=f"Prompt + generated tokens per request (default: the engine's max_seq_len, else "
+                     f"{DEFAULT_MAX_MODEL_LEN})."),
         click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
                      help="K draft tokens per step (with ENGINE: at one row, the engine's draft-length schedule capped at K at "
                      "larger batches, unless --draft-len-schedule is given)."),
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
-                     "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none)."),
+                     "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none). Default: "
+                     "the engine's speculative_config.draft_len_schedule, else K at every batch size."),
         click.option("--draft-tree", default=None,
                      help="Draft tree nodes by batch size, the schedule's rule: steps verify that many drafts, "
                      "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "
@@ -66,11 +78,14 @@ def _engine_options(f):
         click.option("--adaptive-draft-len/--fixed-draft-len", default=None,
                      help="Measure plain and speculative steps while serving and run K=0 where plain decoding is faster "
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
-        click.option("--draft-vocab-size", type=int, default=None,
+        click.option("--draft-vocab-size", type=click.IntRange(min=0), default=None,
                      help="Draft among the drafter's N most frequent tokens (its draft_vocab.json); 0: the whole "
                      "vocabulary (default: every token the file lists, else the whole vocabulary)."),
-        click.option("--max-queue-len", type=int, default=None, help="Requests waiting for a row beyond which the server answers 503."),
-        click.option("--max-prefill-tokens", type=int, default=None, help="Prompt tokens per step; longer prompts are chunked."),
+        click.option("--max-queue-len", type=click.IntRange(min=0), default=None,
+                     help=f"Requests waiting for a row beyond which the server answers 503 (default: "
+                     f"{DEFAULT_MAX_QUEUE_LEN})."),
+        click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=None,
+                     help=f"Prompt tokens per step; longer prompts are chunked (default: {DEFAULT_MAX_PREFILL_TOKENS})."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Default: the engine's dtype with ENGINE, else float32."),
         click.option("--head-screen/--full-head", default=None,
@@ -186,7 +201,6 @@ def _exec_trtllm_serve(engine, host: str, port: int) -> None:
         cmd = serve_command(built, host, port)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
-    os.chdir(built.path)  # the config's relative paths (speculative_model) resolve against the engine
     os.execv(cmd[0], cmd)  # trtllm-serve takes over this process, and its signals
 
 
@@ -198,15 +212,19 @@ def triton() -> None:
 @triton.command("export")
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--output", "repo", required=True, type=click.Path(file_okay=False), help="Model repository to write.")
-@click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory instead of ENGINE.")
-@click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="z-lab-format DFlash drafter directory.")
+@click.option("--target", type=click.Path(exists=True, file_okay=False),
+              help="HF-format target directory instead of ENGINE (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False),
+              help="z-lab-format DFlash drafter directory (default without --target: the embedded SmolLM2's shipped "
+              "drafter, drafters/smollm2-135m-dflash).")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding (no drafter).")
 @click.option("--model-name", default="dflash", show_default=True, help="The Triton model name.")
 @click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
               help="The runtime the model drives: this project's, or tensorrt_llm.LLM (needs TensorRT-LLM there).")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Rows decoded together.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
+              help=f"Rows decoded together (default: the engine's max_batch_size, else {TRITON_DEFAULT_MAX_BATCH_SIZE}).")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
-              help="Context length (default: the engine's max_seq_len, else 4096).")
+              help=f"Context length (default: the engine's max_seq_len, else {DEFAULT_MAX_MODEL_LEN}).")
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
@@ -218,6 +236,15 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 
     if engine is not None and (target or drafter):
         raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
+    if max_batch_size is None:  # an engine was planned for its own rows (its memory plan, its schedule)
+        max_batch_size = TRITON_DEFAULT_MAX_BATCH_SIZE
+        if engine is not None:
+            from dflash_trt.engine_dir import EngineDir
+
+            try:
+                max_batch_size = int(EngineDir(engine).build_config["max_batch_size"])
+            except (ValueError, FileNotFoundError) as e:
+                raise click.ClickException(str(e)) from e
     if engine is None:  # generate's resolution: the embedded defaults, and a usage error naming the flags
         from dflash_trt.cli import _default_dirs
 

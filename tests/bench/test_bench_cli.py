@@ -44,7 +44,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / "x.json")])
     assert r.exit_code != 0 and "127.0.0.1" in r.output
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "-o", str(tmp_path / "x.json")])
-    assert r.exit_code != 0 and "/v1/models" in r.output and "--model" in r.output
+    # nothing answers: the error says so, and does not suggest --model, which would not help
+    assert r.exit_code != 0 and "/v1/models" in r.output and "cannot reach the endpoint" in r.output
+    assert "is a server running" in r.output and "--model" not in r.output
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     r = CliRunner().invoke(main, ["bench", "plot", str(bad), "-o", str(tmp_path / "p.png")])
@@ -77,3 +79,47 @@ def test_every_bench_option_says_what_it_does():
         for param in command.params:
             if isinstance(param, click.Option):
                 assert param.help, f"bench {name} {param.opts[0]}"
+
+
+def test_sweep_against_an_endpoint_without_v1_models_suggests_model(tmp_path):
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        r = CliRunner().invoke(main, ["bench", "sweep", "--url", url, "-o", str(tmp_path / "x.json")])
+    finally:
+        httpd.shutdown()
+    assert r.exit_code == 1 and "cannot list the served models" in r.output and "pass --model" in r.output, r.output
+
+
+@pytest.mark.parametrize("engine, args, expected", [
+    (True, [], None),  # an ENGINE runs its own dtype
+    (True, ["--dtype", "float32"], "float32"),
+    (False, [], "bfloat16"),  # the embedded SmolLM2 (or --target): bfloat16
+])
+def test_bench_speed_dtype_defaults_to_the_engines_own(monkeypatch, tmp_path, engine, args, expected):
+    from dflash_trt.server import cli as server_cli
+
+    seen = {}
+
+    def load_engine(engine_dir, target, drafter, no_spec, **overrides):
+        seen.update(overrides)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(server_cli, "load_engine", load_engine)
+    r = CliRunner().invoke(main, ["bench", "speed", *([str(tmp_path)] if engine else []), *args])
+    assert r.exit_code == 1 and "stop before loading" in r.output, r.output
+    assert seen["dtype"] == expected
+    help_text = " ".join(CliRunner().invoke(main, ["bench", "speed", "--help"]).output.split())
+    assert "default: the ENGINE's dtype, else bfloat16" in help_text
