@@ -263,7 +263,7 @@ def response_acceptance(results: Sequence[RequestResult]) -> dict | None:
             hist[i] += n
     return {
         "source": "response",
-        "tau": sum(a["tau"] * a["num_steps"] for a in stats) / steps if steps else None,
+        "tau": sum(a["tau"] * a["num_steps"] for a in stats if a["num_steps"]) / steps if steps else None,
         "num_steps": steps,
         "acceptance_rate": accepted / drafted if drafted else None,
         "total_draft_tokens": drafted,

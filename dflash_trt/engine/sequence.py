@@ -24,7 +24,7 @@ class SequenceStats:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length, counting the bonus token (1.0 when nothing is accepted)."""
+        """Mean acceptance length, counting the bonus token (1.0 when nothing is accepted, 0.0 without a step)."""
         a = self.acceptance_lengths
         return sum(a) / len(a) if a else 0.0
 

@@ -273,7 +273,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
-        yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first]).model_dump()
+        yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first]).model_dump(exclude={"usage"})
         outputs = []
         async for i, text, out in _updates(s):
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
@@ -303,10 +303,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return None
         drafted = out.total_draft_tokens
         accepted = out.total_accepted_draft_tokens
+        steps = len(out.acceptance_lengths)
+        # no speculative step (one-token answers, adaptive plain steps only): no figure rather than a made-up 0
         return p.AcceptanceStats(
-            tau=out.tau, num_steps=len(out.acceptance_lengths), acceptance_histogram=out.acceptance_histogram,
+            tau=out.tau if steps else None, num_steps=steps, acceptance_histogram=out.acceptance_histogram,
             total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
-            acceptance_rate=accepted / drafted if drafted else 0.0,
+            acceptance_rate=accepted / drafted if drafted else None,
             draft_time_s=out.draft_time, verify_time_s=out.verify_time,
         )
 

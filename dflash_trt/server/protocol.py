@@ -229,12 +229,12 @@ class ChatCompletionRequest(_SamplingRequest):
 class AcceptanceStats(BaseModel):
     """Speculative-decoding statistics of one request (names as in TensorRT-LLM's Triton model)."""
 
-    tau: float  # mean tokens committed per step, counting the bonus token
+    tau: float | None  # mean tokens committed per step, counting the bonus token; None without a step
     num_steps: int
     acceptance_histogram: list[int]  # [i] = steps that committed i + 1 tokens
     total_draft_tokens: int
     total_accepted_draft_tokens: int
-    acceptance_rate: float  # accepted / drafted
+    acceptance_rate: float | None  # accepted / drafted; None without a draft
     draft_time_s: float
     verify_time_s: float
 

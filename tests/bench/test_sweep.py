@@ -328,6 +328,13 @@ def test_acceptance_from_response_fields(stub):
     assert m["tau"] == pytest.approx(1 + 20 / 12)
 
 
+def test_requests_without_a_speculative_step_weigh_nothing_in_tau(stub):
+    # the server answers tau: null for a request that ran no speculative step (a one-token answer)
+    stub.reset(acceptance={"a": (2.0, 3), "c": (None, 0)})
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=4), prompts("a", "c"))["points"]
+    assert pt["acceptance"]["tau"] == pytest.approx(2.0) and pt["acceptance"]["num_steps"] == 6
+
+
 def test_acceptance_from_trtllm_decoded_tokens_per_iteration(stub):
     stub.reset(metrics=False, decoded_per_iter={"a": 2.0, "b": 3.0})
     (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("a", "b"))["points"]

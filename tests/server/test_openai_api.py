@@ -65,6 +65,24 @@ def test_chat_uses_the_chat_template_streaming_and_not(server, oracle):
     assert all(c.usage is None for c in chunks)  # usage only when stream_options.include_usage asks for it
 
 
+def test_a_request_without_a_speculative_step_reports_no_tau(server, oracle):
+    want = expected(oracle, PROMPTS[2:3], 1)[0]
+    assert want.acceptance_lengths == []  # the prefill's token is the whole answer
+    acc = server.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=1,
+                                             temperature=0).choices[0].model_extra["acceptance"]
+    assert acc["num_steps"] == 0 and acc["tau"] is None and acc["acceptance_rate"] is None
+
+
+def test_streamed_chunks_carry_no_usage_key_unless_asked(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as resp:
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("usage" not in c for c in chunks)
+
+
 def test_32_concurrent_streams_each_equal_generate(server, oracle):
     wants = expected(oracle, PROMPTS, 16)
 
