@@ -298,7 +298,9 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, progress: bool) -> None
         (tmp / "trtllm").mkdir()
         (tmp / "trtllm" / "config.yaml").write_text(
             f"# LLM-API options for TensorRT-LLM {TENSORRT_LLM_VERSION} (keys checked against {LLM_ARGS_SOURCE}).\n"
-            "# Run from the engine directory: trtllm-serve target --tokenizer tokenizer --config trtllm/config.yaml\n"
+            "# Serve: dflash-trt serve ENGINE --backend trtllm (from anywhere), or from the engine directory,\n"
+            "# where speculative_model's relative path resolves: trtllm-serve target --tokenizer tokenizer --config "
+            "trtllm/config.yaml\n"
             + yaml.safe_dump(p.trtllm_options, sort_keys=False)
         )
         _stall("files")

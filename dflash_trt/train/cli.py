@@ -244,4 +244,4 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
                                     self_prompts=self_prompts)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"best drafter: {drafter}")
+    click.echo(f"drafter: {drafter}")  # the best on the held-out split, or the last with nothing held out
