@@ -32,6 +32,15 @@ INPUTS = [
     ("sampling_param_stop", "TYPE_STRING", "[ -1 ]", True),
     ("sampling_param_seed", "TYPE_UINT64", "[ 1 ]", True),
     ("return_finish_reason", "TYPE_BOOL", "[ 1 ]", True),
+    # taken so that clients written for TensorRT-LLM's model are not refused as sending unexpected inputs;
+    # triton_model.py answers a value it cannot honour with an error naming the input
+    ("sampling_param_best_of", "TYPE_INT32", "[ 1 ]", True),
+    ("sampling_param_frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("sampling_param_presence_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("sampling_param_exclude_input_from_output", "TYPE_BOOL", "[ 1 ]", True),
+    ("sampling_param_return_perf_metrics", "TYPE_BOOL", "[ 1 ]", True),
+    ("return_stop_reason", "TYPE_BOOL", "[ 1 ]", True),
+    ("return_cumulative_logprob", "TYPE_BOOL", "[ 1 ]", True),
 ]
 OUTPUTS = [
     ("text_output", "TYPE_STRING", "[ -1 ]"),

@@ -33,6 +33,27 @@ def _strings(request, name):
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
 
 
+PENALTIES = ("frequency_penalty", "presence_penalty")
+
+
+def _refuse_unhonoured(request, penalties):
+    """TensorRT-LLM's model takes these inputs too; a value this model would have to ignore is an error.
+
+    Accepted as they are: return_finish_reason (finish_reason is always sent), sampling_param_return_perf_metrics
+    (the acceptance outputs are always sent) and sampling_param_exclude_input_from_output (text_output is the
+    generated text either way, as the llmapi model's CompletionOutput.text is). Penalties reach tensorrt_llm;
+    this project's runtime has none."""
+    best_of = _scalar(request, "sampling_param_best_of", 1)
+    if best_of != 1:
+        raise ValueError(f"sampling_param_best_of={best_of}: only 1 is supported")
+    for name, value in penalties.items():
+        if value != 0.0:
+            raise ValueError(f"sampling_param_{name}={value}: penalties are not supported by the torch backend")
+    for name, output in (("return_stop_reason", "stop_reason"), ("return_cumulative_logprob", "cumulative_logprob")):
+        if _scalar(request, name, False):
+            raise ValueError(f"{name}: this model has no {output} output")
+
+
 def _response(text, finish_reason="", accepted=0, drafted=0):
     rate = accepted / drafted if drafted else 0.0
     return pb_utils.InferenceResponse(output_tensors=[
@@ -98,9 +119,12 @@ class TritonPythonModel:
                       top_p=float(_scalar(request, "sampling_param_top_p", 1.0)),
                       top_k=int(_scalar(request, "sampling_param_top_k", 0)),
                       seed=_scalar(request, "sampling_param_seed", None), stop=stop)
+        penalties = {name: float(_scalar(request, f"sampling_param_{name}", 0.0)) for name in PENALTIES}
         if self.settings.backend == "trtllm":
-            self._start_trtllm(text, streaming, params, sender)
+            _refuse_unhonoured(request, {})
+            self._start_trtllm(text, streaming, params | penalties, sender)
             return
+        _refuse_unhonoured(request, penalties)
         prompt = self.engine.encode(text)
         limit = self.engine.max_model_len
         if len(prompt) + max_tokens > limit:
@@ -158,7 +182,8 @@ class TritonPythonModel:
         sampling = self._trtllm.SamplingParams(max_tokens=params["max_new_tokens"], temperature=params["temperature"],
                                                top_p=params["top_p"], top_k=params["top_k"] or None,
                                                seed=params["seed"], stop=params["stop"] or None,
-                                               return_perf_metrics=True)
+                                               frequency_penalty=params["frequency_penalty"],
+                                               presence_penalty=params["presence_penalty"], return_perf_metrics=True)
 
         async def run():
             sent = 0

@@ -172,6 +172,17 @@ def test_triton_http_generate_extension(triton, tiny_dirs):
                          {"text_input": PROMPT, "sampling_param_max_tokens": 100_000})
     assert status == 400 and "maximum context length 256" in body
 
+    # the body a client of TensorRT-LLM's llmapi model sends: inputs this model takes as they are
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
+                         {"text_input": PROMPT, "sampling_param_max_tokens": 12, "return_finish_reason": True,
+                          "sampling_param_exclude_input_from_output": True, "sampling_param_best_of": 1,
+                          "sampling_param_return_perf_metrics": True, "sampling_param_frequency_penalty": 0.0})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == want.text
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
+                         {"text_input": PROMPT, "sampling_param_max_tokens": 12, "sampling_param_presence_penalty": 1.5})
+    assert status == 400 and "sampling_param_presence_penalty=1.5" in body
+
 
 def _cancel_a_stream(url: str) -> None:
     """A streaming request cancelled by its client after its first response (tritonclient's gRPC cancellation)."""

@@ -177,3 +177,29 @@ def test_trtllm_backend_cancelled_request_is_aborted_and_finalized(trtllm_model)
     final, flags = sent[-1]
     assert flags == FINAL and final.error is not None and final.error.code == TritonError.CANCELLED
     assert sum(1 for _, f in sent if f == FINAL) == 1
+
+
+def test_trtllm_backend_passes_penalties_to_tensorrt_llm(trtllm_model):
+    # the llmapi model maps sampling_param_{frequency,presence}_penalty onto SamplingParams' fields of those names
+    model, sampling_calls, _ = trtllm_model
+    sender = Sender()
+    request = _request(sender, False)
+    request.inputs["sampling_param_frequency_penalty"] = np.array([0.5], dtype=np.float32)
+    request.inputs["sampling_param_presence_penalty"] = np.array([0.25], dtype=np.float32)
+    model.execute([request])
+    assert sender.wait_final()[-1][0].error is None
+    assert sampling_calls[-1]["frequency_penalty"] == 0.5 and sampling_calls[-1]["presence_penalty"] == 0.25
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("sampling_param_best_of", np.array([2], dtype=np.int32), "sampling_param_best_of=2"),
+    ("return_cumulative_logprob", np.array([True]), "no cumulative_logprob output"),
+])
+def test_inputs_it_cannot_honour_are_refused_naming_them(trtllm_model, name, value, message):
+    model, sampling_calls, _ = trtllm_model
+    sender = Sender()
+    request = _request(sender, False)
+    request.inputs[name] = value
+    model.execute([request])
+    (response, flags), = sender.wait_final()
+    assert flags == FINAL and message in response.error.message and not sampling_calls
