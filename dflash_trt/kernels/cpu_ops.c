@@ -10,7 +10,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-#define HAVE_AVX2_LINEAR 1 /* the widened-fp32 linear: 16 lanes with AVX-512F (Skylake, Cascade Lake), else 8 */
+#define HAVE_AVX2_LINEAR 1 /* widened-fp32 linears (AVX-512F: Skylake, Cascade Lake, 16 lanes; else 8), attention */
 #endif
 #if defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -89,6 +89,38 @@ static inline __m512 bf16x16_to_f32(const uint16_t *src) {
 }
 #endif
 
+#if defined(HAVE_AVX2_LINEAR)
+/* Attention without AVX512-BF16 (AVX2 laptops, Skylake): bf16 keys and values widened to fp32 (exact) and
+ * multiplied in fused multiply-adds, eight lanes at a time. */
+
+/* Eight bf16 values widened to fp32, in order. */
+static inline __m256 bf16x8_to_f32(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
+/* The sum of the eight lanes: lane i + i+4, then i + i+2, then i + i+1. */
+static inline float hsum_x8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+/* Eight horizontal sums at once: lane t of the result is hsum_x8(v[t]) bit for bit (the same pairs added in the
+ * same order), so a key's score is the same whether it falls in a block of eight or in the tail. */
+static inline __m256 reduce_add_x8(const __m256 v[8]) {
+    __m256 u[4], w[2];
+    for (int i = 0; i < 4; i++) /* low half: v[2i]'s lanes j + j+4; high half: v[2i+1]'s */
+        u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* per half: lanes 0 + 2 and 1 + 3 of two of those */
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    /* x holds v[0], v[2], v[4], v[6]'s sums in the low half, v[1], v[3], v[5], v[7]'s in the high */
+    const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 /* The attention scores s[t] = scale * q . K[t] with AVX512-BF16 dot products (bf16 products summed in fp32, as
  * torch's bf16 matmul computes them) where the CPU has them and the head size is a multiple of 32; returns 0 where
  * it does not, and the body's portable loop runs. Keys go sixteen at a time through one transposed reduction; each
@@ -114,6 +146,29 @@ static int scores_fast_bf16(const uint16_t *q, const uint16_t *K, int64_t n, int
                 acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + j),
                                        (__m512bh)_mm512_loadu_si512(K + t * D + j));
             s[t] = _mm512_reduce_add_ps(acc) * scale;
+        }
+        return 1;
+    }
+#elif defined(HAVE_AVX2_LINEAR)
+    if (D % 8 == 0 && D <= 512) { /* eight keys at a time through one transposed reduction, as above */
+        float qf[512];
+        for (int64_t j = 0; j < D; j++) qf[j] = bf16_to_f32(q[j]);
+        const __m256 vscale = _mm256_set1_ps(scale);
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < D; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(qf + j);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, bf16x8_to_f32(K + (t + i) * D + j), acc[i]);
+            }
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(reduce_add_x8(acc), vscale));
+        }
+        for (; t < n; t++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < D; j += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + j), bf16x8_to_f32(K + t * D + j), acc);
+            s[t] = hsum_x8(acc) * scale;
         }
         return 1;
     }
@@ -153,6 +208,27 @@ static inline __attribute__((always_inline)) void values_pass(const float *const
  * order (one fused multiply-add each, as the portable loop adds them), so a query's output does not depend on the
  * others. Up to four queries at a time share each value row as it is loaded and widened to fp32; 64 or 32 columns
  * per pass stay in registers. Returns 0 where there are no AVX-512 BF16 instructions or D is not a multiple of 32. */
+#if defined(HAVE_AVX2_LINEAR)
+/* values_pass with eight lanes: columns [c, c + 8 W) of up to four queries' sums, W <= 2, in registers. */
+static inline __attribute__((always_inline)) void values_pass_x8(const float *const *p, const int64_t *nr, int rr,
+                                                                 int64_t longest, const uint16_t *V, int64_t D,
+                                                                 int64_t c, const int W, float *acc) {
+    __m256 a[4][2], v[2];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < W; i++) a[r][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < longest; t++) {
+        for (int i = 0; i < W; i++) v[i] = bf16x8_to_f32(V + t * D + c + 8 * i);
+        for (int r = 0; r < 4; r++)
+            if (t < nr[r]) {
+                const __m256 pt = _mm256_set1_ps(p[r][t]);
+                for (int i = 0; i < W; i++) a[r][i] = _mm256_fmadd_ps(pt, v[i], a[r][i]);
+            }
+    }
+    for (int r = 0; r < rr; r++)
+        for (int i = 0; i < W; i++) _mm256_storeu_ps(acc + r * D + c + 8 * i, a[r][i]);
+}
+#endif
+
 static int values_fast_bf16(const float *const *p, const int64_t *n, int64_t R, const uint16_t *V, int64_t D,
                             float *acc) {
 #if defined(__AVX512BF16__)
@@ -164,6 +240,17 @@ static int values_fast_bf16(const float *const *p, const int64_t *n, int64_t R, 
         int64_t c = 0;
         for (; c + 64 <= D; c += 64) values_pass(p + r0, nr, rr, longest, V, D, c, 4, acc + r0 * D);
         for (; c < D; c += 32) values_pass(p + r0, nr, rr, longest, V, D, c, 2, acc + r0 * D);
+    }
+    return 1;
+#elif defined(HAVE_AVX2_LINEAR)
+    if (D % 8 != 0) return 0;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int rr = R - r0 < 4 ? (int)(R - r0) : 4;
+        int64_t nr[4] = {0, 0, 0, 0}, longest = 0;
+        for (int r = 0; r < rr; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
+        int64_t c = 0;
+        for (; c + 16 <= D; c += 16) values_pass_x8(p + r0, nr, rr, longest, V, D, c, 2, acc + r0 * D);
+        for (; c < D; c += 8) values_pass_x8(p + r0, nr, rr, longest, V, D, c, 1, acc + r0 * D);
     }
     return 1;
 #else

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 _SOURCES = ("cpu_ops.c", "cpu_ops_body.h")
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fopenmp")
+# -fno-trapping-math: without it GCC keeps loops whose selects feed arithmetic (exp_nonpositive's clamp: the
+# softmax, silu) scalar unless AVX-512 masks can guard them; results are the same, only FP exception flags may differ.
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _i64, _f32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

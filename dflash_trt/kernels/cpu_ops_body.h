@@ -222,7 +222,10 @@ void CAT(silu_mul_, SFX)(const T *gate_up, T *out, int64_t N, int64_t I) {
         for (int64_t j = 0; j < I; j++) {
             const float x = LOAD(g[j]);
             const float e = exp_nonpositive(x > 0.0f ? -x : x); /* exp(-|x|) */
-            const float silu = x > 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+            /* the numerator selected, not the division: a division under a condition kept this loop scalar
+             * without AVX-512's masks (5x slower than torch's silu on an AVX2 CPU) */
+            const float xe = x * e;
+            const float silu = (x > 0.0f ? x : xe) / (1.0f + e);
             o[j] = STORE(LOAD(STORE(silu)) * LOAD(u[j]));
         }
     }

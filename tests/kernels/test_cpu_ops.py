@@ -75,28 +75,36 @@ def _sdpa_per_query(q, cache, layer, rows, lens, scale, window=None):
     return torch.stack(out)
 
 
+@pytest.fixture(params=["native", "avx2_ops", "avx512f_ops"])
+def attention_ops(request):
+    """This CPU's build, and builds without AVX-512 BF16 (an AVX2 laptop's, Skylake's), whose bf16 attention widens
+    keys and values to fp32 in eight lanes instead of taking AVX512-BF16 dot products."""
+    return ops if request.param == "native" else request.getfixturevalue(request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 4, 32), (8, 2, 80), (16, 4, 128)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(dtype, heads, kv_heads, d, window):
-    """Key counts on both sides of the kernel's 16-key blocks; and each query alone gives its batched output bit
+def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(attention_ops, dtype, heads, kv_heads, d,
+                                                                   window):
+    """Key counts on both sides of the kernel's 16- and 8-key blocks; and each query alone gives its batched output bit
     for bit, which is what lets a one-token decode and a K-token verify agree."""
     g = torch.Generator().manual_seed(heads * d)
     cache = _cache(6, 96, kv_heads, d, dtype, g)
     rows = torch.tensor([4, 0, 5, 5, 2, 1, 3, 0])  # unordered, one row twice (two queries of a verify block)
     lens = torch.tensor([1, 96, 37, 38, 64, 2, 70, 16])
     q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
-    got = ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window)
+    got = attention_ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window)
     want = _sdpa_per_query(q, cache, 1, rows, lens, 0.2, window)
     tol = 1e-5 if dtype == torch.float32 else 0.05  # bf16: the output's own rounding, on values of about 1e4
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * 1e4 if dtype == torch.bfloat16 else tol)
-    alone = [ops.cached_attention(q[i : i + 1], cache.k[1], cache.v[1], rows[i : i + 1], lens[i : i + 1], 0.2, window)
-             for i in range(len(rows))]
+    alone = [attention_ops.cached_attention(q[i : i + 1], cache.k[1], cache.v[1], rows[i : i + 1], lens[i : i + 1],
+                                            0.2, window) for i in range(len(rows))]
     assert torch.equal(got, torch.cat(alone))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(dtype):
+def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_ops, dtype):
     """A draft tree's verify (spec/draft_tree.py): nodes at consecutive positions from `start`, each seeing the keys
     before `start` and, of the tree's own, its ancestors and itself. Against SDPA over exactly those keys; and bit for
     bit the output the same query gets when its ancestors sit contiguously after the prefix (a chain), which is what
@@ -114,14 +122,14 @@ def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(dtype):
     tree = torch.tensor([[start, bits] for bits in ancestors], dtype=torch.int64)
     # scores of about 1: a spread softmax, where the order of its sum shows
     q = (torch.randn(n, heads, d, generator=g) * 1e-4).to(dtype)
-    got = ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, tree=tree)
+    got = attention_ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, tree=tree)
 
     # the chain arrangement: node j's prefix then its ancestors in order, copied into another cache row
     for j in range(n):
         keys = list(range(start)) + [start + i for i in range(n) if ancestors[j] >> i & 1]
         for layer_cache in (cache.k, cache.v):
             layer_cache[0, 0, :, : len(keys)] = layer_cache[0, 1, :, keys]
-        chain = ops.cached_attention(q[j : j + 1], cache.k[0], cache.v[0], torch.tensor([0]),
+        chain = attention_ops.cached_attention(q[j : j + 1], cache.k[0], cache.v[0], torch.tensor([0]),
                                      torch.tensor([len(keys)]), 0.125)
         want = _sdpa_per_query(q[j : j + 1], cache, 0, torch.tensor([0]), torch.tensor([len(keys)]), 0.125)
         tol = 1e-5 if dtype == torch.float32 else 0.05
