@@ -182,75 +182,68 @@ static int scores_fast_f32(const float *q, const float *K, int64_t n, int64_t D,
     return 0;
 }
 
+/* Vectors for values_fast_bf16: AVX512-BF16 CPUs widen 16 bf16 values at a time and keep 4 x 4 accumulators, the
+ * others (AVX2, or AVX-512F without BF16) 8 and 4 x 2 in their 16 registers. */
 #if defined(__AVX512BF16__)
-/* One pass of values_fast_bf16: columns [c, c + 16 W) of the sums of queries 0..rr-1 (rr <= 4; nr[r] = 0 from rr
- * on); inlined with W = 4 or 2, so the loops unroll and the accumulators stay in registers. */
+#define VALUES_LANES 16
+#define VALUES_WIDTH 4
+typedef __m512 values_vec;
+#define values_zero _mm512_setzero_ps
+#define values_set1 _mm512_set1_ps
+#define values_fma _mm512_fmadd_ps
+#define values_store _mm512_storeu_ps
+#define values_widen bf16x16_to_f32
+#elif defined(HAVE_AVX2_LINEAR)
+#define VALUES_LANES 8
+#define VALUES_WIDTH 2
+typedef __m256 values_vec;
+#define values_zero _mm256_setzero_ps
+#define values_set1 _mm256_set1_ps
+#define values_fma _mm256_fmadd_ps
+#define values_store _mm256_storeu_ps
+#define values_widen bf16x8_to_f32
+#endif
+
+#if defined(VALUES_LANES)
+/* One pass of values_fast_bf16: columns [c, c + VALUES_LANES W) of the sums of queries 0..rr-1 (rr <= 4; nr[r] = 0
+ * from rr on); inlined with W = VALUES_WIDTH or half of it, so the loops unroll and the accumulators stay in
+ * registers. */
 static inline __attribute__((always_inline)) void values_pass(const float *const *p, const int64_t *nr, int rr,
                                                               int64_t longest, const uint16_t *V, int64_t D,
                                                               int64_t c, const int W, float *acc) {
-    __m512 a[4][4], v[4];
+    values_vec a[4][VALUES_WIDTH], v[VALUES_WIDTH];
     for (int r = 0; r < 4; r++)
-        for (int i = 0; i < W; i++) a[r][i] = _mm512_setzero_ps();
+        for (int i = 0; i < W; i++) a[r][i] = values_zero();
     for (int64_t t = 0; t < longest; t++) {
-        for (int i = 0; i < W; i++) v[i] = bf16x16_to_f32(V + t * D + c + 16 * i);
+        for (int i = 0; i < W; i++) v[i] = values_widen(V + t * D + c + VALUES_LANES * i);
         for (int r = 0; r < 4; r++)
             if (t < nr[r]) {
-                const __m512 pt = _mm512_set1_ps(p[r][t]);
-                for (int i = 0; i < W; i++) a[r][i] = _mm512_fmadd_ps(pt, v[i], a[r][i]);
+                const values_vec pt = values_set1(p[r][t]);
+                for (int i = 0; i < W; i++) a[r][i] = values_fma(pt, v[i], a[r][i]);
             }
     }
     for (int r = 0; r < rr; r++)
-        for (int i = 0; i < W; i++) _mm512_storeu_ps(acc + r * D + c + 16 * i, a[r][i]);
+        for (int i = 0; i < W; i++) values_store(acc + r * D + c + VALUES_LANES * i, a[r][i]);
 }
 #endif
 
 /* acc[r, j] = sum over t < n[r] of p[r][t] * V[t, j] for R queries over one head's values, each query's terms in key
  * order (one fused multiply-add each, as the portable loop adds them), so a query's output does not depend on the
  * others. Up to four queries at a time share each value row as it is loaded and widened to fp32; 64 or 32 columns
- * per pass stay in registers. Returns 0 where there are no AVX-512 BF16 instructions or D is not a multiple of 32. */
-#if defined(HAVE_AVX2_LINEAR)
-/* values_pass with eight lanes: columns [c, c + 8 W) of up to four queries' sums, W <= 2, in registers. */
-static inline __attribute__((always_inline)) void values_pass_x8(const float *const *p, const int64_t *nr, int rr,
-                                                                 int64_t longest, const uint16_t *V, int64_t D,
-                                                                 int64_t c, const int W, float *acc) {
-    __m256 a[4][2], v[2];
-    for (int r = 0; r < 4; r++)
-        for (int i = 0; i < W; i++) a[r][i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < longest; t++) {
-        for (int i = 0; i < W; i++) v[i] = bf16x8_to_f32(V + t * D + c + 8 * i);
-        for (int r = 0; r < 4; r++)
-            if (t < nr[r]) {
-                const __m256 pt = _mm256_set1_ps(p[r][t]);
-                for (int i = 0; i < W; i++) a[r][i] = _mm256_fmadd_ps(pt, v[i], a[r][i]);
-            }
-    }
-    for (int r = 0; r < rr; r++)
-        for (int i = 0; i < W; i++) _mm256_storeu_ps(acc + r * D + c + 8 * i, a[r][i]);
-}
-#endif
-
+ * per pass stay in registers (16 or 8 without AVX512-BF16). Returns 0 where there is neither AVX512-BF16 nor AVX2,
+ * or D is not a multiple of 32 (8). */
 static int values_fast_bf16(const float *const *p, const int64_t *n, int64_t R, const uint16_t *V, int64_t D,
                             float *acc) {
-#if defined(__AVX512BF16__)
-    if (D % 32 != 0) return 0;
+#if defined(VALUES_LANES)
+    const int64_t full = VALUES_LANES * VALUES_WIDTH, half = full / 2;
+    if (D % half != 0) return 0;
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
         const int rr = R - r0 < 4 ? (int)(R - r0) : 4;
         int64_t nr[4] = {0, 0, 0, 0}, longest = 0;
         for (int r = 0; r < rr; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
         int64_t c = 0;
-        for (; c + 64 <= D; c += 64) values_pass(p + r0, nr, rr, longest, V, D, c, 4, acc + r0 * D);
-        for (; c < D; c += 32) values_pass(p + r0, nr, rr, longest, V, D, c, 2, acc + r0 * D);
-    }
-    return 1;
-#elif defined(HAVE_AVX2_LINEAR)
-    if (D % 8 != 0) return 0;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int rr = R - r0 < 4 ? (int)(R - r0) : 4;
-        int64_t nr[4] = {0, 0, 0, 0}, longest = 0;
-        for (int r = 0; r < rr; r++) nr[r] = n[r0 + r], longest = nr[r] > longest ? nr[r] : longest;
-        int64_t c = 0;
-        for (; c + 16 <= D; c += 16) values_pass_x8(p + r0, nr, rr, longest, V, D, c, 2, acc + r0 * D);
-        for (; c < D; c += 8) values_pass_x8(p + r0, nr, rr, longest, V, D, c, 1, acc + r0 * D);
+        for (; c + full <= D; c += full) values_pass(p + r0, nr, rr, longest, V, D, c, VALUES_WIDTH, acc + r0 * D);
+        for (; c < D; c += half) values_pass(p + r0, nr, rr, longest, V, D, c, VALUES_WIDTH / 2, acc + r0 * D);
     }
     return 1;
 #else
