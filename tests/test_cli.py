@@ -32,6 +32,12 @@ def test_no_spec_needs_no_drafter_and_gives_the_same_greedy_tokens(tiny_dirs):
     assert plain["tau"] is None
 
 
+def test_max_tokens_is_an_alias_of_max_new_tokens(tiny_dirs):
+    # the OpenAI API's and `bench speed`'s name for the same limit
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--ignore-eos", "--no-spec", "--json"]
+    assert json.loads(_run(*args, "--max-tokens", "5").stdout)["num_tokens"] == 5
+
+
 def test_a_draft_tree_gives_the_same_greedy_tokens(tiny_dirs):
     args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--max-new-tokens", "20", "--ignore-eos",
             "--json"]

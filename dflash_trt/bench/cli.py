@@ -37,7 +37,8 @@ def bench() -> None:
 @click.option("--dataset", default="categories", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--limit-per-category", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Output tokens per prompt (default: the dataset's).")
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens", type=click.IntRange(min=1), default=None,
+              help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default=None,
               help="K values to measure, e.g. 3,7,15 (default: the engine's K with ENGINE, else 3,7 where the drafter "
               "allows them).")
