@@ -49,8 +49,8 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               "drafter, drafters/smollm2-135m-dflash).")
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template (with the generation prompt).")
-@click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", default=128, show_default=True, type=click.IntRange(min=1),
-              help="Tokens to generate at most.")
+@click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", default=128, show_default=True,
+              type=click.IntRange(min=1), help="Tokens to generate at most.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass; 1 disables it.")

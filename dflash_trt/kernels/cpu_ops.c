@@ -347,11 +347,7 @@ static inline void bf16_pairs_to_f32(const uint16_t *src, vec_f32 *even, vec_f32
 #define vec_zero _mm256_setzero_ps
 #define vec_load _mm256_loadu_ps
 #define vec_fma _mm256_fmadd_ps
-static inline float vec_sum(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
+#define vec_sum hsum_x8
 #endif
 
 #define WIDENED_TILE(R, J)                                                                                       \

@@ -273,7 +273,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
-        yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first]).model_dump(exclude={"usage"})
+        first_chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first])
+        yield first_chunk.model_dump(exclude={"usage"})
         outputs = []
         async for i, text, out in _updates(s):
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),

@@ -268,7 +268,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 @click.argument("repo", type=click.Path(exists=True, file_okay=False))
 @click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP/REST port.")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535),
-              help="gRPC port (streaming needs it).")
+              help="gRPC port (streams; HTTP streams too, through generate_stream).")
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
               help="Prometheus metrics port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address for all three endpoints.")
