@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # Served A/B between two commits: paired rounds of benchmarks/peers.sh, this working tree ("new") then REV ("old")
-# in every round, so both see the same drift of a noisy machine. REV runs from a git worktree as its own current
-# directory, with this venv and the editable install's import hook removed: `python -m dflash_trt` imports the
-# package from the current directory first, and the editable hook maps it back to this checkout, so PYTHONPATH alone
-# benchmarks the new code twice (session 18 found its own first A/B, and possibly session 17's, doing that).
+# in every round, so both see the same drift of a noisy machine. REV runs from a git worktree (ab_worktree.sh).
 # A benchmark, never part of `make test`.
 #
 #   benchmarks/served_ab.sh REV                       # ROUNDS=3 REQS=24 CONC=1 SYSTEMS="ours-ar ours-engine"
@@ -14,20 +11,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-$ROOT/benchmarks/results/served_ab_$(git -C "$ROOT" rev-parse --short "$REV")}
 export REQS=${REQS:-24} CONC=${CONC:-1} SYSTEMS=${SYSTEMS:-"ours-ar ours-engine"}
-WORK=$(mktemp -d)
-trap 'git -C "$ROOT" worktree remove --force "$WORK/old" >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
-git -C "$ROOT" worktree add --detach "$WORK/old" "$REV" >/dev/null
-mkdir -p "$WORK/site"
-cat > "$WORK/site/sitecustomize.py" <<'PY'
-import sys
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", "")) + repr(f)]
-PY
-imported=$(cd "$WORK/old" && PYTHONPATH="$WORK/site:$WORK/old" "$ROOT/.venv/bin/python" -c \
-  'import dflash_trt; print(dflash_trt.__file__)')
-[[ "$imported" == "$WORK/old/"* ]] || { echo "REV's package did not import ($imported)" >&2; exit 1; }
+source "$ROOT/benchmarks/ab_worktree.sh"
 for r in $(seq 1 "$ROUNDS"); do
   (cd "$ROOT" && OUT="$OUT/new_$r" ROUNDS=1 benchmarks/peers.sh)
-  (cd "$WORK/old" && PY="$ROOT/.venv/bin/python" PYTHONPATH="$WORK/site:$WORK/old" OUT="$OUT/old_$r" ROUNDS=1 \
+  (cd "$WORK/old" && PY="$ROOT/.venv/bin/python" PYTHONPATH="$OLD_PYTHONPATH" OUT="$OUT/old_$r" ROUNDS=1 \
     benchmarks/peers.sh)
 done
 "$ROOT/.venv/bin/python" - "$OUT" "$ROUNDS" <<'PY'
