@@ -9,6 +9,7 @@ executor workers are separate MPI processes), so "drafter" from any other direct
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_trt.embedded import cache_dir
 from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION
 
 logger = logging.getLogger(__name__)
@@ -67,12 +69,23 @@ def load_options(engine_path: Path) -> dict:
 def runtime_config(engine) -> Path:
     """A copy of the engine's trtllm/config.yaml with absolute paths (load_options), for `trtllm-serve --config`.
 
-    Written outside the engine directory, whose files the manifest checksums."""
-    fd, name = tempfile.mkstemp(prefix=f"dflash-trt-{engine.path.name}-", suffix=".yaml")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"# {engine.path / CONFIG_PATH} with absolute paths, written by dflash-trt serve\n")
-        yaml.safe_dump(load_options(engine.path), f, sort_keys=False)
-    return Path(name)
+    Written outside the engine directory, whose files the manifest checksums, to one file per engine path in the cache
+    directory: serve execs trtllm-serve, so nothing is left to delete a temporary file afterwards, and a file per
+    launch would pile up. Replaced atomically, so a serve starting beside another never reads half a file."""
+    engine_path = Path(engine.path).resolve()
+    key = hashlib.sha256(str(engine_path).encode()).hexdigest()[:12]
+    out = cache_dir() / "trtllm" / f"{engine_path.name}-{key}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"# {engine_path / CONFIG_PATH} with absolute paths, written by dflash-trt serve\n")
+            yaml.safe_dump(load_options(engine_path), f, sort_keys=False)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
 
 
 def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

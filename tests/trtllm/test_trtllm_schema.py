@@ -97,18 +97,21 @@ def test_engine_config_reaches_trtllm_with_the_drafter_as_an_absolute_path(tiny_
 
 def test_serve_command_is_a_trtllm_serve_command_line(tiny_trtllm_engine, tmp_path, monkeypatch):
     monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
-    monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
     engine = EngineDir(tiny_trtllm_engine)
     cmd = launch.serve_command(engine, "127.0.0.1", 8123)
     model, opts = parse_trtllm_serve(cmd)
     assert Path(model) == engine.target_dir and Path(opts["--tokenizer"]) == engine.tokenizer_dir
     assert (opts["--host"], opts["--port"]) == ("127.0.0.1", "8123")
     config = Path(opts["--config"])
-    assert config.is_absolute() and config.parent == tmp_path  # beside, not inside, the checksummed engine
+    assert config.is_absolute() and config.parent == tmp_path / "trtllm"  # not inside the checksummed engine
     options = yaml.safe_load(config.read_text())
     assert Path(options["speculative_config"]["speculative_model"]) == engine.path / "drafter"
     validate_llm_args(options)
     engine.verify()
+    # serve execs trtllm-serve, so nothing deletes the file afterwards: launches reuse one file per engine
+    assert launch.serve_command(engine, "127.0.0.1", 8124)[-1] == str(config)
+    assert sorted(p.name for p in config.parent.iterdir()) == [config.name]
 
 
 def _trtllm_serve_lines(script: str) -> list[list[str]]:
