@@ -118,7 +118,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # a template that rejects this conversation (roles, order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param)
+        submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         (out,) = await _wait_all(request, submitted)
@@ -133,7 +133,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         raw = await request.body()
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise APIError(400, f"invalid JSON body: {e}") from e
         if not isinstance(data, dict):
             raise APIError(400, "the JSON body must be an object")
@@ -160,13 +160,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}", param="prompt")
         return list(prompt)
 
-    def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None, max_param: str) -> SamplingParams:
+    def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None, max_param: str,
+                prompt_param: str) -> SamplingParams:
         limit = engine.max_model_len
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
-                                "tokens, which leaves no room to generate", param="prompt", code="context_length_exceeded")
+                                "tokens, which leaves no room to generate", param=prompt_param,
+                           code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - prompt_len
         if max_tokens <= 0:
@@ -174,20 +176,39 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if prompt_len + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
                                 f"and {max_param} is {max_tokens}", param=max_param, code="context_length_exceeded")
+        if req.min_tokens and not (req.ignore_eos and not req.stop_list and not req.stop_token_ids):
+            # then nothing ends an answer before max_tokens, which is all min_tokens asks
+            raise APIError(400, "min_tokens is supported only with ignore_eos=true and no stop or stop_token_ids",
+                           param="min_tokens")
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= {max_param} ({max_tokens})",
+                           param="min_tokens")
+        vocab = engine.target.config.vocab_size
+        stop_ids = None
+        if req.stop_token_ids:
+            bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"stop_token_ids must be in 0..{vocab - 1}, got {bad[:5]}", param="stop_token_ids")
+            # vLLM's meaning: in addition to the model's eos ids (unless ignore_eos), where the engine's replaces them
+            stop_ids = [*(() if req.ignore_eos else engine.eos_token_ids), *req.stop_token_ids]
+        # a top_k of the whole vocabulary or more keeps every token; passed on, a huge one overflows the engine's
+        # int64 tensor and fails every request in the step
+        top_k = req.top_k if 0 < req.top_k < vocab else 0
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=max(0, req.top_k), seed=req.seed, stop=req.stop_list,
+                                  top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
                                   ignore_eos=req.ignore_eos, acceptance=req.acceptance)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                max_param: str = "max_tokens") -> _Submitted:
-        params = [_params(req, len(ids), max_tokens, max_param) for ids in prompts]  # validate all before queueing any
+                max_param: str = "max_tokens", prompt_param: str = "prompt") -> _Submitted:
+        # validate all before queueing any
+        params = [_params(req, len(ids), max_tokens, max_param, prompt_param) for ids in prompts]
         capacity = engine.scheduler.capacity
         if len(prompts) > capacity:  # would be refused however long the client waited
             raise APIError(400, f"the request has {len(prompts)} prompts; this server holds at most {capacity} requests "
-                                "at a time (rows plus queue): send fewer per request", param="prompt")
+                                "at a time (rows plus queue): send fewer per request", param=prompt_param)
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids: list[int] = []
@@ -204,7 +225,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             except ValueError as e:
                 for rid in ids:
                     loop.abort(rid)
-                raise APIError(400, str(e), param="prompt") from e
+                raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list) for _ in prompts]
         return _Submitted(ids, [len(x) for x in prompts], queue, detoks)
 
@@ -259,6 +280,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     async def _stream_completion(req: p.CompletionRequest, s: _Submitted):
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        usage, no_usage = _include_usage(req)
         outputs = []
         async for i, text, out in _updates(s):
             choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
@@ -266,15 +288,16 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)
-            yield chunk.model_dump(exclude={"usage"})
-        if req.stream_options and req.stream_options.include_usage:
+            yield chunk.model_dump(exclude=no_usage)
+        if usage:
             yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage, no_usage = _include_usage(req)
         first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
         first_chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first])
-        yield first_chunk.model_dump(exclude={"usage"})
+        yield first_chunk.model_dump(exclude=no_usage)
         outputs = []
         async for i, text, out in _updates(s):
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
@@ -283,9 +306,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)
-            yield chunk.model_dump(exclude={"usage"})
-        if req.stream_options and req.stream_options.include_usage:
+            yield chunk.model_dump(exclude=no_usage)
+        if usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
+
+    def _include_usage(req: p._SamplingRequest) -> tuple[bool, set[str] | None]:
+        """Whether a stream ends with a usage chunk, and what its other chunks leave out: OpenAI's carry
+        `"usage": null` when usage was asked for, and no usage key otherwise."""
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return usage, None if usage else {"usage"}
 
     def _sse(chunks) -> StreamingResponse:
         async def events():

@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response schemas (OpenAI field names unchanged; no torch).
 
-Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, and
-`acceptance` (the lossless sampling rule) on requests; per-choice `acceptance` statistics
-(tau, histogram, draft and accepted counts) on responses.
+Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, `stop_token_ids`,
+`min_tokens` (with ignore_eos only) and `acceptance` (the lossless sampling rule) on requests; per-choice
+`acceptance` statistics (tau, histogram, draft and accepted counts) on responses. vLLM's other sampling
+extensions are refused unless neutral, as are OpenAI features this server lacks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
+                      model_serializer, model_validator)
 
 
 class ErrorInfo(BaseModel):
@@ -81,10 +83,26 @@ class _SamplingRequest(_NullIsUnset):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None  # the deprecated spelling of tools
+    function_call: Any = None
     # extensions
     top_k: StrictInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: stop at these ids as well as at the model's eos
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's; checked against ignore_eos and stop in the app
     acceptance: Literal["match", "rejection"] = "match"
+    # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
+    # neutral, rather than ignored as unknown fields are
+    min_p: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    use_beam_search: StrictBool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -120,13 +138,40 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
         return v
 
-    _no_tools = _refuse_set("tools", message="tool calling is not supported; send the request without tools")
+    _no_tools = _refuse_set("tools", "functions",
+                            message="tool calling is not supported; send the request without tools or functions")
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", "function_call")
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
         if v not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported; leave tool_choice unset")
+            raise ValueError("tool calling is not supported; leave tool_choice and function_call unset")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _no_min_p(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("min_p is not supported; use 0 (top_p and top_k are)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v: float) -> float:
+        if v != 1:
+            raise ValueError("repetition_penalty is not supported (it would change the target's distribution); use 1")
+        return v
+
+    _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
+    _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
+    _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                             message="structured (guided) output is not supported")
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _skip_special(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("skip_special_tokens=false is not supported: answers are decoded without special tokens")
         return v
 
     @property
@@ -158,6 +203,14 @@ class CompletionRequest(_SamplingRequest):
         if not ok:
             raise ValueError("the prompt must be a string, a list of strings, a list of token ids or a list of lists "
                              "of token ids")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_sampled_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        # completions' logprobs=0 is not "off": OpenAI then still returns each sampled token's logprob
+        if v is not None and v is not False:
+            raise ValueError("logprobs are not supported; leave logprobs unset")
         return v
 
     _no_echo = _refuse_set("echo", message="echo is not supported")
@@ -287,6 +340,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        # OpenAI's deltas leave out what they do not carry (the last is often `{}`): its role is never null
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -83,6 +83,53 @@ def test_streamed_chunks_carry_no_usage_key_unless_asked(server):
     assert all("usage" not in c for c in chunks)
 
 
+def test_streamed_chunks_follow_openais_schema(server):
+    """With stream_options.include_usage, OpenAI's chunks before the usage chunk carry `"usage": null`; a delta's
+    role is a string when present (never null) and the last chunk's delta is empty."""
+    for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/completions", {"prompt": "hi"})]:
+        body = {**body, "model": MODEL, "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as resp:
+            events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+        if path == "/chat/completions":
+            deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+            assert all(None not in d.values() for d in deltas), deltas
+            assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+
+
+def test_stop_token_ids_end_the_answer_and_min_tokens_holds_with_ignore_eos(server, oracle):
+    want = expected(oracle, PROMPTS[5:6], 24)[0]
+    i = next(i for i in range(2, len(want.token_ids)) if want.token_ids[i] not in want.token_ids[:i])
+    stop_id = want.token_ids[i]
+    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0,
+                                              extra_body={"stop_token_ids": [stop_id]})
+    # vLLM: the answer stops at the id, which a non-special token's text keeps
+    assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == i + 1
+    assert resp.choices[0].text == oracle.tokenizer.decode(want.token_ids[:i + 1], skip_special_tokens=True)
+    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=10, temperature=0,
+                                              extra_body={"min_tokens": 10, "ignore_eos": True})
+    assert resp.usage.completion_tokens == 10
+
+
+def test_a_huge_top_k_keeps_every_token_and_fails_no_bystander(server):
+    """top_k beyond the vocabulary is no top-k; it must not crash the engine step, which the other requests share."""
+    client = server.client()
+    bystander = iter(client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=60, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}))
+    next(bystander)  # it holds a row now
+    for top_k in (2**63, 10**30):
+        resp = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, seed=1, extra_body={"top_k": top_k})
+        assert resp.usage.completion_tokens == 4 or resp.choices[0].finish_reason == "stop"
+    rest = list(bystander)
+    assert rest[-2].choices[0].finish_reason == "length" and rest[-1].usage.completion_tokens == 60
+    assert server.wait_idle()
+
+
 def test_32_concurrent_streams_each_equal_generate(server, oracle):
     wants = expected(oracle, PROMPTS, 16)
 
@@ -196,6 +243,18 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    # OpenAI: logprobs=0 still returns the sampled tokens' logprobs, so it is not "off"
+    ({"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    # vLLM's sampling extensions that benchmark tools pass through, unless neutral
+    ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 8}, 400, "min_tokens"),  # an eos could end it sooner
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 8, "max_tokens": 4, "ignore_eos": True}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [96]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ({"model": MODEL, "prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
 ]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -205,6 +264,11 @@ BAD_CHAT = [
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    # the chat request has no `prompt`: a conversation too long for the context is the messages' fault
+    ({**CHAT, "messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+    # the deprecated spelling of tools
+    ({**CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({**CHAT, "function_call": {"name": "f"}}, "function_call"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
@@ -220,6 +284,9 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
         assert err["param"] == param and err["message"] and err["type"], err
     r = httpx.post(server.base_url + "/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    # nested deeper than the parser recurses: still the client's malformed body, not a server error
+    r = httpx.post(server.base_url + "/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30)
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
