@@ -98,7 +98,7 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     plan = plan_build(tcfg, dcfg, cfg, hw, k)
     plan.performance = perf.section
     if not plan.fits:
-        raise PlanError(f"{config_path}: " + " ".join(plan.problems))
+        raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
 

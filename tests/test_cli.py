@@ -127,6 +127,15 @@ def test_build_plan_only_with_an_output_is_a_usage_error_not_an_ignored_flag(tin
     assert not (tmp_path / "e").exists()
 
 
+def test_a_build_with_several_problems_states_each_as_its_own_clause(tiny_engine_dir):
+    _, config = tiny_engine_dir
+    r = CliRunner().invoke(main, ["build", str(config), "--plan-only", "--max-batch-size", "100000",
+                                  "--max-seq-len", "100000000"])
+    assert r.exit_code != 0
+    message = " ".join(r.output.split())
+    assert "lower max_seq_len; the build does not fit" in message, message
+
+
 def test_a_plan_without_a_schedule_says_what_every_batch_size_drafts(tiny_engine_dir):
     _, config = tiny_engine_dir
     r = CliRunner().invoke(main, ["build", str(config), "--plan-only"])
