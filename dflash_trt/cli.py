@@ -85,6 +85,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 
     engine_path = engine
+    if no_spec:
+        _refuse_speculative_flags(max_draft_len=max_draft_len, tree_nodes=tree_nodes, lookup_nodes=lookup_nodes,
+                                  acceptance=acceptance != "match")
     tree = None if tree_nodes is None else ({1: tree_nodes} if tree_nodes else {})
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -121,7 +124,12 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                                   lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
-        out = engine.generate([engine.encode(prompt, chat=chat)], params)[0]
+        ids = engine.encode(prompt, chat=chat)
+        if len(ids) + max_new_tokens > engine.max_model_len:  # else a "length" finish would not say which limit
+            click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "
+                       f"(--max-model-len): at most {max(engine.max_model_len - len(ids), 0)} new tokens, not "
+                       f"{max_new_tokens}", err=True)
+        out = engine.generate([ids], params)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     result = {
@@ -162,6 +170,15 @@ def _tree_text(engine) -> str:
     nodes = expand(engine.draft_tree, 1) if engine.draft_tree else 0
     lookups = engine.runner.lookup_nodes
     return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")
+
+
+def _refuse_speculative_flags(**given) -> None:
+    """--no-spec decodes plainly: a drafting flag beside it is a contradiction, as --drafter is, not a no-op."""
+    names = {"max_draft_len": "--max-draft-len", "tree_nodes": "--tree-nodes", "lookup_nodes": "--lookup-nodes",
+             "acceptance": "--acceptance rejection"}
+    given_flags = [names[k] for k, v in given.items() if v not in (None, False)]
+    if given_flags:
+        raise click.UsageError(f"--no-spec decodes without drafts: drop {', '.join(given_flags)} (or --no-spec)")
 
 
 def _refuse_unpassed_to_trtllm(**given) -> None:

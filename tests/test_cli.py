@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import yaml
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
@@ -66,6 +68,23 @@ def test_no_spec_with_a_drafter_is_a_usage_error_not_an_ignored_flag(tiny_dirs):
     assert r.exit_code == 2 and "--no-spec decodes without a drafter" in r.output
 
 
+@pytest.mark.parametrize("args, flag", [(["-k", "3"], "--max-draft-len"), (["--tree-nodes", "6"], "--tree-nodes"),
+                                        (["--lookup-nodes", "4"], "--lookup-nodes"),
+                                        (["--acceptance", "rejection"], "--acceptance")])
+def test_no_spec_with_a_drafting_flag_is_a_usage_error_not_an_ignored_flag(tiny_dirs, args, flag):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", *args])
+    assert r.exit_code == 2 and flag in r.output and "--no-spec" in r.output, r.output
+
+
+def test_a_context_too_short_for_max_new_tokens_is_said_not_silently_cut(tiny_dirs):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x y z",
+                                  "--max-model-len", "6", "--max-new-tokens", "20", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and out["num_tokens"] < 20
+    assert "--max-model-len" in r.stderr and f"at most {out['num_tokens']} new tokens" in r.stderr, r.stderr
+
+
 def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
     r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--top-p", "1.5"])
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.output
@@ -73,8 +92,6 @@ def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
 
 # --- what a user walking through the README sees (flags, defaults, refusals) ---
 
-import pytest  # noqa: E402
-import yaml  # noqa: E402
 
 
 @pytest.fixture(scope="module")
