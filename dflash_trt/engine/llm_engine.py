@@ -224,8 +224,11 @@ class LLMEngine:
         seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())
         if params.stop and self.tokenizer is not None:
             stops = list(params.stop)
+            # Only the output's tail is decoded: as many tokens as the longest stop string can span (a token that
+            # is not special decodes to at least one byte), 64 at least.
+            tail = max(64, max(len(x.encode()) for x in stops) + 1)
             # the text a client gets: without special tokens, as make_output decodes it
-            seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-64:], skip_special_tokens=True)
+            seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-tail:], skip_special_tokens=True)
                                              for x in stops)
         return seq
 

@@ -310,6 +310,20 @@ def test_stops_at_eos_like_the_target(tiny_dirs):
         assert o.finish_reason == ("stop" if o.token_ids[-1] == eos else "length")
 
 
+def test_a_stop_string_longer_than_the_decoded_window_still_stops(tiny_dirs):
+    """The stop check decodes only the output's tail; a stop string must end generation however long it is
+    (here 100 characters of a one-character-per-token tokenizer)."""
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
+                                 EngineConfig(max_batch_size=1, max_draft_len=3, max_model_len=256))
+    p = _prompts(1)[0]
+    full = engine.generate([p], SamplingParams(max_new_tokens=200, ignore_eos=True))[0]
+    stop = full.text[30:130]
+    assert len(stop) == 100
+    cut = engine.generate([p], SamplingParams(max_new_tokens=200, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[:cut.num_tokens]
+
+
 def test_context_limit_is_honoured(tiny_dirs):
     p = _prompts(2)[1]  # 17 tokens
     out = _engine(tiny_dirs, "qwen3", 15, rows=1, max_model_len=30).generate([p], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
