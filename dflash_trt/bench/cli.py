@@ -162,7 +162,8 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
 
 
 @bench.command()
-@click.option("--url", required=True, help="The endpoint: http://HOST:PORT (or .../v1) of any OpenAI-compatible server.")
+@click.option("--url", required=True, callback=lambda ctx, param, url: _endpoint_url(url),
+              help="The endpoint: http://HOST:PORT (or .../v1) of any OpenAI-compatible server.")
 @click.option("--model", default=None, help="The model name the endpoint serves (default: the first of its /v1/models).")
 @click.option("--concurrency", "concurrencies", default="1,2,4,8", show_default=True, help="Concurrent streams per point, e.g. 1,2,4,8,16.")
 @click.option("--dataset", default="cpu-small", show_default=True, help=f"Built-in ({', '.join(PRESETS)}) or a .jsonl file.")
@@ -285,6 +286,13 @@ def compare(run, base, as_json) -> None:
                   if "paired_ratios" in r else "")
         click.echo(f"c={r['concurrency']:<4} {r['output_tok_s']:8.1f} vs {r['base_output_tok_s']:8.1f}  "
                    f"{r['ratio']:.2f}x{paired}")
+
+
+def _endpoint_url(url: str) -> str:
+    # without a scheme httpx fails with "unsupported protocol", which reads like a server fault
+    if not url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{url!r} has no scheme: pass http://{url}", param_hint="--url")
+    return url
 
 
 def served_model(url: str) -> str:

@@ -47,6 +47,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     # nothing answers: the error says so, and does not suggest --model, which would not help
     assert r.exit_code != 0 and "/v1/models" in r.output and "cannot reach the endpoint" in r.output
     assert "is a server running" in r.output and "--model" not in r.output
+    bare = dead.removeprefix("http://")
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", bare, "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and f"http://{bare}" in r.output and "--url" in r.output, r.output
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     r = CliRunner().invoke(main, ["bench", "plot", str(bad), "-o", str(tmp_path / "p.png")])
