@@ -139,33 +139,64 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     from dflash_trt.server.metrics import ServerMetrics
 
     names = []
+    overrides = _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
+                           adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
+                           int8_drafter)
 
     def build():
-        llm, name = load_engine(engine, target, drafter, no_spec, **_overrides(
-            max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-            adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
-            int8_drafter))
+        llm, name = load_engine(engine, target, drafter, no_spec, **overrides)
         names.append(name)
         return llm
 
+    sock = _bind(host, port)  # a taken port fails here, not after the model has loaded
     try:
-        loop = EngineLoop.spawn(build)  # built and stepped on one thread (see EngineLoop.spawn)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from e
-    llm, name = loop.engine, served_model_name or names[0]
-    metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
-    loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
-    app = create_app(loop, name, metrics)
-    mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
-    click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
-               f"{llm.max_model_len}) "
-               f"on http://{host}:{port}/v1", err=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    try:
-        _Server(config).run()  # returns on SIGINT / SIGTERM after closing connections
+        try:
+            loop = EngineLoop.spawn(build)  # built and stepped on one thread (see EngineLoop.spawn)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            raise click.ClickException(str(e)) from e
+        llm, name = loop.engine, served_model_name or names[0]
+        metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
+        loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
+        app = create_app(loop, name, metrics)
+        mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
+
+        def started() -> None:
+            click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
+                       f"{llm.max_model_len}) on http://{_address(host, port)}/v1", err=True)
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        try:
+            # returns on SIGINT / SIGTERM after closing connections
+            _Server(config, on_started=started).run(sockets=[sock])
+        finally:
+            loop.stop()
     finally:
-        loop.stop()
+        sock.close()  # uvicorn closes it on shutdown, but not when the engine failed to load
     click.echo("stopped", err=True)
+
+
+def _bind(host: str, port: int):
+    """The server's socket, bound but not yet listening, so that clients are refused (not left waiting) while the
+    model loads; uvicorn listens on it once the app is up."""
+    import errno
+    import socket
+
+    # as uvicorn binds for its workers (Config.bind_socket): IPv6 for an address with a colon, else IPv4
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        where = _address(host, port)
+        if e.errno == errno.EADDRINUSE:
+            raise click.ClickException(f"{where} is already in use (another server?); pass another --port") from e
+        raise click.ClickException(f"cannot listen on {where}: {e.strerror or e}; check --host and --port") from e
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _uvicorn_server_class():
@@ -175,6 +206,15 @@ def _uvicorn_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
+        def __init__(self, config, on_started=None):
+            super().__init__(config)
+            self.on_started = on_started
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and self.on_started is not None:  # listening: a client connecting now is served
+                self.on_started()
+
         @contextlib.contextmanager
         def capture_signals(self):
             # Shut down gracefully on SIGINT / SIGTERM and exit 0; uvicorn's own handler re-raises the
@@ -229,8 +269,9 @@ def triton() -> None:
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Default: the engine's dtype with ENGINE, else float32.")
+@click.option("--force", is_flag=True, help="Overwrite the model if the repository already holds one of that name.")
 def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
-                  max_draft_len, dtype) -> None:
+                  max_draft_len, dtype, force) -> None:
     """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
     from dflash_trt.server.triton import ModelSettings, export_repository
 
@@ -258,8 +299,8 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
             backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
             max_draft_len=max_draft_len or 0, dtype=dtype or "",
         )
-        path = export_repository(repo, model_name, settings)
-    except (ValueError, FileNotFoundError) as e:
+        path = export_repository(repo, model_name, settings, force=force)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(str(path))
 
@@ -279,7 +320,10 @@ def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
     try:
         server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
         server.start()
-    except RuntimeError as e:
+    except (RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"tritonserver on {host}: http {http_port}, grpc {grpc_port}, metrics {metrics_port}", err=True)
-    raise SystemExit(server.wait_forwarding_signals())
+
+    def ready() -> None:
+        click.echo(f"tritonserver on {host}: http {http_port}, grpc {grpc_port}, metrics {metrics_port}", err=True)
+
+    raise SystemExit(server.wait_forwarding_signals(on_ready=ready))

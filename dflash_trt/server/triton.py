@@ -148,13 +148,17 @@ def check_sources(settings: ModelSettings) -> None:
         raise ValueError(f"max_draft_len={settings.max_draft_len} exceeds the drafter's block_size - 1 = {block - 1}")
 
 
-def export_repository(repo: str | Path, model_name: str, settings: ModelSettings) -> Path:
-    """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory."""
+def export_repository(repo: str | Path, model_name: str, settings: ModelSettings, force: bool = False) -> Path:
+    """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory. A model directory that holds
+    anything already is written into only with `force` (else FileExistsError), as `dflash-trt build` asks before
+    replacing an engine."""
+    model_dir = Path(repo) / model_name
+    if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
+        raise FileExistsError(f"{model_dir} already holds a model; pass --force to overwrite it")
     for path in (settings.engine_dir, settings.target_dir, settings.drafter_dir):
         if path and not Path(path).is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
     check_sources(settings)
-    model_dir = Path(repo) / model_name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
@@ -186,7 +190,15 @@ class TritonServer:
                 f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--exit-timeout-secs=5",
                 "--log-verbose=0"]
 
+    def check_repository(self) -> None:
+        """FileNotFoundError unless the repository holds a model, which tritonserver would otherwise find only
+        after starting, ending in "failed to load all models"."""
+        if not any(self.repo.glob("*/config.pbtxt")):
+            raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
+                                    f"write one first: dflash-trt triton export ENGINE -o {self.repo}")
+
     def start(self) -> "TritonServer":
+        self.check_repository()
         root = _pytriton_root()
         self._workdir = tempfile.TemporaryDirectory(prefix="dflash-triton-")
         work = Path(self._workdir.name)
@@ -215,23 +227,28 @@ class TritonServer:
                                         start_new_session=True, preexec_fn=_die_with_parent)
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Poll /v2/health/ready; RuntimeError if the server exits or is not ready in time."""
+    def is_ready(self) -> bool:
+        """Whether /v2/health/ready answers 200: every model loaded, all three endpoints up."""
         import urllib.error
         import urllib.request
 
-        url = f"http://{self.host}:{self.ports[0]}/v2/health/ready"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        url = f"http://{host}:{self.ports[0]}/v2/health/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float | None = 120.0) -> None:
+        """Poll /v2/health/ready; RuntimeError if the server exits or is not ready in time (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self.is_ready():
+                return
             time.sleep(0.5)
         raise RuntimeError(f"tritonserver was not ready after {timeout:.0f} s" + (f"; see {self.log_path}" if self.log_path else ""))
 
@@ -252,8 +269,9 @@ class TritonServer:
             self._workdir = None
         return code
 
-    def wait_forwarding_signals(self) -> int:
-        """Run until the server exits; SIGINT / SIGTERM stop it cleanly. Returns its exit code."""
+    def wait_forwarding_signals(self, on_ready=None) -> int:
+        """Run until the server exits; SIGINT / SIGTERM stop it cleanly. Returns its exit code. `on_ready()` is
+        called once the server is ready, if it gets there."""
         assert self.process is not None, "start() first"
 
         def forward(signum, _frame):
@@ -262,6 +280,13 @@ class TritonServer:
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
+        if on_ready is not None:
+            try:
+                self.wait_ready(timeout=None)  # loading a model may take minutes: no limit but the server's exit
+            except RuntimeError:
+                pass  # it exited: its code is returned below
+            else:
+                on_ready()
         code = self.process.wait()
         self.stop()
         return 0 if code in (0, -signal.SIGTERM) else code

@@ -1,13 +1,17 @@
 """`dflash-trt serve`'s engine options reach the engine's configuration (load_engine), unset ones as None (keep the
-engine's or EngineConfig's default); `dflash-trt triton export` refuses what tritonserver could not load."""
+engine's or EngineConfig's default), and it takes its port before loading the model; `dflash-trt triton export`
+refuses what tritonserver could not load, and an existing model without --force; `triton serve` refuses a directory
+that is not a model repository."""
 
 import shutil
+import socket
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from dflash_trt.server import cli
+from tests.server.conftest import free_port
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -27,7 +31,8 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
         raise ValueError("stop before serving")
 
     monkeypatch.setattr(cli, "load_engine", load_engine)
-    result = CliRunner().invoke(cli.serve, ["--no-spec", "--max-batch-size", "2", *args])
+    result = CliRunner().invoke(cli.serve, ["--no-spec", "--max-batch-size", "2", "--port", str(free_port()),
+                                            *args])
     assert result.exit_code == 1 and "stop before serving" in result.output
     assert {k: seen[k] for k in expected} == expected
     assert seen["max_batch_size"] == 2
@@ -51,7 +56,8 @@ def test_triton_export_of_a_target_that_cannot_be_served_fails_before_writing(tm
 
 def test_an_engine_with_another_target_or_drafter_is_a_usage_error(tmp_path, tiny_dirs):
     for flag in ("--target", "--drafter"):
-        result = CliRunner().invoke(cli.serve, [str(tmp_path), flag, str(tiny_dirs["qwen3"])])
+        result = CliRunner().invoke(cli.serve, [str(tmp_path), flag, str(tiny_dirs["qwen3"]),
+                                                "--port", str(free_port())])
         assert result.exit_code == 2 and "pass either ENGINE or --target/--drafter, not both" in result.output
 
 
@@ -83,3 +89,84 @@ def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_no
     assert result.exit_code == 1 and "export it with --backend torch" in result.output
     assert not repo.exists()
     assert CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)]).exit_code == 0
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(monkeypatch):
+    loaded = []
+
+    def load_engine(*args, **overrides):
+        loaded.append(args)
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(cli, "load_engine", load_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli.serve, ["--no-spec", "--port", str(port)])
+    assert result.exit_code == 1 and f"127.0.0.1:{port} is already in use" in result.output, result.output
+    assert "pass another --port" in result.output and "serving" not in result.output
+    assert not loaded
+
+
+def test_serve_says_it_serves_only_once_it_listens(monkeypatch, tiny_dirs):
+    """The "serving ... on URL" line is a promise that a client can connect: checked when it is written."""
+    port, connected = free_port(), []
+    echo = cli.click.echo
+
+    def spy(message=None, *args, **kwargs):
+        if str(message).startswith("serving"):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                connected.append(True)
+            except OSError:
+                connected.append(False)
+        return echo(message, *args, **kwargs)
+
+    async def stop_at_once(self):  # instead of serving until a signal
+        pass
+
+    server_class = cli._uvicorn_server_class
+    monkeypatch.setattr(cli, "_uvicorn_server_class", lambda: type("S", (server_class(),), {"main_loop": stop_at_once}))
+    monkeypatch.setattr(cli.click, "echo", spy)
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                            str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256",
+                                            "--port", str(port)])
+    assert result.exit_code == 0, result.output
+    assert f"on http://127.0.0.1:{port}/v1" in result.output and "stopped" in result.output
+    assert connected == [True]
+
+
+def test_triton_serve_refuses_a_directory_that_is_not_a_model_repository(monkeypatch, tmp_path):
+    from dflash_trt.server import triton
+
+    def no_tritonserver():  # the check must come before tritonserver is looked for, let alone started
+        raise RuntimeError("tritonserver looked for")
+
+    monkeypatch.setattr(triton, "_pytriton_root", no_tritonserver)
+    engine = tmp_path / "engine"  # what `dflash-trt build` writes: models, no config.pbtxt
+    (engine / "target").mkdir(parents=True)
+    (engine / "target" / "config.json").write_text("{}")
+    result = CliRunner().invoke(cli.triton, ["serve", str(engine)])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert f"{engine.resolve()} is not a Triton model repository" in message
+    assert f"dflash-trt triton export ENGINE -o {engine.resolve()}" in message
+    assert "tritonserver looked for" not in message
+
+
+def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
+    repo = tmp_path / "repo"
+    base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
+    assert CliRunner().invoke(cli.triton, base).exit_code == 0
+    config = repo / "dflash" / "config.pbtxt"
+    first = config.read_text()
+    result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"])
+    assert result.exit_code == 1 and f"{repo / 'dflash'} already holds a model; pass --force" in result.output
+    assert config.read_text() == first
+    result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128", "--force"])
+    assert result.exit_code == 0, result.output
+    assert 'key: "max_model_len", value: { string_value: "128" }' in config.read_text()
+    # another model in the same repository overwrites nothing
+    assert CliRunner().invoke(cli.triton, [*base, "--model-name", "other"]).exit_code == 0
+    assert (repo / "other" / "config.pbtxt").is_file()

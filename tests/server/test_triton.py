@@ -184,6 +184,18 @@ def test_triton_http_generate_extension(triton, tiny_dirs):
     assert status == 400 and "sampling_param_presence_penalty=1.5" in body
 
 
+def test_triton_serve_says_where_it_listens_once_ready(triton):
+    """Its "tritonserver on ..." line follows tritonserver's own "Started HTTPService", which comes once the models
+    have loaded, not its start."""
+    log = triton["log"]
+    deadline = time.monotonic() + 30  # the CLI polls for readiness; the fixture may have seen it first
+    while "tritonserver on 127.0.0.1" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    assert "Started HTTPService" in text and "tritonserver on 127.0.0.1" in text, text[-3000:]
+    assert text.index("Started HTTPService") < text.index("tritonserver on 127.0.0.1"), text[-3000:]
+
+
 def _cancel_a_stream(url: str) -> None:
     """A streaming request cancelled by its client after its first response (tritonclient's gRPC cancellation)."""
     import tritonclient.grpc as grpcclient
