@@ -86,8 +86,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
 
     engine_path = engine
     if no_spec:
-        _refuse_speculative_flags(max_draft_len=max_draft_len, tree_nodes=tree_nodes, lookup_nodes=lookup_nodes,
-                                  acceptance=acceptance != "match")
+        refuse_drafting_flags({"--max-draft-len": max_draft_len, "--tree-nodes": tree_nodes,
+                               "--lookup-nodes": lookup_nodes, "--acceptance rejection": acceptance != "match"})
     tree = None if tree_nodes is None else ({1: tree_nodes} if tree_nodes else {})
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -172,13 +172,12 @@ def _tree_text(engine) -> str:
     return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")
 
 
-def _refuse_speculative_flags(**given) -> None:
-    """--no-spec decodes plainly: a drafting flag beside it is a contradiction, as --drafter is, not a no-op."""
-    names = {"max_draft_len": "--max-draft-len", "tree_nodes": "--tree-nodes", "lookup_nodes": "--lookup-nodes",
-             "acceptance": "--acceptance rejection"}
-    given_flags = [names[k] for k, v in given.items() if v not in (None, False)]
-    if given_flags:
-        raise click.UsageError(f"--no-spec decodes without drafts: drop {', '.join(given_flags)} (or --no-spec)")
+def refuse_drafting_flags(flags: dict[str, object]) -> None:
+    """--no-spec decodes plainly: a drafting flag beside it (flag -> value; None or False: not given) is a
+    contradiction, as --drafter is, not a no-op."""
+    given = [flag for flag, value in flags.items() if value not in (None, False)]
+    if given:
+        raise click.UsageError(f"--no-spec decodes without drafts: drop {', '.join(given)} (or --no-spec)")
 
 
 def _refuse_unpassed_to_trtllm(**given) -> None:

@@ -130,6 +130,13 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     if backend == "trtllm":
         _exec_trtllm_serve(engine, host, port)
         return
+    if no_spec:
+        from dflash_trt.cli import refuse_drafting_flags
+
+        refuse_drafting_flags({"--max-draft-len": max_draft_len, "--draft-len-schedule": draft_len_schedule,
+                               "--draft-tree": draft_tree, "--lookup-nodes": lookup_nodes,
+                               "--adaptive-draft-len": adaptive_draft_len, "--draft-vocab-size": draft_vocab_size,
+                               "--int8-drafter": int8_drafter})
     import uvicorn
 
     from dflash_trt.engine.engine_loop import EngineLoop
@@ -277,6 +284,10 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 
     if engine is not None and (target or drafter):
         raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
+    if no_spec:
+        from dflash_trt.cli import refuse_drafting_flags
+
+        refuse_drafting_flags({"--max-draft-len": max_draft_len})
     if max_batch_size is None:  # an engine was planned for its own rows (its memory plan, its schedule)
         max_batch_size = TRITON_DEFAULT_MAX_BATCH_SIZE
         if engine is not None:

@@ -31,7 +31,7 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
         raise ValueError("stop before serving")
 
     monkeypatch.setattr(cli, "load_engine", load_engine)
-    result = CliRunner().invoke(cli.serve, ["--no-spec", "--max-batch-size", "2", "--port", str(free_port()),
+    result = CliRunner().invoke(cli.serve, ["--max-batch-size", "2", "--port", str(free_port()),
                                             *args])
     assert result.exit_code == 1 and "stop before serving" in result.output
     assert {k: seen[k] for k in expected} == expected
@@ -170,3 +170,17 @@ def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
     # another model in the same repository overwrites nothing
     assert CliRunner().invoke(cli.triton, [*base, "--model-name", "other"]).exit_code == 0
     assert (repo / "other" / "config.pbtxt").is_file()
+
+
+@pytest.mark.parametrize("command, args, flag", [
+    ("serve", ["-k", "3"], "--max-draft-len"), ("serve", ["--draft-tree", "1:6"], "--draft-tree"),
+    ("serve", ["--lookup-nodes", "4"], "--lookup-nodes"), ("serve", ["--adaptive-draft-len"], "--adaptive-draft-len"),
+    ("triton export", ["-k", "3", "-o", "repo"], "--max-draft-len"),
+])
+def test_no_spec_with_a_drafting_flag_is_a_usage_error_not_an_ignored_flag(command, args, flag, tmp_path):
+    from dflash_trt.cli import main
+
+    r = CliRunner().invoke(main, [*command.split(), "--no-spec", "--port" if command == "serve" else "--model-name",
+                                  str(free_port()) if command == "serve" else "m", *args])
+    assert r.exit_code == 2 and flag in r.output and "--no-spec" in r.output, r.output
+    assert not (tmp_path / "repo").exists()
