@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -47,6 +48,69 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
         raise click.BadParameter(f"{cfg.mask_token_id} is not a token of the target (vocabulary 0..{vocab - 1})",
                                  param_hint="'--mask-token-id'")
+
+
+# What a run writes in OUT (the data stages' files too: --data may be OUT itself); the .tmp/.old names are an
+# interrupted write's leftovers.
+RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log.jsonl.tmp", "drafter",
+             "drafter.tmp", "drafter.old", "data", "responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp",
+             "features"}
+
+
+def check_out_dir(out_dir: Path, data_dir: Path) -> None:
+    """Refuse an OUT that holds anything a run did not write: a run replaces OUT/drafter whole and rewrites its log,
+    and would mix its files with the others (a model directory, a drafter downloaded to OUT/drafter)."""
+    if not out_dir.is_dir():
+        return
+    ours = set(RUN_FILES)
+    if data_dir.resolve().is_relative_to(out_dir.resolve()) and data_dir.resolve() != out_dir.resolve():
+        ours.add(data_dir.resolve().relative_to(out_dir.resolve()).parts[0])  # --data OUT/NAME
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours and not p.name.startswith("."))
+    drafter = out_dir / "drafter"
+    if drafter.is_dir() and any(drafter.iterdir()) and not (drafter / "training.json").is_file():
+        foreign.append("drafter/ (no training.json: not a drafter this command trained)")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise click.BadParameter(f"{out_dir} holds what no training run wrote ({shown}): choose a new or empty "
+                                 "directory", param_hint="'--out'")
+
+
+def check_target_dir(target_dir: Path) -> None:
+    """Fail unless target_dir has the tokenizer files: transformers would otherwise make up an empty tokenizer, and
+    the run fail at the first prompt with 'empty prompt'."""
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise click.BadParameter(f"{target_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
+                                 "tokenizer.model): pass the model's whole HF directory", param_hint="'--target'")
+
+
+def check_start(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
+    """Fail unless --init-from-target / --init-drafter can start the run's drafter (else found after the data
+    stages, which can take hours)."""
+    from dataclasses import replace
+
+    from dflash_trt.models.config import read_config_json
+    from dflash_trt.models.dflash import DFlashConfig
+    from dflash_trt.train.trainer import check_warm_start, drafter_config_for
+
+    n = target_cfg.num_hidden_layers
+    if cfg.init_from_target and cfg.num_layers > n:
+        raise click.BadParameter(f"--init-from-target copies the target's last --layers layers; it has {n}, "
+                                 f"not {cfg.num_layers}", param_hint="'--layers'")
+    if cfg.init_drafter:
+        source = str(Path(cfg.init_drafter) / "config.json")
+        warm = DFlashConfig.from_dict(read_config_json(Path(cfg.init_drafter)), source)
+        warm.check_pairing(target_cfg, source)
+        # The mask token does not shape the drafter: any one stands in until the data choose it.
+        check_warm_start(warm, drafter_config_for(target_cfg, replace(cfg, mask_token_id=0)), cfg.init_drafter)
+
+
+def check_records(records: list[dict], path: Path, vocab_size: int) -> None:
+    """Fail on records holding a token the target does not have: DATA holds another target's responses."""
+    for r in records:
+        ids = r["prompt_ids"] + r["response_ids"]
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            raise ValueError(f"{path}: record {r['id']} holds token ids outside the target's vocabulary "
+                             f"(0..{vocab_size - 1}): its responses are another target's; pass another --data")
 
 
 def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: DecoderConfig) -> None:
@@ -96,7 +160,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     from dflash_trt.models.config import decoder_config_from_dict, read_config_json
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
-    from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache
+    from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache, check_index
     from dflash_trt.train.responses import generate_responses
     from dflash_trt.train.self_prompts import (
         SUMMARY_SOURCE,
@@ -108,10 +172,15 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 
     # Everything checkable is checked before the data stages, which can take hours.
     target_cfg = decoder_config_from_dict(read_config_json(target_dir), str(target_dir / "config.json"))
+    check_target_dir(target_dir)
     cfg.target_layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers,
                                                                                  cfg.num_features))
     check_against_target(cfg, target_cfg)
+    check_start(cfg, target_cfg)
+    check_out_dir(out_dir, data_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
+    if device == "cpu":
+        check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
@@ -135,6 +204,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                                            **answer)
     else:
         records = generate_responses(engine, prompts, responses, **answer)
+    check_records(records, responses, target.config.vocab_size)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     if device == "cpu":
@@ -145,6 +215,22 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)
     trainer.train()
     return out_dir / "drafter"
+
+
+def interrupted_state(out_dir: Path, data_dir: Path) -> str:
+    """What an interrupted run leaves for --resume, in a sentence or two."""
+    from dflash_trt.train.responses import read_records
+    from dflash_trt.train.trainer import saved_run
+
+    try:
+        saved = saved_run(out_dir)
+        done = len(read_records(data_dir / "responses.jsonl"))
+    except ValueError:
+        return "Kept: what was done before, in --out and --data."
+    data = f"Kept: {done} responses in {data_dir / 'responses.jsonl'} (and their features cached so far)"
+    if saved is None:
+        return data + "; no training checkpoint yet."
+    return data + f"; training at step {saved['step']} in {out_dir / 'checkpoint.pt'}."
 
 
 def _layer_ids(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -174,7 +260,8 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (checkpoint.pt, train_log.jsonl, drafter/).")
 @click.option("--data", type=click.Path(file_okay=False), help="Data directory (responses + feature cache; default OUT/data).")
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1), help="Drafter decoder layers.")
-@click.option("--block-size", default=16, show_default=True, type=int, help="Draft block size B (K up to B-1).")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=2),
+              help="Draft block size B (K up to B-1).")
 @click.option("--target-layers", default=None, callback=_layer_ids,
               help="Comma-separated target layer ids to fuse (default: z-lab spacing).")
 @click.option("--num-features", default=5, show_default=True, type=click.IntRange(min=1), help="Target layers to fuse when --target-layers is not given.")
@@ -227,6 +314,8 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         from dflash_trt.embedded import smollm2_dir
 
         target = smollm2_dir()
+    out_dir = Path(out)
+    data_dir = Path(data) if data else out_dir / "data"
     try:
         cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=target_layers, num_features=num_features,
                           steps=steps, lr=lr, seqs_per_step=seqs_per_step, micro_batch=micro_batch,
@@ -238,10 +327,21 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
-        out_dir = Path(out)
-        drafter = prepare_and_train(Path(target), out_dir, Path(data) if data else out_dir / "data", cfg, prompts, resume,
+        drafter = prepare_and_train(Path(target), out_dir, data_dir, cfg, prompts, resume,
                                     max_new_tokens=response_tokens, sampled_variants=sampled_variants, device=device,
                                     self_prompts=self_prompts)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"drafter: {drafter}")  # the best on the held-out split, or the last with nothing held out
+    except KeyboardInterrupt:
+        # Click alone says only "Aborted!": say what was kept, and how to go on.
+        click.echo(f"\nInterrupted. {interrupted_state(out_dir, data_dir)} Run the same command with --resume to "
+                   "continue from there.", err=True)
+        raise click.exceptions.Exit(130) from None
+    # The best on the held-out split, or the last with nothing held out: which step and score it is.
+    made = drafter / "training.json"
+    made = json.loads(made.read_text()) if made.is_file() else None
+    score = made and made["metrics"].get("val_tau")
+    click.echo(f"drafter: {drafter}" + (f" (step {made['step']}{f', held-out tau {score:.2f}' if score else ''})"
+                                        if made else ""))
+    click.echo(f"log: {out_dir / 'train_log.jsonl'}; checkpoint (for --resume): {out_dir / 'checkpoint.pt'}; "
+               f"data: {data_dir}")

@@ -7,11 +7,13 @@ Layout of a cache directory:
   shard_00000.npy ...   float16 [tokens, len(target_layer_ids) * hidden]
 A shard is written to a temporary name and renamed, then recorded in index.json. A later call caches only
 the sequences the index lacks, in new shards: an interrupted run resumes, and appended records are added.
+A shard that cannot be read back (missing, cut short) is dropped from the index and its sequences cached again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +23,8 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class FeatureSource(Protocol):
@@ -36,16 +40,20 @@ class FeatureSource(Protocol):
 class FeatureCache:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        index = json.loads((self.root / "index.json").read_text())
+        index = read_index(self.root / "index.json")
         self.feature_dim = index["feature_dim"]
         self.target_layer_ids = index["target_layer_ids"]
         self._where: dict[str, tuple[int, int, int]] = {}
-        self._files = []
+        self._maps: dict[int, np.ndarray] = {}
+        # Every shard is opened now, not when a training step first reads it (hours in).
         for i, shard in enumerate(index["shards"]):
-            self._files.append(self.root / shard["file"])
+            data, problem = open_shard(self.root, shard, self.feature_dim)
+            if problem:
+                raise ValueError(f"{self.root / shard['file']}: {problem}; build_feature_cache caches its sequences "
+                                 "again (`dflash-trt train` does), or delete the directory")
+            self._maps[i] = data
             for sid, (offset, length) in shard["sequences"].items():
                 self._where[sid] = (i, offset, length)
-        self._maps: dict[int, np.ndarray] = {}
 
     def __contains__(self, sid: str) -> bool:
         return sid in self._where
@@ -56,8 +64,6 @@ class FeatureCache:
     def get(self, sid: str) -> np.ndarray:
         """[length, feature_dim] float16, memory-mapped."""
         shard, offset, length = self._where[sid]
-        if shard not in self._maps:
-            self._maps[shard] = np.load(self._files[shard], mmap_mode="r")
         return self._maps[shard][offset : offset + length]
 
     def batch(self, records: list[dict], lengths: list[int]) -> torch.Tensor:
@@ -86,15 +92,64 @@ class TargetFeatures:
         return feats
 
 
-def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
-    path = root / "index.json"
-    if path.is_file():
+def read_index(path: Path) -> dict:
+    try:
         index = json.loads(path.read_text())
-        if index["target_layer_ids"] != list(layer_ids):
-            raise ValueError(f"{path}: cached target_layer_ids={index['target_layer_ids']} differ from {list(layer_ids)}; "
-                             "use another --data directory")
-        return index
-    return {"feature_dim": feature_dim, "target_layer_ids": list(layer_ids), "shards": []}
+        if not {"feature_dim", "target_layer_ids", "shards"} <= set(index):
+            raise ValueError("keys missing")
+    except (ValueError, TypeError) as e:  # not JSON, or not an index
+        raise ValueError(f"{path} is damaged ({e}): delete {path.parent} (the features are computed again from the "
+                         "responses), or pass another --data") from None
+    return index
+
+
+def open_shard(root: Path, shard: dict, feature_dim: int) -> tuple[np.ndarray | None, str | None]:
+    """(the shard's memory map, None), or (None, what is wrong with it): missing, truncated or of another shape
+    (a copy cut short, a disk that lost it)."""
+    path = root / shard["file"]
+    if not path.is_file():
+        return None, "missing"
+    try:
+        data = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:
+        return None, f"unreadable ({e})"
+    need = max((offset + length for offset, length in shard["sequences"].values()), default=0)
+    if data.dtype != np.float16 or data.ndim != 2 or data.shape[1] != feature_dim or data.shape[0] < need:
+        return None, f"holds {data.dtype} {list(data.shape)}, the index needs float16 [{need}, {feature_dim}]"
+    return data, None
+
+
+def check_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict | None:
+    """The cache index at root (None if none), refused if made for other target layers or another width."""
+    path = root / "index.json"
+    if not path.is_file():
+        return None
+    index = read_index(path)
+    if index["target_layer_ids"] != list(layer_ids):
+        raise ValueError(f"{path}: cached target_layer_ids={index['target_layer_ids']} differ from {list(layer_ids)}; "
+                         "use another --data directory")
+    if index["feature_dim"] != feature_dim:
+        raise ValueError(f"{path}: cached features are {index['feature_dim']} wide, this target's layers give "
+                         f"{feature_dim} (data of another target?); use another --data directory")
+    return index
+
+
+def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
+    """The index, less the shards that cannot be read: their sequences are cached again (they are the target's
+    features of the stored responses, so nothing is lost)."""
+    index = check_index(root, feature_dim, layer_ids)
+    if index is None:
+        return {"feature_dim": feature_dim, "target_layer_ids": list(layer_ids), "shards": []}
+    kept = []
+    for shard in index["shards"]:
+        _, problem = open_shard(root, shard, feature_dim)
+        if problem:
+            logger.warning("%s: %s; its %d sequences are cached again", root / shard["file"], problem,
+                           len(shard["sequences"]))
+        else:
+            kept.append(shard)
+    index["shards"] = kept
+    return index
 
 
 @torch.inference_mode()

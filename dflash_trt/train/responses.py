@@ -21,16 +21,53 @@ from dflash_trt.train.prompts import Prompt, stable_hash
 logger = logging.getLogger(__name__)
 
 
+RECORD_KEYS = ("id", "source", "split", "mode", "prompt_ids", "response_ids")
+
+
+def _torn(line: str | bytes) -> bool:
+    try:
+        json.loads(line)
+        return False
+    except ValueError:  # json.JSONDecodeError, or bytes that are not UTF-8
+        return True
+
+
 def read_records(path: Path) -> list[dict]:
+    """The records stored at path. The last line may be torn (a run killed mid-write): it is left out, and
+    generated again. A damaged line before it is refused, naming it: skipping it would hide the damage, and
+    stopping there would drop every record after it."""
     if not path.is_file():
         return []
+    lines = path.read_text(errors="replace").splitlines()
+    if lines and _torn(lines[-1]):
+        lines.pop()
     out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a torn last line from an interrupted run: it is regenerated
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rec = None if _torn(line) else json.loads(line)
+        if not isinstance(rec, dict) or not all(k in rec for k in RECORD_KEYS):
+            raise ValueError(f"{path} line {n} is not a response record (JSON with {', '.join(RECORD_KEYS)}): "
+                             "delete that line (its response is generated again), or pass another --data")
+        out.append(rec)
     return out
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a torn last line off path before records are appended: appended after it, the next record would be
+    glued to it into one damaged line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if not data.strip():
+        return
+    start = data.rstrip(b"\n").rfind(b"\n") + 1  # of the last line
+    with path.open("r+b") as f:
+        if _torn(data[start:]):
+            f.truncate(start)
+        elif not data.endswith(b"\n"):  # whole but for its newline
+            f.seek(len(data))
+            f.write(b"\n")
 
 
 def generate_responses(
@@ -60,6 +97,7 @@ def generate_responses(
                 jobs.append((rid, p, mode, engine.encode(p.text, chat=True)))
     jobs.sort(key=lambda j: len(j[3]))  # similar lengths batch together
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_torn_tail(out_path)
     bar = tqdm(total=len(jobs), desc="responses", unit="seq", dynamic_ncols=True)
     with out_path.open("a") as f:
         for start in range(0, len(jobs), batch_size):

@@ -198,7 +198,17 @@ def answer_with_summaries(engine: LLMEngine, tokenizer, prompts: list[Prompt], o
 
 def read_prompts(path: Path) -> list[Prompt]:
     """Prompts stored one JSON object ({text, source}) per line."""
-    return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(Prompt(**json.loads(line)))
+        except (ValueError, TypeError):  # not JSON, or not {text, source}
+            # Records name prompts by position: a prompt dropped or made up would relabel every one after it.
+            raise ValueError(f"{path} line {n} is not a prompt (JSON with text, source): restore the file, or pass "
+                             "another --data") from None
+    return out
 
 
 def write_prompts(path: Path, prompts: list[Prompt]) -> None:

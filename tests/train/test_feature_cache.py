@@ -1,12 +1,15 @@
 """The on-disk feature cache: the target's hidden states, resumable and extendable."""
 
+import json
+import logging
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_trt.models.registry import load_target
-from dflash_trt.train.feature_cache import build_feature_cache
+from dflash_trt.train.feature_cache import FeatureCache, build_feature_cache
 from tests.conftest import make_target
 
 
@@ -51,3 +54,40 @@ def test_a_cache_of_other_layers_is_refused_naming_the_data_option(tmp_path):
     build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
     with pytest.raises(ValueError, match=r"target_layer_ids=\[0\] differ from \[1\]; use another --data directory"):
         build_feature_cache(target, _sequences(2), tmp_path / "cache", [1])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "other width"])
+def test_a_damaged_shard_is_named_and_its_sequences_cached_again(tmp_path, caplog, damage):
+    target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
+    seqs = _sequences(6)
+    whole = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40)
+    want = {sid: np.array(whole.get(sid)) for sid, _ in seqs}
+    shard = tmp_path / "cache" / "shard_00000.npy"
+    lost = sorted(json.loads((tmp_path / "cache" / "index.json").read_text())["shards"][0]["sequences"])
+    if damage == "truncated":  # a copy cut short
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "missing":
+        shard.unlink()
+    else:
+        np.save(shard, np.zeros((4, 3), dtype=np.float16))
+    # Found when the cache is opened, not when a training step first reads the shard.
+    with pytest.raises(ValueError, match=f"{shard}: .*build_feature_cache caches its sequences again"):
+        FeatureCache(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        cache = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40)
+    assert f"{shard}: " in caplog.text and f"its {len(lost)} sequences are cached again" in caplog.text
+    for sid, _ in seqs:
+        np.testing.assert_array_equal(np.asarray(cache.get(sid)), want[sid])
+    FeatureCache(tmp_path / "cache")  # whole again
+
+
+def test_a_damaged_index_or_another_targets_cache_is_refused_naming_the_file(tmp_path):
+    target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
+    build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
+    wider = load_target(make_target(tmp_path / "wider", layers=2, seed=5, hidden_size=48))
+    index = tmp_path / "cache" / "index.json"
+    with pytest.raises(ValueError, match=f"{index}: cached features are 64 wide, this target's layers give 48"):
+        build_feature_cache(wider, _sequences(2), tmp_path / "cache", [0])
+    index.write_text(index.read_text()[:20])
+    with pytest.raises(ValueError, match=f"{index} is damaged .*: delete {tmp_path / 'cache'}"):
+        build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])

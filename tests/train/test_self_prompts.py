@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.self_prompts import (
     PERSONAS,
     SUMMARY_SOURCE,
@@ -13,8 +14,10 @@ from dflash_trt.train.self_prompts import (
     generate_self_prompts,
     passage_of,
     qa_answers,
+    read_prompts,
     summary_requests,
     user_turn_prefix,
+    write_prompts,
 )
 
 
@@ -101,6 +104,15 @@ def test_stored_prompts_are_reused_not_resampled(smollm2_dir, tmp_path):
     assert [p.source for p in first] == ["self/chat", "self/code", "self/math", "self/qa", "self/writing"]
     again = _ScriptedEngine(tok, [_Out("Something else entirely?", "stop")] * len(PERSONAS))
     assert cached_self_prompts(again, path, 1) == first and again.calls == []
+
+
+@pytest.mark.parametrize("damage", ['{"text": "How do', '{"prompt": "How do I?"}'])
+def test_a_damaged_stored_prompt_is_refused_naming_its_line(tmp_path, damage):
+    path = tmp_path / "self_prompts.jsonl"
+    write_prompts(path, [Prompt("How do I sort a list?", "self/code"), Prompt("Why is the sky blue?", "self/qa")])
+    path.write_text(path.read_text().splitlines()[0] + "\n" + damage + "\n")
+    with pytest.raises(ValueError, match=f"{path} line 2 is not a prompt .*: restore the file, or pass another --data"):
+        read_prompts(path)
 
 
 def test_the_real_target_writes_acceptable_requests(smollm2_dir):

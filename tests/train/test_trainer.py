@@ -2,7 +2,12 @@
 
 import json
 import logging
+import math
+import os
+import shutil
+import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,7 +210,7 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert len(json.loads((tmp_path / "run2" / "drafter" / "draft_vocab.json").read_text())["token_ids"]) == 7
     assert json.loads((tmp_path / "run2" / "drafter" / "training.json").read_text())["config"]["steer_anchors"] == 0.5
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
-    assert bad.exit_code != 0 and "block_size must be >= 2" in bad.output
+    assert bad.exit_code != 0 and "Invalid value for '--block-size': 1 is not in the range x>=2" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
     assert bad.exit_code != 0 and "gamma must be > 0" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--distill", "1.5"])
@@ -454,3 +459,65 @@ def test_records_whose_prompt_fills_max_seq_len_are_never_drawn(trained, caplog)
     assert len(log) == 3 and all(e["loss"] > 0 for e in log)
     with pytest.raises(ValueError, match="a response token within max_seq_len"):
         _trainer(t, root, root / "no_window", records, max_seq_len=min(len(r["prompt_ids"]) for r in train))
+
+
+def test_the_checkpoint_holds_the_best_score_of_its_own_evaluation(trained):
+    # Saved before that evaluation's score counted, a resumed run would export a worse drafter over the best one.
+    t, root = trained
+    tr = _trainer(t, root, root / "best_in_ckpt", steps=1, eval_every=1, eval_prompts=0)
+    tr.train()
+    assert tr.best_score > -math.inf
+    assert torch.load(root / "best_in_ckpt" / "checkpoint.pt", weights_only=False)["best_score"] == tr.best_score
+
+
+def test_an_export_killed_midway_leaves_a_whole_drafter(trained, monkeypatch):
+    t, root = trained
+    tr = _trainer(t, root, root / "killed_export", steps=1)
+    path = root / "killed_export" / "drafter"
+    tr.export(path, {"n": 1})
+
+    def killed(p, *args, **kwargs):  # a removal cut short: one file gone, then the process
+        next(Path(p).glob("*.safetensors")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tr.export(path, {"n": 2})
+    monkeypatch.undo()
+    assert json.loads((path / "training.json").read_text())["metrics"] == {"n": 2}
+    load_drafter(path, tr.target.config)
+    _trainer(t, root, root / "killed_export", steps=1)  # the next run clears what was left
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith("drafter")) == ["drafter"]
+    # Killed between its two renames, with the next drafter still being written: the former one is put back.
+    os.replace(path, path.with_name("drafter.old"))
+    path.with_name("drafter.tmp").mkdir()
+    _trainer(t, root, root / "killed_export", steps=1)
+    assert json.loads((path / "training.json").read_text())["metrics"] == {"n": 2}
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith("drafter")) == ["drafter"]
+
+
+def test_a_second_ctrl_c_stops_at_once_and_an_ignored_one_stays_ignored(trained, monkeypatch):
+    t, root = trained
+    loss = Trainer._batch_loss
+
+    def pressed(times):
+        def batch_loss(self, *args, **kwargs):
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
+            return loss(self, *args, **kwargs)
+        return batch_loss
+
+    monkeypatch.setattr(Trainer, "_batch_loss", pressed(2))
+    tr = _trainer(t, root, root / "twice", steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train()
+    assert tr.step == 0 and not (root / "twice" / "checkpoint.pt").exists()  # stopped inside the first step
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(Trainer, "_batch_loss", pressed(1))
+    tr = _trainer(t, root, root / "ignored", steps=3)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        tr.train()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert tr.step == 3

@@ -1,0 +1,48 @@
+"""The stored responses: a run killed mid-write resumes without losing or regenerating what was stored."""
+
+import pytest
+
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.train.prompts import Prompt
+from dflash_trt.train.responses import generate_responses, read_records
+from tests.conftest import make_target
+
+PROMPTS = [Prompt(f"question {i}: what is {w}?", "test") for i, w in enumerate(["red", "blue", "tea", "rain", "snow"])]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    t = make_target(tmp_path_factory.mktemp("target") / "t")
+    return LLMEngine.from_dirs(t, None, EngineConfig(max_batch_size=2, speculative=False))
+
+
+def test_records_appended_after_a_torn_line_are_kept(engine, tmp_path):
+    path = tmp_path / "responses.jsonl"
+    whole = generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0, batch_size=2)
+    path.write_bytes(path.read_bytes()[:-25])  # killed mid-write: the last record torn
+    torn = whole[-1]["id"]  # records are stored in the order generated (shortest prompts first)
+    assert sorted(r["id"] for r in read_records(path)) == sorted(r["id"] for r in whole[:-1])
+    records = generate_responses(engine, PROMPTS, path, max_new_tokens=6, sampled_variants=0, batch_size=2)
+    # Appended after the torn line, the regenerated record would have been glued to it, and lost with every later one.
+    assert sorted(r["id"] for r in records) == [f"{i}:greedy" for i in range(5)]
+    assert {r["id"]: r for r in records}[torn] == whole[-1]
+    assert generate_responses(engine, PROMPTS, path, max_new_tokens=6, sampled_variants=0) == records  # none redone
+
+
+def test_a_last_line_whole_but_for_its_newline_is_kept(engine, tmp_path):
+    path = tmp_path / "responses.jsonl"
+    generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    records = generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
+    assert sorted(r["id"] for r in records) == ["0:greedy", "1:greedy", "2:greedy"]
+
+
+@pytest.mark.parametrize("damage", ['{"id": "0:gre', '{"id": "0:greedy"}', "[1, 2]"])
+def test_a_damaged_line_before_the_last_is_refused_naming_it(engine, tmp_path, damage):
+    path = tmp_path / "responses.jsonl"
+    generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], damage, *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=f"{path} line 2 is not a response record .*: delete that line"):
+        generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
+    assert path.read_text().splitlines() == [lines[0], damage, *lines[2:]]  # nothing rewritten
