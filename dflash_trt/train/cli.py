@@ -314,6 +314,8 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         from dflash_trt.embedded import smollm2_dir
 
         target = smollm2_dir()
+    if init_from_target and init_drafter:  # the trainer would load one over the other
+        raise click.UsageError("--init-from-target and --init-drafter are two warm starts: pass one")
     out_dir = Path(out)
     data_dir = Path(data) if data else out_dir / "data"
     try:

@@ -124,6 +124,12 @@ def test_bad_options_are_refused_before_any_response_is_generated(target, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_two_warm_starts_are_a_usage_error_not_one_loaded_over_the_other(target, tmp_path):
+    r = _train(target, tmp_path / "out", "--init-from-target", "--init-drafter", str(tmp_path))
+    assert r.exit_code == 2 and "--init-from-target and --init-drafter" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_target_without_tokenizer_files_is_refused_before_any_response_is_generated(target, tmp_path):
     # transformers would make up an empty tokenizer, and the run fail at its first prompt with "empty prompt".
     bare = tmp_path / "bare"
