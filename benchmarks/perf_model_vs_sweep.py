@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record  # noqa: E402
 
+from dflash_trt.bench.plot import load_runs  # noqa: E402
 from dflash_trt.config import build_config_from_dict  # noqa: E402
 from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 from dflash_trt.hardware import profile  # noqa: E402
@@ -47,7 +48,7 @@ def main() -> None:
     rows, errors = [], []
     for spec in args.runs:
         path, _, k = spec.partition(":")
-        run = json.loads(Path(path).read_text())
+        (run,) = load_runs([path])  # tok/s/user as 1 / median TPOT, old result files too
         k = int(k or 0)
         for p in run["points"]:
             if not p.get("tok_s_per_user"):  # no request produced two tokens: nothing to compare

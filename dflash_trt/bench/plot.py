@@ -44,6 +44,12 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
             raise ValueError(f"{path}: not a bench sweep result (expected 'points' with concurrency, {X_KEY} "
                              f"and {Y_KEY})")
         run["label"] = run.get("label") or path.stem
+        for p in points:
+            # Older sweeps recorded the mean of per-request 1 / TPOT, up to 30% above 1 / median TPOT where TPOT
+            # varies (more with speculative decoding than without): every run, old or new, on one axis.
+            tpot = p.get("tpot_s")
+            if isinstance(tpot, dict) and isinstance(tpot.get("p50"), (int, float)) and tpot["p50"] > 0:
+                p[X_KEY] = 1.0 / tpot["p50"]
         runs.append(run)
     return runs
 

@@ -4,7 +4,11 @@ At each concurrency c, exactly c streaming requests are in flight until the poin
 (bounded load: requests per point grow with c). Prompts come in a seeded shuffled order, so two runs with
 the same seed send the same prompts. Latencies follow trtllm-serve's benchmark_serving definitions:
 TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks.
-With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token.
+With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token (as vLLM's
+and TensorRT-LLM's benchmark_serving count it; TPOT is the per-token figure). Tokens/s/user is 1 / median TPOT,
+the "interactivity" axis of InferenceMAX's throughput-vs-interactivity charts (utils/process_result.py:
+intvty = 1000 / tpot_ms); TensorRT-LLM's "User throughput" (mean of output tokens / E2E, TTFT included) is
+kept beside it as user_throughput_tok_s.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class RequestResult:
     error: str | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty content chunk
     end: float | None = None  # arrival of the last data event (the finishing / usage chunk)
+    finish: float | None = None  # when the request was over, failed or not: it held its slot until then
     completion_tokens: int | None = None  # usage, when the endpoint sends it
     prompt_tokens: int | None = None
     acceptance: dict | None = None  # this project's per-choice extension
@@ -174,11 +179,19 @@ async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: Benc
     body = request_body(cfg, prompt, index)
     res = RequestResult(prompt.id, time.perf_counter())
     try:
+        await _stream(client, cfg, body, res)
+    finally:
+        res.finish = time.perf_counter()
+    return res
+
+
+async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: RequestResult) -> None:
+    try:
         async with client.stream("POST", cfg.endpoint, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {text[:500]}"
-                return res
+                return
             # Read to the end of the stream (not just [DONE]) so the connection goes back to the pool.
             done = False
             async for line in resp.aiter_lines():
@@ -190,19 +203,28 @@ async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: Benc
                     done = True
                     continue
                 event = json.loads(payload)
-                if "error" in event:
+                if isinstance(event, dict) and "error" in event:
                     err = event["error"]
                     res.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
-                    return res
-                _read_event(event, cfg.api, now, res)
+                    return
+                try:
+                    _read_event(event, cfg.api, now, res)
+                except (AttributeError, TypeError) as e:
+                    # a malformed event fails its request, not the whole sweep and every point measured so far
+                    res.error = f"malformed event {payload[:200]!r}: {e}"
+                    return
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
-        return res
+        return
     if not res.chunk_times:
         res.error = "the stream ended without any content"
-        return res
+        return
+    if not done:
+        # OpenAI-compatible servers (vLLM, trtllm-serve, SGLang, this one) end a complete stream with [DONE]; one
+        # that closes without it was cut short, and its latencies and token count describe a truncated answer.
+        res.error = f"the stream ended before [DONE] (cut short after {len(res.chunk_times)} content chunks)"
+        return
     res.ok = True
-    return res
 
 
 def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
@@ -288,13 +310,17 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     if not ok:
-        raise SweepError(f"{cfg.endpoint}: every request at concurrency {concurrency} failed ({len(failed)} of {len(results)}); "
-                         f"first error: {failed[0].error}")
-    duration = max(r.end for r in ok) - min(r.start for r in results)
+        raise SweepError(f"{cfg.endpoint}: every request at concurrency {concurrency} failed "
+                         f"({len(failed)} of {len(results)}); first error: {failed[0].error}")
+    # the point lasts until its last request is over, failed ones included (vLLM's benchmark_duration): a request
+    # that timed out at the end still held a slot that whole time
+    duration = max(r.finish if r.finish is not None else r.end for r in results) - min(r.start for r in results)
     out_tokens = sum(r.output_tokens for r in ok)
     tpots = [r.tpot for r in ok if r.tpot is not None]
     in_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     output_tok_s = out_tokens / duration
+    tpot = summary(tpots)
+    per_user = [r.output_tokens / r.e2el for r in ok if r.e2el > 0]  # TensorRT-LLM benchmark_serving's tput_user
     return {
         "concurrency": concurrency,
         # "chunks": the endpoint sent no usage, so tokens are counted as content chunks; an endpoint that
@@ -308,10 +334,13 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "input_tokens": sum(in_tokens) if in_tokens else None,
         "output_tok_s": output_tok_s,
         "request_throughput": len(ok) / duration,
-        "tok_s_per_user": float(np.mean([1.0 / t for t in tpots if t > 0])) if any(t > 0 for t in tpots) else None,
+        # 1 / median TPOT, not the mean of per-request 1 / TPOT: that mean is pulled up by the fastest requests
+        # (Jensen), so it exceeds what the median user sees and what other tools plot on this axis
+        "tok_s_per_user": 1.0 / tpot["p50"] if tpot["p50"] else None,
+        "user_throughput_tok_s": float(np.mean(per_user)) if per_user else None,
         "tok_s_per_gpu": output_tok_s / cfg.gpus,
         "ttft_s": summary([r.ttft for r in ok]),
-        "tpot_s": summary(tpots),
+        "tpot_s": tpot,
         "itl_s": summary([g for r in ok for g in r.itls]),
         "e2el_s": summary([r.e2el for r in ok]),
     }

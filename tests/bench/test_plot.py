@@ -83,6 +83,17 @@ def test_load_runs(tmp_path):
         load_runs([tmp_path / "missing.json"])
 
 
+def test_runs_plot_tokens_per_user_as_one_over_the_median_tpot(tmp_path):
+    """The interactivity axis is 1000 / median TPOT in ms (InferenceMAX's median_intvty); a result recorded with
+    another tok_s_per_user (the mean of per-request 1 / TPOT, as sweeps once wrote) is plotted on that axis too."""
+    old = run("old", [(144.15, 10.0), (30.0, 20.0)])
+    old["points"][0]["tpot_s"] = {"mean": 0.0078, "p50": 0.007976}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (loaded,) = load_runs([tmp_path / "old.json"])
+    assert loaded["points"][0]["tok_s_per_user"] == pytest.approx(1000 / 7.976)
+    assert loaded["points"][1]["tok_s_per_user"] == 30.0  # no TPOT recorded: kept as written
+
+
 @pytest.mark.parametrize("name, magic", [("p.jpg", b"\xff\xd8\xff"), ("p.svg", b"<?xml"), ("p.pdf", b"%PDF"),
                                          ("pareto", b"\x89PNG")])
 def test_plot_writes_the_format_its_name_asks_for(tmp_path, name, magic):

@@ -36,6 +36,7 @@ def prompts(*texts: str, max_tokens: int = 6) -> list[Prompt]:
 FIRST_DELAY = 0.05  # before the first token
 GAP = 0.02  # between chunks
 K = 3  # draft tokens per step
+SLOW = 0.4  # before the first token of a "slowfail:" prompt
 STEPS, ACCEPTED = 3, 5  # the stub's vLLM-style counters, per finished request: 3 drafts of K tokens, 5 accepted
 
 
@@ -46,6 +47,7 @@ class StubState:
     metrics: bool = True
     acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
     decoded_per_iter: dict = field(default_factory=dict)  # prompt text -> trtllm-serve's avg_decoded_tokens_per_iter
+    gaps: dict = field(default_factory=dict)  # prompt text -> seconds between its chunks (default GAP)
     metrics_format: str = "vllm"  # or "trtllm": trtllm-serve's JSON iteration statistics
     inflight: int = 0
     arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
@@ -91,15 +93,21 @@ def stub_app(state: StubState, n_chunks: int = 6):
             try:
                 if chat:
                     yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-                await asyncio.sleep(FIRST_DELAY)
+                await asyncio.sleep(SLOW if text.startswith("slowfail:") else FIRST_DELAY)
                 for i in range(n_chunks):
                     if i:
-                        await asyncio.sleep(GAP)
+                        await asyncio.sleep(state.gaps.get(text, GAP))
                     yield event(chunk("ab"[: state.tokens_per_chunk]))
-                    if text.startswith("midfail:"):
+                    if text.startswith(("midfail:", "slowfail:")):
                         yield event({"error": {"message": "stub died mid-stream"}})
                         yield "data: [DONE]\n\n"
                         return
+                    if text.startswith("cut:") and i == 1:  # a clean close of the body, no finish, no [DONE]
+                        return
+                    if text.startswith("drop:"):  # the server's generator raises: the connection is torn down
+                        raise RuntimeError("stub engine died")
+                    if text.startswith("malformed:"):
+                        yield "data: null\n\n"
                 extra = {}
                 if text in state.acceptance:
                     tau, steps = state.acceptance[text]
@@ -302,6 +310,44 @@ def test_failures_are_counted(stub):
     assert pt["output_tokens"] == 4 * 6  # only the successful requests
     joined = " ".join(pt["errors"])
     assert "HTTP 500" in joined and "stub failure for fail:x" in joined and "stub died mid-stream" in joined
+
+
+def test_tok_s_per_user_is_one_over_the_median_tpot(stub):
+    """Interactivity as InferenceMAX plots it against tokens/s/GPU: 1000 / median TPOT (ms). Three users decoding
+    at very different speeds: the mean of their 1 / TPOT (48 tok/s) is no user's experience; the median is 33."""
+    gaps = {"fast": 0.01, "mid": 0.03, "slow": 0.09}
+    stub.reset(gaps=gaps)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=3), prompts(*gaps))["points"]
+    chunks, slack = 6, 0.005
+    # one token per chunk and the usage chunk right after the last: TPOT_i = gap_i (plus scheduling slack)
+    assert 1 / (0.03 + slack) <= pt["tok_s_per_user"] <= 1 / 0.03
+    assert pt["tok_s_per_user"] == pytest.approx(1 / pt["tpot_s"]["p50"])
+    # TensorRT-LLM benchmark_serving's tput_user beside it: mean of tokens / E2E, E2E_i = FIRST_DELAY + 5 gap_i
+    e2e = [FIRST_DELAY + (chunks - 1) * g for g in gaps.values()]
+    lo = sum(chunks / (t + 2 * slack) for t in e2e) / 3
+    assert lo <= pt["user_throughput_tok_s"] <= sum(chunks / t for t in e2e) / 3
+
+
+def test_duration_lasts_until_a_failed_request_ends(stub):
+    """vLLM's benchmark_duration runs to the end of the last request, failed or not: a request that held its slot
+    for SLOW seconds and then died still took that time from the point's throughput."""
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [2], min_requests=2), prompts("ok", "slowfail:x"))["points"]
+    assert pt["num_failed"] == 1 and pt["output_tokens"] == 6
+    assert pt["duration_s"] >= SLOW
+    assert pt["output_tok_s"] <= 6 / SLOW and pt["request_throughput"] <= 1 / SLOW
+
+
+def test_cut_dropped_and_malformed_streams_fail_their_request_only(stub):
+    """A stream that closes before [DONE] (no finish, no usage) is a truncated answer, not a short success; a torn
+    connection and an event that is not a JSON object fail their request without ending the sweep."""
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=4),
+                      prompts("ok", "cut:a", "drop:b", "malformed:c"))["points"]
+    assert pt["num_requests"] == 4 and pt["num_failed"] == 3
+    assert pt["output_tokens"] == 6 and pt["tokens_from"] == "usage"  # the one complete answer's
+    joined = " ".join(pt["errors"])
+    assert "before [DONE]" in joined and "RemoteProtocolError" in joined and "malformed event" in joined
 
 
 def test_a_point_where_everything_fails_raises(stub):
