@@ -24,11 +24,12 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
-from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST
+from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.models.weights import CheckpointError, _open as open_safetensors
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
@@ -40,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-TARGET_CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+INDEX = "model.safetensors.index.json"
+TARGET_CONFIG_FILES = ("config.json", "generation_config.json", INDEX)
+DRAFTER_CONFIG_FILES = ("config.json", INDEX, DRAFT_VOCAB_FILE)
 # Testing knob: stall (sleep) after this build step, so a test can kill the build midway.
 STALL_ENV = "DFLASH_TRT_BUILD_STALL_AFTER"
 
@@ -164,32 +167,89 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(out: Path) -> None:
-    """Temporary directories of builds whose process is gone (killed builds) are removed."""
-    for tmp in out.parent.glob(f".{out.name}.build-*"):
+def _dead_builds(out: Path, kind: str) -> Iterator[Path]:
+    """`out`'s `.NAME.{kind}-PID-...` siblings whose build process is gone."""
+    for path in out.parent.glob(f".{out.name}.{kind}-*"):
         try:
-            pid = int(tmp.name.split(".build-")[1].split("-")[0])
+            pid = int(path.name.split(f".{kind}-")[1].split("-")[0])
         except (IndexError, ValueError):
             continue
         if not _pid_alive(pid):
-            shutil.rmtree(tmp, ignore_errors=True)
+            yield path
 
 
-def _write_weights(src: Path, dst: Path, link: bool, progress: bool) -> None:
+def _remove_stale_temps(out: Path) -> None:
+    """Temporary directories of builds whose process is gone (killed builds) are removed. A previous engine set
+    aside by a --force build is deleted once the new one is in place; if the build was killed (SIGKILL, power)
+    between the two renames, no engine is at `out` and the previous one is put back rather than deleted."""
+    for tmp in _dead_builds(out, "build"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in _dead_builds(out, "old"):
+        if not out.exists() and (old / MANIFEST).is_file():
+            old.rename(out)
+            logger.warning("%s: put back the engine a killed --force build had set aside", out)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_output(out: Path, force: bool) -> None:
+    """An existing `out` is replaced only with --force, and only if it is an engine: --force with -o naming a
+    checkpoint or any other directory would otherwise delete it once the build is done."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    if not (out / MANIFEST).is_file():
+        raise FileExistsError(
+            f"{out} exists and is not an engine directory (no {MANIFEST}); --force replaces only an engine written "
+            "by `dflash-trt build`: choose another -o, or move that directory away yourself"
+        )
+
+
+def _weight_files(src: Path) -> list[Path]:
+    """The safetensors files a loader reads from checkpoint `src` (those its index names, else every *.safetensors),
+    each header read: safetensors checks there that the file holds every byte the header lists, so a truncated or
+    unreadable file fails here, naming it, on every hardware profile and before anything is copied."""
+    index = src / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
+                                  '"weight_map" of tensor name -> file') from e
+        files = [src / n for n in names]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{missing[0]}: named in {index} but missing")
+    else:
+        files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{src}: no *.safetensors weights")
+    for f in files:
+        with open_safetensors(f):
+            pass
+    return files
+
+
+def _copy(src: Path, dst: Path, bar) -> None:
+    """shutil.copyfile, reporting every chunk: one checkpoint file can be tens of GB."""
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while chunk := fi.read(1 << 24):
+            fo.write(chunk)
+            bar.update(len(chunk))
+
+
+def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: list[Path], link: bool, bar) -> None:
     dst.mkdir(parents=True)
-    for name in TARGET_CONFIG_FILES:
+    for name in config_files:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{src}: no *.safetensors weights")
-    with _progress(sum(f.stat().st_size for f in files), f"{'link' if link else 'copy'} {dst.name}", progress) as bar:
-        for f in files:
-            if link:
-                (dst / f.name).symlink_to(f.resolve())
-            else:
-                shutil.copyfile(f, dst / f.name)
-            bar.update(f.stat().st_size)
+    for f in files:
+        if link:
+            (dst / f.name).symlink_to(f.resolve())
+        else:
+            _copy(f, dst / f.name, bar)
 
 
 def _tokenizer_files(src: Path) -> list[str]:
@@ -199,11 +259,24 @@ def _tokenizer_files(src: Path) -> list[str]:
     return found
 
 
-def _write_tokenizer(src: Path, dst: Path) -> list[str]:
+def _write_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
     dst.mkdir(parents=True)
     copied = _tokenizer_files(src)
     for n in copied:
         shutil.copy2(src / n, dst / n)
+    # Loaded from the copy, as generate and serve will load it: a damaged file, or one the copy left behind,
+    # fails the build instead of the first request.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(dst))
+    except Exception as e:  # tokenizers and transformers raise many types for a file they cannot read
+        raise ValueError(f"{src}: the tokenizer does not load ({type(e).__name__}: {e})") from e
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"{src}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is {vocab_size}; "
+            "it is another model's tokenizer, or the checkpoint is"
+        )
     return copied
 
 
@@ -264,36 +337,40 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
                  progress: bool = True) -> Path:
     """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
     out = Path(out_dir).resolve()
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    _remove_stale_temps(out)  # first: a killed --force build may have left the previous engine aside
+    _check_output(out, force)
     p = prepare_build(config_path, overrides)
     if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
         missing = p.target if p.target.path is None else p.drafter
         raise FileNotFoundError(f"{missing.ref!r} is not on disk; fetch it with `hf download {missing.ref}`")
+    link = p.config.target_weights == "link"
+    if link and (p.target.path == out or out in p.target.path.parents):
+        raise ValueError(f"target_weights: link: the target {p.target.path} lies inside {out}, which this build "
+                         "replaces: the links would point into the deleted engine; use target_weights: copy")
+    weights = {"target": _weight_files(p.target.path),
+               "drafter": _weight_files(p.drafter.path) if p.drafter is not None else []}
     _check_tensors(p)
     _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with _sigterm_unwinds():
         tmp.mkdir()
-        _write_files(p, out, tmp, progress)
+        _write_files(p, out, tmp, weights, force, progress)
     return out
 
 
-def _write_files(p: PreparedBuild, out: Path, tmp: Path, progress: bool) -> None:
+def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list[Path]], force: bool,
+                 progress: bool) -> None:
     """Write the engine into `tmp`, then swap it in at `out`; on any exit short of that, remove `tmp`."""
     try:
-        _write_weights(p.target.path, tmp / "target", p.config.target_weights == "link", progress)
-        _stall("target")
-        tokenizer_files = _write_tokenizer(p.target.path, tmp / "tokenizer")
-        if p.drafter is not None:
-            (tmp / "drafter").mkdir()
-            for name in ("config.json", "model.safetensors", "model.safetensors.index.json", DRAFT_VOCAB_FILE):
-                if (p.drafter.path / name).is_file():
-                    shutil.copy2(p.drafter.path / name, tmp / "drafter" / name)
-            for extra in sorted(p.drafter.path.glob("model-*.safetensors")):
-                shutil.copy2(extra, tmp / "drafter" / extra.name)
+        tokenizer_files = _write_tokenizer(p.target.path, tmp / "tokenizer", p.target_config.vocab_size)
+        link = p.config.target_weights == "link"
+        copied = weights["drafter"] + ([] if link else weights["target"])
+        with _progress(sum(f.stat().st_size for f in copied), "copy weights", progress) as bar:
+            _write_weights(p.target.path, tmp / "target", TARGET_CONFIG_FILES, weights["target"], link, bar)
+            _stall("target")
+            if p.drafter is not None:
+                _write_weights(p.drafter.path, tmp / "drafter", DRAFTER_CONFIG_FILES, weights["drafter"], False, bar)
         (tmp / "plan.json").write_text(json.dumps(p.plan.to_dict(), indent=2) + "\n")
         (tmp / "trtllm").mkdir()
         (tmp / "trtllm" / "config.yaml").write_text(
@@ -325,8 +402,10 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, progress: bool) -> None
             "trtllm": {"version": TENSORRT_LLM_VERSION, "llm_args_source": LLM_ARGS_SOURCE},
             "files": checksums,
         }
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         with _signals_held():  # a SIGTERM between the two renames would leave neither engine at `out`
+            _check_output(out, force)  # again: another process may have written `out` during this build
             if out.exists():  # --force: swap, then delete the old engine
                 old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 out.rename(old)

@@ -17,6 +17,10 @@ def _table(rows: list[tuple[str, str]], title: str) -> str:
     return "\n".join(lines)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _tree(spec: dict | None) -> str:
     spec = spec or {}
     tree, without_amx = spec.get("draft_tree"), spec.get("draft_tree_without_amx")
@@ -122,8 +126,10 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
                 raise click.UsageError("pass -o DIR (or --plan-only)")
             path = build_engine(config, output, overrides, force=force)
             plan = EngineDir(path).plan
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from e
+    except (ValueError, OSError, RuntimeError) as e:
+        # the system's own errors (a full disk, a read-only -o) come without the engine they stopped
+        where = f" (building {output})" if isinstance(e, OSError) and e.errno and not e.filename else ""
+        raise click.ClickException(f"{e}{where}") from e
     click.echo(json.dumps(plan, indent=2) if as_json else format_plan(plan))
     if not plan_only:
         click.echo(f"\nengine written to {path}", err=True)
@@ -140,24 +146,27 @@ def inspect(engine, verify) -> None:
         e = EngineDir(engine)
         if verify:
             e.verify()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         raise click.ClickException(str(err)) from err
     m = e.manifest
     t, d = m["target"], m.get("drafter")
     src = m["sources"]
     rows = [
         ("name", m["name"]), ("format version", str(m["format_version"])), ("created", m["created"]),
-        ("target", f"{src['target']['ref']} ({t['architecture']}, {t['num_hidden_layers']} layers, hidden "
-                   f"{t['hidden_size']}, vocab {t['vocab_size']}, {t['num_attention_heads']}/{t['num_key_value_heads']} "
-                   f"heads of {t['head_dim']}, rope {t['rope_type']})"),
+        ("target", f"{src['target']['ref']} ({t['architecture']}, {_count(t['num_hidden_layers'], 'layer')}, "
+                   f"hidden {t['hidden_size']}, vocab {t['vocab_size']}, {t['num_attention_heads']}/"
+                   f"{t['num_key_value_heads']} heads of {t['head_dim']}, rope {t['rope_type']})"),
         ("drafter", "none" if d is None else
-         f"{src['drafter']['ref']} ({d['num_hidden_layers']} layers, block {d['block_size']}, target_layer_ids "
-         f"{d['target_layer_ids']}, mask {d['mask_token_id']})"),
+         f"{src['drafter']['ref']} ({_count(d['num_hidden_layers'], 'layer')}, block {d['block_size']}, "
+         f"target_layer_ids {d['target_layer_ids']}, mask {d['mask_token_id']})"),
+        ("target weights", "copied" if m["build_config"].get("target_weights") != "link" else
+         f"symlinks to {src['target']['path']} (the engine breaks if those files move)"),
         ("K (max_draft_len)", str(m["max_draft_len"])),
         ("draft tree (torch)", _tree(m["build_config"].get("speculative_config"))),
         ("chat template", "yes" if m["tokenizer"]["chat_template"] else "no"),
         ("TensorRT-LLM target", m["trtllm"]["version"]),
-        ("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if k != "format_version")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()
+                               if k not in ("format_version", "tensorrt_llm_target"))),  # rows of their own
         ("files", f"{len(m['files'])}, {sum(f['size'] for f in m['files'].values()) / GB:.3f} GB"
                   + (" (sha256 verified)" if verify else "")),
     ]

@@ -12,6 +12,7 @@ debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a 
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -241,13 +242,59 @@ class BuildConfig(_Strict):
         return self.speculative_config.speculative_model if self.speculative_config else None
 
 
+def _keys_at(loc: tuple) -> list[str]:
+    """The schema's keys in the mapping at `loc` (a pydantic error location); [] where that is no model."""
+    model: type[BaseModel] = BuildConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        subs = [a for a in get_args(field.annotation) or (field.annotation,)
+                if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not subs:
+            return []
+        model = subs[0]
+    return list(model.model_fields)
+
+
+def _is_branch(part: Any) -> bool:
+    """A pydantic location part naming a union member it tried ("dict[int,int]", "literal['auto']") or a mapping's
+    key ("[key]"), not a YAML key."""
+    return isinstance(part, str) and "[" in part
+
+
+def _union_errors(errors: list[dict]) -> list[dict]:
+    """Each union field's errors, as one: pydantic reports every member it tried, e.g. for draft_len_schedule
+    {1: 7, a: 3} both "a: not an integer" and "should be 'auto'", which reads as if 'auto' were the fix. Where a
+    member got past its type (the value is a mapping), its errors alone are kept; else one error lists them all."""
+    plain: list[dict] = []
+    unions: dict[tuple, list[dict]] = {}
+    for err in errors:
+        loc = err["loc"]
+        cut = next((i for i, p in enumerate(loc) if _is_branch(p)), None)
+        if cut is None:
+            plain.append(err)
+            continue
+        note = " (in a key)" if "[key]" in loc else ""
+        unions.setdefault(tuple(loc[:cut]), []).append(
+            {**err, "loc": tuple(p for p in loc if not _is_branch(p)), "msg": err["msg"] + note})
+    for key, members in unions.items():
+        deep = [m for m in members if len(m["loc"]) > len(key)]
+        plain += deep or [{**members[0], "msg": "; or: ".join(m["msg"] for m in members)}]
+    return plain
+
+
 def _format_error(e: ValidationError, source: str) -> str:
     lines = []
-    for err in e.errors():
+    # unknown keys first: a misspelt required key is also reported missing, and the misspelling is the cause
+    for err in sorted(_union_errors(e.errors()), key=lambda err: err["type"] != "extra_forbidden"):
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (not part of the build config schema; see dflash_trt/config.py)"
+            close = difflib.get_close_matches(str(err["loc"][-1]), _keys_at(err["loc"][:-1]), n=1, cutoff=0.75)
+            if close:
+                msg = f"unknown key; did you mean '{close[0]}'?"
         elif err["type"] == "missing":
             msg = "required key is missing"
         lines.append(f"{source}: key '{key}': {msg}")
@@ -289,14 +336,36 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
         raise ValueError(_format_error(e, source)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error: plain YAML keeps the last one,
+    so `max_batch_size: 8` further down a file would silently undo the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found key {key!r} a second time (first on line {first.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def load_build_config(path: str | Path, overrides: dict | None = None) -> tuple[BuildConfig, Path]:
     """Read and validate a build config YAML; returns it and the directory its relative paths start from."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: build config not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        with open(path, encoding="utf-8") as f:  # a stream, so YAML's marks name the file and not "<unicode string>"
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: invalid YAML ({e})") from e
     return build_config_from_dict(raw, str(path), overrides), path.resolve().parent
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,7 +28,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        logger.info("converting %s (dequantizing; about 15 s for SmolLM2-135M)", gguf_path)
+        # Said on stderr, not logged: at the default log level the tokenizer's part of the conversion (the first
+        # ten seconds or so, before transformers' own progress bars) would look like a hang.
+        print(f"converting {gguf_path} into {out_dir} (once; about 30 s for SmolLM2-135M)", file=sys.stderr,
+              flush=True)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         # The GGUF quantizer marks the model unserializable; the weights are already dequantized.

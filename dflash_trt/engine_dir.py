@@ -1,7 +1,8 @@
 """An engine directory written by `dflash-trt build`: reading its manifest, verifying it, opening it.
 
-`verify()` checks the format version and the sha256 of every file the manifest lists; serve and
-generate call it (through `open_engine`) before loading anything.
+`verify()` checks the format version, the manifest's own checksum, the sha256 of every file the manifest lists,
+and that no file was added where the runtimes read by glob; serve and generate call it (through `open_engine`)
+before loading anything.
 """
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# The manifest's own checksum: it holds the build config generate and serve run with, and cannot list itself.
+MANIFEST_DIGEST = "manifest_sha256"
+# Directories the runtimes read by globbing (*.safetensors, optional tokenizer files): a file added there after
+# the build would be loaded although no checksum covers it.
+LOADED_DIRS = ("target", "drafter", "tokenizer")
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content (not its formatting), without its MANIFEST_DIGEST entry."""
+    body = {k: v for k, v in json.loads(json.dumps(manifest)).items() if k != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -43,12 +55,27 @@ class EngineDir:
             raise ValueError(f"{self.path / gone[0]}: listed in {MANIFEST} but missing; rebuild the engine")
 
     def verify(self) -> None:
-        """ValueError naming the file when the format version or any file's checksum does not match."""
+        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
         version = self.manifest["format_version"]
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"{self.path / MANIFEST}: format_version={version}, this dflash-trt reads {FORMAT_VERSION}; rebuild the engine"
             )
+        recorded = self.manifest.get(MANIFEST_DIGEST)  # absent in engines built before it was written
+        if recorded is not None and recorded != manifest_digest(self.manifest):
+            raise ValueError(
+                f"{self.path / MANIFEST}: its content does not match its {MANIFEST_DIGEST} (edited after the build); "
+                "rebuild the engine"
+            )
+        listed = set(self.manifest["files"])
+        for sub in LOADED_DIRS:
+            for f in sorted((self.path / sub).rglob("*")):
+                rel = f.relative_to(self.path)
+                if f.is_file() and str(rel) not in listed and not any(p.startswith(".") for p in rel.parts):
+                    raise ValueError(
+                        f"{f}: not listed in {MANIFEST} (added after the build; the runtime may read it): "
+                        "remove it or rebuild the engine"
+                    )
         for rel, entry in self.manifest["files"].items():
             f = self.path / rel
             if not f.is_file():

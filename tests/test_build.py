@@ -4,6 +4,7 @@ checksum mismatch is refused."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -475,3 +476,222 @@ def test_a_draft_vocabulary_size_the_drafter_cannot_serve_fails_the_build_naming
     save_draft_vocab(drafter, torch.tensor([7, 3, 50]), torch.tensor([5, 4, 1]))
     with pytest.raises(ValueError, match="speculative_config.draft_vocab_size=4 exceeds the 3 tokens"):
         prepare_build(_vocab_config(tmp_path, tiny_dirs, drafter, 4))
+
+
+def test_force_replaces_only_an_engine_never_another_directory(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    checkpoint = tmp_path / "checkpoint"  # -o naming the very target the build reads
+    shutil.copytree(tiny_dirs["llama"], checkpoint)
+    for victim, config in ((notes, cfg), (checkpoint, write_config(tmp_path, checkpoint, None))):
+        before = sorted(p.name for p in victim.iterdir())
+        with pytest.raises(FileExistsError, match=f"{victim} exists and is not an engine directory"):
+            build_engine(config, victim, force=True, progress=False)
+        assert sorted(p.name for p in victim.iterdir()) == before
+    assert (notes / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()  # nothing to lose: no --force needed
+    EngineDir(build_engine(cfg, empty, progress=False)).verify()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    out = build_engine(cfg, tmp_path / "e", progress=False)
+    # SIGKILL after the previous engine was set aside and before the new one took its place
+    aside = tmp_path / f".e.old-{_dead_pid()}-0000abcd"
+    out.rename(aside)
+    with pytest.raises(FileExistsError, match="--force"):
+        build_engine(cfg, out, progress=False)
+    EngineDir(out).verify()  # the previous engine is back, whole
+    assert not aside.exists()
+    # SIGKILL while the previous engine was being deleted, after the swap: the remains go
+    shutil.copytree(out, aside)
+    build_engine(cfg, out, force=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")) == []
+
+
+def test_drafter_weights_under_any_file_name_travel_into_the_engine(tiny_dirs, tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    (drafter / "model.safetensors").rename(drafter / "dflash-drafter.safetensors")  # what the loader globs for
+    out = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], drafter), tmp_path / "e", progress=False)
+    assert "drafter/dflash-drafter.safetensors" in EngineDir(out).manifest["files"]
+    assert open_engine(out).drafter is not None
+
+
+def _sharded(tmp_path: Path, source: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    t = tmp_path / "sharded"
+    shutil.copytree(source, t)
+    tensors = load_file(t / "model.safetensors")
+    (t / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {n: f"model-0000{1 + i * 2 // len(names)}-of-00002.safetensors" for i, n in enumerate(names)}
+    for shard in set(shards.values()):
+        save_file({n: tensors[n] for n, s in shards.items() if s == shard}, t / shard)
+    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    return t
+
+
+def test_a_sharded_checkpoints_index_decides_and_its_problems_are_named(tiny_dirs, tmp_path):
+    from safetensors.torch import save_file
+
+    t = _sharded(tmp_path, tiny_dirs["qwen3"])
+    save_file({"x": torch.zeros(1)}, t / "consolidated.safetensors")  # not in the index: no loader reads it
+    out = build_engine(write_config(tmp_path, t, None), tmp_path / "e", progress=False)
+    assert sorted(f for f in EngineDir(out).manifest["files"] if f.endswith(".safetensors")) == \
+        ["target/model-00001-of-00002.safetensors", "target/model-00002-of-00002.safetensors"]
+    index = t / "model.safetensors.index.json"
+    good = index.read_text()
+    for text, words in (("{", "not a safetensors index (JSONDecodeError"), ("{}", "not a safetensors index (KeyError")):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=rf"{index}: {re.escape(words)}"):
+            build_engine(write_config(tmp_path, t, None), tmp_path / "e2", progress=False)
+    index.write_text(good)
+    (t / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=rf"model-00002-of-00002.safetensors: named in {index} but missing"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "e2", progress=False)
+    r = CliRunner().invoke(main, ["build", str(write_config(tmp_path, t, None)), "-o", str(tmp_path / "e2")])
+    assert r.exit_code == 1 and "named in" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "e2").exists()
+
+
+def test_a_gpu_build_refuses_a_truncated_target_checkpoint(tiny_dirs, tmp_path):
+    # The torch-runtime tensor check only runs for CPU builds; a GPU build still must not bless a cut-short file.
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    data = (t / "model.safetensors").read_bytes()
+    (t / "model.safetensors").write_bytes(data[:-5000])
+    cfg = write_config(tmp_path, t, tiny_dirs["qwen3_drafter"], hardware="h200", dtype="bfloat16")
+    with pytest.raises(ValueError, match=f"{t / 'model.safetensors'}: .*truncated"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_the_target(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    good = (t / "tokenizer.json").read_text()
+    (t / "tokenizer.json").write_text(good[: len(good) // 2])  # cut short
+    cfg = write_config(tmp_path, t, None, hardware="h200", dtype="bfloat16")
+    with pytest.raises(ValueError, match=f"{t}: the tokenizer does not load"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    (t / "tokenizer.json").write_text(good)
+    config = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps({**config, "vocab_size": 80}))  # 96 tokens for 80 embedding rows
+    with pytest.raises(ValueError, match=f"{t}: the tokenizer has 96 tokens but config.json's vocab_size is 80"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_manifest_edited_or_a_file_added_after_the_build_is_refused_naming_it(tiny_engine, tmp_path):
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    extra = bad / "target" / "zz-extra.safetensors"  # the loader globs *.safetensors: it would override norms
+    save_file({"model.norm.weight": torch.zeros(64)}, extra)
+    with pytest.raises(ValueError, match=f"{extra}: not listed in manifest.json"):
+        open_engine(bad)
+    r = CliRunner().invoke(main, ["generate", str(bad), "-p", "x", "--backend", "torch"])
+    assert r.exit_code == 1 and "zz-extra.safetensors: not listed in manifest.json" in r.output
+    extra.unlink()
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["build_config"]["max_seq_len"] = 100_000  # what the runtime would then allow
+    (bad / "manifest.json").write_text(json.dumps(manifest, indent=4))
+    with pytest.raises(ValueError, match=f"{bad / 'manifest.json'}: its content does not match"):
+        open_engine(bad)
+    manifest["build_config"]["max_seq_len"] = 256
+    (bad / "manifest.json").write_text(json.dumps(manifest))  # reformatted only: still the same engine
+    EngineDir(bad).verify()
+    del manifest["manifest_sha256"]  # an engine built before the manifest carried its own checksum
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    EngineDir(bad).verify()
+
+
+def test_copy_progress_counts_the_drafter_and_the_target_weights(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    bars = {}
+
+    class Bar:
+        def __init__(self, total, desc, enabled):
+            self.total, self.done = total, 0
+            bars[desc] = self
+
+        def update(self, n):
+            self.done += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(build, "_progress", Bar)
+    build_engine(write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]), tmp_path / "e")
+    weights = sum(f.stat().st_size for d in ("qwen3", "qwen3_drafter") for f in tiny_dirs[d].glob("*.safetensors"))
+    copies = [b for desc, b in bars.items() if desc != "sha256"]
+    assert [(b.total, b.done) for b in copies] == [(weights, weights)]
+
+
+def test_converting_the_embedded_gguf_says_so_before_its_silent_part(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    from dflash_trt.convert import convert_gguf
+
+    def stop(*a, **k):
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", stop)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError, match="stop here"):
+        convert_gguf(gguf, tmp_path / "out")
+    assert f"converting {gguf} into {tmp_path / 'out'}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_inspect_counts_layers_in_words_and_names_each_version_once(tiny_engine):
+    out = CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
+    assert "(1 layer, block 16" in out and "4 layers" in out
+    assert "tensorrt_llm_target" not in out and out.count("1.3.0rc20") == 1, out
+
+
+def test_a_system_error_while_writing_is_a_message_naming_the_engine_and_leaves_nothing(tiny_dirs, tmp_path,
+                                                                                        monkeypatch):
+    import dflash_trt.build as build
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(build, "_copy", full)
+    out = tmp_path / "engines" / "e"
+    r = CliRunner().invoke(main, ["build", str(write_config(tmp_path, tiny_dirs["qwen3"], None)), "-o", str(out)])
+    assert r.exit_code == 1 and f"No space left on device (building {out})" in r.output, r.output
+    assert list(out.parent.iterdir()) == []
+    r = CliRunner().invoke(main, ["build", str(write_config(tmp_path, tiny_dirs["qwen3"], None)), "-o", "/proc/e"])
+    assert r.exit_code == 1 and "/proc/" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_replaced(tiny_dirs, tmp_path):
+    out = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "e", progress=False)
+    assert "target weights       copied" in CliRunner().invoke(main, ["inspect", str(out)]).output
+    for f in tiny_dirs["qwen3"].glob("tokenizer*"):
+        shutil.copy(f, out / "target")  # the engine's own target/ as a checkpoint
+    cfg = write_config(tmp_path, out / "target", None, target_weights="link")
+    with pytest.raises(ValueError, match=f"target_weights: link: the target {out / 'target'} lies inside {out}"):
+        build_engine(cfg, out, force=True, progress=False)
+    linked = build_engine(cfg, tmp_path / "linked", progress=False)
+    assert f"symlinks to {out / 'target'} (the engine breaks if those files move)" in \
+        CliRunner().invoke(main, ["inspect", str(linked)]).output

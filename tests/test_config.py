@@ -147,3 +147,49 @@ def test_bundled_gpt_oss_facts_match_the_issue():
     assert (t.extra["num_local_experts"], t.extra["num_experts_per_tok"], t.extra["sliding_window"]) == (128, 4, 128)
     assert t.extra["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(t.extra["layer_types"]) == 36
     assert t.extra["quantization_config"]["quant_method"] == "mxfp4"
+
+
+def test_a_misspelt_key_is_named_first_with_the_key_it_was_meant_to_be():
+    raw = {k: v for k, v in BASE.items() if k != "max_batch_size"}
+    raw.update(max_batch_sise=8, speculative_config={"speculative_model": "z/d", "max_draft_lenn": 3})
+    with pytest.raises(ValueError) as e:
+        build_config_from_dict(raw, "t.yaml")
+    lines = str(e.value).splitlines()
+    assert set(lines[:2]) == {"t.yaml: key 'max_batch_sise': unknown key; did you mean 'max_batch_size'?",
+                              "t.yaml: key 'speculative_config.max_draft_lenn': unknown key; did you mean "
+                              "'max_draft_len'?"}, lines
+    assert lines[2:] == ["t.yaml: key 'max_batch_size': required key is missing"]
+    assert "did you mean" not in _err({}, modle_zzz="x")  # nothing close: no guess
+
+
+def test_a_key_given_twice_in_the_yaml_is_an_error_naming_it_and_both_lines(tmp_path):
+    # Plain YAML keeps the later value: the first max_draft_len would be dropped without a word.
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: t\nmodel: Qwen/Qwen3-8B\nhardware: h200\nmax_batch_size: 8\nmax_seq_len: 4096\n"
+                    "speculative_config:\n  speculative_model: z/d\n  max_draft_len: 3\n  max_draft_len: 5\n")
+    words = r"(?s)twice.yaml: invalid YAML .*'max_draft_len' a second time \(first on line 8\).*twice.yaml.*line 9"
+    with pytest.raises(ValueError, match=words):
+        load_build_config(path)
+    # A merge key's values give way to the mapping's own keys, as YAML says: no key is given twice there.
+    path.write_text("name: t\nmodel: Qwen/Qwen3-8B\nhardware: h200\nmax_seq_len: 4096\n"
+                    "<<: {max_batch_size: 8, max_num_tokens: 512}\nmax_batch_size: 4\n")
+    cfg, _ = load_build_config(path)
+    assert (cfg.max_batch_size, cfg.max_num_tokens) == (4, 512)
+
+
+def test_a_build_config_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.yaml: invalid YAML \('utf-8' codec"):
+        load_build_config(path)
+
+
+@pytest.mark.parametrize("schedule, key, words", [
+    ({1: 7, "a": 3}, "speculative_config.draft_len_schedule.a", "valid integer, unable to parse string as an integer "
+     "(in a key)"),
+    ({1: 7.5}, "speculative_config.draft_len_schedule.1", "valid integer, got a number with a fractional part"),
+    ("fast", "speculative_config.draft_len_schedule", "valid dictionary; or: Input should be 'auto'"),
+])
+def test_a_bad_draft_len_schedule_names_its_yaml_key_not_the_schemas_union_members(schedule, key, words):
+    msg = _err({}, speculative_config={"speculative_model": "z/d", "draft_len_schedule": schedule})
+    assert msg.splitlines() == [f"t.yaml: key '{key}': Input should be a {words}"], msg
