@@ -29,7 +29,7 @@ from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.models.weights import CheckpointError, _open as open_safetensors
+from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
@@ -212,16 +212,7 @@ def _weight_files(src: Path) -> list[Path]:
     unreadable file fails here, naming it, on every hardware profile and before anything is copied."""
     index = src / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
-                                  '"weight_map" of tensor name -> file') from e
-        files = [src / n for n in names]
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{missing[0]}: named in {index} but missing")
+        files = sorted(set(read_index(index).values()))
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:

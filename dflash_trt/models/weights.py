@@ -17,7 +17,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing a tensor, has a wrong shape, or cannot be read."""
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except FileNotFoundError:
@@ -26,20 +26,33 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated or corrupt") from e
 
 
+def read_index(index: Path) -> dict[str, Path]:
+    """A sharded checkpoint's tensor -> shard file, every shard checked present."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        file_of = {str(name): index.parent / str(f) for name, f in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, or no weight_map object in it
+        raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
+                              '"weight_map" of tensor name -> file') from e
+    missing = sorted({f for f in file_of.values() if not f.is_file()})
+    if missing:
+        raise CheckpointError(f"{missing[0]}: named in {index} but missing")
+    return file_of
+
+
 class WeightSet:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self._file_of: dict[str, Path] = {}
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._file_of = {name: self.model_dir / f for name, f in weight_map.items()}
+            self._file_of = read_index(index)
         else:
             files = sorted(self.model_dir.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
             for f in files:
-                with _open(f) as h:
+                with open_safetensors(f) as h:
                     for name in h.keys():
                         self._file_of[name] = f
         self._handles: dict[Path, object] = {}
@@ -56,7 +69,7 @@ class WeightSet:
             raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
-            self._handles[path] = _open(path)
+            self._handles[path] = open_safetensors(path)
         try:
             t = self._handles[path].get_tensor(name)
         except Exception as e:  # safetensors' own error types: a file cut short after its header

@@ -227,3 +227,18 @@ def test_builds_without_avx512_bf16_run_every_layer_in_one_call_alike_for_any_st
     assert torch.equal(whole, torch.cat(steps, 1)) and torch.equal(block, whole[:, 36:])
     assert all(torch.equal(c.k, caches[0].k) and torch.equal(c.v, caches[0].v) for c in caches[1:])
     assert (got - want).abs().max() / want.abs().max() < 0.03
+
+
+@pytest.mark.parametrize("index, message", [
+    ("{not json", "not a safetensors index"),
+    ('{"metadata": {}}', "not a safetensors index"),
+    ('{"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}', "model-00002-of-00002.safetensors"),
+])
+def test_a_sharded_checkpoints_bad_index_is_named(tmp_path, index, message):
+    from dflash_trt.models.weights import CheckpointError
+
+    t = make_target(tmp_path / "t")
+    (t / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_target(t)
+    assert "model.safetensors.index.json" in str(e.value)
