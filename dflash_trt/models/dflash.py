@@ -76,6 +76,11 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "DFlashConfig":
         dflash = cfg.get("dflash_config") or {}
+        if not dflash and not any(k in cfg for k in ("target_layer_ids", "num_target_layers", "block_size")):
+            # else the first key it lacks is named, which does not say a target was given for the drafter
+            raise CheckpointError(f"{source}: not a DFlash drafter (no dflash_config, target_layer_ids or block_size): "
+                                  f"is it a target model ({cfg.get('model_type', 'unknown')})? The drafter is a z-lab "
+                                  "DFlash checkpoint")
 
         def value(key, default=None):
             return dflash.get(key, cfg.get(key, default))

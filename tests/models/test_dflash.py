@@ -113,6 +113,12 @@ def test_bad_pairing_is_refused_naming_the_key(tmp_path, change, message):
         load_drafter(d, load_target(t).config)
 
 
+def test_a_target_given_as_the_drafter_is_called_what_it_is(tmp_path):
+    t = make_target(tmp_path / "t")
+    with pytest.raises(CheckpointError, match="not a DFlash drafter .*is it a target model"):
+        load_drafter(t, load_target(t).config)
+
+
 def test_missing_tensor_is_named(tmp_path):
     t = make_target(tmp_path / "t")
     d = make_drafter(tmp_path / "d", t)
