@@ -49,6 +49,16 @@ def _refuse_set(*fields: str, message: str):
     return field_validator(*fields)(classmethod(refuse))
 
 
+def _refuse_unless(field: str, neutral: Any, message: str):
+    """A validator for a vLLM sampling extension this server does not implement: only its neutral value passes."""
+    def refuse(cls, v: Any) -> Any:
+        if v != neutral:
+            raise ValueError(message)
+        return v
+
+    return field_validator(field)(classmethod(refuse))
+
+
 class _NullIsUnset(BaseModel):
     @model_validator(mode="before")
     @classmethod
@@ -148,31 +158,17 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError("tool calling is not supported; leave tool_choice and function_call unset")
         return v
 
-    @field_validator("min_p")
-    @classmethod
-    def _no_min_p(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("min_p is not supported; use 0 (top_p and top_k are)")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v: float) -> float:
-        if v != 1:
-            raise ValueError("repetition_penalty is not supported (it would change the target's distribution); use 1")
-        return v
+    _no_min_p = _refuse_unless("min_p", 0, "min_p is not supported; use 0 (top_p and top_k are)")
+    _no_repetition_penalty = _refuse_unless("repetition_penalty", 1, "repetition_penalty is not supported (it would "
+                                            "change the target's distribution); use 1")
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
     _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                              message="structured (guided) output is not supported")
 
-    @field_validator("skip_special_tokens")
-    @classmethod
-    def _skip_special(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("skip_special_tokens=false is not supported: answers are decoded without special tokens")
-        return v
+    _skip_special = _refuse_unless("skip_special_tokens", True, "skip_special_tokens=false is not supported: answers "
+                                   "are decoded without special tokens")
 
     @property
     def stop_list(self) -> list[str]:
