@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,12 @@ def avx512f_ops(tmp_path_factory):
     """The kernels as an AVX-512 CPU without BF16 (Skylake, Cascade Lake) builds them."""
     return _kernels_built_for(tmp_path_factory, "skylake-avx512", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                                                                    "avx512dq", "avx512cd"})
+
+
+@pytest.fixture
+def ctrl_c_reaches_python():
+    """SIGINT handled as in a terminal: a test run started in the background (`cmd &`, nohup) inherits it ignored,
+    and code that keeps an ignored SIGINT ignored would then never see the Ctrl-C a test sends."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -188,7 +188,8 @@ def test_responses_of_another_target_are_refused_naming_the_file(target, run, tm
     assert f"{data / 'responses.jsonl'}: record {rec['id']} holds token ids outside the target's vocabulary" in r.output
 
 
-def test_ctrl_c_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path, monkeypatch):
+def test_ctrl_c_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path, monkeypatch,
+                                                                                ctrl_c_reaches_python):
     out, calls = tmp_path / "out", []
     loss = Trainer._batch_loss
 

@@ -496,7 +496,7 @@ def test_an_export_killed_midway_leaves_a_whole_drafter(trained, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith("drafter")) == ["drafter"]
 
 
-def test_a_second_ctrl_c_stops_at_once_and_an_ignored_one_stays_ignored(trained, monkeypatch):
+def test_a_second_ctrl_c_stops_at_once_and_an_ignored_one_stays_ignored(trained, monkeypatch, ctrl_c_reaches_python):
     t, root = trained
     loss = Trainer._batch_loss
 
