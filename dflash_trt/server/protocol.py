@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo,
+                      field_validator, model_serializer, model_validator)
 
 
 class ErrorInfo(BaseModel):
@@ -126,6 +126,14 @@ class _SamplingRequest(_NullIsUnset):
     def _no_penalty(cls, v: float) -> float:
         if v != 0:
             raise ValueError("penalties are not supported (they would change the target's distribution); use 0")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # as OpenAI and vLLM: set without stream it would ask for a usage chunk that never comes
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
         return v
 
     @field_validator("stop")

@@ -255,6 +255,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens"),
     ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    # OpenAI and vLLM: stream_options only with stream=true (a usage chunk asked for that never comes)
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
