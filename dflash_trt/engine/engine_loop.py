@@ -129,11 +129,19 @@ class EngineLoop:
             # Metrics first: a client that reads /metrics right after its last token must see this step counted.
             self._hook(self.on_step, result)
             for seq in result.updated:
-                output = self.engine.make_output(seq) if seq.is_finished else None
+                try:
+                    output = self.engine.make_output(seq) if seq.is_finished else None
+                except Exception as e:  # detokenizing one request's output: uncaught, it would end the thread
+                    logger.exception("output of request %d failed", seq.request_id)
+                    error = f"engine error: {e}"
+                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, error))
+                    continue
                 if output is not None:
                     self._hook(self.on_finish, output)
                 self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
         # Shutting down: answer whatever is left so no caller waits forever.
+        for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
+            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, "server shutting down"))
         while self.engine.scheduler.waiting:

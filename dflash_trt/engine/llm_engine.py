@@ -219,6 +219,11 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            # refused here: in a step, the embedding lookup would fail every request batched with this one
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}")
         seq = Sequence(prompt_ids, params, self.eos_token_ids)
         seq.uniforms = PositionalUniforms(params.seed)
         seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())
@@ -251,6 +256,8 @@ class LLMEngine:
         """Generate for token-id prompts with continuous batching; outputs in prompt order."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: pass one, or one per prompt")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         pending = list(reversed(seqs))
         while pending or self.has_unfinished():
@@ -262,6 +269,14 @@ class LLMEngine:
     def step(self) -> "StepResult":
         """One engine iteration: prefill chunks, then one draft-verify step for every decoding request."""
         batch = self.scheduler.schedule()
+        try:
+            return self._run_batch(batch)
+        except BaseException:
+            # The batch's aborted requests already left the scheduler: the next step answers them, or nothing would.
+            self.scheduler.return_aborted(batch.aborted)
+            raise
+
+    def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)
         if batch.prefills:
             chunks = batch.prefills

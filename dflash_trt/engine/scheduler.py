@@ -186,6 +186,16 @@ class Scheduler:
                 self._release(seq)
             return failed
 
+    def return_aborted(self, seqs: list[Sequence]) -> None:
+        """Aborted requests a failed step took but never answered: the next schedule() hands them out again."""
+        with self._lock:
+            self._aborted[:0] = seqs
+
+    def take_aborted(self) -> list[Sequence]:
+        """Aborted requests no step has answered yet (at shutdown, when no step will)."""
+        with self._lock:
+            return self._take_aborted()
+
     def _take_aborted(self) -> list[Sequence]:
         aborted, self._aborted = self._aborted, []
         for seq in [self._running[i] for i in self._abort_ids if i in self._running]:

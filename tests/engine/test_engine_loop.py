@@ -41,3 +41,150 @@ def test_spawn_raises_the_build_error_in_the_caller():
 
     with pytest.raises(FileNotFoundError, match="no/such/target"):
         EngineLoop.spawn(build)
+
+
+def _finals(loop, prompts, params, timeout=30.0):
+    """Submit prompts; -> {request_id: final RequestUpdate} once all are answered (or the timeout passes)."""
+    finals, done = {}, threading.Event()
+    ids = []
+
+    def callback(update):
+        if update.finished:
+            finals[update.request_id] = update
+            if len(finals) == len(ids):
+                done.set()
+
+    ids.extend(loop.submit(p, params, callback) for p in prompts)
+    done.wait(timeout)
+    return ids, finals
+
+
+def test_a_prompt_with_an_out_of_range_token_id_is_refused_and_never_fails_the_others(tiny_dirs):
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    loop = EngineLoop(engine)  # started below: the bad prompt would otherwise share the good one's first step
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = _prompts(1)[0]
+    finals, done = {}, threading.Event()
+
+    def callback(update):
+        if update.finished:
+            finals[update.request_id] = update
+            done.set()
+
+    good = loop.submit(prompt, params, callback)
+    vocab = engine.target.config.vocab_size
+    for bad in ([5, vocab, 6], [-1, 5]):
+        with pytest.raises(ValueError, match="token ids"):
+            loop.submit(bad, params, lambda u: None)
+    with loop:
+        assert done.wait(30)
+    assert finals[good].error is None
+    assert list(finals[good].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompt, new=12)
+
+
+def test_a_request_aborted_before_a_failing_step_is_still_answered_and_the_loop_serves_on(tiny_dirs):
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    real, failures = engine.runner.prefill, [RuntimeError("injected")]
+
+    def prefill(*args):
+        if failures:
+            raise failures.pop()
+        return real(*args)
+
+    engine.runner.prefill = prefill
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = _prompts(3)
+    finals, done = {}, threading.Event()
+
+    def callback(update):
+        if update.finished:
+            finals[update.request_id] = update
+            if len(finals) == 2:
+                done.set()
+
+    kept = loop.submit(prompts[0], params, callback)
+    aborted = loop.submit(prompts[1], params, callback)
+    assert loop.abort(aborted)  # queued: the first step, which fails, takes it
+    with loop:
+        assert done.wait(30), f"answered: {sorted(finals)}"
+        assert finals[kept].error is not None
+        assert finals[aborted].error is None and finals[aborted].output.finish_reason == "abort"
+        ids, later = _finals(loop, [prompts[2]], params)
+        assert list(later[ids[0]].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompts[2], new=10)
+    assert engine.scheduler.slots.num_free == 2
+
+
+def test_an_output_that_fails_to_build_fails_its_request_only(tiny_dirs):
+    """make_output detokenizes (a slow tokenizer raises on an id past its vocabulary, which a padded embedding can
+    sample): that request is answered with an error, the loop thread lives on and the others finish."""
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    loop = EngineLoop(engine)
+    real, broken = engine.make_output, set()
+
+    def make_output(seq):
+        if seq.request_id in broken:
+            raise IndexError("piece id is out of range")
+        return real(seq)
+
+    engine.make_output = make_output
+    prompts = _prompts(2)
+    finals, done = {}, threading.Event()
+
+    def callback(update):
+        if update.finished:
+            finals[update.request_id] = update
+            if len(finals) == 2:
+                done.set()
+
+    short = loop.submit(prompts[0], SamplingParams(max_new_tokens=3, ignore_eos=True), callback)
+    long = loop.submit(prompts[1], SamplingParams(max_new_tokens=20, ignore_eos=True), callback)
+    broken.add(short)
+    with loop:
+        assert done.wait(30), f"answered: {sorted(finals)}"
+        assert "out of range" in finals[short].error
+        assert finals[long].error is None
+        assert list(finals[long].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompts[1], new=20)
+        assert loop.is_alive
+
+
+def test_a_request_aborted_during_the_last_step_before_shutdown_is_answered(tiny_dirs):
+    from tests.engine.test_lossless import _engine, _prompts
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    real, entered, release = engine.runner.prefill, threading.Event(), threading.Event()
+
+    def prefill(*args):
+        entered.set()
+        release.wait(30)
+        return real(*args)
+
+    engine.runner.prefill = prefill
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    finals, lock = {}, threading.Lock()
+
+    def callback(update):
+        if update.finished:
+            with lock:
+                finals[update.request_id] = update
+
+    loop = EngineLoop(engine).start()
+    running = loop.submit(_prompts(1)[0], params, callback)
+    assert entered.wait(30)
+    queued = loop.submit([5, 6, 7], params, callback)  # one row: it waits
+    assert loop.abort(queued)
+    stopper = threading.Thread(target=loop.stop)
+    stopper.start()
+    assert loop._stop.wait(30)  # stop() set it; the step it waits for is still blocked
+    release.set()
+    stopper.join(30)
+    assert not loop.is_alive
+    assert sorted(finals) == sorted([running, queued])
+    assert finals[queued].output.finish_reason == "abort"
+    assert engine.scheduler.slots.num_used == 0

@@ -673,3 +673,48 @@ def test_a_chain_row_of_the_rejection_rule_keeps_the_drafters_drafts(tiny_dirs, 
     outs = engine.generate(prompts, [greedy, sampled])
     assert outs[0].token_ids == hf_greedy(tiny_dirs["qwen3"], prompts[0])
     assert seen and len({id(x) for x in seen}) == 1  # one request's lookups only: the greedy row's
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_at_the_context_end_and_rows_that_finish_mid_block_beside_others(tiny_dirs, tree):
+    """Drafts the target accepts whole (K=15) run into max_model_len: the last steps' drafts are clipped to the room
+    left, and prompt + max_new_tokens == max_model_len ends exactly there. In the same batch: max_new_tokens=1, a stop
+    token that is the first generated token, and one inside a block; the other rows go on with the target's greedy
+    tokens, and a request aborted mid-run leaves its row to a queued one."""
+    prompts = _prompts(4)
+    longest = max(len(p) for p in prompts)
+    mml = longest + 25
+    refs = [hf_greedy(tiny_dirs["qwen3"], p, new=mml - len(p)) for p in prompts]
+    cfg = {"draft_tree": {4: 15}} if tree else {}
+    engine = _engine(tiny_dirs, "qwen3", 15, rows=3, max_model_len=mml, **cfg)
+    last = max(range(4), key=lambda i: len(prompts[i]))  # its prompt + max_new_tokens is max_model_len
+    truth = {row: prompts[i] + refs[i] for row, i in enumerate((last, 1, 2))}  # rows in the order of arrival
+    force_tree_drafts(engine, truth) if tree else force_drafts(engine, truth, error_rate=0.0)
+    stop_inside = refs[1][6]
+    params = {last: SamplingParams(max_new_tokens=mml - longest, ignore_eos=True),
+              1: SamplingParams(max_new_tokens=mml, stop_token_ids=[stop_inside]),
+              2: SamplingParams(max_new_tokens=1, ignore_eos=True),
+              0: SamplingParams(max_new_tokens=9, stop_token_ids=[refs[0][0]])}
+    assert len(params) == 4
+    seqs = {i: engine.add_request(prompts[i], params[i]) for i in (last, 1, 2, 0)}
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs[last].output_ids == refs[last] and len(refs[last]) == mml - longest
+    assert seqs[last].num_tokens == mml and seqs[last].finish_reason == "length"
+    assert seqs[1].output_ids == refs[1][: refs[1].index(stop_inside) + 1] and seqs[1].finish_reason == "stop"
+    assert seqs[2].output_ids == refs[2][:1] and seqs[2].finish_reason == "length"
+    assert seqs[0].output_ids == refs[0][:1] and seqs[0].finish_reason == "stop"
+    assert max(a for s in seqs.values() for a in s.stats.acceptance_lengths) > 4  # long blocks were accepted
+    assert tree or min(seqs[last].stats.draft_lens) < 15  # and the room left clipped the drafts
+    assert engine.scheduler.slots.num_used == 0
+    # an abort mid-run: the queued request takes its row; the row is freed once (SlotAllocator asserts)
+    a, b, c, d = (engine.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts)
+    engine.step()
+    engine.step()
+    assert engine.abort(b.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert b.finish_reason == "abort" and not engine.abort(b.request_id)
+    for s, p in zip((a, c, d), (prompts[0], prompts[2], prompts[3])):
+        assert s.output_ids == hf_greedy(tiny_dirs["qwen3"], p, new=20)
+    assert engine.scheduler.slots.num_used == 0

@@ -221,3 +221,16 @@ def test_k_follows_the_load_of_the_last_steps_not_a_momentary_one_row_batch():
     assert solo_ks == [0, 3, 3]  # the prefill step, then K=3 straight away
     with pytest.raises(ValueError, match="load_window must be >= 1"):
         SchedulerConfig(max_num_seqs=1, max_model_len=8, load_window=0)
+
+
+def test_generate_refuses_a_params_list_that_does_not_match_the_prompts(tiny_dirs):
+    from tests.engine.test_lossless import hf_greedy
+
+    engine = _engine(tiny_dirs, max_batch_size=2, max_draft_len=3)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 6)]
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate(prompts, params[:1])  # would answer the first prompt only
+    assert not engine.has_unfinished()
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_dirs["qwen3"], p, new=n) for p, n in zip(prompts, (4, 6))]
