@@ -43,6 +43,19 @@ def test_spawn_raises_the_build_error_in_the_caller():
         EngineLoop.spawn(build)
 
 
+def _collector(expected: int):
+    """-> (finals {request_id: final RequestUpdate}, an Event set once `expected` are answered, the callback)."""
+    finals, done = {}, threading.Event()
+
+    def callback(update):
+        if update.finished:
+            finals[update.request_id] = update
+            if len(finals) == expected:
+                done.set()
+
+    return finals, done, callback
+
+
 def _finals(loop, prompts, params, timeout=30.0):
     """Submit prompts; -> {request_id: final RequestUpdate} once all are answered (or the timeout passes)."""
     finals, done = {}, threading.Event()
@@ -66,13 +79,7 @@ def test_a_prompt_with_an_out_of_range_token_id_is_refused_and_never_fails_the_o
     loop = EngineLoop(engine)  # started below: the bad prompt would otherwise share the good one's first step
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompt = _prompts(1)[0]
-    finals, done = {}, threading.Event()
-
-    def callback(update):
-        if update.finished:
-            finals[update.request_id] = update
-            done.set()
-
+    finals, done, callback = _collector(1)
     good = loop.submit(prompt, params, callback)
     vocab = engine.target.config.vocab_size
     for bad in ([5, vocab, 6], [-1, 5]):
@@ -99,14 +106,7 @@ def test_a_request_aborted_before_a_failing_step_is_still_answered_and_the_loop_
     loop = EngineLoop(engine)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompts = _prompts(3)
-    finals, done = {}, threading.Event()
-
-    def callback(update):
-        if update.finished:
-            finals[update.request_id] = update
-            if len(finals) == 2:
-                done.set()
-
+    finals, done, callback = _collector(2)
     kept = loop.submit(prompts[0], params, callback)
     aborted = loop.submit(prompts[1], params, callback)
     assert loop.abort(aborted)  # queued: the first step, which fails, takes it
@@ -135,14 +135,7 @@ def test_an_output_that_fails_to_build_fails_its_request_only(tiny_dirs):
 
     engine.make_output = make_output
     prompts = _prompts(2)
-    finals, done = {}, threading.Event()
-
-    def callback(update):
-        if update.finished:
-            finals[update.request_id] = update
-            if len(finals) == 2:
-                done.set()
-
+    finals, done, callback = _collector(2)
     short = loop.submit(prompts[0], SamplingParams(max_new_tokens=3, ignore_eos=True), callback)
     long = loop.submit(prompts[1], SamplingParams(max_new_tokens=20, ignore_eos=True), callback)
     broken.add(short)
