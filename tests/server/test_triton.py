@@ -76,22 +76,29 @@ def triton(tiny_dirs, tmp_path_factory):
         proc.wait(60)
 
 
-def _infer(url: str, prompt: str, max_tokens: int, streaming: bool) -> list[dict]:
-    """One request over a gRPC stream; every response's outputs, up to the one with a finish_reason."""
+def _start_stream(url: str, inputs: list[tuple[str, np.ndarray, str]]):
+    """A gRPC stream with one request of (name, value, Triton dtype) inputs sent -> (client, queue of its responses)."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    inputs = []
-    for name, value, dtype in [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-                               ("streaming", np.array([streaming]), "BOOL"),
-                               ("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
-                               ("sampling_param_temperature", np.array([0.0], dtype=np.float32), "FP32")]:
+    tensors = []
+    for name, value, dtype in inputs:
         tensor = grpcclient.InferInput(name, list(value.shape), dtype)
         tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    client.async_stream_infer(MODEL, inputs)
+        tensors.append(tensor)
+    client.async_stream_infer(MODEL, tensors)
+    return client, responses
+
+
+def _infer(url: str, prompt: str, max_tokens: int, streaming: bool) -> list[dict]:
+    """One request over a gRPC stream; every response's outputs, up to the one with a finish_reason."""
+    client, responses = _start_stream(url, [
+        ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        ("streaming", np.array([streaming]), "BOOL"),
+        ("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        ("sampling_param_temperature", np.array([0.0], dtype=np.float32), "FP32")])
     got = []
     try:
         while True:
@@ -198,19 +205,10 @@ def test_triton_serve_says_where_it_listens_once_ready(triton):
 
 def _cancel_a_stream(url: str) -> None:
     """A streaming request cancelled by its client after its first response (tritonclient's gRPC cancellation)."""
-    import tritonclient.grpc as grpcclient
-
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    inputs = []
-    for name, value, dtype in [("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
-                               ("streaming", np.array([True]), "BOOL"),
-                               ("sampling_param_max_tokens", np.array([200], dtype=np.int32), "INT32")]:
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    client.async_stream_infer(MODEL, inputs)
+    client, responses = _start_stream(url, [
+        ("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+        ("streaming", np.array([True]), "BOOL"),
+        ("sampling_param_max_tokens", np.array([200], dtype=np.int32), "INT32")])
     result, error = responses.get(timeout=60)
     assert error is None and result.as_numpy("finish_reason")[0] == b""  # still generating
     client.stop_stream(cancel_requests=True)
