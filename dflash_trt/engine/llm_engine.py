@@ -214,16 +214,20 @@ class LLMEngine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def check_prompt_ids(self, prompt_ids: list[int]) -> None:
+        """ValueError unless every id is a token of the target: in a step, the embedding lookup would fail every
+        request batched with this one."""
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}")
+
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
-        vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            # refused here: in a step, the embedding lookup would fail every request batched with this one
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}")
+        self.check_prompt_ids(prompt_ids)
         seq = Sequence(prompt_ids, params, self.eos_token_ids)
         seq.uniforms = PositionalUniforms(params.seed)
         seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())

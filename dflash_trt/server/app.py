@@ -154,10 +154,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _encode_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return engine.encode(prompt)
-        vocab = engine.target.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}", param="prompt")
+        try:  # here too, not only at submit: every prompt of a request is checked before any is queued
+            engine.check_prompt_ids(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
         return list(prompt)
 
     def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None, max_param: str,
