@@ -103,10 +103,11 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 gpu = built.plan["layout"] == "trtllm"
                 backend = "trtllm" if gpu and launch.tensorrt_llm_available() else "torch"
             if backend == "trtllm":
-                _refuse_unpassed_to_trtllm(chat=chat, stop=stop, ignore_eos=ignore_eos, no_spec=no_spec,
-                                           acceptance=acceptance != "match", max_draft_len=max_draft_len,
-                                           tree_nodes=tree_nodes, lookup_nodes=lookup_nodes, dtype=dtype,
-                                           max_model_len=max_model_len)
+                _refuse_unpassed_to_trtllm({
+                    "--chat": chat, "--stop": stop, "--ignore-eos": ignore_eos, "--no-spec": no_spec,
+                    "--acceptance": acceptance != "match", "--max-draft-len": max_draft_len,
+                    "--tree-nodes": tree_nodes, "--lookup-nodes": lookup_nodes, "--dtype": dtype,
+                    "--max-model-len": max_model_len})
                 built.verify()
                 text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
                 click.echo(json.dumps(text) if as_json else text["text"])
@@ -172,21 +173,22 @@ def _tree_text(engine) -> str:
     return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")
 
 
+def given_flags(flags: dict[str, object]) -> list[str]:
+    """The flags of {flag: value} a user gave: not None, False or an empty multiple option."""
+    return [flag for flag, value in flags.items() if value not in (None, False, ())]
+
+
 def refuse_drafting_flags(flags: dict[str, object]) -> None:
-    """--no-spec decodes plainly: a drafting flag beside it (flag -> value; None or False: not given) is a
-    contradiction, as --drafter is, not a no-op."""
-    given = [flag for flag, value in flags.items() if value not in (None, False)]
+    """--no-spec decodes plainly: a drafting flag beside it is a contradiction, as --drafter is, not a no-op."""
+    given = given_flags(flags)
     if given:
         raise click.UsageError(f"--no-spec decodes without drafts: drop {', '.join(given)} (or --no-spec)")
 
 
-def _refuse_unpassed_to_trtllm(**given) -> None:
+def _refuse_unpassed_to_trtllm(flags: dict[str, object]) -> None:
     """`--backend trtllm` generates through tensorrt_llm.LLM with the prompt as is and max_tokens, temperature,
     top_p, top_k and seed only: a flag it would drop must not be silently ignored."""
-    names = {"chat": "--chat", "stop": "--stop", "ignore_eos": "--ignore-eos", "no_spec": "--no-spec",
-             "acceptance": "--acceptance", "max_draft_len": "--max-draft-len", "tree_nodes": "--tree-nodes",
-             "lookup_nodes": "--lookup-nodes", "dtype": "--dtype", "max_model_len": "--max-model-len"}
-    dropped = [names[k] for k, v in given.items() if v not in (None, False, ())]
+    dropped = given_flags(flags)
     if dropped:
         raise click.UsageError(
             f"the TensorRT-LLM backend does not take {', '.join(dropped)} here (it passes the prompt as is with "
