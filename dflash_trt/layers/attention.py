@@ -17,11 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_trt.kernels import cpu_ops
 
 KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
 KERNEL_MAX_QUERIES = 16  # steps of up to this many queries per row take the CPU kernels (decode, verify, draft)
+# SDPA's CUDA backends without cuDNN's: PyTorch picks cuDNN's attention for masked steps on Hopper, and it builds an
+# execution plan for every new shape (H200, 2026-12-04, benchmarks/profile_train_step.py: ~52 ms a forward call and
+# ~0.5 s a backward one on the CPU side, 8 and 2.5 ms of GPU work), while this runtime's shapes change every step
+# (key counts, context lengths, batch rows): a training step of 128 sequences took ~11 s, the GPU mostly idle.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -180,6 +186,9 @@ def attend(
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
+    elif q.device.type == "cuda":
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
