@@ -1,25 +1,26 @@
 """Train the SmolLM2 drafter on a lent GPU, inside one device call (issue 3).
 
-The CPU run gave ~23k sequence passes in hours; one H200 gives that in seconds. On the GPU machine
-(no network, no PyPI) this script:
-1. rebuilds the target from the project's GGUF (carried in two zstd halves, `--gguf-parts`) and the tokenizer files carried from
-   this machine's converted copy (`--tokenizer`), so token ids agree with the CPU side;
-2. extends the training data: the target answers the remaining prompts (`--prompts`, exported by
-   `benchmarks/stage_gpu_training.py` from the packaged corpora, split by the same hash) greedily and sampled,
-   through this project's runtime on CUDA, for `--gen-seconds`;
-3. trains (dflash_trt.train.trainer on CUDA, target features computed per batch), warm-started from the
-   shipped drafter, with block size 16, fitted to `--train-seconds`;
-4. writes the best drafter (held-out tau; model.safetensors in 9 MiB parts, since a device call returns files
-   of at most 16 MiB), the training log and the grown data set to `--out` ($OUT).
+The CPU runs give ~4 sequence passes a second; one H200 gives hundreds. On the GPU machine (no network, no PyPI)
+this script:
+1. rebuilds the target from the project's GGUF (carried in zstd parts, `--gguf-parts`) and the tokenizer files
+   carried from this machine's converted copy (`--tokenizer`), so token ids agree with the CPU side; `--target-dir`
+   keeps it for later runs (`--prepare-only` builds it and stops: benchmarks/gpu_train_leg.sh trains two recipes
+   side by side on one target);
+2. optionally extends the training data (`--gen-seconds`, 0 skips it): the target answers the prompts not yet
+   answered (`--prompts`, exported by `benchmarks/stage_gpu_training.py`) through this project's runtime on CUDA;
+3. trains (dflash_trt.train.trainer on CUDA, target features computed per batch), warm-started from `--init-drafter`
+   (grown to `--layers` where deeper), with the CPU runs' recipe flags (distillation, steered anchors, the draft
+   vocabulary), fitted to `--train-seconds` or to what `--deadline-s` leaves;
+4. writes the best drafter (held-out tau), the training log and, if it grew, the data set to `--out`.
 
-First run (H200, 2026-11-30): generation through this runtime on CUDA at 256 rows reached only ~1.8k tok/s and a
-training step of 32 sequences took ~80-120 ms: both far from the GPU's limits (Python-side batch assembly and
-per-step launches); profile these before the next long run.
+First run (H200, 2026-11-30): generation through the serving engine on CUDA at 256 rows reached only ~1.8k tok/s and
+a training step of 32 sequences took ~80-120 ms (Python-side batch assembly and per-step launches), so later legs
+train on the records the CPU runs generated and put the GPU's time into steps.
 
 `--smoke` runs the same path on a tiny random target in seconds (the first call checks the GPU path).
 
-    python3 benchmarks/gpu_train_drafter.py --gguf-parts A,B --tokenizer DIR --prompts P.jsonl.gz \\
-        --records R.jsonl.gz --init-drafter drafters/smollm2-135m-dflash --out $OUT --work /root/run
+    python3 benchmarks/gpu_train_drafter.py --gguf-parts A,B --tokenizer DIR --records R.jsonl.gz \\
+        --init-drafter drafters/smollm2-135m-dflash --out OUT --work /root/run
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from dflash_trt.train.prompts import Prompt  # noqa: E402
 from dflash_trt.train.responses import generate_responses, read_records  # noqa: E402
 from dflash_trt.train.trainer import TrainConfig, Trainer  # noqa: E402
 
+MAX_SEQ_LEN = {True: 96, False: 640}  # by --smoke
+MAX_NEW = {True: 24, False: 256}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -66,13 +69,15 @@ def join_gguf(parts: list[str], path: Path) -> Path:
 
 
 def build_target(args, work: Path) -> Path:
+    out = Path(args.target_dir) if args.target_dir else work / "target"
+    if (out / "config.json").is_file():  # built by an earlier run (--prepare-only)
+        return out
     if args.smoke:
         from tests.conftest import make_target
 
-        return make_target(work / "target", layers=4, seed=2)
+        return make_target(out, layers=4, seed=2)
     from dflash_trt.convert import convert_gguf
 
-    out = work / "target"
     convert_gguf(join_gguf(args.gguf_parts.split(","), work / "smollm2.gguf"), out)
     tok = Path(args.tokenizer)
     for name in TOKENIZER_FILES:  # this machine's transformers may convert the tokenizer differently
@@ -87,17 +92,6 @@ def build_target(args, work: Path) -> Path:
     return out
 
 
-def copy_out(src: Path, dst_dir: Path, part_bytes: int = 9 << 20) -> None:
-    """Copy into the device's $OUT, which returns files of at most 16 MiB: larger ones go in parts
-    (NAME.part0, NAME.part1, ...; `cat NAME.part* > NAME` joins them)."""
-    data = src.read_bytes()
-    if len(data) <= part_bytes:
-        (dst_dir / src.name).write_bytes(data)
-        return
-    for i in range(0, len(data), part_bytes):
-        (dst_dir / f"{src.name}.part{i // part_bytes}").write_bytes(data[i : i + part_bytes])
-
-
 def smoke_prompts() -> list[Prompt]:
     words = ["red", "blue", "tea", "a cat", "rain", "wind", "snow", "music", "a ship", "gold", "a map", "salt"]
     return [Prompt(f"question {i}: what is {w}?", "smoke") for i, w in enumerate(words * 4)]
@@ -106,6 +100,35 @@ def smoke_prompts() -> list[Prompt]:
 def read_jsonl_gz(path: Path) -> list[dict]:
     with gzip.open(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def extend_data(args, target, tokenizer, data: Path, out: Path, device: str) -> list[dict]:
+    """Answer the prompts not yet answered (greedy first, then one sampled variant each) until --gen-seconds."""
+    prompts = (smoke_prompts() if args.smoke
+               else [Prompt(p["text"], p["source"]) for p in read_jsonl_gz(Path(args.prompts))])
+    max_new = MAX_NEW[args.smoke]
+    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=args.gen_rows, speculative=False,
+                                                             dtype="bfloat16", device=device,
+                                                             max_model_len=MAX_SEQ_LEN[args.smoke] + max_new))
+    before = len(read_records(data))
+    t0 = time.monotonic()
+    # Greedy answers to prompts not yet answered first (new prompts add more than new samples of old ones), then
+    # samples.
+    for variants in (0, 1):
+        records = generate_responses(engine, prompts, data, max_new_tokens=max_new, sampled_variants=variants,
+                                     batch_size=args.gen_rows, deadline=t0 + args.gen_seconds)
+    gen_s = time.monotonic() - t0
+    new = records[before:]
+    new_tokens = sum(len(r["response_ids"]) for r in new)
+    print(f"generated {len(new)} responses, {new_tokens} tokens in {gen_s:.0f} s ({new_tokens / gen_s:.0f} tok/s)",
+          flush=True)
+    with gzip.open(out / "responses.jsonl.gz", "wt") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    del engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return records
 
 
 def main() -> None:
@@ -117,16 +140,27 @@ def main() -> None:
     ap.add_argument("--init-drafter")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/root/run")
-    ap.add_argument("--gen-seconds", type=float, default=110)
-    ap.add_argument("--train-seconds", type=float, default=320)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seqs-per-step", type=int, default=32)
+    ap.add_argument("--target-dir", help="where the converted target is kept (default WORK/target)")
+    ap.add_argument("--prepare-only", action="store_true", help="build the target (and tokenizer), then stop")
+    ap.add_argument("--gen-seconds", type=float, default=0)
+    ap.add_argument("--train-seconds", type=float, help="training time (default: what --deadline-s leaves, else 320)")
+    ap.add_argument("--deadline-s", type=float,
+                    help="end the whole run this many seconds after it started (fits the training to what is left)")
+    ap.add_argument("--layers", type=int, default=2, help="drafter depth (a shallower --init-drafter is grown)")
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup-ratio", type=float, default=0.03)
+    ap.add_argument("--seqs-per-step", type=int, default=128)
+    ap.add_argument("--anchors-per-seq", type=int, default=48)
+    ap.add_argument("--gamma", type=float, default=2.0)
+    ap.add_argument("--distill", type=float, default=0.5)
+    ap.add_argument("--draft-vocab-size", type=int, default=2048, help="0: every response token")
     ap.add_argument("--gen-rows", type=int, default=256)
-    ap.add_argument("--eval-every", type=int, default=300)  # an evaluation costs ~2 s on an H200
-    ap.add_argument("--eval-prompts", type=int, default=8, help="0: pick the best drafter by held-out loss")
-    ap.add_argument("--steer-anchors", type=float, default=0.0,
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-prompts", type=int, default=16, help="0: pick the best drafter by held-out loss")
+    ap.add_argument("--steer-anchors", type=float, default=0.5,
                     help="share of the anchors moved to where the drafter's next step would start (TrainConfig)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -142,6 +176,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     target_dir = build_target(args, work)
+    if args.prepare_only:
+        print(f"target ready in {target_dir} at {time.monotonic() - t_start:.0f} s", flush=True)
+        return
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, torch.bfloat16, device)
     print(f"target ready at {time.monotonic() - t_start:.0f} s", flush=True)
@@ -152,29 +189,10 @@ def main() -> None:
         with data.open("w") as f:
             for r in read_jsonl_gz(Path(args.records)):
                 f.write(json.dumps(r) + "\n")
-    prompts = smoke_prompts() if args.smoke else [Prompt(p["text"], p["source"]) for p in read_jsonl_gz(Path(args.prompts))]
-    max_seq_len, max_new = (96, 24) if args.smoke else (640, 256)
-    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=args.gen_rows, speculative=False,
-                                                             dtype="bfloat16", device=device,
-                                                             max_model_len=max_seq_len + max_new))
-    before = len(read_records(data))
-    t0 = time.monotonic()
-    # Greedy answers to prompts not yet answered first (new prompts add more than new samples of old ones: the
-    # first run's 1,024 responses were all sampled variants, jobs being ordered by prompt length), then samples.
-    for variants in (0, 1):
-        records = generate_responses(engine, prompts, data, max_new_tokens=max_new, sampled_variants=variants,
-                                     batch_size=args.gen_rows, deadline=t0 + args.gen_seconds)
-    gen_s = time.monotonic() - t0
-    new = records[before:]
-    new_tokens = sum(len(r["response_ids"]) for r in new)
-    print(f"generated {len(new)} responses, {new_tokens} tokens in {gen_s:.0f} s ({new_tokens / gen_s:.0f} tok/s); "
-          f"{len(records)} records in all", flush=True)
-    with gzip.open(out / "responses.jsonl.gz", "wt") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    del engine
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    records = read_records(data)
+    if args.gen_seconds > 0:
+        records = extend_data(args, target, tokenizer, data, out, device)
+    print(f"{len(records)} records", flush=True)
 
     # -- train ------------------------------------------------------------------------------------------
     if args.smoke:
@@ -185,20 +203,26 @@ def main() -> None:
         init = args.init_drafter
         dcfg = json.loads((Path(init) / "config.json").read_text())["dflash_config"]
         layer_ids, mask_id = dcfg["target_layer_ids"], dcfg["mask_token_id"]
-    cfg = TrainConfig(num_layers=1 if args.smoke else 2, block_size=args.block_size, target_layer_ids=layer_ids,
-                      mask_token_id=mask_id, steps=1_000_000, lr=args.lr, warmup_ratio=0.03,
-                      seqs_per_step=args.seqs_per_step, anchors_per_seq=32, max_seq_len=max_seq_len,
-                      eval_every=40 if args.smoke else args.eval_every, eval_prompts=args.eval_prompts, eval_new_tokens=96,
-                      time_budget_s=args.train_seconds, init_drafter=init, steer_anchors=args.steer_anchors)
+    budget = args.train_seconds or 320.0
+    if args.deadline_s is not None:  # room after training: the last export and the copy out
+        left = args.deadline_s - (time.monotonic() - t_start) - 25
+        budget = left if args.train_seconds is None else min(args.train_seconds, left)
+    cfg = TrainConfig(num_layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
+                      mask_token_id=mask_id, steps=1_000_000, lr=args.lr, warmup_ratio=args.warmup_ratio,
+                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, gamma=args.gamma,
+                      max_seq_len=MAX_SEQ_LEN[args.smoke], eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+                      eval_new_tokens=96, time_budget_s=budget, init_drafter=init, steer_anchors=args.steer_anchors,
+                      distill=args.distill, draft_vocab_size=args.draft_vocab_size or None, seed=args.seed)
     trainer = Trainer(target, target_dir, tokenizer, records, TargetFeatures(target, layer_ids), work / "out", cfg)
     t0 = time.monotonic()
+    start = trainer.evaluate()  # the warm start's score on the same held-out prompts, for comparison
+    print(f"before training: {json.dumps(start)}; training budget {budget:.0f} s", flush=True)
+    trainer.cfg.time_budget_s = budget - (time.monotonic() - t0)
     trainer.train()
     train_s = time.monotonic() - t0
     log = [json.loads(x) for x in (work / "out" / "train_log.jsonl").read_text().splitlines()]
     evals = [e for e in log if "val_tau" in e]
-    (out / "drafter").mkdir(exist_ok=True)
-    for f in (work / "out" / "drafter").iterdir():
-        copy_out(f, out / "drafter")
+    shutil.copytree(work / "out" / "drafter", out / "drafter", dirs_exist_ok=True)
     shutil.copy(work / "out" / "train_log.jsonl", out / "train_log.jsonl")
     print(f"\ntrained {trainer.step} steps x {cfg.seqs_per_step} sequences in {train_s:.0f} s "
           f"({train_s / max(trainer.step, 1) * 1e3:.0f} ms/step); first loss {log[0]['loss']:.3f}, "

@@ -1,10 +1,12 @@
 """Stage what benchmarks/gpu_train_drafter.py needs on a GPU machine that has no network (issue 3).
 
-A device call carries at most 64 MiB with the working tree, so the target's GGUF (98 MB) travels
-zstd-compressed in two halves, one per call. Writes, under --stage (default .stage/, git-ignored):
-  a/gguf.zst.0, b/gguf.zst.1   the packaged SmolLM2 GGUF, compressed and halved
+A device call carries at most 64 MiB with the working tree, so the target's GGUF (98 MB, 90 compressed) travels
+zstd-compressed in two parts, one per call (`--first-part-mb` sizes the first: the call that carries it can leave
+out the tracked files the training needs only later). Writes, under --stage (default .stage/, git-ignored):
+  a/gguf.zst.0, b/gguf.zst.1   the packaged SmolLM2 GGUF, compressed and cut in two
   tok/                         the CPU side's converted config.json and tokenizer files (gzipped)
   prompts.jsonl.gz             every training prompt {text, source} in all_prompts()' stable order
+  responses.jsonl.gz           the training records (drafters/smollm2-135m-dflash/training-data)
   whl/                         the gguf wheel (transformers' GGUF reader needs it; the GPU image lacks it)
 
     .venv/bin/python benchmarks/stage_gpu_training.py
@@ -18,6 +20,7 @@ import json
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash_trt.embedded import smollm2_dir, smollm2_gguf  # noqa: E402
 from dflash_trt.train.prompts import all_prompts  # noqa: E402
 
+RECORDS = Path(__file__).resolve().parent.parent / "drafters/smollm2-135m-dflash/training-data/responses.jsonl.gz"
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json")
 
@@ -32,6 +36,7 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "ch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", default=".stage")
+    ap.add_argument("--first-part-mb", type=float, help="size of the first part (default: half)")
     args = ap.parse_args()
     stage = Path(args.stage)
     for sub in ("a", "b", "tok"):
@@ -39,7 +44,7 @@ def main() -> None:
     packed = stage / "gguf.zst"
     subprocess.run(["zstd", "-q", "-f", "-19", "-T2", "--long=27", str(smollm2_gguf()), "-o", str(packed)], check=True)
     data = packed.read_bytes()
-    half = len(data) // 2
+    half = len(data) // 2 if args.first_part_mb is None else int(args.first_part_mb * 1e6)
     (stage / "a" / "gguf.zst.0").write_bytes(data[:half])
     (stage / "b" / "gguf.zst.1").write_bytes(data[half:])
     packed.unlink()
@@ -51,6 +56,10 @@ def main() -> None:
     with gzip.open(stage / "prompts.jsonl.gz", "wt") as f:
         for p in all_prompts():
             f.write(json.dumps({"text": p.text, "source": p.source}) + "\n")
+    shutil.copy(RECORDS, stage / "responses.jsonl.gz")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", "--platform", "any", "-d", str(stage / "whl"),
+                    f"gguf=={version('gguf')}"], check=True)
     for path in sorted(stage.rglob("*")):
         if path.is_file():
             print(f"{path.stat().st_size / 1e6:8.2f} MB  {path}")
