@@ -7,7 +7,8 @@ this script:
    keeps it for later runs (`--prepare-only` builds it and stops: benchmarks/gpu_train_leg.sh trains two recipes
    side by side on one target);
 2. optionally extends the training data (`--gen-seconds`, 0 skips it): the target answers the prompts not yet
-   answered (`--prompts`, exported by `benchmarks/stage_gpu_training.py`) through this project's runtime on CUDA;
+   answered (`--prompts`, exported by `benchmarks/stage_gpu_training.py`) through this project's model code on CUDA,
+   `--gen-rows` at a time in one static batch (dflash_trt/train/batch_generation.py);
 3. trains (dflash_trt.train.trainer on CUDA, target features computed per batch), warm-started from `--init-drafter`
    (grown to `--layers` where deeper), with the CPU runs' recipe flags (distillation, steered anchors, the draft
    vocabulary), fitted to `--train-seconds` or to what `--deadline-s` leaves;
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from dflash_trt.models.registry import load_target  # noqa: E402
+from dflash_trt.train.batch_generation import BatchGenerator  # noqa: E402
 from dflash_trt.train.feature_cache import TargetFeatures  # noqa: E402
 from dflash_trt.train.prompts import Prompt  # noqa: E402
 from dflash_trt.train.responses import generate_responses, read_records  # noqa: E402
@@ -107,15 +109,16 @@ def extend_data(args, target, tokenizer, data: Path, out: Path, device: str) -> 
     prompts = (smoke_prompts() if args.smoke
                else [Prompt(p["text"], p["source"]) for p in read_jsonl_gz(Path(args.prompts))])
     max_new = MAX_NEW[args.smoke]
-    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=args.gen_rows, speculative=False,
-                                                             dtype="bfloat16", device=device,
+    # The engine encodes; BatchGenerator generates (the engine's own scheduling ran at ~1.8k tok/s on an H200).
+    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=1, speculative=False, dtype="bfloat16",
+                                                             device=device,
                                                              max_model_len=MAX_SEQ_LEN[args.smoke] + max_new))
     before = len(read_records(data))
     t0 = time.monotonic()
     # Greedy answers to prompts not yet answered first (new prompts add more than new samples of old ones), then
     # samples.
     for variants in (0, 1):
-        records = generate_responses(engine, prompts, data, max_new_tokens=max_new, sampled_variants=variants,
+        records = generate_responses(BatchGenerator(engine), prompts, data, max_new_tokens=max_new, sampled_variants=variants,
                                      batch_size=args.gen_rows, deadline=t0 + args.gen_seconds)
     gen_s = time.monotonic() - t0
     new = records[before:]
