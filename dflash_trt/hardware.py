@@ -56,6 +56,24 @@ class HardwareProfile:
         return asdict(self)
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def native_bf16(device_type: str) -> bool:
+    """Whether bf16 matrix products run natively: CUDA, or a CPU with AMX or AVX512-BF16 (elsewhere oneDNN emulates
+    them, slower than fp32: a drafter training step 18.9 s against 1.8 s on an AVX2 EPYC, README: Train a drafter)."""
+    if device_type == "cuda":
+        return True
+    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
 def cpu_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.hardware import cpu_flags
+
 _SOURCES = ("cpu_ops.c", "cpu_ops_body.h")
 # -fno-trapping-math: without it GCC keeps loops whose selects feed arithmetic (exp_nonpositive's clamp: the
 # softmax, silu) scalar unless AVX-512 masks can guard them; results are the same, only FP exception flags may differ.
@@ -59,11 +61,7 @@ def _library_path(compiler: str) -> Path:
 def _cpu_features() -> str:
     # -march=native code is only valid on CPUs with the same instruction sets: a cache shared between machines
     # (a network home) must not hand one machine's build to another.
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def build(compiler: str = "cc") -> Path:

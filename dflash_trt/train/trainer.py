@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dflash_trt.hardware import native_bf16
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.models.dflash import (
     DFlashConfig,
@@ -87,6 +88,9 @@ class TrainConfig:
     # steps start right after a rejection, where text is harder than at a random position (benchmarks/README,
     # session 22: teacher-forced tau 2.63 at random anchors, 2.38 walking the steps). 0: random anchors only.
     steer_anchors: float = 0.0
+    # bf16 autocast for the drafter's forward and backward. None: where the device multiplies bf16 natively
+    # (hardware.native_bf16: CUDA, AMX, AVX512-BF16); elsewhere fp32, which an AVX2 CPU runs ~10x faster (emulated bf16).
+    bf16_autocast: bool | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -244,7 +248,9 @@ class Trainer:
             grow_from(self.drafter, load_drafter(cfg.init_drafter, target.config), cfg.init_drafter)
         self.drafter.to(self.device)
         self.embed = target.embed_tokens.weight.detach()  # frozen, shared
-        self.head = target.lm_head_weight.detach()
+        self.autocast = native_bf16(self.device.type) if cfg.bf16_autocast is None else cfg.bf16_autocast
+        # fp32 steps multiply hidden states by the head in fp32 (autocast casts them otherwise)
+        self.head = target.lm_head_weight.detach() if self.autocast else target.lm_head_weight.detach().float()
         # label_of[token] is its row in self.head; -1 (never a label) for a token outside a restricted head.
         self.label_of: torch.Tensor | None = None
         if cfg.draft_vocab_loss and self.vocab_ids.numel():
@@ -330,7 +336,7 @@ class Trainer:
             lengths = [int(b.anchors.max()) if self.teacher is None
                        else int(b.block_positions[b.labels != IGNORE].max()) for _, b in items]
             full = self.features.batch([r for r, _ in items], lengths)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden, labels, weights, positions = self._forward(items, full)
             keep = labels != IGNORE
             logits = F.linear(hidden[keep], self.head).float()
@@ -362,7 +368,7 @@ class Trainer:
         if not probed:
             return items, full
         probes = [(items[i][0], blocks_at(ids[i], items[i][1].anchors[moved[i]], bsz, mask_id)) for i in probed]
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden, labels, _, _ = self._forward(probes, full[probed])
             drafts = F.linear(hidden, self.head).argmax(-1)
         out = list(items)

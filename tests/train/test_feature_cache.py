@@ -91,3 +91,28 @@ def test_a_damaged_index_or_another_targets_cache_is_refused_naming_the_file(tmp
     index.write_text(index.read_text()[:20])
     with pytest.raises(ValueError, match=f"{index} is damaged .*: delete {tmp_path / 'cache'}"):
         build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_features_of_a_bf16_target_are_computed_in_fp32_where_the_cpu_emulates_bf16(tmp_path, monkeypatch, native):
+    """Without native bf16 the cache is built by the target's fp32 twin: the features are transformers' fp32 hidden
+    states to fp16 storage precision (bf16 compute is ~20x further off); with it, by the target itself."""
+    from dflash_trt.train import cli
+
+    monkeypatch.setattr("dflash_trt.hardware.native_bf16", lambda device_type: native)
+    path = make_target(tmp_path / "target", layers=3, seed=4)
+    target = load_target(path, torch.bfloat16)
+    twin = cli.feature_target(target, path)
+    assert (twin is target) is native
+    if native:
+        return
+    assert twin.embed_tokens.weight.dtype == torch.float32
+    seqs = _sequences(4)
+    cache = build_feature_cache(twin, seqs, tmp_path / "cache", [0, 1], shard_tokens=40)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()  # fp32, as saved
+    for sid, ids in seqs:
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
+        np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
+                                   atol=1e-4, rtol=1e-3)

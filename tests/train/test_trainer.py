@@ -241,10 +241,10 @@ def _alone_logits(tr, rec, anchors, block_ids, positions) -> torch.Tensor:
     to the draft vocabulary."""
     c = int(anchors.max())
     feats = torch.from_numpy(tr.features.get(rec["id"])[:c].astype("float32"))[None]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tr.autocast):  # the trainer's precision on this CPU
         h = tr.drafter.forward_train(feats, torch.arange(c)[None], tr.embed[block_ids].float()[None], positions[None],
                                      training_mask(c, anchors, 8)[None, None])[0]
-        logits = (h @ tr.target.lm_head_weight.detach().T).float()
+        logits = (h @ tr.target.lm_head_weight.detach().T.to(h.dtype)).float()
     logits[:, _outside_draft_vocab(tr)] = -torch.inf
     return logits
 
@@ -281,6 +281,23 @@ def test_the_batched_loss_is_the_mean_of_each_sequences_own_loss(trained):
     items = [(r, tr._sample(r, gen)) for r in (recs[0], recs[len(recs) // 2], recs[-1])]
     assert len({b.block_ids.numel() for _, b in items}) > 1 or len({int(b.anchors.max()) for _, b in items}) > 1
     assert torch.allclose(tr._batch_loss(items), _oracle_loss(tr, items), rtol=1e-2)
+
+
+def test_fp32_and_bf16_autocast_steps_agree(trained):
+    """The precision follows the hardware (hardware.native_bf16); either one computes the same loss and gradient up to
+    bf16 rounding."""
+    t, root = trained
+    losses, grads = [], []
+    for autocast in (False, True):
+        tr = _trainer(t, root, root / f"autocast{autocast}", bf16_autocast=autocast, distill=0.5)
+        assert tr.autocast is autocast
+        items = [(r, tr._sample(r, torch.Generator().manual_seed(i))) for i, r in enumerate(tr.train_records[:3])]
+        loss = tr._batch_loss(items)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(torch.cat([p.grad.flatten() for p in tr.drafter.parameters() if p.grad is not None]))
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
 
 
 @pytest.mark.parametrize("distill", [0.5, 1.0])
@@ -338,8 +355,8 @@ def test_steered_anchors_move_to_where_the_drafters_next_decoding_step_would_sta
 def test_held_out_labels_the_draft_vocabulary_lacks_are_left_out_of_the_loss(trained):
     t, root = trained
     tr = _trainer(t, root, root / "heldout_loss")
-    unknown = next(t for t in range(tr.target.lm_head_weight.shape[0]) if t not in set(tr.vocab_ids.tolist()))
     gen = torch.Generator().manual_seed(4)
+    unknown = next(t for t in range(tr.target.lm_head_weight.shape[0]) if t not in set(tr.vocab_ids.tolist()))
     items = [(r, b) for r in tr.heldout[:2] if (b := tr._sample(r, gen)) is not None]
     for _, b in items:  # a held-out response that emits a token no training response did, at every third label
         labelled = (b.labels != IGNORE).nonzero().flatten()[::3]

@@ -1,0 +1,21 @@
+"""hardware: this CPU's flags, and where bf16 matrix products run natively (the trainer's precision follows it)."""
+
+import pytest
+
+from dflash_trt import hardware
+
+
+@pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, False), ({"avx512f", "avx512bw"}, False),
+                                           ({"avx512f", "avx512_bf16"}, True), ({"amx_tile", "amx_bf16"}, True)])
+def test_bf16_is_native_on_cpus_with_bf16_dot_products_and_on_cuda(monkeypatch, flags, native):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    assert hardware.native_bf16("cpu") is native
+    assert hardware.native_bf16("cuda") is True
+
+
+def test_cpu_flags_are_the_cpuinfo_flags_line(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\nbugs\t\t: spectre_v1\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+    assert hardware.cpu_flags() == {"fpu", "sse2", "avx2", "fma"}
