@@ -19,6 +19,17 @@ def _sequences(n: int) -> list[tuple[str, list[int]]]:
             for i in range(n)]
 
 
+def _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol: float, rtol: float) -> None:
+    """The cached features are transformers' fp32 hidden states after layers 0 and 1, stored in fp16."""
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    for sid, ids in seqs:
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
+        np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
+                                   atol=atol, rtol=rtol)
+
+
 def test_appended_sequences_are_added_without_touching_cached_shards(tmp_path):
     path = make_target(tmp_path / "target", layers=3, seed=4)  # ids 0 and 1: HF applies the final norm to its last hidden state
     target = load_target(path)
@@ -29,13 +40,7 @@ def test_appended_sequences_are_added_without_touching_cached_shards(tmp_path):
     assert all((tmp_path / "cache" / n).stat().st_mtime_ns == t for n, t in before.items())
     assert sorted(cache.ids()) == sorted(sid for sid, _ in seqs)
 
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    for sid, ids in seqs:
-        with torch.no_grad():
-            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
-        np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
-                                   atol=2e-3, rtol=2e-3)
+    _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol=2e-3, rtol=2e-3)
 
 
 def test_a_sequence_cached_shorter_is_cached_again_in_full(tmp_path):
@@ -109,10 +114,4 @@ def test_features_of_a_bf16_target_are_computed_in_fp32_where_the_cpu_emulates_b
     assert twin.embed_tokens.weight.dtype == torch.float32
     seqs = _sequences(4)
     cache = build_feature_cache(twin, seqs, tmp_path / "cache", [0, 1], shard_tokens=40)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()  # fp32, as saved
-    for sid, ids in seqs:
-        with torch.no_grad():
-            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        want = torch.cat([hs[1], hs[2]], dim=-1)[0].to(torch.float16).numpy()
-        np.testing.assert_allclose(np.asarray(cache.get(sid), dtype=np.float32), want.astype(np.float32),
-                                   atol=1e-4, rtol=1e-3)
+    _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol=1e-4, rtol=1e-3)
