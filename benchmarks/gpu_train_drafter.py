@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--target-dir", help="where the converted target is kept (default WORK/target)")
     ap.add_argument("--prepare-only", action="store_true", help="build the target (and tokenizer), then stop")
     ap.add_argument("--gen-seconds", type=float, default=0)
+    ap.add_argument("--gen-only", action="store_true", help="stop once the data is extended (OUT/responses.jsonl.gz)")
     ap.add_argument("--train-seconds", type=float, help="training time (default: what --deadline-s leaves, else 320)")
     ap.add_argument("--deadline-s", type=float,
                     help="end the whole run this many seconds after it started (fits the training to what is left)")
@@ -196,6 +197,8 @@ def main() -> None:
     if args.gen_seconds > 0:
         records = extend_data(args, target, tokenizer, data, out, device)
     print(f"{len(records)} records", flush=True)
+    if args.gen_only:
+        return
 
     # -- train ------------------------------------------------------------------------------------------
     if args.smoke:

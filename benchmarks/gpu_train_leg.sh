@@ -12,16 +12,19 @@
 #      drafters/smollm2-135m-dflash/training-data benchmarks/results, the same paths in .git/info/exclude
 #   3. call 1, carry .stage/a:  mkdir -p /root/stage && cp .stage/a/gguf.zst.0 /root/stage/
 #   4. git reset -q -- drafters/smollm2-135m-dflash/model.safetensors (and out of .git/info/exclude), then call 2,
-#      carry .stage/b .stage/tok .stage/whl .stage/responses.jsonl.gz:
+#      carry .stage/b .stage/tok .stage/whl .stage/responses.jsonl.gz (and .stage/prompts.jsonl.gz with GEN_SECONDS):
 #      DEADLINE=540 OUT=$OUT bash benchmarks/gpu_train_leg.sh
 #   5. git reset -q -- drafters/smollm2-135m-dflash/training-data benchmarks/results; empty .git/info/exclude.
 # Commit nothing between 2 and 5. Run benchmarks/profile_train_step.py --device cuda first if the step's speed on the
 # device is unknown (session 35's leg lost its steps to cuDNN attention plans: benchmarks/README.md).
 #
-#   DEADLINE=540 bash benchmarks/gpu_train_leg.sh     # seconds the whole leg may take
+#   DEADLINE=540 [GEN_SECONDS=90] bash benchmarks/gpu_train_leg.sh
+# DEADLINE: seconds the whole leg may take; GEN_SECONDS: first grow the data for that long (sampled answers to the
+# packaged prompts, benchmarks/gpu_train_drafter.py --gen-only), the grown records coming back with the results.
 set -uo pipefail
 : "${OUT:?set OUT (the output folder of the device call)}"
 DEADLINE=${DEADLINE:-500}
+GEN_SECONDS=${GEN_SECONDS:-0}
 S=.stage
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 DFLASH_TRT_CPU_KERNELS=0 TQDM_MININTERVAL=30
@@ -32,9 +35,15 @@ mkdir -p /root/res
 python3 benchmarks/gpu_train_drafter.py --prepare-only --gguf-parts /root/stage/gguf.zst.0,$S/b/gguf.zst.1 \
   --tokenizer $S/tok --target-dir /root/target --out /root/res/prep --work /root/prep 2>&1 | tail -4
 [ -f /root/target/config.json ] || { echo "target build failed"; exit 1; }
+records=$S/responses.jsonl.gz
+if [ "$GEN_SECONDS" != 0 ]; then  # sampled answers to the packaged prompts first, through BatchGenerator
+  python3 benchmarks/gpu_train_drafter.py --target-dir /root/target --records "$records" --prompts $S/prompts.jsonl.gz \
+    --gen-seconds "$GEN_SECONDS" --gen-only --out /root/gen --work /root/wgen 2>&1 | grep -E "^(generated|[0-9]+ records)|Error"
+  [ -f /root/gen/responses.jsonl.gz ] && records=/root/gen/responses.jsonl.gz
+fi
 left=$(( DEADLINE - ($(date +%s) - start) - 30 ))
-echo "target built at $(( $(date +%s) - start )) s; $left s for training"
-common=(--target-dir /root/target --records $S/responses.jsonl.gz --init-drafter drafters/smollm2-135m-dflash
+echo "target built and data ready at $(( $(date +%s) - start )) s; $left s for training"
+common=(--target-dir /root/target --records "$records" --init-drafter drafters/smollm2-135m-dflash
         --deadline-s "$left" --eval-every 300 --eval-prompts 12)
 timeout $(( left + 20 )) python3 benchmarks/gpu_train_drafter.py "${common[@]}" --layers 2 --lr 3e-4 --seed 40 \
   --out /root/res/l2 --work /root/w2 > /root/res/l2.log 2>&1 &
@@ -51,6 +60,7 @@ for run in l2 l3; do
   grep -E "^(torch|target|[0-9]+ records|before training|trained|step |best|Traceback)|Error" /root/res/$run.log | tail -30
 done
 rm -rf /root/res/prep
+[ -f /root/gen/responses.jsonl.gz ] && cp /root/gen/responses.jsonl.gz /root/res/
 tar -C /root/res -cf - . | split -b 15M -d - "$OUT/res.tar.part"
 ls -la "$OUT"
 echo "leg done in $(( $(date +%s) - start )) s"
