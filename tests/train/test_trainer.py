@@ -294,7 +294,7 @@ def test_fp32_and_bf16_autocast_steps_agree(trained):
         items = [(r, tr._sample(r, torch.Generator().manual_seed(i))) for i, r in enumerate(tr.train_records[:3])]
         loss = tr._batch_loss(items)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in tr.drafter.parameters() if p.grad is not None]))
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
