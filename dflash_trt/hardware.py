@@ -67,10 +67,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def native_bf16(device_type: str) -> bool:
-    """Whether bf16 matrix products run natively: CUDA, or a CPU with AMX or AVX512-BF16 (elsewhere oneDNN emulates
-    them, slower than fp32: a drafter training step 18.9 s against 1.8 s on an AVX2 EPYC, README: Train a drafter)."""
+    """Whether bf16 matrix products run natively: a GPU from Ampere on, or a CPU with AMX or AVX512-BF16 (elsewhere
+    they are emulated, slower than fp32: a drafter training step 18.9 s against 1.8 s on an AVX2 EPYC, README: Train a
+    drafter)."""
     if device_type == "cuda":
-        return True
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 

@@ -1,16 +1,30 @@
 """hardware: this CPU's flags, and where bf16 matrix products run natively (the trainer's precision follows it)."""
 
 import pytest
+import torch
 
 from dflash_trt import hardware
 
 
 @pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, False), ({"avx512f", "avx512bw"}, False),
                                            ({"avx512f", "avx512_bf16"}, True), ({"amx_tile", "amx_bf16"}, True)])
-def test_bf16_is_native_on_cpus_with_bf16_dot_products_and_on_cuda(monkeypatch, flags, native):
+def test_bf16_is_native_on_cpus_with_bf16_dot_products(monkeypatch, flags, native):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.native_bf16("cpu") is native
-    assert hardware.native_bf16("cuda") is True
+
+
+@pytest.mark.parametrize("supported", [True, False])  # an Ampere or later GPU; a Turing one (a T4) emulates bf16
+def test_bf16_is_native_on_gpus_that_multiply_it(monkeypatch, supported):
+    seen = {}
+
+    def is_bf16_supported(including_emulation=True):
+        seen["including_emulation"] = including_emulation
+        return supported
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert hardware.native_bf16("cuda") is supported
+    assert seen == {"including_emulation": False}
 
 
 def test_cpu_flags_are_the_cpuinfo_flags_line(tmp_path, monkeypatch):
