@@ -13,6 +13,7 @@ positions only, which is what makes rollback free (see engine/kv_cache.py):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -186,11 +187,9 @@ def attend(
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
-    elif q.device.type == "cuda":
-        with sdpa_kernel(CUDA_SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
 
