@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.engine.llm_engine import LLMEngine
+from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.sampler import sampling_probs
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -52,9 +54,8 @@ class BatchGenerator:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
-        sampled = temps > 0
         seed = hash(tuple(p.seed or 0 for p in params)) & (2**63 - 1)
-        gen = torch.Generator(device=dev).manual_seed(seed) if bool(sampled.any()) else None
+        gen = torch.Generator(device=dev).manual_seed(seed) if any(p.temperature > 0 for p in params) else None
         stops = [set(p.stop_token_ids or self.engine.eos_token_ids) for p in params]
         limits = [p.max_new_tokens for p in params]
 
@@ -62,7 +63,7 @@ class BatchGenerator:
         rows = torch.arange(n, device=dev)
         meta = AttentionMetadata.causal_step(rows, torch.arange(longest, device=dev).expand(n, longest))
         hidden, _ = target(ids.to(dev), meta, cache)
-        token = self._pick(hidden[rows, lens - 1], temps, sampled, gen)
+        token = self._pick(hidden[rows, lens - 1], temps, gen)
         positions = lens.clone()
         out: list[list[int]] = [[] for _ in range(n)]
         live = list(range(n))
@@ -76,15 +77,15 @@ class BatchGenerator:
             # Every row steps (finished ones too: their tokens are dropped); a static batch keeps its shapes.
             meta = AttentionMetadata.causal_step(rows, positions[:, None])
             hidden, _ = target(token[:, None], meta, cache)
-            token = self._pick(hidden[:, 0], temps, sampled, gen)
+            token = self._pick(hidden[:, 0], temps, gen)
             positions += 1
         return [Generated(t) for t in out]
 
-    def _pick(self, hidden: torch.Tensor, temps: torch.Tensor, sampled: torch.Tensor,
-              gen: torch.Generator | None) -> torch.Tensor:
+    def _pick(self, hidden: torch.Tensor, temps: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         logits = self.target.compute_logits(hidden)
-        token = logits.argmax(-1)
-        if gen is not None:
-            probs = torch.softmax(logits / temps.clamp_min(1e-6)[:, None], dim=-1)
-            token = torch.where(sampled, torch.multinomial(probs, 1, generator=gen)[:, 0], token)
-        return token
+        if gen is None:
+            return argmax_last(logits)
+        # the engine's distributions: a greedy row's is one-hot at its argmax, so it draws that token
+        no_top_k, no_top_p = torch.zeros_like(temps, dtype=torch.long), torch.ones_like(temps)
+        probs = sampling_probs(logits[:, None], temps, no_top_k, no_top_p)[:, 0]
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
