@@ -3,8 +3,8 @@ cache's prefill in each (the CLI computes it with the target's fp32 twin where t
 
 The training step follows the CLI's CPU path: the target's features cached on disk (the first --records training records and 4 held-out ones),
 the shipped drafter warm-started, its recipe (4 sequences x 48 anchors, distillation 0.5, steered anchors 0.5, draft
-vocabulary 2,048). Each precision runs one warm-up step and --steps timed ones on the same sequence draws, in the
-order given (repeat one to see the machine's drift). The trainer picks the precision by hardware.native_bf16.
+vocabulary 2,048), through Trainer.train_step. Each precision runs one warm-up step and --steps timed ones on the same
+sequence draws, in the order given (repeat one to see the machine's drift). The trainer picks the precision by hardware.native_bf16.
 
     .venv/bin/python benchmarks/bench_train_precision.py --order fp32,bf16,fp32 --name train_precision_cpu
 """
@@ -71,21 +71,9 @@ def main() -> None:
                               init_drafter=str(DRAFTER), bf16_autocast={"bf16": True, "fp32": False}[mode])
             tr = Trainer(target, target_dir, None, recs, feats, Path(tmp) / f"run{i}", cfg)
             tr.drafter.train()
-
-            def step() -> float:
-                picks = torch.randint(len(tr.train_records), (cfg.seqs_per_step,), generator=tr.gen).tolist()
-                total = 0.0
-                for batch in tr._batches([tr.train_records[j] for j in picks], tr.gen):
-                    loss = tr._batch_loss(*tr._steer(batch, tr.gen))
-                    loss.backward()
-                    total += loss.item()
-                tr.opt.step()
-                tr.opt.zero_grad(set_to_none=True)
-                return total
-
-            step()
+            tr.train_step()  # warm-up
             t0 = time.perf_counter()
-            losses = [step() for _ in range(args.steps)]
+            losses = [tr.train_step()["loss"] for _ in range(args.steps)]
             per = (time.perf_counter() - t0) / args.steps
             runs.append({"precision": mode, "s_per_step": round(per, 3), "losses": [round(x, 4) for x in losses]})
             print(f"{mode}: {per:.2f} s a step, losses {runs[-1]['losses']}", flush=True)

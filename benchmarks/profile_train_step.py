@@ -49,7 +49,7 @@ def sync(device: torch.device) -> None:
 
 
 def one_step(tr: Trainer, timings: dict[str, float]) -> None:
-    """The trainer's step (Trainer._train's body), each phase timed after a sync."""
+    """Trainer.train_step's work, each phase timed after a sync (the schedule's learning rate left out)."""
     cfg, dev = tr.cfg, tr.device
 
     def mark(name: str, t0: float) -> float:

@@ -68,7 +68,7 @@ def cpu_flags() -> frozenset[str]:
 
 def native_bf16(device_type: str) -> bool:
     """Whether bf16 matrix products run natively: a GPU from Ampere on, or a CPU with AMX or AVX512-BF16 (elsewhere
-    they are emulated, slower than fp32: a drafter training step 18.9 s against 1.8 s on an AVX2 EPYC, README: Train a
+    they are emulated, slower than fp32: a drafter training step 19.7 s against 1.8 s on an AVX2 EPYC, README: Train a
     drafter)."""
     if device_type == "cuda":
         import torch

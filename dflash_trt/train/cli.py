@@ -221,7 +221,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
 def feature_target(target, target_dir: Path):
     """The target the CPU feature cache is computed with: a bf16 target's fp32 twin where the CPU emulates bf16
     (hardware.native_bf16), else the target itself. Whole-sequence prefills run on torch's matmuls, which an AVX2 CPU
-    runs ~6x faster in fp32 (SmolLM2: 591 against 92 tok/s on an AMD EPYC, benchmarks/bench_train_precision.py); the
+    runs ~5x faster in fp32 (SmolLM2: 489 against 91 tok/s on an AMD EPYC, benchmarks/bench_train_precision.py); the
     features are stored in fp16 either way."""
     import torch
 

@@ -89,7 +89,7 @@ class TrainConfig:
     # session 22: teacher-forced tau 2.63 at random anchors, 2.38 walking the steps). 0: random anchors only.
     steer_anchors: float = 0.0
     # bf16 autocast for the drafter's forward and backward. None: where the device multiplies bf16 natively
-    # (hardware.native_bf16: CUDA, AMX, AVX512-BF16); elsewhere fp32, which an AVX2 CPU runs ~10x faster (emulated bf16).
+    # (hardware.native_bf16: GPUs from Ampere on, AMX, AVX512-BF16); elsewhere fp32, ~10x faster on an AVX2 CPU.
     bf16_autocast: bool | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -405,6 +405,26 @@ class Trainer:
                 self._save_checkpoint()
             raise KeyboardInterrupt
 
+    def train_step(self) -> dict:
+        """One optimizer step on seqs_per_step random training sequences at the schedule's learning rate ->
+        {step (after it), loss (the sequences' mean), lr, grad_norm (before clipping)}."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
+        total, n = 0.0, 0
+        for batch in self._batches([self.train_records[i] for i in picks], self.gen):
+            loss = self._batch_loss(*self._steer(batch, self.gen)) if cfg.steer_anchors else self._batch_loss(batch)
+            (loss * len(batch) / cfg.seqs_per_step).backward()
+            total += loss.item() * len(batch)
+            n += len(batch)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm}
+
     def _train(self, stop: _FinishStepOnSigint) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
@@ -412,23 +432,9 @@ class Trainer:
         start, start_step = time.perf_counter(), self.step
         mark = (start, start_step)
         while self.step < cfg.steps and not stop.requested:
-            lr = lr_at(self.step, cfg)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
             t0 = time.perf_counter()
-            picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
-            total, n = 0.0, 0
-            for batch in self._batches([self.train_records[i] for i in picks], self.gen):
-                loss = self._batch_loss(*self._steer(batch, self.gen)) if cfg.steer_anchors else self._batch_loss(batch)
-                (loss * len(batch) / cfg.seqs_per_step).backward()
-                total += loss.item() * len(batch)
-                n += len(batch)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.step += 1
-            entry = {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm,
-                     "step_s": time.perf_counter() - t0}
+            entry = self.train_step()
+            entry["step_s"] = time.perf_counter() - t0
             done = self.step - start_step
             if done == BUDGET_WARMUP_STEPS:
                 mark = (time.perf_counter(), self.step)
