@@ -1,8 +1,8 @@
 """`bench sweep`: a closed-loop load generator for any OpenAI-compatible streaming endpoint.
 
 At each concurrency c, exactly c streaming requests are in flight until the point's requests are done
-(bounded load: requests per point grow with c). Prompts come in a seeded shuffled order, so two runs with
-the same seed send the same prompts. Latencies follow trtllm-serve's benchmark_serving definitions:
+(bounded load: requests per point grow with c). Prompts are dealt from one seeded stream (PromptStream), so two
+runs with the same seed and points send the same prompts, and none twice until the dataset runs out. Latencies follow trtllm-serve's benchmark_serving definitions:
 TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks.
 With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token (as vLLM's
 and TensorRT-LLM's benchmark_serving count it; TPOT is the per-token figure). Tokens/s/user is 1 / median TPOT,
@@ -105,18 +105,32 @@ class SweepConfig:
         return self.concurrencies[0] if self.warmup_requests is None else self.warmup_requests
 
 
-def prompt_sequence(prompts: Sequence[BenchPrompt], n: int, seed: int) -> list[BenchPrompt]:
-    """n prompts: passes over the whole set, each pass in a fresh seeded shuffle. A point's sequence depends
-    only on (prompts, n, seed), so the same point in two runs gets the same prompts."""
-    if not prompts:
-        raise ValueError("no prompts to send")
-    rng = random.Random(seed)
-    out: list[BenchPrompt] = []
-    while len(out) < n:
-        order = list(range(len(prompts)))
-        rng.shuffle(order)
-        out.extend(prompts[i] for i in order)
-    return out[:n]
+class PromptStream:
+    """The run's prompts, dealt in order to the warm-up and then to each point: passes over the whole set, each
+    pass in a fresh seeded shuffle. A prompt is sent again only once the set runs out, so a server's prefix cache
+    (vLLM's is on by default) cannot answer a measured request from an earlier request's prefill; `repeats`
+    counts the requests it dealt whose prompt had been dealt before. The deal depends only on (prompts, seed)."""
+
+    def __init__(self, prompts: Sequence[BenchPrompt], seed: int) -> None:
+        if not prompts:
+            raise ValueError("no prompts to send")
+        self._prompts = list(prompts)
+        self._rng = random.Random(seed)
+        self._pending: list[BenchPrompt] = []
+        self._dealt: set[str] = set()
+
+    def take(self, n: int) -> tuple[list[BenchPrompt], int]:
+        """The next n prompts, and how many of them were dealt before."""
+        while len(self._pending) < n:
+            order = list(range(len(self._prompts)))
+            self._rng.shuffle(order)
+            self._pending.extend(self._prompts[i] for i in order)
+        out, self._pending = self._pending[:n], self._pending[n:]
+        repeats = 0
+        for p in out:
+            repeats += p.id in self._dealt
+            self._dealt.add(p.id)
+        return out, repeats
 
 
 @dataclass
@@ -383,21 +397,24 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        stream = PromptStream(prompts, cfg.seed)
         if cfg.num_warmup:
-            warm = await run_requests(client, cfg, prompt_sequence(prompts, cfg.num_warmup, cfg.seed + 1),
-                                      cfg.concurrencies[0], first_index=-cfg.num_warmup)
+            warm = await run_requests(client, cfg, stream.take(cfg.num_warmup)[0], cfg.concurrencies[0],
+                                      first_index=-cfg.num_warmup)
             if not any(r.ok for r in warm):
                 raise SweepError(f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}")
             await asyncio.sleep(cfg.metrics_settle_s)
         metrics = await scrape(client, cfg.metrics_url)
         for c in cfg.concurrencies:
             before = metrics
-            results = await run_requests(client, cfg, prompt_sequence(prompts, cfg.requests_at(c), cfg.seed), c)
+            sent, repeats = stream.take(cfg.requests_at(c))
+            results = await run_requests(client, cfg, sent, c)
             if before is not None:  # an endpoint without /metrics is not asked again
                 await asyncio.sleep(cfg.metrics_settle_s)
                 metrics = await scrape(client, cfg.metrics_url)
             after = metrics if before is not None else None
             point = point_stats(cfg, c, results)
+            point["repeated_prompts"] = repeats  # requests a prefix cache may have answered in part
             from_metrics = acceptance_delta(before, after)
             point["acceptance"] = response_acceptance([r for r in results if r.ok]) or from_metrics
             point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check

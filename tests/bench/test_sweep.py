@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request  # module level: the handlers' annotations 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dflash_trt.bench.endpoint_metrics import acceptance_delta, parse_metrics
-from dflash_trt.bench.sweep import SweepConfig, SweepError, prompt_sequence, run_sweep, write_results
+from dflash_trt.bench.sweep import PromptStream, SweepConfig, SweepError, run_sweep, write_results
 from tests.server.conftest import free_port
 
 
@@ -210,16 +210,24 @@ def test_config_urls_and_request_counts():
         SweepConfig(url="h:8000", model="m", concurrencies=[1])
 
 
-def test_prompt_sequence_is_a_seeded_cycle():
+def test_prompt_stream_deals_seeded_passes_without_repeats_inside_a_pass():
     ps = prompts(*"abcdef")
-    seq = prompt_sequence(ps, 15, seed=0)
-    assert len(seq) == 15
-    for start in (0, 6):  # every full pass is a permutation of the set
-        assert sorted(p.text for p in seq[start:start + 6]) == list("abcdef")
-    assert [p.text for p in seq[12:]] == [p.text for p in prompt_sequence(ps, 15, seed=0)[12:]]
-    assert prompt_sequence(ps, 15, seed=0) == seq
-    assert prompt_sequence(ps, 15, seed=1) != seq
-    assert prompt_sequence(ps, 4, seed=0) == seq[:4]  # a point's prompts do not depend on its size
+    stream = PromptStream(ps, seed=0)
+    dealt = []
+    for n in (1, 2, 3, 4, 5):  # a warm-up request, then points of growing size
+        batch, repeats = stream.take(n)
+        assert len(batch) == n
+        before = [p.text for p in dealt]
+        assert repeats == sum(p.text in before for p in batch)
+        dealt += batch
+    assert sorted(p.text for p in dealt[:6]) == list("abcdef")  # every pass is a permutation of the set
+    assert sorted(p.text for p in dealt[6:12]) == list("abcdef")
+    assert len({p.text for p in dealt[:6]}) == 6  # nothing sent twice before the set runs out
+    other = PromptStream(ps, seed=0)
+    assert [p for n in (1, 2, 3, 4, 5) for p in other.take(n)[0]] == dealt  # the deal depends on (prompts, seed)
+    assert PromptStream(ps, seed=1).take(15)[0] != dealt
+    with pytest.raises(ValueError, match="no prompts"):
+        PromptStream([], seed=0)
 
 
 # --- timings and counts against the stub ----------------------------------------------------------
@@ -292,7 +300,19 @@ def test_prompt_order_is_reproducible(stub):
     assert sent(0) == first
     assert sent(1) != first
     assert sorted(first[:5]) == list("abcde")  # a full pass before any repeat
-    assert first == [p.text for p in prompt_sequence(ps, 6, seed=0)]
+    assert first == [p.text for p in PromptStream(ps, seed=0).take(6)[0]]
+
+
+def test_points_and_warm_up_share_one_stream_and_report_repeats(stub):
+    # 1 warm-up + 2 + 4 requests over 5 prompts: the first two points repeat nothing (a prefix cache could not
+    # answer them from earlier prefills), the last one repeats what the set could not supply fresh.
+    state = stub.reset()
+    cfg = config(stub.url, [1, 2], requests_per_concurrency=2, min_requests=1, warmup_requests=1)
+    points = run_sweep(cfg, prompts(*"abcde"))["points"]
+    texts = [b["messages"][0]["content"] for b, _ in state.arrivals]
+    assert len(texts) == 1 + 2 + 4
+    assert len(set(texts[:5])) == 5
+    assert [p["repeated_prompts"] for p in points] == [0, 2]
 
 
 def test_completions_api(stub):
