@@ -140,18 +140,29 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
 @click.option("--verify", is_flag=True, help="Also check the sha256 of every file.")
 def inspect(engine, verify) -> None:
     """Print an engine directory's manifest and memory plan as tables."""
-    from dflash_trt.engine_dir import EngineDir
+    from dflash_trt.engine_dir import MANIFEST, EngineDir
 
     try:
         e = EngineDir(engine)
         if verify:
             e.verify()
+        rows = _manifest_rows(e.manifest, verify)
+        plan = e.plan
+    except KeyError as err:  # a manifest edited by hand, or written by another version
+        where = Path(engine) / MANIFEST
+        raise click.ClickException(f"{where}: missing key {err.args[0]!r}; rebuild the engine") from err
     except (ValueError, OSError) as err:
         raise click.ClickException(str(err)) from err
-    m = e.manifest
+    click.echo(_table(rows, f"Engine {Path(engine)}"))
+    click.echo()
+    click.echo(format_plan(plan))
+
+
+def _manifest_rows(m: dict, verified: bool) -> list[tuple[str, str]]:
+    """inspect's table rows; KeyError naming the first manifest key it lacks."""
     t, d = m["target"], m.get("drafter")
     src = m["sources"]
-    rows = [
+    return [
         ("name", m["name"]), ("format version", str(m["format_version"])), ("created", m["created"]),
         ("target", f"{src['target']['ref']} ({t['architecture']}, {_count(t['num_hidden_layers'], 'layer')}, "
                    f"hidden {t['hidden_size']}, vocab {t['vocab_size']}, {t['num_attention_heads']}/"
@@ -168,8 +179,5 @@ def inspect(engine, verify) -> None:
         ("versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items()
                                if k not in ("format_version", "tensorrt_llm_target"))),  # rows of their own
         ("files", f"{len(m['files'])}, {sum(f['size'] for f in m['files'].values()) / GB:.3f} GB"
-                  + (" (sha256 verified)" if verify else "")),
+                  + (" (sha256 verified)" if verified else "")),
     ]
-    click.echo(_table(rows, f"Engine {Path(engine)}"))
-    click.echo()
-    click.echo(format_plan(e.plan))

@@ -97,7 +97,11 @@ class EngineDir:
 
     @property
     def plan(self) -> dict:
-        return json.loads((self.path / "plan.json").read_text())
+        path = self.path / "plan.json"
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:  # without verify() an edited plan is not caught by its checksum
+            raise ValueError(f"{path}: invalid JSON ({e}); rebuild the engine") from e
 
     @property
     def build_config(self) -> dict:

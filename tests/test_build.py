@@ -124,6 +124,30 @@ def test_a_file_missing_from_an_engine_is_named_by_every_command(tiny_engine, tm
     assert r.exit_code == 1 and "plan.json: listed in manifest.json but missing" in r.output, r.output
 
 
+@pytest.mark.parametrize("key, inner", [("sources", None), ("tokenizer", "chat_template")])
+def test_inspect_names_the_manifest_key_it_lacks(tiny_engine, tmp_path, key, inner):
+    # Without --verify the manifest's own checksum is not checked: an edited manifest reaches the table.
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    if inner is None:
+        del manifest[key]
+    else:
+        del manifest[key][inner]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    r = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert r.exit_code == 1 and f"manifest.json: missing key {inner or key!r}" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_inspect_names_an_unreadable_plan(tiny_engine, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    (bad / "plan.json").write_text("{")
+    r = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert r.exit_code == 1 and "plan.json" in r.output, r.output
+
+
 def _pairing_error(tiny_dirs, tmp_path, edit, **extra) -> str:
     drafter = tmp_path / "drafter"
     drafter.mkdir()
