@@ -61,9 +61,9 @@ def main() -> None:
         print(f"feature prefill in {name}: {prefill[name]} tok/s ({sum(lengths)} tokens)", flush=True)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        feats = build_feature_cache(feature_target(target, target_dir),
-                                    [(r["id"], (r["prompt_ids"] + r["response_ids"])[:640]) for r in recs],
-                                    Path(tmp) / "features", LAYER_IDS)
+        sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[:640]) for r in recs]
+        feats = build_feature_cache(target, sequences, Path(tmp) / "features", LAYER_IDS,
+                                    compute_with=lambda: feature_target(target, target_dir))
         for i, mode in enumerate(args.order.split(",")):
             cfg = TrainConfig(num_layers=2, block_size=8, target_layer_ids=LAYER_IDS, mask_token_id=16, steps=10**6,
                               lr=3e-4, seqs_per_step=4, anchors_per_seq=48, gamma=2.0, max_seq_len=640,

@@ -209,8 +209,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
     if device == "cpu":
         sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
-        features = build_feature_cache(feature_target(target, target_dir), sequences, data_dir / "features",
-                                       cfg.target_layer_ids)
+        features = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids,
+                                       compute_with=lambda: feature_target(target, target_dir))
     else:
         features = TargetFeatures(target, cfg.target_layer_ids)
     trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)

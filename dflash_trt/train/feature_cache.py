@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -160,7 +161,11 @@ def build_feature_cache(
     layer_ids: list[int],
     shard_tokens: int = 262_144,
     batch_rows: int = 8,
+    compute_with: Callable[[], torch.nn.Module] | None = None,
 ) -> FeatureCache:
+    """Cache the features of every sequence not cached yet; -> the whole cache. compute_with loads the model that
+    computes them (cli.feature_target: a bf16 target's fp32 twin) and is called only when something is missing, so
+    a resume over a complete cache loads nothing; by default target computes them."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     feature_dim = target.config.hidden_size * len(layer_ids)
@@ -182,8 +187,11 @@ def build_feature_cache(
     total = sum(len(ids) for _, ids in sequences)
     bar = tqdm(total=total, initial=total - sum(len(ids) for _, ids in missing), desc="features", unit="tok",
                unit_scale=True, dynamic_ncols=True)
-    max_len = max((len(ids) for _, ids in missing), default=1)
-    cache = target.make_cache(batch_rows, max_len)
+    if not missing:
+        bar.close()
+        return FeatureCache(root)
+    model = target if compute_with is None else compute_with()
+    cache = model.make_cache(batch_rows, max(len(ids) for _, ids in missing))
     taken = {s["file"] for s in index["shards"]}
     names = (n for n in (f"shard_{i:05d}.npy" for i in range(len(taken), 10**6)) if n not in taken)
     for shard, name in zip(shards, names):
@@ -193,7 +201,7 @@ def build_feature_cache(
         order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))
         for start in range(0, len(order), batch_rows):
             rows = [shard[j] for j in order[start : start + batch_rows]]
-            feats = _features(target, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
+            feats = _features(model, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
             for (sid, ids), f in zip(rows, feats):
                 data[offset : offset + len(ids)] = f[: len(ids)]
                 where[sid] = [offset, len(ids)]

@@ -115,3 +115,21 @@ def test_features_of_a_bf16_target_are_computed_in_fp32_where_the_cpu_emulates_b
     seqs = _sequences(4)
     cache = build_feature_cache(twin, seqs, tmp_path / "cache", [0, 1], shard_tokens=40)
     _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol=1e-4, rtol=1e-3)
+
+
+def test_the_computing_model_is_loaded_only_when_features_are_missing(tmp_path):
+    path = make_target(tmp_path / "target", layers=2, seed=5)
+    target = load_target(path, torch.float32)
+    seqs = _sequences(3)
+    loads = []
+
+    def load():
+        loads.append(1)
+        return target
+
+    whole = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40, compute_with=load)
+    assert loads == [1]
+    again = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40, compute_with=load)
+    assert loads == [1]  # complete: a resume loads nothing
+    for sid, _ in seqs:
+        assert np.array_equal(again.get(sid), whole.get(sid))
