@@ -49,33 +49,17 @@ def sync(device: torch.device) -> None:
 
 
 def one_step(tr: Trainer, timings: dict[str, float]) -> None:
-    """Trainer.train_step's work, each phase timed after a sync (the schedule's learning rate left out)."""
-    cfg, dev = tr.cfg, tr.device
-
-    def mark(name: str, t0: float) -> float:
-        sync(dev)
-        t = time.perf_counter()
-        timings[name] = timings.get(name, 0.0) + t - t0
-        return t
-
+    """Trainer.train_step, each phase timed after a sync."""
     t = time.perf_counter()
-    picks = torch.randint(len(tr.train_records), (cfg.seqs_per_step,), generator=tr.gen).tolist()
-    batches = tr._batches([tr.train_records[i] for i in picks], tr.gen)
-    t = mark("sample blocks", t)
-    for batch in batches:
-        if cfg.steer_anchors:
-            batch, full = tr._steer(batch, tr.gen)
-            t = mark("features + steering probe", t)
-        else:
-            full = None
-        loss = tr._batch_loss(batch, full)
-        t = mark("loss forward" + ("" if full is not None else " (features inside)"), t)
-        (loss * len(batch) / cfg.seqs_per_step).backward()
-        t = mark("backward", t)
-    torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
-    tr.opt.step()
-    tr.opt.zero_grad(set_to_none=True)
-    mark("clip + optimizer", t)
+
+    def phase(name: str) -> None:
+        nonlocal t
+        sync(tr.device)
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - t
+        t = now
+
+    tr.train_step(phase)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -405,23 +406,34 @@ class Trainer:
                 self._save_checkpoint()
             raise KeyboardInterrupt
 
-    def train_step(self) -> dict:
+    def train_step(self, phase: Callable[[str], None] | None = None) -> dict:
         """One optimizer step on seqs_per_step random training sequences at the schedule's learning rate ->
-        {step (after it), loss (the sequences' mean), lr, grad_norm (before clipping)}."""
+        {step (after it), loss (the sequences' mean), lr, grad_norm (before clipping)}. `phase(name)` is called as
+        each phase ends (benchmarks/profile_train_step.py times them)."""
         cfg = self.cfg
+        done = phase or (lambda name: None)
         lr = lr_at(self.step, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
         picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
+        batches = self._batches([self.train_records[i] for i in picks], self.gen)
+        done("sample blocks")
         total, n = 0.0, 0
-        for batch in self._batches([self.train_records[i] for i in picks], self.gen):
-            loss = self._batch_loss(*self._steer(batch, self.gen)) if cfg.steer_anchors else self._batch_loss(batch)
+        for batch in batches:
+            full = None
+            if cfg.steer_anchors:
+                batch, full = self._steer(batch, self.gen)
+                done("features + steering probe")
+            loss = self._batch_loss(batch, full)
+            done("loss forward" if full is not None else "features + loss forward")
             (loss * len(batch) / cfg.seqs_per_step).backward()
             total += loss.item() * len(batch)
             n += len(batch)
+            done("backward")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        done("clip + optimizer")
         self.step += 1
         return {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm}
 
