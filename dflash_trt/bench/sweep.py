@@ -362,8 +362,8 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
 
 # Settings that change which instructions run, recorded with a machine (another CPU emulated: benchmarks/README.md,
 # session 20).
-_INSTRUCTION_ENV = ("DFLASH_TRT_MARCH", "DFLASH_TRT_AMX", "DFLASH_TRT_CPU_KERNELS", "ATEN_CPU_CAPABILITY",
-                    "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+_INSTRUCTION_ENV = ("DFLASH_TRT_MARCH", "DFLASH_TRT_AMX", "DFLASH_TRT_PANELS", "DFLASH_TRT_CPU_KERNELS",
+                    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
 
 
 def machine_info() -> dict:

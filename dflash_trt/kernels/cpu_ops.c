@@ -405,6 +405,85 @@ static void widened_input(const uint16_t *x, int64_t M, int64_t K, float *out) {
 }
 #endif
 
+#if defined(HAVE_AVX2_LINEAR) && !defined(__AVX512F__)
+#define HAVE_PANELS 1
+/* AVX2 panels, for weights with N % 16 == 0: the dot products above load the input afresh for every weight vector
+ * (4 rows x 2 features: 16 multiply-adds for 10 loads and 4 widenings, and a horizontal sum per output), which held
+ * a 2-core Zen 3 to ~80 GFLOP/s from 8 rows on (benchmarks/README.md, "AVX2 panels"). Here a weight is stored in
+ * panels of 16 output features ("panels" layout, a [N, K] tensor of the same shape): per panel, per input k, the 16
+ * features' bf16 weights, w'[g][k][s] = w[16 g + PANEL_ORDER[s]][k], ordered so that the two unpacks that widen
+ * them to fp32 give features 0-7 and 8-15. A tile of R input rows x 16 features keeps 2 R accumulators in
+ * registers and, per k, widens one 32-byte load and broadcasts each row's input: 2 R multiply-adds for R + 1 loads.
+ * Every output is one fp32 sum over k in order, whatever R and the rows in the call, so a row's result does not
+ * depend on its batch. */
+#define PANEL_ROWS 6
+static int panels_state = -1; /* -1 unknown; DFLASH_TRT_PANELS=0 keeps the dot products (an A/B switch) */
+
+static int panels_on(void) {
+    if (panels_state < 0) {
+        const char *off = getenv("DFLASH_TRT_PANELS");
+        panels_state = !(off && off[0] == '0');
+    }
+    return panels_state;
+}
+
+static inline void panel_weights(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)); /* bf16 in the high half: the fp32 value, exactly */
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+
+static inline void panel_store(__m256 lo, __m256 hi, const uint16_t *bias, uint16_t *y, int64_t n0) {
+    float out[16];
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    for (int j = 0; j < 16; j++) y[n0 + j] = f32_to_bf16(bias ? out[j] + bf16_to_f32(bias[n0 + j]) : out[j]);
+}
+
+/* Named accumulators, not arrays: GCC kept an array's vectors in memory and stored each one every iteration. */
+#define PANEL_FMA(R, i)                                                                                             \
+    if (R > i) {                                                                                                 \
+        const __m256 xr = _mm256_broadcast_ss(x + i * K + k);                                                    \
+        l##i = _mm256_fmadd_ps(xr, wl, l##i);                                                                    \
+        h##i = _mm256_fmadd_ps(xr, wh, h##i);                                                                    \
+    }
+#define PANEL_TILE(R)                                                                                            \
+    static inline void panel_tile_##R(const float *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,       \
+                                      int64_t N, int64_t K, int64_t n0) {                                        \
+        __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, l4 = l0, l5 = l0;                            \
+        __m256 h0 = l0, h1 = l0, h2 = l0, h3 = l0, h4 = l0, h5 = l0;                                             \
+        for (int64_t k = 0; k < K; k++) {                                                                        \
+            __m256 wl, wh;                                                                                       \
+            panel_weights(p + k * 16, &wl, &wh);                                                                 \
+            PANEL_FMA(R, 0) PANEL_FMA(R, 1) PANEL_FMA(R, 2) PANEL_FMA(R, 3) PANEL_FMA(R, 4) PANEL_FMA(R, 5)  \
+        }                                                                                                        \
+        panel_store(l0, h0, bias, y, n0);                                                                        \
+        if (R > 1) panel_store(l1, h1, bias, y + N, n0);                                                         \
+        if (R > 2) panel_store(l2, h2, bias, y + 2 * N, n0);                                                     \
+        if (R > 3) panel_store(l3, h3, bias, y + 3 * N, n0);                                                     \
+        if (R > 4) panel_store(l4, h4, bias, y + 4 * N, n0);                                                     \
+        if (R > 5) panel_store(l5, h5, bias, y + 5 * N, n0);                                                     \
+    }
+PANEL_TILE(6)
+PANEL_TILE(5)
+PANEL_TILE(4)
+PANEL_TILE(3)
+PANEL_TILE(2)
+PANEL_TILE(1)
+
+typedef void (*panel_tile)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+
+static void panel_features(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                           int64_t N, int64_t K, int64_t g) {
+    static const panel_tile tail[PANEL_ROWS] = {NULL, panel_tile_1, panel_tile_2, panel_tile_3, panel_tile_4,
+                                                panel_tile_5};
+    const uint16_t *p = w + g * 16 * K;
+    int64_t m = 0;
+    for (; m + PANEL_ROWS <= M; m += PANEL_ROWS) panel_tile_6(x + m * K, p, bias, y + m * N, N, K, 16 * g);
+    if (m < M) tail[M - m](x + m * K, p, bias, y + m * N, N, K, 16 * g);
+}
+#endif
+
 #if defined(HAVE_AMX)
 /* AMX: one TDPBF16PS multiplies up to 16 input rows by a 32 x 16 block of w^T, so a 4-row verify step costs what a
  * 1-row decode does where the AVX-512 tiles above take ~1.25x (their dot products grow with the rows while the weight
@@ -516,14 +595,17 @@ static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *b
 }
 #endif
 
-/* The weight layout linear_bf16 reads for an [N, K] weight on this CPU: 2 tiles (AMX), 1 rows (w as torch holds
- * it), 0 none (the caller runs torch's linear). A function of the shape and the CPU only, so a weight always takes
- * the same kernel. DFLASH_TRT_AMX=0 turns the tiles off. */
+/* The weight layout linear_bf16 reads for an [N, K] weight on this CPU: 3 panels (AVX2), 2 tiles (AMX), 1 rows (w as
+ * torch holds it), 0 none (the caller runs torch's linear). A function of the shape and the CPU only, so a weight always takes
+ * the same kernel. DFLASH_TRT_AMX=0 turns the tiles off, DFLASH_TRT_PANELS=0 the panels. */
 int linear_layout_bf16(int64_t N, int64_t K) {
     (void)N; /* read only where AMX is built in */
     if (K % 32 != 0) return 0;
 #if defined(HAVE_AMX)
     if (N % 64 == 0 && amx_ready()) return 2;
+#endif
+#if defined(HAVE_PANELS)
+    if (N % 16 == 0 && panels_on()) return 3;
 #endif
 #if defined(__AVX512BF16__) || defined(HAVE_AVX2_LINEAR)
     return 1;
@@ -556,6 +638,17 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     }
     return 1;
 #elif defined(HAVE_AVX2_LINEAR)
+#if defined(HAVE_PANELS)
+    if (layout == 3) {
+        float *xw = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
+        if (!xw) abort();
+        for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(x[i]);
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < N / 16; g++) panel_features(xw, w, bias, y, M, N, K, g);
+        free(xw);
+        return 1;
+    }
+#endif
     if (layout != 1) return 0;
     float *x32 = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
     if (!x32) abort();

@@ -34,6 +34,10 @@ _SOURCES = ("cpu_ops.c", "cpu_ops_body.h")
 # softmax, silu) scalar unless AVX-512 masks can guard them; results are the same, only FP exception flags may differ.
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The "panels" layout's order of a panel's 16 features: AVX2's 16-bit unpacks widen elements 0-3 and 8-11 of a
+# 32-byte load into one vector and 4-7, 12-15 into the other, so storing features 4-7 and 8-11 swapped gives
+# features 0-7 and 8-15.
+PANEL_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 _i64, _f32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -138,32 +142,39 @@ class CpuOps:
             self._argmax[dtype] = fn
 
     def linear_layout(self, weight: torch.Tensor) -> str | None:
-        """How linear() wants this [N, K] weight stored: "tiles" (AMX), "rows" (as torch holds it; AVX512-BF16, or AVX2
-        and FMA), or None where no kernel serves it (not bf16, K not a multiple of 32, or a CPU without any)."""
+        """How linear() wants this [N, K] weight stored: "tiles" (AMX), "panels" (AVX2 and FMA without AVX-512, N a
+        multiple of 16), "rows" (as torch holds it; AVX512-BF16, or AVX2 and FMA otherwise), or None where no kernel
+        serves it (not bf16, K not a multiple of 32, or a CPU without any)."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             return None
-        return {0: None, 1: "rows", 2: "tiles"}[self._layout(*weight.shape)]
+        return {0: None, 1: "rows", 2: "tiles", 3: "panels"}[self._layout(*weight.shape)]
 
     def has_linear(self, weight: torch.Tensor) -> bool:
         return self.linear_layout(weight) is not None
 
     def kernel_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The weight as linear() reads it: itself (rows), a reordered copy of the same shape (tiles: per 64
-        features and 32 inputs, the four 16 x 32 blocks AMX multiplies; cpu_ops.c), or None where no kernel serves."""
+        """The weight as linear() reads it: itself (rows), or a reordered copy of the same shape (tiles: per 64
+        features and 32 inputs, the four 16 x 32 blocks AMX multiplies; panels: per 16 features, their 16 weights
+        for each input in PANEL_ORDER; cpu_ops.c), or None where no kernel serves."""
         layout = self.linear_layout(weight)
         if layout is None:
             return None
         weight = weight.detach().contiguous()
+        n, k = weight.shape
         if layout == "rows":
             return weight
-        n, k = weight.shape
+        if layout == "panels":
+            return weight.view(n // 16, 16, k)[:, PANEL_ORDER].transpose(1, 2).contiguous().view(n, k)
         return weight.view(n // 64, 4, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous().view(n, k)
 
     def plain_weight(self, kernel_weight: torch.Tensor) -> torch.Tensor:
         """kernel_weight()'s inverse: the [N, K] weight as torch holds it."""
-        if self.linear_layout(kernel_weight) != "tiles":
-            return kernel_weight
+        layout = self.linear_layout(kernel_weight)
         n, k = kernel_weight.shape
+        if layout == "panels":  # PANEL_ORDER is its own inverse
+            return kernel_weight.view(n // 16, k, 16).transpose(1, 2)[:, PANEL_ORDER].contiguous().view(n, k)
+        if layout != "tiles":
+            return kernel_weight
         return kernel_weight.view(n // 64, k // 32, 4, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).contiguous().view(n, k)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,8 +24,9 @@ from dflash_trt.kernels import cpu_ops
 _PACKABLE = (torch.float32, torch.bfloat16)
 # Rows up to which the bf16 kernel serves a linear where oneDNN packs it too, by the weight layout this CPU's kernel
 # reads (cpu_ops.linear_layout): dot products ("rows": AVX-512 BF16, or AVX2 and FMA on CPUs without it; measured
-# with AVX-512 BF16), or AMX tiles, whose cost grows far slower with the rows.
-KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128}
+# with AVX-512 BF16), or AMX tiles, whose cost grows far slower with the rows. AVX2 panels run where oneDNN packs
+# no bf16 (no AVX-512), so no row limit applies to them.
+KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128, "panels": 128}
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -91,15 +92,15 @@ def kernel_weights(*linears: nn.Module) -> list[torch.Tensor] | None:
 
 def kernel_layout(model: nn.Module) -> str | None:
     """The layout (cpu_ops.linear_layout) of most of the weights the bf16 kernel serves in `model`, by size: "tiles"
-    (AMX, where a verify step's extra rows cost about what one row does), "rows" (dot products), or None where the
-    kernel serves none."""
-    sizes = {"tiles": 0, "rows": 0}
+    (AMX, where a verify step's extra rows cost about what one row does), "panels" (AVX2), "rows" (dot products), or
+    None where the kernel serves none."""
+    sizes = {"tiles": 0, "panels": 0, "rows": 0}
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.kernel_weight is not None:
             sizes[m.kernel_layout] += m.kernel_weight.numel()
     if not any(sizes.values()):
         return None
-    return "tiles" if sizes["tiles"] >= sizes["rows"] else "rows"
+    return max(sizes, key=sizes.get)  # the first of a tie, in the order above
 
 
 def pack_linears(model: nn.Module) -> int:

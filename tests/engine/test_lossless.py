@@ -190,7 +190,7 @@ def test_a_cpu_without_amx_tiles_drafts_the_smaller_tree_and_stays_exact(tiny_di
 
 def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkeypatch):
     """kernel_layout: a packed bf16 target whose projections the kernel reads in tile order (this CPU, with AMX), not
-    an fp32 one (oneDNN only) nor one the kernel serves with dot products (an AVX2 build)."""
+    an fp32 one (oneDNN only) nor one the kernel serves in AVX2 panels (an AVX2 build)."""
     from dflash_trt.layers import linear
 
     def packed(dtype):
@@ -203,7 +203,7 @@ def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkey
     assert (linear.kernel_layout(packed(torch.bfloat16)) == "tiles") == amx
     assert linear.kernel_layout(packed(torch.float32)) is None
     monkeypatch.setattr(cpu_ops, "load", lambda: avx2_ops)
-    assert linear.kernel_layout(packed(torch.bfloat16)) == "rows"
+    assert linear.kernel_layout(packed(torch.bfloat16)) == "panels"
 
 
 def test_the_engine_says_how_its_cpu_linears_run_and_which_tree_it_drafts(tiny_dirs, caplog):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.hardware import cpu_flags
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata, kernel_step
 from dflash_trt.layers.rotary import RotaryEmbedding
@@ -255,15 +256,20 @@ def test_builds_without_avx512_bf16_serve_bf16_linears_alike_whatever_the_batch(
     result (which makes bf16 speculation token-exact there too); the int8 kernels and the head's screen need
     AVX512-VNNI and stand aside."""
     built = request.getfixturevalue(build)
-    assert built.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == "rows"
+    # AVX2 alone stores whole 16-feature groups in panels; AVX-512F keeps the dot products
+    assert built.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == {"avx2_ops": "panels",
+                                                                              "avx512f_ops": "rows"}[build]
+    assert built.linear_layout(torch.zeros(40, 64, dtype=torch.bfloat16)) == "rows"
     assert not built.has_int8_kernels() and built.head_screen_rows() == 0
     for rows, n, k, bias in [(1, 8, 64, False), (3, 13, 96, True), (4, 7, 576, False), (7, 5, 96, True),
-                             (9, 4099, 576, False), (45, 192, 576, True)]:
+                             (9, 4099, 576, False), (45, 192, 576, True), (1, 16, 64, True), (6, 48, 1536, False),
+                             (7, 64, 96, True), (13, 960, 576, False), (100, 32, 64, True)]:
         g = torch.Generator().manual_seed(rows * n)
         x = torch.randn(rows, k, generator=g).bfloat16()
         w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
         b = torch.randn(n, generator=g).bfloat16() if bias else None
         kw = built.kernel_weight(w)
+        assert torch.equal(built.plain_weight(kw), w)
         with torch.no_grad():
             got = built.linear(x, kw, b)
             alone = torch.cat([built.linear(x[i : i + 1], kw, b) for i in range(rows)])
@@ -326,9 +332,16 @@ def test_linear_declines_weights_it_cannot_serve():
     assert not ops.has_linear(torch.zeros(4, 64))  # fp32: oneDNN's packed linear serves it
     assert ops.kernel_weight(torch.zeros(4, 48, dtype=torch.bfloat16)) is None
     assert ops.has_linear(torch.zeros(4, 64, dtype=torch.bfloat16))
-    # AMX's tiles take whole groups of 64 features; any other count keeps the weight as it is
+    # AMX's tiles take whole groups of 64 features, AVX2's panels of 16; any other count keeps the weight as it is
     assert ops.linear_layout(torch.zeros(4, 64, dtype=torch.bfloat16)) == "rows"
-    assert ops.linear_layout(torch.zeros(128, 64, dtype=torch.bfloat16)) == ("tiles" if amx_usable() else "rows")
+    grouped = "tiles" if amx_usable() else "panels" if avx2_without_avx512() else "rows"
+    assert ops.linear_layout(torch.zeros(128, 64, dtype=torch.bfloat16)) == grouped
+
+
+def avx2_without_avx512() -> bool:
+    """The native build's linears take AVX2 panels: the CPU has AVX2 and FMA and no AVX-512 at all."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def amx_usable() -> bool:
