@@ -468,18 +468,13 @@ static inline void panel_store(__m256 lo, __m256 hi, const uint16_t *bias, uint1
     }
 /* The first tile of rows streams the panel from memory: it prefetches ahead (one 64-byte line every 2 inputs); the
  * others find the panel cached. */
-PANEL_TILE(6, panel_tile_6, 0)
-PANEL_TILE(5, panel_tile_5, 0)
-PANEL_TILE(4, panel_tile_4, 0)
-PANEL_TILE(3, panel_tile_3, 0)
-PANEL_TILE(2, panel_tile_2, 0)
-PANEL_TILE(1, panel_tile_1, 0)
-PANEL_TILE(6, panel_stream_6, 1)
-PANEL_TILE(5, panel_stream_5, 1)
-PANEL_TILE(4, panel_stream_4, 1)
-PANEL_TILE(3, panel_stream_3, 1)
-PANEL_TILE(2, panel_stream_2, 1)
-PANEL_TILE(1, panel_stream_1, 1)
+#define PANEL_TILES(R) PANEL_TILE(R, panel_tile_##R, 0) PANEL_TILE(R, panel_stream_##R, 1)
+PANEL_TILES(6)
+PANEL_TILES(5)
+PANEL_TILES(4)
+PANEL_TILES(3)
+PANEL_TILES(2)
+PANEL_TILES(1)
 
 typedef void (*panel_tile)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
 
