@@ -485,9 +485,13 @@ static void panel_features(const float *x, const uint16_t *w, const uint16_t *bi
     static const panel_tile stream[PANEL_ROWS + 1] = {NULL, panel_stream_1, panel_stream_2, panel_stream_3,
                                                       panel_stream_4, panel_stream_5, panel_stream_6};
     const uint16_t *p = w + g * 16 * K;
-    for (int64_t m = 0; m < M; m += PANEL_ROWS) {
-        const int64_t rows = M - m < PANEL_ROWS ? M - m : PANEL_ROWS;
-        (m == 0 ? stream : tile)[rows](x + m * K, p, bias, y + m * N, N, K, 16 * g);
+    /* Rows spread evenly over the fewest tiles (8 rows: 4 + 4, not 6 + 2, whose 2-row pass pays a whole pass's
+     * loads and widenings for 4 multiply-adds per input). */
+    const int64_t tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    for (int64_t t = 0, m = 0; t < tiles; t++) {
+        const int64_t rows = (M - m + tiles - t - 1) / (tiles - t);
+        (t == 0 ? stream : tile)[rows](x + m * K, p, bias, y + m * N, N, K, 16 * g);
+        m += rows;
     }
 }
 #endif
