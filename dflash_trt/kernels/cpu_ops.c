@@ -442,14 +442,16 @@ static inline void panel_store(__m256 lo, __m256 hi, const uint16_t *bias, uint1
 }
 
 /* Named accumulators, not arrays: GCC kept an array's vectors in memory and stored each one every iteration. */
-#define PANEL_FMA(R, i)                                                                                             \
+#define PANEL_FMA(R, i)                                                                                          \
     if (R > i) {                                                                                                 \
         const __m256 xr = _mm256_broadcast_ss(x + i * K + k);                                                    \
         l##i = _mm256_fmadd_ps(xr, wl, l##i);                                                                    \
         h##i = _mm256_fmadd_ps(xr, wh, h##i);                                                                    \
     }
+#define PANEL_STORE(R, i)                                                                                        \
+    if (R > i) panel_store(l##i, h##i, bias, y + i * N, n0);
 #define PANEL_TILE(R, NAME, STREAM)                                                                              \
-    static inline void NAME(const float *x, const uint16_t *p, const uint16_t *bias, uint16_t *y, int64_t N,        \
+    static inline void NAME(const float *x, const uint16_t *p, const uint16_t *bias, uint16_t *y, int64_t N,     \
                             int64_t K, int64_t n0) {                                                             \
         __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, l4 = l0, l5 = l0;                            \
         __m256 h0 = l0, h1 = l0, h2 = l0, h3 = l0, h4 = l0, h5 = l0;                                             \
@@ -457,14 +459,10 @@ static inline void panel_store(__m256 lo, __m256 hi, const uint16_t *bias, uint1
             if (STREAM && !(k & 1)) _mm_prefetch((const char *)(p + (k + PANEL_AHEAD) * 16), _MM_HINT_T0);       \
             __m256 wl, wh;                                                                                       \
             panel_weights(p + k * 16, &wl, &wh);                                                                 \
-            PANEL_FMA(R, 0) PANEL_FMA(R, 1) PANEL_FMA(R, 2) PANEL_FMA(R, 3) PANEL_FMA(R, 4) PANEL_FMA(R, 5)  \
+            PANEL_FMA(R, 0) PANEL_FMA(R, 1) PANEL_FMA(R, 2) PANEL_FMA(R, 3) PANEL_FMA(R, 4) PANEL_FMA(R, 5)      \
         }                                                                                                        \
-        panel_store(l0, h0, bias, y, n0);                                                                        \
-        if (R > 1) panel_store(l1, h1, bias, y + N, n0);                                                         \
-        if (R > 2) panel_store(l2, h2, bias, y + 2 * N, n0);                                                     \
-        if (R > 3) panel_store(l3, h3, bias, y + 3 * N, n0);                                                     \
-        if (R > 4) panel_store(l4, h4, bias, y + 4 * N, n0);                                                     \
-        if (R > 5) panel_store(l5, h5, bias, y + 5 * N, n0);                                                     \
+        PANEL_STORE(R, 0) PANEL_STORE(R, 1) PANEL_STORE(R, 2) PANEL_STORE(R, 3) PANEL_STORE(R, 4)               \
+        PANEL_STORE(R, 5)                                                                                        \
     }
 /* The first tile of rows streams the panel from memory: it prefetches ahead (one 64-byte line every 2 inputs); the
  * others find the panel cached. */
@@ -608,8 +606,8 @@ static void linear_tiles(const uint16_t *x, const uint16_t *w, const uint16_t *b
 #endif
 
 /* The weight layout linear_bf16 reads for an [N, K] weight on this CPU: 3 panels (AVX2), 2 tiles (AMX), 1 rows (w as
- * torch holds it), 0 none (the caller runs torch's linear). A function of the shape and the CPU only, so a weight always takes
- * the same kernel. DFLASH_TRT_AMX=0 turns the tiles off, DFLASH_TRT_PANELS=0 the panels. */
+ * torch holds it), 0 none (the caller runs torch's linear). A function of the shape and the CPU only, so a weight
+ * always takes the same kernel. DFLASH_TRT_AMX=0 turns the tiles off, DFLASH_TRT_PANELS=0 the panels. */
 int linear_layout_bf16(int64_t N, int64_t K) {
     (void)N; /* read only where AMX is built in */
     if (K % 32 != 0) return 0;
@@ -650,20 +648,18 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     }
     return 1;
 #elif defined(HAVE_AVX2_LINEAR)
+    if (layout != 1 && layout != 3) return 0;
+    float *x32 = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
+    if (!x32) abort();
 #if defined(HAVE_PANELS)
-    if (layout == 3) {
-        float *xw = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
-        if (!xw) abort();
-        for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(x[i]);
+    if (layout == 3) { /* the input widened in its own order: panels broadcast it value by value */
+        for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
 #pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < N / 16; g++) panel_features(xw, w, bias, y, M, N, K, g);
-        free(xw);
+        for (int64_t g = 0; g < N / 16; g++) panel_features(x32, w, bias, y, M, N, K, g);
+        free(x32);
         return 1;
     }
 #endif
-    if (layout != 1) return 0;
-    float *x32 = malloc(sizeof(float) * (size_t)(M > 0 ? M * K : 1));
-    if (!x32) abort();
     widened_input(x, M, K, x32);
     const int64_t pairs = N / 2;
 #pragma omp parallel for schedule(static)
