@@ -2,7 +2,8 @@
 
 At each concurrency c, exactly c streaming requests are in flight until the point's requests are done
 (bounded load: requests per point grow with c). Prompts are dealt from one seeded stream (PromptStream), so two
-runs with the same seed and points send the same prompts, and none twice until the dataset runs out. Latencies follow trtllm-serve's benchmark_serving definitions:
+runs with the same seed and points send the same prompts, and none twice until the dataset runs out. Latencies
+follow trtllm-serve's benchmark_serving definitions:
 TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks.
 With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token (as vLLM's
 and TensorRT-LLM's benchmark_serving count it; TPOT is the per-token figure). Tokens/s/user is 1 / median TPOT,

@@ -118,8 +118,8 @@ class RequestOutput:
 
 
 # How the target's CPU linears run, for the engine's start-up line (layers/linear.py kernel_layout).
-_LINEAR_PATHS = {"tiles": "AMX tiles", "panels": "the kernel's AVX2 panels", "rows": "the kernel's dot products (no AMX)",
-                 None: "torch/oneDNN"}
+_LINEAR_PATHS = {"tiles": "AMX tiles", "panels": "the kernel's AVX2 panels",
+                 "rows": "the kernel's dot products (no AMX)", None: "torch/oneDNN"}
 
 
 class LLMEngine:

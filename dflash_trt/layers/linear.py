@@ -24,8 +24,9 @@ from dflash_trt.kernels import cpu_ops
 _PACKABLE = (torch.float32, torch.bfloat16)
 # Rows up to which the bf16 kernel serves a linear where oneDNN packs it too, by the weight layout this CPU's kernel
 # reads (cpu_ops.linear_layout): dot products ("rows": AVX-512 BF16, or AVX2 and FMA on CPUs without it; measured
-# with AVX-512 BF16), or AMX tiles, whose cost grows far slower with the rows. AVX2 panels run where oneDNN packs
-# no bf16 (no AVX-512), so no row limit applies to them.
+# with AVX-512 BF16), or AMX tiles, whose cost grows far slower with the rows. AVX2 panels (CPUs without AVX-512)
+# meet a oneDNN that packs bf16 only with AVX-NE-CONVERT; elsewhere no packed weight bounds them. Their 128 is not
+# measured against oneDNN: panels ran 32 rows at ~140 GFLOP/s on an AVX2 EPYC (benchmarks/README.md, "AVX2 panels").
 KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128, "panels": 128}
 
 
