@@ -39,9 +39,10 @@ class EngineConfig:
     # Greedy tokens of a bf16 head through its int8 screen on the CPU (layers/greedy_head.py: the same tokens,
     # about half the head's bytes read); False: the full head every step.
     screen_head: bool = True
-    # The drafter's C step with int8 projections (cpu_ops.Int8Weight) on CPUs with AVX512-VNNI: half the bytes a
-    # step streams; drafts may differ slightly from bf16's (the target's verify keeps the output exact).
-    int8_drafter: bool = True
+    # The drafter's C step with int8 projections (cpu_ops.Int8Weight): half the bytes a step streams; drafts may
+    # differ slightly from bf16's (the target's verify keeps the output exact). None: where it is faster (AVX512-VNNI;
+    # on AVX2 it ties at a block's 8 rows and accepts a little less); True: wherever an int8 kernel runs.
+    int8_drafter: bool | None = None
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
     # batch-size threshold -> draft tree nodes (spec/draft_tree.py; the draft_len_schedule's rule, 0 or absent: a
     # chain): steps whose rows are greedy or sampled by the "match" rule verify that many drafts chosen from each

@@ -42,7 +42,7 @@ class ModelRunner:
         pack_weights: bool = True,
         draft_vocab: torch.Tensor | None = None,
         screen_head: bool = True,
-        int8_drafter: bool = False,
+        int8_drafter: bool | None = False,
         lookup_nodes: int = 0,
     ) -> None:
         self.target = target

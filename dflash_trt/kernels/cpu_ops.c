@@ -738,11 +738,16 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
  * against 2.7 ms for SmolLM2's at 8 rows, 1.4 against 2.5 at one (with warm caches 8 rows are a tie). */
 #define SCREEN_MAX_ROWS 8
 #define SCREEN_GROUP 64
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define SCREEN_VNNI 1 /* the input in two int8 levels, VPDPBUSD */
+#elif defined(HAVE_AVX2_LINEAR)
+#define SCREEN_AVX2 1 /* the input in one int16 level, VPMADDWD (exact int32 sums; int8 VPMADDUBSW saturates) */
+#endif
 /* Blocks of 16 features ahead that screen_block prefetches into L2: with the hardware prefetcher alone the int8
  * stream ran at 16 GB/s against the bf16 kernel's 21 (1.8 against 1.4 ms at one row). */
 #define SCREEN_AHEAD 4
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(SCREEN_VNNI)
 /* 16 features' screened dots for R rows: xq holds each row's two levels (2 x K bytes, +128 each: unsigned for
  * VPDPBUSD, taken off again through qsum), xs their scales. */
 static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq, const float *xs, int R,
@@ -770,8 +775,58 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq
     }
 }
 
-/* Quantizes row x [K] into xq (two levels of K bytes) and xs, with head_argmax_bf16's a and b (below). 0 if the
- * row is not finite. */
+#elif defined(SCREEN_AVX2)
+/* Inputs per int32 accumulation in the AVX2 screen: a lane adds SCREEN_SPAN / 2 products of an int16 and an int8,
+ * at most 512 / 2 x 32767 x 127 < 2^31, before its sum moves to fp32. */
+#define SCREEN_SPAN 512
+
+/* 16 features' screened dots for R rows: xq holds each row's int16 level (K values, 2 x K bytes), xs[2 r] its scale.
+ * q's 64 bytes per 4 inputs hold 4 features' 16 weights each quarter; a quarter sign-extended to int16 and multiplied
+ * by the 4 inputs (VPMADDWD) gives each of its features two int32 pair sums. A pass takes as many quarters as its
+ * accumulators (quarters x R) leave registers for: all four in one pass that streams the block up to 3 rows, two
+ * quarters a pass up to 6, one beyond (the later passes read the block, 9 KB for K = 576, from L1). */
+static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq, const float *xs, int R,
+                                                               const int8_t *qb, int64_t K, const int32_t *qsum,
+                                                               const float *scale, float *dst, int64_t N) {
+    (void)qsum;
+    const int per = R <= 3 ? 4 : R <= 6 ? 2 : 1;
+    float sum[SCREEN_MAX_ROWS][16];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < 16; j++) sum[i][j] = 0.0f;
+    for (int first = 0; first < 4; first += per)
+        for (int64_t k0 = 0; k0 < K; k0 += SCREEN_SPAN) {
+            const int64_t k1 = k0 + SCREEN_SPAN < K ? k0 + SCREEN_SPAN : K;
+            __m256i acc[4][SCREEN_MAX_ROWS];
+            for (int u = 0; u < per; u++)
+                for (int i = 0; i < R; i++) acc[u][i] = _mm256_setzero_si256();
+            for (int64_t k = k0; k < k1; k += 4) {
+                if (!first) _mm_prefetch((const char *)(qb + SCREEN_AHEAD * K * 16 + k * 16), _MM_HINT_T1);
+                __m256i w[4];
+                for (int u = 0; u < per; u++)
+                    w[u] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qb + k * 16 + (first + u) * 16)));
+                for (int i = 0; i < R; i++) {
+                    long long four;
+                    memcpy(&four, xq + 2 * (i * K + k), 8);
+                    const __m256i x4 = _mm256_set1_epi64x(four);
+                    for (int u = 0; u < per; u++) acc[u][i] = _mm256_add_epi32(acc[u][i], _mm256_madd_epi16(x4, w[u]));
+                }
+            }
+            for (int u = 0; u < per; u++)
+                for (int i = 0; i < R; i++) {
+                    int32_t pairs[8];
+                    _mm256_storeu_si256((__m256i *)pairs, acc[u][i]);
+                    for (int f = 0; f < 4; f++)
+                        sum[i][4 * (first + u) + f] += (float)((int64_t)pairs[2 * f] + pairs[2 * f + 1]);
+                }
+        }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 16; j++) dst[r * N + j] = sum[r][j] * xs[2 * r] * scale[j];
+}
+#endif
+
+#if defined(SCREEN_VNNI) || defined(SCREEN_AVX2)
+/* Quantizes row x [K] into xq and xs as screen_block reads them (two int8 levels of K bytes with VNNI, one int16
+ * level without), with head_argmax_bf16's a and b (below). 0 if the row is not finite. */
 static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *a, float *b) {
     double rest[8192], xx = 0;
     if (K > 8192) return 0;
@@ -780,6 +835,7 @@ static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, floa
         if (!isfinite(rest[k])) return 0;
         xx += rest[k] * rest[k];
     }
+#if defined(SCREEN_VNNI)
     for (int level = 0; level < 2; level++) {
         double amax = 0;
         for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs(rest[k]));
@@ -792,6 +848,19 @@ static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, floa
         }
         xs[level] = sx;
     }
+#else
+    double amax = 0;
+    for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs(rest[k]));
+    const float sx = amax > 0 ? (float)(amax / 32767) : 1.0f;
+    for (int64_t k = 0; k < K; k++) {
+        double qv = nearbyint(rest[k] / sx);
+        qv = qv > 32767 ? 32767 : qv < -32767 ? -32767 : qv;
+        const int16_t q16 = (int16_t)qv;
+        memcpy(xq + 2 * k, &q16, 2);
+        rest[k] -= (double)sx * qv; /* a float times a 15-bit integer: exact in double */
+    }
+    xs[0] = sx, xs[1] = 0.0f;
+#endif
     double ee = 0, kept = 0;
     for (int64_t k = 0; k < K; k++) {
         const double v = bf16_to_f32(x[k]);
@@ -824,14 +893,32 @@ static void screened_values(const uint8_t *xq, const float *xs, int64_t M, const
     for (int64_t b = 0; b < N / 16; b++)
         screen_block_rows(xq, xs, (int)M, q + b * K * 16, K, qsum + b * 16, scale + b * 16, approx + b * 16, N);
 }
+#define HAVE_SCREEN 1
 #endif
 
-/* The rows head_argmax_bf16 screens on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI (and so linear_q8 runs), else 0
- * (it may still decline a head linear_bf16 has no kernel for). An AMX-INT8 version (TDPBUSD, 16 rows) measured 2.3
- * against the full head's 2.5 ms at 12 rows and lost to this one below 9, about 1% of a 4-row step: not kept. */
+/* The rows head_argmax_bf16 screens on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI or AVX2 (and so linear_q8 runs),
+ * else 0 (it may still decline a head linear_bf16 has no kernel for). An AMX-INT8 version (TDPBUSD, 16 rows)
+ * measured 2.3 against the full head's 2.5 ms at 12 rows and lost to this one below 9, about 1% of a 4-row step: not
+ * kept. */
 int64_t head_screen_rows(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(SCREEN_VNNI)
     return SCREEN_MAX_ROWS;
+#elif defined(SCREEN_AVX2)
+    return 4; /* its VPMADDWDs bound it from 5 rows: 3.3-3.4 against the full head's 2.6-3.6 ms (SmolLM2's, an AVX2 EPYC) */
+#else
+    return 0;
+#endif
+}
+
+/* Which int8 dot product linear_q8 and head_argmax_bf16 take here: 2 VPDPBUSD (AVX512-VNNI, 64 products an
+ * instruction: linear_q8 beats linear_bf16 at a drafter's 8-row block), 1 VPMADDWD (AVX2: 16, against an int16 input;
+ * at 8 rows it ties with linear_bf16, 1.09-1.36 against 1.12-1.14 ms for a SmolLM2 drafter layer's projections on an
+ * AVX2 EPYC), 0 none. */
+int64_t int8_dot_kind(void) {
+#if defined(SCREEN_VNNI)
+    return 2;
+#elif defined(SCREEN_AVX2)
+    return 1;
 #else
     return 0;
 #endif
@@ -841,7 +928,7 @@ int64_t head_screen_rows(void) {
  * x @ (s q)^T); 0 where the screen declines (as head_argmax_bf16 does). */
 int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                        const float *scale, int64_t N, float *approx) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(HAVE_SCREEN)
     if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a, c;
     uint8_t *xq = malloc((size_t)(2 * M * K));
@@ -860,7 +947,8 @@ int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
  * choose it, reading about half the head's bytes. An int8 copy of the head screens every feature: w_j = s_j q_j + e_j
  * (q stored per 16 features and 4 inputs as VPDPBUSD reads it, q[N / 16][K / 4][16][4]; qsum_j = sum_k q_jk), and
  * x = sx1 qx1 + sx2 qx2 + ex, two int8 levels (the second quantizes the first's remainder: one level alone leaves
- * SmolLM2's outlier dimensions an error that keeps hundreds of features in), so
+ * SmolLM2's outlier dimensions an error that keeps hundreds of features in; on AVX2, x = sx qx + ex, one int16
+ * level, as fine as the two), so
  *   x . w_j = s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) + (x - ex) . e_j + ex . w_j,
  * the integer dots exact and the rest at most a |e_j| + b |w_j| (Cauchy-Schwarz; a = |x - ex|, b = |ex| plus 1e-3 |x|
  * for every fp32 rounding on the way, this one's and linear_bf16's). With lo the largest lower bound and hi the
@@ -869,12 +957,12 @@ int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
  * logit is strictly smaller than the maximum's: neither the argmax nor a tie before it. The 64-feature groups of the
  * others are computed by linear_bf16 itself, whose every output is the same whatever features share its call, and
  * scanned in index order, so ties resolve to the first index as torch's do. scratch holds 3 M N / 2 floats. Returns 0
- * (nothing done) without AVX512-VNNI or a bf16 linear kernel for the head, for more than SCREEN_MAX_ROWS rows,
+ * (nothing done) without AVX512-VNNI or AVX2 or a bf16 linear kernel for the head, for more than SCREEN_MAX_ROWS rows,
  * and for a row that is not finite (the caller's full path then decides, NaNs included). */
 int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(HAVE_SCREEN)
     if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a[SCREEN_MAX_ROWS], c[SCREEN_MAX_ROWS];
     uint8_t *xq = malloc((size_t)(2 * M * K)), *wanted = calloc((size_t)(N / SCREEN_GROUP), 1);
@@ -889,6 +977,8 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
     screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
     for (int64_t r = 0; r < M; r++) {
         float *d = approx + r * N; /* screened values in, upper bounds out */
+        float l, h;
+#if defined(SCREEN_VNNI)
         const __m512 av = _mm512_set1_ps(a[r]), cv = _mm512_set1_ps(c[r]);
         __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
         for (int64_t j = 0; j < N; j += 16) {
@@ -900,10 +990,31 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
             hi = _mm512_max_ps(hi, upper);
             _mm512_storeu_ps(d + j, upper);
         }
-        const float l = _mm512_reduce_max_ps(lo), h = _mm512_reduce_max_ps(hi);
+        l = _mm512_reduce_max_ps(lo), h = _mm512_reduce_max_ps(hi);
         const __m512 floor_ = _mm512_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
         for (int64_t j = 0; j < N; j += 16)
             if (_mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), floor_, _CMP_GE_OQ)) wanted[j / SCREEN_GROUP] = 1;
+#else
+        const __m256 av = _mm256_set1_ps(a[r]), cv = _mm256_set1_ps(c[r]);
+        __m256 lo = _mm256_set1_ps(-INFINITY), hi = lo;
+        for (int64_t j = 0; j < N; j += 8) {
+            const __m256 v = _mm256_loadu_ps(d + j);
+            const __m256 e =
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(err + j), _mm256_mul_ps(cv, _mm256_loadu_ps(wnorm + j)));
+            const __m256 upper = _mm256_add_ps(v, e);
+            lo = _mm256_max_ps(lo, _mm256_sub_ps(v, e));
+            hi = _mm256_max_ps(hi, upper);
+            _mm256_storeu_ps(d + j, upper);
+        }
+        float lanes[16];
+        _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
+        l = h = -INFINITY;
+        for (int i = 0; i < 8; i++) l = fmaxf(l, lanes[i]), h = fmaxf(h, lanes[8 + i]);
+        const __m256 floor_ = _mm256_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
+        for (int64_t j = 0; j < N; j += 8)
+            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(d + j), floor_, _CMP_GE_OQ)))
+                wanted[j / SCREEN_GROUP] = 1;
+#endif
     }
     float best[SCREEN_MAX_ROWS];
     for (int64_t r = 0; r < M; r++) best[r] = -INFINITY, out[r] = -1;
@@ -930,7 +1041,7 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(SCREEN_VNNI)
 /* screen_row's two int8 levels of a bf16 row without its bounds, vectorised in fp32 (the remainder after the first
  * level rounds, which only linear_q8's approximation sees): the scalar float64 version took ~0.07 ms for a drafter's
  * 2 x 2,880 fc inputs, a sixth of what the int8 weights save. 0 if the row is not finite. */
@@ -963,6 +1074,47 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
     }
     return 1;
 }
+#elif defined(SCREEN_AVX2)
+/* screen_row's int16 level of a bf16 row without its bounds, vectorised in fp32. 0 if the row is not finite. */
+static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs) {
+    float v[8192];
+    int64_t k = 0, tail = K - K % 8;
+    for (; k < tail; k += 8) _mm256_storeu_ps(v + k, bf16x8_to_f32(x + k));
+    for (; k < K; k++) v[k] = bf16_to_f32(x[k]);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    for (k = 0; k < tail; k += 8) {
+        const __m256 u = _mm256_loadu_ps(v + k);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(u, u, _CMP_UNORD_Q))) return 0;
+        amax = _mm256_max_ps(amax, _mm256_and_ps(u, magnitude));
+    }
+    float lanes[8], top = 0.0f;
+    _mm256_storeu_ps(lanes, amax);
+    for (int i = 0; i < 8; i++) top = fmaxf(top, lanes[i]);
+    for (k = tail; k < K; k++) {
+        if (isnan(v[k])) return 0;
+        top = fmaxf(top, fabsf(v[k]));
+    }
+    if (!isfinite(top)) return 0;
+    const float sx = top > 0 ? top / 32767 : 1.0f, inv = 1.0f / sx;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i most = _mm256_set1_epi32(32767), least = _mm256_set1_epi32(-32767);
+    for (k = 0; k < tail; k += 8) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), vinv)); /* round to nearest even */
+        q = _mm256_max_epi32(_mm256_min_epi32(q, most), least);
+        /* packs works within 128-bit halves: lanes 0 and 2 of the 64-bit view hold the 8 values in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0x08);
+        _mm_storeu_si128((__m128i *)(xq + 2 * k), _mm256_castsi256_si128(packed));
+    }
+    for (; k < K; k++) {
+        float qv = nearbyintf(v[k] * inv);
+        qv = qv > 32767 ? 32767 : qv < -32767 ? -32767 : qv;
+        const int16_t q16 = (int16_t)qv;
+        memcpy(xq + 2 * k, &q16, 2);
+    }
+    xs[0] = sx, xs[1] = 0.0f;
+    return 1;
+}
 #endif
 
 /* An int8 weight for linear_q8: q and qsum as head_argmax_bf16 reads them, one scale per output feature. */
@@ -974,12 +1126,12 @@ typedef struct {
 
 /* y [M, N] = x [M, K] @ (s q)^T (+ bias), bf16 in and out, from an int8 weight: half the bytes of linear_bf16's,
  * for a DFlash drafter, whose drafts the target verifies (an approximation there costs acceptance, never
- * correctness). x is quantized in two int8 levels per row as in head_argmax_bf16 (VPDPBUSD's integer dots exact;
- * the second level leaves an error near 2^-16 of the row's largest value), so each row's result is the same
- * whatever rows share the call; a row that is not finite gives NaNs. Returns 0 where this build has no VNNI. */
+ * correctness). x is quantized per row as in head_argmax_bf16 (two int8 levels with VNNI, one int16 level with AVX2;
+ * the integer dots exact, an error near 2^-16 of the row's largest value), so each row's result is the same
+ * whatever rows share the call; a row that is not finite gives NaNs. Returns 0 where this build has neither. */
 int linear_q8(const uint16_t *x, const q8_weight *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
               int64_t K) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(HAVE_SCREEN)
     if (N % 16 || K % 4 || K > 8192) return 0;
     uint8_t *xq = malloc((size_t)(2 * SCREEN_MAX_ROWS * K));
     if (!xq) return 0;
@@ -1068,7 +1220,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
                       const int64_t *tree) {
 #if defined(__AVX512BF16__) || defined(HAVE_AVX2_LINEAR)
     if (hidden % 32 || (H * D) % 32 || inter % 32) return 0;
-#if !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
+#if !defined(HAVE_SCREEN)
     if (q8) return 0;
 #endif
     const int64_t qkv_width = (H + 2 * KVH) * D;
@@ -1130,7 +1282,7 @@ int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_wi
     if (hidden % 32 || (H * D) % 32 || inter % 32 ||
         (!q8 && (!linear_layout_bf16(hidden, feature_width) || !linear_layout_bf16(kv_width, hidden))))
         return 0;
-#if !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
+#if !defined(HAVE_SCREEN)
     if (q8) return 0;
 #endif
     uint16_t *ctx = malloc(sizeof(uint16_t) * (size_t)(n_ctx > 0 ? n_ctx : 1) * (size_t)(2 * hidden + kv_width));

@@ -134,6 +134,9 @@ class CpuOps:
         self._head_screen_rows = library.head_screen_rows
         self._head_screen_rows.argtypes = []
         self._head_screen_rows.restype = _i64
+        self._int8_dot_kind = library.int8_dot_kind
+        self._int8_dot_kind.argtypes = []
+        self._int8_dot_kind.restype = _i64
         self._argmax = {}
         for dtype, sfx in _SUFFIX.items():
             fn = getattr(library, f"argmax_rows_{sfx}")
@@ -189,7 +192,7 @@ class CpuOps:
 
     def linear_q8(self, x: torch.Tensor, weight: "Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [..., K] (bf16) @ the int8 weight's (s q)^T (+ bias) -> bf16 [..., N]; each row's result is the same
-        whichever rows share the call. None where this build has no int8 kernel (AVX512-VNNI)."""
+        whichever rows share the call. None where this build has no int8 kernel (AVX512-VNNI or AVX2)."""
         x = x.contiguous()
         n, k = weight.shape
         out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
@@ -207,11 +210,17 @@ class CpuOps:
         return out
 
     def has_int8_kernels(self) -> bool:
-        """Whether the int8 kernels (head_argmax, linear_q8) run here: AVX512-BF16 and AVX512-VNNI."""
-        return self.head_screen_rows() > 0
+        """Whether the int8 kernels (head_argmax, linear_q8) run here: AVX512-BF16 and AVX512-VNNI, or AVX2."""
+        return self.int8_dot() is not None
+
+    def int8_dot(self) -> str | None:
+        """The int8 kernels' dot product: "vpdpbusd" (AVX512-VNNI; the input in two int8 levels), "vpmaddwd" (AVX2;
+        the input in one int16 level, a quarter of VPDPBUSD's products an instruction), or None."""
+        return {0: None, 1: "vpmaddwd", 2: "vpdpbusd"}[int(self._int8_dot_kind())]
 
     def head_screen_rows(self) -> int:
-        """The most rows head_argmax screens here: 8 with AVX512-VNNI, 0 without."""
+        """The most rows head_argmax screens here (beyond them the full head is faster): 8 with AVX512-VNNI, 4 with
+        AVX2, 0 without either."""
         return int(self._head_screen_rows())
 
     def head_screen_values(self, x: torch.Tensor, screen: Int8Weight) -> torch.Tensor | None:
@@ -392,8 +401,8 @@ class _Int8Struct(ctypes.Structure):
 class Int8Weight:
     """An [N, K] weight in int8 with one scale per output feature (w ~ scale[:, None] * q), as cpu_ops.c's
     linear_q8 and head_argmax_bf16 read it: q per 16 features and 4 inputs ([N / 16][K / 4][16][4], VPDPBUSD's
-    order), qsum the sum of each feature's q; err and wnorm bound what the int8 copy misses (|w_j - s_j q_j| and |w_j|,
-    rounded up). Quantized a chunk of features at a time in float64 (a whole gpt-oss head at once would take 4.6 GB)."""
+    order; AVX2's VPMADDWD takes it a quarter at a time), qsum the sum of each feature's q; err and wnorm bound what
+    the int8 copy misses (|w_j - s_j q_j| and |w_j|, rounded up). Quantized a chunk of features at a time in float64 (a whole gpt-oss head at once would take 4.6 GB)."""
 
     CHUNK = 8192
 

@@ -354,14 +354,16 @@ class DFlashDrafter(nn.Module):
         self.project_context(features, context_meta, cache)
         return self.forward_block(block_embeds, block_meta, cache)
 
-    def pack_for_inference(self, int8_weights: bool = False) -> None:
+    def pack_for_inference(self, int8_weights: bool | None = False) -> None:
         """Prepack the projections for CPU inference and, where the bf16 kernels serve every layer, build the tables
         that run a block through all of them (and draft() whole) in one call. int8_weights: the tables' projections
         in int8 (cpu_ops.Int8Weight, one scale per output feature; half the bytes each step streams) where the CPU
-        has the kernel; the layers' own torch path (long contexts) keeps bf16."""
+        has the kernel; None: only where it beats bf16 at a block's rows (AVX512-VNNI's VPDPBUSD; AVX2's VPMADDWD
+        ties, cpu_ops.int8_dot). The layers' own torch path (long contexts) keeps bf16."""
         pack_linears(self)
         ops = cpu_ops.load()
-        int8 = int8_weights and ops is not None and ops.has_int8_kernels()
+        dot = ops.int8_dot() if ops is not None else None
+        int8 = dot is not None and (int8_weights or (int8_weights is None and dot == "vpdpbusd"))
         self.kernel_table = self._build_layer_table(int8)
         self.context_table = self._build_context_table(int8) if self.kernel_table is not None else None
 

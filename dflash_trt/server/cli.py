@@ -92,8 +92,8 @@ def _engine_options(f):
                      help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, "
                      "about half its bytes read; default) or through the full head."),
         click.option("--int8-drafter/--bf16-drafter", default=None,
-                     help="The drafter's CPU step with int8 projections (default where the CPU has AVX512-VNNI; drafts "
-                     "may differ slightly, outputs never) or bf16 ones."),
+                     help="The drafter's CPU step with int8 projections (default where the CPU has AVX512-VNNI; AVX2 "
+                     "runs them on request; drafts may differ slightly, outputs never) or bf16 ones."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -277,11 +277,12 @@ def _head_screen() -> bool:
     return _batch_invariant_bf16() and ops.has_int8_kernels()
 
 
-@pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI")
+@pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI, or AVX2")
 @pytest.mark.parametrize("k, batch", [(0, 1), (0, 4), (3, 2), (7, 1), (7, 2), (7, 4)])
 def test_bf16_greedy_tokens_are_the_same_through_the_heads_int8_screen(screenable_dirs, k, batch):
-    """The screen (layers/greedy_head.py) serves steps of up to 8 rows (K=7 at batch 2 is 16, at 4 32: the full head
-    runs); every token equals plain decoding's through the full head, forced drafts (15% corrupted) included."""
+    """The screen (layers/greedy_head.py) serves steps of up to 8 rows (4 with AVX2; K=7 at batch 2 is 16, at 4 32:
+    the full head runs); every token equals plain decoding's through the full head, forced drafts (15% corrupted)
+    included."""
     prompts = _prompts(batch)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     full = _engine(screenable_dirs, "qwen3", None, rows=batch, dtype="bfloat16", speculative=False, screen_head=False)

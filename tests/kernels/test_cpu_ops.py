@@ -253,14 +253,14 @@ def test_linear_equals_torch_and_each_row_ignores_its_batch(rows, n, k, bias):
 def test_builds_without_avx512_bf16_serve_bf16_linears_alike_whatever_the_batch(build, request):
     """Built without AVX-512 BF16 (-march=x86-64-v3: 8 lanes; skylake-avx512: 16), the linear kernel widens bf16 to
     fp32 and multiplies with FMA: the same bound against F.linear in fp32, and every row alone bit for bit its batched
-    result (which makes bf16 speculation token-exact there too); the int8 kernels and the head's screen need
-    AVX512-VNNI and stand aside."""
+    result (which makes bf16 speculation token-exact there too); the int8 kernels take AVX2's VPMADDWD (tested with
+    the native build's below), and the head's screen up to 4 rows."""
     built = request.getfixturevalue(build)
     # AVX2 alone stores whole 16-feature groups in panels; AVX-512F keeps the dot products
     assert built.linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)) == {"avx2_ops": "panels",
                                                                               "avx512f_ops": "rows"}[build]
     assert built.linear_layout(torch.zeros(40, 64, dtype=torch.bfloat16)) == "rows"
-    assert not built.has_int8_kernels() and built.head_screen_rows() == 0
+    assert built.int8_dot() == "vpmaddwd" and built.head_screen_rows() == 4
     for rows, n, k, bias in [(1, 8, 64, False), (3, 13, 96, True), (4, 7, 576, False), (7, 5, 96, True),
                              (9, 4099, 576, False), (45, 192, 576, True), (1, 16, 64, True), (6, 48, 1536, False),
                              (7, 64, 96, True), (13, 960, 576, False), (100, 32, 64, True)]:
@@ -278,18 +278,24 @@ def test_builds_without_avx512_bf16_serve_bf16_linears_alike_whatever_the_batch(
         assert torch.equal(got, alone), (rows, n, k)
 
 
-needs_int8 = pytest.mark.skipif(ops is None or not ops.has_int8_kernels(), reason="no AVX512-VNNI for the int8 kernels")
+@pytest.fixture(scope="module", params=["native", "avx2_ops"])
+def int8_ops(request):
+    """This CPU's build and an AVX2 laptop's: the int8 kernels multiply two int8 levels of the input by VPDPBUSD
+    with AVX512-VNNI, one int16 level by VPMADDWD with AVX2."""
+    built = ops if request.param == "native" else request.getfixturevalue(request.param)
+    if built is None or not built.has_int8_kernels():
+        pytest.skip("no int8 kernels (AVX512-VNNI or AVX2)")
+    return built
 
 
-@needs_int8
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 20), n=st.sampled_from([16, 48, 576]), k=st.sampled_from([4, 64, 576, 2880]),
        bias=st.booleans(), outliers=st.booleans(), seed=st.integers(0, 99))
-def test_linear_q8_against_its_dequantized_weight(rows, n, k, bias, outliers, seed):
+def test_linear_q8_against_its_dequantized_weight(int8_ops, rows, n, k, bias, outliers, seed):
     """Against a float64 matmul with the int8 weight's own dequantized values (scale * q): what is left is the
-    input's two-level int8 quantization (at most ~2^-16 of a row's largest value per element), fp32 sums and one bf16
-    rounding; with SmolLM2-like outlier channels too. Every row alone gives its batched result bit for bit (rows run
-    in chunks of 8, each quantized by itself), past a chunk's end included."""
+    input's quantization (two int8 levels or one int16 level: at most ~2^-16 of a row's largest value per element),
+    fp32 sums and one bf16 rounding; with SmolLM2-like outlier channels too. Every row alone gives its batched result
+    bit for bit (rows run in chunks of 8, each quantized by itself), past a chunk's end included."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
     if outliers:
@@ -299,8 +305,8 @@ def test_linear_q8_against_its_dequantized_weight(rows, n, k, bias, outliers, se
     q8 = cpu_ops.Int8Weight(w)
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     with torch.no_grad():
-        got = ops.linear_q8(x, q8, b)
-        alone = torch.cat([ops.linear_q8(x[i : i + 1], q8, b) for i in range(rows)])
+        got = int8_ops.linear_q8(x, q8, b)
+        alone = torch.cat([int8_ops.linear_q8(x[i : i + 1], q8, b) for i in range(rows)])
     wq = q8.dequantized().double()
     want = x.double() @ wq.T + (b.double() if bias else 0)
     magnitude = x.double().abs() @ wq.abs().T
@@ -310,15 +316,14 @@ def test_linear_q8_against_its_dequantized_weight(rows, n, k, bias, outliers, se
     assert float((wq - w.double()).abs().max()) <= float(w.double().abs().max()) / 254 * 1.001  # half an int8 step
 
 
-@needs_int8
-def test_linear_q8_gives_nans_for_a_row_that_is_not_finite_and_leaves_the_others():
+def test_linear_q8_gives_nans_for_a_row_that_is_not_finite_and_leaves_the_others(int8_ops):
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("nan")
     q8 = cpu_ops.Int8Weight(torch.randn(32, 64).bfloat16())
     with torch.no_grad():
-        got = ops.linear_q8(x, q8)
+        got = int8_ops.linear_q8(x, q8)
         assert bool(got[1].isnan().all()) and not bool(got[[0, 2]].isnan().any())
-        assert torch.equal(got[[0, 2]], ops.linear_q8(x[[0, 2]], q8))
+        assert torch.equal(got[[0, 2]], int8_ops.linear_q8(x[[0, 2]], q8))
 
 
 def test_int8_weights_need_whole_blocks():

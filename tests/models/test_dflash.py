@@ -186,7 +186,7 @@ def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_p
     projection wired to the wrong slot or transposed would be off by ~100%), and not equal (the int8 path ran)."""
     target, ours = _packed_bf16_drafter(tmp_path, variant)
     if not cpu_ops.load().has_int8_kernels():
-        pytest.skip("needs the CPU kernels with AVX512-VNNI")
+        pytest.skip("needs the CPU kernels with AVX512-VNNI or AVX2")
     one_call = []
     step = cpu_ops.CpuOps.dflash_step
     monkeypatch.setattr(cpu_ops.CpuOps, "dflash_step", lambda self, *a: one_call.append(a[7].int8) or step(self, *a))
@@ -199,6 +199,21 @@ def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_p
         exact, approx = exact.float(), approx.float()
         error = (approx - exact).norm(dim=-1) / exact.norm(dim=-1)
         assert float(error.max()) < 0.05 and float(error.max()) > 0
+
+
+def test_int8_tables_by_default_only_where_they_are_faster(tmp_path, monkeypatch):
+    """int8_weights=None (EngineConfig's default) takes int8 tables with AVX512-VNNI's dot product only: AVX2's
+    VPMADDWD ties with the bf16 kernel at a block's rows, so there the tables stay bf16 unless asked for."""
+    _, ours = _packed_bf16_drafter(tmp_path, {})
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(64, 64, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with a bf16 linear")
+    for dot, default in [("vpdpbusd", True), ("vpmaddwd", False), (None, False)]:
+        monkeypatch.setattr(cpu_ops.CpuOps, "int8_dot", lambda self, dot=dot: dot)
+        ours.pack_for_inference(int8_weights=None)
+        assert ours.kernel_table.int8 == default, dot
+        ours.pack_for_inference(int8_weights=True)
+        assert ours.kernel_table.int8 == (dot is not None), dot
 
 
 def _two_draft_steps(target, drafter):
