@@ -12,6 +12,7 @@
 #   benchmarks/peers.sh                      # CONC=1,2,4,8 OSL=64 K=3 OUT=benchmarks/results/peers
 #   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
 #   ROUNDS=3 REQS=8 SYSTEMS="ours-ar ours-engine" benchmarks/peers.sh   # engine vs AR, paired round by round
+#   ENGINE_ARGS="--draft-len-schedule 1:7" ...                          # serve options for ours-engine
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
@@ -31,6 +32,7 @@ mkdir -p "$OUT"
 TARGET=$("$PY" -c 'from dflash_trt.embedded import smollm2_dir; print(smollm2_dir())')
 DRAFTER=$ROOT/drafters/smollm2-135m-dflash
 ENGINE=$ROOT/engines/smollm2-cpu   # the CPU default as built: its draft-length schedule, adaptive mode
+ENGINE_ARGS=${ENGINE_ARGS:-}        # extra `serve` options for ours-engine (they override the engine's)
 if [[ " $SYSTEMS " == *" ours-engine "* ]]; then
   "$PY" -m dflash_trt build "$ROOT/build_configs/smollm2-135m-cpu.yaml" -o "$ENGINE" --force >/dev/null
 fi
@@ -51,7 +53,8 @@ start() {
   case $name in
     ours-ar)     exec "$PY" -m dflash_trt serve --target "$TARGET" --no-spec --dtype bfloat16 --port "$PORT" \
                    --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 ;;
-    ours-engine) exec "$PY" -m dflash_trt serve "$ENGINE" --port "$PORT" --served-model-name smollm2 --max-batch-size 8 ;;
+    ours-engine) exec "$PY" -m dflash_trt serve "$ENGINE" --port "$PORT" --served-model-name smollm2 --max-batch-size 8 \
+                   $ENGINE_ARGS ;;
     ours-dflash) exec "$PY" -m dflash_trt serve --target "$TARGET" --drafter "$DRAFTER" -k "$K" --dtype bfloat16 \
                    --port "$PORT" --served-model-name smollm2 --max-batch-size 8 --max-model-len 1024 \
                    ${SCHEDULE:+--draft-len-schedule "$SCHEDULE"} ;;
@@ -79,9 +82,10 @@ sweep_once() {  # sweep_once NAME RESULT.json: start NAME's server, sweep it, st
     *-dflash) label="$name K=$K${SCHEDULE:+ schedule $SCHEDULE}" ;;
     ours-engine) label="ours-engine ($(python3 -c 'import json,sys; e=sys.argv[1]; s=json.load(open(e + "/plan.json"))["draft_len_schedule"]
 c=json.load(open(e + "/manifest.json"))["build_config"]["speculative_config"]
-a, t = c.get("adaptive_draft_len"), c.get("draft_tree")
-print("K by batch {" + ", ".join(f"{b}: {k}" for b, k in s.items()) + "}" + (", adaptive" if a else "")
-      + (", tree nodes {" + ", ".join(f"{b}: {n}" for b, n in t.items()) + "}" if t else ""))' "$ENGINE"))" ;;
+a, t, tw = c.get("adaptive_draft_len"), c.get("draft_tree"), c.get("draft_tree_without_amx")
+table = lambda d: "{" + ", ".join(f"{b}: {n}" for b, n in d.items()) + "}"
+print("K by batch " + table(s) + (", adaptive" if a else "") + (", tree nodes " + table(t) if t else "")
+      + (" (" + table(tw) + " without AMX)" if tw is not None else ""))' "$ENGINE")${ENGINE_ARGS:+ $ENGINE_ARGS})" ;;
     *) label=$name ;;
   esac
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
