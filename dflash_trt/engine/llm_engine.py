@@ -166,14 +166,18 @@ class LLMEngine:
                              f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
+        head = getattr(target, "greedy_head", None)
+        table = getattr(self.drafter, "kernel_table", None)
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s, "
-            "draft tree %s, context lookup %s, CPU linears %s",
+            "draft tree %s, context lookup %s, CPU linears %s, greedy head %s, drafter tables %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
             self.draft_tree or "none", self.runner.lookup_nodes or "off",
             _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
+            f"int8 screen up to {head.max_rows} rows" if head is not None else "full",
+            "-" if table is None else "int8" if table.int8 else "bf16",
         )
 
     def _draft_vocab(self, config: EngineConfig) -> torch.Tensor | None:

@@ -210,8 +210,21 @@ def test_the_engine_says_how_its_cpu_linears_run_and_which_tree_it_drafts(tiny_d
     with caplog.at_level(logging.INFO, logger="dflash_trt"):
         _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 4}, draft_tree_without_amx={1: 2})
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: "))
-    # the tiny fp32 target's linears run on oneDNN; on such a CPU path the smaller table applies
+    # the tiny fp32 target's linears run on oneDNN; on such a CPU path the smaller table applies; fp32 heads and
+    # drafters take neither the int8 screen nor int8 tables
     assert "CPU linears torch/oneDNN" in line and "draft tree {1: 2}" in line
+    assert "greedy head full" in line and "drafter tables -" in line
+
+
+def test_the_engine_says_which_head_and_drafter_tables_its_cpu_runs(screenable_dirs, caplog):
+    """bf16: the screen's row limit on this CPU and the drafter's int8 tables where asked for."""
+    ops = cpu_ops.load()
+    if not _head_screen():
+        pytest.skip("needs the CPU kernels with a bf16 linear and an int8 dot product")
+    with caplog.at_level(logging.INFO, logger="dflash_trt"):
+        _engine(screenable_dirs, "qwen3", 3, rows=1, dtype="bfloat16", int8_drafter=True)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: "))
+    assert f"greedy head int8 screen up to {ops.head_screen_rows()} rows" in line and "drafter tables int8" in line
 
 
 def _batch_invariant_bf16() -> bool:
