@@ -738,6 +738,8 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
  * against 2.7 ms for SmolLM2's at 8 rows, 1.4 against 2.5 at one (with warm caches 8 rows are a tie). */
 #define SCREEN_MAX_ROWS 8
 #define SCREEN_GROUP 64
+/* "VNNI" below is AVX512-VNNI with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4); CPUs with VNNI but no BF16
+ * (Cascade Lake, Ice Lake) take the AVX2 screen, as AVX2 laptops do. */
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define SCREEN_VNNI 1 /* the input in two int8 levels, VPDPBUSD */
 #elif defined(HAVE_AVX2_LINEAR)
@@ -885,8 +887,8 @@ static void screen_block_rows(const uint8_t *xq, const float *xs, int R, const i
     }
 }
 
-/* approx [M, N]: every feature's screened value s_j (sx1 qx1 . q_j + sx2 qx2 . q_j) for M <= SCREEN_MAX_ROWS
- * quantized rows. */
+/* approx [M, N]: every feature's screened value s_j (sx1 qx1 . q_j + sx2 qx2 . q_j; with AVX2 s_j sx qx . q_j) for
+ * M <= SCREEN_MAX_ROWS quantized rows. */
 static void screened_values(const uint8_t *xq, const float *xs, int64_t M, const int8_t *q, int64_t K,
                             const int32_t *qsum, const float *scale, float *approx, int64_t N) {
 #pragma omp parallel for schedule(static)
@@ -896,15 +898,15 @@ static void screened_values(const uint8_t *xq, const float *xs, int64_t M, const
 #define HAVE_SCREEN 1
 #endif
 
-/* The rows head_argmax_bf16 screens on this CPU: SCREEN_MAX_ROWS with AVX512-VNNI or AVX2 (and so linear_q8 runs),
- * else 0 (it may still decline a head linear_bf16 has no kernel for). An AMX-INT8 version (TDPBUSD, 16 rows)
+/* The rows head_argmax_bf16 screens on this CPU: SCREEN_MAX_ROWS with VNNI, 4 with AVX2 (with either linear_q8
+ * runs), else 0 (it may still decline a head linear_bf16 has no kernel for). An AMX-INT8 version (TDPBUSD, 16 rows)
  * measured 2.3 against the full head's 2.5 ms at 12 rows and lost to this one below 9, about 1% of a 4-row step: not
  * kept. */
 int64_t head_screen_rows(void) {
 #if defined(SCREEN_VNNI)
     return SCREEN_MAX_ROWS;
 #elif defined(SCREEN_AVX2)
-    return 4; /* its VPMADDWDs bound it from 5 rows: 3.3-3.4 against the full head's 2.6-3.6 ms (SmolLM2's, an AVX2 EPYC) */
+    return 4; /* from 5 rows its VPMADDWDs bound it: 3.3-3.4 against the full head's 2.6-3.6 ms (SmolLM2, AVX2 EPYC) */
 #else
     return 0;
 #endif
@@ -957,7 +959,7 @@ int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
  * logit is strictly smaller than the maximum's: neither the argmax nor a tie before it. The 64-feature groups of the
  * others are computed by linear_bf16 itself, whose every output is the same whatever features share its call, and
  * scanned in index order, so ties resolve to the first index as torch's do. scratch holds 3 M N / 2 floats. Returns 0
- * (nothing done) without AVX512-VNNI or AVX2 or a bf16 linear kernel for the head, for more than SCREEN_MAX_ROWS rows,
+ * (nothing done) without VNNI or AVX2 or a bf16 linear kernel for the head, for more than head_screen_rows() rows,
  * and for a row that is not finite (the caller's full path then decides, NaNs included). */
 int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
@@ -1059,12 +1061,13 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
         const float top = _mm512_reduce_max_ps(amax);
         if (!isfinite(top)) return 0; /* a NaN compares false in the max: caught below, at the first level */
         const float sx = top > 0 ? top / 127 : 1.0f;
+        const int tiny = !isfinite(1.0f / sx); /* a row near FLT_MIN: 1 / sx overflows, so divide by sx */
         const __m512 inv = _mm512_set1_ps(1.0f / sx), scale = _mm512_set1_ps(sx);
         for (k = 0; k < K; k += 16) {
             const __mmask16 m = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
             const __m512 v = _mm512_maskz_loadu_ps(m, rest + k);
             if (!level && _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)) return 0;
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
+            __m512i q = _mm512_cvtps_epi32(tiny ? _mm512_div_ps(v, scale) : _mm512_mul_ps(v, inv)); /* to even */
             q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
             _mm512_mask_storeu_ps(rest + k, m, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), scale, v));
             _mm_mask_storeu_epi8(xq + level * K + k, m,
@@ -1097,17 +1100,19 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
     }
     if (!isfinite(top)) return 0;
     const float sx = top > 0 ? top / 32767 : 1.0f, inv = 1.0f / sx;
-    const __m256 vinv = _mm256_set1_ps(inv);
+    const int tiny = !isfinite(inv); /* a row below ~1e-34: 1 / sx overflows, so divide by sx */
+    const __m256 vinv = _mm256_set1_ps(inv), vsx = _mm256_set1_ps(sx);
     const __m256i most = _mm256_set1_epi32(32767), least = _mm256_set1_epi32(-32767);
     for (k = 0; k < tail; k += 8) {
-        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), vinv)); /* round to nearest even */
+        const __m256 u = _mm256_loadu_ps(v + k);
+        __m256i q = _mm256_cvtps_epi32(tiny ? _mm256_div_ps(u, vsx) : _mm256_mul_ps(u, vinv)); /* to nearest even */
         q = _mm256_max_epi32(_mm256_min_epi32(q, most), least);
         /* packs works within 128-bit halves: lanes 0 and 2 of the 64-bit view hold the 8 values in order */
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0x08);
         _mm_storeu_si128((__m128i *)(xq + 2 * k), _mm256_castsi256_si128(packed));
     }
     for (; k < K; k++) {
-        float qv = nearbyintf(v[k] * inv);
+        float qv = nearbyintf(tiny ? v[k] / sx : v[k] * inv);
         qv = qv > 32767 ? 32767 : qv < -32767 ? -32767 : qv;
         const int16_t q16 = (int16_t)qv;
         memcpy(xq + 2 * k, &q16, 2);

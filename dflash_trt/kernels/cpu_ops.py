@@ -402,7 +402,8 @@ class Int8Weight:
     """An [N, K] weight in int8 with one scale per output feature (w ~ scale[:, None] * q), as cpu_ops.c's
     linear_q8 and head_argmax_bf16 read it: q per 16 features and 4 inputs ([N / 16][K / 4][16][4], VPDPBUSD's
     order; AVX2's VPMADDWD takes it a quarter at a time), qsum the sum of each feature's q; err and wnorm bound what
-    the int8 copy misses (|w_j - s_j q_j| and |w_j|, rounded up). Quantized a chunk of features at a time in float64 (a whole gpt-oss head at once would take 4.6 GB)."""
+    the int8 copy misses (|w_j - s_j q_j| and |w_j|, rounded up). Quantized a chunk of features at a time in float64
+    (a whole gpt-oss head at once would take 4.6 GB)."""
 
     CHUNK = 8192
 

@@ -278,10 +278,10 @@ def test_builds_without_avx512_bf16_serve_bf16_linears_alike_whatever_the_batch(
         assert torch.equal(got, alone), (rows, n, k)
 
 
-@pytest.fixture(scope="module", params=["native", "avx2_ops"])
+@pytest.fixture(scope="module", params=["native", "avx2_ops", "avx512f_ops"])
 def int8_ops(request):
-    """This CPU's build and an AVX2 laptop's: the int8 kernels multiply two int8 levels of the input by VPDPBUSD
-    with AVX512-VNNI, one int16 level by VPMADDWD with AVX2."""
+    """This CPU's build, an AVX2 laptop's and a Skylake server's: the int8 kernels multiply two int8 levels of the
+    input by VPDPBUSD with AVX512-VNNI (and BF16), one int16 level by VPMADDWD otherwise."""
     built = ops if request.param == "native" else request.getfixturevalue(request.param)
     if built is None or not built.has_int8_kernels():
         pytest.skip("no int8 kernels (AVX512-VNNI or AVX2)")
@@ -314,6 +314,22 @@ def test_linear_q8_against_its_dequantized_weight(int8_ops, rows, n, k, bias, ou
     assert bool(((got.double() - want).abs() <= tol + want.abs() * 2.0**-8).all())
     assert torch.equal(got, alone)
     assert float((wq - w.double()).abs().max()) <= float(w.double().abs().max()) / 254 * 1.001  # half an int8 step
+
+
+@pytest.mark.parametrize("scale", [1e-36, 1e-20, 1e20])
+def test_linear_q8_quantizes_rows_near_the_ends_of_the_float_range(int8_ops, scale):
+    """A row's scale can be so small that its reciprocal overflows (below ~1e-34 with an int16 level): the result
+    still scales with the row, within the quantization bound of test_linear_q8_against_its_dequantized_weight."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 20, generator=g) * scale).bfloat16()
+    q8 = cpu_ops.Int8Weight((torch.randn(16, 20, generator=g) * 0.05).bfloat16())
+    with torch.no_grad():
+        got = int8_ops.linear_q8(x, q8).double()
+    wq = q8.dequantized().double()
+    want = x.double() @ wq.T
+    magnitude = x.double().abs() @ wq.abs().T
+    tol = x.double().abs().amax(1, keepdim=True) * 2.0**-14 * wq.abs().sum(1)[None] + 1e-5 * magnitude
+    assert bool(((got - want).abs() <= tol + want.abs() * 2.0**-8).all())
 
 
 def test_linear_q8_gives_nans_for_a_row_that_is_not_finite_and_leaves_the_others(int8_ops):
@@ -403,7 +419,8 @@ def test_the_kernels_compile_for_cpus_with_fewer_instruction_sets(tmp_path, marc
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
-    for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_rows", "llama_layers_bf16",
+    for name in ("linear_bf16", "linear_q8", "head_argmax_bf16", "head_screen_rows", "head_screen_values",
+                 "int8_dot_kind", "llama_layers_bf16",
                  "dflash_step_bf16", "argmax_rows_bf16", "rms_norm_bf16", "decode_attention_f32"):
         assert f" {name}\n" in symbols, name
 

@@ -1,7 +1,8 @@
 """GreedyHead chooses exactly the token torch.argmax chooses over the full bf16 head's logits (the bf16 kernel's,
 themselves tested against F.linear in tests/kernels/test_cpu_ops.py), ties and rounding included, and declines
-what it cannot decide. The kernel's properties hold for this CPU's build and for an AVX2 laptop's, whose screen
-multiplies an int16 input by VPMADDWD where AVX512-VNNI's multiplies two int8 levels by VPDPBUSD."""
+what it cannot decide. The kernel's properties hold for this CPU's build and for an AVX2 laptop's and a Skylake
+server's, whose screen multiplies an int16 input by VPMADDWD where AVX512-VNNI's multiplies two int8 levels by
+VPDPBUSD."""
 
 import pytest
 import torch
@@ -15,13 +16,14 @@ ops = cpu_ops.load()
 
 
 def screens(built) -> bool:
-    return built is not None and built.has_int8_kernels() and built.has_linear(torch.zeros(64, 32, dtype=torch.bfloat16))
+    bf16 = torch.zeros(64, 32, dtype=torch.bfloat16)
+    return built is not None and built.has_int8_kernels() and built.has_linear(bf16)
 
 
 needs_screen = pytest.mark.skipif(not screens(ops), reason="no CPU kernel for the screen (AVX512-VNNI or AVX2)")
 
 
-@pytest.fixture(scope="module", params=["native", "avx2_ops"])
+@pytest.fixture(scope="module", params=["native", "avx2_ops", "avx512f_ops"])
 def kernels(request):
     built = ops if request.param == "native" else request.getfixturevalue(request.param)
     if not screens(built):
