@@ -945,6 +945,40 @@ int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
 #endif
 }
 
+#if defined(SCREEN_VNNI)
+/* The vectors head_argmax_bf16's bound pass runs in: 16 lanes with AVX-512, 8 with AVX2. */
+typedef __m512 bound_vec;
+#define BOUND_LANES 16
+#define bound_set1 _mm512_set1_ps
+#define bound_load _mm512_loadu_ps
+#define bound_store _mm512_storeu_ps
+#define bound_fmadd _mm512_fmadd_ps
+#define bound_mul _mm512_mul_ps
+#define bound_add _mm512_add_ps
+#define bound_sub _mm512_sub_ps
+#define bound_max _mm512_max_ps
+static inline float bound_reduce_max(bound_vec v) { return _mm512_reduce_max_ps(v); }
+static inline int bound_any_ge(bound_vec a, bound_vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
+#elif defined(SCREEN_AVX2)
+typedef __m256 bound_vec;
+#define BOUND_LANES 8
+#define bound_set1 _mm256_set1_ps
+#define bound_load _mm256_loadu_ps
+#define bound_store _mm256_storeu_ps
+#define bound_fmadd _mm256_fmadd_ps
+#define bound_mul _mm256_mul_ps
+#define bound_add _mm256_add_ps
+#define bound_sub _mm256_sub_ps
+#define bound_max _mm256_max_ps
+static inline float bound_reduce_max(bound_vec v) {
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) m = fmaxf(m, lanes[i]);
+    return m;
+}
+static inline int bound_any_ge(bound_vec a, bound_vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+#endif
+
 /* The greedy token of a bf16 output head, argmax(x @ w^T) per row, exactly as linear_bf16 then argmax_rows_bf16
  * choose it, reading about half the head's bytes. An int8 copy of the head screens every feature: w_j = s_j q_j + e_j
  * (q stored per 16 features and 4 inputs as VPDPBUSD reads it, q[N / 16][K / 4][16][4]; qsum_j = sum_k q_jk), and
@@ -979,44 +1013,20 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
     screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
     for (int64_t r = 0; r < M; r++) {
         float *d = approx + r * N; /* screened values in, upper bounds out */
-        float l, h;
-#if defined(SCREEN_VNNI)
-        const __m512 av = _mm512_set1_ps(a[r]), cv = _mm512_set1_ps(c[r]);
-        __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
-        for (int64_t j = 0; j < N; j += 16) {
-            const __m512 v = _mm512_loadu_ps(d + j);
-            const __m512 e =
-                _mm512_fmadd_ps(av, _mm512_loadu_ps(err + j), _mm512_mul_ps(cv, _mm512_loadu_ps(wnorm + j)));
-            const __m512 upper = _mm512_add_ps(v, e);
-            lo = _mm512_max_ps(lo, _mm512_sub_ps(v, e));
-            hi = _mm512_max_ps(hi, upper);
-            _mm512_storeu_ps(d + j, upper);
+        const bound_vec av = bound_set1(a[r]), cv = bound_set1(c[r]);
+        bound_vec lo = bound_set1(-INFINITY), hi = lo;
+        for (int64_t j = 0; j < N; j += BOUND_LANES) {
+            const bound_vec v = bound_load(d + j);
+            const bound_vec e = bound_fmadd(av, bound_load(err + j), bound_mul(cv, bound_load(wnorm + j)));
+            const bound_vec upper = bound_add(v, e);
+            lo = bound_max(lo, bound_sub(v, e));
+            hi = bound_max(hi, upper);
+            bound_store(d + j, upper);
         }
-        l = _mm512_reduce_max_ps(lo), h = _mm512_reduce_max_ps(hi);
-        const __m512 floor_ = _mm512_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
-        for (int64_t j = 0; j < N; j += 16)
-            if (_mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), floor_, _CMP_GE_OQ)) wanted[j / SCREEN_GROUP] = 1;
-#else
-        const __m256 av = _mm256_set1_ps(a[r]), cv = _mm256_set1_ps(c[r]);
-        __m256 lo = _mm256_set1_ps(-INFINITY), hi = lo;
-        for (int64_t j = 0; j < N; j += 8) {
-            const __m256 v = _mm256_loadu_ps(d + j);
-            const __m256 e =
-                _mm256_fmadd_ps(av, _mm256_loadu_ps(err + j), _mm256_mul_ps(cv, _mm256_loadu_ps(wnorm + j)));
-            const __m256 upper = _mm256_add_ps(v, e);
-            lo = _mm256_max_ps(lo, _mm256_sub_ps(v, e));
-            hi = _mm256_max_ps(hi, upper);
-            _mm256_storeu_ps(d + j, upper);
-        }
-        float lanes[16];
-        _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
-        l = h = -INFINITY;
-        for (int i = 0; i < 8; i++) l = fmaxf(l, lanes[i]), h = fmaxf(h, lanes[8 + i]);
-        const __m256 floor_ = _mm256_set1_ps(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
-        for (int64_t j = 0; j < N; j += 8)
-            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(d + j), floor_, _CMP_GE_OQ)))
-                wanted[j / SCREEN_GROUP] = 1;
-#endif
+        const float l = bound_reduce_max(lo), h = bound_reduce_max(hi);
+        const bound_vec floor_ = bound_set1(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
+        for (int64_t j = 0; j < N; j += BOUND_LANES)
+            if (bound_any_ge(bound_load(d + j), floor_)) wanted[j / SCREEN_GROUP] = 1;
     }
     float best[SCREEN_MAX_ROWS];
     for (int64_t r = 0; r < M; r++) best[r] = -INFINITY, out[r] = -1;
