@@ -838,31 +838,30 @@ static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, floa
         xx += rest[k] * rest[k];
     }
 #if defined(SCREEN_VNNI)
-    for (int level = 0; level < 2; level++) {
+    const int levels = 2; /* int8, +128 each */
+    const double top = 127;
+#else
+    const int levels = 1; /* int16 */
+    const double top = 32767;
+    xs[1] = 0.0f;
+#endif
+    for (int level = 0; level < levels; level++) {
         double amax = 0;
         for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs(rest[k]));
-        const float sx = amax > 0 ? (float)(amax / 127) : 1.0f;
+        const float sx = amax > 0 ? (float)(amax / top) : 1.0f;
         for (int64_t k = 0; k < K; k++) {
             double qv = nearbyint(rest[k] / sx);
-            qv = qv > 127 ? 127 : qv < -127 ? -127 : qv;
+            qv = qv > top ? top : qv < -top ? -top : qv;
+#if defined(SCREEN_VNNI)
             xq[level * K + k] = (uint8_t)(int)(qv + 128);
-            rest[k] -= (double)sx * qv; /* exact: a float times a 7-bit integer off a value on the same grid */
+#else
+            const int16_t q16 = (int16_t)qv;
+            memcpy(xq + 2 * k, &q16, 2);
+#endif
+            rest[k] -= (double)sx * qv; /* exact in double: both terms on one grid of under 53 bits */
         }
         xs[level] = sx;
     }
-#else
-    double amax = 0;
-    for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs(rest[k]));
-    const float sx = amax > 0 ? (float)(amax / 32767) : 1.0f;
-    for (int64_t k = 0; k < K; k++) {
-        double qv = nearbyint(rest[k] / sx);
-        qv = qv > 32767 ? 32767 : qv < -32767 ? -32767 : qv;
-        const int16_t q16 = (int16_t)qv;
-        memcpy(xq + 2 * k, &q16, 2);
-        rest[k] -= (double)sx * qv; /* a float times a 15-bit integer: exact in double */
-    }
-    xs[0] = sx, xs[1] = 0.0f;
-#endif
     double ee = 0, kept = 0;
     for (int64_t k = 0; k < K; k++) {
         const double v = bf16_to_f32(x[k]);
