@@ -4,7 +4,8 @@ cache's prefill in each (the CLI computes it with the target's fp32 twin where t
 The training step follows the CLI's CPU path: the target's features cached on disk (the first --records training records and 4 held-out ones),
 the shipped drafter warm-started, its recipe (4 sequences x 48 anchors, distillation 0.5, steered anchors 0.5, draft
 vocabulary 2,048), through Trainer.train_step. Each precision runs one warm-up step and --steps timed ones on the same
-sequence draws, in the order given (repeat one to see the machine's drift). The trainer picks the precision by hardware.native_bf16.
+sequence draws, in the order given (repeat one to see the machine's drift). The trainer picks the precision by
+hardware.native_bf16.
 
     .venv/bin/python benchmarks/bench_train_precision.py --order fp32,bf16,fp32 --name train_precision_cpu
 """

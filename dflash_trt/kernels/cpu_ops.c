@@ -105,6 +105,13 @@ static inline float hsum_x8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
+/* The largest of the eight lanes (finite values: max is exact in any order). */
+static inline float hmax_x8(__m256 v) {
+    const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+
 /* Eight horizontal sums at once: lane t of the result is hsum_x8(v[t]) bit for bit (the same pairs added in the
  * same order), so a key's score is the same whether it falls in a block of eight or in the tail. */
 static inline __m256 reduce_add_x8(const __m256 v[8]) {
@@ -956,7 +963,7 @@ typedef __m512 bound_vec;
 #define bound_add _mm512_add_ps
 #define bound_sub _mm512_sub_ps
 #define bound_max _mm512_max_ps
-static inline float bound_reduce_max(bound_vec v) { return _mm512_reduce_max_ps(v); }
+#define bound_reduce_max _mm512_reduce_max_ps
 static inline int bound_any_ge(bound_vec a, bound_vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
 #elif defined(SCREEN_AVX2)
 typedef __m256 bound_vec;
@@ -969,12 +976,7 @@ typedef __m256 bound_vec;
 #define bound_add _mm256_add_ps
 #define bound_sub _mm256_sub_ps
 #define bound_max _mm256_max_ps
-static inline float bound_reduce_max(bound_vec v) {
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, v);
-    for (int i = 0; i < 8; i++) m = fmaxf(m, lanes[i]);
-    return m;
-}
+#define bound_reduce_max hmax_x8
 static inline int bound_any_ge(bound_vec a, bound_vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 #endif
 
@@ -1100,9 +1102,7 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
         if (_mm256_movemask_ps(_mm256_cmp_ps(u, u, _CMP_UNORD_Q))) return 0;
         amax = _mm256_max_ps(amax, _mm256_and_ps(u, magnitude));
     }
-    float lanes[8], top = 0.0f;
-    _mm256_storeu_ps(lanes, amax);
-    for (int i = 0; i < 8; i++) top = fmaxf(top, lanes[i]);
+    float top = hmax_x8(amax);
     for (k = tail; k < K; k++) {
         if (isnan(v[k])) return 0;
         top = fmaxf(top, fabsf(v[k]));
