@@ -11,8 +11,14 @@ scheduled K only while tau(K) / t(K) >= 1 / t(0), i.e. while speculation gives m
 probe is a plain step (and a catch-up step after it), ~1.5% of a paying K's throughput at 16 steps, and what it
 measures, the plain step time, drifts slowly: each such probe that leaves the choice as it was doubles the interval
 to the next (up to `max_probe_every`), and any change of choice brings it back to `probe_every`. While plain
-decoding wins, speculation is probed every `probe_every` steps: tau changes with the text, and is learned only from
-speculative steps (session 5 backed these probes off too, and an unlucky start then kept a paying K off).
+decoding wins, speculation is probed at least every `max_probe_every` steps, since tau changes with the text and is
+learned only from speculative steps (session 5 backed these probes off as probes confirmed plain decoding, and an
+unlucky start then kept a paying K off). How often depends on what a probe costs: its `probe_len` steps of t(K)
+commit tau tokens a row each where plain steps in that time would commit t(K) / t(0), so a probe every n steps
+loses probe_len x (t(K) / t(0) - tau) / n of plain decoding's tokens; n keeps that under `probe_budget`, and is
+never below `probe_every`. Where speculation nearly pays (t(K) 1.4x, tau 1.25) that is every 30 steps; where it
+is far off, as K=2 at 4 rows on a CPU without AMX (t(K) 2.5x, tau 1.74: a probe loses 1.6 tokens a row), every 158
+instead of 16, which had cost that engine 8% of plain decoding's throughput (benchmarks/README.md, session 38).
 tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model
 (spec/acceptance_model.py) would read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2,
 their rates 0 and 1 to a rate giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38,
@@ -34,6 +40,7 @@ Verification is lossless, so K changes speed only, never the tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -45,7 +52,8 @@ def batch_bucket(batch_size: int) -> int:
 @dataclass
 class AdaptiveDraftLen:
     probe_every: int = 16  # steps between runs of the mode not chosen
-    max_probe_every: int = 256  # while speculation wins, the interval doubles up to this as probes confirm it
+    max_probe_every: int = 256  # the longest interval between probes of either mode
+    probe_budget: float = 0.01  # while plain wins: the share of its tokens that probes of speculation may lose
     probe_len: int = 2  # speculative steps per probe from plain mode (the first one catches up)
     smoothing: float = 0.25  # weight of the newest step time in its running mean, once warm
     tau_smoothing: float = 0.05  # and of the newest step's tau: a step's tau is one of 1..K+1, so a longer memory
@@ -76,6 +84,9 @@ class AdaptiveDraftLen:
         interval = self._probe_interval.get(bucket, self.probe_every)
         if self._spec_won.get(bucket, spec_wins) != spec_wins:
             interval, self._since_probe[bucket] = self.probe_every, 0
+        if not spec_wins:
+            lost = self.probe_len * (spec_s / plain_s - self._tau[k])  # tokens a row, against plain steps
+            interval = max(self.probe_every, min(self.max_probe_every, math.ceil(lost / self.probe_budget)))
         self._spec_won[bucket] = spec_wins
         n = self._since_probe.get(bucket, 0) + 1
         self._since_probe[bucket] = n

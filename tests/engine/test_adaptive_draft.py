@@ -1,6 +1,7 @@
 """The adaptive draft length against its definition: keep K while tau(K) / t(K) >= 1 / t(0), measure
 each side first, and run the other side once every probe_every steps, that interval doubling while plain probes
-leave speculation ahead and coming back at any change of choice; buckets decide independently."""
+leave speculation ahead and coming back at any change of choice, and, while plain decoding wins, stretched so that
+probes of speculation lose at most probe_budget of plain decoding's tokens; buckets decide independently."""
 
 import pytest
 
@@ -24,7 +25,9 @@ def test_buckets_are_powers_of_two():
 
 def test_speculation_is_turned_off_where_it_gives_fewer_tokens_per_second():
     # tau 1.2 at K=3 for a step 1.4x the plain one: 1.2 / 1.4 = 0.86 plain steps' worth
-    ctl = AdaptiveDraftLen(probe_every=8)
+    # a probe's two steps commit 2 x 1.25 tokens where plain steps would have committed 2 x 1.4: it loses 0.3, and a
+    # 5% budget allows one every 6 steps, so probe_every's 8 holds
+    ctl = AdaptiveDraftLen(probe_every=8, probe_budget=0.05)
     _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=1)  # tau 1 observed
     ctl.observe(1, 3, 0.014, [2])  # tau 2 once: the mean of 1, 1, 1, 2 is 1.25, 89 tokens/s against 100
     assert ctl._tau[3] == pytest.approx(1.25)
@@ -32,6 +35,19 @@ def test_speculation_is_turned_off_where_it_gives_fewer_tokens_per_second():
     # K only as the every-8th probe, two steps long (the first catches up on the plain steps' features); no back-off:
     # tau is learned only from speculative steps
     assert [i for i, k in enumerate(picks) if k == 3] == [7, 8, 16, 17, 25, 26]
+
+
+@pytest.mark.parametrize("budget, interval", [(0.01, 50), (0.02, 25), (0.001, 256)])
+def test_probes_of_a_losing_speculation_are_spaced_by_what_they_lose(budget, interval):
+    """K=3 at 2x a plain step's time with tau 1.75: each two-step probe commits 3.5 tokens where plain steps would have
+    committed 4, so probes every n steps lose 0.5 / n of plain decoding's tokens; n keeps that at the budget (capped
+    at max_probe_every)."""
+    ctl = AdaptiveDraftLen(probe_every=8, probe_budget=budget)
+    _warm(ctl, 1, 3, spec_s=0.020, plain_s=0.010, tokens=1)
+    ctl.observe(1, 3, 0.020, [4])  # tau: the mean of 1, 1, 1, 4
+    assert ctl._tau[3] == pytest.approx(1.75)
+    picks = [ctl.choose(1, 3) for _ in range(2 * interval + 4)]
+    assert [i for i, k in enumerate(picks) if k == 3] == [interval - 1, interval, 2 * interval, 2 * interval + 1]
 
 
 def test_speculation_stays_on_where_it_pays_and_plain_steps_are_only_probes():
@@ -51,7 +67,8 @@ def test_probes_back_off_to_at_most_max_probe_every():
 
 
 def test_a_change_of_choice_brings_probes_back_to_probe_every():
-    ctl = AdaptiveDraftLen(probe_every=4, tau_smoothing=1.0)  # tau follows the last step: a sudden change
+    # tau follows the last step: a sudden change; probes of speculation cost no more than probe_every allows
+    ctl = AdaptiveDraftLen(probe_every=4, tau_smoothing=1.0, probe_budget=1.0)
     _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=4)
     for _ in range(40):  # probes confirm speculation: the interval grows past 16
         k = ctl.choose(1, 3)
@@ -90,7 +107,7 @@ def test_catch_up_steps_count_for_acceptance_but_not_for_step_time():
 
 def test_a_paying_drafter_stays_on_when_each_return_from_plain_steps_is_slow():
     """The regression: probes from plain mode timed with their catch-up looked slow and kept speculation off."""
-    ctl = AdaptiveDraftLen(probe_every=4)
+    ctl = AdaptiveDraftLen(probe_every=4, probe_budget=1.0)  # every 4th step: the first probe comes at once
     for _ in range(ctl.warmup):
         ctl.choose(1, 2)
         ctl.observe(1, 2, 0.012, [1])  # a bad start: nothing accepted, so plain wins for now
