@@ -83,8 +83,10 @@ sweep_once() {  # sweep_once NAME RESULT.json: start NAME's server, sweep it, st
     ours-engine) label="ours-engine ($(python3 -c 'import json,sys; e=sys.argv[1]; s=json.load(open(e + "/plan.json"))["draft_len_schedule"]
 c=json.load(open(e + "/manifest.json"))["build_config"]["speculative_config"]
 a, t, tw = c.get("adaptive_draft_len"), c.get("draft_tree"), c.get("draft_tree_without_amx")
+sw = c.get("draft_len_schedule_without_amx")
 table = lambda d: "{" + ", ".join(f"{b}: {n}" for b, n in d.items()) + "}"
-print("K by batch " + table(s) + (", adaptive" if a else "") + (", tree nodes " + table(t) if t else "")
+print("K by batch " + table(s) + (" (" + table(sw) + " without AMX)" if sw is not None else "")
+      + (", adaptive" if a else "") + (", tree nodes " + table(t) if t else "")
       + (" (" + table(tw) + " without AMX)" if tw is not None else ""))' "$ENGINE")${ENGINE_ARGS:+ $ENGINE_ARGS})" ;;
     *) label=$name ;;
   esac

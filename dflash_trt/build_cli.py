@@ -21,16 +21,22 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _tree(spec: dict | None) -> str:
-    spec = spec or {}
-    tree, without_amx = spec.get("draft_tree"), spec.get("draft_tree_without_amx")
+def _by_batch_size(spec: dict, key: str, unit: str, none: str) -> str:
+    """A batch size -> value table of the speculative config, and its *_without_amx twin where there is one."""
 
     def table(t: dict) -> str:
         return "{" + ", ".join(f"{b}: {n}" for b, n in sorted(t.items(), key=lambda kv: int(kv[0]))) + "}"
 
-    text = table(tree) + " (batch size -> nodes)" if tree else "none (chains)"
+    main, without_amx = spec.get(key), spec.get(f"{key}_without_amx")
+    text = f"{table(main)} (batch size -> {unit})" if main else none
     if without_amx is not None:
-        text += f"; on CPUs without AMX {table(without_amx) if without_amx else 'none (chains)'}"
+        text += f"; on CPUs without AMX {table(without_amx) if without_amx else none}"
+    return text
+
+
+def _tree(spec: dict | None) -> str:
+    spec = spec or {}
+    text = _by_batch_size(spec, "draft_tree", "nodes", "none (chains)")
     if spec.get("lookup_nodes"):
         text += f"; with context lookup branches of up to {spec['lookup_nodes']} tokens"
     return text
@@ -173,6 +179,8 @@ def _manifest_rows(m: dict, verified: bool) -> list[tuple[str, str]]:
         ("target weights", "copied" if m["build_config"].get("target_weights") != "link" else
          f"symlinks to {src['target']['path']} (the engine breaks if those files move)"),
         ("K (max_draft_len)", str(m["max_draft_len"])),
+        ("K by batch (torch)", _by_batch_size(m["build_config"].get("speculative_config") or {},
+                                              "draft_len_schedule", "K", "none (K at every batch size)")),
         ("draft tree (torch)", _tree(m["build_config"].get("speculative_config"))),
         ("chat template", "yes" if m["tokenizer"]["chat_template"] else "no"),
         ("TensorRT-LLM target", m["trtllm"]["version"]),

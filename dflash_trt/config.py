@@ -56,6 +56,10 @@ class SpeculativeConfig(_Strict):
     # required and equals max_draft_len. `auto`: the build chooses it from the performance model of the
     # hardware profile and acceptance_by_draft_len (plan.json records the prediction).
     draft_len_schedule: dict[int, int] | Literal["auto"] | None = None
+    # This project's torch runtime only: the draft_len_schedule on a CPU whose linears have no AMX tiles (None:
+    # draft_len_schedule), the same rules. There a verify step's rows cost their dot products, so drafting stops
+    # paying at fewer rows.
+    draft_len_schedule_without_amx: dict[int, int] | None = None
     # Measured (or published, with the source in a YAML comment) tau, tokens per step, by K: {K: tau}.
     # K values in 1..max_draft_len without an entry are extrapolated (geometric acceptance, perf_model.py).
     acceptance_by_draft_len: dict[int, float] | None = None
@@ -96,6 +100,8 @@ class SpeculativeConfig(_Strict):
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.draft_len_schedule is not None and self.max_concurrency is not None:
             raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
+        if self.draft_len_schedule_without_amx is not None:
+            self._check_schedule(self.draft_len_schedule_without_amx, "draft_len_schedule_without_amx")
         if self.draft_len_schedule == "auto":
             if not self.acceptance_by_draft_len:
                 raise ValueError(
@@ -104,23 +110,22 @@ class SpeculativeConfig(_Strict):
                 )
             return self
         if self.draft_len_schedule is not None:
-            schedule = self.draft_len_schedule
-            if not schedule:
-                raise ValueError("draft_len_schedule must not be empty")
-            check_table(schedule, "draft_len_schedule", "K")
-            # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
-            if 1 not in schedule:
-                raise ValueError(
-                    f"draft_len_schedule={schedule} needs a key 1 (TensorRT-LLM requires it): add 1: <max_draft_len>"
-                )
-            if self.max_draft_len is not None and schedule[1] != self.max_draft_len:
-                raise ValueError(
-                    f"draft_len_schedule[1]={schedule[1]} must equal max_draft_len={self.max_draft_len} "
-                    "(one row runs the full K)"
-                )
-            if self.max_draft_len is not None and max(schedule.values()) > self.max_draft_len:
-                raise ValueError(f"draft_len_schedule values must be <= max_draft_len={self.max_draft_len}")
+            self._check_schedule(self.draft_len_schedule, "draft_len_schedule")
         return self
+
+    def _check_schedule(self, schedule: dict[int, int], name: str) -> None:
+        if not schedule:
+            raise ValueError(f"{name} must not be empty")
+        check_table(schedule, name, "K")
+        # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
+        if 1 not in schedule:
+            raise ValueError(f"{name}={schedule} needs a key 1 (TensorRT-LLM requires it): add 1: <max_draft_len>")
+        if self.max_draft_len is not None and schedule[1] != self.max_draft_len:
+            raise ValueError(
+                f"{name}[1]={schedule[1]} must equal max_draft_len={self.max_draft_len} (one row runs the full K)"
+            )
+        if self.max_draft_len is not None and max(schedule.values()) > self.max_draft_len:
+            raise ValueError(f"{name} values must be <= max_draft_len={self.max_draft_len}")
 
 
 class KvCacheConfig(_Strict):
@@ -323,11 +328,12 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
         if not spec.get("speculative_model") and "speculative_config.speculative_model" not in overrides:
             raise ValueError(f"{source}: max_draft_len={k} was given but the config has no drafter "
                              "(speculative_config.speculative_model): add one, or drop the K override")
-        schedule = spec.get("draft_len_schedule")
         exact = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-        if isinstance(schedule, dict) and all(exact(b) and exact(n) for b, n in schedule.items()):
-            # a malformed table is left to the schema's error, which names the key
-            spec["draft_len_schedule"] = with_k(schedule, k)
+        for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
+            schedule = spec.get(key)
+            if isinstance(schedule, dict) and all(exact(b) and exact(n) for b, n in schedule.items()):
+                # a malformed table is left to the schema's error, which names the key
+                spec[key] = with_k(schedule, k)
     for key, value in overrides.items():
         _set_dotted(raw, key, value)
     try:

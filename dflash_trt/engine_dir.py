@@ -125,7 +125,7 @@ class EngineDir:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
-        for key in ("draft_tree", "draft_tree_without_amx"):
+        for key in ("draft_len_schedule_without_amx", "draft_tree", "draft_tree_without_amx"):
             if spec.get(key) is not None and key in known:
                 values[key] = {int(b): int(n) for b, n in spec[key].items()}
         if spec.get("adaptive_draft_len"):
@@ -135,10 +135,12 @@ class EngineDir:
         if spec.get("lookup_nodes"):
             values["lookup_nodes"] = int(spec["lookup_nodes"])
         k = overrides.get("max_draft_len")
-        if k is not None and overrides.get("draft_len_schedule") is None and values.get("draft_len_schedule"):
-            values["draft_len_schedule"] = with_k(values["draft_len_schedule"], k)
-        if overrides.get("draft_tree") is not None and overrides.get("draft_tree_without_amx") is None:
-            overrides = {**overrides, "draft_tree_without_amx": overrides["draft_tree"]}  # asked for: on any CPU
+        for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
+            if k is not None and overrides.get("draft_len_schedule") is None and values.get(key):
+                values[key] = with_k(values[key], k)
+        for key in ("draft_len_schedule", "draft_tree"):  # a table asked for holds on any CPU
+            if overrides.get(key) is not None and overrides.get(f"{key}_without_amx") is None:
+                overrides = {**overrides, f"{key}_without_amx": overrides[key]}
         for key, value in overrides.items():
             if key not in known:
                 raise ValueError(f"unknown engine setting {key!r}; known: {sorted(known)}")

@@ -39,13 +39,10 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
             f"speculative_config.max_draft_len={k}: draft_block_size={drafter.block_size} (checkpoint) allows "
             f"max_draft_len <= {limit}; lower max_draft_len"
         )
-    if spec.draft_len_schedule is not None:
-        first = spec.draft_len_schedule[min(spec.draft_len_schedule)]
-        if first != k or max(spec.draft_len_schedule.values()) > k:
-            raise ValueError(
-                f"speculative_config.draft_len_schedule={spec.draft_len_schedule} must start at max_draft_len={k} "
-                "and never exceed it"
-            )
+    for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
+        schedule = getattr(spec, key)
+        if schedule is not None and (schedule[min(schedule)] != k or max(schedule.values()) > k):
+            raise ValueError(f"speculative_config.{key}={schedule} must start at max_draft_len={k} and never exceed it")
     for key in ("draft_tree", "draft_tree_without_amx"):
         tree = getattr(spec, key)
         if tree and max(tree.values()) > limit:

@@ -438,6 +438,44 @@ def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_pa
     assert "draft_tree" not in options["speculative_config"]  # TensorRT-LLM drafts chains
 
 
+def test_a_draft_len_schedule_without_amx_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
+    out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_len_schedule={1: 3, 2: 3},
+                                    draft_len_schedule_without_amx={1: 3}), tmp_path / "e", progress=False)
+    engine = EngineDir(out)
+    assert engine.engine_config().draft_len_schedule == {1: 3, 2: 3}
+    assert engine.engine_config().draft_len_schedule_without_amx == {1: 3}
+    shown = CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "{1: 3, 2: 3} (batch size -> K); on CPUs without AMX {1: 3}" in shown
+    assert engine.engine_config(draft_len_schedule={1: 2}).draft_len_schedule_without_amx == {1: 2}  # on any CPU
+    assert engine.engine_config(max_draft_len=2).draft_len_schedule_without_amx == {1: 2}  # capped as -k caps both
+    options = yaml.safe_load((out / "trtllm/config.yaml").read_text())
+    assert options["speculative_config"]["draft_len_schedule"] == {1: 3, 2: 3}
+    assert "draft_len_schedule_without_amx" not in options["speculative_config"]
+
+
+@pytest.mark.parametrize("table, words", [
+    ({1: 3, 2: 4}, "draft_len_schedule_without_amx values must be <= max_draft_len=3"),
+    ({2: 2}, "draft_len_schedule_without_amx={2: 2} needs a key 1"),
+    ({1: 2}, r"draft_len_schedule_without_amx\[1\]=2 must equal max_draft_len=3"),
+])
+def test_a_bad_draft_len_schedule_without_amx_fails_the_build_naming_the_key(tiny_dirs, tmp_path, table, words):
+    with pytest.raises(ValueError, match=words):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_len_schedule_without_amx=table))
+
+
+def test_an_auto_schedule_caps_the_table_without_amx_at_the_k_it_chooses(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    monkeypatch.setattr(build, "profile", lambda name: _overhead_bound_cpu())
+    # steps cost the same whatever K: K=3, the smallest K of the largest tau, is chosen
+    path = _auto_config(tmp_path, tiny_dirs, {1: 1.5, 2: 1.8, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0})
+    raw = yaml.safe_load(path.read_text())
+    raw["speculative_config"]["draft_len_schedule_without_amx"] = {1: 7, 2: 5}
+    path.write_text(yaml.safe_dump(raw))
+    cfg = EngineDir(build_engine(path, tmp_path / "e", progress=False)).engine_config()
+    assert cfg.max_draft_len == 3 and cfg.draft_len_schedule_without_amx == {1: 3, 2: 3}
+
+
 def test_a_context_lookup_branch_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
     out = build_engine(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 3}, lookup_nodes=2), tmp_path / "e",
                        progress=False)

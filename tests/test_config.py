@@ -96,6 +96,10 @@ def test_a_k_override_caps_the_files_draft_len_schedule():
     assert cfg.speculative_config.draft_len_schedule == {1: 3, 4: 2, 8: 3}
     cfg = build_config_from_dict({**BASE, "speculative_config": spec}, "t.yaml", {"speculative_config.max_draft_len": 9})
     assert cfg.speculative_config.draft_len_schedule == {1: 9, 4: 2, 8: 5}
+    spec = {**spec, "draft_len_schedule_without_amx": {1: 7, 2: 5}}  # the table for CPUs without AMX alike
+    cfg = build_config_from_dict({**BASE, "speculative_config": spec}, "t.yaml",
+                                 {"speculative_config.max_draft_len": 3})
+    assert cfg.speculative_config.draft_len_schedule_without_amx == {1: 3, 2: 3}
 
 
 def test_a_k_override_without_a_drafter_says_so():

@@ -113,6 +113,10 @@ def test_every_config_that_takes_such_a_table_refuses_a_bad_one():
         SpeculativeConfig(speculative_model="d", draft_tree_without_amx={2: -1})
     with pytest.raises(ValueError, match="draft_len_schedule entry 2: -1"):
         SpeculativeConfig(speculative_model="d", draft_len_schedule={1: 3, 2: -1})
+    with pytest.raises(ValueError, match="draft_len_schedule_without_amx entry 2: -1"):
+        SpeculativeConfig(speculative_model="d", draft_len_schedule_without_amx={1: 3, 2: -1})
+    with pytest.raises(ValueError, match="draft_len_schedule_without_amx entry 0: 2"):
+        EngineConfig(draft_len_schedule_without_amx={0: 2})
     with pytest.raises(ValueError, match="draft_tree entry 1: -2"):
         EngineConfig(draft_tree={1: -2})
     with pytest.raises(ValueError, match="draft_len_schedule entry 1: 5 .* in 0..max_draft_len=3"):

@@ -60,9 +60,9 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
                     ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
     """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, context lookup), all sharing
     `engine`'s weights and tokenizer, keyed by system name."""
-    # each system's tree as named, whatever the CPU (draft_tree_without_amx would pick another)
+    # each system's K and tree as named, whatever the CPU (the *_without_amx tables would pick others)
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
-                              draft_tree_without_amx=None)
+                              draft_len_schedule_without_amx=None, draft_tree_without_amx=None)
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")

@@ -44,6 +44,9 @@ class EngineConfig:
     # on AVX2 it ties at a block's 8 rows and accepts a little less); True: wherever an int8 kernel runs.
     int8_drafter: bool | None = None
     draft_len_schedule: dict[int, int] = field(default_factory=dict)  # batch size -> K (default: max_draft_len)
+    # The draft_len_schedule where the target's CPU linears have no AMX tiles (None: draft_len_schedule): there a
+    # verify step's rows cost their dot products, so drafting stops paying at fewer rows.
+    draft_len_schedule_without_amx: dict[int, int] | None = None
     # batch-size threshold -> draft tree nodes (spec/draft_tree.py; the draft_len_schedule's rule, 0 or absent: a
     # chain): steps whose rows are greedy or sampled by the "match" rule verify that many drafts chosen from each
     # slot's top tokens, K slots deep.
@@ -74,6 +77,7 @@ class EngineConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_table(self.draft_tree, "draft_tree", "nodes")
+        check_table(self.draft_len_schedule_without_amx or {}, "draft_len_schedule_without_amx", "K")
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.lookup_nodes < 0:
             raise ValueError(f"lookup_nodes must be >= 0, got {self.lookup_nodes}")
@@ -145,16 +149,25 @@ class LLMEngine:
                     f"max_draft_len={k} is out of range: draft_block_size={limit + 1} (checkpoint) allows 1..{limit}"
                 )
         self.max_draft_len = k if self.drafter is not None else 0
+        # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller tables, where there are any.
+        layout = kernel_layout(target) if config.device == "cpu" else None
+        cheap_rows = config.device != "cpu" or layout == "tiles"
+        schedule = config.draft_len_schedule
+        if not cheap_rows and config.draft_len_schedule_without_amx is not None:
+            schedule = config.draft_len_schedule_without_amx
+        self.draft_tree = config.draft_tree
+        if not cheap_rows and config.draft_tree_without_amx is not None:
+            self.draft_tree = config.draft_tree_without_amx
+        for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):  # both, whichever this CPU takes
+            table = getattr(config, key) or {}
+            if self.drafter is not None and max(table.values(), default=0) > self.max_draft_len:
+                raise ValueError(f"{key}={table}: K above max_draft_len={self.max_draft_len}")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
-            draft_len_schedule=dict(config.draft_len_schedule) if self.drafter is not None else {},
+            draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             load_window=config.load_window,
         ))
-        # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller table, where there is one.
-        layout = kernel_layout(target) if config.device == "cpu" else None
-        cheap_rows = config.device != "cpu" or layout == "tiles" or config.draft_tree_without_amx is None
-        self.draft_tree = config.draft_tree if cheap_rows else config.draft_tree_without_amx
         for key in ("draft_tree", "draft_tree_without_amx"):  # both, whichever this CPU takes
             tree = getattr(config, key) or {}
             if self.drafter is not None and max(tree.values(), default=0) > self.runner.max_draft_len:
@@ -170,11 +183,12 @@ class LLMEngine:
         table = getattr(self.drafter, "kernel_table", None)
         logger.info(
             "engine: %s, dtype %s, rows %d, max_model_len %d, K %d, target_layer_ids %s, draft vocabulary %s, "
-            "draft tree %s, context lookup %s, CPU linears %s, greedy head %s, drafter tables %s",
+            "K by batch size %s, draft tree %s, context lookup %s, CPU linears %s, greedy head %s, drafter tables %s",
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.draft_tree or "none", self.runner.lookup_nodes or "off",
+            self.scheduler.config.draft_len_schedule or "none", self.draft_tree or "none",
+            self.runner.lookup_nodes or "off",
             _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
             f"int8 screen up to {head.max_rows} rows" if head is not None else "full",
             "-" if table is None else "int8" if table.int8 else "bf16",

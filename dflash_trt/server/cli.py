@@ -64,7 +64,8 @@ def _engine_options(f):
                      "larger batches, unless --draft-len-schedule is given)."),
         click.option("--draft-len-schedule", default=None, help="K by batch size, TensorRT-LLM's rule: the smallest key >= the batch wins, batches above the "
                      "largest key run without drafts; e.g. 1:15,4:7,16:3 (1 row K=15, 2-4 rows 7, 5-16 rows 3, 17+ none). Default: "
-                     "the engine's speculative_config.draft_len_schedule, else K at every batch size."),
+                     "the engine's speculative_config.draft_len_schedule (its draft_len_schedule_without_amx on a CPU without AMX "
+                     "tiles), else K at every batch size. Applies on any CPU."),
         click.option("--draft-tree", default=None,
                      help="Draft tree nodes by batch size, the schedule's rule: steps verify that many drafts, "
                      "the best paths through each slot's top tokens, instead of a chain of K; e.g. 1:5,2:4 (0: chains; "

@@ -188,6 +188,32 @@ def test_a_cpu_without_amx_tiles_drafts_the_smaller_tree_and_stays_exact(tiny_di
     assert without.draft_tree == {1: 6}
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["AMX tiles", "dot products"])
+def test_a_cpu_without_amx_tiles_runs_its_own_draft_len_schedule_and_stays_exact(tiny_dirs, monkeypatch, tiles):
+    """draft_len_schedule_without_amx replaces draft_len_schedule where the target's CPU linears do not run on AMX
+    tiles (there a verify step's rows cost their dot products): two rows draft K=3 on tiles and nothing without
+    them; the output is the target's greedy either way."""
+    from dflash_trt.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda target: "tiles" if tiles else "rows")
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_len_schedule={1: 3, 2: 3},
+                     draft_len_schedule_without_amx={1: 3})
+    assert engine.scheduler.config.draft_len_schedule == ({1: 3, 2: 3} if tiles else {1: 3})
+    prompts = _prompts(2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+    # both rows start together: with tiles their first steps draft K=3; without, two rows decode plainly throughout
+    assert [o.draft_lens[:3] for o in outs] == ([[3, 3, 3]] * 2 if tiles else [[], []])
+    without = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_len_schedule={1: 3, 2: 3})  # no such table
+    assert without.scheduler.config.draft_len_schedule == {1: 3, 2: 3}
+
+
+def test_a_draft_len_schedule_past_k_is_refused_on_any_cpu(tiny_dirs):
+    with pytest.raises(ValueError, match=r"draft_len_schedule_without_amx=\{1: 3, 2: 5\}: K above max_draft_len=3"):
+        _engine(tiny_dirs, "qwen3", 3, draft_len_schedule={1: 3}, draft_len_schedule_without_amx={1: 3, 2: 5})
+
+
 def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkeypatch):
     """kernel_layout: a packed bf16 target whose projections the kernel reads in tile order (this CPU, with AMX), not
     an fp32 one (oneDNN only) nor one the kernel serves in AVX2 panels (an AVX2 build)."""
@@ -208,11 +234,12 @@ def test_amx_tiles_are_told_from_dot_product_kernels(tiny_dirs, avx2_ops, monkey
 
 def test_the_engine_says_how_its_cpu_linears_run_and_which_tree_it_drafts(tiny_dirs, caplog):
     with caplog.at_level(logging.INFO, logger="dflash_trt"):
-        _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 4}, draft_tree_without_amx={1: 2})
+        _engine(tiny_dirs, "qwen3", 3, rows=1, draft_tree={1: 4}, draft_tree_without_amx={1: 2},
+                draft_len_schedule={1: 3, 2: 3}, draft_len_schedule_without_amx={1: 3})
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: "))
-    # the tiny fp32 target's linears run on oneDNN; on such a CPU path the smaller table applies; fp32 heads and
+    # the tiny fp32 target's linears run on oneDNN; on such a CPU path the smaller tables apply; fp32 heads and
     # drafters take neither the int8 screen nor int8 tables
-    assert "CPU linears torch/oneDNN" in line and "draft tree {1: 2}" in line
+    assert "CPU linears torch/oneDNN" in line and "draft tree {1: 2}" in line and "K by batch size {1: 3}," in line
     assert "greedy head full" in line and "drafter tables -" in line
 
 
