@@ -13,7 +13,7 @@ it on a quiet machine (load average below 2): the record keeps the load average 
 marks the fit unusable ("valid": false) when a point's median step exceeds 1.5x its fastest, the sign
 of another process taking the cores. Sized to run in under 3 minutes. Usage:
 
-    .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1]
+    .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1] [--name perf_model_cpu]
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--name", default="perf_model_cpu", help="record name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     started, load_before = time.time(), os.getloadavg()
@@ -182,7 +183,7 @@ def main() -> None:
                                                                   BATCHES, max(KS)),
         "schedule_from_model": choose_draft_len_schedule(SHIPPED_TAU, lambda b, k: predicted[(b, k)], BATCHES, max(KS)),
     }
-    path = record("perf_model_cpu", {
+    path = record(args.name, {
         "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
         "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
                  f"block 16, the shipped drafter's {drafter.draft_vocab.numel()}-token draft vocabulary), prompts of "

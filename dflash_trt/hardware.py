@@ -13,8 +13,11 @@ lower, so GPU predictions are optimistic bounds); the fixed costs are estimates,
 - H200: HBM3e 4.8 TB/s, BF16 dense 989 TFLOP/s (NVIDIA's 1,979 is "with sparsity"), NVLink 4 900 GB/s
   total = 450 GB/s per direction (NVIDIA H200 datasheet; saulelectric.com/nvidia-h200.html lists
   450 GB/s unidirectional).
-- The CPU's figures are effective values of this runtime on this machine, not peaks: fitted to measured
-  step times by benchmarks/calibrate_perf_model.py (record: benchmarks/results/perf_model_cpu.json).
+- The CPU's figures are effective values of this runtime, not peaks: fitted to measured step times by
+  benchmarks/calibrate_perf_model.py, one fit for CPUs with AMX tiles (an Intel Xeon; record
+  benchmarks/results/perf_model_cpu.json) and one for CPUs without (an AMD EPYC with AVX2;
+  perf_model_cpu_avx2.json), where a verify step's rows cost their dot products; `profile("cpu")` takes the one
+  this CPU's flags call for.
 """
 
 from __future__ import annotations
@@ -92,24 +95,45 @@ GPU_LAYER_OVERHEAD_S = 60e-6
 GPU_STEP_OVERHEAD_S = 300e-6
 GPU_PERF_SOURCE = "published peaks (hardware.py docstring); fixed costs are estimates (GPU_* constants)"
 
-# Effective values of this runtime on this machine, fitted by benchmarks/calibrate_perf_model.py to 15 measured
-# engine steps (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7, 2026-12-02 00:13 UTC on the Intel Xeon with AMX,
-# with the CPU kernels of kernels/cpu_ops.c: AMX linears, every layer in one call, the drafter's step in one call with
-# int8 projections, greedy tokens through the output head's int8 screen; record benchmarks/results/perf_model_cpu.json:
-# mean |error| 4.0%, max 10.4%). They are not peaks: weight bytes do not change with the batch, so bandwidth and fixed
-# cost are not separately identifiable here (the fit's bandwidth is its grid's edge); it puts the weight read into the
-# 9.7 ms step cost, the batch-dependent work at ~630 GFLOP/s, and a drafter forward's fixed cost at 0.45 ms (the
-# calibration's random drafter drafts among the shipped 2,048-token draft vocabulary, as the runtime does). The fit
-# of 2026-12-01 19:55 UTC, before the screen and the int8 drafter: 10.9 ms, 580 GFLOP/s, 0.65 ms. This machine's
-# speed drifts with its host by up to ~25%.
-CPU_MEM_BANDWIDTH_BYTES_S = 3.16e11
-CPU_DENSE_FLOPS = 6.31e11
-CPU_STEP_OVERHEAD_S = 9.68e-3
-CPU_DRAFT_OVERHEAD_S = 4.5e-4
-# One target model only: a per-layer cost cannot be told apart from the per-step cost, so it is folded in.
-CPU_LAYER_OVERHEAD_S = 0.0
-CPU_PERF_SOURCE = ("fitted: benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-12-02, "
-                   "4.0% mean error)")
+
+@dataclass(frozen=True)
+class CpuFit:
+    """Effective figures of this runtime on one kind of CPU, fitted by benchmarks/calibrate_perf_model.py."""
+
+    mem_bandwidth_bytes_s: float
+    dense_flops: float
+    step_overhead_s: float
+    draft_overhead_s: float
+    source: str
+    # One target model only: a per-layer cost cannot be told apart from the per-step cost, so it is folded in.
+    layer_overhead_s: float = 0.0
+
+
+# 15 measured engine steps each (SmolLM2-135M bf16, 2 threads, batch 1-16, K 0/3/7) with the CPU kernels of
+# kernels/cpu_ops.c. Not peaks: weight bytes do not change with the batch, so bandwidth and fixed cost are not
+# separately identifiable (the AMX fit's bandwidth is its grid's edge); each puts the weight read into the step cost,
+# the batch-dependent work at the fitted FLOP/s, and a drafter forward's fixed cost into the draft overhead (the
+# calibration's random drafter drafts among the shipped 2,048-token draft vocabulary, as the runtime does). These
+# machines' speed drifts with their hosts by up to ~25%.
+# - AMX (2026-12-02 00:13 UTC, an Intel Xeon: AMX linears, every layer in one call, the drafter's step in one call
+#   with int8 projections, greedy tokens through the head's int8 screen; mean |error| 4.0%, max 10.4%): 9.7 ms a
+#   step, ~630 GFLOP/s, 0.45 ms a draft. The fit of 2026-12-01 19:55 UTC, before the screen and the int8 drafter:
+#   10.9 ms, 580 GFLOP/s, 0.65 ms.
+# - No AMX (2026-12-04 22:37 UTC, an AMD EPYC with AVX2 and FMA: the kernel's AVX2 panels, the head's int8 screen
+#   on VPMADDWD, bf16 drafter tables; mean |error| 2.4%, max 5.4%): 3.5 ms a step, ~166 GFLOP/s, 1.0 ms a draft. Past
+#   one row K=3 costs 2.3x a plain step at 2 rows and 3.2x at 4 (19.1 / 31.2 ms against 8.3 / 9.8).
+CPU_FITS = {
+    "amx": CpuFit(3.16e11, 6.31e11, 9.68e-3, 4.5e-4, "fitted on an Intel Xeon with AMX: "
+                  "benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-12-02, 4.0% mean error)"),
+    "no_amx": CpuFit(5.75e10, 1.66e11, 3.46e-3, 1.00e-3, "fitted on an AMD EPYC with AVX2 (no AMX): "
+                     "benchmarks/results/perf_model_cpu_avx2.json (calibrate_perf_model.py, 2026-12-04, 2.4% mean "
+                     "error)"),
+}
+
+
+def cpu_fit() -> CpuFit:
+    """The fitted figures for this CPU: AMX tiles or not (the kernels' verify rows cost differs most)."""
+    return CPU_FITS["amx" if "amx_tile" in cpu_flags() else "no_amx"]
 
 
 def profile(name: str) -> HardwareProfile:
@@ -125,11 +149,11 @@ def profile(name: str) -> HardwareProfile:
                                description="NVIDIA H200 (HGX H200: 8 per node)", mem_bandwidth_bytes_s=4.8e12,
                                dense_flops=989e12, interconnect_bytes_s=450e9, **gpu)
     if name == "cpu":
+        fit = cpu_fit()
         return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
-                               mem_bandwidth_bytes_s=CPU_MEM_BANDWIDTH_BYTES_S, dense_flops=CPU_DENSE_FLOPS,
-                               step_overhead_s=CPU_STEP_OVERHEAD_S, layer_overhead_s=CPU_LAYER_OVERHEAD_S,
-                               draft_overhead_s=CPU_DRAFT_OVERHEAD_S,
-                               perf_source=CPU_PERF_SOURCE)
+                               mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
+                               step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
+                               draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)
     raise ValueError(f"hardware={name!r} is not a known profile; choose one of {PROFILE_NAMES}")
 
 

@@ -1,9 +1,15 @@
 """hardware: this CPU's flags, and where bf16 matrix products run natively (the trainer's precision follows it)."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from dflash_trt import hardware
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, False), ({"avx512f", "avx512bw"}, False),
@@ -33,3 +39,25 @@ def test_cpu_flags_are_the_cpuinfo_flags_line(tmp_path, monkeypatch):
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
     assert hardware.cpu_flags() == {"fpu", "sse2", "avx2", "fma"}
+
+
+@pytest.mark.parametrize("flags, fit", [({"avx2", "fma"}, "no_amx"), ({"avx512f", "avx512_bf16"}, "no_amx"),
+                                        ({"avx512f", "amx_tile", "amx_bf16"}, "amx")])
+def test_the_cpu_profile_takes_the_fit_of_cpus_like_this_one(monkeypatch, flags, fit):
+    """Verify rows cost their dot products without AMX tiles: such CPUs get the fit measured on one."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    cpu, want = hardware.profile("cpu"), hardware.CPU_FITS[fit]
+    assert (cpu.dense_flops, cpu.step_overhead_s, cpu.draft_overhead_s) == (want.dense_flops, want.step_overhead_s,
+                                                                           want.draft_overhead_s)
+    assert cpu.perf_source == want.source
+
+
+@pytest.mark.parametrize("fit", ["amx", "no_amx"])
+def test_each_cpu_fit_is_the_one_its_calibration_record_holds(fit):
+    want = hardware.CPU_FITS[fit]
+    record = json.loads((ROOT / re.search(r"benchmarks/results/\S+\.json", want.source).group()).read_text())
+    assert record["valid"]
+    got = record["fitted_profile"]
+    for key in ("mem_bandwidth_bytes_s", "dense_flops", "step_overhead_s", "draft_overhead_s"):
+        assert getattr(want, key) == pytest.approx(got[key], rel=0.01), key
+    assert f"{100 * record['mean_abs_relative_error']:.1f}% mean error" in want.source
