@@ -6,11 +6,12 @@ benchmark prompts, while a K=3 step costs ~1.4x a plain one there, so a fixed K 
 
 AdaptiveDraftLen keeps, per batch-size bucket, running means of the plain step time and of the step time at
 each K it has run, plus, per K, a running mean of the tokens a row commits per step (tau). Each step it keeps the
-scheduled K only while tau(K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens per second, and every
-`probe_every` steps it runs the other mode once to keep both measurements current. While speculation wins, a
-probe is a plain step (and a catch-up step after it), ~1.5% of a paying K's throughput at 16 steps, and what it
-measures, the plain step time, drifts slowly: each such probe that leaves the choice as it was doubles the interval
-to the next (up to `max_probe_every`), and any change of choice brings it back to `probe_every`. While plain
+scheduled K only while tau(K) / t(K) >= 1 / t(0), i.e. while speculation gives more tokens per second, and now
+and then runs the other mode to keep both measurements current (at first every `probe_every` steps). While
+speculation wins, a probe is a plain step (and a catch-up step after it), ~1.5% of a paying K's throughput at 16
+steps, and what it measures, the plain step time, drifts slowly: each such probe that leaves the choice as it was
+doubles the interval to the next (up to `max_probe_every`), and any change of choice brings it back to
+`probe_every`. While plain
 decoding wins, speculation is probed at least every `max_probe_every` steps, since tau changes with the text and is
 learned only from speculative steps (session 5 backed these probes off as probes confirmed plain decoding, and an
 unlucky start then kept a paying K off). How often depends on what a probe costs: its `probe_len` steps of t(K)
@@ -18,7 +19,10 @@ commit tau tokens a row each where plain steps in that time would commit t(K) / 
 loses probe_len x (t(K) / t(0) - tau) / n of plain decoding's tokens; n keeps that under `probe_budget`, and is
 never below `probe_every`. Where speculation nearly pays (t(K) 1.4x, tau 1.25) that is every 30 steps; where it
 is far off, as K=2 at 4 rows on a CPU without AMX (t(K) 2.5x, tau 1.74: a probe loses 1.6 tokens a row), every 158
-instead of 16, which had cost that engine 8% of plain decoding's throughput (benchmarks/README.md, session 38).
+instead of 16, which had cost that engine 8% of plain decoding's throughput (benchmarks/README.md, session 38). The
+estimate leaves out that a probe's first step catches up (untimed; 29 against 25 ms there), so probes lose somewhat
+more than the budget. Until tau has `settle` speculative steps behind it the interval stays `probe_every`: a tau
+read from a few unlucky steps would otherwise space out the very probes that correct it.
 tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model
 (spec/acceptance_model.py) would read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2,
 their rates 0 and 1 to a rate giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38,
@@ -54,6 +58,7 @@ class AdaptiveDraftLen:
     probe_every: int = 16  # steps between runs of the mode not chosen
     max_probe_every: int = 256  # the longest interval between probes of either mode
     probe_budget: float = 0.01  # while plain wins: the share of its tokens that probes of speculation may lose
+    settle: int = 8  # speculative steps measured before the budget may space probes out
     probe_len: int = 2  # speculative steps per probe from plain mode (the first one catches up)
     smoothing: float = 0.25  # weight of the newest step time in its running mean, once warm
     tau_smoothing: float = 0.05  # and of the newest step's tau: a step's tau is one of 1..K+1, so a longer memory
@@ -66,6 +71,10 @@ class AdaptiveDraftLen:
     _probe_left: dict[int, int] = field(default_factory=dict)  # bucket -> speculative probe steps still to run
     _tau: dict[int, float] = field(default_factory=dict)  # K -> running mean tokens per row per step
     _tau_seen: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.probe_budget <= 0:
+            raise ValueError(f"probe_budget must be > 0, got {self.probe_budget}")
 
     def choose(self, batch_size: int, k: int) -> int:
         """K for this step: the scheduled k, or 0 where plain decoding is measured to be faster."""
@@ -84,7 +93,7 @@ class AdaptiveDraftLen:
         interval = self._probe_interval.get(bucket, self.probe_every)
         if self._spec_won.get(bucket, spec_wins) != spec_wins:
             interval, self._since_probe[bucket] = self.probe_every, 0
-        if not spec_wins:
+        if not spec_wins and self._tau_seen[k] >= self.settle:
             lost = self.probe_len * (spec_s / plain_s - self._tau[k])  # tokens a row, against plain steps
             interval = max(self.probe_every, min(self.max_probe_every, math.ceil(lost / self.probe_budget)))
         self._spec_won[bucket] = spec_wins

@@ -25,24 +25,22 @@ def test_buckets_are_powers_of_two():
 
 def test_speculation_is_turned_off_where_it_gives_fewer_tokens_per_second():
     # tau 1.2 at K=3 for a step 1.4x the plain one: 1.2 / 1.4 = 0.86 plain steps' worth
-    # a probe's two steps commit 2 x 1.25 tokens where plain steps would have committed 2 x 1.4: it loses 0.3, and a
-    # 5% budget allows one every 6 steps, so probe_every's 8 holds
-    ctl = AdaptiveDraftLen(probe_every=8, probe_budget=0.05)
+    ctl = AdaptiveDraftLen(probe_every=8)
     _warm(ctl, 1, 3, spec_s=0.014, plain_s=0.010, tokens=1)  # tau 1 observed
     ctl.observe(1, 3, 0.014, [2])  # tau 2 once: the mean of 1, 1, 1, 2 is 1.25, 89 tokens/s against 100
     assert ctl._tau[3] == pytest.approx(1.25)
     picks = [ctl.choose(1, 3) for _ in range(30)]
-    # K only as the every-8th probe, two steps long (the first catches up on the plain steps' features); no back-off:
-    # tau is learned only from speculative steps
+    # K only as the every-8th probe, two steps long (the first catches up on the plain steps' features); no back-off
+    # while tau rests on fewer than `settle` speculative steps: it is learned only from them
     assert [i for i, k in enumerate(picks) if k == 3] == [7, 8, 16, 17, 25, 26]
 
 
-@pytest.mark.parametrize("budget, interval", [(0.01, 50), (0.02, 25), (0.001, 256)])
+@pytest.mark.parametrize("budget, interval", [(0.011, 46), (0.021, 24), (0.001, 256)])
 def test_probes_of_a_losing_speculation_are_spaced_by_what_they_lose(budget, interval):
     """K=3 at 2x a plain step's time with tau 1.75: each two-step probe commits 3.5 tokens where plain steps would have
-    committed 4, so probes every n steps lose 0.5 / n of plain decoding's tokens; n keeps that at the budget (capped
-    at max_probe_every)."""
-    ctl = AdaptiveDraftLen(probe_every=8, probe_budget=budget)
+    committed 4, so probes every n steps lose 0.5 / n of plain decoding's tokens; n keeps that within the budget
+    (0.5 / 0.011 = 45.5 -> 46; capped at max_probe_every)."""
+    ctl = AdaptiveDraftLen(probe_every=8, probe_budget=budget, settle=4)
     _warm(ctl, 1, 3, spec_s=0.020, plain_s=0.010, tokens=1)
     ctl.observe(1, 3, 0.020, [4])  # tau: the mean of 1, 1, 1, 4
     assert ctl._tau[3] == pytest.approx(1.75)
@@ -107,7 +105,7 @@ def test_catch_up_steps_count_for_acceptance_but_not_for_step_time():
 
 def test_a_paying_drafter_stays_on_when_each_return_from_plain_steps_is_slow():
     """The regression: probes from plain mode timed with their catch-up looked slow and kept speculation off."""
-    ctl = AdaptiveDraftLen(probe_every=4, probe_budget=1.0)  # every 4th step: the first probe comes at once
+    ctl = AdaptiveDraftLen(probe_every=4)
     for _ in range(ctl.warmup):
         ctl.choose(1, 2)
         ctl.observe(1, 2, 0.012, [1])  # a bad start: nothing accepted, so plain wins for now
@@ -140,3 +138,24 @@ def test_tau_is_the_mean_of_the_measured_steps_not_a_geometric_reading_of_their_
         ctl.observe(1, picks[-1], 0.018 if picks[-1] else 0.010, [1 if i % 2 else 3] if picks[-1] else [1])
     assert ctl._tau[2] == pytest.approx(2.0, abs=0.1)
     assert picks == [2] * 40
+
+
+def test_an_unlucky_start_is_probed_again_at_probe_every_whatever_the_budget():
+    """Three speculative steps accepting nothing make plain decoding look better and a probe look costly (0.4 tokens
+    a row, 40 steps at the default budget); until tau rests on `settle` steps, probes still come every probe_every,
+    so a drafter that pays is back within them."""
+    ctl = AdaptiveDraftLen()
+    _warm(ctl, 1, 3, spec_s=0.012, plain_s=0.010, tokens=1)
+    picks = []
+    for _ in range(40):  # from here every block is accepted (tau 4 at 1.2x a plain step's cost)
+        k = ctl.choose(1, 3)
+        picks.append(k)
+        ctl.observe(1, k, 0.012 if k else 0.010, [4] if k else [1], catch_up=k > 0 and picks[-2:-1] == [0])
+    assert picks.index(3) == ctl.probe_every - 1
+    after = picks[ctl.probe_every + 1:]  # speculation back on after the probe, plain steps only as its probes
+    assert after.count(0) <= 1 and after[0] == 3
+
+
+def test_a_probe_budget_must_be_positive():
+    with pytest.raises(ValueError, match="probe_budget must be > 0, got 0"):
+        AdaptiveDraftLen(probe_budget=0)
