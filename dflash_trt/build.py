@@ -24,7 +24,6 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
-from dflash_trt.draft_schedule import with_k
 from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
@@ -116,11 +115,7 @@ def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:
 
 
 def _with_schedule(cfg: BuildConfig, schedule: dict[int, int] | None, k: int | None) -> BuildConfig:
-    update = {"draft_len_schedule": schedule, "max_draft_len": k}
-    without_amx = cfg.speculative_config.draft_len_schedule_without_amx
-    if without_amx is not None and k is not None:  # capped at K, as a K given by hand caps it
-        update["draft_len_schedule_without_amx"] = with_k(without_amx, k)
-    spec = cfg.speculative_config.model_copy(update=update)
+    spec = cfg.speculative_config.model_copy(update={"draft_len_schedule": schedule, "max_draft_len": k})
     return cfg.model_copy(update={"speculative_config": spec})
 
 

@@ -109,7 +109,7 @@ def _schedule(table: dict | None, k: int = 0) -> str:
 @click.option("--max-batch-size", type=click.IntRange(min=1), help="Override max_batch_size.")
 @click.option("--max-seq-len", type=click.IntRange(min=1), help="Override max_seq_len.")
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), help="Override speculative_config.max_draft_len "
-              "(the file's draft_len_schedule is capped at it).")
+              "(the file's draft_len_schedule and draft_len_schedule_without_amx are capped at it).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_draft_len, force, as_json) -> None:

@@ -101,6 +101,11 @@ class SpeculativeConfig(_Strict):
         if self.draft_len_schedule is not None and self.max_concurrency is not None:
             raise ValueError("draft_len_schedule and max_concurrency are mutually exclusive; set one")
         if self.draft_len_schedule_without_amx is not None:
+            if self.draft_len_schedule == "auto":
+                raise ValueError(
+                    "draft_len_schedule: auto chooses K for the CPU the build runs on, which "
+                    "draft_len_schedule_without_amx would override there: give explicit tables, or auto alone"
+                )
             self._check_schedule(self.draft_len_schedule_without_amx, "draft_len_schedule_without_amx")
         if self.draft_len_schedule == "auto":
             if not self.acceptance_by_draft_len:

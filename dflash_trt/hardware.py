@@ -131,9 +131,15 @@ CPU_FITS = {
 }
 
 
+def has_amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, by its flags. Plans go by this; the runtime by the layout its kernels chose
+    (layers/linear.py kernel_layout), which differs where DFLASH_TRT_AMX=0 or the target is not bf16."""
+    return "amx_tile" in cpu_flags()
+
+
 def cpu_fit() -> CpuFit:
     """The fitted figures for this CPU: AMX tiles or not (the kernels' verify rows cost differs most)."""
-    return CPU_FITS["amx" if "amx_tile" in cpu_flags() else "no_amx"]
+    return CPU_FITS["amx" if has_amx_tiles() else "no_amx"]
 
 
 def profile(name: str) -> HardwareProfile:

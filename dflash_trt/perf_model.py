@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from dflash_trt.config import BuildConfig
-from dflash_trt.hardware import HardwareProfile
+from dflash_trt.hardware import HardwareProfile, has_amx_tiles
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.plan import DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype, target_weight_parts
@@ -236,9 +236,13 @@ def plan_performance(
             schedule = choose_draft_len_schedule(taus, lambda b, k: steps[(b, k)], sizes, max_draft_len)
         elif spec.draft_len_schedule:
             source, schedule = "config", dict(spec.draft_len_schedule)
+    runs = schedule  # the table this machine's torch runtime takes (engine/llm_engine.py)
+    without_amx = None if spec is None else spec.draft_len_schedule_without_amx
+    if without_amx is not None and hw.kind == "cpu" and not has_amx_tiles():
+        source, runs = "config (without AMX)", dict(without_amx)
     points = []
     for b in sizes:
-        chosen = 0 if drafter is None or spec is None else max_draft_len if schedule is None else expand(schedule, b)
+        chosen = 0 if drafter is None or spec is None else max_draft_len if runs is None else expand(runs, b)
         for k in range(0, max_draft_len + 1):
             tau = 1.0 if k == 0 else taus.get(k)
             step = steps[(b, k)]

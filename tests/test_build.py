@@ -463,17 +463,27 @@ def test_a_bad_draft_len_schedule_without_amx_fails_the_build_naming_the_key(tin
         prepare_build(_spec_config(tmp_path, tiny_dirs, draft_len_schedule_without_amx=table))
 
 
-def test_an_auto_schedule_caps_the_table_without_amx_at_the_k_it_chooses(tiny_dirs, tmp_path, monkeypatch):
-    import dflash_trt.build as build
-
-    monkeypatch.setattr(build, "profile", lambda name: _overhead_bound_cpu())
-    # steps cost the same whatever K: K=3, the smallest K of the largest tau, is chosen
-    path = _auto_config(tmp_path, tiny_dirs, {1: 1.5, 2: 1.8, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0})
+def test_auto_with_a_table_without_amx_is_refused_naming_both(tiny_dirs, tmp_path):
+    path = _auto_config(tmp_path, tiny_dirs, {3: 2.0})
     raw = yaml.safe_load(path.read_text())
-    raw["speculative_config"]["draft_len_schedule_without_amx"] = {1: 7, 2: 5}
+    raw["speculative_config"]["draft_len_schedule_without_amx"] = {1: 7, 2: 2}
     path.write_text(yaml.safe_dump(raw))
-    cfg = EngineDir(build_engine(path, tmp_path / "e", progress=False)).engine_config()
-    assert cfg.max_draft_len == 3 and cfg.draft_len_schedule_without_amx == {1: 3, 2: 3}
+    with pytest.raises(ValueError, match="draft_len_schedule: auto chooses K for the CPU the build runs on, which "
+                                         "draft_len_schedule_without_amx would override there"):
+        prepare_build(path)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_plan_marks_the_schedule_this_cpu_runs(tiny_dirs, tmp_path, monkeypatch, amx):
+    import dflash_trt.perf_model as perf_model
+
+    monkeypatch.setattr(perf_model, "has_amx_tiles", lambda: amx)
+    plan = prepare_build(_spec_config(tmp_path, tiny_dirs, draft_len_schedule={1: 3, 2: 3},
+                                      draft_len_schedule_without_amx={1: 3})).plan.to_dict()
+    chosen = {p["batch_size"]: p["draft_len"] for p in plan["performance"]["points"] if p["chosen"]}
+    assert chosen == ({1: 3, 2: 3} if amx else {1: 3, 2: 0})
+    assert plan["performance"]["schedule_source"] == ("config" if amx else "config (without AMX)")
+    assert {int(b): k for b, k in plan["draft_len_schedule"].items()} == {1: 3, 2: 3}  # TensorRT-LLM's, either way
 
 
 def test_a_context_lookup_branch_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):
