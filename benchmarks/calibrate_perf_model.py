@@ -13,7 +13,7 @@ it on a quiet machine (load average below 2): the record keeps the load average 
 marks the fit unusable ("valid": false) when a point's median step exceeds 1.5x its fastest, the sign
 of another process taking the cores. Sized to run in under 3 minutes. Usage:
 
-    .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1] [--name perf_model_cpu]
+    .venv/bin/python benchmarks/calibrate_perf_model.py [--steps 8] [--rounds 1] [--name NAME]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dflash_trt.config import build_config_from_dict  # noqa: E402
 from dflash_trt.draft_schedule import choose_draft_len_schedule  # noqa: E402
 from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from dflash_trt.hardware import profile  # noqa: E402
+from dflash_trt.hardware import has_amx_tiles, profile  # noqa: E402
 from dflash_trt.models.dflash import load_drafter  # noqa: E402
 from dflash_trt.models.registry import load_target  # noqa: E402
 from dflash_trt.perf_model import PerfModel  # noqa: E402
@@ -140,7 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--name", default="perf_model_cpu", help="record name (benchmarks/results/NAME.json)")
+    ap.add_argument("--name", default=None, help="record name (benchmarks/results/NAME.json; default: the record of "
+                    "this CPU's kind, perf_model_cpu with AMX tiles, perf_model_cpu_avx2 without)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     started, load_before = time.time(), os.getloadavg()
@@ -183,7 +184,8 @@ def main() -> None:
                                                                   BATCHES, max(KS)),
         "schedule_from_model": choose_draft_len_schedule(SHIPPED_TAU, lambda b, k: predicted[(b, k)], BATCHES, max(KS)),
     }
-    path = record(args.name, {
+    name = args.name or ("perf_model_cpu" if has_amx_tiles() else "perf_model_cpu_avx2")
+    path = record(name, {
         "command": "benchmarks/calibrate_perf_model.py " + " ".join(sys.argv[1:]),
         "setup": f"SmolLM2-135M-Instruct bf16, torch {torch.__version__}, 2 threads, random drafter (2 layers, "
                  f"block 16, the shipped drafter's {drafter.draft_vocab.numel()}-token draft vocabulary), prompts of "

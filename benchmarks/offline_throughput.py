@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--engine", type=Path, help="an engine directory: it against itself with --no-spec")
     ap.add_argument("--name", default="offline_throughput_cpu")
     args = ap.parse_args()
+    if args.engine is not None and (args.no_spec or args.k != ap.get_default("k")):
+        ap.error("--engine runs the engine as built against its own --no-spec: -k and --no-spec do not apply")
     torch.set_num_threads(2)
     if args.engine is not None:
         engines = {"engine": open_engine(args.engine, max_batch_size=args.rows),

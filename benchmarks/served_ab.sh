@@ -10,7 +10,7 @@ REV=${1:?usage: benchmarks/served_ab.sh REV}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-$ROOT/benchmarks/results/served_ab_$(git -C "$ROOT" rev-parse --short "$REV")}
-OUT=$(realpath -m "$OUT")   # REV's arm runs from its worktree: a relative OUT would land there and vanish with it
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # REV's arm runs from its worktree: a relative OUT would land there
 export REQS=${REQS:-24} CONC=${CONC:-1} SYSTEMS=${SYSTEMS:-"ours-ar ours-engine"}
 source "$ROOT/benchmarks/ab_worktree.sh"
 for r in $(seq 1 "$ROUNDS"); do
