@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Sequence
 from itertools import groupby
 from pathlib import Path
 
 X_KEY, Y_KEY = "tok_s_per_user", "tok_s_per_gpu"
+LABEL_WIDTH, TITLE_WIDTH = 100, 75  # characters a legend label / the title runs to before wrapping
 
 
 class UnsupportedFormat(ValueError):
@@ -57,9 +59,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
 def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
     """One image, in the format `out`'s extension names (PNG without one): every point of every run, annotated with
     its concurrency, and each run's frontier."""
-    # The Agg canvas is bound to this figure only: no pyplot, no process-wide backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     out = Path(out)
     # explicit, as matplotlib would append ".png" to a name without an extension and write elsewhere than asked
@@ -68,6 +68,18 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
     if fmt not in formats:
         raise UnsupportedFormat(f"{out}: matplotlib cannot write {fmt!r} images; use one of "
                                 f"{', '.join(sorted(formats))}")
+    fig = pareto_figure(runs, title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, format=fmt)
+    return out
+
+
+def pareto_figure(runs: Sequence[dict], title: str | None = None):
+    """The matplotlib Figure plot_pareto saves."""
+    # The Agg canvas is bound to this figure only: no pyplot, no process-wide backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(8, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -79,17 +91,18 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
         xy = [(p[X_KEY], p[Y_KEY]) for p in pts]
         ax.scatter([x for x, _ in xy], [y for _, y in xy], color=color, s=28, zorder=3)
         front = pareto_frontier(xy)
+        # long labels (an engine's schedule and trees) wrap rather than run off the figure
+        label = textwrap.fill(run.get("label") or f"run {i + 1}", LABEL_WIDTH)
         ax.plot([xy[j][0] for j in front], [xy[j][1] for j in front], color=color, marker="o", linewidth=1.8,
-                label=run.get("label") or f"run {i + 1}", zorder=2)
+                label=label, zorder=2)
         for p, (x, y) in zip(pts, xy):
             ax.annotate(f"c={p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
                         color=color)
     ax.set_xlabel("tokens/s/user")
     ax.set_ylabel("tokens/s/GPU")
-    ax.set_title(title or "Throughput vs interactivity")
+    ax.set_title(textwrap.fill(title or "Throughput vs interactivity", TITLE_WIDTH))
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, format=fmt)
-    return out
+        # below the axes, where constrained layout makes room for it: inside, five runs' labels covered the points
+        fig.legend(loc="outside lower center", fontsize=8)
+    return fig

