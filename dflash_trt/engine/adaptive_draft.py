@@ -11,18 +11,18 @@ and then runs the other mode to keep both measurements current (at first every `
 speculation wins, a probe is a plain step (and a catch-up step after it), ~1.5% of a paying K's throughput at 16
 steps, and what it measures, the plain step time, drifts slowly: each such probe that leaves the choice as it was
 doubles the interval to the next (up to `max_probe_every`), and any change of choice brings it back to
-`probe_every`. While plain
-decoding wins, speculation is probed at least every `max_probe_every` steps, since tau changes with the text and is
-learned only from speculative steps (session 5 backed these probes off as probes confirmed plain decoding, and an
-unlucky start then kept a paying K off). How often depends on what a probe costs: its `probe_len` steps of t(K)
-commit tau tokens a row each where plain steps in that time would commit t(K) / t(0), so a probe every n steps
-loses probe_len x (t(K) / t(0) - tau) / n of plain decoding's tokens; n keeps that under `probe_budget`, and is
-never below `probe_every`. Where speculation nearly pays (t(K) 1.4x, tau 1.25) that is every 30 steps; where it
-is far off, as K=2 at 4 rows on a CPU without AMX (t(K) 2.5x, tau 1.74: a probe loses 1.6 tokens a row), every 158
-instead of 16, which had cost that engine 8% of plain decoding's throughput (benchmarks/README.md, session 38). The
-estimate leaves out that a probe's first step catches up (untimed; 29 against 25 ms there), so probes lose somewhat
-more than the budget. Until tau has `settle` speculative steps behind it the interval stays `probe_every`: a tau
-read from a few unlucky steps would otherwise space out the very probes that correct it.
+`probe_every`. While plain decoding wins, speculation is probed at least every `max_probe_every` steps, since tau
+changes with the text and is learned only from speculative steps (session 5 backed these probes off as probes
+confirmed plain decoding, and an unlucky start then kept a paying K off). How often depends on what a probe costs:
+its `probe_len` steps of t(K) commit tau tokens a row each where plain steps in that time would commit t(K) / t(0),
+so a probe every n steps loses probe_len x (t(K) / t(0) - tau) / n of plain decoding's tokens; n keeps that under
+`probe_budget`, and is never below `probe_every`. Where speculation nearly pays (t(K) 1.4x, tau 1.25) that is
+every 30 steps; where it is far off, as K=2 at 4 rows on a CPU without AMX (t(K) 2.5x, tau 1.74: a probe loses 1.6
+tokens a row), every 158 instead of 16, which had cost that engine 8% of plain decoding's throughput
+(benchmarks/README.md, session 38). The estimate leaves out that a probe's first step catches up (untimed; 29
+against 25 ms there), so probes lose somewhat more than the budget. Until tau has `settle` speculative steps behind
+it the interval stays `probe_every`: a tau read from a few unlucky steps would otherwise space out the very probes
+that correct it.
 tau is averaged as it is measured: a mean of per-step acceptance rates put through the geometric model
 (spec/acceptance_model.py) would read low, because tau is convex in the rate (steps of tau 1 and 3 average to 2,
 their rates 0 and 1 to a rate giving 1.75 at K=2; on the CPU default's chat prompts 1.26 for a measured 1.38,

@@ -152,12 +152,12 @@ class LLMEngine:
         # Verify rows cost about nothing on a GPU or on AMX tiles; elsewhere the smaller tables, where there are any.
         layout = kernel_layout(target) if config.device == "cpu" else None
         cheap_rows = config.device != "cpu" or layout == "tiles"
-        schedule = config.draft_len_schedule
-        if not cheap_rows and config.draft_len_schedule_without_amx is not None:
-            schedule = config.draft_len_schedule_without_amx
-        self.draft_tree = config.draft_tree
-        if not cheap_rows and config.draft_tree_without_amx is not None:
-            self.draft_tree = config.draft_tree_without_amx
+
+        def this_cpu(table: dict[int, int], without_amx: dict[int, int] | None) -> dict[int, int]:
+            return table if cheap_rows or without_amx is None else without_amx
+
+        schedule = this_cpu(config.draft_len_schedule, config.draft_len_schedule_without_amx)
+        self.draft_tree = this_cpu(config.draft_tree, config.draft_tree_without_amx)
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):  # both, whichever this CPU takes
             table = getattr(config, key) or {}
             if self.drafter is not None and max(table.values(), default=0) > self.max_draft_len:
@@ -187,7 +187,7 @@ class LLMEngine:
             "speculative" if self.drafter is not None else "autoregressive", config.dtype,
             config.max_batch_size, self.max_model_len, self.max_draft_len,
             list(self.runner.capture), "whole" if self.runner.draft_vocab_size is None else self.runner.draft_vocab_size,
-            self.scheduler.config.draft_len_schedule or ("K at every one" if self.drafter is not None else "-"),
+            self.scheduler.config.draft_len_schedule or ("none, K everywhere" if self.drafter is not None else "-"),
             self.draft_tree or "none", self.runner.lookup_nodes or "off",
             _LINEAR_PATHS[layout] if config.device == "cpu" else "-",
             f"int8 screen up to {head.max_rows} rows" if head is not None else "full",
