@@ -53,6 +53,16 @@ def bench() -> None:
               "(default: the ENGINE's lookup_nodes, else none).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timed rounds (the median is reported).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature of every system (0: greedy).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling mass (1: off).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling (0: off).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampled, prompt i runs with seed SEED + i in every system.")
+@click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
+              help="Sampled, the lossless rule: match keeps a draft equal to the target's own sample (so seeded "
+              "outputs equal AR's), rejection samples drafts and accepts by min(1, p/q).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
               help="Weights and activations of every system (default: the ENGINE's dtype, else bfloat16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
@@ -62,8 +72,9 @@ def bench() -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Write the JSON result here (missing folders are created).")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
-          tree_nodes, lookup_nodes, rounds, dtype, threads, zlab_peer, as_json, output) -> None:
-    """Autoregressive vs DFlash at batch 1, greedy, per prompt category: tau, histogram, tok/s, speedup."""
+          tree_nodes, lookup_nodes, rounds, temperature, top_p, top_k, seed, acceptance, dtype, threads, zlab_peer,
+          as_json, output) -> None:
+    """Autoregressive vs DFlash at batch 1, greedy or sampled, per prompt category: tau, histogram, tok/s, speedup."""
     import torch
     from tqdm import tqdm
 
@@ -76,6 +87,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.UsageError("pass ENGINE or --target/--drafter, not both")
     if target and not drafter:
         raise click.UsageError("--target needs --drafter DIR: bench speed compares plain decoding with DFlash")
+    if zlab_peer and temperature > 0:
+        raise click.UsageError("--zlab-peer runs z-lab's dflash_generate, which is greedy only: drop --temperature")
     # every value is checked before the model loads and the run starts: a mistake must not cost a benchmark
     vocabs = parse_vocab_sizes(draft_vocab_sizes)
     ks = _ints(draft_lens, "--draft-lens", minimum=1) if draft_lens is not None else None
@@ -119,7 +132,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         if max(sizes) > most:
             raise click.BadParameter(f"{max(sizes)} nodes exceed the drafter's limit {most} (its block_size - 1)",
                                      param_hint=hint)
-    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups)
+    cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,
+                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)

@@ -1,12 +1,15 @@
 """`bench speed`: single-stream autoregressive against DFlash on categorized prompts, in one process.
 
-Every prompt runs greedy at batch 1 through the same runtime with speculation off (AR) and at each K, in
-the same round (rounds interleave the systems, so drift in machine speed hits all of them alike). Per
+Every prompt runs at batch 1 through the same runtime with speculation off (AR) and at each K, in the same
+round (rounds interleave the systems, so drift in machine speed hits all of them alike), greedy or sampled. Per
 category: tau (tokens committed per verify step, counting the bonus token), the acceptance histogram,
 tokens/s of each system, the end-to-end speedup (DFlash tokens/s over AR tokens/s, wall clock including prefill)
 and how many outputs are identical to AR's (in bf16 a K-token verify and a one-token forward can round
-differently on near-ties; the count is reported, never hidden). Optionally z-lab's reference
-`dflash_generate` runs on the same weights as a peer.
+differently on near-ties; the count is reported, never hidden). Sampled, every system draws prompt i with seed
+`seed + i`; under the "match" rule a seeded request's tokens are the target's own samples whatever was drafted
+(layers/sampler.py PositionalUniforms), so they too are compared with AR's; under "rejection" they are only equal in
+distribution and no count is reported. Optionally z-lab's reference `dflash_generate` runs on the same weights as a
+peer (greedy only).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Callable
 
 from dflash_trt.bench.datasets import BenchPrompt, by_category
 from dflash_trt.engine.llm_engine import LLMEngine
-from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.sampling_params import AcceptanceRule, SamplingParams
 
 
 @dataclass
@@ -36,6 +39,22 @@ class SpeedConfig:
     # Context lookups to compare at every K and tree (EngineConfig.lookup_nodes; 0: none). Systems with one are
     # named "K=7 tree=6 lookup=7".
     lookup_nodes: list[int] = field(default_factory=lambda: [0])
+    # Decoding of every request: temperature 0 is greedy; above it prompt i is sampled with seed `seed + i`.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    acceptance: AcceptanceRule = "match"
+
+    def params(self, index: int, max_tokens: int) -> SamplingParams:
+        """Prompt `index`'s decoding, the same for every system."""
+        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed + index, acceptance=self.acceptance)
+
+    @property
+    def compares_tokens(self) -> bool:
+        """Whether a system's tokens should equal AR's: greedy, or seeded samples under the "match" rule."""
+        return self.temperature == 0 or self.acceptance == "match"
 
 
 @dataclass
@@ -120,14 +139,17 @@ def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
               zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
     """Measure every category; returns the JSON-ready result (see module doc)."""
+    if zlab is not None and cfg.temperature > 0:
+        raise ValueError("z-lab's dflash_generate runs greedy only: drop the peer or the temperature")
     ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes,
                                   cfg.lookup_nodes)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
+    index = {p.id: i for i, p in enumerate(prompts)}
 
     def timed(e: LLMEngine, p: BenchPrompt):
         t = time.perf_counter()
-        out = e.generate([ids[p.id]], SamplingParams(max_new_tokens=p.max_tokens))[0]
+        out = e.generate([ids[p.id]], cfg.params(index[p.id], p.max_tokens))[0]
         return time.perf_counter() - t, out
 
     if cfg.warmup:
@@ -175,16 +197,19 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                         s.add_hist([sum(1 for n in lengths if n == i + 1) for i in range(k0 + 1)])
                 if progress is not None:
                     progress()
-    return _report(tallies, systems) | {"draft_vocab_size": vocab_sizes}
+    result = _report(tallies, systems, cfg.compares_tokens) | {"draft_vocab_size": vocab_sizes}
+    return result | {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                  "seed": cfg.seed, "acceptance": cfg.acceptance} if cfg.temperature > 0 else None}
 
 
-def _summ(t: _Tally, ar: _Tally) -> dict:
+def _summ(t: _Tally, ar: _Tally, compares_tokens: bool) -> dict:
     wall = statistics.median(t.wall)
     row = {"tokens": t.tokens, "wall_s": round(wall, 4), "tok_s": round(t.tokens / wall, 2) if wall else 0.0}
     if t is not ar:  # a tokens/s ratio: bf16 near-tie divergence can change how many tokens each side generates
         ar_tok_s = ar.tokens / statistics.median(ar.wall)
         row["speedup"] = round(t.tokens / wall / ar_tok_s, 3) if wall else 0.0
-        row["identical_outputs"] = f"{t.identical}/{t.prompts}"
+        if compares_tokens:
+            row["identical_outputs"] = f"{t.identical}/{t.prompts}"
     if t.steps:
         row["tau"] = round(t.committed / t.steps, 3)
         row["acceptance_histogram"] = t.histogram
@@ -203,12 +228,12 @@ def _merge(ts: list[_Tally]) -> _Tally:
     return out
 
 
-def _report(tallies: dict[str, dict[str, _Tally]], systems: list[str]) -> dict:
+def _report(tallies: dict[str, dict[str, _Tally]], systems: list[str], compares_tokens: bool) -> dict:
     categories = {}
     for cat, t in tallies.items():
-        categories[cat] = {s: _summ(t[s], t["ar"]) for s in systems}
+        categories[cat] = {s: _summ(t[s], t["ar"], compares_tokens) for s in systems}
     total = {s: _merge([t[s] for t in tallies.values()]) for s in systems}
-    overall = {s: _summ(total[s], total["ar"]) for s in systems}
+    overall = {s: _summ(total[s], total["ar"], compares_tokens) for s in systems}
     return {"systems": systems, "categories": categories, "overall": overall}
 
 
@@ -221,5 +246,8 @@ def format_table(result: dict) -> str:
             rows.append((cat, s, f"{r['tau']:.2f}" if "tau" in r else "-", f"{r['tok_s']:.1f}",
                          f"{r['speedup']:.2f}x" if "speedup" in r else "-", r.get("identical_outputs", "-")))
     widths = [max(map(len, column)) for column in zip(*rows)]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    sampling = result.get("sampling")
+    header = (f"sampled: temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k {sampling['top_k']}, "
+              f"prompt i with seed {sampling['seed']} + i, {sampling['acceptance']} rule\n" if sampling else "")
+    return header + "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)

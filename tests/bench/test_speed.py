@@ -239,3 +239,59 @@ def test_table_columns_stay_aligned_with_long_labels():
     for line, system in zip(lines, [*systems] * 3):
         assert ends(line) == ends(header), table
         assert line[header.index("system"):].startswith(system), table
+
+
+def test_sampled_prompt_i_draws_the_targets_own_samples_with_seed_plus_i(tiny_dirs, monkeypatch):
+    """Sampled, every system runs prompt i with seed SEED + i: its tokens are transformers' samples with that seed's
+    positional uniforms (the oracle), under "match" with or without drafts."""
+    from tests.engine.test_lossless import hf_sample
+
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], EngineConfig(dtype="float32"))
+    eos = set(engine.eos_token_ids)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        ref = hf_sample(tiny_dirs["qwen3"], engine.encode(p.text), 5 + i, 1.0, new=p.max_tokens)
+        expected[tuple(engine.encode(p.text))] = ref[:next((j + 1 for j, t in enumerate(ref) if t in eos), len(ref))]
+    seen = []
+    generate = LLMEngine.generate
+
+    def spy(self, prompts, params):
+        outs = generate(self, prompts, params)
+        seen.extend((tuple(q), o.token_ids) for q, o in zip(prompts, outs))
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "generate", spy)
+    cfg = SpeedConfig(draft_lens=[3, 7], rounds=1, tree_nodes=[0, 3], temperature=1.0, seed=5, warmup=False)
+    r = run_speed(engine, PROMPTS, cfg, chat=False)
+    assert len(seen) == 5 * len(PROMPTS)  # AR and four DFlash systems
+    for prompt, tokens in seen:
+        assert tokens == expected[prompt]
+    assert r["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 5, "acceptance": "match"}
+    assert r["systems"] == ["ar", "K=3", "K=3 tree=3", "K=7", "K=7 tree=3"]
+    for system in r["systems"][1:]:
+        assert r["overall"][system]["identical_outputs"] == "3/3"
+
+
+def test_rejection_sampling_reports_no_identity_count_and_greedy_reports_no_sampling(tiny_dirs, result):
+    engine, greedy = result
+    assert greedy["sampling"] is None
+    r = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, temperature=0.8, top_k=20,
+                                               acceptance="rejection"), chat=False)
+    row = r["overall"]["K=3"]
+    assert "identical_outputs" not in row  # equal in distribution only: a count would mean nothing
+    assert 1.0 <= row["tau"] <= 4 and row["tokens"] > 0
+    assert r["sampling"]["acceptance"] == "rejection" and r["sampling"]["top_k"] == 20
+
+
+def test_the_cli_samples_and_says_so(tiny_dirs, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    base = ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]),
+            "--dataset", str(data), "--max-tokens", "6", "-k", "3", "--rounds", "1", "--dtype", "float32"]
+    r = CliRunner().invoke(main, [*base, "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    assert "sampled: temperature 0.7, top_p 0.9" in r.output and "seed 3 + i, match rule" in r.output
+    r = CliRunner().invoke(main, [*base, "--temperature", "0.7", "--zlab-peer"])
+    assert r.exit_code == 2 and "greedy only" in r.output
+    r = CliRunner().invoke(main, [*base, "--top-p", "0"])
+    assert r.exit_code == 2 and "--top-p" in r.output
