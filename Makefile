@@ -21,32 +21,29 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	$(PY) -m pytest -q
 
-demo: setup
-	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --max-draft-len 7 --tree-nodes 6 --lookup-nodes 7 \
-		-p "Write a short poem about the sea."
-	$(VENV)/bin/dflash-trt generate --chat --dtype bfloat16 --max-new-tokens 96 --no-spec \
-		-p "Write a short poem about the sea."
-
-# Serve the default engine (built on first use) on 127.0.0.1:$(SERVE_PORT); should the shipped drafter be
-# missing from drafters/, the embedded SmolLM2 is served without speculation. The curl it prints samples
-# (OpenAI's default temperature, 1.0); add "temperature": 0 for generate's greedy text.
-SERVE_ENGINE ?= engines/smollm2-135m-cpu
+# The default engine: SmolLM2-135M-Instruct with the shipped drafter, built on first use and rebuilt when its build
+# config or the drafter changes. demo and serve run it, so they pick the draft lengths and trees for this CPU
+# (with or without AMX tiles) as a served engine does.
+DEFAULT_ENGINE := engines/smollm2-135m-cpu
+DEFAULT_CONFIG := build_configs/smollm2-135m-cpu.yaml
+DRAFTER := drafters/smollm2-135m-dflash
 SERVE_PORT ?= 8000
-SERVE_DRAFTER := drafters/smollm2-135m-dflash
+DEMO_PROMPT := Write a short poem about the sea.
 
-serve: setup
-	@if [ -f $(SERVE_DRAFTER)/config.json ]; then \
-		test -f $(SERVE_ENGINE)/manifest.json || \
-			$(VENV)/bin/dflash-trt build build_configs/smollm2-135m-cpu.yaml -o $(SERVE_ENGINE) || exit 1; \
-		set -- $(SERVE_ENGINE); \
-	else \
-		echo "no drafter at $(SERVE_DRAFTER) yet (dflash-trt train makes it): serving SmolLM2 without speculation"; \
-		set -- --no-spec; \
-	fi; \
-	echo "once it says 'serving', try:"; \
-	echo "  curl -s http://127.0.0.1:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \
-	echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}], \"max_tokens\": 64}'"; \
-	exec $(VENV)/bin/dflash-trt serve "$$@" --served-model-name smollm2 --port $(SERVE_PORT)
+$(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(wildcard $(DRAFTER)/*.json $(DRAFTER)/*.safetensors) | setup
+	$(VENV)/bin/dflash-trt build $(DEFAULT_CONFIG) -o $(DEFAULT_ENGINE) --force
+
+demo: setup $(DEFAULT_ENGINE)/manifest.json
+	$(VENV)/bin/dflash-trt generate $(DEFAULT_ENGINE) --chat --max-new-tokens 96 -p "$(DEMO_PROMPT)"
+	$(VENV)/bin/dflash-trt generate $(DEFAULT_ENGINE) --chat --max-new-tokens 96 --no-spec -p "$(DEMO_PROMPT)"
+
+# Serves on 127.0.0.1:$(SERVE_PORT). The curl it prints samples (OpenAI's default temperature, 1.0); add
+# "temperature": 0 for generate's greedy text.
+serve: setup $(DEFAULT_ENGINE)/manifest.json
+	@echo "once it says 'serving', try:"
+	@echo "  curl -s http://127.0.0.1:$(SERVE_PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}], \"max_tokens\": 64}'"
+	exec $(VENV)/bin/dflash-trt serve $(DEFAULT_ENGINE) --served-model-name smollm2 --port $(SERVE_PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
