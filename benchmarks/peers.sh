@@ -13,6 +13,7 @@
 #   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
 #   ROUNDS=3 REQS=8 SYSTEMS="ours-ar ours-engine" benchmarks/peers.sh   # engine vs AR, paired round by round
 #   ENGINE_ARGS="--draft-len-schedule 1:7" ...                          # serve options for ours-engine
+#   TEMPERATURE=0.7 ...                                                  # sampled requests (default greedy)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
@@ -23,6 +24,7 @@ K=${K:-3}
 REQS=${REQS:-3}                      # requests per point = max(4, REQS x concurrency)
 ROUNDS=${ROUNDS:-1}                  # >1: every system swept ROUNDS times in alternation, merged per point (median round)
 DATASET=${DATASET:-cpu-small}
+TEMPERATURE=${TEMPERATURE:-0}        # every request's; above 0 the servers sample (this project's by the "match" rule)
 OUT=${OUT:-$ROOT/benchmarks/results/peers}
 SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash ours-engine vllm-ar vllm-dflash"}
 PORT=${PORT:-18765}
@@ -90,8 +92,10 @@ print("K by batch " + table(s) + (" (" + table(sw) + " without AMX)" if sw is no
       + (" (" + table(tw) + " without AMX)" if tw is not None else ""))' "$ENGINE")${ENGINE_ARGS:+ $ENGINE_ARGS})" ;;
     *) label=$name ;;
   esac
+  [[ $TEMPERATURE == 0 ]] || label="$label, temperature $TEMPERATURE"
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
-      --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --label "$label" -o "$result"
+      --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --temperature "$TEMPERATURE" \
+      --label "$label" -o "$result"
   stop
 }
 
