@@ -54,7 +54,7 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
 # interrupted write's leftovers.
 RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log.jsonl.tmp", "drafter",
              "drafter.tmp", "drafter.old", "data", "responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp",
-             "features"}
+             "features", "target.json", "target.tmp"}
 
 
 def check_out_dir(out_dir: Path, data_dir: Path) -> None:
@@ -73,6 +73,43 @@ def check_out_dir(out_dir: Path, data_dir: Path) -> None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise click.BadParameter(f"{out_dir} holds what no training run wrote ({shown}): choose a new or empty "
                                  "directory", param_hint="'--out'")
+
+
+TARGET_RECORD = "target.json"
+
+
+def target_fingerprint(target_dir: Path) -> dict:
+    """What identifies a target's weights without reading them whole: its config.json, and per weight file its name,
+    size and the hashes of its first and last MiB (the headers, and tensors a fine-tune would change)."""
+    import hashlib
+
+    files = {}
+    for path in sorted(p for p in target_dir.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")):
+        digest, size = hashlib.sha256(), path.stat().st_size
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+        files[path.name] = {"size": size, "sha256_ends": digest.hexdigest()}
+    config = hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest()
+    return {"config_sha256": config, "weights": files}
+
+
+def check_data_target(data_dir: Path, target_dir: Path) -> None:
+    """Fail unless DATA's responses and features were made by this target (its weights, not only its shape); DATA
+    made before this record existed is taken as it is, and gets the record."""
+    record = data_dir / TARGET_RECORD
+    mine = target_fingerprint(target_dir)
+    if record.is_file():
+        theirs = json.loads(record.read_text())
+        if theirs.get("fingerprint") != mine:
+            raise click.BadParameter(f"{data_dir} holds the responses and features of another target "
+                                     f"({theirs.get('target', 'unknown')}, by {record}): pass another --data, or the "
+                                     "--target they were made with", param_hint="'--data'")
+        return
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"target": str(target_dir), "fingerprint": mine}, indent=2) + "\n")
+    os.replace(tmp, record)
 
 
 def check_target_dir(target_dir: Path) -> None:
@@ -97,11 +134,17 @@ def check_start(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
         raise click.BadParameter(f"--init-from-target copies the target's last --layers layers; it has {n}, "
                                  f"not {cfg.num_layers}", param_hint="'--layers'")
     if cfg.init_drafter:
+        from dflash_trt.models.dflash import load_drafter
+
         source = str(Path(cfg.init_drafter) / "config.json")
         warm = DFlashConfig.from_dict(read_config_json(Path(cfg.init_drafter)), source)
         warm.check_pairing(target_cfg, source)
         # The mask token does not shape the drafter: any one stands in until the data choose it.
         check_warm_start(warm, drafter_config_for(target_cfg, replace(cfg, mask_token_id=0)), cfg.init_drafter)
+        try:  # its weights too (a drafter is small next to the target): missing, cut short or misnamed
+            load_drafter(cfg.init_drafter, target_cfg)
+        except (ValueError, OSError, RuntimeError) as e:
+            raise click.BadParameter(str(e), param_hint="'--init-drafter'") from e
 
 
 def check_records(records: list[dict], path: Path, vocab_size: int) -> None:
@@ -143,6 +186,9 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: 
             raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} holds a drafter for a target of another "
                                    f"shape ({'; '.join(shapes[:3])}{'; ...' if len(shapes) > 3 else ''}): pass the "
                                    "--target it was trained for, or choose another --out")
+    if saved["step"] >= cfg.steps:
+        raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} is at step {saved['step']} already, and "
+                               f"--steps {cfg.steps} counts the checkpoint's: pass a larger --steps to train on")
 
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
@@ -179,6 +225,12 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
+    for path, flag in ((out_dir, "--out"), (data_dir, "--data")):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.BadParameter(f"cannot create {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
+    check_data_target(data_dir, target_dir)
     if device == "cpu":
         check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -289,14 +341,14 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(min=1),
               help="Training records drawn per optimizer step.")
 @click.option("--micro-batch", default=None, type=click.IntRange(min=1), help="Sequences per drafter forward (default: all of --seqs-per-step).")
-@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True), help="Seconds: fit --steps and the LR schedule into this wall-clock time.")
+@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True), help="Seconds: end the run (at most --steps) and its LR schedule within this wall-clock time, a resumed run's earlier training included.")
 @click.option("--device", default="cpu", show_default=True, callback=_device, help="cpu or cuda[:N].")
 @click.option("--anchors", default=32, show_default=True, type=click.IntRange(min=1), help="Random anchors per sequence.")
 @click.option("--eval-every", default=250, show_default=True, type=click.IntRange(min=1),
               help="Steps between evaluations on the held-out records (also after the last step); each one saves "
                    "checkpoint.pt, and OUT/drafter when it scores best (always, with nothing held out).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=16), help="Tokens of each record trained on (prompt first).")
-@click.option("--gamma", default=None, type=float, help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
+@click.option("--gamma", default=None, type=click.FloatRange(min=0, min_open=True), help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the drafter's initialization and of the records and anchors drawn for each step.")
 @click.option("--sampled-variants", default=1, show_default=True, type=click.IntRange(min=0),
@@ -349,7 +401,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         drafter = prepare_and_train(Path(target), out_dir, data_dir, cfg, prompts, resume,
                                     max_new_tokens=response_tokens, sampled_variants=sampled_variants, device=device,
                                     self_prompts=self_prompts)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
         # Click alone says only "Aborted!": say what was kept, and how to go on.

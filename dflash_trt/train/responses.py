@@ -92,14 +92,24 @@ def generate_responses(
     length, so that their records extend the stored ones without answering those again.
     deadline (time.monotonic()): start no batch after it; a later call picks up what is missing.
     """
-    done = {r["id"] for r in read_records(out_path)}
-    jobs = []
+    stored = {r["id"]: r["prompt_ids"] for r in read_records(out_path)}
+    jobs, strangers = [], []
     for i, p in enumerate(prompts):
+        ids = engine.encode(p.text, chat=True)
         modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
-            if rid not in done:
-                jobs.append((rid, p, mode, engine.encode(p.text, chat=True)))
+            if rid not in stored:
+                jobs.append((rid, p, mode, ids))
+            elif stored[rid] != ids:
+                strangers.append(rid)
+    if strangers:
+        # Ids are positions: a record at another prompt's position would be skipped as answered, and that prompt
+        # never answered (or one answered twice).
+        shown = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
+        raise ValueError(f"{out_path}: records {shown} answer other prompts than the ones at their positions now "
+                         "(their ids are positions in the prompt list: another --max-prompts or --self-prompts than "
+                         "the run that wrote them?); pass that run's options, or another --data")
     jobs.sort(key=lambda j: len(j[3]))  # similar lengths batch together
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)

@@ -72,7 +72,9 @@ class TrainConfig:
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96
-    time_budget_s: float | None = None  # fit the run (steps and schedule) into this much wall-clock time
+    # Fit the run (its length, at most `steps`, and the schedule) into this much wall-clock time, a resumed run's
+    # earlier training included.
+    time_budget_s: float | None = None
     # The loss's softmax over the draft vocabulary (the training responses' tokens, which the exported drafter
     # drafts among), as inference computes it: SmolLM2's head shrinks from 49,152 rows to ~15k, and the head was
     # two thirds of a CPU training step. False: over the whole vocabulary.
@@ -183,7 +185,8 @@ def saved_run(out_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, weights_only=False, mmap=True)
+        # map_location: a checkpoint saved on a GPU still reads (and resumes) on a machine without one
+        state = torch.load(path, weights_only=False, mmap=True, map_location="cpu")
         return {"step": state["step"], "config": state["config"],
                 "shapes": {name: tuple(t.shape) for name, t in state["drafter"].items()}}
     except Exception as e:  # torch.load raises whatever its readers do on a damaged file
@@ -268,6 +271,10 @@ class Trainer:
         self.step = 0
         self.best_score = -math.inf  # held-out tau, or minus the held-out loss when eval_prompts is 0
         self._eval_s = 0.0  # the last evaluation's wall-clock time (the time budget keeps room for one)
+        # --steps, the most a time budget may fit the run to; and the seconds the checkpoint's run trained before
+        # this process (a resumed budget counts them)
+        self.max_steps = cfg.steps
+        self._trained_s, self._started = 0.0, None
         self.log_path = self.out_dir / "train_log.jsonl"
         if resume and (self.out_dir / "checkpoint.pt").is_file():
             self._load_checkpoint()
@@ -442,6 +449,7 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         self.drafter.train()
         start, start_step = time.perf_counter(), self.step
+        self._started = start
         mark = (start, start_step)
         while self.step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
@@ -482,8 +490,8 @@ class Trainer:
         """
         now = time.perf_counter()
         per_step = (now - mark[0]) / (self.step - mark[1])
-        remaining = self.cfg.time_budget_s - (now - start) - self._eval_s  # room for the last evaluation
-        self.cfg.steps = max(self.step + 1, self.step + int(remaining / per_step))
+        remaining = self.cfg.time_budget_s - self._trained_s - (now - start) - self._eval_s  # room for the last eval
+        self.cfg.steps = min(self.max_steps, max(self.step + 1, self.step + int(remaining / per_step)))
         logger.debug("time budget: %.0f s left at %.3f s/step -> %d steps", remaining, per_step, self.cfg.steps)
 
     @torch.no_grad()
@@ -531,7 +539,8 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
-                 "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg)}
+                 "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg),
+                 "trained_s": self._trained_s + (time.perf_counter() - self._started if self._started else 0.0)}
         tmp = self.out_dir / "checkpoint.pt.tmp"
         with tmp.open("wb") as f:
             torch.save(state, f)
@@ -541,10 +550,15 @@ class Trainer:
         self._saved_step = self.step
 
     def _load_checkpoint(self) -> None:
-        state = torch.load(self.out_dir / "checkpoint.pt", weights_only=False)
+        state = torch.load(self.out_dir / "checkpoint.pt", weights_only=False, map_location="cpu")
         self.drafter.load_state_dict(state["drafter"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.opt.load_state_dict(state["optimizer"])  # moves its state to the parameters' device
         self.step = state["step"]
+        if self.cfg.time_budget_s is not None:
+            # The same run goes on: its schedule's length as last fitted (not --steps' again, which would jump the
+            # learning rate) until the pace is measured anew, and the budget less the time it already trained.
+            self._trained_s = state.get("trained_s", 0.0)
+            self.cfg.steps = min(self.max_steps, max(self.step, state["config"].get("steps", self.max_steps)))
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)

@@ -244,3 +244,67 @@ def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(target, run, tmp_
     r = _train(target, out, "--resume", "--steps", "3", "--eval-every", "3")
     assert r.exit_code == 0, r.output
     assert _log_steps(out) == [1, 2, 3]
+
+
+def test_an_out_or_data_that_cannot_be_created_is_refused_before_any_response_is_generated(target, tmp_path):
+    (tmp_path / "afile").write_text("")
+    r = _train(target, tmp_path / "afile" / "out")
+    assert r.exit_code == 2 and "Invalid value for '--out': cannot create" in r.output, r.output
+    r = _train(target, tmp_path / "out", "--data", str(tmp_path / "afile" / "data"))
+    assert r.exit_code == 2 and "Invalid value for '--data': cannot create" in r.output, r.output
+    assert not (tmp_path / "out" / "checkpoint.pt").exists() and not list(tmp_path.rglob("responses.jsonl"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "cut short"])
+def test_a_warm_start_whose_weights_cannot_load_is_refused_before_any_response_is_generated(target, run, tmp_path,
+                                                                                              damage):
+    warm = tmp_path / "warm"
+    shutil.copytree(run / "drafter", warm)
+    weights = warm / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    r = _train(target, tmp_path / "out", "--init-drafter", str(warm))
+    assert r.exit_code == 2 and "Invalid value for '--init-drafter'" in r.output and str(warm) in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_the_cpu(target, run, tmp_path, monkeypatch):
+    import torch.serialization
+
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    with monkeypatch.context() as m:  # its storages tagged as a CUDA run's are
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, out / "checkpoint.pt")
+    r = _train(target, out, "--resume", "--steps", "3", "--eval-every", "3")
+    assert r.exit_code == 0, r.output
+    assert _log_steps(out) == [1, 2, 3]
+
+
+def test_resuming_a_finished_run_says_so_before_the_data_stages(target, run, tmp_path, monkeypatch):
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("no response may be generated"))
+    r = _train(target, run, "--resume")  # TINY's --steps 2: the checkpoint's step
+    assert r.exit_code == 2 and "is at step 2 already" in r.output and "--steps" in r.output, r.output
+
+
+def test_data_made_by_another_target_of_the_same_shape_is_refused(target, run, tmp_path):
+    other = make_target(tmp_path / "other", seed=7)
+    r = _train(other, tmp_path / "out", "--data", str(run / "data"))
+    assert r.exit_code == 2 and "Invalid value for '--data'" in r.output and "another target" in r.output, r.output
+    assert str(target) in r.output  # the target the data was made with
+
+
+def test_records_at_other_prompts_positions_are_refused_naming_them(target, run, tmp_path):
+    # Record ids are positions in the prompt list: with another --max-prompts a stored record would answer another
+    # prompt than the one now at its position.
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data)
+    lines = [json.loads(x) for x in (data / "responses.jsonl").read_text().splitlines()]
+    a, b = (r for r in lines if r["id"] in ("0:greedy", "1:greedy"))
+    a["prompt_ids"], b["prompt_ids"] = b["prompt_ids"], a["prompt_ids"]
+    (data / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    r = _train(target, tmp_path / "out", "--data", str(data))
+    assert r.exit_code == 1 and "records 0:greedy, 1:greedy answer other prompts" in r.output, r.output

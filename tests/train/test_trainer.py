@@ -89,8 +89,10 @@ def test_summary_requests_quote_the_qa_answers_and_are_answered_last(tmp_path):
     data = tmp_path / "data"
     write_prompts(data / "self_prompts.jsonl", SELF_PROMPTS + [qa])
     n = len(PROMPTS[:4])
+    asked = tok.apply_chat_template([{"role": "user", "content": qa.text}], add_generation_prompt=True, tokenize=True)
     record = {"id": f"{n + 2}:greedy", "source": qa.source, "split": qa.split, "mode": "greedy",
-              "prompt_ids": tok(qa.text)["input_ids"], "response_ids": tok(answer)["input_ids"]}
+              "prompt_ids": list(asked["input_ids"] if hasattr(asked, "keys") else asked),
+              "response_ids": tok(answer)["input_ids"]}
     (data / "responses.jsonl").write_text(json.dumps(record) + "\n")
     cfg = TrainConfig(num_layers=1, block_size=4, target_layer_ids=[1, 2], steps=1, seqs_per_step=1, anchors_per_seq=2,
                       eval_prompts=0, max_seq_len=192)
@@ -212,7 +214,7 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--block-size", "1"])
     assert bad.exit_code != 0 and "Invalid value for '--block-size': 1 is not in the range x>=2" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--gamma", "0"])
-    assert bad.exit_code != 0 and "gamma must be > 0" in bad.output
+    assert bad.exit_code == 2 and "Invalid value for '--gamma'" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--distill", "1.5"])
     assert bad.exit_code != 0 and "--distill" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--draft-vocab-size", "0"])
@@ -221,13 +223,13 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert bad.exit_code != 0 and "--steer-anchors" in bad.output
 
 
-def _trainer(t, root, out, records: list[dict] | None = None, **overrides) -> Trainer:
+def _trainer(t, root, out, records: list[dict] | None = None, resume: bool = False, **overrides) -> Trainer:
     cfg = TrainConfig(**{**dict(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=8, lr=1e-2, seqs_per_step=4,
                                 anchors_per_seq=6, eval_every=1000, eval_prompts=1, eval_new_tokens=4, max_seq_len=96,
                                 mask_token_id=0), **overrides})
     target = load_target(t)
     records = read_records(root / "data" / "responses.jsonl") if records is None else records
-    return Trainer(target, t, None, records, FeatureCache(root / "data" / "features"), out, cfg)
+    return Trainer(target, t, None, records, FeatureCache(root / "data" / "features"), out, cfg, resume=resume)
 
 
 def _outside_draft_vocab(tr) -> torch.Tensor:
@@ -403,6 +405,24 @@ def test_a_time_budget_shortens_the_run_and_still_ends_with_an_evaluation(traine
     tr.train()
     log = [json.loads(x) for x in (root / "budget" / "train_log.jsonl").read_text().splitlines()]
     assert 20 <= len(log) < 100 and "val_tau" in log[-1] and (root / "budget" / "drafter" / "config.json").is_file()
+
+
+def test_a_time_budget_never_lengthens_the_run_past_its_steps(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "budget_cap", steps=30, time_budget_s=1e6)
+    tr.train()
+    assert tr.step == 30 and tr.cfg.steps == 30
+
+
+def test_a_resumed_budgeted_run_keeps_its_fitted_schedule_and_counts_the_time_it_trained(trained):
+    t, root = trained
+    tr = _trainer(t, root, root / "budget_resume", steps=100_000, time_budget_s=0.01)
+    tr.train()
+    fitted = tr.cfg.steps
+    assert fitted < 100_000
+    again = _trainer(t, root, root / "budget_resume", steps=100_000, time_budget_s=0.01, resume=True)
+    assert again.step == tr.step and again.cfg.steps == fitted  # not --steps again: the learning rate goes on
+    assert again._trained_s > 0
 
 
 def test_without_evaluation_prompts_the_best_drafter_is_chosen_by_held_out_loss(trained):
