@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -203,9 +204,10 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import load_dataset
-    from dflash_trt.bench.sweep import SweepConfig, SweepError, run_sweep, write_results
+    from dflash_trt.bench.sweep import SweepConfig, SweepError, csv_path_of, run_sweep, write_results
 
     concurrencies = _ints(concurrencies, "--concurrency", minimum=1)
+    _check_output(output)  # before the sweep: a path that cannot be written must not cost one
     tok = None
     if tokenizer:
         from transformers import AutoTokenizer
@@ -216,11 +218,13 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
             raise click.BadParameter(f"cannot load a tokenizer from {tokenizer!r}: {e}", param_hint="--tokenizer") from e
     model = model or served_model(url)
     try:
-        prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None)
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
                           label=label or model)
+        needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
+        prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
+                               min_prompts=needed)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
 
@@ -232,14 +236,19 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                    f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {p['ttft_s']['p50'] * 1000:7.0f} ms  "
                    f"TPOT p50 {(p['tpot_s']['p50'] or 0) * 1000:6.1f} ms{tau}{failed}", err=True)
 
+    def keep(result: dict) -> None:  # after every point: a later failure, or Ctrl-C, keeps what was measured
+        try:
+            write_results(result, output)
+        except OSError as e:
+            raise click.ClickException(f"cannot write {output}: {e}") from e
+
     try:
-        result = run_sweep(cfg, prompts, dataset=dataset, on_point=show)
+        result = run_sweep(cfg, prompts, dataset=dataset, on_point=show, on_result=keep)
     except SweepError as e:
-        raise click.ClickException(str(e)) from e
+        raise click.ClickException(f"{e} (the points measured before it are in {output})") from e
     except OSError as e:  # connection refused and friends
         raise click.ClickException(f"{url}: {e}") from e
-    paths = write_results(result, output)
-    click.echo(f"wrote {paths[0]} and {paths[1]}", err=True)
+    click.echo(f"wrote {output} and {csv_path_of(output)}", err=True)
 
 
 @bench.command()
@@ -249,14 +258,22 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
 @click.option("--title", default=None, help="The plot's title (default: Throughput vs interactivity).")
 def plot(runs, output, title) -> None:
     """Overlay sweep results as tokens/s/GPU against tokens/s/user, each run's Pareto frontier marked."""
-    from dflash_trt.bench.plot import UnsupportedFormat, load_runs, plot_pareto
+    from dflash_trt.bench.plot import UnsupportedFormat, distinct_labels, load_runs, plot_pareto, plottable
 
     try:
-        path = plot_pareto(load_runs(runs), output, title)
+        loaded = load_runs(runs)
+        distinct_labels(loaded, runs)
+        for run, name in zip(loaded, runs):
+            if not plottable(run):
+                click.echo(f"warning: {name} ({run['label']}) has no point with both axes (tok/s/user needs outputs "
+                           "of 2 or more tokens): left out of the plot", err=True)
+        path = plot_pareto(loaded, output, title)
     except UnsupportedFormat as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e}") from e
     click.echo(f"wrote {path}", err=True)
 
 
@@ -269,11 +286,14 @@ def merge(rounds, output) -> None:
     from dflash_trt.bench.rounds import merge_rounds
     from dflash_trt.bench.sweep import write_results
 
+    _check_output(output)
     try:
         merged = merge_rounds(load_runs(rounds), names=list(rounds))
+        paths = write_results(merged, output)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    paths = write_results(merged, output)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e}") from e
     click.echo(f"wrote {paths[0]} and {paths[1]}", err=True)
 
 
@@ -283,11 +303,12 @@ def merge(rounds, output) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def compare(run, base, as_json) -> None:
     """RUN's output tokens/s over BASE's per concurrency; round by round where both are merged alternating rounds."""
-    from dflash_trt.bench.plot import load_runs
+    from dflash_trt.bench.plot import distinct_labels, load_runs
     from dflash_trt.bench.rounds import compare_runs
 
     try:
         a, b = load_runs([run, base])
+        distinct_labels([a, b], [run, base])
         rows = compare_runs(a, b)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
@@ -303,10 +324,35 @@ def compare(run, base, as_json) -> None:
 
 
 def _endpoint_url(url: str) -> str:
+    import httpx
+
     # without a scheme httpx fails with "unsupported protocol", which reads like a server fault
     if not url.startswith(("http://", "https://")):
         raise click.BadParameter(f"{url!r} has no scheme: pass http://{url}", param_hint="--url")
+    try:
+        port = httpx.URL(url).port
+    except (httpx.InvalidURL, ValueError) as e:  # a port like 8o00
+        raise click.BadParameter(f"{url!r} is not a URL: {e}", param_hint="--url") from e
+    if port is not None and not 0 < port < 65536:
+        raise click.BadParameter(f"{url!r}: port {port} is not in 1..65535", param_hint="--url")
     return url
+
+
+def _check_output(output: str) -> None:
+    """Refuse, before any work, a result path whose CSV would overwrite it or whose folder cannot be made."""
+    from dflash_trt.bench.sweep import csv_path_of
+
+    path = Path(output)
+    try:
+        csv_path_of(path)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--output") from e
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
+    if not os.access(path.parent, os.W_OK):
+        raise click.BadParameter(f"{path.parent} is not writable", param_hint="--output")
 
 
 def served_model(url: str) -> str:

@@ -77,26 +77,27 @@ def _long_contexts(category: str) -> list[str]:
     return [topics[k] for k in sorted(topics) if len(topics[k]) > 2000]
 
 
-def _cut(text: str, tokens: int, tokenizer) -> str:
-    if tokenizer is None:
-        return text[: tokens * _CHARS_PER_TOKEN]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-    return tokenizer.decode(ids)
-
-
 def long_context_prompts(isl: int, osl: int, per_category: int = 8, tokenizer=None, seed: int = 0) -> list[BenchPrompt]:
-    """Category tasks over real long contexts of about `isl` tokens (contexts are concatenated when short)."""
+    """Category tasks over real long contexts of about `isl` tokens: per category one shuffled concatenation of its
+    sources (repeated where short), each prompt a window of it at its own start (cut in tokens with a tokenizer,
+    which reads each context once: a sweep at high concurrency asks for thousands of prompts)."""
     rng = random.Random(seed)
     out = []
+    body_tokens = max(1, isl - 32)
     for category, task in _LONG_TASKS.items():
         pool = _long_contexts(category)
-        for i in range(per_category):
-            order = rng.sample(pool, len(pool))
-            context = "\n\n".join(order)
-            while len(context) < isl * _CHARS_PER_TOKEN * 2:
-                context += "\n\n" + context
-            start = rng.randrange(0, max(1, len(context) // 2))
-            body = _cut(context[start:], max(1, isl - 32), tokenizer)
+        context = "\n\n".join(rng.sample(pool, len(pool)))
+        units: str | list[int] = context
+        span = body_tokens * _CHARS_PER_TOKEN
+        if tokenizer is not None:
+            units, span = tokenizer(context, add_special_tokens=False)["input_ids"], body_tokens
+        while len(units) < 2 * span:  # short sources repeat
+            units = units + (("\n\n" + units) if isinstance(units, str) else units)
+        starts = rng.sample(range(len(units) - span), min(per_category, len(units) - span))
+        starts += [rng.randrange(len(units) - span) for _ in range(per_category - len(starts))]
+        for i, start in enumerate(starts):
+            window = units[start : start + span]
+            body = window if isinstance(window, str) else tokenizer.decode(window)
             out.append(BenchPrompt(f"{category}/long{i}", category, f"{task}\n\n{body}", osl))
     return out
 
@@ -110,25 +111,38 @@ def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
             r = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
-        text = r.get("prompt") or r.get("text") or (r.get("turns") or [None])[0]
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object")
+        turns = r.get("turns")
+        text = r.get("prompt") or r.get("text") or (turns[0] if isinstance(turns, list) and turns else None)
         if not isinstance(text, str) or not text:
             raise ValueError(f"{path}:{n}: needs a non-empty 'prompt', 'text' or 'turns' field")
+        tokens = r.get("max_tokens", max_tokens)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"{path}:{n}: 'max_tokens' must be a whole number >= 1, got {tokens!r}")
         category = str(r.get("category", "default"))
-        out.append(BenchPrompt(str(r.get("id", f"{category}/{n}")), category, text, int(r.get("max_tokens", max_tokens))))
+        # a given id names the prompt as written; lines without one (or with null) are named by category and line
+        rid = r.get("id")
+        out.append(BenchPrompt(f"{category}/{n}" if rid is None else str(rid), category, text, tokens))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
 
 
 def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int | None = None, tokenizer=None,
-                 categories: list[str] | None = None, limit_per_category: int | None = None) -> list[BenchPrompt]:
+                 categories: list[str] | None = None, limit_per_category: int | None = None,
+                 min_prompts: int | None = None) -> list[BenchPrompt]:
     """The prompts of a built-in dataset (PRESETS) or a .jsonl file; `osl` overrides every prompt's output length,
-    `isl` replaces a built-in dataset by the long-context prompts of that many input tokens (gpu-* presets)."""
+    `isl` replaces a built-in dataset by the long-context prompts of that many input tokens (gpu-* presets), at least
+    `min_prompts` of them in the chosen categories (a sweep's requests: each its own prompt, which a server's prefix
+    cache cannot answer from an earlier one)."""
     if spec in PRESETS:
         preset_isl, preset_osl = PRESETS[spec]
         isl, osl = isl if isl is not None else preset_isl, osl if osl is not None else preset_osl
         if isl is not None:
-            prompts = long_context_prompts(isl, osl, tokenizer=tokenizer)
+            kept = len(set(categories) & _LONG_TASKS.keys()) if categories else len(_LONG_TASKS)
+            per_category = max(8, -(-(min_prompts or 0) // max(kept, 1)))
+            prompts = long_context_prompts(isl, osl, per_category=per_category, tokenizer=tokenizer)
         elif spec == "heldout":
             prompts = heldout_prompts(osl)
             if not prompts:

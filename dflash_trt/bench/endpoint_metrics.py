@@ -69,7 +69,8 @@ def parse_trtllm_iteration_stats(stats: list) -> dict[str, float]:
         if not isinstance(stat, dict):
             continue
         out[TRTLLM_ITERATIONS] += 1
-        spec = stat.get("specDecodingStats") or {}
+        spec = stat.get("specDecodingStats")
+        spec = spec if isinstance(spec, dict) else {}
         out[TRTLLM_DRAFT_TOKENS] += float(spec.get("numDraftTokens") or 0)
         out[TRTLLM_ACCEPTED] += float(spec.get("numAcceptedTokens") or 0)
         out[TRTLLM_REQUESTS_WITH_DRAFTS] += float(spec.get("numRequestsWithDraftTokens") or 0)

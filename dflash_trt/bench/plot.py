@@ -56,6 +56,20 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
     return runs
 
 
+def plottable(run: dict) -> bool:
+    """Whether a run has a point with both axes (a sweep of 1-token outputs has no TPOT, so no tok/s/user)."""
+    return any(p.get(X_KEY) is not None and p.get(Y_KEY) is not None for p in run["points"])
+
+
+def distinct_labels(runs: Sequence[dict], paths: Sequence[str | Path]) -> None:
+    """Runs sharing a label (two systems serving one model name, swept without --label) get their file's name
+    after it, so a legend or a comparison can tell them apart."""
+    labels = [r["label"] for r in runs]
+    for run, path in zip(runs, paths):
+        if labels.count(run["label"]) > 1:
+            run["label"] = f"{run['label']} ({Path(path).stem})"
+
+
 def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
     """One image, in the format `out`'s extension names (PNG without one): every point of every run, annotated with
     its concurrency, and each run's frontier."""

@@ -36,6 +36,12 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
     labels = {r.get("label") for r in runs}
     if len(labels) > 1:
         raise ValueError(f"rounds of different systems: labels {sorted(map(str, labels))}")
+    first = _sweep_identity(runs[0])
+    for run, name in zip(runs[1:], names[1:]):
+        differ = [f"{key} {first.get(key)!r} in {names[0]}, {value!r} here"
+                  for key, value in _sweep_identity(run).items() if first.get(key) != value]
+        if differ:  # two systems under one label (the model name), or rounds of different sweeps
+            raise ValueError(f"{name}: not a round of {names[0]}'s sweep ({'; '.join(differ[:3])})")
     by_round = [_points_by_concurrency(r, n) for r, n in zip(runs, names)]
     concurrencies = sorted(by_round[0])
     for pts, name in zip(by_round[1:], names[1:]):
@@ -51,6 +57,15 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
     return merged
 
 
+def _sweep_identity(run: dict) -> dict:
+    """What rounds of one sweep share: the endpoint, the model, the dataset and the sweep's settings (all but the
+    seed of the prompt order)."""
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
+    return {"url": run.get("url"), "model": run.get("model"), "dataset": dataset.get("name"),
+            **{f"config.{k}": v for k, v in config.items() if k not in ("label", "seed")}}
+
+
 def compare_runs(run: dict, base: dict) -> list[dict]:
     """Per concurrency: run over base by the merged (median-round) points, and round by round, where both were
     swept in the same number of alternating rounds."""
@@ -58,6 +73,8 @@ def compare_runs(run: dict, base: dict) -> list[dict]:
     rows = []
     for c in sorted(mine.keys() & theirs.keys()):
         a, b = mine[c], theirs[c]
+        if not b[METRIC] or not all(rb_i for rb_i in b.get("rounds_output_tok_s") or [1]):
+            raise ValueError(f"base: {METRIC} 0 at concurrency {c} (every request failed?): no ratio to take")
         row = {"concurrency": c, METRIC: a[METRIC], f"base_{METRIC}": b[METRIC], "ratio": a[METRIC] / b[METRIC]}
         ra, rb = a.get("rounds_output_tok_s"), b.get("rounds_output_tok_s")
         if ra and rb and len(ra) == len(rb):

@@ -224,7 +224,7 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                     return
                 try:
                     _read_event(event, cfg.api, now, res)
-                except (AttributeError, TypeError) as e:
+                except (AttributeError, TypeError, ValueError) as e:
                     # a malformed event fails its request, not the whole sweep and every point measured so far
                     res.error = f"malformed event {payload[:200]!r}: {e}"
                     return
@@ -258,7 +258,7 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
             content = choice.get("text")
         if content:
             res.chunk_times.append(now)
-        if choice.get("acceptance"):
+        if isinstance(choice.get("acceptance"), dict):
             res.acceptance = choice["acceptance"]
         if choice.get("avg_decoded_tokens_per_iter"):
             res.avg_decoded_tokens_per_iter = float(choice["avg_decoded_tokens_per_iter"])
@@ -382,7 +382,10 @@ def machine_info() -> dict:
 
 
 async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
-                          on_point: Callable[[dict], None] | None = None) -> dict:
+                          on_point: Callable[[dict], None] | None = None,
+                          on_result: Callable[[dict], None] | None = None) -> dict:
+    """on_point(point) after each point; on_result(result so far) after each point and where a point fails, so a
+    caller can keep what was measured ('complete' false until the last point, 'stopped' naming a failed one)."""
     prompts = list(prompts)
     result = {
         "label": cfg.label,
@@ -394,6 +397,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
         "dataset": {"name": dataset, "count": len(prompts),
                     "categories": dict(sorted(Counter(p.category for p in prompts).items()))},
         "points": [],
+        "complete": False,
     }
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
@@ -414,21 +418,31 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
                 await asyncio.sleep(cfg.metrics_settle_s)
                 metrics = await scrape(client, cfg.metrics_url)
             after = metrics if before is not None else None
-            point = point_stats(cfg, c, results)
+            try:
+                point = point_stats(cfg, c, results)
+            except SweepError as e:
+                result["stopped"] = {"concurrency": c, "error": str(e)}
+                if on_result is not None:
+                    on_result(result)
+                raise
             point["repeated_prompts"] = repeats  # requests a prefix cache may have answered in part
             from_metrics = acceptance_delta(before, after)
             point["acceptance"] = response_acceptance([r for r in results if r.ok]) or from_metrics
             point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check
             result["points"].append(point)
+            result["complete"] = len(result["points"]) == len(cfg.concurrencies)
             if on_point is not None:
                 on_point(point)
+            if on_result is not None:
+                on_result(result)
     return result
 
 
 def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
-              on_point: Callable[[dict], None] | None = None) -> dict:
+              on_point: Callable[[dict], None] | None = None,
+              on_result: Callable[[dict], None] | None = None) -> dict:
     """Run every concurrency point; returns the result dict (see write_results)."""
-    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point))
+    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result))
 
 
 def flatten(point: dict, prefix: str = "") -> dict:
@@ -445,16 +459,29 @@ def flatten(point: dict, prefix: str = "") -> dict:
     return row
 
 
-def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
-    """The result as JSON at `path` and one CSV row per point next to it (same stem, .csv)."""
+def csv_path_of(path: str | Path) -> Path:
+    """Where write_results puts the CSV of a result written to `path`; ValueError where that is `path` itself."""
     path = Path(path)
+    if path.suffix.lower() == ".csv":
+        raise ValueError(f"{path}: name the JSON result (RESULT.json); the CSV is written beside it")
+    return path.with_suffix(".csv")
+
+
+def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
+    """The result as JSON at `path` and one CSV row per point next to it (same stem, .csv), each replaced whole:
+    a sweep rewrites them after every point."""
+    path = Path(path)
+    csv_path = csv_path_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
     rows = [flatten(p) for p in result["points"]]
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    csv_path = path.with_suffix(".csv")
-    with csv_path.open("w", newline="") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    tmp = csv_path.with_name(csv_path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(tmp, csv_path)
     return path, csv_path

@@ -126,3 +126,30 @@ def test_bench_speed_dtype_defaults_to_the_engines_own(monkeypatch, tmp_path, en
     assert seen["dtype"] == expected
     help_text = " ".join(CliRunner().invoke(main, ["bench", "speed", "--help"]).output.split())
     assert "default: the ENGINE's dtype, else bfloat16" in help_text
+
+
+@pytest.mark.parametrize("output, message", [
+    ("run.csv", "the CSV is written beside it"),
+    ("afile/run.json", "cannot create its folder"),
+])
+def test_sweep_refuses_an_output_it_cannot_keep_before_sending_a_request(tmp_path, output, message):
+    (tmp_path / "afile").write_text("")
+    dead = f"http://127.0.0.1:{free_port()}"  # the output is refused first: no connection is tried
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / output)])
+    assert r.exit_code == 2 and "--output" in r.output and message in r.output, r.output
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8o00", "http://127.0.0.1:99999"])
+def test_sweep_refuses_a_url_with_a_bad_port(tmp_path, url):
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", url, "--model", "m", "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "--url" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_plot_says_which_runs_it_leaves_out(tmp_path):
+    good, empty = tmp_path / "good.json", tmp_path / "one_token.json"
+    good.write_text(json.dumps({"label": "g", "points": [{"concurrency": 1, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0}]}))
+    empty.write_text(json.dumps({"label": "e", "points": [{"concurrency": 1, "tok_s_per_user": None,
+                                                           "tok_s_per_gpu": 2.0}]}))
+    r = CliRunner().invoke(main, ["bench", "plot", str(good), str(empty), "-o", str(tmp_path / "p.png")])
+    assert r.exit_code == 0 and f"warning: {empty} (e) has no point with both axes" in r.output, r.output
+    assert str(good) not in r.output.split("wrote")[0]

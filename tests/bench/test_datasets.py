@@ -55,6 +55,23 @@ def test_jsonl_files_speed_bench_layout_and_errors_name_the_line(tmp_path):
         read_jsonl(bad, 8)
     with pytest.raises(ValueError, match="neither a built-in"):
         load_dataset("no-such-dataset")
+    for line, message in (('["hi"]', "not a JSON object"), ('{"prompt": "hi", "max_tokens": null}', "'max_tokens'"),
+                          ('{"prompt": "hi", "max_tokens": 0}', "'max_tokens' must be a whole number >= 1")):
+        bad.write_text(line + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:1: {message}"):
+            read_jsonl(bad, 8)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt": "a", "id": null}\n{"prompt": "b", "id": null}\n')
+    assert [p.id for p in read_jsonl(ids, 8)] == ["default/1", "default/2"]
+
+
+def test_long_context_presets_give_a_sweep_a_prompt_per_request():
+    # A server's prefix cache would answer a repeated long prompt in part: a sweep asks for one per request.
+    prompts = load_dataset("gpu-8k1k", min_prompts=1000)
+    assert len(prompts) >= 1000 and len({p.text for p in prompts}) == len(prompts)
+    code = load_dataset("gpu-1k1k", categories=["code"], min_prompts=300)
+    assert len(code) >= 300 and {p.category for p in code} == {"code"}
+    assert load_dataset("gpu-1k1k", min_prompts=1000) == load_dataset("gpu-1k1k", min_prompts=1000)  # reproducible
 
 
 def test_isl_is_refused_for_files_whose_prompts_are_used_as_written(tmp_path):

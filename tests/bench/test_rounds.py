@@ -79,3 +79,35 @@ def test_merge_and_compare_commands(tmp_path):
     bad = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "ar.r0.json"), str(tmp_path / "engine.r0.json"),
                                     "-o", str(tmp_path / "x.json")])
     assert bad.exit_code != 0 and "different systems" in bad.output and not (tmp_path / "x.json").exists()
+
+
+def test_rounds_of_another_sweep_under_the_same_label_are_refused_naming_what_differs():
+    # Two systems serving one model name share the default label; their endpoints and settings tell them apart.
+    a = sweep_run("smollm2", {1: 1.0}) | {"url": "http://127.0.0.1:8000", "config": {"osl": 64, "seed": 0}}
+    b = sweep_run("smollm2", {1: 2.0}) | {"url": "http://127.0.0.1:8001", "config": {"osl": 64, "seed": 1}}
+    with pytest.raises(ValueError, match=r"b\.json: not a round of a\.json's sweep \(url 'http://127.0.0.1:8000'"):
+        merge_rounds([a, b], names=["a.json", "b.json"])
+    c = sweep_run("smollm2", {1: 2.0}) | {"url": "http://127.0.0.1:8000", "config": {"osl": 128, "seed": 1}}
+    with pytest.raises(ValueError, match="config.osl 64 in a.json, 128 here"):
+        merge_rounds([a, c], names=["a.json", "c.json"])
+    same = sweep_run("smollm2", {1: 3.0}) | {"url": "http://127.0.0.1:8000", "config": {"osl": 64, "seed": 7}}
+    assert merge_rounds([a, same])["rounds"] == 2  # another seed of the prompt order is another round
+
+
+def test_compare_tells_runs_of_one_label_apart_by_their_files_and_refuses_a_zero_base(tmp_path):
+    (tmp_path / "ar.json").write_text(json.dumps(sweep_run("m", {1: 50.0})))
+    (tmp_path / "dflash.json").write_text(json.dumps(sweep_run("m", {1: 75.0})))
+    res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "dflash.json"), str(tmp_path / "ar.json")])
+    assert res.exit_code == 0 and "m (dflash) vs m (ar)" in res.output and "1.50x" in res.output, res.output
+    zero = sweep_run("z", {1: 1.0})
+    zero["points"][0]["output_tok_s"] = 0.0
+    (tmp_path / "zero.json").write_text(json.dumps(zero))
+    res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "ar.json"), str(tmp_path / "zero.json")])
+    assert res.exit_code == 1 and "output_tok_s 0 at concurrency 1" in res.output and "Traceback" not in res.output
+
+
+def test_merge_refuses_a_csv_output_that_would_overwrite_its_own_json(tmp_path):
+    (tmp_path / "r1.json").write_text(json.dumps(sweep_run("ar", {1: 1.0})))
+    res = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "r1.json"), "-o", str(tmp_path / "run.csv")])
+    assert res.exit_code == 2 and "--output" in res.output and "RESULT.json" in res.output, res.output
+    assert not (tmp_path / "run.csv").exists()

@@ -53,6 +53,7 @@ class StubState:
     arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
     finished: int = 0
     iteration_stats: list = field(default_factory=list)  # trtllm-serve's queue, drained by each GET /metrics
+    fail_after: int | None = None  # requests after this many arrivals fail (a server that goes down mid-sweep)
 
     def metrics_text(self) -> str:
         # Two engines, as vLLM labels its counters, so the parser must sum label sets.
@@ -77,7 +78,7 @@ def stub_app(state: StubState, n_chunks: int = 6):
         text = body["messages"][0]["content"] if chat else body["prompt"]
         state.inflight += 1
         state.arrivals.append((body, state.inflight))
-        if text.startswith("fail:"):
+        if text.startswith("fail:") or (state.fail_after is not None and len(state.arrivals) > state.fail_after):
             state.inflight -= 1
             return JSONResponse({"error": {"message": f"stub failure for {text}"}}, status_code=500)
 
@@ -374,6 +375,25 @@ def test_a_point_where_everything_fails_raises(stub):
     stub.reset()
     with pytest.raises(SweepError, match=r"concurrency 2 failed.*stub failure for fail:"):
         run_sweep(config(stub.url, [2]), prompts("fail:a", "fail:b"))
+
+
+def test_the_points_before_a_failed_one_are_handed_over_as_measured(stub):
+    stub.reset(fail_after=4)  # c=1's 4 requests, then the server errs
+    kept = []
+    with pytest.raises(SweepError, match="concurrency 2 failed"):
+        run_sweep(config(stub.url, [1, 2, 4]), prompts("a", "b", "c"), on_result=lambda r: kept.append(json.dumps(r)))
+    first, last = json.loads(kept[0]), json.loads(kept[-1])
+    assert [p["concurrency"] for p in first["points"]] == [1] and first["complete"] is False
+    assert [p["concurrency"] for p in last["points"]] == [1] and last["stopped"]["concurrency"] == 2
+    stub.reset()
+    done = run_sweep(config(stub.url, [1, 2]), prompts("a", "b"))
+    assert done["complete"] is True and "stopped" not in done
+
+
+def test_acceptance_fields_of_the_wrong_type_fail_their_request_only(stub):
+    stub.reset(decoded_per_iter={"bad": "many"})
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("ok", "bad"))["points"]
+    assert pt["num_failed"] == 1 and "malformed event" in pt["errors"][0]
 
 
 # --- acceptance -----------------------------------------------------------------------------------
