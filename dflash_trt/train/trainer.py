@@ -236,6 +236,11 @@ class Trainer:
             logger.warning("%d of %d training records have no response token within max_seq_len=%d: not drawn",
                            len(self.train_records) - len(fits), len(self.train_records), cfg.max_seq_len)
         self.train_records = fits
+        if self.heldout and not any(min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len) - 2
+                                    >= len(r["prompt_ids"]) for r in self.heldout):
+            logger.warning("none of the %d held-out records has a response token within max_seq_len=%d: "
+                           "evaluations score nothing, and %s holds the latest step's drafter", len(self.heldout),
+                           cfg.max_seq_len, self.out_dir / "drafter")
         if not self.train_records:
             raise ValueError("no training sequences with cached features and a response token within max_seq_len")
         if not self.heldout:
@@ -513,8 +518,11 @@ class Trainer:
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
         draft.draft_vocab = self.vocab_ids if self.vocab_ids.numel() else None
         pack_linears(draft)
+        # room for the longest held-out prompt (generated whole, so it can exceed max_seq_len), its new tokens and a
+        # last draft block
+        room = max(map(len, prompts)) + self.cfg.eval_new_tokens + self.cfg.block_size + 1
         engine = LLMEngine(self.target, self.tokenizer, draft,
-                           EngineConfig(max_batch_size=1, max_model_len=self.cfg.max_seq_len + 256,
+                           EngineConfig(max_batch_size=1, max_model_len=max(room, self.cfg.max_seq_len + 256),
                                         dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype),
                                         device=str(self.device)))
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens))

@@ -558,3 +558,14 @@ def test_a_second_ctrl_c_stops_at_once_and_an_ignored_one_stays_ignored(trained,
     finally:
         signal.signal(signal.SIGINT, previous)
     assert tr.step == 3
+
+
+def test_held_out_records_that_cannot_be_scored_are_said_to_be(trained, caplog):
+    t, root = trained
+    records = read_records(root / "data" / "responses.jsonl")
+    # held-out prompts that fill max_seq_len (96 here): no response token of theirs is within it
+    long = [r | {"prompt_ids": (r["prompt_ids"] * 96)[:96]} for r in records if r["split"] == "heldout"]
+    assert long
+    with caplog.at_level(logging.WARNING):
+        _trainer(t, root, root / "unscored", records=[r for r in records if r["split"] == "train"] + long)
+    assert f"none of the {len(long)} held-out records has a response token within max_seq_len=96" in caplog.text
