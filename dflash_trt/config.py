@@ -106,7 +106,9 @@ class SpeculativeConfig(_Strict):
                     "draft_len_schedule: auto chooses K for the CPU the build runs on, which "
                     "draft_len_schedule_without_amx would override there: give explicit tables, or auto alone"
                 )
-            self._check_schedule(self.draft_len_schedule_without_amx, "draft_len_schedule_without_amx")
+            # this runtime's alone: one row may draft less than K where a verify row costs its dot products
+            self._check_schedule(self.draft_len_schedule_without_amx, "draft_len_schedule_without_amx",
+                                 full_k_at_one_row=False)
         if self.draft_len_schedule == "auto":
             if not self.acceptance_by_draft_len:
                 raise ValueError(
@@ -118,14 +120,14 @@ class SpeculativeConfig(_Strict):
             self._check_schedule(self.draft_len_schedule, "draft_len_schedule")
         return self
 
-    def _check_schedule(self, schedule: dict[int, int], name: str) -> None:
+    def _check_schedule(self, schedule: dict[int, int], name: str, full_k_at_one_row: bool = True) -> None:
         if not schedule:
             raise ValueError(f"{name} must not be empty")
         check_table(schedule, name, "K")
         # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
         if 1 not in schedule:
             raise ValueError(f"{name}={schedule} needs a key 1 (TensorRT-LLM requires it): add 1: <max_draft_len>")
-        if self.max_draft_len is not None and schedule[1] != self.max_draft_len:
+        if full_k_at_one_row and self.max_draft_len is not None and schedule[1] != self.max_draft_len:
             raise ValueError(
                 f"{name}[1]={schedule[1]} must equal max_draft_len={self.max_draft_len} (one row runs the full K)"
             )

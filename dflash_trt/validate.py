@@ -39,10 +39,15 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
             f"speculative_config.max_draft_len={k}: draft_block_size={drafter.block_size} (checkpoint) allows "
             f"max_draft_len <= {limit}; lower max_draft_len"
         )
-    for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
-        schedule = getattr(spec, key)
-        if schedule is not None and (schedule[min(schedule)] != k or max(schedule.values()) > k):
-            raise ValueError(f"speculative_config.{key}={schedule} must start at max_draft_len={k} and never exceed it")
+    schedule = spec.draft_len_schedule
+    if schedule is not None and (schedule[min(schedule)] != k or max(schedule.values()) > k):
+        raise ValueError(f"speculative_config.draft_len_schedule={schedule} must start at max_draft_len={k} and never "
+                         "exceed it")
+    # this runtime's table alone (TensorRT-LLM never reads it): one row may draft less than K there
+    schedule = spec.draft_len_schedule_without_amx
+    if schedule is not None and max(schedule.values()) > k:
+        raise ValueError(f"speculative_config.draft_len_schedule_without_amx={schedule} must never exceed "
+                         f"max_draft_len={k}")
     for key in ("draft_tree", "draft_tree_without_amx"):
         tree = getattr(spec, key)
         if tree and max(tree.values()) > limit:
