@@ -232,6 +232,9 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
         res.error = f"{type(e).__name__}: {e}"
         return
     if not res.chunk_times:
+        if done and res.completion_tokens == 0:  # an empty answer (EOS first, with --stop-at-eos), complete
+            res.ok = True
+            return
         res.error = "the stream ended without any content"
         return
     if not done:
@@ -324,6 +327,7 @@ def _trtllm_acceptance(results: Sequence[RequestResult]) -> dict | None:
 def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestResult]) -> dict:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
+    timed = [r for r in ok if r.chunk_times]  # an empty answer has no first token to time
     if not ok:
         raise SweepError(f"{cfg.endpoint}: every request at concurrency {concurrency} failed "
                          f"({len(failed)} of {len(results)}); first error: {failed[0].error}")
@@ -331,11 +335,11 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     # that timed out at the end still held a slot that whole time
     duration = max(r.finish if r.finish is not None else r.end for r in results) - min(r.start for r in results)
     out_tokens = sum(r.output_tokens for r in ok)
-    tpots = [r.tpot for r in ok if r.tpot is not None]
+    tpots = [r.tpot for r in timed if r.tpot is not None]
     in_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     output_tok_s = out_tokens / duration
     tpot = summary(tpots)
-    per_user = [r.output_tokens / r.e2el for r in ok if r.e2el > 0]  # TensorRT-LLM benchmark_serving's tput_user
+    per_user = [r.output_tokens / r.e2el for r in timed if r.e2el > 0]  # TensorRT-LLM benchmark_serving's tput_user
     return {
         "concurrency": concurrency,
         # "chunks": the endpoint sent no usage, so tokens are counted as content chunks; an endpoint that
@@ -343,6 +347,7 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "tokens_from": "usage" if all(r.completion_tokens is not None for r in ok) else "chunks",
         "num_requests": len(results),
         "num_failed": len(failed),
+        "empty_answers": len(ok) - len(timed),
         "errors": list(dict.fromkeys(r.error for r in failed))[:3],
         "duration_s": duration,
         "output_tokens": out_tokens,
@@ -354,9 +359,9 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "tok_s_per_user": 1.0 / tpot["p50"] if tpot["p50"] else None,
         "user_throughput_tok_s": float(np.mean(per_user)) if per_user else None,
         "tok_s_per_gpu": output_tok_s / cfg.gpus,
-        "ttft_s": summary([r.ttft for r in ok]),
+        "ttft_s": summary([r.ttft for r in timed]),
         "tpot_s": tpot,
-        "itl_s": summary([g for r in ok for g in r.itls]),
+        "itl_s": summary([g for r in timed for g in r.itls]),
         "e2el_s": summary([r.e2el for r in ok]),
     }
 

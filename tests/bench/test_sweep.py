@@ -95,6 +95,10 @@ def stub_app(state: StubState, n_chunks: int = 6):
                 if chat:
                     yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
                 await asyncio.sleep(SLOW if text.startswith("slowfail:") else FIRST_DELAY)
+                if text.startswith("empty:"):  # EOS first: no content, a finish, usage of 0 tokens, [DONE]
+                    yield event({**chunk(None, "stop"), "usage": {"prompt_tokens": len(text), "completion_tokens": 0}})
+                    yield "data: [DONE]\n\n"
+                    return
                 for i in range(n_chunks):
                     if i:
                         await asyncio.sleep(state.gaps.get(text, GAP))
@@ -369,6 +373,15 @@ def test_cut_dropped_and_malformed_streams_fail_their_request_only(stub):
     assert pt["output_tokens"] == 6 and pt["tokens_from"] == "usage"  # the one complete answer's
     joined = " ".join(pt["errors"])
     assert "before [DONE]" in joined and "RemoteProtocolError" in joined and "malformed event" in joined
+
+
+def test_an_empty_answer_is_a_success_with_no_latency_to_time(stub):
+    """With --stop-at-eos a server may end at EOS before any content: a complete answer of 0 tokens, as vLLM's
+    benchmark counts it, that gives no first-token time."""
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2, ignore_eos=False), prompts("ok", "empty:a"))["points"]
+    assert pt["num_failed"] == 0 and pt["empty_answers"] == 1 and pt["output_tokens"] == 6
+    assert pt["ttft_s"]["p50"] == pytest.approx(FIRST_DELAY, abs=0.05)  # the one timed answer's
 
 
 def test_a_point_where_everything_fails_raises(stub):
