@@ -41,8 +41,8 @@ def bench() -> None:
 @click.option("--max-tokens", "--max-new-tokens", "max_tokens", type=click.IntRange(min=1), default=None,
               help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default=None,
-              help="K values to measure, e.g. 3,7,15 (default: the engine's K with ENGINE, else 3,7 where the drafter "
-              "allows them).")
+              help="K values to measure, e.g. 3,7,15 (default: the K the ENGINE drafts at one row on this CPU, else 3,7 "
+              "where the drafter allows them).")
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
               help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
@@ -112,7 +112,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if eng.drafter is None:
         raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
     if ks is None:
-        ks = [eng.max_draft_len] if engine else ([k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len])
+        # an ENGINE's K at one row on this CPU (its schedule's, or the one for CPUs without AMX), as it serves
+        schedule = eng.scheduler.config.draft_len_schedule
+        ks = ([expand(schedule, 1) if schedule else eng.max_draft_len] if engine
+              else ([k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len]))
     if max(ks) > eng.max_draft_len:
         # an ENGINE's bound is the K it was built with (its max_draft_len), not its drafter's block_size - 1
         limit = (f"the engine's K={eng.max_draft_len} (its max_draft_len)" if engine

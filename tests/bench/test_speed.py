@@ -162,6 +162,25 @@ def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_
     assert r.exit_code != 0 and "has no drafter" in r.output
 
 
+@pytest.mark.parametrize("layout, k", [("tiles", 2), ("panels", 1)])
+def test_an_engine_is_measured_at_the_k_it_drafts_at_one_row_on_this_cpu(tiny_dirs, tmp_path, monkeypatch, layout, k):
+    from dflash_trt.build import build_engine
+    from dflash_trt.engine import llm_engine
+    from tests.test_build import write_config
+
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], None, speculative_config={
+        "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2, "draft_len_schedule": {1: 2},
+        "draft_len_schedule_without_amx": {1: 1}})
+    engine = build_engine(cfg, tmp_path / "engine", progress=False)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)  # AMX tiles, or a CPU without them
+    r = CliRunner().invoke(main, ["bench", "speed", str(engine), "--dataset", str(data), "--max-tokens", "4",
+                                  "--rounds", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["draft_lens"] == [k]
+
+
 def speed_cli(tiny_dirs, data, *args):
     return CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
                                      str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), *args])
