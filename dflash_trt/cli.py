@@ -153,7 +153,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         return
     click.echo(out.text)
     click.echo("---", err=True)
-    mode = "autoregressive" if no_spec else f"DFlash K={engine.max_draft_len}" + _tree_text(engine)
+    # the K a one-row step drafts on this CPU (an engine's schedule may draft less than its max_draft_len there)
+    mode = ("autoregressive" if no_spec
+            else f"DFlash K={engine.scheduler.config.draft_len_for(1)}" + _tree_text(engine))
     tau = "" if no_spec else f", tau {out.tau:.2f}"
     click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)

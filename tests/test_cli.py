@@ -127,6 +127,24 @@ def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
     assert "DFlash K=3, lookups of up to 2:" in r.stderr
 
 
+@pytest.mark.parametrize("layout, k", [("tiles", 3), ("panels", 2)])
+def test_generate_summary_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_path, monkeypatch, layout, k):
+    from dflash_trt.build import build_engine
+    from dflash_trt.engine import llm_engine
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32", "max_batch_size": 2,
+        "max_seq_len": 256, "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]),
+                                                   "max_draft_len": 3, "draft_len_schedule": {1: 3},
+                                                   "draft_len_schedule_without_amx": {1: 2}}}))
+    engine = build_engine(config, tmp_path / "engine", progress=False)
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)  # AMX tiles, or a CPU without them
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos"])
+    assert r.exit_code == 0, r.output
+    assert f"DFlash K={k}:" in r.stderr
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--chat"], "--chat"), (["--stop", "."], "--stop"), (["--ignore-eos"], "--ignore-eos"), (["-k", "2"], "--max-draft-len"),
     (["--acceptance", "rejection"], "--acceptance"), (["--dtype", "bfloat16"], "--dtype"),

@@ -113,8 +113,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
     if ks is None:
         # an ENGINE's K at one row on this CPU (its schedule's, or the one for CPUs without AMX), as it serves
-        schedule = eng.scheduler.config.draft_len_schedule
-        ks = ([expand(schedule, 1) if schedule else eng.max_draft_len] if engine
+        ks = ([eng.scheduler.config.draft_len_for(1)] if engine
               else ([k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len]))
     if max(ks) > eng.max_draft_len:
         # an ENGINE's bound is the K it was built with (its max_draft_len), not its drafter's block_size - 1
