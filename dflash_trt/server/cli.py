@@ -166,7 +166,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics)
-        mode = f"DFlash K={llm.max_draft_len}" if llm.drafter is not None else "autoregressive"
+        mode = mode_text(llm)
 
         def started() -> None:
             click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
@@ -339,3 +339,13 @@ def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
         click.echo(f"tritonserver on {host}: http {http_port}, grpc {grpc_port}, metrics {metrics_port}", err=True)
 
     raise SystemExit(server.wait_forwarding_signals(on_ready=ready))
+
+
+def mode_text(llm) -> str:
+    """How the engine decodes, for the start-up line: the K a one-row step drafts on this CPU, and the schedule by
+    batch size where there is one (the table without AMX where the CPU has no tiles)."""
+    if llm.drafter is None:
+        return "autoregressive"
+    schedule = llm.scheduler.config.draft_len_schedule
+    by_batch = f", K by batch size {dict(sorted(schedule.items()))}" if schedule else ""
+    return f"DFlash K={llm.scheduler.config.draft_len_for(1)}{by_batch}"
