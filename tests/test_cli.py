@@ -97,15 +97,19 @@ def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
 @pytest.fixture(scope="module")
 def tiny_engine_dir(tiny_dirs, tmp_path_factory):
     """A built engine over the tiny Qwen3 target and drafter: 2 rows, a 3-node tree at one row (on any CPU)."""
+    root = tmp_path_factory.mktemp("cli_engine")
+    return _tiny_engine(tiny_dirs, root, draft_tree={1: 3}, draft_tree_without_amx={1: 3})
+
+
+def _tiny_engine(tiny_dirs, root, **speculative):
+    """An engine over the tiny Qwen3 target and drafter, K=3, 2 rows, these speculative_config keys -> (dir, yaml)."""
     from dflash_trt.build import build_engine
 
-    root = tmp_path_factory.mktemp("cli_engine")
     config = root / "tiny.yaml"
     config.write_text(yaml.safe_dump({
         "name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32", "max_batch_size": 2,
         "max_seq_len": 256, "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]),
-                                                   "max_draft_len": 3, "draft_tree": {1: 3},
-                                                   "draft_tree_without_amx": {1: 3}}}))
+                                                   "max_draft_len": 3, **speculative}}))
     return build_engine(config, root / "engine", progress=False), config
 
 
@@ -129,16 +133,9 @@ def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
 
 @pytest.mark.parametrize("layout, k", [("tiles", 3), ("panels", 2)])
 def test_generate_summary_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_path, monkeypatch, layout, k):
-    from dflash_trt.build import build_engine
     from dflash_trt.engine import llm_engine
 
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "name": "tiny", "model": str(tiny_dirs["qwen3"]), "hardware": "cpu", "dtype": "float32", "max_batch_size": 2,
-        "max_seq_len": 256, "speculative_config": {"speculative_model": str(tiny_dirs["qwen3_drafter"]),
-                                                   "max_draft_len": 3, "draft_len_schedule": {1: 3},
-                                                   "draft_len_schedule_without_amx": {1: 2}}}))
-    engine = build_engine(config, tmp_path / "engine", progress=False)
+    engine, _ = _tiny_engine(tiny_dirs, tmp_path, draft_len_schedule={1: 3}, draft_len_schedule_without_amx={1: 2})
     monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)  # AMX tiles, or a CPU without them
     r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos"])
     assert r.exit_code == 0, r.output
