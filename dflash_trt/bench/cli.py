@@ -96,10 +96,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     trees = _ints(tree_nodes, "--tree-nodes") if tree_nodes is not None else None
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
     if output:
-        try:
-            Path(output).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
+        _make_output_folder(output)
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -344,17 +341,23 @@ def _check_output(output: str) -> None:
     """Refuse, before any work, a result path whose CSV would overwrite it or whose folder cannot be made."""
     from dflash_trt.bench.sweep import csv_path_of
 
-    path = Path(output)
     try:
-        csv_path_of(path)
+        csv_path_of(output)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
+    folder = _make_output_folder(output)
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"{folder} is not writable", param_hint="--output")
+
+
+def _make_output_folder(output: str) -> Path:
+    """Create the folder of a result path before any work, or refuse it naming --output; -> the folder."""
+    folder = Path(output).parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
-    if not os.access(path.parent, os.W_OK):
-        raise click.BadParameter(f"{path.parent} is not writable", param_hint="--output")
+    return folder
 
 
 def served_model(url: str) -> str:

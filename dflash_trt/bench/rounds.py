@@ -73,7 +73,7 @@ def compare_runs(run: dict, base: dict) -> list[dict]:
     rows = []
     for c in sorted(mine.keys() & theirs.keys()):
         a, b = mine[c], theirs[c]
-        if not b[METRIC] or not all(rb_i for rb_i in b.get("rounds_output_tok_s") or [1]):
+        if not b[METRIC] or 0 in (b.get("rounds_output_tok_s") or []):
             raise ValueError(f"base: {METRIC} 0 at concurrency {c} (every request failed?): no ratio to take")
         row = {"concurrency": c, METRIC: a[METRIC], f"base_{METRIC}": b[METRIC], "ratio": a[METRIC] / b[METRIC]}
         ra, rb = a.get("rounds_output_tok_s"), b.get("rounds_output_tok_s")

@@ -230,14 +230,12 @@ class Trainer:
         keep = cfg.draft_vocab_size
         self.vocab_ids, self.vocab_counts = self.vocab_ids[:keep], self.vocab_counts[:keep]
         # A record whose prompt fills max_seq_len has no label to train on: drawn, it would make a step of nothing.
-        fits = [r for r in self.train_records if min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len)
-                - 2 >= len(r["prompt_ids"])]
+        fits = [r for r in self.train_records if _labelled(r, cfg.max_seq_len)]
         if len(fits) < len(self.train_records):
             logger.warning("%d of %d training records have no response token within max_seq_len=%d: not drawn",
                            len(self.train_records) - len(fits), len(self.train_records), cfg.max_seq_len)
         self.train_records = fits
-        if self.heldout and not any(min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.max_seq_len) - 2
-                                    >= len(r["prompt_ids"]) for r in self.heldout):
+        if self.heldout and not any(_labelled(r, cfg.max_seq_len) for r in self.heldout):
             logger.warning("none of the %d held-out records has a response token within max_seq_len=%d: "
                            "evaluations score nothing, and %s holds the latest step's drafter", len(self.heldout),
                            cfg.max_seq_len, self.out_dir / "drafter")
@@ -570,6 +568,12 @@ class Trainer:
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
+
+
+def _labelled(record: dict, max_seq_len: int) -> bool:
+    """Whether a record has a response token to learn within its first max_seq_len tokens."""
+    kept = min(len(record["prompt_ids"]) + len(record["response_ids"]), max_seq_len)
+    return kept - 2 >= len(record["prompt_ids"])
 
 
 def _logged_step(line: str) -> float:
