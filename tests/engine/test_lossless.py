@@ -209,6 +209,21 @@ def test_a_cpu_without_amx_tiles_runs_its_own_draft_len_schedule_and_stays_exact
     assert without.scheduler.config.draft_len_schedule == {1: 3, 2: 3}
 
 
+def test_one_row_drafting_less_than_k_in_a_tree_without_amx_stays_exact(tiny_dirs, monkeypatch):
+    """The CPU default's shape on CPUs without AMX: one row drafts a shallower tree than max_draft_len allows
+    (draft_len_schedule_without_amx {1: 2} under K=3, a 2-node tree); the output is the target's greedy."""
+    from dflash_trt.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda target: "rows")
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, draft_len_schedule={1: 3}, draft_len_schedule_without_amx={1: 2},
+                     draft_tree={1: 3}, draft_tree_without_amx={1: 2})
+    assert engine.scheduler.config.draft_len_for(1) == 2 and engine.draft_tree == {1: 2}
+    for p in _prompts(2):
+        out = engine.generate([p], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+        assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+        assert out.draft_lens and set(out.draft_lens) == {2}
+
+
 def test_a_draft_len_schedule_past_k_is_refused_on_any_cpu(tiny_dirs):
     with pytest.raises(ValueError, match=r"draft_len_schedule_without_amx=\{1: 3, 2: 5\}: K above max_draft_len=3"):
         _engine(tiny_dirs, "qwen3", 3, draft_len_schedule={1: 3}, draft_len_schedule_without_amx={1: 3, 2: 5})
