@@ -8,6 +8,7 @@ from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError
+from dflash_trt.spec.draft_tree import MAX_TREE_NODES
 
 
 def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig, drafter_source: str) -> int:
@@ -50,13 +51,9 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
                          f"max_draft_len={k}")
     for key in ("draft_tree", "draft_tree_without_amx"):
         tree = getattr(spec, key)
-        if tree and max(tree.values()) > limit:
-            # the runtime's cache keeps room for one drafter block past a row's last position; a tree writes its
-            # nodes there
-            raise ValueError(
-                f"speculative_config.{key}={tree}: draft_block_size={drafter.block_size} (checkpoint) "
-                f"allows at most {limit} nodes"
-            )
+        if tree and max(tree.values()) > MAX_TREE_NODES:
+            raise ValueError(f"speculative_config.{key}={tree}: at most {MAX_TREE_NODES} nodes (a row's root and "
+                             "nodes fit a 64-bit visibility mask)")
     if spec.lookup_nodes > limit:
         raise ValueError(
             f"speculative_config.lookup_nodes={spec.lookup_nodes}: a context lookup branch is at most "

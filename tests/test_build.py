@@ -500,14 +500,16 @@ def test_a_context_lookup_branch_reaches_the_torch_runtime_and_not_trtllm(tiny_d
     assert "lookup_nodes" not in options["speculative_config"]
 
 
-def test_a_draft_tree_larger_than_the_drafters_block_fails_the_build_naming_the_key(tiny_dirs, tmp_path):
+def test_a_lookup_deeper_than_the_drafters_block_or_a_tree_past_its_mask_fails_the_build_naming_the_key(
+        tiny_dirs, tmp_path):
     block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
     with pytest.raises(ValueError, match=rf"speculative_config.lookup_nodes={block}: .* at most {block - 1} tokens"):
         prepare_build(_spec_config(tmp_path, tiny_dirs, lookup_nodes=block))
-    with pytest.raises(ValueError, match=rf"speculative_config.draft_tree=.*allows at most {block - 1} nodes"):
-        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block}))
-    with pytest.raises(ValueError, match=rf"speculative_config.draft_tree_without_amx=.*at most {block - 1} nodes"):
-        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree_without_amx={1: block}))
+    with pytest.raises(ValueError, match=r"speculative_config.draft_tree=.*at most 62 nodes"):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: 63}))
+    with pytest.raises(ValueError, match=r"speculative_config.draft_tree_without_amx=.*at most 62 nodes"):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree_without_amx={1: 63}))
+    prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block + 4}))  # more nodes than a block: room kept
 
 
 def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):

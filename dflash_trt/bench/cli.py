@@ -83,6 +83,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.speed import SpeedConfig, format_table, run_speed, zlab_runner
     from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
+    from dflash_trt.spec.draft_tree import MAX_TREE_NODES
 
     if engine and (target or drafter):
         raise click.UsageError("pass ENGINE or --target/--drafter, not both")
@@ -94,6 +95,9 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     vocabs = parse_vocab_sizes(draft_vocab_sizes)
     ks = _ints(draft_lens, "--draft-lens", minimum=1) if draft_lens is not None else None
     trees = _ints(tree_nodes, "--tree-nodes") if tree_nodes is not None else None
+    if trees and max(trees) > MAX_TREE_NODES:
+        raise click.BadParameter(f"{max(trees)} nodes exceed {MAX_TREE_NODES} (a row's root and nodes fit a 64-bit "
+                                 "visibility mask)", param_hint="--tree-nodes")
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
     if output:
         _make_output_folder(output)
@@ -127,11 +131,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
     if lookups is None:
         lookups = [eng.config.lookup_nodes]
-    most = eng.runner.max_draft_len  # the engine's own bound: its sibling engines would refuse more with a traceback
-    for hint, sizes in (("--tree-nodes", trees), ("--lookup-nodes", lookups)):
-        if max(sizes) > most:
-            raise click.BadParameter(f"{max(sizes)} nodes exceed the drafter's limit {most} (its block_size - 1)",
-                                     param_hint=hint)
+    # the engine's own bound: its sibling engines would refuse more with a traceback
+    if max(lookups) > eng.runner.max_draft_len:
+        raise click.BadParameter(f"{max(lookups)} nodes exceed the drafter's limit {eng.runner.max_draft_len} (its "
+                                 "block_size - 1)", param_hint="--lookup-nodes")
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,
                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:

@@ -19,6 +19,7 @@ from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.spec.draft_tree import MAX_TREE_NODES
 from dflash_trt.spec.draft_vocab import cut_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -137,9 +138,15 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
+        trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}
+        for key, tree in trees.items():  # both, whichever this CPU takes
+            if self.drafter is not None and max(tree.values(), default=0) > MAX_TREE_NODES:
+                raise ValueError(f"{key}={tree}: at most {MAX_TREE_NODES} nodes (a row's root and nodes fit a "
+                                 "64-bit visibility mask)")
+        most_nodes = max((n for tree in trees.values() for n in tree.values()), default=0) if self.drafter else 0
         self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights,
                                   self._draft_vocab(config), config.screen_head, config.int8_drafter,
-                                  config.lookup_nodes if self.drafter is not None else 0)
+                                  config.lookup_nodes if self.drafter is not None else 0, most_nodes)
         k = config.max_draft_len
         if self.drafter is not None:
             limit = self.runner.max_draft_len
@@ -168,12 +175,6 @@ class LLMEngine:
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             load_window=config.load_window,
         ))
-        for key in ("draft_tree", "draft_tree_without_amx"):  # both, whichever this CPU takes
-            tree = getattr(config, key) or {}
-            if self.drafter is not None and max(tree.values(), default=0) > self.runner.max_draft_len:
-                # the target cache keeps room past a row's last position for one drafter block, no more
-                raise ValueError(f"{key}={tree}: at most {self.runner.max_draft_len} nodes "
-                                 f"(the drafter's block_size - 1)")
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "
                              f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")

@@ -44,6 +44,7 @@ class ModelRunner:
         screen_head: bool = True,
         int8_drafter: bool | None = False,
         lookup_nodes: int = 0,
+        max_tree_nodes: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -51,7 +52,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         block = drafter.config.block_size if drafter is not None else 1
         self.lookup_nodes = lookup_nodes
-        self.target_cache = target.make_cache(num_rows, max_model_len + block + 1)
+        # room past a row's last position for a step's verify rows: a drafter block, or a larger draft tree's nodes
+        self.target_cache = target.make_cache(num_rows, max_model_len + max(block, max_tree_nodes + 1) + 1)
         self.proposer = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:

@@ -75,8 +75,9 @@ def test_cli_json(tiny_dirs, tmp_path):
                                   str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "-k", "99"])
     assert r.exit_code != 0 and "K=99" in r.output
     r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
-                                  str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--tree-nodes", "3,99"])
-    assert r.exit_code == 2 and "--tree-nodes" in r.output and "99 nodes" in r.output and "Traceback" not in r.output
+                                  str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--tree-nodes", "3,63"])
+    assert r.exit_code == 2 and "--tree-nodes" in r.output and "63 nodes exceed 62" in r.output
+    assert "Traceback" not in r.output
     r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
                                   str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--lookup-nodes", "99"])
     assert r.exit_code == 2 and "--lookup-nodes" in r.output and "99 nodes" in r.output and "Traceback" not in r.output

@@ -2,7 +2,9 @@
 sampling: in distribution), on every path: batch 1 and ragged batches, every K, both acceptance rules."""
 
 import itertools
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -164,11 +166,29 @@ def test_a_batch_with_a_row_of_the_rejection_rule_drafts_a_chain(tiny_dirs, rule
     assert outs[0].draft_lens[:5] == [drafts] * 5  # while the sampled row runs (a tree may follow when it is done)
 
 
-def test_a_draft_tree_larger_than_the_drafters_block_is_refused(tiny_dirs):
-    with pytest.raises(ValueError, match="draft_tree"):
-        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 16})
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_trees_of_more_nodes_than_the_drafters_block_equal_target_greedy(tiny_dirs, batch):
+    """A tree may verify more rows than a drafter block holds (K=3: 4 slots of a block of 16, 30 nodes): the target
+    cache keeps room for them past a row's last position, also where requests end at max_model_len."""
+    prompts = _prompts(batch)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
+    nodes = 30
+    assert nodes > block
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=batch, draft_tree={batch: nodes},
+                     max_model_len=max(len(p) for p in prompts) + NEW)
+    force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert max(o.draft_lens) == nodes
+
+
+def test_a_draft_tree_past_the_visibility_mask_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="draft_tree=.*at most 62 nodes"):
+        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 63})
     with pytest.raises(ValueError, match="draft_tree_without_amx"):  # checked whichever table this CPU takes
-        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 3}, draft_tree_without_amx={1: 16})
+        _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 3}, draft_tree_without_amx={1: 63})
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["AMX tiles", "dot products"])
