@@ -14,6 +14,7 @@
 #   ROUNDS=3 REQS=8 SYSTEMS="ours-ar ours-engine" benchmarks/peers.sh   # engine vs AR, paired round by round
 #   ENGINE_ARGS="--draft-len-schedule 1:7" ...                          # serve options for ours-engine
 #   TEMPERATURE=0.7 ...                                                  # sampled requests (default greedy)
+#   WARMUP=32 ...                                                        # warm-up requests (default: first concurrency)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
@@ -25,6 +26,7 @@ REQS=${REQS:-3}                      # requests per point = max(4, REQS x concur
 ROUNDS=${ROUNDS:-1}                  # >1: every system swept ROUNDS times in alternation, merged per point (median round)
 DATASET=${DATASET:-cpu-small}
 TEMPERATURE=${TEMPERATURE:-0}        # every request's; above 0 the servers sample (this project's by the "match" rule)
+WARMUP=${WARMUP:-}                   # warm-up requests before the first point (default: its concurrency)
 OUT=${OUT:-$ROOT/benchmarks/results/peers}
 SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash ours-engine vllm-ar vllm-dflash"}
 PORT=${PORT:-18765}
@@ -95,7 +97,7 @@ print("K by batch " + table(s) + (" (" + table(sw) + " without AMX)" if sw is no
   [[ $TEMPERATURE == 0 ]] || label="$label, temperature $TEMPERATURE"
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
       --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --temperature "$TEMPERATURE" \
-      --label "$label" -o "$result"
+      ${WARMUP:+--warmup "$WARMUP"} --label "$label" -o "$result"
   stop
 }
 
