@@ -8,7 +8,7 @@ from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError
-from dflash_trt.spec.draft_tree import MAX_TREE_NODES
+from dflash_trt.spec.draft_tree import check_tree_nodes
 
 
 def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig, drafter_source: str) -> int:
@@ -50,10 +50,8 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
         raise ValueError(f"speculative_config.draft_len_schedule_without_amx={schedule} must never exceed "
                          f"max_draft_len={k}")
     for key in ("draft_tree", "draft_tree_without_amx"):
-        tree = getattr(spec, key)
-        if tree and max(tree.values()) > MAX_TREE_NODES:
-            raise ValueError(f"speculative_config.{key}={tree}: at most {MAX_TREE_NODES} nodes (a row's root and "
-                             "nodes fit a 64-bit visibility mask)")
+        tree = getattr(spec, key) or {}
+        check_tree_nodes(max(tree.values(), default=0), f"speculative_config.{key}={tree}")
     if spec.lookup_nodes > limit:
         raise ValueError(
             f"speculative_config.lookup_nodes={spec.lookup_nodes}: a context lookup branch is at most "

@@ -83,7 +83,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.speed import SpeedConfig, format_table, run_speed, zlab_runner
     from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
-    from dflash_trt.spec.draft_tree import MAX_TREE_NODES
+    from dflash_trt.spec.draft_tree import check_tree_nodes
 
     if engine and (target or drafter):
         raise click.UsageError("pass ENGINE or --target/--drafter, not both")
@@ -95,9 +95,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     vocabs = parse_vocab_sizes(draft_vocab_sizes)
     ks = _ints(draft_lens, "--draft-lens", minimum=1) if draft_lens is not None else None
     trees = _ints(tree_nodes, "--tree-nodes") if tree_nodes is not None else None
-    if trees and max(trees) > MAX_TREE_NODES:
-        raise click.BadParameter(f"{max(trees)} nodes exceed {MAX_TREE_NODES} (a row's root and nodes fit a 64-bit "
-                                 "visibility mask)", param_hint="--tree-nodes")
+    try:
+        check_tree_nodes(max(trees or [0]), "a draft tree")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tree-nodes") from e
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
     if output:
         _make_output_folder(output)

@@ -19,7 +19,7 @@ from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
-from dflash_trt.spec.draft_tree import MAX_TREE_NODES
+from dflash_trt.spec.draft_tree import check_tree_nodes
 from dflash_trt.spec.draft_vocab import cut_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -138,12 +138,13 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len, max_pos)
+        # both tables, whichever this CPU takes: the target cache keeps room for the larger
         trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}
-        for key, tree in trees.items():  # both, whichever this CPU takes
-            if self.drafter is not None and max(tree.values(), default=0) > MAX_TREE_NODES:
-                raise ValueError(f"{key}={tree}: at most {MAX_TREE_NODES} nodes (a row's root and nodes fit a "
-                                 "64-bit visibility mask)")
-        most_nodes = max((n for tree in trees.values() for n in tree.values()), default=0) if self.drafter else 0
+        most_nodes = 0
+        if self.drafter is not None:
+            for key, tree in trees.items():
+                check_tree_nodes(max(tree.values(), default=0), f"{key}={tree}")
+            most_nodes = max((n for tree in trees.values() for n in tree.values()), default=0)
         self.runner = ModelRunner(target, self.drafter, config.max_batch_size, self.max_model_len, config.pack_weights,
                                   self._draft_vocab(config), config.screen_head, config.int8_drafter,
                                   config.lookup_nodes if self.drafter is not None else 0, most_nodes)

@@ -31,6 +31,14 @@ import torch
 MAX_TREE_NODES = 62  # draft nodes per row: the root and its nodes fit a signed 64-bit visibility mask
 
 
+def check_tree_nodes(nodes: int, name: str) -> None:
+    """ValueError naming `name` where a draft tree of `nodes` nodes is past MAX_TREE_NODES (the build, the engine and
+    `bench speed` each check before their own work)."""
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"{name}: {nodes} nodes exceed {MAX_TREE_NODES} (at most {MAX_TREE_NODES} nodes: a row's "
+                         "root and nodes fit a 64-bit visibility mask)")
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [B, N + 1] node tokens; column 0 is the root (the anchor)

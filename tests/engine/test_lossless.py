@@ -2,9 +2,7 @@
 sampling: in distribution), on every path: batch 1 and ragged batches, every K, both acceptance rules."""
 
 import itertools
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,11 +170,10 @@ def test_greedy_trees_of_more_nodes_than_the_drafters_block_equal_target_greedy(
     cache keeps room for them past a row's last position, also where requests end at max_model_len."""
     prompts = _prompts(batch)
     refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
-    block = json.loads((Path(tiny_dirs["qwen3_drafter"]) / "config.json").read_text())["block_size"]
     nodes = 30
-    assert nodes > block
     engine = _engine(tiny_dirs, "qwen3", 3, rows=batch, draft_tree={batch: nodes},
                      max_model_len=max(len(p) for p in prompts) + NEW)
+    assert nodes > engine.drafter.config.block_size
     force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for o, ref in zip(outs, refs):
