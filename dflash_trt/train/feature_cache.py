@@ -3,11 +3,16 @@ computed on the fly by the target on its own device (TargetFeatures: on a GPU th
 reading the cache back). The trainer reads either through `batch`.
 
 Layout of a cache directory:
-  index.json            feature_dim, target_layer_ids, shards [{file, sequences: {id: [offset, length]}}]
-  shard_00000.npy ...   float16 [tokens, len(target_layer_ids) * hidden]
-A shard is written to a temporary name and renamed, then recorded in index.json. A later call caches only
+  index.json                index of the shards: feature_dim, target_layer_ids,
+                            shards [{file, tokens, sequences: {id: [offset, length]}}]
+  shard_00000.npy ...       float16 [tokens, len(target_layer_ids) * hidden]
+  shard_00000.tokens.npy    int32 [tokens]: the token ids the features were computed from
+A shard is written to temporary names and renamed, then recorded in index.json. A later call caches only
 the sequences the index lacks, in new shards: an interrupted run resumes, and appended records are added.
-A shard that cannot be read back (missing, cut short) is dropped from the index and its sequences cached again.
+A sequence is reused only where its cached token ids begin with the ones asked for: a record id that now names
+other tokens (responses generated again into the same --data) is cached again, never trained on stale features.
+A shard that cannot be read back (missing, cut short, without its token ids) is dropped from the index and its
+sequences cached again.
 """
 
 from __future__ import annotations
@@ -39,20 +44,22 @@ class FeatureSource(Protocol):
 
 
 class FeatureCache:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, index: dict | None = None) -> None:
+        """index: the index as read and checked already (build_feature_cache's), else root's index.json."""
         self.root = Path(root)
-        index = read_index(self.root / "index.json")
+        index = read_index(self.root / "index.json") if index is None else index
         self.feature_dim = index["feature_dim"]
         self.target_layer_ids = index["target_layer_ids"]
         self._where: dict[str, tuple[int, int, int]] = {}
         self._maps: dict[int, np.ndarray] = {}
+        self._tokens: dict[int, np.ndarray] = {}
         # Every shard is opened now, not when a training step first reads it (hours in).
         for i, shard in enumerate(index["shards"]):
-            data, problem = open_shard(self.root, shard, self.feature_dim)
+            arrays, problem = open_shard(self.root, shard, self.feature_dim)
             if problem:
                 raise ValueError(f"{self.root / shard['file']}: {problem}; build_feature_cache caches its sequences "
                                  "again (`dflash-trt train` does), or delete the directory")
-            self._maps[i] = data
+            self._maps[i], self._tokens[i] = arrays
             for sid, (offset, length) in shard["sequences"].items():
                 self._where[sid] = (i, offset, length)
 
@@ -66,6 +73,17 @@ class FeatureCache:
         """[length, feature_dim] float16, memory-mapped."""
         shard, offset, length = self._where[sid]
         return self._maps[shard][offset : offset + length]
+
+    def tokens(self, sid: str) -> np.ndarray:
+        """[length] int32: the token ids get(sid) was computed from, memory-mapped."""
+        shard, offset, length = self._where[sid]
+        return self._tokens[shard][offset : offset + length]
+
+    def holds(self, sid: str, ids: list[int]) -> bool:
+        """Whether the features of exactly these tokens (as a prefix of what is cached under sid) are cached."""
+        if sid not in self._where or self._where[sid][2] < len(ids):
+            return False
+        return bool(np.array_equal(self.tokens(sid)[: len(ids)], np.asarray(ids, dtype=np.int32)))
 
     def batch(self, records: list[dict], lengths: list[int]) -> torch.Tensor:
         out = torch.zeros(len(records), max(lengths), self.feature_dim)
@@ -104,20 +122,26 @@ def read_index(path: Path) -> dict:
     return index
 
 
-def open_shard(root: Path, shard: dict, feature_dim: int) -> tuple[np.ndarray | None, str | None]:
-    """(the shard's memory map, None), or (None, what is wrong with it): missing, truncated or of another shape
-    (a copy cut short, a disk that lost it)."""
-    path = root / shard["file"]
-    if not path.is_file():
-        return None, "missing"
-    try:
-        data = np.load(path, mmap_mode="r")
-    except (ValueError, OSError, EOFError) as e:
-        return None, f"unreadable ({e})"
+def open_shard(root: Path, shard: dict, feature_dim: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+    """((the shard's features, its token ids), memory-mapped, None), or (None, what is wrong with it): missing,
+    truncated or of another shape (a copy cut short, a disk that lost it), or without token ids (a cache written
+    before they were stored)."""
+    if "tokens" not in shard:
+        return None, "has no token ids to check its sequences against"
     need = max((offset + length for offset, length in shard["sequences"].values()), default=0)
-    if data.dtype != np.float16 or data.ndim != 2 or data.shape[1] != feature_dim or data.shape[0] < need:
-        return None, f"holds {data.dtype} {list(data.shape)}, the index needs float16 [{need}, {feature_dim}]"
-    return data, None
+    arrays = []
+    for name, dtype, shape in ((shard["file"], np.float16, [need, feature_dim]), (shard["tokens"], np.int32, [need])):
+        path = root / name
+        if not path.is_file():
+            return None, "missing" if name == shard["file"] else f"its token ids {name} are missing"
+        try:
+            data = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            return None, f"{name} unreadable ({e})"
+        if data.dtype != dtype or data.ndim != len(shape) or list(data.shape[1:]) != shape[1:] or data.shape[0] < need:
+            return None, f"{name} holds {data.dtype} {list(data.shape)}, the index needs {np.dtype(dtype)} {shape}"
+        arrays.append(data)
+    return (arrays[0], arrays[1]), None
 
 
 def check_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict | None:
@@ -170,11 +194,15 @@ def build_feature_cache(
     root.mkdir(parents=True, exist_ok=True)
     feature_dim = target.config.hidden_size * len(layer_ids)
     index = _read_index(root, feature_dim, layer_ids)
-    cached = {sid: length for s in index["shards"] for sid, (_, length) in s["sequences"].items()}
-    # Only what is not cached yet (or cached shorter, after max_seq_len grew) goes into new shards: a resume, or
-    # a run with more records appended, never rewrites (or silently skips sequences of) a shard on disk.
-    # A sequence cached again lives in a later shard, which FeatureCache reads last.
-    missing = [(sid, ids) for sid, ids in sequences if cached.get(sid, -1) < len(ids)]
+    cached = FeatureCache(root, index)
+    # Only what is not cached yet (or cached shorter, after max_seq_len grew, or from other tokens) goes into new
+    # shards: a resume, or a run with more records appended, never rewrites (or silently skips sequences of) a
+    # shard on disk. A sequence cached again lives in a later shard, which FeatureCache reads last.
+    missing = [(sid, ids) for sid, ids in sequences if not cached.holds(sid, ids)]
+    changed = sum(1 for sid, ids in missing if sid in cached and len(cached.tokens(sid)) >= len(ids))
+    if changed:
+        logger.warning("%s: %d cached sequences were computed from other tokens than their records now hold "
+                       "(responses generated again?); they are cached again", root, changed)
     shards, current, size = [], [], 0
     for sid, ids in missing:
         current.append((sid, ids))
@@ -197,6 +225,7 @@ def build_feature_cache(
     for shard, name in zip(shards, names):
         n_tok = sum(len(ids) for _, ids in shard)
         data = np.empty((n_tok, feature_dim), dtype=np.float16)
+        tokens = np.empty(n_tok, dtype=np.int32)
         where, offset = {}, 0
         order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))
         for start in range(0, len(order), batch_rows):
@@ -204,14 +233,17 @@ def build_feature_cache(
             feats = _features(model, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
             for (sid, ids), f in zip(rows, feats):
                 data[offset : offset + len(ids)] = f[: len(ids)]
+                tokens[offset : offset + len(ids)] = ids
                 where[sid] = [offset, len(ids)]
                 offset += len(ids)
                 bar.update(len(ids))
-        tmp = root / f".{name}.tmp"
-        with open(tmp, "wb") as fh:
-            np.save(fh, data)
-        os.replace(tmp, root / name)
-        index["shards"].append({"file": name, "sequences": where})
+        tokens_name = name.replace(".npy", ".tokens.npy")
+        for file, array in ((tokens_name, tokens), (name, data)):
+            tmp = root / f".{file}.tmp"
+            with open(tmp, "wb") as fh:
+                np.save(fh, array)
+            os.replace(tmp, root / file)
+        index["shards"].append({"file": name, "tokens": tokens_name, "sequences": where})
         (root / "index.json.tmp").write_text(json.dumps(index))
         os.replace(root / "index.json.tmp", root / "index.json")
     bar.close()

@@ -54,6 +54,37 @@ def test_a_sequence_cached_shorter_is_cached_again_in_full(tmp_path):
     assert (tmp_path / "cache" / "shard_00000.npy").read_bytes() == first  # kept, never overwritten
 
 
+def test_a_record_whose_tokens_changed_is_cached_again_from_its_new_tokens(tmp_path, caplog):
+    """Record ids are positions in responses.jsonl: generated again into the same --data, an id names other tokens,
+    and its cached features must not be trained on."""
+    path = make_target(tmp_path / "target", layers=3, seed=4)
+    target = load_target(path)
+    seqs = _sequences(5)
+    build_feature_cache(target, seqs, tmp_path / "cache", [0, 1], shard_tokens=40)
+    changed = [(sid, ids if i % 2 else [(t + 7) % 90 + 3 for t in ids]) for i, (sid, ids) in enumerate(seqs)]
+    with caplog.at_level(logging.WARNING):
+        cache = build_feature_cache(target, changed, tmp_path / "cache", [0, 1], shard_tokens=40)
+    assert "3 cached sequences were computed from other tokens" in caplog.text
+    for sid, ids in changed:
+        assert cache.tokens(sid).tolist() == ids
+    _assert_layers_0_and_1_of_transformers(cache, changed, path, atol=2e-3, rtol=2e-3)
+    FeatureCache(tmp_path / "cache")  # what is on disk now reads back the same way
+    assert all(FeatureCache(tmp_path / "cache").holds(sid, ids) for sid, ids in changed)
+
+
+def test_a_shorter_prefix_of_a_cached_sequence_is_served_from_the_cache(tmp_path):
+    """max_seq_len lowered: the same records cut shorter need nothing new."""
+    target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
+    seqs = _sequences(4)
+    whole = build_feature_cache(target, seqs, tmp_path / "cache", [0], shard_tokens=40)
+    shards = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    cut = build_feature_cache(target, [(sid, ids[:4]) for sid, ids in seqs], tmp_path / "cache", [0],
+                              compute_with=lambda: pytest.fail("nothing is missing"))
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == shards
+    for sid, _ in seqs:
+        assert np.array_equal(cut.get(sid), whole.get(sid))
+
+
 def test_a_cache_of_other_layers_is_refused_naming_the_data_option(tmp_path):
     target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
     build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
@@ -61,7 +92,7 @@ def test_a_cache_of_other_layers_is_refused_naming_the_data_option(tmp_path):
         build_feature_cache(target, _sequences(2), tmp_path / "cache", [1])
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing", "other width"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "other width", "token ids missing", "no token ids"])
 def test_a_damaged_shard_is_named_and_its_sequences_cached_again(tmp_path, caplog, damage):
     target = load_target(make_target(tmp_path / "target", layers=2, seed=5))
     seqs = _sequences(6)
@@ -73,8 +104,14 @@ def test_a_damaged_shard_is_named_and_its_sequences_cached_again(tmp_path, caplo
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif damage == "missing":
         shard.unlink()
-    else:
+    elif damage == "other width":
         np.save(shard, np.zeros((4, 3), dtype=np.float16))
+    elif damage == "token ids missing":
+        (tmp_path / "cache" / "shard_00000.tokens.npy").unlink()
+    else:  # a cache written before token ids were stored
+        index = json.loads((tmp_path / "cache" / "index.json").read_text())
+        del index["shards"][0]["tokens"]
+        (tmp_path / "cache" / "index.json").write_text(json.dumps(index))
     # Found when the cache is opened, not when a training step first reads the shard.
     with pytest.raises(ValueError, match=f"{shard}: .*build_feature_cache caches its sequences again"):
         FeatureCache(tmp_path / "cache")
