@@ -124,9 +124,11 @@ class SpeculativeConfig(_Strict):
         if not schedule:
             raise ValueError(f"{name} must not be empty")
         check_table(schedule, name, "K")
-        # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) requires key 1.
+        # TensorRT-LLM's validator (llm_args.py validate_draft_len_schedule_and_sort) required key 1, holding
+        # max_draft_len; later versions require only the smallest key to hold it. Key 1 satisfies both.
         if 1 not in schedule:
-            raise ValueError(f"{name}={schedule} needs a key 1 (TensorRT-LLM requires it): add 1: <max_draft_len>")
+            raise ValueError(f"{name}={schedule} needs a key 1 (TensorRT-LLM releases of the DFlash line before the "
+                             "smallest-key rule require it): add 1: <max_draft_len>")
         if full_k_at_one_row and self.max_draft_len is not None and schedule[1] != self.max_draft_len:
             raise ValueError(
                 f"{name}[1]={schedule[1]} must equal max_draft_len={self.max_draft_len} (one row runs the full K)"

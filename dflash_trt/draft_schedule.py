@@ -4,7 +4,8 @@ TensorRT-LLM's `draft_len_schedule` maps batch-size thresholds to K: a batch of 
 smallest key >= b, and a batch above the largest key runs without drafts (K = 0). {4: 4, 8: 2, 32: 1}
 means 1..4 rows -> K=4, 5..8 -> 2, 9..32 -> 1, 33+ -> 0 (tensorrt_llm/_torch/speculative/utils.py
 get_draft_len_for_batch_size, bisect_left; example from llm_args.py). Its config validator also requires a
-key 1 equal to max_draft_len and no K above it (llm_args.py validate_draft_len_schedule_and_sort).
+key 1 equal to max_draft_len (later versions: the smallest key) and no K above it (llm_args.py
+validate_draft_len_schedule_and_sort); a key 1 holding max_draft_len passes either.
 `expand` is that rule, the one place this project implements it; the torch runtime's scheduler uses it.
 """
 

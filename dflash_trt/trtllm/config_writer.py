@@ -40,8 +40,11 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
             "decoding_type": spec.decoding_type,
             "max_draft_len": plan.max_draft_len,
             "speculative_model": DRAFTER_SUBDIR,
-            "attention_backend": spec.attention_backend,
         }
+        # Written only off its default: TensorRT-LLM releases before the key (1.3.0rc20 among them, read in
+        # llm_args.py: DFlash came before attention_backend) forbid unknown keys, so writing VANILLA there fails.
+        if spec.attention_backend != "VANILLA":
+            sc["attention_backend"] = spec.attention_backend
         if plan.draft_len_schedule:  # the plan's: the YAML's, or the one `auto` chose
             sc["draft_len_schedule"] = {int(b): int(k) for b, k in sorted(plan.draft_len_schedule.items())}
         if spec.max_concurrency is not None:
@@ -54,10 +57,18 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
             "enable_padding": cfg.cuda_graph_config.enable_padding,
             "batch_sizes": plan.cuda_graph_batch_sizes,
         }
+    else:
+        # Left out, TensorRT-LLM captures graphs by default (TorchLlmArgs' cuda_graph_config default_factory, up
+        # to max_batch_size or 128) that the plan did not size; null turns them off, as the plan assumes.
+        opts["cuda_graph_config"] = None
     if cfg.moe_config is not None:
         opts["moe_config"] = {"backend": cfg.moe_config.backend}
     if cfg.attention_dp_config is not None:
         opts["attention_dp_config"] = cfg.attention_dp_config.model_dump()
+    launcher_owned = sorted(set(cfg.trtllm_options) & {"model", "tokenizer"})
+    if launcher_owned:
+        raise ValueError(f"trtllm_options.{launcher_owned[0]}: set by the launcher from the engine directory (the "
+                         "target and its tokenizer are the build's --target); remove it")
     clash = sorted(set(cfg.trtllm_options) & set(opts))
     if clash:
         raise ValueError(

@@ -34,13 +34,17 @@ from dflash_trt.kernels.draft_attention import draft_attention
 def _window(window_size: tuple[int, int], causal: bool) -> int:
     """flash-attn (left, right) -> draft_attention's window W (0 = none), for the shapes DFlash drafters use."""
     left, right = window_size
+    if causal and left >= -1 and right >= -1:
+        # flash-attn sets the right window to 0 on causal calls (flash_api.cpp), so only the left one counts: an
+        # upstream sliding layer that is causal passes (W-1, W-1) with causal=True (modeling_dflash.py)
+        return max(left + 1, 0)
     if (left, right) == (-1, -1):
         return 0
-    if left >= 0 and right == (0 if causal else left):
+    if left >= 0 and right == left:
         return left + 1
     raise ValueError(
         f"window_size={window_size} with causal={causal} is not a DFlash drafter window: expected (-1, -1), "
-        "(W-1, 0) on causal or (W-1, W-1) on non-causal layers"
+        "(W-1, any) on causal or (W-1, W-1) on non-causal layers"
     )
 
 
@@ -98,6 +102,11 @@ def register_dflash_drafter() -> Callable:
             f"this tensorrt_llm has no DFlash draft-model registry ({error}); it needs a TensorRT-LLM whose "
             "_torch/models/modeling_utils.py defines register_draft_model (the 1.3 line with DFlash)"
         ) from error
+    missing = [name for name in ("_build_dflash_draft", "DFlashForCausalLM", "declares_dspark_heads",
+                                 "get_dflash_flash_attention") if not hasattr(modeling_dflash, name)]
+    if missing:
+        raise RuntimeError(f"this tensorrt_llm's _torch/models/modeling_dflash.py lacks {', '.join(missing)}, which "
+                           "register_dflash_drafter hooks into (read at NVIDIA/TensorRT-LLM@009d8fa4)")
     builtin = modeling_dflash._build_dflash_draft
 
     class TritonDFlashForCausalLM(modeling_dflash.DFlashForCausalLM):

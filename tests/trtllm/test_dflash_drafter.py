@@ -23,7 +23,9 @@ def _nhd_inputs(seed=0):
     return q, k_cache, v_cache, k, v, torch.tensor([9, 3], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("causal, window_size, window", [(False, (-1, -1), 0), (True, (4, 0), 5), (False, (2, 2), 3)])
+# flash-attn zeroes the right window of a causal call, so upstream's causal sliding layers' (W-1, W-1) is W causal
+@pytest.mark.parametrize("causal, window_size, window", [(False, (-1, -1), 0), (True, (4, 0), 5), (False, (2, 2), 3),
+                                                         (True, (4, 4), 5), (True, (-1, -1), 0)])
 def test_flash_attn_contract_maps_onto_draft_attention_and_appends_the_block(causal, window_size, window):
     q, kc, vc, k, v, seqlens, slots = _nhd_inputs()
     # the oracle reads the untouched cache in the op's [slots, KVH, S, D] layout with the window spelled W
@@ -37,10 +39,13 @@ def test_flash_attn_contract_maps_onto_draft_attention_and_appends_the_block(cau
     torch.testing.assert_close(vc[0, 3:7], v[1])
 
 
-def test_window_shapes_that_no_dflash_drafter_uses_are_refused():
+@pytest.mark.parametrize("window_size", [(4, 1), (-1, 3), (3, -1)])
+def test_window_shapes_that_no_dflash_drafter_uses_are_refused(window_size):
     q, kc, vc, k, v, seqlens, slots = _nhd_inputs()
-    with pytest.raises(ValueError, match="window_size=\\(4, 1\\)"):
-        draft_attention_with_kvcache(q, kc, vc, k, v, seqlens, slots, causal=True, window_size=(4, 1))
+    before = kc.clone()
+    with pytest.raises(ValueError, match=f"window_size=\\({window_size[0]}, {window_size[1]}\\) with causal=False"):
+        draft_attention_with_kvcache(q, kc, vc, k, v, seqlens, slots, causal=False, window_size=window_size)
+    assert torch.equal(kc, before)  # refused before the cache is touched
 
 
 @pytest.mark.skipif(HAS_TRTLLM, reason="tensorrt_llm is installed: the missing-package error cannot happen")

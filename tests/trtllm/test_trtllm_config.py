@@ -66,6 +66,11 @@ def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
     path.write_text(raw + "trtllm_options:\n  max_seq_len: 100\n")
     with pytest.raises(ValueError, match="trtllm_options.max_seq_len: set by the build config itself"):
         prepare_build(path, allow_bundled=True)
+    # LLM(model=..., tokenizer=..., **options) would get them twice; trtllm-serve would serve another model
+    for key in ("model", "tokenizer"):
+        path.write_text(raw + f"trtllm_options:\n  {key}: /elsewhere\n")
+        with pytest.raises(ValueError, match=f"trtllm_options.{key}: set by the launcher from the engine directory"):
+            prepare_build(path, allow_bundled=True)
 
 
 def test_llama_config_without_its_drafter_on_disk_says_how_to_fetch_it():
