@@ -155,8 +155,15 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     click.echo("---", err=True)
     # the K a one-row step drafts on this CPU (an engine's schedule may draft less than its max_draft_len there)
     mode = ("autoregressive" if no_spec
-            else f"DFlash K={engine.scheduler.config.draft_len_for(1)}" + _tree_text(engine))
-    tau = "" if no_spec else f", tau {out.tau:.2f}"
+            else f"DFlash K={engine.scheduler.config.draft_len_for(1)}" + _tree_text(engine, params))
+    tau = ""
+    if not no_spec:
+        steps, drafted = len(out.acceptance_lengths), sum(out.acceptance_lengths)
+        # the first token comes from the prompt's forward; the rest from speculative steps or, where the engine's
+        # adaptive mode measured them faster (or a request's end left no room), plain ones
+        plain = max(out.num_tokens - 1 - drafted, 0)
+        tau = f", tau {out.tau:.2f} over {steps} speculative steps" + (f", {plain} tokens from plain steps" if plain
+                                                                       else "")
     click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
     if not no_spec:
@@ -165,13 +172,15 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
 
 
-def _tree_text(engine) -> str:
+def _tree_text(engine, params: SamplingParams) -> str:
     """What a one-row step verifies besides K: the draft tree's nodes and the context lookups, as the engine runs
-    them on this CPU (draft_tree_without_amx where it has no AMX tiles)."""
+    them on this CPU (draft_tree_without_amx where it has no AMX tiles) for this request (trees verify greedy and
+    "match" rows only: a "rejection" row drafts a chain)."""
     from dflash_trt.draft_schedule import expand
 
-    nodes = expand(engine.draft_tree, 1) if engine.draft_tree else 0
-    lookups = engine.runner.lookup_nodes
+    tree_row = params.greedy or params.acceptance == "match"
+    nodes = expand(engine.draft_tree, 1) if engine.draft_tree and tree_row else 0
+    lookups = engine.runner.lookup_nodes if tree_row else 0
     return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")
 
 

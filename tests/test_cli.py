@@ -129,6 +129,12 @@ def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
                                   "--tree-nodes", "0", "--lookup-nodes", "2"])
     assert r.exit_code == 0, r.output
     assert "DFlash K=3, lookups of up to 2:" in r.stderr
+    # a "rejection" row drafts a plain chain (LLMEngine._tree_nodes; lookups compete for greedy and "match" rows)
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos",
+                                  "--temperature", "0.8", "--seed", "1", "--acceptance", "rejection",
+                                  "--lookup-nodes", "2"])
+    assert r.exit_code == 0, r.output
+    assert "DFlash K=3: 8 tokens (length), tau " in r.stderr and " speculative steps" in r.stderr
 
 
 @pytest.mark.parametrize("layout, k", [("tiles", 3), ("panels", 2)])

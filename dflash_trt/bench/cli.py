@@ -84,6 +84,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
     from dflash_trt.spec.draft_tree import check_tree_nodes
+    from dflash_trt.spec.draft_vocab import cut_draft_vocab
 
     if engine and (target or drafter):
         raise click.UsageError("pass ENGINE or --target/--drafter, not both")
@@ -113,6 +114,11 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.ClickException(str(e)) from e
     if eng.drafter is None:
         raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
+    for size in vocabs:  # the drafter's list bounds them: its sibling engines would refuse more with a traceback
+        try:
+            cut_draft_vocab(eng.drafter.draft_vocab, size, key="size")
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--draft-vocab-sizes") from e
     if ks is None:
         # an ENGINE's K at one row on this CPU (its schedule's, or the one for CPUs without AMX), as it serves
         ks = ([eng.scheduler.config.draft_len_for(1)] if engine
@@ -239,16 +245,20 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                    f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {p['ttft_s']['p50'] * 1000:7.0f} ms  "
                    f"TPOT p50 {(p['tpot_s']['p50'] or 0) * 1000:6.1f} ms{tau}{failed}", err=True)
 
+    kept: list[int] = []  # points in the file written last
+
     def keep(result: dict) -> None:  # after every point: a later failure, or Ctrl-C, keeps what was measured
         try:
             write_results(result, output)
         except OSError as e:
             raise click.ClickException(f"cannot write {output}: {e}") from e
+        kept.append(len(result["points"]))
 
     try:
         result = run_sweep(cfg, prompts, dataset=dataset, on_point=show, on_result=keep)
     except SweepError as e:
-        raise click.ClickException(f"{e} (the points measured before it are in {output})") from e
+        where = f" ({output} holds the {kept[-1]} points measured before it)" if kept else ""
+        raise click.ClickException(f"{e}{where}") from e
     except OSError as e:  # connection refused and friends
         raise click.ClickException(f"{url}: {e}") from e
     click.echo(f"wrote {output} and {csv_path_of(output)}", err=True)

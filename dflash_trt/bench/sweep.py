@@ -145,6 +145,7 @@ class RequestResult:
     finish: float | None = None  # when the request was over, failed or not: it held its slot until then
     completion_tokens: int | None = None  # usage, when the endpoint sends it
     prompt_tokens: int | None = None
+    finish_reason: str | None = None  # the choice's, once the endpoint sends one
     acceptance: dict | None = None  # this project's per-choice extension
     avg_decoded_tokens_per_iter: float | None = None  # trtllm-serve's per-choice acceptance length
 
@@ -232,7 +233,9 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
         res.error = f"{type(e).__name__}: {e}"
         return
     if not res.chunk_times:
-        if done and res.completion_tokens == 0:  # an empty answer (EOS first, with --stop-at-eos), complete
+        # An empty answer (EOS first, with --stop-at-eos), complete: finished and [DONE]. Usage may count the EOS
+        # token (this project's serve and vLLM do: 1), or not (0).
+        if done and (res.completion_tokens == 0 or res.finish_reason is not None):
             res.ok = True
             return
         res.error = "the stream ended without any content"
@@ -261,6 +264,8 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
             content = choice.get("text")
         if content:
             res.chunk_times.append(now)
+        if choice.get("finish_reason"):
+            res.finish_reason = choice["finish_reason"]
         if isinstance(choice.get("acceptance"), dict):
             res.acceptance = choice["acceptance"]
         if choice.get("avg_decoded_tokens_per_iter"):
@@ -412,7 +417,11 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
             warm = await run_requests(client, cfg, stream.take(cfg.num_warmup)[0], cfg.concurrencies[0],
                                       first_index=-cfg.num_warmup)
             if not any(r.ok for r in warm):
-                raise SweepError(f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}")
+                error = f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}"
+                result["stopped"] = {"warmup": cfg.num_warmup, "error": error}
+                if on_result is not None:
+                    on_result(result)
+                raise SweepError(error)
             await asyncio.sleep(cfg.metrics_settle_s)
         metrics = await scrape(client, cfg.metrics_url)
         for c in cfg.concurrencies:

@@ -39,6 +39,15 @@ def test_sweep_then_plot(running, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_that_measures_nothing_says_why_and_what_it_kept(running, tmp_path):
+    out = tmp_path / "run.json"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--model", "nope", "--concurrency", "1",
+                                  "--osl", "4", "-o", str(out)])
+    assert r.exit_code == 1 and "every warm-up request failed" in r.output and "HTTP 404" in r.output, r.output
+    assert f"{out} holds the 0 points measured before it" in r.output.replace("\n", "")
+    assert json.loads(out.read_text())["points"] == []
+
+
 def test_sweep_errors_name_what_is_wrong(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / "x.json")])

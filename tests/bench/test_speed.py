@@ -81,6 +81,10 @@ def test_cli_json(tiny_dirs, tmp_path):
     r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
                                   str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--lookup-nodes", "99"])
     assert r.exit_code == 2 and "--lookup-nodes" in r.output and "99 nodes" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                  str(tiny_dirs["qwen3_drafter"]), "--dataset", str(data), "--draft-vocab-sizes", "all,5"])
+    assert r.exit_code == 2 and "--draft-vocab-sizes" in r.output and "Traceback" not in r.output
+    assert "size=5 needs a drafter that ships draft_vocab.json" in r.output
 
 
 def test_zlab_peer_runs_on_the_same_weights_and_agrees_step_by_step(tiny_dirs):

@@ -95,8 +95,9 @@ def stub_app(state: StubState, n_chunks: int = 6):
                 if chat:
                     yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
                 await asyncio.sleep(SLOW if text.startswith("slowfail:") else FIRST_DELAY)
-                if text.startswith("empty:"):  # EOS first: no content, a finish, usage of 0 tokens, [DONE]
-                    yield event({**chunk(None, "stop"), "usage": {"prompt_tokens": len(text), "completion_tokens": 0}})
+                if text.startswith(("empty:", "eos1:")):  # EOS first: no content, a finish, usage, [DONE]
+                    eos = int(text.startswith("eos1:"))  # usage counting the EOS token (vLLM, this serve) or not
+                    yield event({**chunk(None, "stop"), "usage": {"prompt_tokens": len(text), "completion_tokens": eos}})
                     yield "data: [DONE]\n\n"
                     return
                 for i in range(n_chunks):
@@ -382,6 +383,17 @@ def test_an_empty_answer_is_a_success_with_no_latency_to_time(stub):
     (pt,) = run_sweep(config(stub.url, [1], min_requests=2, ignore_eos=False), prompts("ok", "empty:a"))["points"]
     assert pt["num_failed"] == 0 and pt["empty_answers"] == 1 and pt["output_tokens"] == 6
     assert pt["ttft_s"]["p50"] == pytest.approx(FIRST_DELAY, abs=0.05)  # the one timed answer's
+    # usage that counts the EOS token the answer ended on
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2, ignore_eos=False), prompts("ok", "eos1:a"))["points"]
+    assert pt["num_failed"] == 0 and pt["empty_answers"] == 1 and pt["output_tokens"] == 7
+
+
+def test_a_sweep_whose_warm_up_fails_hands_over_why(stub):
+    stub.reset()
+    kept = []
+    with pytest.raises(SweepError, match="every warm-up request failed.*stub failure for fail:"):
+        run_sweep(config(stub.url, [1], warmup_requests=1), prompts("fail:a"), on_result=kept.append)
+    assert kept[-1]["points"] == [] and "every warm-up request failed" in kept[-1]["stopped"]["error"]
 
 
 def test_a_point_where_everything_fails_raises(stub):
