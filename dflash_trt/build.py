@@ -167,9 +167,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _dead_builds(out: Path, kind: str) -> Iterator[Path]:
-    """`out`'s `.NAME.{kind}-PID-...` siblings whose build process is gone."""
-    for path in out.parent.glob(f".{out.name}.{kind}-*"):
+def _dead_builds(out: Path, kind: str, name: str | None = None) -> Iterator[Path]:
+    """`out`'s `.NAME.{kind}-PID-...` siblings (NAME: out's name, or `name`, a glob) whose build process is gone."""
+    for path in out.parent.glob(f".{out.name if name is None else name}.{kind}-*"):
         try:
             pid = int(path.name.split(f".{kind}-")[1].split("-")[0])
         except (IndexError, ValueError):
@@ -179,10 +179,12 @@ def _dead_builds(out: Path, kind: str) -> Iterator[Path]:
 
 
 def _remove_stale_temps(out: Path) -> None:
-    """Temporary directories of builds whose process is gone (killed builds) are removed. A previous engine set
-    aside by a --force build is deleted once the new one is in place; if the build was killed (SIGKILL, power)
-    between the two renames, no engine is at `out` and the previous one is put back rather than deleted."""
-    for tmp in _dead_builds(out, "build"):
+    """Temporary directories of builds whose process is gone (killed builds) beside out are removed. A previous
+    engine set aside by a --force build is deleted once the new one is in place; if the build was killed (SIGKILL,
+    power) between the two renames, no engine is at `out` and the previous one is put back rather than deleted."""
+    # Any engine's, not only out's: a killed build of another name would keep its half-written copy (hundreds of
+    # MB) until that name was built again. An engine set aside (below) is out's alone: it may have to go back.
+    for tmp in _dead_builds(out, "build", name="*"):
         shutil.rmtree(tmp, ignore_errors=True)
     for old in _dead_builds(out, "old"):
         if not out.exists() and (old / MANIFEST).is_file():

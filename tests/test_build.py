@@ -227,9 +227,13 @@ def test_a_build_killed_by_a_signal_leaves_nothing_serve_would_load(tiny_dirs, t
     assert not out.exists()
     with pytest.raises(FileNotFoundError, match="not an engine directory"):
         EngineDir(out)
-    # The next build removes the dead build's temporary directory and succeeds.
+    # The next build beside it, of any name, removes the dead build's temporary directory; a live build's stays.
+    live = out.parent / f".g.build-{os.getpid()}-0000"
+    live.mkdir()
+    build_engine(cfg, out.parent / "f", progress=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == [live.name, "f"]
     build_engine(cfg, out, progress=False)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["e"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [live.name, "e", "f"]
     EngineDir(out).verify()
 
 
