@@ -178,7 +178,7 @@ def _tree_text(engine, params: SamplingParams) -> str:
     "match" rows only: a "rejection" row drafts a chain)."""
     from dflash_trt.draft_schedule import expand
 
-    tree_row = params.greedy or params.acceptance == "match"
+    tree_row = not params.samples_drafts
     nodes = expand(engine.draft_tree, 1) if engine.draft_tree and tree_row else 0
     lookups = engine.runner.lookup_nodes if tree_row else 0
     return (f", tree of {nodes} nodes" if nodes else "") + (f", lookups of up to {lookups}" if lookups else "")

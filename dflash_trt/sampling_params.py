@@ -45,3 +45,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether its drafts are sampled from the drafter and accepted by the "rejection" rule; a greedy or "match"
+        request is verified by the target's own choice instead, which draft trees and context lookups need."""
+        return not self.greedy and self.acceptance == "rejection"

@@ -354,7 +354,7 @@ class LLMEngine:
     def _tree_nodes(self, active: list[Sequence]) -> int:
         """Draft tree nodes for this step's batch: the engine's draft_tree for its size when every row is greedy or
         sampled under the "match" rule (trees verify by the target's own choice at each node), else 0 (a chain)."""
-        tree_rows = all(s.params.greedy or s.params.acceptance == "match" for s in active)
+        tree_rows = all(not s.params.samples_drafts for s in active)
         if not self.draft_tree or self.drafter is None or not tree_rows:
             return 0
         return expand(self.draft_tree, len(active))

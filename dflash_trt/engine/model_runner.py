@@ -103,7 +103,7 @@ class ModelRunner:
         drafted; a "rejection" row's are fresh draws, as that rule's acceptance tests need (its tokens depend on the
         drafts anyway)."""
         return torch.stack([
-            torch.rand(n, generator=s.generator) if s.params.acceptance == "rejection" and not s.params.greedy
+            torch.rand(n, generator=s.generator) if s.params.samples_drafts
             else s.uniforms.at(len(s.output_ids), n)
             for s in seqs
         ]).to(self.device)
@@ -197,7 +197,7 @@ class ModelRunner:
     def _chain_lookups(self, seqs: list[Sequence], num_draft: int) -> dict[int, list[tuple[int, float]]]:
         """A chain step's context lookups (spec/context_lookup.py): {row: its scored draft} for the greedy and
         "match" rows that have one (the "rejection" rule needs the drafter's distribution)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.greedy or s.params.acceptance == "match"]
+        rows = [i for i, s in enumerate(seqs) if not s.params.samples_drafts]
         branches = self._lookup_branches([seqs[i] for i in rows], min(num_draft, self.lookup_nodes))
         return {i: branch for i, branch in zip(rows, branches) if branch}
 
@@ -302,7 +302,7 @@ class ModelRunner:
         return features, positions.clamp_max(self.proposer.cache.max_len - 1)
 
     def _draft_sampling(self, seqs: list[Sequence]) -> DraftSampling | None:
-        idx = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.acceptance == "rejection"]
+        idx = [i for i, s in enumerate(seqs) if s.params.samples_drafts]
         if not idx:
             return None
         sub = [seqs[i] for i in idx]
