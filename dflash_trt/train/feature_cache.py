@@ -215,9 +215,9 @@ def build_feature_cache(
     total = sum(len(ids) for _, ids in sequences)
     bar = tqdm(total=total, initial=total - sum(len(ids) for _, ids in missing), desc="features", unit="tok",
                unit_scale=True, dynamic_ncols=True)
-    if not missing:
+    if not missing:  # the index as read is whole (a shard dropped from it leaves sequences missing)
         bar.close()
-        return FeatureCache(root)
+        return cached
     model = target if compute_with is None else compute_with()
     cache = model.make_cache(batch_rows, max(len(ids) for _, ids in missing))
     taken = {s["file"] for s in index["shards"]}
