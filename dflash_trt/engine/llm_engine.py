@@ -137,6 +137,9 @@ class LLMEngine:
         if config.speculative and drafter is None:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
+        if config.max_model_len > max_pos:  # a default above a small model's limit is routine; an asked-for one is not
+            logger.warning("max_model_len %d is past the target's max_position_embeddings (%d, its config.json): "
+                           "requests get at most %d tokens", config.max_model_len, max_pos, max_pos)
         self.max_model_len = min(config.max_model_len, max_pos)
         # both tables, whichever this CPU takes: the target cache keeps room for the larger
         trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}

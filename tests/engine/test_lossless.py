@@ -404,6 +404,18 @@ def test_context_limit_is_honoured(tiny_dirs):
     assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)[:13]
 
 
+def test_a_max_model_len_past_the_targets_positions_is_capped_with_a_warning_naming_both(tiny_dirs, caplog):
+    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=4096)  # the tiny target has 512 positions
+    assert engine.max_model_len == 512
+    assert any("max_model_len 4096" in r.getMessage() and "max_position_embeddings (512" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
+        assert _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=512).max_model_len == 512
+    assert not caplog.records
+
+
 def test_prompt_that_fills_the_context_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="max_model_len=16"):
         _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=16).generate([list(range(3, 19))])
