@@ -57,6 +57,10 @@ RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log
              "features", "target.json", "target.tmp"}
 
 
+# What an export writes in OUT/drafter (trainer.py Trainer.export).
+EXPORT_FILES = {"config.json", "model.safetensors", "draft_vocab.json", "training.json"}
+
+
 def check_out_dir(out_dir: Path, data_dir: Path) -> None:
     """Refuse an OUT that holds anything a run did not write: a run replaces OUT/drafter whole and rewrites its log,
     and would mix its files with the others (a model directory, a drafter downloaded to OUT/drafter)."""
@@ -67,8 +71,16 @@ def check_out_dir(out_dir: Path, data_dir: Path) -> None:
         ours.add(data_dir.resolve().relative_to(out_dir.resolve()).parts[0])  # --data OUT/NAME
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours and not p.name.startswith("."))
     drafter = out_dir / "drafter"
-    if drafter.is_dir() and any(drafter.iterdir()) and not (drafter / "training.json").is_file():
-        foreign.append("drafter/ (no training.json: not a drafter this command trained)")
+    if drafter.is_dir() and any(drafter.iterdir()):
+        # training.json alone does not say a run in OUT wrote it: a drafter this command trained elsewhere and
+        # shipped with a model card (this project's own) has one too, and the first export would replace it whole
+        extra = sorted(p.name for p in drafter.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+        if not (drafter / "training.json").is_file():
+            foreign.append("drafter/ (no training.json: not a drafter this command trained)")
+        elif extra:
+            foreign.append(f"drafter/ (holds {', '.join(extra[:3])}: more than a run exports)")
+        elif not any((out_dir / name).is_file() for name in ("checkpoint.pt", "train_log.jsonl")):
+            foreign.append("drafter/ (no checkpoint.pt or train_log.jsonl beside it: not this run's export)")
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise click.BadParameter(f"{out_dir} holds what no training run wrote ({shown}): choose a new or empty "

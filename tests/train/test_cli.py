@@ -151,6 +151,23 @@ def test_an_out_that_holds_what_no_run_wrote_is_refused_and_left_alone(target, t
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [holds]
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_drafter_with_a_training_record_that_no_run_in_out_exported_is_refused_and_left_alone(target, run, tmp_path,
+                                                                                             alone):
+    # This project's shipped drafter has a training.json too, beside its model card and training data; alone, a
+    # trained drafter copied into a fresh OUT has no run's checkpoint or log beside it.
+    out = tmp_path / "out"
+    shutil.copytree(run / "drafter", out / "drafter")
+    if not alone:
+        (out / "drafter" / "README.md").write_text("model card")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    r = _train(target, out)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '--out': {out} holds what no training run wrote (drafter/ (" in r.output
+    assert ("README.md" if not alone else "no checkpoint.pt or train_log.jsonl") in r.output
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
 def test_an_out_that_holds_its_own_data_under_another_name_is_continued(target, run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run, out)
