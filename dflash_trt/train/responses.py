@@ -42,7 +42,7 @@ def read_records(path: Path) -> list[dict]:
     stopping there would drop every record after it."""
     if not path.is_file():
         return []
-    lines = path.read_text(errors="replace").splitlines()
+    lines = path.read_bytes().splitlines()  # bytes: a line that is not UTF-8 is torn here as _drop_torn_tail sees it
     if lines and _torn(lines[-1]):
         lines.pop()
     out = []
@@ -50,11 +50,22 @@ def read_records(path: Path) -> list[dict]:
         if not line.strip():
             continue
         rec = None if _torn(line) else json.loads(line)
-        if not isinstance(rec, dict) or not all(k in rec for k in RECORD_KEYS):
-            raise ValueError(f"{path} line {n} is not a response record (JSON with {', '.join(RECORD_KEYS)}): "
-                             "delete that line (its response is generated again), or pass another --data")
+        if not _is_record(rec):
+            raise ValueError(f"{path} line {n} is not a response record (JSON with {', '.join(RECORD_KEYS)}; "
+                             "token ids as lists of integers): delete that line (its response is generated again), "
+                             "or pass another --data")
         out.append(rec)
     return out
+
+
+def _is_record(rec) -> bool:
+    """A response record's keys and value types (a float or a string among the ids would fail only in training)."""
+    def ids(v) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS)
+            and all(isinstance(rec[k], str) for k in ("id", "source", "split", "mode"))
+            and ids(rec["prompt_ids"]) and ids(rec["response_ids"]))
 
 
 def _drop_torn_tail(path: Path) -> None:

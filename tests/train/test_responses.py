@@ -37,7 +37,11 @@ def test_a_last_line_whole_but_for_its_newline_is_kept(engine, tmp_path):
     assert sorted(r["id"] for r in records) == ["0:greedy", "1:greedy", "2:greedy"]
 
 
-@pytest.mark.parametrize("damage", ['{"id": "0:gre', '{"id": "0:greedy"}', "[1, 2]"])
+WRONG_TYPES = ['{"id": "0:greedy", "source": "s", "split": "train", "mode": "greedy", "prompt_ids": [1], '
+               f'"response_ids": {ids}}}' for ids in ('"hello"', "[1, null]", "[1, 2.5]", "[true]")]
+
+
+@pytest.mark.parametrize("damage", ['{"id": "0:gre', '{"id": "0:greedy"}', "[1, 2]", *WRONG_TYPES])
 def test_a_damaged_line_before_the_last_is_refused_naming_it(engine, tmp_path, damage):
     path = tmp_path / "responses.jsonl"
     generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
@@ -46,3 +50,14 @@ def test_a_damaged_line_before_the_last_is_refused_naming_it(engine, tmp_path, d
     with pytest.raises(ValueError, match=f"{path} line 2 is not a response record .*: delete that line"):
         generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
     assert path.read_text().splitlines() == [lines[0], damage, *lines[2:]]  # nothing rewritten
+
+
+def test_a_last_line_that_is_not_utf8_is_torn_and_generated_again(engine, tmp_path):
+    # read and append alike: kept by one and cut by the other, the record was dropped from disk without a word
+    path = tmp_path / "responses.jsonl"
+    generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([lines[0], lines[1].replace(b'"greedy"', b'"gr\xe9edy"', 1)]) + b"\n")
+    records = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    assert sorted(r["id"] for r in records) == ["0:greedy", "1:greedy"]
+    assert path.read_bytes().splitlines() == lines
