@@ -54,7 +54,7 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
 # interrupted write's leftovers.
 RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log.jsonl.tmp", "drafter",
              "drafter.tmp", "drafter.old", "data", "responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp",
-             "features", "target.json", "target.tmp"}
+             "features", "target.json", "target.tmp", "self_prompts.meta.json"}
 
 
 # What an export writes in OUT/drafter (trainer.py Trainer.export).
@@ -113,7 +113,13 @@ def check_data_target(data_dir: Path, target_dir: Path) -> None:
     record = data_dir / TARGET_RECORD
     mine = target_fingerprint(target_dir)
     if record.is_file():
-        theirs = json.loads(record.read_text())
+        try:
+            theirs = json.loads(record.read_bytes())
+            if not isinstance(theirs, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:  # not JSON, not UTF-8, or not the record
+            raise click.BadParameter(f"{record} is not the record of the target DATA was made with ({e}): restore "
+                                     "it, or pass another --data", param_hint="'--data'") from None
         if theirs.get("fingerprint") != mine:
             raise click.BadParameter(f"{data_dir} holds the responses and features of another target "
                                      f"({theirs.get('target', 'unknown')}, by {record}): pass another --data, or the "

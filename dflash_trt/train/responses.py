@@ -104,12 +104,13 @@ def generate_responses(
     deadline (time.monotonic()): start no batch after it; a later call picks up what is missing.
     """
     stored = {r["id"]: r["prompt_ids"] for r in read_records(out_path)}
-    jobs, strangers = [], []
+    jobs, strangers, wanted = [], [], set()
     for i, p in enumerate(prompts):
         ids = engine.encode(p.text, chat=True)
         modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
+            wanted.add(rid)
             if rid not in stored:
                 jobs.append((rid, p, mode, ids))
             elif stored[rid] != ids:
@@ -145,4 +146,10 @@ def generate_responses(
             bar.update(len(batch))
             bar.set_postfix(tokens=sum(len(o.token_ids) for o in outs))
     bar.close()
-    return read_records(out_path)
+    records = read_records(out_path)
+    kept = [r for r in records if r["id"] in wanted]
+    if len(kept) < len(records):
+        logger.warning("%s: %d stored records answer prompts or samples this run does not ask for (a smaller "
+                       "--max-prompts or --sampled-variants than the run that wrote them): left out of training",
+                       out_path, len(records) - len(kept))
+    return kept

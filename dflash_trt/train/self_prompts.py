@@ -199,11 +199,14 @@ def answer_with_summaries(engine: LLMEngine, tokenizer, prompts: list[Prompt], o
 def read_prompts(path: Path) -> list[Prompt]:
     """Prompts stored one JSON object ({text, source}) per line."""
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            out.append(Prompt(**json.loads(line)))
+            prompt = Prompt(**json.loads(line))  # bytes that are not UTF-8 raise a ValueError here
+            if not isinstance(prompt.text, str) or not isinstance(prompt.source, str):
+                raise TypeError
+            out.append(prompt)
         except (ValueError, TypeError):  # not JSON, or not {text, source}
             # Records name prompts by position: a prompt dropped or made up would relabel every one after it.
             raise ValueError(f"{path} line {n} is not a prompt (JSON with text, source): restore the file, or pass "
@@ -224,10 +227,21 @@ def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exc
     """The prompts stored at path, else generated (generate_self_prompts, its keyword arguments in sampling) and
     stored. A rerun reuses them: records name prompts by position, and a regeneration on other numerics would sample
     other texts."""
+    asked = path.with_suffix(".meta.json")  # the count they were written for (data from before it has none)
     if path.is_file():
         prompts = read_prompts(path)
-        logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
+        try:
+            written_for = json.loads(asked.read_text())["per_persona"]
+        except (OSError, ValueError, KeyError, TypeError):
+            written_for = None
+        if written_for not in (None, num_per_persona):  # else another count would change nothing, unseen
+            logger.warning("%s: reusing its %d self-written prompts, written for %d per persona, not the %d asked now "
+                           "(records name prompts by position); for others, pass a new --data", path, len(prompts),
+                           written_for, num_per_persona)
+        else:
+            logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
         return prompts
     prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude, **sampling)
     write_prompts(path, prompts)
+    asked.write_text(json.dumps({"per_persona": num_per_persona}) + "\n")
     return prompts

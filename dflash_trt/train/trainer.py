@@ -407,9 +407,9 @@ class Trainer:
 
     # -- loop ---------------------------------------------------------------------------------------
     def train(self) -> None:
-        """Train up to cfg.steps. Ctrl-C lets the step in flight finish, saves checkpoint.pt there and raises
-        KeyboardInterrupt (a second Ctrl-C stops at once, back to the last checkpoint)."""
-        with _FinishStepOnSigint(self.out_dir / "checkpoint.pt") as stop:
+        """Train up to cfg.steps. Ctrl-C or SIGTERM lets the step in flight finish, saves checkpoint.pt there and
+        raises KeyboardInterrupt (a second one stops at once, back to the last checkpoint)."""
+        with _FinishStepOnInterrupt(self.out_dir / "checkpoint.pt") as stop:
             self._train(stop)
         if stop.requested and self.step < self.cfg.steps:
             if self._saved_step != self.step:
@@ -447,7 +447,7 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm}
 
-    def _train(self, stop: _FinishStepOnSigint) -> None:
+    def _train(self, stop: _FinishStepOnInterrupt) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         self.drafter.train()
@@ -599,32 +599,38 @@ def _settle_export(path: Path) -> tuple[Path, Path]:
     return tmp, old
 
 
-class _FinishStepOnSigint:
-    """While training: a first SIGINT asks the loop to stop after the step in flight (interrupted midway, the
-    drafter and optimizer would be half updated, so not worth saving); a second raises KeyboardInterrupt at once."""
+class _FinishStepOnInterrupt:
+    """While training: a first SIGINT (Ctrl-C) or SIGTERM (`timeout`, `docker stop`, a scheduler's preemption) asks
+    the loop to stop after the step in flight (interrupted midway, the drafter and optimizer would be half updated, so
+    not worth saving); a second raises KeyboardInterrupt at once."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    # getsignal gives None for a handler set outside Python: Python's own is the closest.
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def __init__(self, checkpoint: Path) -> None:
-        self.checkpoint, self.requested, self._installed, self._previous = checkpoint, False, False, None
+        self.checkpoint, self.requested, self._previous = checkpoint, False, {}
 
-    def __enter__(self) -> "_FinishStepOnSigint":
-        # Only the main thread may set handlers; an ignored SIGINT (a background job) stays ignored.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+    def __enter__(self) -> "_FinishStepOnInterrupt":
+        # Only the main thread may set handlers; an ignored signal (SIGINT in a background job) stays ignored.
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) != signal.SIG_IGN:
+                    self._previous[sig] = signal.getsignal(sig)
+                    signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        logger.warning("Ctrl-C: stopping after this step, to save it in %s (Ctrl-C again stops at once, losing the "
-                       "steps since the last checkpoint)", self.checkpoint)
+        name = self.SIGNALS.get(signum, "a signal")
+        logger.warning("%s: stopping after this step, to save it in %s (Ctrl-C or SIGTERM again stops at once, losing "
+                       "the steps since the last checkpoint)", name, self.checkpoint)
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            # getsignal gives None for a handler set outside Python: Python's own is the closest.
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else self.DEFAULTS[sig])
 
 
 def _name_of(names: dict[str, torch.dtype], dtype: torch.dtype) -> str:

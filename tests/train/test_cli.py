@@ -205,15 +205,17 @@ def test_responses_of_another_target_are_refused_naming_the_file(target, run, tm
     assert f"{data / 'responses.jsonl'}: record {rec['id']} holds token ids outside the target's vocabulary" in r.output
 
 
-def test_ctrl_c_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path, monkeypatch,
-                                                                                ctrl_c_reaches_python):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path,
+                                                                                          monkeypatch, sig,
+                                                                                          ctrl_c_reaches_python):
     out, calls = tmp_path / "out", []
     loss = Trainer._batch_loss
 
     def pressed_in_step_3(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
         return loss(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "_batch_loss", pressed_in_step_3)
@@ -222,6 +224,7 @@ def test_ctrl_c_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(
     assert f"training at step 3 in {out / 'checkpoint.pt'}. Run the same command with --resume" in r.output
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3 and _log_steps(out) == [1, 2, 3]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     monkeypatch.undo()
     r = _train(target, out, "--data", str(run / "data"), "--steps", "6", "--eval-every", "100", "--resume")
     assert r.exit_code == 0, r.output
@@ -312,6 +315,16 @@ def test_data_made_by_another_target_of_the_same_shape_is_refused(target, run, t
     r = _train(other, tmp_path / "out", "--data", str(run / "data"))
     assert r.exit_code == 2 and "Invalid value for '--data'" in r.output and "another target" in r.output, r.output
     assert str(target) in r.output  # the target the data was made with
+
+
+@pytest.mark.parametrize("damage", [b"", b"[]", b'{"target": "x\xe9"}'])
+def test_a_damaged_target_record_in_data_is_refused_naming_it(target, run, tmp_path, damage):
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data)
+    (data / "target.json").write_bytes(damage)
+    r = _train(target, tmp_path / "out", "--data", str(data))
+    assert r.exit_code == 2 and f"{data / 'target.json'} is not the record of the target" in r.output, r.output
+    assert (data / "target.json").read_bytes() == damage
 
 
 def test_records_at_other_prompts_positions_are_refused_naming_them(target, run, tmp_path):

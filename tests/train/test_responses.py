@@ -1,5 +1,7 @@
 """The stored responses: a run killed mid-write resumes without losing or regenerating what was stored."""
 
+import logging
+
 import pytest
 
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
@@ -61,3 +63,14 @@ def test_a_last_line_that_is_not_utf8_is_torn_and_generated_again(engine, tmp_pa
     records = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
     assert sorted(r["id"] for r in records) == ["0:greedy", "1:greedy"]
     assert path.read_bytes().splitlines() == lines
+
+
+def test_records_of_prompts_or_samples_a_run_does_not_ask_for_are_left_out_with_a_warning(engine, tmp_path, caplog):
+    path = tmp_path / "responses.jsonl"
+    generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=1)
+    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
+        records = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    assert sorted(r["id"] for r in records) == ["0:greedy", "1:greedy"]
+    assert any("4 stored records answer prompts or samples this run does not ask for" in r.getMessage()
+               for r in caplog.records)
+    assert len(path.read_text().splitlines()) == 6  # kept on disk for a run that asks for them again

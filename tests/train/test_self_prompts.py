@@ -174,3 +174,28 @@ def test_qa_answers_are_the_greedy_answers_to_the_qa_requests_in_prompt_order(sm
                {"id": "9:sample0", "source": "self/qa", "mode": "sample0", "response_ids": enc("A sample.")},
                {"id": "10:greedy", "source": "self/chat", "mode": "greedy", "response_ids": enc("A chat answer.")}]
     assert qa_answers(records, tok) == ["First answer.", "Second answer."]
+
+
+def test_stored_prompts_written_for_another_count_are_reused_with_a_warning_naming_both(smollm2_dir, tmp_path, caplog):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(4 * len(PERSONAS))]
+    path = tmp_path / "self_prompts.jsonl"
+    first = cached_self_prompts(_ScriptedEngine(tok, script), path, 1)
+    with caplog.at_level(logging.INFO, logger="dflash_trt"):
+        assert cached_self_prompts(_ScriptedEngine(tok, []), path, 1) == first
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert cached_self_prompts(_ScriptedEngine(tok, []), path, 3) == first
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "written for 1 per persona, not the 3 asked now" in warned[0]
+
+
+def test_a_stored_prompt_that_is_not_utf8_is_refused_naming_its_line(tmp_path):
+    path = tmp_path / "self_prompts.jsonl"
+    write_prompts(path, [Prompt("How do I sort a list?", "self/code"), Prompt("Why is the sky blue?", "self/qa")])
+    path.write_bytes(path.read_bytes().replace(b"sky", b"sk\xe9"))
+    with pytest.raises(ValueError, match=f"{path} line 2 is not a prompt"):
+        read_prompts(path)
