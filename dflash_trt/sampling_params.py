@@ -7,12 +7,16 @@ from typing import Literal
 
 AcceptanceRule = Literal["match", "rejection"]
 
+# Temperatures below this decode greedily: logits divided by one overflow fp32 to inf, and the softmax of those is NaN
+# (1e-38 sampled garbage); at 1e-5 a logit gap of 0.001 is already a factor e^100 (vLLM's cut too).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How one request decodes.
 
-    temperature 0 is greedy. With temperature > 0, `acceptance` picks the lossless rule:
+    temperature 0 (or below GREEDY_BELOW) is greedy. With temperature > 0, `acceptance` picks the lossless rule:
     "match" drafts the drafter's argmax and keeps a draft token only when it equals the target's own
     sample (speculative sampling with a one-hot draft distribution); "rejection" samples drafts from
     the drafter's distribution q and accepts with probability min(1, p/q) (arXiv 2211.17192).
@@ -33,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

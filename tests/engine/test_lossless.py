@@ -803,3 +803,12 @@ def test_greedy_at_the_context_end_and_rows_that_finish_mid_block_beside_others(
     for s, p in zip((a, c, d), (prompts[0], prompts[2], prompts[3])):
         assert s.output_ids == hf_greedy(tiny_dirs["qwen3"], p, new=20)
     assert engine.scheduler.slots.num_used == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-44, 1e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_dirs, temperature):
+    # logits / 1e-38 overflow fp32 to inf, whose softmax is NaN: sampled, such a request wrote garbage
+    p = _prompts(2)[1]
+    out = _engine(tiny_dirs, "qwen3", 3, rows=1).generate(
+        [p], SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=0))[0]
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
