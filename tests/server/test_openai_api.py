@@ -444,3 +444,32 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_the_server_answers_others_while_a_prompt_is_tokenized(server, oracle, monkeypatch, route):
+    # A 12 MB prompt took 7 s to tokenize on the event loop, and /health and every stream waited for it.
+    import threading
+
+    name = "encode" if route == "completions" else "encode_chat"
+    tokenize, started, release = getattr(server.engine, name), threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine, name, slow)
+    body = ({"prompt": PROMPTS[4]} if route == "completions"
+            else {"messages": [{"role": "user", "content": PROMPTS[4]}]})
+    with httpx.Client(timeout=60) as client:
+        pending = threading.Thread(target=lambda: client.post(
+            f"{server.base_url}/{'completions' if route == 'completions' else 'chat/completions'}",
+            json={"model": MODEL, "max_tokens": 4, "temperature": 0, **body}))
+        pending.start()
+        try:
+            assert started.wait(30)
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # while the prompt tokenizes
+        finally:
+            release.set()
+            pending.join(60)
