@@ -128,6 +128,14 @@ _LINEAR_PATHS = {"tiles": "AMX tiles", "panels": "the kernel's AVX2 panels",
                  "rows": "the kernel's dot products (no AMX)", None: "torch/oneDNN"}
 
 
+def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
+    """Whether the text of ids holds a stop string: decoded once for all of them (a request may send thousands), as
+    a client gets it (without special tokens, as make_output decodes it), without the U+FFFD of a character whose
+    bytes have not all come yet (a stop string holding one would match half a character)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    return any(x in text for x in stops)
+
+
 class LLMEngine:
     def __init__(self, target: torch.nn.Module, tokenizer, drafter: DFlashDrafter | None, config: EngineConfig) -> None:
         self.config = config
@@ -261,9 +269,7 @@ class LLMEngine:
             # Only the output's tail is decoded: as many tokens as the longest stop string can span (a token that
             # is not special decodes to at least one byte), 64 at least.
             tail = max(64, max(len(x.encode()) for x in stops) + 1)
-            # the text a client gets: without special tokens, as make_output decodes it
-            seq.stop_check = lambda ids: any(x in self.tokenizer.decode(ids[-tail:], skip_special_tokens=True)
-                                             for x in stops)
+            seq.stop_check = lambda ids: _holds_stop(self.tokenizer, ids[-tail:], stops)
         return seq
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

@@ -1,0 +1,39 @@
+"""The engine's stop-string check: the text a client gets, decoded once however many stop strings a request sends,
+and never matched against the U+FFFD that stands for a character whose bytes have not all come yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_trt.engine.llm_engine import _holds_stop
+
+
+class CountingTokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, *args, **kwargs) -> str:
+        self.calls += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def test_a_stop_string_is_found_in_the_decoded_text_with_one_decode_for_all_strings(tokenizer):
+    ids = tokenizer.encode("The answer is 42.\n\nNext")
+    counting = CountingTokenizer(tokenizer)
+    stops = [f"never {i}" for i in range(1000)] + ["\n\n"]
+    assert _holds_stop(counting, ids, stops) and counting.calls == 1
+    assert not _holds_stop(counting, ids, stops[:1000]) and counting.calls == 2
+
+
+def test_half_a_character_does_not_match_a_stop_string_holding_a_replacement_character(tokenizer):
+    ids = tokenizer.encode("hi 😀")
+    half = next(ids[:n] for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    assert not _holds_stop(tokenizer, half, ["\ufffd"])
+    assert _holds_stop(tokenizer, ids, ["😀"]) and not _holds_stop(tokenizer, half, ["😀"])
