@@ -244,6 +244,10 @@ class LLMEngine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")
+        if "developer" not in self.tokenizer.chat_template:
+            # OpenAI's newer name for the system role: a template without it renders a turn of a role the model never
+            # saw (SmolLM2's also adds its default system prompt before it)
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
