@@ -317,16 +317,15 @@ class LLMEngine:
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)
-        if batch.prefills:
-            chunks = batch.prefills
-            firsts = self.runner.prefill([c.seq for c in chunks], [c.start for c in chunks], [c.end for c in chunks])
-            now = time.perf_counter()
-            for c, t in zip(chunks, firsts):
-                c.seq.num_prefilled = c.end
-                if t is not None:
-                    c.seq.decode_start = now
-                    c.seq.append([t], self.max_model_len)
-                    result.updated.append(c.seq)
+        for c in batch.prefills:
+            # one forward per chunk: batched, a chunk's rows would be padded to its neighbours' and its sums shaped by
+            # them (the scheduler's grid: a prompt's K/V must not depend on what arrived with it)
+            (t,) = self.runner.prefill([c.seq], [c.start], [c.end])
+            c.seq.num_prefilled = c.end
+            if t is not None:
+                c.seq.decode_start = time.perf_counter()
+                c.seq.append([t], self.max_model_len)
+                result.updated.append(c.seq)
         if batch.decodes:
             active, k = batch.decodes, batch.num_draft
             if self.adaptive is not None:

@@ -7,9 +7,16 @@ request whose prompt is fully cached. A request leaves when it finishes, fails o
 its row is free for the next step. Methods are thread-safe: requests and aborts may arrive from any
 thread while one engine thread calls `schedule` and `finish`.
 
+A prompt's chunks lie on a grid of its own positions (max_prefill_tokens each, the last one shorter), whatever
+else runs, and a chunk waits for a step with room for all of it. Cut where a neighbour's chunk left room, a chunk
+would be computed another way (past 256 tokens or 128 rows the CPU's attention and linears are SDPA's and
+oneDNN's, whose bf16 sums depend on the shapes), and a prompt's K/V, and so its greedy answer, would depend on the
+requests that arrived with it (the engine also prefills each chunk in a forward of its own).
+
 Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
-Step 1: prefill A[0:5] and B[0:3]. Step 2: decode A; prefill B[3:11]. Step 3: decode A; prefill
-B[11:20] (B samples its first token). Step 4: decode A and B together.
+Step 1: prefill A[0:5] (B's first chunk, 8 tokens, does not fit the 3 left). Step 2: decode A; prefill
+B[0:8]. Step 3: decode A; prefill B[8:16]. Step 4: decode A; prefill B[16:20] (B samples its first
+token). Step 5: decode A and B together.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ class PrefillChunk:
     @property
     def is_last(self) -> bool:
         return self.end == len(self.seq.prompt_ids)
+
+    def __len__(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
@@ -160,15 +170,16 @@ class Scheduler:
             for seq in self._running.values():  # oldest first
                 if seq.is_prefilled:
                     decodes.append(seq)
-                elif budget > 0:
-                    prefills.append(self._chunk(seq, budget))
-                    budget -= prefills[-1].end - prefills[-1].start
-            while self.waiting and self.slots.num_free and budget > 0:
+                elif len(chunk := self._chunk(seq)) <= budget:
+                    prefills.append(chunk)
+                    budget -= len(chunk)
+            # in order: a long prompt at the head is not passed by shorter ones, which would starve it
+            while self.waiting and self.slots.num_free and len(chunk := self._chunk(self.waiting[0])) <= budget:
                 seq = self.waiting.popleft()
                 seq.slot = self.slots.allocate()
                 self._running[seq.request_id] = seq
-                prefills.append(self._chunk(seq, budget))
-                budget -= prefills[-1].end - prefills[-1].start
+                prefills.append(chunk)
+                budget -= len(chunk)
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
 
@@ -210,9 +221,10 @@ class Scheduler:
             self.slots.free(seq.slot)
         self._abort_ids.discard(seq.request_id)
 
-    def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
+    def _chunk(self, seq: Sequence) -> PrefillChunk:
+        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks)."""
         start = seq.num_prefilled
-        return PrefillChunk(seq, start, min(len(seq.prompt_ids), start + budget))
+        return PrefillChunk(seq, start, min(len(seq.prompt_ids), start + self.config.max_prefill_tokens))
 
     def _draft_len(self, decodes: list[Sequence]) -> int:
         """K for this step: the schedule's K for the load (the most requests running over the last load_window

@@ -86,7 +86,8 @@ def _engine_options(f):
                      help=f"Requests waiting for a row beyond which the server answers 503 (default: "
                      f"{DEFAULT_MAX_QUEUE_LEN})."),
         click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=None,
-                     help=f"Prompt tokens per step; longer prompts are chunked (default: {DEFAULT_MAX_PREFILL_TOKENS})."),
+                     help=f"Prompt tokens per step; longer prompts are chunked, each on a grid of its own positions "
+                          f"(default: {DEFAULT_MAX_PREFILL_TOKENS})."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Default: the engine's dtype with ENGINE, else float32."),
         click.option("--head-screen/--full-head", default=None,

@@ -37,12 +37,46 @@ def test_worked_example_of_the_docstring_chunks_and_interleaves():
         spans.append(([(c.seq is a, c.start, c.end) for c in batch.prefills], [s is a for s in batch.decodes]))
         _run(sched, batch)
     assert spans == [
-        ([(True, 0, 5), (False, 0, 3)], []),  # 5 + 3 = the 8-token budget
-        ([(False, 3, 11)], [True]),
-        ([(False, 11, 19)], [True]),
-        ([(False, 19, 20)], [True]),  # B's last chunk samples its first token
+        ([(True, 0, 5)], []),  # B's first chunk (8) does not fit the 3 tokens left: it waits, in the queue
+        ([(False, 0, 8)], [True]),
+        ([(False, 8, 16)], [True]),
+        ([(False, 16, 20)], [True]),  # B's last chunk samples its first token
     ]
     assert sched.schedule().decodes == [a, b]
+
+
+def test_a_prompts_chunks_lie_on_its_own_grid_whatever_arrives_with_it():
+    # Cut where a neighbour left room, a chunk would be computed another way (SDPA's and oneDNN's bf16 sums depend on
+    # the shapes) and the prompt's K/V would depend on the requests around it.
+    def chunks_of(target_len, others, arrive_at):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=64, max_prefill_tokens=8))
+        target, spans = _seq(target_len, new=2), []
+        for step in range(12):
+            if step == arrive_at:
+                sched.add(target)
+            if step == 0:
+                for n in others:
+                    sched.add(_seq(n, new=6))
+            batch = sched.schedule()
+            spans += [(c.start, c.end) for c in batch.prefills if c.seq is target]
+            _run(sched, batch)
+        return spans
+
+    alone = chunks_of(21, [], 0)
+    assert alone == [(0, 8), (8, 16), (16, 21)]
+    for others, arrive_at in [([5], 0), ([13], 0), ([3, 19], 0), ([19], 1), ([6, 6], 1)]:
+        assert chunks_of(21, others, arrive_at) == alone, (others, arrive_at)
+
+
+def test_a_long_prompt_at_the_head_of_the_queue_is_not_passed_by_shorter_ones():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=64, max_prefill_tokens=8))
+    first, long, short = _seq(5), _seq(16), _seq(2)
+    for s in (first, long, short):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [c.seq for c in batch.prefills] == [first] and sched.num_waiting == 2  # 3 left: the long one's 8 wait
+    _run(sched, batch)
+    assert [c.seq for c in sched.schedule().prefills] == [long]
 
 
 def test_queue_is_bounded_beyond_the_free_rows():

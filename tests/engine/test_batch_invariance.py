@@ -1,0 +1,41 @@
+"""A prompt's K/V, and so its greedy answer, do not depend on the requests that arrive with it: on the real SmolLM2
+in bf16, where chunks past 256 tokens run SDPA's attention and oneDNN's linears, whose sums depend on the shapes (a
+prompt batched with another one's last chunk, or cut where that chunk left room, came out up to 0.6 off in its keys).
+The oracle is the same engine serving the prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return LLMEngine.from_dirs(smollm2_dir, None, EngineConfig(max_batch_size=2, speculative=False,
+                                                               dtype="bfloat16", max_model_len=2048))
+
+
+def served(engine: LLMEngine, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it."""
+    seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    for s in seqs:
+        engine.scheduler.add(s)
+    mine, kv = seqs[-1], None
+    while engine.has_unfinished():
+        engine.step()
+        if kv is None and mine.num_prefilled == len(mine.prompt_ids):
+            cache, n = engine.runner.target_cache, len(mine.prompt_ids)
+            kv = torch.stack([cache.k[:, mine.slot, :, :n], cache.v[:, mine.slot, :, :n]]).clone()
+    return kv, mine.output_ids
+
+
+def test_a_prompt_prefilled_beside_another_long_one_gets_the_same_kv_and_answer(engine):
+    other = engine.encode(" ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60)) + " Summary:")
+    mine = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
+    assert len(other) > 512 and len(mine) > 512  # two chunks each at the default max_prefill_tokens
+    kv_alone, answer_alone = served(engine, [mine])
+    kv_beside, answer_beside = served(engine, [other, mine])
+    assert torch.equal(kv_beside, kv_alone) and answer_beside == answer_alone
