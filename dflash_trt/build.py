@@ -7,6 +7,8 @@ renamed into place last, so an interrupted build never leaves a directory that s
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -29,7 +31,7 @@ from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index
+from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
@@ -157,24 +159,51 @@ def _stall(step: str) -> None:
         time.sleep(3600)
 
 
-def _pid_alive(pid: int) -> bool:
+LOCK_SUFFIX = ".lock"
+
+
+@contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`.lock for the block, taken before `path` exists: while it is held, other builds
+    beside it see `path` as a live build's. A lock, not the PID in the name: a build in another container sharing
+    the directory has PIDs of its own namespace, and one of them once deleted a live build's half-written engine,
+    which then wrote a manifest over what was left. The lock goes with the process, SIGKILL included."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _lock_free(lock: Path) -> bool:
+    """Whether `lock` exists and no process holds it."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except OSError:  # held
+        return False
+    finally:
+        os.close(fd)
 
 
-def _dead_builds(out: Path, kind: str, name: str | None = None) -> Iterator[Path]:
-    """`out`'s `.NAME.{kind}-PID-...` siblings (NAME: out's name, or `name`, a glob) whose build process is gone."""
-    for path in out.parent.glob(f".{out.name if name is None else name}.{kind}-*"):
-        try:
-            pid = int(path.name.split(f".{kind}-")[1].split("-")[0])
-        except (IndexError, ValueError):
+def _dead_builds(out: Path, kind: str, any_name: bool = False) -> Iterator[Path]:
+    """`out`'s `.NAME.{kind}-...` siblings (NAME: out's name, or any with any_name) whose build is gone: a temporary
+    build directory only where its lock file is left and free (a directory without one is not provably a build's,
+    say `.site.build-2024-backup`), a set-aside engine ("old") unless its lock is held (builds before the lock
+    left none)."""
+    pattern = f".{'*' if any_name else glob.escape(out.name)}.{kind}-*"
+    for path in out.parent.glob(pattern):
+        if not path.is_dir():
             continue
-        if not _pid_alive(pid):
+        lock = path.with_name(path.name + LOCK_SUFFIX)
+        if _lock_free(lock) or (kind == "old" and not lock.exists()):
             yield path
 
 
@@ -184,14 +213,16 @@ def _remove_stale_temps(out: Path) -> None:
     power) between the two renames, no engine is at `out` and the previous one is put back rather than deleted."""
     # Any engine's, not only out's: a killed build of another name would keep its half-written copy (hundreds of
     # MB) until that name was built again. An engine set aside (below) is out's alone: it may have to go back.
-    for tmp in _dead_builds(out, "build", name="*"):
+    for tmp in _dead_builds(out, "build", any_name=True):
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.with_name(tmp.name + LOCK_SUFFIX).unlink(missing_ok=True)
     for old in _dead_builds(out, "old"):
         if not out.exists() and (old / MANIFEST).is_file():
             old.rename(out)
             logger.warning("%s: put back the engine a killed --force build had set aside", out)
         else:
             shutil.rmtree(old, ignore_errors=True)
+        old.with_name(old.name + LOCK_SUFFIX).unlink(missing_ok=True)
 
 
 def _check_output(out: Path, force: bool) -> None:
@@ -216,7 +247,7 @@ def _weight_files(src: Path) -> list[Path]:
     if index.is_file():
         files = sorted(set(read_index(index).values()))
     else:
-        files = sorted(src.glob("*.safetensors"))
+        files = safetensors_files(src)
     if not files:
         raise CheckpointError(f"{src}: no *.safetensors weights")
     for f in files:
@@ -234,7 +265,7 @@ def _copy(src: Path, dst: Path, bar) -> None:
 
 
 def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: list[Path], link: bool, bar) -> None:
-    dst.mkdir(parents=True)
+    dst.mkdir()  # not parents: a temp directory removed under the build fails it
     for name in config_files:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
@@ -253,7 +284,7 @@ def _tokenizer_files(src: Path) -> list[str]:
 
 
 def _write_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
-    dst.mkdir(parents=True)
+    dst.mkdir()  # not parents: a temp directory removed under the build fails it
     copied = _tokenizer_files(src)
     for n in copied:
         shutil.copy2(src / n, dst / n)
@@ -323,7 +354,9 @@ def _check_tensors(p: PreparedBuild) -> None:
 
         with torch.device("meta"):
             target = TARGET_ARCHITECTURES[p.target_config.architecture](p.target_config)
-        target.load_weights(WeightSet(p.target.path))
+        weights = WeightSet(p.target.path)
+        target.load_weights(weights)
+        weights.check_no_layers_beyond(p.target_config.num_hidden_layers)
 
 
 def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict | None = None, force: bool = False,
@@ -346,7 +379,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with _sigterm_unwinds():
+    with _sigterm_unwinds(), _held(tmp):
         tmp.mkdir()
         _write_files(p, out, tmp, weights, force, progress)
     return out
@@ -401,9 +434,10 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
             _check_output(out, force)  # again: another process may have written `out` during this build
             if out.exists():  # --force: swap, then delete the old engine
                 old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                out.rename(old)
-                tmp.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
+                with _held(old):
+                    out.rename(old)
+                    tmp.rename(out)
+                    shutil.rmtree(old, ignore_errors=True)
             else:
                 tmp.rename(out)
     except BaseException:

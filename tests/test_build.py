@@ -296,6 +296,19 @@ def test_a_drafter_whose_weights_do_not_match_its_config_fails_naming_it(tiny_di
     assert r.exit_code != 0 and words in r.output and "Traceback" not in r.output
 
 
+def test_a_target_config_that_undercounts_its_layers_fails_naming_them(tiny_dirs, tmp_path):
+    # Else it built, and generate wrote nonsense from 3 of the target's 4 layers.
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    config = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    words = "hold layers 3 beyond num_hidden_layers=3"
+    with pytest.raises(ValueError, match=words):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+    r = CliRunner().invoke(main, ["generate", "--target", str(t), "--no-spec", "-p", "hi"])
+    assert r.exit_code != 0 and words in r.output and "Traceback" not in r.output
+
+
 def test_a_truncated_safetensors_file_is_named_not_a_traceback(tiny_dirs, tmp_path):
     d = tmp_path / "drafter"
     shutil.copytree(tiny_dirs["qwen3_drafter"], d)
@@ -587,6 +600,28 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_a_build_directory_whose_lock_is_held_or_absent_is_left_alone_whatever_its_pid(tiny_dirs, tmp_path):
+    # Another container's build has PIDs of its own namespace: its directory's PID may be dead here. Its lock is what
+    # says it is live; a directory with no lock beside it is not provably a build's at all.
+    import fcntl
+
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    engines = tmp_path / "engines"
+    live, foreign = engines / f".g.build-{_dead_pid()}-0000abcd", engines / ".website.build-2024-backup"
+    for d in (live, foreign):
+        d.mkdir(parents=True)
+        (d / "keep").write_text("mine")
+    fd = os.open(engines / (live.name + ".lock"), os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the other build holds it
+        build_engine(cfg, engines / "e", progress=False)
+        assert (live / "keep").is_file() and (foreign / "keep").is_file()
+    finally:
+        os.close(fd)
+    build_engine(cfg, engines / "e", force=True, progress=False)  # its build is gone: its lock is free
+    assert sorted(p.name for p in engines.iterdir()) == [foreign.name, "e"]
+
+
 def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs, tmp_path):
     cfg = write_config(tmp_path, tiny_dirs["llama"], None)
     out = build_engine(cfg, tmp_path / "e", progress=False)
@@ -601,6 +636,19 @@ def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs
     shutil.copytree(out, aside)
     build_engine(cfg, out, force=True, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")) == []
+
+
+def test_hidden_safetensors_files_a_copy_left_are_neither_read_nor_built_in(tiny_dirs, tmp_path):
+    # macOS copies leave `._NAME` beside every file: the loaders read them as shards, while the engine's checksums
+    # (which skip hidden files) passed them
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    (drafter / "._model.safetensors").write_bytes(os.urandom(4096))
+    out = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], drafter), tmp_path / "e", progress=False)
+    assert not any("._" in f for f in EngineDir(out).manifest["files"])
+    (out / "drafter" / "._model.safetensors").write_bytes(os.urandom(4096))
+    EngineDir(out).verify()
+    assert open_engine(out).drafter is not None
 
 
 def test_drafter_weights_under_any_file_name_travel_into_the_engine(tiny_dirs, tmp_path):

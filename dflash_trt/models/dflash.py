@@ -470,12 +470,8 @@ class DFlashDrafter(nn.Module):
             up = weights.get(m + "up_proj.weight", (c.intermediate_size, h))
             put(m + "gate_up_proj.weight", torch.cat([gate, up]))
             put(m + "down_proj.weight", weights.get(m + "down_proj.weight", (h, c.intermediate_size)))
+        weights.check_no_layers_beyond(c.num_hidden_layers)  # else it would draft with some of them
         unused = weights.unused()
-        layers = {n.split(".")[1] for n in unused if n.startswith("layers.")}
-        deeper = sorted(int(i) for i in layers if i.isdigit() and int(i) >= c.num_hidden_layers)
-        if deeper:  # a config.json that undercounts the checkpoint's layers would draft with some of them
-            raise CheckpointError(f"{weights.model_dir}: the weights hold layers {', '.join(map(str, deeper))} beyond "
-                                  f"num_hidden_layers={c.num_hidden_layers} in config.json")
         if unused:
             logger.warning("%s: %d drafter tensors not used, e.g. %s", weights.model_dir, len(unused), unused[:3])
 

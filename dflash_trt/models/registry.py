@@ -39,6 +39,7 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     weights = WeightSet(model_dir)
     with torch.no_grad():
         model.load_weights(weights)
+    weights.check_no_layers_beyond(cfg.num_hidden_layers)
     skipped = [n for n in weights.unused() if not n.endswith("rotary_emb.inv_freq")]
     if skipped:
         logger.warning("%s: %d tensors not used by %s, e.g. %s", model_dir, len(skipped), cls.__name__, skipped[:3])

@@ -7,6 +7,7 @@ reported before any generation starts.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -40,6 +41,12 @@ def read_index(index: Path) -> dict[str, Path]:
     return file_of
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """A directory's *.safetensors, hidden files left out, as an engine's checksums leave them (the `._x.safetensors`
+    a macOS copy leaves beside every file is not a checkpoint shard)."""
+    return sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("."))
+
+
 class WeightSet:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -48,7 +55,7 @@ class WeightSet:
         if index.is_file():
             self._file_of = read_index(index)
         else:
-            files = sorted(self.model_dir.glob("*.safetensors"))
+            files = safetensors_files(self.model_dir)
             if not files:
                 raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
             for f in files:
@@ -83,3 +90,12 @@ class WeightSet:
 
     def unused(self) -> list[str]:
         return sorted(set(self._file_of) - self.used)
+
+    def check_no_layers_beyond(self, num_layers: int) -> None:
+        """CheckpointError where unused tensors belong to layers past num_hidden_layers: a config.json that
+        undercounts the checkpoint's layers would run the model without them, and write nonsense."""
+        deeper = sorted({int(m.group(1)) for n in self.unused() if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", n))
+                         and int(m.group(1)) >= num_layers})
+        if deeper:
+            raise CheckpointError(f"{self.model_dir}: the weights hold layers {', '.join(map(str, deeper))} beyond "
+                                  f"num_hidden_layers={num_layers} in config.json")
