@@ -827,3 +827,43 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     linked = build_engine(cfg, tmp_path / "linked", progress=False)
     assert f"symlinks to {out / 'target'} (the engine breaks if those files move)" in \
         CliRunner().invoke(main, ["inspect", str(linked)]).output
+
+
+@pytest.mark.parametrize("which, edit, words", [
+    ("drafter", {"hidden_size": [64]}, "'hidden_size' must be a whole number, got [64]"),
+    ("drafter", {"hidden_size": "abc"}, "'hidden_size' must be a whole number, got 'abc'"),
+    ("drafter", {"hidden_size": 64.5}, "'hidden_size' must be a whole number, got 64.5"),
+    ("drafter", {"target_layer_ids": 5}, "'target_layer_ids' must be a list of whole numbers, got 5"),
+    ("drafter", {"target_layer_ids": [1.7, 2]}, "'target_layer_ids[0]' must be a whole number, got 1.7"),
+    ("drafter", {"dflash_config": [1, 2]}, "'dflash_config' must be an object of keys"),
+    ("drafter", {"layer_types": ["full_attention"] * 3}, "'layer_types' must list one type per layer (1)"),
+    ("drafter", {"rms_norm_eps": "abc"}, "'rms_norm_eps' must be a number, got 'abc'"),
+    ("target", {"num_attention_heads": 0, "head_dim": None}, "'num_attention_heads' must be >= 1, got 0"),
+    ("target", {"intermediate_size": [128]}, "'intermediate_size' must be a whole number, got [128]"),
+    ("target", {"num_hidden_layers": True}, "'num_hidden_layers' must be a whole number, got True"),
+])
+def test_a_config_value_of_the_wrong_type_fails_naming_its_file_and_key(tiny_dirs, tmp_path, which, edit, words):
+    dirs = {}
+    for name in ("target", "drafter"):
+        dirs[name] = tmp_path / name
+        shutil.copytree(tiny_dirs["qwen3" if name == "target" else "qwen3_drafter"], dirs[name])
+    path = dirs[which] / "config.json"
+    config = json.loads(path.read_text())
+    if "target_layer_ids" in edit and "dflash_config" in config:
+        config["dflash_config"].pop("target_layer_ids", None)
+    path.write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        build_engine(write_config(tmp_path, dirs["target"], dirs["drafter"]), tmp_path / "out" / "e", progress=False)
+    assert str(path) in str(e.value) or str(dirs[which]) in str(e.value)
+    r = CliRunner().invoke(main, ["generate", "--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]),
+                                  "-p", "hi"])
+    assert r.exit_code != 0 and words in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'{"hidden_size": "\xff"}'])
+def test_a_config_json_that_is_not_an_object_or_not_utf8_fails_naming_it(tiny_dirs, tmp_path, content):
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], d)
+    (d / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(d / "config.json"))):
+        build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)

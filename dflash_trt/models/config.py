@@ -38,9 +38,33 @@ def read_config_json(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json; expected an HF-format model directory")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object of config keys, got {type(cfg).__name__}")
+    return cfg
+
+
+def as_int(value, key: str, source: str, minimum: int | None = None) -> int:
+    """A config value that must be a whole number (576 or 576.0; not "576", 576.9, [576] or true), naming the key."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"{source}: {key!r} must be a whole number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{source}: {key!r} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def as_float(value, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{source}: {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def as_int_list(value, key: str, source: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: {key!r} must be a list of whole numbers, got {value!r}")
+    return [as_int(v, f"{key}[{i}]", source) for i, v in enumerate(value)]
 
 
 def standardized_rope(cfg: dict) -> dict:
@@ -60,24 +84,28 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
             raise ValueError(f"{source}: missing key {key!r}")
         return cfg[key]
 
+    def whole(key: str, default=None, minimum: int | None = 1) -> int:
+        return as_int(need(key) if default is None else cfg.get(key) or default, key, source, minimum)
+
     archs = cfg.get("architectures") or []
-    heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
+    heads = whole("num_attention_heads")
+    hidden = whole("hidden_size")
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = (tuple(as_int_list(eos, "eos_token_id", source)) if isinstance(eos, list)
+               else (() if eos is None else (as_int(eos, "eos_token_id", source),)))
     model_type = cfg.get("model_type", "llama")
     return DecoderConfig(
         architecture=archs[0] if archs else "",
-        vocab_size=int(need("vocab_size")),
+        vocab_size=whole("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
+        intermediate_size=whole("intermediate_size"),
+        num_hidden_layers=whole("num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=whole("num_key_value_heads", heads),
+        head_dim=whole("head_dim", hidden // heads),
+        rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope=standardized_rope(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=whole("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),

@@ -27,7 +27,7 @@ from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
 from dflash_trt.layers.linear import kernel_weights, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
-from dflash_trt.models.config import DecoderConfig, read_config_json, standardized_rope
+from dflash_trt.models.config import DecoderConfig, as_float, as_int, as_int_list, read_config_json, standardized_rope
 from dflash_trt.models.llama import GatedMLP
 from dflash_trt.models.weights import CheckpointError, WeightSet
 from dflash_trt.spec.draft_vocab import load_draft_vocab
@@ -76,6 +76,8 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "DFlashConfig":
         dflash = cfg.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise CheckpointError(f"{source}: 'dflash_config' must be an object of keys, got {dflash!r}")
         if not dflash and not any(k in cfg for k in ("target_layer_ids", "num_target_layers", "block_size")):
             # else the first key it lacks is named, which does not say a target was given for the drafter
             raise CheckpointError(f"{source}: not a DFlash drafter (no dflash_config, target_layer_ids or block_size): "
@@ -100,36 +102,45 @@ class DFlashConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        layers = int(need("num_hidden_layers"))
+        def whole(key: str, v=None, minimum: int | None = 1) -> int:
+            return as_int(need(key) if v is None else v, key, source, minimum)
+
+        heads = whole("num_attention_heads")
+        hidden = whole("hidden_size")
+        layers = whole("num_hidden_layers")
         ids = value("target_layer_ids")
         if ids is None:
-            ids = build_target_layer_ids(int(need("num_target_layers")), layers)
+            ids = build_target_layer_ids(whole("num_target_layers"), layers)
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
+            raise CheckpointError(f"{source}: 'layer_types' must list one type per layer ({layers}), got "
+                                  f"{layer_types!r}")
         causal = dflash.get("causal", cfg.get("is_causal"))
         window = value("swa_window_size") if dflash.get("use_swa") else cfg.get("sliding_window")
+        optional = {key: None if cfg.get(key) is None else whole(key, cfg[key])
+                    for key in ("vocab_size", "num_target_layers")}
+        softcap = value("final_logit_softcapping")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(need("intermediate_size")),
-            block_size=int(value("block_size", 16)),
-            mask_token_id=int(need("mask_token_id")),
-            target_layer_ids=[int(i) for i in ids],
-            vocab_size=cfg.get("vocab_size"),
-            num_target_layers=cfg.get("num_target_layers"),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=whole("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
+            head_dim=whole("head_dim", cfg.get("head_dim") or hidden // heads),
+            intermediate_size=whole("intermediate_size"),
+            block_size=whole("block_size", value("block_size", 16), minimum=None),
+            mask_token_id=whole("mask_token_id", minimum=0),
+            target_layer_ids=as_int_list(list(ids) if isinstance(ids, tuple) else ids, "target_layer_ids", source),
+            **optional,
+            rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope=standardized_rope(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
-            layer_types=cfg.get("layer_types"),
-            sliding_window=int(window) if window else None,
+            max_position_embeddings=whole("max_position_embeddings", cfg.get("max_position_embeddings", 40960)),
+            layer_types=layer_types,
+            sliding_window=whole("sliding_window", window) if window else None,
             is_causal=None if causal is None else bool(causal),
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            final_logit_softcapping=value("final_logit_softcapping"),
+            input_embedding_scale=as_float(value("input_embedding_scale", 1.0), "input_embedding_scale", source),
+            output_multiplier=as_float(value("output_multiplier", 1.0), "output_multiplier", source),
+            final_logit_softcapping=None if softcap is None else as_float(softcap, "final_logit_softcapping", source),
         )
 
     def layer_type(self, i: int) -> str:
