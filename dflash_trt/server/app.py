@@ -4,6 +4,7 @@ streaming and not), /v1/models, /health, /metrics. Every refusal is an OpenAI-st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -221,7 +222,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         ids: list[int] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             def callback(update: RequestUpdate, i: int = i) -> None:
-                aio.call_soon_threadsafe(queue.put_nowait, (i, update))
+                with contextlib.suppress(RuntimeError):  # the event loop closed: no one is left to answer
+                    aio.call_soon_threadsafe(queue.put_nowait, (i, update))
             try:
                 ids.append(loop.submit(prompt, sp, callback))
             except QueueFullError as e:

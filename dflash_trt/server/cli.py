@@ -176,7 +176,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         try:
             # returns on SIGINT / SIGTERM after closing connections
-            _Server(config, on_started=started).run(sockets=[sock])
+            _Server(config, on_started=started, on_shutdown=loop.stop).run(sockets=[sock])
         finally:
             loop.stop()
     finally:
@@ -209,20 +209,30 @@ def _address(host: str, port: int) -> str:
 
 
 def _uvicorn_server_class():
+    import asyncio
     import contextlib
     import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
-        def __init__(self, config, on_started=None):
+        def __init__(self, config, on_started=None, on_shutdown=None):
             super().__init__(config)
-            self.on_started = on_started
+            self.on_started, self.on_shutdown = on_started, on_shutdown
 
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started and self.on_started is not None:  # listening: a client connecting now is served
                 self.on_started()
+
+        async def shutdown(self, sockets=None):
+            # Before uvicorn's graceful wait, not after it: stopping the engine answers every request "server shutting
+            # down" while the event loop still runs to deliver it, so streams end with that error and [DONE]. After
+            # it, the engine generated on through the wait, the streams were cut mid-answer, and the answers went to
+            # a closed loop.
+            if self.on_shutdown is not None:
+                await asyncio.to_thread(self.on_shutdown)
+            await super().shutdown(sockets=sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -420,7 +420,7 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", "--target", str(tiny_dirs["qwen3"]),
                              "--drafter", str(tiny_dirs["qwen3_drafter"]), "--port", str(port),
-                             "--served-model-name", MODEL, "--max-model-len", "128"],
+                             "--served-model-name", MODEL, "--max-model-len", "512"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -436,10 +436,21 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path):
             time.sleep(0.2)
         body = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30).json()
         assert body["usage"]["completion_tokens"] >= 1
-        proc.send_signal(signal.SIGTERM)
+        # A stream in flight at SIGTERM ends with an error event and [DONE], not cut off mid-answer.
+        long = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=30) as resp:
+            lines = resp.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            proc.send_signal(signal.SIGTERM)
+            events += [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert last == {"error": {"message": "server shutting down", "type": "server_error", "param": None,
+                                  "code": None}}
         assert proc.wait(20) == 0
         out = proc.stdout.read().decode()
         assert f"http://127.0.0.1:{port}/v1" in out
+        assert "Traceback" not in out and "Event loop is closed" not in out and "graceful shutdown" not in out
     finally:
         if proc.poll() is None:
             proc.kill()
