@@ -54,7 +54,8 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
 # interrupted write's leftovers.
 RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log.jsonl.tmp", "drafter",
              "drafter.tmp", "drafter.old", "data", "responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp",
-             "features", "target.json", "target.tmp", "self_prompts.meta.json"}
+             "features", "target.json", "target.tmp", "self_prompts.meta.json", "self_prompts.partial.jsonl",
+             "self_prompts.partial.tmp"}
 
 
 # What an export writes in OUT/drafter (trainer.py Trainer.export).

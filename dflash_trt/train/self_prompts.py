@@ -104,13 +104,20 @@ def generate_self_prompts(
     top_p: float = 0.95,
     exclude: set[str] = frozenset(),
     chunk: int = 128,
+    done: list[Prompt] = (),
+    on_persona: Callable[[list[Prompt]], None] | None = None,
 ) -> list[Prompt]:
     """Sample candidate requests per persona until num_per_persona acceptable, distinct ones are found (or
     4x that many were tried); source "self/<persona>". Texts in `exclude` (e.g. a benchmark's prompts) are
-    dropped. Seeded per candidate, so a run on the same runtime and machine repeats."""
-    seen = {t.strip().lower() for t in exclude}
-    out: list[Prompt] = []
+    dropped. Seeded per candidate, so a run on the same runtime and machine repeats. `done`: the prompts of
+    personas finished before (an interrupted run's), kept and not sampled again; on_persona(prompts so far) after
+    each persona, to keep them."""
+    seen = {t.strip().lower() for t in exclude} | {p.text.strip().lower() for p in done}
+    out: list[Prompt] = list(done)
+    finished = {p.source for p in done}
     for p_index, persona in enumerate(personas):
+        if f"self/{persona.name}" in finished:
+            continue
         prefix = user_turn_prefix(engine.tokenizer, persona.system)
         kept, tried = 0, 0
         bar = tqdm(total=num_per_persona, desc=f"self prompts ({persona.name})", unit="prompt", dynamic_ncols=True)
@@ -132,6 +139,8 @@ def generate_self_prompts(
         bar.close()
         if kept < num_per_persona:
             logger.warning("persona %s: %d of %d prompts after %d tries", persona.name, kept, num_per_persona, tried)
+        if on_persona is not None:
+            on_persona(out)
     return out
 
 
@@ -228,12 +237,13 @@ def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exc
     stored. A rerun reuses them: records name prompts by position, and a regeneration on other numerics would sample
     other texts."""
     asked = path.with_suffix(".meta.json")  # the count they were written for (data from before it has none)
+    partial = path.with_suffix(".partial.jsonl")  # finished personas of an interrupted run
+    try:
+        written_for = json.loads(asked.read_text())["per_persona"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written_for = None
     if path.is_file():
         prompts = read_prompts(path)
-        try:
-            written_for = json.loads(asked.read_text())["per_persona"]
-        except (OSError, ValueError, KeyError, TypeError):
-            written_for = None
         if written_for not in (None, num_per_persona):  # else another count would change nothing, unseen
             logger.warning("%s: reusing its %d self-written prompts, written for %d per persona, not the %d asked now "
                            "(records name prompts by position); for others, pass a new --data", path, len(prompts),
@@ -241,7 +251,13 @@ def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exc
         else:
             logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
         return prompts
-    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude, **sampling)
-    write_prompts(path, prompts)
+    done = read_prompts(partial) if partial.is_file() and written_for == num_per_persona else []
+    if done:
+        logger.info("%s: %d self-written prompts of finished personas kept from an interrupted run", partial, len(done))
+    path.parent.mkdir(parents=True, exist_ok=True)
     asked.write_text(json.dumps({"per_persona": num_per_persona}) + "\n")
+    prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude, done=done,
+                                    on_persona=lambda so_far: write_prompts(partial, so_far), **sampling)
+    write_prompts(path, prompts)
+    partial.unlink(missing_ok=True)
     return prompts

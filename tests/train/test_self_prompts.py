@@ -199,3 +199,27 @@ def test_a_stored_prompt_that_is_not_utf8_is_refused_naming_its_line(tmp_path):
     path.write_bytes(path.read_bytes().replace(b"sky", b"sk\xe9"))
     with pytest.raises(ValueError, match=f"{path} line 2 is not a prompt"):
         read_prompts(path)
+
+
+def test_an_interrupted_run_keeps_its_finished_personas_and_samples_only_the_rest(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+
+    class Interrupted(_ScriptedEngine):
+        def generate(self, prompts, params):
+            if self.calls:  # Ctrl-C during the second persona
+                raise KeyboardInterrupt
+            return super().generate(prompts, params)
+
+    path = tmp_path / "self_prompts.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        cached_self_prompts(Interrupted(tok, [_Out("How do I greet a friend?", "stop")] * 4), path, 1, chunk=4)
+    assert not path.exists()
+    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(4 * len(PERSONAS))]
+    again = _ScriptedEngine(tok, script)
+    prompts = cached_self_prompts(again, path, 1, chunk=4)
+    assert prompts[0] == Prompt("How do I greet a friend?", f"self/{PERSONAS[0].name}")
+    assert [p.source for p in prompts] == [f"self/{p.name}" for p in PERSONAS]
+    assert len(again.calls) == len(PERSONAS) - 1  # the finished persona is not sampled again
+    assert read_prompts(path) == prompts and not (tmp_path / "self_prompts.partial.jsonl").exists()
