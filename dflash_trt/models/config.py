@@ -36,7 +36,9 @@ class DecoderConfig:
 def read_config_json(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json; expected an HF-format model directory")
+        hint = (f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
+                if (path.parent / "drafter" / "config.json").is_file() else "")
+        raise FileNotFoundError(f"{path}: no config.json; expected an HF-format model directory{hint}")
     try:
         cfg = json.loads(path.read_bytes())
     except ValueError as e:  # not JSON, or not UTF-8

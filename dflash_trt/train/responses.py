@@ -123,6 +123,20 @@ def generate_responses(
                          "(their ids are positions in the prompt list: another --max-prompts or --self-prompts than "
                          "the run that wrote them?); pass that run's options, or another --data")
     jobs.sort(key=lambda j: len(j[3]))  # similar lengths batch together
+    if jobs:  # else nothing is written: a finished --data may be read-only
+        _append_responses(engine, jobs, out_path, max_new_tokens, temperature, batch_size, deadline)
+    records = read_records(out_path)
+    kept = [r for r in records if r["id"] in wanted]
+    if len(kept) < len(records):
+        logger.warning("%s: %d stored records answer prompts or samples this run does not ask for (a smaller "
+                       "--max-prompts or --sampled-variants than the run that wrote them): left out of training",
+                       out_path, len(records) - len(kept))
+    return kept
+
+
+def _append_responses(engine: LLMEngine | BatchGenerator, jobs: list, out_path: Path, max_new_tokens: int,
+                      temperature: float, batch_size: int, deadline: float | None) -> None:
+    """Answer jobs (record id, prompt, mode, prompt ids) batch by batch, each record appended as it is made."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)
     bar = tqdm(total=len(jobs), desc="responses", unit="seq", dynamic_ncols=True)
@@ -146,10 +160,3 @@ def generate_responses(
             bar.update(len(batch))
             bar.set_postfix(tokens=sum(len(o.token_ids) for o in outs))
     bar.close()
-    records = read_records(out_path)
-    kept = [r for r in records if r["id"] in wanted]
-    if len(kept) < len(records):
-        logger.warning("%s: %d stored records answer prompts or samples this run does not ask for (a smaller "
-                       "--max-prompts or --sampled-variants than the run that wrote them): left out of training",
-                       out_path, len(records) - len(kept))
-    return kept

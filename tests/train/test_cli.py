@@ -338,3 +338,8 @@ def test_records_at_other_prompts_positions_are_refused_naming_them(target, run,
     (data / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     r = _train(target, tmp_path / "out", "--data", str(data))
     assert r.exit_code == 1 and "records 0:greedy, 1:greedy answer other prompts" in r.output, r.output
+
+
+def test_generate_pointed_at_a_training_out_names_its_drafter(target, run):
+    r = CliRunner().invoke(main, ["generate", "--target", str(target), "--drafter", str(run), "-p", "hi"])
+    assert r.exit_code != 0 and f"its drafter is {run / 'drafter'}" in r.output and "Traceback" not in r.output

@@ -74,3 +74,13 @@ def test_records_of_prompts_or_samples_a_run_does_not_ask_for_are_left_out_with_
     assert any("4 stored records answer prompts or samples this run does not ask for" in r.getMessage()
                for r in caplog.records)
     assert len(path.read_text().splitlines()) == 6  # kept on disk for a run that asks for them again
+
+
+def test_a_finished_data_file_is_only_read(engine, tmp_path, monkeypatch):
+    # a finished --data may be read-only (a shared or mounted dataset): nothing may be opened to write there
+    import dflash_trt.train.responses as responses
+
+    path = tmp_path / "responses.jsonl"
+    first = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    monkeypatch.setattr(responses, "_drop_torn_tail", lambda p: pytest.fail(f"{p} opened to write"))
+    assert generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0) == first
