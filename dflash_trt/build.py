@@ -228,6 +228,9 @@ def _remove_stale_temps(out: Path) -> None:
 def _check_output(out: Path, force: bool) -> None:
     """An existing `out` is replaced only with --force, and only if it is an engine: --force with -o naming a
     checkpoint or any other directory would otherwise delete it once the build is done."""
+    if os.path.ismount(out):  # found only after every file was copied and checksummed: the rename into place fails
+        raise FileExistsError(f"{out} is a mount point: a build renames the finished engine into place, which a mount "
+                              f"point cannot take; pass -o {out / 'ENGINE_NAME'}")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:

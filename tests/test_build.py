@@ -867,3 +867,13 @@ def test_a_config_json_that_is_not_an_object_or_not_utf8_fails_naming_it(tiny_di
     (d / "config.json").write_bytes(content)
     with pytest.raises(ValueError, match=re.escape(str(d / "config.json"))):
         build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+
+
+def test_an_output_that_is_a_mount_point_is_refused_before_anything_is_copied(tiny_dirs, tmp_path, monkeypatch):
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
+    with pytest.raises(FileExistsError, match="is a mount point"):
+        build_engine(write_config(tmp_path, tiny_dirs["llama"], None), out, progress=False)
+    assert list(out.iterdir()) == [] and not list(tmp_path.glob(".mnt.*"))
