@@ -254,11 +254,19 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
             raise click.ClickException(f"cannot write {output}: {e}") from e
         kept.append(len(result["points"]))
 
+    def held() -> str:
+        if not kept:
+            return ""
+        return (f" ({output} holds the {kept[-1]} points measured before it)" if kept[-1]
+                else f" ({output} records it; no point was measured)")
+
     try:
         result = run_sweep(cfg, prompts, dataset=dataset, on_point=show, on_result=keep)
     except SweepError as e:
-        where = f" ({output} holds the {kept[-1]} points measured before it)" if kept else ""
-        raise click.ClickException(f"{e}{where}") from e
+        raise click.ClickException(f"{e}{held()}") from e
+    except KeyboardInterrupt:
+        click.echo(f"\nInterrupted{held()}.", err=True)
+        raise SystemExit(130) from None
     except OSError as e:  # connection refused and friends
         raise click.ClickException(f"{url}: {e}") from e
     click.echo(f"wrote {output} and {csv_path_of(output)}", err=True)
@@ -277,9 +285,15 @@ def plot(runs, output, title) -> None:
         loaded = load_runs(runs)
         distinct_labels(loaded, runs)
         for run, name in zip(loaded, runs):
-            if not plottable(run):
+            if not run["points"]:
+                stopped = run.get("stopped") or {}
+                why = f" (the sweep stopped: {stopped['error']})" if stopped.get("error") else ""
+                click.echo(f"warning: {name} ({run['label']}) has no points{why}: left out of the plot", err=True)
+            elif not plottable(run):
                 click.echo(f"warning: {name} ({run['label']}) has no point with both axes (tok/s/user needs outputs "
                            "of 2 or more tokens): left out of the plot", err=True)
+        if not any(plottable(run) for run in loaded):
+            raise click.ClickException("no run has a point to plot: nothing written")
         path = plot_pareto(loaded, output, title)
     except UnsupportedFormat as e:
         raise click.BadParameter(str(e), param_hint="--output") from e

@@ -104,11 +104,13 @@ def long_context_prompts(isl: int, osl: int, per_category: int = 8, tokenizer=No
 
 def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from e
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
         if not isinstance(r, dict):
@@ -152,7 +154,7 @@ def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int |
             prompts = builtin_prompts(osl) + (heldout_prompts(osl, limit=8) if spec == "categories" else [])
     elif spec.endswith(".jsonl") or Path(spec).is_file():
         if not Path(spec).is_file():
-            raise ValueError(f"dataset file {spec} does not exist")
+            raise ValueError(f"dataset file {spec} " + ("is not a file" if Path(spec).exists() else "does not exist"))
         if isl is not None:
             raise ValueError(f"--isl applies to the built-in datasets, not to {spec}: its prompts are used as written")
         prompts = read_jsonl(Path(spec), osl or 128)

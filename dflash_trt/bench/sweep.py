@@ -409,15 +409,32 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
         "points": [],
         "complete": False,
     }
+    if on_result is not None:  # at once: the file is this run's from the start, not a stale one looking current
+        on_result(result)
+    try:
+        return await _points(cfg, prompts, result, on_point, on_result)
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancels the sweep's task
+        result.setdefault("stopped", {**result.pop("running", {}), "error": "interrupted"})
+        if on_result is not None:
+            on_result(result)
+        raise
+
+
+async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict,
+                  on_point: Callable[[dict], None] | None, on_result: Callable[[dict], None] | None) -> dict:
+    """The warm-up and every point of run_sweep_async, into `result`; result["running"] names the stage in flight
+    (for an interrupt to name it), and is gone once the sweep ends."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         stream = PromptStream(prompts, cfg.seed)
         if cfg.num_warmup:
+            result["running"] = {"warmup": cfg.num_warmup}
             warm = await run_requests(client, cfg, stream.take(cfg.num_warmup)[0], cfg.concurrencies[0],
                                       first_index=-cfg.num_warmup)
             if not any(r.ok for r in warm):
                 error = f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}"
+                result.pop("running")
                 result["stopped"] = {"warmup": cfg.num_warmup, "error": error}
                 if on_result is not None:
                     on_result(result)
@@ -425,6 +442,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
             await asyncio.sleep(cfg.metrics_settle_s)
         metrics = await scrape(client, cfg.metrics_url)
         for c in cfg.concurrencies:
+            result["running"] = {"concurrency": c}
             before = metrics
             sent, repeats = stream.take(cfg.requests_at(c))
             results = await run_requests(client, cfg, sent, c)
@@ -435,6 +453,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
             try:
                 point = point_stats(cfg, c, results)
             except SweepError as e:
+                result.pop("running")
                 result["stopped"] = {"concurrency": c, "error": str(e)}
                 if on_result is not None:
                     on_result(result)
@@ -445,6 +464,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
             point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check
             result["points"].append(point)
             result["complete"] = len(result["points"]) == len(cfg.concurrencies)
+            result.pop("running")
             if on_point is not None:
                 on_point(point)
             if on_result is not None:
@@ -478,12 +498,13 @@ def csv_path_of(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() == ".csv":
         raise ValueError(f"{path}: name the JSON result (RESULT.json); the CSV is written beside it")
-    return path.with_suffix(".csv")
+    # only .json gives way to .csv: ar.r1 and ar.r2 (or r.json and r.txt) would share one CSV, the last one's
+    return path.with_suffix(".csv") if path.suffix.lower() == ".json" else path.with_name(path.name + ".csv")
 
 
 def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
-    """The result as JSON at `path` and one CSV row per point next to it (same stem, .csv), each replaced whole:
-    a sweep rewrites them after every point."""
+    """The result as JSON at `path` and one CSV row per point next to it (csv_path_of: RUN.csv for RUN.json), each
+    replaced whole: a sweep rewrites them as it starts and after every point."""
     path = Path(path)
     csv_path = csv_path_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ def test_a_sweep_that_measures_nothing_says_why_and_what_it_kept(running, tmp_pa
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--model", "nope", "--concurrency", "1",
                                   "--osl", "4", "-o", str(out)])
     assert r.exit_code == 1 and "every warm-up request failed" in r.output and "HTTP 404" in r.output, r.output
-    assert f"{out} holds the 0 points measured before it" in r.output.replace("\n", "")
+    assert f"{out} records it; no point was measured" in r.output.replace("\n", "")
     assert json.loads(out.read_text())["points"] == []
 
 
@@ -162,3 +162,13 @@ def test_plot_says_which_runs_it_leaves_out(tmp_path):
     r = CliRunner().invoke(main, ["bench", "plot", str(good), str(empty), "-o", str(tmp_path / "p.png")])
     assert r.exit_code == 0 and f"warning: {empty} (e) has no point with both axes" in r.output, r.output
     assert str(good) not in r.output.split("wrote")[0]
+
+
+def test_plot_of_runs_without_points_says_why_and_writes_nothing(tmp_path):
+    run = tmp_path / "stopped.json"
+    run.write_text(json.dumps({"label": "ar", "model": "m", "points": [], "complete": False,
+                               "stopped": {"warmup": 1, "error": "every warm-up request failed"}}))
+    png = tmp_path / "p.png"
+    r = CliRunner().invoke(main, ["bench", "plot", str(run), "-o", str(png)])
+    assert r.exit_code == 1 and "has no points (the sweep stopped: every warm-up request failed)" in r.output, r.output
+    assert "no run has a point to plot" in r.output and not png.exists()

@@ -79,3 +79,14 @@ def test_isl_is_refused_for_files_whose_prompts_are_used_as_written(tmp_path):
     f.write_text('{"prompt": "hi"}\n')
     with pytest.raises(ValueError, match="--isl applies to the built-in datasets"):
         load_dataset(str(f), isl=1024)
+
+
+def test_a_dataset_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
+    folder = tmp_path / "d.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=f"dataset file {folder} is not a file"):
+        load_dataset(str(folder))
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"{binary}:2: not UTF-8"):
+        load_dataset(str(binary))

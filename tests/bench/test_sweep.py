@@ -15,7 +15,15 @@ from fastapi import FastAPI, Request  # module level: the handlers' annotations 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dflash_trt.bench.endpoint_metrics import acceptance_delta, parse_metrics
-from dflash_trt.bench.sweep import PromptStream, SweepConfig, SweepError, run_sweep, write_results
+from dflash_trt.bench.sweep import (
+    PromptStream,
+    SweepConfig,
+    SweepError,
+    csv_path_of,
+    run_sweep,
+    run_sweep_async,
+    write_results,
+)
 from tests.server.conftest import free_port
 
 
@@ -407,12 +415,41 @@ def test_the_points_before_a_failed_one_are_handed_over_as_measured(stub):
     kept = []
     with pytest.raises(SweepError, match="concurrency 2 failed"):
         run_sweep(config(stub.url, [1, 2, 4]), prompts("a", "b", "c"), on_result=lambda r: kept.append(json.dumps(r)))
-    first, last = json.loads(kept[0]), json.loads(kept[-1])
+    start, first, last = (json.loads(kept[i]) for i in (0, 1, -1))
+    assert start["points"] == [] and start["complete"] is False and "stopped" not in start  # written at once
     assert [p["concurrency"] for p in first["points"]] == [1] and first["complete"] is False
     assert [p["concurrency"] for p in last["points"]] == [1] and last["stopped"]["concurrency"] == 2
     stub.reset()
     done = run_sweep(config(stub.url, [1, 2]), prompts("a", "b"))
     assert done["complete"] is True and "stopped" not in done
+
+
+def test_an_interrupted_sweep_hands_over_the_points_before_it_and_names_the_one_in_flight(stub):
+    # Ctrl-C: asyncio.run cancels the sweep's task; what was measured is kept with `stopped` naming the point
+    stub.reset()
+    kept = []
+
+    async def interrupted():
+        task = asyncio.ensure_future(run_sweep_async(config(stub.url, [1, 2]), prompts("a", "slowfail:b", "c", "d"),
+                                                     on_result=lambda r: kept.append(json.loads(json.dumps(r)))))
+        while len(kept) < 2:  # the start and c=1's point
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # c=2 in flight (its slow request waits 0.4 s)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupted())
+    last = kept[-1]
+    assert [p["concurrency"] for p in last["points"]] == [1] and last["complete"] is False
+    assert last["stopped"] == {"concurrency": 2, "error": "interrupted"} and "running" not in last
+
+
+def test_results_named_otherwise_than_json_keep_csvs_of_their_own(tmp_path):
+    assert csv_path_of(tmp_path / "ar.json") == tmp_path / "ar.csv"
+    assert csv_path_of(tmp_path / "ar.r1") == tmp_path / "ar.r1.csv"
+    assert csv_path_of(tmp_path / "ar.r2") == tmp_path / "ar.r2.csv"
+    assert csv_path_of(tmp_path / "r.txt") != csv_path_of(tmp_path / "r.json")
 
 
 def test_acceptance_fields_of_the_wrong_type_fail_their_request_only(stub):
