@@ -7,6 +7,7 @@ renamed into place last, so an interrupted build never leaves a directory that s
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import hashlib
@@ -171,7 +172,13 @@ def _held(path: Path) -> Iterator[None]:
     lock = path.with_name(path.name + LOCK_SUFFIX)
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without locks (NFS without lockd): build unguarded, as before locks
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            logger.warning("%s: no lock on this file system (%s): a build beside this one could take it for dead",
+                           lock, e.strerror)
         yield
     finally:
         lock.unlink(missing_ok=True)
@@ -181,7 +188,7 @@ def _held(path: Path) -> Iterator[None]:
 def _lock_free(lock: Path) -> bool:
     """Whether `lock` exists and no process holds it."""
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDONLY)  # read-only: flock needs no more, and another user's lock may be 0644
     except OSError:
         return False
     try:
@@ -215,14 +222,18 @@ def _remove_stale_temps(out: Path) -> None:
     # MB) until that name was built again. An engine set aside (below) is out's alone: it may have to go back.
     for tmp in _dead_builds(out, "build", any_name=True):
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.with_name(tmp.name + LOCK_SUFFIX).unlink(missing_ok=True)
     for old in _dead_builds(out, "old"):
         if not out.exists() and (old / MANIFEST).is_file():
             old.rename(out)
             logger.warning("%s: put back the engine a killed --force build had set aside", out)
         else:
             shutil.rmtree(old, ignore_errors=True)
-        old.with_name(old.name + LOCK_SUFFIX).unlink(missing_ok=True)
+    # Free locks whose directory is gone: removed above, or never made (a build killed between the two). A lock
+    # whose directory a partial removal left stays, so the next build tries again.
+    for kind in ("build", "old"):
+        for lock in out.parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
+            if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and _lock_free(lock):
+                lock.unlink(missing_ok=True)
 
 
 def _check_output(out: Path, force: bool) -> None:

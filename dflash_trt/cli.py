@@ -82,7 +82,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
              as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
-    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine, capped_note
 
     engine_path = engine
     if no_spec:
@@ -125,6 +125,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                                   lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
+        if note := capped_note(max_model_len, engine):
+            click.echo(note, err=True)
         ids = engine.encode(prompt, chat=chat)
         if len(ids) + max_new_tokens > engine.max_model_len:  # else a "length" finish would not say which limit
             click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,8 +36,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN compares False both ways
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
         if not 0 < self.top_p <= 1:

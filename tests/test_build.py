@@ -3,6 +3,7 @@ checkpoints generate, bad pairings fail with their message, killed builds leave 
 checksum mismatch is refused."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -622,12 +623,15 @@ def test_a_build_directory_whose_lock_is_held_or_absent_is_left_alone_whatever_i
     assert sorted(p.name for p in engines.iterdir()) == [foreign.name, "e"]
 
 
-def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("left_lock", [True, False])  # a killed build's free lock; a build from before locks
+def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs, tmp_path, left_lock):
     cfg = write_config(tmp_path, tiny_dirs["llama"], None)
     out = build_engine(cfg, tmp_path / "e", progress=False)
     # SIGKILL after the previous engine was set aside and before the new one took its place
     aside = tmp_path / f".e.old-{_dead_pid()}-0000abcd"
     out.rename(aside)
+    if left_lock:
+        (tmp_path / (aside.name + ".lock")).touch()
     with pytest.raises(FileExistsError, match="--force"):
         build_engine(cfg, out, progress=False)
     EngineDir(out).verify()  # the previous engine is back, whole
@@ -635,7 +639,24 @@ def test_a_force_build_killed_between_its_renames_loses_neither_engine(tiny_dirs
     # SIGKILL while the previous engine was being deleted, after the swap: the remains go
     shutil.copytree(out, aside)
     build_engine(cfg, out, force=True, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")) == []  # locks too
+
+
+def test_a_lock_left_without_its_directory_goes_and_a_held_one_stays(tiny_dirs, tmp_path):
+    import fcntl
+
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    free, held = engines / ".a.build-1-0000abcd.lock", engines / ".b.build-2-0000abcd.lock"
+    free.touch()
+    fd = os.open(held, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a build that has its lock and is about to make its directory
+        build_engine(cfg, engines / "e", progress=False)
+        assert sorted(p.name for p in engines.iterdir()) == [held.name, "e"]
+    finally:
+        os.close(fd)
 
 
 def test_hidden_safetensors_files_a_copy_left_are_neither_read_nor_built_in(tiny_dirs, tmp_path):
@@ -877,3 +898,17 @@ def test_an_output_that_is_a_mount_point_is_refused_before_anything_is_copied(ti
     with pytest.raises(FileExistsError, match="is a mount point"):
         build_engine(write_config(tmp_path, tiny_dirs["llama"], None), out, progress=False)
     assert list(out.iterdir()) == [] and not list(tmp_path.glob(".mnt.*"))
+
+
+def test_a_file_system_without_locks_builds_with_a_warning(tiny_dirs, tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
+        out = build_engine(write_config(tmp_path, tiny_dirs["llama"], None), tmp_path / "e", progress=False)
+    EngineDir(out).verify()
+    assert any("no lock on this file system" in r.getMessage() for r in caplog.records)

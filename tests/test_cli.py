@@ -120,6 +120,15 @@ def test_generate_refuses_a_max_model_len_too_small_naming_the_option(value):
     assert r.exit_code == 2 and "--max-model-len" in r.output and "Traceback" not in r.output, r.output
 
 
+def test_generate_warns_of_an_asked_for_max_model_len_past_the_targets_positions(tiny_dirs):
+    # capped silently before; the default (4096, past the tiny target's 512) is capped without a word
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--max-new-tokens", "2"]
+    r = CliRunner().invoke(main, [*args, "--max-model-len", "4096"])
+    assert r.exit_code == 0 and "--max-model-len 4096 is past the target's max_position_embeddings (512" in r.stderr
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "max_position_embeddings" not in r.stderr
+
+
 def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
     engine, _ = tiny_engine_dir
     r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos"])

@@ -30,6 +30,10 @@ class RequestUpdate:
 Callback = Callable[[RequestUpdate], None]
 
 
+class LoopStopped(RuntimeError):
+    """A request came after stop(): the server is shutting down."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None) -> None:
@@ -40,6 +44,10 @@ class EngineLoop:
         self.on_finish = on_finish
         self._callbacks: dict[int, Callback] = {}
         self._lock = threading.Lock()
+        # Held while a request is queued and while the thread closes for good: a request either lands before the
+        # closing answers everything left, or is refused (checked then queued unlocked, one could land after).
+        self._intake = threading.Lock()
+        self._closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
@@ -91,18 +99,19 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
-        """Queue a request; raises ValueError (bad input) or QueueFullError synchronously."""
-        if self._stop.is_set():
-            raise RuntimeError("the engine loop is stopped")
+        """Queue a request; raises ValueError (bad input), QueueFullError, or LoopStopped once stop() was called."""
         seq = self.engine.make_sequence(prompt_ids, params)
-        with self._lock:
-            self._callbacks[seq.request_id] = callback
-        try:
-            self.engine.scheduler.add(seq)
-        except Exception:
+        with self._intake:
+            if self._stop.is_set() or self._closed:
+                raise LoopStopped("the engine loop is stopped")
             with self._lock:
-                self._callbacks.pop(seq.request_id, None)
-            raise
+                self._callbacks[seq.request_id] = callback
+            try:
+                self.engine.scheduler.add(seq)
+            except Exception:
+                with self._lock:
+                    self._callbacks.pop(seq.request_id, None)
+                raise
         self._wake.set()
         return seq.request_id
 
@@ -140,6 +149,8 @@ class EngineLoop:
                     self._hook(self.on_finish, output)
                 self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
         # Shutting down: answer whatever is left so no caller waits forever.
+        with self._intake:
+            self._closed = True
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):

@@ -128,6 +128,15 @@ _LINEAR_PATHS = {"tiles": "AMX tiles", "panels": "the kernel's AVX2 panels",
                  "rows": "the kernel's dot products (no AMX)", None: "torch/oneDNN"}
 
 
+def capped_note(asked: int | None, engine: "LLMEngine") -> str | None:
+    """The warning for a --max-model-len asked for past the target's positions (None where none was asked, or it fits):
+    the engine caps it, which should not pass unseen."""
+    if asked is None or asked <= engine.max_model_len:
+        return None
+    return (f"warning: --max-model-len {asked} is past the target's max_position_embeddings "
+            f"({engine.max_position_embeddings}, its config.json): requests get at most {engine.max_model_len} tokens")
+
+
 def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
     """Whether the text of ids holds a stop string: decoded once for all of them (a request may send thousands), as
     a client gets it (without special tokens, as make_output decodes it), without the U+FFFD of a character whose
@@ -145,9 +154,10 @@ class LLMEngine:
         if config.speculative and drafter is None:
             raise ValueError("speculative decoding needs a drafter: pass one, or disable speculation (--no-spec)")
         max_pos = target.config.max_position_embeddings
-        if config.max_model_len > max_pos:  # a default above a small model's limit is routine; an asked-for one is not
-            logger.warning("max_model_len %d is past the target's max_position_embeddings (%d, its config.json): "
-                           "requests get at most %d tokens", config.max_model_len, max_pos, max_pos)
+        if config.max_model_len > max_pos:  # routine for a default; the CLIs warn where it was asked for (capped_note)
+            logger.info("max_model_len %d is past the target's max_position_embeddings (%d): capped",
+                        config.max_model_len, max_pos)
+        self.max_position_embeddings = max_pos
         self.max_model_len = min(config.max_model_len, max_pos)
         # both tables, whichever this CPU takes: the target cache keeps room for the larger
         trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}
@@ -244,7 +254,7 @@ class LLMEngine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")
-        if "developer" not in self.tokenizer.chat_template:
+        if "developer" not in str(self.tokenizer.chat_template):  # a dict of named templates too
             # OpenAI's newer name for the system role: a template without it renders a turn of a role the model never
             # saw (SmolLM2's also adds its default system prompt before it)
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]

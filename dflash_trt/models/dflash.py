@@ -129,7 +129,7 @@ class DFlashConfig:
             intermediate_size=whole("intermediate_size"),
             block_size=whole("block_size", value("block_size", 16), minimum=None),
             mask_token_id=whole("mask_token_id", minimum=0),
-            target_layer_ids=as_int_list(list(ids) if isinstance(ids, tuple) else ids, "target_layer_ids", source),
+            target_layer_ids=as_int_list(ids, "target_layer_ids", source),
             **optional,
             rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             attention_bias=bool(cfg.get("attention_bias", False)),

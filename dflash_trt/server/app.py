@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
-from dflash_trt.engine.engine_loop import EngineLoop, RequestUpdate
+from dflash_trt.engine.engine_loop import EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams
@@ -231,6 +231,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                     loop.abort(rid)
                 raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
                                headers={"Retry-After": "1"}) from e
+            except LoopStopped as e:  # a kept-alive connection's request during shutdown
+                for rid in ids:
+                    loop.abort(rid)
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from e
             except ValueError as e:
                 for rid in ids:
                     loop.abort(rid)

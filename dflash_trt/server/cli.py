@@ -142,6 +142,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     import uvicorn
 
     from dflash_trt.engine.engine_loop import EngineLoop
+    from dflash_trt.engine.llm_engine import capped_note
     from dflash_trt.server.app import create_app
 
     _Server = _uvicorn_server_class()
@@ -164,6 +165,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             raise click.ClickException(str(e)) from e
         llm, name = loop.engine, served_model_name or names[0]
+        if note := capped_note(max_model_len, llm):
+            click.echo(note, err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics)
@@ -230,6 +233,8 @@ def _uvicorn_server_class():
             # down" while the event loop still runs to deliver it, so streams end with that error and [DONE]. After
             # it, the engine generated on through the wait, the streams were cut mid-answer, and the answers went to
             # a closed loop.
+            for server in self.servers:  # first: no new connection while the engine stops
+                server.close()
             if self.on_shutdown is not None:
                 await asyncio.to_thread(self.on_shutdown)
             await super().shutdown(sockets=sockets)

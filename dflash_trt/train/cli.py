@@ -97,7 +97,8 @@ def target_fingerprint(target_dir: Path) -> dict:
     import hashlib
 
     files = {}
-    for path in sorted(p for p in target_dir.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")):
+    for path in sorted(p for p in target_dir.iterdir()
+                       if p.suffix in (".safetensors", ".gguf", ".bin") and not p.name.startswith(".")):
         digest, size = hashlib.sha256(), path.stat().st_size
         with path.open("rb") as f:
             digest.update(f.read(1 << 20))

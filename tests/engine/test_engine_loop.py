@@ -181,3 +181,19 @@ def test_a_request_aborted_during_the_last_step_before_shutdown_is_answered(tiny
     assert sorted(finals) == sorted([running, queued])
     assert finals[queued].output.finish_reason == "abort"
     assert engine.scheduler.slots.num_used == 0
+
+
+def test_a_stopped_loop_refuses_requests_and_answers_every_one_it_took(tiny_dirs):
+    from dflash_trt.engine.engine_loop import LoopStopped
+
+    def build():
+        return LLMEngine.from_dirs(tiny_dirs["qwen3"], None, EngineConfig(max_batch_size=1, speculative=False))
+
+    loop = EngineLoop.spawn(build)
+    finals = []
+    ids = [loop.submit([5, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True),
+                       lambda u: u.finished and finals.append(u)) for _ in range(3)]  # one row: two wait
+    loop.stop()
+    with pytest.raises(LoopStopped, match="stopped"):
+        loop.submit([5, 6, 7], SamplingParams(max_new_tokens=2), lambda u: None)
+    assert sorted(u.request_id for u in finals) == sorted(ids)

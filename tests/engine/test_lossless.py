@@ -404,16 +404,13 @@ def test_context_limit_is_honoured(tiny_dirs):
     assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)[:13]
 
 
-def test_a_max_model_len_past_the_targets_positions_is_capped_with_a_warning_naming_both(tiny_dirs, caplog):
-    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=4096)  # the tiny target has 512 positions
+def test_a_max_model_len_past_the_targets_positions_is_capped_and_asked_for_ones_are_warned_of(tiny_dirs):
+    from dflash_trt.engine.llm_engine import capped_note
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=4096)  # the tiny target has 512 positions
     assert engine.max_model_len == 512
-    assert any("max_model_len 4096" in r.getMessage() and "max_position_embeddings (512" in r.getMessage()
-               for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_trt"):
-        assert _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=512).max_model_len == 512
-    assert not caplog.records
+    assert "--max-model-len 4096 is past the target's max_position_embeddings (512" in capped_note(4096, engine)
+    assert capped_note(None, engine) is None and capped_note(512, engine) is None  # a default; one that fits
 
 
 def test_prompt_that_fills_the_context_is_refused(tiny_dirs):
@@ -812,3 +809,9 @@ def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_dirs, temper
     out = _engine(tiny_dirs, "qwen3", 3, rows=1).generate(
         [p], SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=0))[0]
     assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)

@@ -484,3 +484,15 @@ def test_the_server_answers_others_while_a_prompt_is_tokenized(server, oracle, m
         finally:
             release.set()
             pending.join(60)
+
+
+def test_a_request_after_the_engine_stopped_is_refused_as_shutting_down_not_an_internal_error(tiny_dirs):
+    # a kept-alive connection can still send one while the server stops: 503, no traceback
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=2))
+    try:
+        s.loop.stop()
+        r = httpx.post(s.base_url + "/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+    finally:
+        s.stop()

@@ -223,3 +223,29 @@ def test_an_interrupted_run_keeps_its_finished_personas_and_samples_only_the_res
     assert [p.source for p in prompts] == [f"self/{p.name}" for p in PERSONAS]
     assert len(again.calls) == len(PERSONAS) - 1  # the finished persona is not sampled again
     assert read_prompts(path) == prompts and not (tmp_path / "self_prompts.partial.jsonl").exists()
+
+
+def test_an_interrupted_run_of_another_count_is_not_resumed(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+
+    class InterruptedAfter(_ScriptedEngine):
+        def __init__(self, calls, script):
+            super().__init__(tok, script)
+            self.allowed = calls
+
+        def generate(self, prompts, params):
+            if len(self.calls) == self.allowed:
+                raise KeyboardInterrupt
+            return super().generate(prompts, params)
+
+    path = tmp_path / "self_prompts.jsonl"
+    two = [_Out(f"How do I greet friend {i}?", "stop") for i in range(8)]
+    with pytest.raises(KeyboardInterrupt):  # 2 a persona: the first persona kept
+        cached_self_prompts(InterruptedAfter(1, two), path, 2, chunk=8)
+    with pytest.raises(KeyboardInterrupt):  # 1 a persona, stopped before any finished
+        cached_self_prompts(InterruptedAfter(0, []), path, 1, chunk=4)
+    script = [_Out(f"How do I use feature {i} of the library?", "stop") for i in range(4 * len(PERSONAS))]
+    prompts = cached_self_prompts(_ScriptedEngine(tok, script), path, 1, chunk=4)
+    assert [p.source for p in prompts] == [f"self/{p.name}" for p in PERSONAS]  # one each, none from the 2-run
