@@ -4,7 +4,8 @@ The serving engine schedules, detokenizes and checks stops per request and per s
 what kept it at ~1.8k tok/s for 256 rows on an H200 (benchmarks/README.md, the first GPU leg). Training data needs
 none of it: every row of a batch prefills at once (right-padded: a row's padding K/V sit past its own positions, and
 each decode step overwrites the next one before any query can see it) and then decodes one token per row per step
-until every row has stopped. Same model code and KV cache as the runtime, so the same numerics.
+until every row has stopped. Same model code and KV cache as the runtime; the batched prefill is not the engine's
+(one forward per prompt chunk), so in bf16 a response can differ from the engine's on a near-tie.
 
 `BatchGenerator(engine)` answers like the engine where `generate_responses` uses it: `encode` and `generate`.
 """
