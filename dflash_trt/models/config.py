@@ -100,7 +100,7 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         architecture=archs[0] if archs else "",
         vocab_size=whole("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=whole("intermediate_size"),
+        intermediate_size=whole("intermediate_size", minimum=0),  # 0: the perf model's attention-only stand-in
         num_hidden_layers=whole("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=whole("num_key_value_heads", heads),
