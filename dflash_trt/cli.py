@@ -88,6 +88,11 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     if no_spec:
         refuse_drafting_flags({"--max-draft-len": max_draft_len, "--tree-nodes": tree_nodes,
                                "--lookup-nodes": lookup_nodes, "--acceptance rejection": acceptance != "match"})
+    if acceptance == "rejection" and temperature > 0 and (tree_nodes or lookup_nodes):
+        # that rule's drafts are samples of the drafter, verified as chains: trees and lookups would be dropped unseen
+        flags = [f for f, v in (("--tree-nodes", tree_nodes), ("--lookup-nodes", lookup_nodes)) if v]
+        raise click.UsageError(f"{' and '.join(flags)} apply to greedy and --acceptance match requests; "
+                               "--acceptance rejection drafts chains")
     tree = None if tree_nodes is None else ({1: tree_nodes} if tree_nodes else {})
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -140,7 +145,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         "token_ids": out.token_ids,
         "num_tokens": out.num_tokens,
         "finish_reason": out.finish_reason,
-        "tau": round(out.tau, 4) if not no_spec else None,
+        "tau": round(out.tau, 4) if not no_spec and out.acceptance_lengths else None,  # no step ran: no tau
         "tokens_per_s": round(out.tokens_per_s, 3),
         "acceptance_histogram": out.acceptance_histogram,
         "acceptance_lengths": out.acceptance_lengths,

@@ -34,6 +34,21 @@ def test_no_spec_needs_no_drafter_and_gives_the_same_greedy_tokens(tiny_dirs):
     assert plain["tau"] is None
 
 
+def test_a_one_token_answer_ran_no_speculative_step_and_reports_no_tau(tiny_dirs):
+    # tau is tokens a step, never below 1: 0.0 said a step ran that accepted nothing
+    out = json.loads(_run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]),
+                          "-p", "x", "--max-new-tokens", "1", "--json").stdout)
+    assert out["num_tokens"] == 1 and out["acceptance_lengths"] == [] and out["tau"] is None
+
+
+@pytest.mark.parametrize("flag", ["--tree-nodes", "--lookup-nodes"])
+def test_trees_and_lookups_with_the_rejection_rule_are_a_usage_error_not_dropped(tiny_dirs, flag):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                  str(tiny_dirs["qwen3_drafter"]), "-p", "x", "--temperature", "0.9",
+                                  "--acceptance", "rejection", flag, "3"])
+    assert r.exit_code == 2 and f"{flag} apply to greedy and --acceptance match requests" in r.output, r.output
+
+
 def test_max_tokens_is_an_alias_of_max_new_tokens(tiny_dirs):
     # the OpenAI API's and `bench speed`'s name for the same limit
     args = ["generate", "--target", str(tiny_dirs["qwen3"]), "-p", "x", "--ignore-eos", "--no-spec", "--json"]
@@ -138,10 +153,10 @@ def test_generate_summary_names_the_draft_tree_it_verifies(tiny_engine_dir):
                                   "--tree-nodes", "0", "--lookup-nodes", "2"])
     assert r.exit_code == 0, r.output
     assert "DFlash K=3, lookups of up to 2:" in r.stderr
-    # a "rejection" row drafts a plain chain (LLMEngine._tree_nodes; lookups compete for greedy and "match" rows)
+    # a "rejection" row drafts a plain chain, whatever tree the engine verifies for greedy and "match" rows
+    # (LLMEngine._tree_nodes)
     r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos",
-                                  "--temperature", "0.8", "--seed", "1", "--acceptance", "rejection",
-                                  "--lookup-nodes", "2"])
+                                  "--temperature", "0.8", "--seed", "1", "--acceptance", "rejection"])
     assert r.exit_code == 0, r.output
     assert "DFlash K=3: 8 tokens (length), tau " in r.stderr and " speculative steps" in r.stderr
 

@@ -287,7 +287,7 @@ def triton() -> None:
               help="The runtime the model drives: this project's, or tensorrt_llm.LLM (needs TensorRT-LLM there).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
               help=f"Rows decoded together (default: the engine's max_batch_size, else {TRITON_DEFAULT_MAX_BATCH_SIZE}).")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help=f"Context length (default: the engine's max_seq_len, else {DEFAULT_MAX_MODEL_LEN}).")
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -148,10 +149,17 @@ def check_sources(settings: ModelSettings) -> None:
         raise ValueError(f"max_draft_len={settings.max_draft_len} exceeds the drafter's block_size - 1 = {block - 1}")
 
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def export_repository(repo: str | Path, model_name: str, settings: ModelSettings, force: bool = False) -> Path:
     """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory. A model directory that holds
     anything already is written into only with `force` (else FileExistsError), as `dflash-trt build` asks before
     replacing an engine."""
+    if not MODEL_NAME.fullmatch(model_name) or model_name in (".", ".."):
+        # one directory inside REPO, named as config.pbtxt names it: "" wrote the model into REPO itself, "../x" beside
+        # it, and a quote broke config.pbtxt
+        raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.' (one directory in {repo})")
     model_dir = Path(repo) / model_name
     if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
         raise FileExistsError(f"{model_dir} already holds a model; pass --force to overwrite it")

@@ -54,6 +54,22 @@ def test_triton_export_of_a_target_that_cannot_be_served_fails_before_writing(tm
     assert not repo.exists()
 
 
+@pytest.mark.parametrize("name", ["", "..", "../escaped", 'a"b', "a/b"])
+def test_triton_export_refuses_a_model_name_that_is_not_one_directory_name(tmp_path, tiny_dirs, name):
+    # "" wrote the model into the repository itself, "../x" beside it, a quote broke config.pbtxt
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]),
+                                             "--no-spec", "--model-name", name])
+    assert result.exit_code == 1 and f"model name {name!r}: use letters" in result.output, result.output
+    assert not repo.exists() and not (tmp_path / "escaped").exists()
+
+
+def test_triton_export_refuses_a_context_of_one_token_as_serve_does(tmp_path, tiny_dirs):
+    result = CliRunner().invoke(cli.triton, ["export", "-o", str(tmp_path / "repo"), "--target",
+                                             str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "1"])
+    assert result.exit_code == 2 and "--max-model-len" in result.output
+
+
 def test_an_engine_with_another_target_or_drafter_is_a_usage_error(tmp_path, tiny_dirs):
     for flag in ("--target", "--drafter"):
         result = CliRunner().invoke(cli.serve, [str(tmp_path), flag, str(tiny_dirs["qwen3"]),
