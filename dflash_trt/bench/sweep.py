@@ -411,38 +411,39 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
     }
     if on_result is not None:  # at once: the file is this run's from the start, not a stale one looking current
         on_result(result)
+    running: dict = {}  # the stage in flight, for an interrupt to name
     try:
-        return await _points(cfg, prompts, result, on_point, on_result)
+        return await _points(cfg, prompts, result, running, on_point, on_result)
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancels the sweep's task
-        result.setdefault("stopped", {**result.pop("running", {}), "error": "interrupted"})
+        result.setdefault("stopped", {**running, "error": "interrupted"})
         if on_result is not None:
             on_result(result)
         raise
 
 
-async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict,
+async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, running: dict,
                   on_point: Callable[[dict], None] | None, on_result: Callable[[dict], None] | None) -> dict:
-    """The warm-up and every point of run_sweep_async, into `result`; result["running"] names the stage in flight
-    (for an interrupt to name it), and is gone once the sweep ends."""
+    """The warm-up and every point of run_sweep_async, into `result`; `running` names the stage in flight."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         stream = PromptStream(prompts, cfg.seed)
         if cfg.num_warmup:
-            result["running"] = {"warmup": cfg.num_warmup}
+            running.update(warmup=cfg.num_warmup)
             warm = await run_requests(client, cfg, stream.take(cfg.num_warmup)[0], cfg.concurrencies[0],
                                       first_index=-cfg.num_warmup)
             if not any(r.ok for r in warm):
                 error = f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}"
-                result.pop("running")
                 result["stopped"] = {"warmup": cfg.num_warmup, "error": error}
                 if on_result is not None:
                     on_result(result)
                 raise SweepError(error)
+            running.clear()
             await asyncio.sleep(cfg.metrics_settle_s)
         metrics = await scrape(client, cfg.metrics_url)
         for c in cfg.concurrencies:
-            result["running"] = {"concurrency": c}
+            running.clear()
+            running.update(concurrency=c)
             before = metrics
             sent, repeats = stream.take(cfg.requests_at(c))
             results = await run_requests(client, cfg, sent, c)
@@ -453,7 +454,6 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict,
             try:
                 point = point_stats(cfg, c, results)
             except SweepError as e:
-                result.pop("running")
                 result["stopped"] = {"concurrency": c, "error": str(e)}
                 if on_result is not None:
                     on_result(result)
@@ -464,7 +464,7 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict,
             point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check
             result["points"].append(point)
             result["complete"] = len(result["points"]) == len(cfg.concurrencies)
-            result.pop("running")
+            running.clear()
             if on_point is not None:
                 on_point(point)
             if on_result is not None:
