@@ -79,7 +79,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     import torch
     from tqdm import tqdm
 
-    from dflash_trt.bench.datasets import load_dataset
+    from dflash_trt.bench.datasets import PRESETS, load_dataset
     from dflash_trt.bench.speed import SpeedConfig, format_table, run_speed, zlab_runner
     from dflash_trt.draft_schedule import expand
     from dflash_trt.server.cli import load_engine
@@ -101,6 +101,12 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tree-nodes") from e
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
+    dataset_args = dict(osl=max_tokens, categories=list(categories) or None, limit_per_category=limit_per_category)
+    if dataset not in PRESETS or PRESETS[dataset][0] is None:  # the long-context presets need the model's tokenizer
+        try:
+            load_dataset(dataset, **dataset_args)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from e
     if output:
         _make_output_folder(output)
     if threads:
@@ -108,8 +114,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype if dtype or engine else "bfloat16",
                                 max_batch_size=1)
-        prompts = load_dataset(dataset, osl=max_tokens, tokenizer=eng.tokenizer, categories=list(categories) or None,
-                               limit_per_category=limit_per_category)
+        prompts = load_dataset(dataset, tokenizer=eng.tokenizer, **dataset_args)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     if eng.drafter is None:

@@ -172,3 +172,16 @@ def test_plot_of_runs_without_points_says_why_and_writes_nothing(tmp_path):
     r = CliRunner().invoke(main, ["bench", "plot", str(run), "-o", str(png)])
     assert r.exit_code == 1 and "has no points (the sweep stopped: every warm-up request failed)" in r.output, r.output
     assert "no run has a point to plot" in r.output and not png.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "nosuch"], "dataset 'nosuch' is neither a built-in"),
+    (["--category", "nope"], "nope"),
+])
+def test_bench_speed_refuses_a_bad_dataset_before_the_model_loads(monkeypatch, args, message):
+    # a mistake must not cost a model load (minutes for a large one)
+    from dflash_trt.server import cli as server_cli
+
+    monkeypatch.setattr(server_cli, "load_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    r = CliRunner().invoke(main, ["bench", "speed", *args])
+    assert r.exit_code != 0 and message in r.output, r.output
