@@ -317,6 +317,14 @@ def interrupted_state(out_dir: Path, data_dir: Path) -> str:
     except ValueError:
         return "Kept: what was done before, in --out and --data."
     data = f"Kept: {done} responses in {data_dir / 'responses.jsonl'} (and their features cached so far)"
+    partial = data_dir / "self_prompts.partial.jsonl"
+    if not done and partial.is_file():  # interrupted while the target wrote its own prompts
+        from dflash_trt.train.self_prompts import read_prompts
+
+        try:
+            data = f"Kept: {len(read_prompts(partial))} self-written prompts of finished personas in {partial}"
+        except ValueError:
+            pass
     if saved is None:
         return data + "; no training checkpoint yet."
     return data + f"; training at step {saved['step']} in {out_dir / 'checkpoint.pt'}."

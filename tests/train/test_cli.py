@@ -343,3 +343,15 @@ def test_records_at_other_prompts_positions_are_refused_naming_them(target, run,
 def test_generate_pointed_at_a_training_out_names_its_drafter(target, run):
     r = CliRunner().invoke(main, ["generate", "--target", str(target), "--drafter", str(run), "-p", "hi"])
     assert r.exit_code != 0 and f"its drafter is {run / 'drafter'}" in r.output and "Traceback" not in r.output
+
+
+def test_an_interrupt_while_the_target_writes_its_prompts_says_which_it_kept(tmp_path):
+    from dflash_trt.train.cli import interrupted_state
+    from dflash_trt.train.prompts import Prompt
+    from dflash_trt.train.self_prompts import write_prompts
+
+    data = tmp_path / "data"
+    write_prompts(data / "self_prompts.partial.jsonl", [Prompt("How do I sort?", "self/chat"),
+                                                        Prompt("Why is it blue?", "self/chat")])
+    said = interrupted_state(tmp_path / "out", data)
+    assert f"Kept: 2 self-written prompts of finished personas in {data / 'self_prompts.partial.jsonl'}" in said
