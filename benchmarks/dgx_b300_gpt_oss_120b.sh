@@ -9,7 +9,9 @@
 # Arms: "DFlash K=k" are fixed-K engines (the config's draft-length schedule removed); "DFlash auto" is the config as
 # written, whose schedule the build chooses per batch size (plan.json). Every engine is built for the preset's
 # ISL + OSL (max_seq_len), and prompts are cut to the ISL with the engine's own tokenizer.
-# Needs: TensorRT-LLM 1.3.0rc20 (NGC container or NVIDIA's wheel index) with trtllm-serve on PATH, this package
+# Needs: TensorRT-LLM with DFlash's TRTLLM-gen attention (PR #16914, merged 2026-07-27: a release after
+# 1.3.0rc20, which refuses speculative_config.attention_backend; the engines' config.yaml headers say so) from the
+# NGC container or NVIDIA's wheel index, with trtllm-serve on PATH, this package
 # installed (pip install -e .), the three checkpoints in the HF cache or reachable, 8 GPUs.
 #   benchmarks/dgx_b300_gpt_oss_120b.sh                          # all arms, 1k/1k
 #   PRESET=gpu-8k1k KS="3 7" CONC=1,4,16,64,256 benchmarks/dgx_b300_gpt_oss_120b.sh
@@ -31,7 +33,7 @@ case $PRESET in
 esac
 MAX_SEQ=$((ISL + OSL + 256))       # + the chat template and the draft block
 mkdir -p "$WORK" "$OUT"
-command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM 1.3.0rc20" >&2; exit 1; }
+command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM (a release with PR #16914)" >&2; exit 1; }
 
 source "$ROOT/benchmarks/server_lifecycle.sh"   # stop, wait_up
 sweep() {  # label, result name

@@ -37,7 +37,7 @@ from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
 from dflash_trt.trtllm.config_writer import llm_api_options
-from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION
+from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION, keys_newer_than_pin
 from dflash_trt.validate import check_mapping, check_pairing
 
 logger = logging.getLogger(__name__)
@@ -413,9 +413,11 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
                 _write_weights(p.drafter.path, tmp / "drafter", DRAFTER_CONFIG_FILES, weights["drafter"], False, bar)
         (tmp / "plan.json").write_text(json.dumps(p.plan.to_dict(), indent=2) + "\n")
         (tmp / "trtllm").mkdir()
+        newer = keys_newer_than_pin(p.trtllm_options)
         (tmp / "trtllm" / "config.yaml").write_text(
             f"# LLM-API options for TensorRT-LLM {TENSORRT_LLM_VERSION} (keys checked against {LLM_ARGS_SOURCE}).\n"
-            "# Serve: dflash-trt serve ENGINE --backend trtllm (from anywhere), or from the engine directory,\n"
+            + "".join(f"# Needs a release after {TENSORRT_LLM_VERSION}, which refuses {key}\n" for key in newer)
+            + "# Serve: dflash-trt serve ENGINE --backend trtllm (from anywhere), or from the engine directory,\n"
             "# where speculative_model's relative path resolves: trtllm-serve target --tokenizer tokenizer --config "
             "trtllm/config.yaml\n"
             + yaml.safe_dump(p.trtllm_options, sort_keys=False)
@@ -439,7 +441,8 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
             **_summaries(p),
             "max_draft_len": p.max_draft_len,
             "tokenizer": {"files": tokenizer_files, "chat_template": _has_chat_template(tmp / "tokenizer")},
-            "trtllm": {"version": TENSORRT_LLM_VERSION, "llm_args_source": LLM_ARGS_SOURCE},
+            "trtllm": {"version": TENSORRT_LLM_VERSION, "llm_args_source": LLM_ARGS_SOURCE,
+                       "needs_a_later_release_for": newer},
             "files": checksums,
         }
         manifest[MANIFEST_DIGEST] = manifest_digest(manifest)

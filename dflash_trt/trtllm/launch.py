@@ -10,6 +10,7 @@ executor workers are separate MPI processes), so "drafter" from any other direct
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.embedded import cache_dir
-from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION
+from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
 
 logger = logging.getLogger(__name__)
 CONFIG_PATH = Path("trtllm") / "config.yaml"
@@ -43,6 +44,15 @@ def require_tensorrt_llm():
     if version != TENSORRT_LLM_VERSION:
         logger.warning("tensorrt_llm %s is installed; this engine's config targets %s", version, TENSORRT_LLM_VERSION)
     return tensorrt_llm
+
+
+def check_release(options: dict, version: str) -> None:
+    """RuntimeError where the installed release is the pinned one and the options hold a key it refuses (TensorRT-LLM
+    would fail on it with a validation error that does not say which release to install)."""
+    newer = keys_newer_than_pin(options)
+    if newer and version == TENSORRT_LLM_VERSION:
+        raise RuntimeError(f"tensorrt_llm {version} refuses {'; '.join(newer)}: install a later release, or build the "
+                           "engine without that key (e.g. speculative_config.attention_backend: VANILLA, with flash-attn)")
 
 
 def load_options(engine_path: Path) -> dict:
@@ -93,6 +103,7 @@ def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0
     """Generate with tensorrt_llm.LLM from a verified EngineDir; one dict (text, token_ids) per prompt."""
     trtllm = require_tensorrt_llm()
     options = load_options(engine.path)  # its paths absolute: no working directory to depend on
+    check_release(options, getattr(trtllm, "__version__", "unknown"))
     llm = trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
     params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k or None, seed=seed)
@@ -111,5 +122,9 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str
         raise RuntimeError(
             f"trtllm-serve is not on PATH: install TensorRT-LLM {TENSORRT_LLM_VERSION}, or use --backend torch"
         )
+    try:  # trtllm-serve's release, where it shares this Python's packages
+        check_release(load_options(engine.path), importlib.metadata.version("tensorrt_llm"))
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return [exe, str(engine.target_dir), "--tokenizer", str(engine.tokenizer_dir), "--host", host, "--port", str(port),
             "--config", str(runtime_config(engine))]

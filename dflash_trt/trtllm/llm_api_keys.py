@@ -13,6 +13,23 @@ confirms the pin against an installed tensorrt_llm.
 from __future__ import annotations
 
 TENSORRT_LLM_VERSION = "1.3.0rc20"
+
+# Keys the source read has and the pinned release does not: a config holding one needs a later release (which one
+# could not be checked here: NVIDIA's wheel index is out of reach and PyPI holds only stub sdists).
+NEWER_THAN_PIN: dict[str, str] = {
+    "speculative_config.attention_backend": "NVIDIA/TensorRT-LLM PR #16914, merged 2026-07-27 (TRTLLM-gen attention "
+                                            "for DFlash drafters)",
+}
+
+
+def keys_newer_than_pin(options: dict) -> list[str]:
+    """'key (where it came from)' for each key of the LLM-API options that the pinned release does not accept."""
+    found = []
+    for dotted, origin in NEWER_THAN_PIN.items():
+        section, _, key = dotted.rpartition(".")
+        if key in (options.get(section) or {} if section else options):
+            found.append(f"{dotted} ({origin})")
+    return found
 LLM_ARGS_SOURCE = "NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
 
 TOP_LEVEL_KEYS = frozenset({

@@ -99,3 +99,20 @@ def test_pinned_version_accepts_the_written_config():
     options = prepare_build(CONFIGS / "qwen3-8b-1xh200.yaml", allow_bundled=True).trtllm_options
     TorchLlmArgs(model="Qwen/Qwen3-8B", **options)
 
+
+
+def test_keys_the_pinned_release_refuses_are_named_and_a_pinned_install_is_refused_before_launch():
+    # The B300 configs draft with TRTLLM-gen attention, a key that came after the pinned release (which forbids
+    # unknown keys): the engine says which release it needs, and the launcher refuses the pinned one up front.
+    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
+
+    b300 = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-latency.yaml", allow_bundled=True).trtllm_options
+    assert b300["speculative_config"]["attention_backend"] == "TRTLLM"
+    (newer,) = keys_newer_than_pin(b300)
+    assert newer.startswith("speculative_config.attention_backend (") and "#16914" in newer
+    h200 = prepare_build(CONFIGS / "qwen3-8b-1xh200.yaml", allow_bundled=True).trtllm_options
+    assert keys_newer_than_pin(h200) == []  # VANILLA: the key is left out
+    with pytest.raises(RuntimeError, match=f"tensorrt_llm {TENSORRT_LLM_VERSION} refuses speculative_config"):
+        launch.check_release(b300, TENSORRT_LLM_VERSION)
+    launch.check_release(b300, "1.4.0rc1")
+    launch.check_release(h200, TENSORRT_LLM_VERSION)
