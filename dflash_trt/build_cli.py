@@ -85,11 +85,24 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
         ar, ch = rows[b]["ar"], rows[b].get("chosen", rows[b]["ar"])
         lines.append(f"{b:>6} {ch['draft_len']:>3} {ch['step_time_s'] * 1e3:>8.2f} {fmt(ch['tok_s_user']):>11} "
                      f"{fmt(ch['tok_s_gpu']):>10}   {fmt(ar['tok_s_user']):>13} {fmt(ar['tok_s_gpu']):>12}")
-    per_rank = f", batch per rank of {perf['attention_dp_ranks']}" if perf["attention_dp_ranks"] > 1 else ""
+    ranks = perf["attention_dp_ranks"]
+    per_rank = f", batch per rank of {ranks} attention-DP ranks: concurrency {ranks} x batch" if ranks > 1 else ""
     title = (f"Predicted per step (roofline{per_rank}, context {perf['context_len']} tokens, schedule "
              f"{perf['schedule_source'] or 'none'})")
     return (title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
             + f"\n(hardware figures: {perf['hardware']['perf_source']})")
+
+
+def _format_trtllm(options: dict) -> str:
+    """The LLM-API options a build writes to trtllm/config.yaml, with the keys the pinned release refuses."""
+    import yaml
+
+    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
+
+    title = f"TensorRT-LLM options (trtllm/config.yaml, for TensorRT-LLM {TENSORRT_LLM_VERSION})"
+    notes = "".join(f"\nNeeds a release after {TENSORRT_LLM_VERSION}, which refuses {key}"
+                    for key in keys_newer_than_pin(options))
+    return title + "\n" + "-" * len(title) + "\n" + yaml.safe_dump(options, sort_keys=False).rstrip() + notes
 
 
 def _schedule(table: dict | None, k: int = 0) -> str:
@@ -126,7 +139,8 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
         if plan_only:
             if output is not None:
                 raise click.UsageError("--plan-only writes nothing: drop -o/--output (or --plan-only to build)")
-            plan = prepare_build(config, overrides, allow_bundled=True).plan.to_dict()
+            prepared = prepare_build(config, overrides, allow_bundled=True)
+            plan, options = prepared.plan.to_dict(), prepared.trtllm_options
         else:
             if output is None:
                 raise click.UsageError("pass -o DIR (or --plan-only)")
@@ -136,7 +150,11 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
         # the system's own errors (a full disk, a read-only -o) come without the engine they stopped
         where = f" (building {output})" if isinstance(e, OSError) and e.errno and not e.filename else ""
         raise click.ClickException(f"{e}{where}") from e
-    click.echo(json.dumps(plan, indent=2) if as_json else format_plan(plan))
+    if plan_only:  # what trtllm/config.yaml would hold, shown before any weight is fetched or copied
+        click.echo(json.dumps({**plan, "trtllm_options": options}, indent=2) if as_json
+                   else format_plan(plan) + "\n\n" + _format_trtllm(options))
+    else:
+        click.echo(json.dumps(plan, indent=2) if as_json else format_plan(plan))
     if not plan_only:
         click.echo(f"\nengine written to {path}", err=True)
 

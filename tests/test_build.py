@@ -912,3 +912,15 @@ def test_a_file_system_without_locks_builds_with_a_warning(tiny_dirs, tmp_path, 
         out = build_engine(write_config(tmp_path, tiny_dirs["llama"], None), tmp_path / "e", progress=False)
     EngineDir(out).verify()
     assert any("no lock on this file system" in r.getMessage() for r in caplog.records)
+
+
+def test_plan_only_shows_the_tensorrt_llm_options_and_the_keys_the_pinned_release_refuses():
+    cfg = REPO / "build_configs" / "gpt-oss-120b-8xb300-latency.yaml"
+    r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only"])
+    assert r.exit_code == 0, r.output
+    assert "TensorRT-LLM options (trtllm/config.yaml, for TensorRT-LLM 1.3.0rc20)" in r.output
+    assert "attention_backend: TRTLLM" in r.output
+    assert "Needs a release after 1.3.0rc20, which refuses speculative_config.attention_backend" in r.output
+    r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--json"])
+    options = json.loads(r.stdout)["trtllm_options"]
+    assert options["speculative_config"]["decoding_type"] == "DFlash" and options["tensor_parallel_size"] == 8
