@@ -229,7 +229,9 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     fanout = int(t.extra.get("num_experts_per_tok") or 1)
     per_tok = (4 * t.hidden_size + (t.num_attention_heads // tp + 2 * kv_heads) * t.head_dim + 3 * i_rank * fanout)
     tokens = min(cfg.max_num_tokens, batch * seq) if trtllm else batch * seq
-    logits = batch * (k + 1) * t.vocab_size * 4 * (2 if d is not None else 1)
+    # TensorRT-LLM's steps hold at most max_num_tokens tokens, verified drafts included
+    verified = min(batch * (k + 1), cfg.max_num_tokens) if trtllm else batch * (k + 1)
+    logits = verified * t.vocab_size * 4 * (2 if d is not None else 1)
     comps["activations_estimate"] = int(tokens * per_tok * dtype_b + logits)
     details["activation_tokens"] = tokens
     comps["cuda_graph_pools"] = len(cuda_graph_batch_sizes(cfg)) * CUDA_GRAPH_BYTES if trtllm else 0
@@ -284,6 +286,12 @@ def plan_build(
         plan.notes.append(
             f"max_seq_len={seq} exceeds the drafter's max_position_embeddings={drafter.max_position_embeddings}: "
             "TensorRT-LLM drafts nothing for requests past it"
+        )
+    if hw.kind == "gpu" and batch * (k + 1) > cfg.max_num_tokens:
+        plan.notes.append(
+            f"max_batch_size={batch} with max_draft_len={k} verifies {batch * (k + 1)} tokens a step, past "
+            f"max_num_tokens={cfg.max_num_tokens}: TensorRT-LLM schedules at most {cfg.max_num_tokens // (k + 1)} "
+            "decoding requests a step; raise max_num_tokens or lower max_batch_size"
         )
     if not fits:
         plan.problems.append(_explain(plan, target, drafter, cfg, hw, dtype, kvd))

@@ -84,6 +84,22 @@ def test_seq_len_beyond_the_target_context_is_refused():
     assert not plan.fits and "max_position_embeddings=131072" in plan.problems[0]
 
 
+def test_a_batch_whose_verified_tokens_pass_max_num_tokens_is_noted_and_its_logits_capped():
+    # TensorRT-LLM caps a step at max_num_tokens: 4,000 rows of K=9 verify 40,000 tokens, so 2,000 rows decode a step
+    def plan(batch):
+        cfg = _cfg(max_batch_size=batch, max_seq_len=1024, max_num_tokens=20_000, tensor_parallel_size=8,
+                   moe_expert_parallel_size=8)
+        return plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+
+    big, edge = plan(4000), plan(2000)
+    assert any("verifies 40000 tokens a step, past max_num_tokens=20000" in n and "at most 2000 decoding" in n
+               for n in big.notes)
+    assert not any("max_num_tokens" in n for n in edge.notes)  # 20,000 exactly
+    # the fp32 logits (target and drafter: 2 x 201,088 x 4 B a token) of 20,000 verified tokens at most
+    logits = 20_000 * GPT_OSS.vocab_size * 4 * 2
+    assert big.components["activations_estimate"] - edge.components["activations_estimate"] < logits // 100
+
+
 @pytest.mark.parametrize(
     "graph, schedule, expected",
     [
