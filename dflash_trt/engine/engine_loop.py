@@ -44,10 +44,10 @@ class EngineLoop:
         self.on_finish = on_finish
         self._callbacks: dict[int, Callback] = {}
         self._lock = threading.Lock()
-        # Held while a request is queued and while the thread closes for good: a request either lands before the
-        # closing answers everything left, or is refused (checked then queued unlocked, one could land after).
+        # Held while a request is checked and queued: the thread, stopped, takes it once before answering everything
+        # left, so a request either lands before that or sees the stop (checked then queued unlocked, one could land
+        # after the answers and wait forever).
         self._intake = threading.Lock()
-        self._closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
@@ -102,7 +102,7 @@ class EngineLoop:
         """Queue a request; raises ValueError (bad input), QueueFullError, or LoopStopped once stop() was called."""
         seq = self.engine.make_sequence(prompt_ids, params)
         with self._intake:
-            if self._stop.is_set() or self._closed:
+            if self._stop.is_set():
                 raise LoopStopped("the engine loop is stopped")
             with self._lock:
                 self._callbacks[seq.request_id] = callback
@@ -149,8 +149,8 @@ class EngineLoop:
                     self._hook(self.on_finish, output)
                 self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
         # Shutting down: answer whatever is left so no caller waits forever.
-        with self._intake:
-            self._closed = True
+        with self._intake:  # the loop ends only on stop(): a submit past this point sees it
+            pass
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):
