@@ -102,9 +102,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.BadParameter(str(e), param_hint="--tree-nodes") from e
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
     dataset_args = dict(osl=max_tokens, categories=list(categories) or None, limit_per_category=limit_per_category)
+    prompts = None
     if dataset not in PRESETS or PRESETS[dataset][0] is None:  # the long-context presets need the model's tokenizer
         try:
-            load_dataset(dataset, **dataset_args)
+            prompts = load_dataset(dataset, **dataset_args)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
     if output:
@@ -114,7 +115,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype if dtype or engine else "bfloat16",
                                 max_batch_size=1)
-        prompts = load_dataset(dataset, tokenizer=eng.tokenizer, **dataset_args)
+        if prompts is None:
+            prompts = load_dataset(dataset, tokenizer=eng.tokenizer, **dataset_args)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     if eng.drafter is None:
