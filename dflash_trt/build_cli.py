@@ -155,7 +155,6 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
                    else format_plan(plan) + "\n\n" + _format_trtllm(options))
     else:
         click.echo(json.dumps(plan, indent=2) if as_json else format_plan(plan))
-    if not plan_only:
         click.echo(f"\nengine written to {path}", err=True)
 
 
