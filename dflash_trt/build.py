@@ -37,7 +37,12 @@ from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
 from dflash_trt.trtllm.config_writer import llm_api_options
-from dflash_trt.trtllm.llm_api_keys import LLM_ARGS_SOURCE, TENSORRT_LLM_VERSION, keys_newer_than_pin
+from dflash_trt.trtllm.llm_api_keys import (
+    LLM_ARGS_SOURCE,
+    TENSORRT_LLM_VERSION,
+    keys_newer_than_pin,
+    release_notes,
+)
 from dflash_trt.validate import check_mapping, check_pairing
 
 logger = logging.getLogger(__name__)
@@ -416,7 +421,7 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
         newer = keys_newer_than_pin(p.trtllm_options)
         (tmp / "trtllm" / "config.yaml").write_text(
             f"# LLM-API options for TensorRT-LLM {TENSORRT_LLM_VERSION} (keys checked against {LLM_ARGS_SOURCE}).\n"
-            + "".join(f"# Needs a release after {TENSORRT_LLM_VERSION}, which refuses {key}\n" for key in newer)
+            + "".join(f"# {note}\n" for note in release_notes(p.trtllm_options))
             + "# Serve: dflash-trt serve ENGINE --backend trtllm (from anywhere), or from the engine directory,\n"
             "# where speculative_model's relative path resolves: trtllm-serve target --tokenizer tokenizer --config "
             "trtllm/config.yaml\n"

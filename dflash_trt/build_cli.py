@@ -97,11 +97,10 @@ def _format_trtllm(options: dict) -> str:
     """The LLM-API options a build writes to trtllm/config.yaml, with the keys the pinned release refuses."""
     import yaml
 
-    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
+    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, release_notes
 
     title = f"TensorRT-LLM options (trtllm/config.yaml, for TensorRT-LLM {TENSORRT_LLM_VERSION})"
-    notes = "".join(f"\nNeeds a release after {TENSORRT_LLM_VERSION}, which refuses {key}"
-                    for key in keys_newer_than_pin(options))
+    notes = "".join(f"\n{note}" for note in release_notes(options))
     return title + "\n" + "-" * len(title) + "\n" + yaml.safe_dump(options, sort_keys=False).rstrip() + notes
 
 

@@ -30,6 +30,13 @@ def keys_newer_than_pin(options: dict) -> list[str]:
         if key in (options.get(section) or {} if section else options):
             found.append(f"{dotted} ({origin})")
     return found
+
+
+def release_notes(options: dict) -> list[str]:
+    """One sentence per key of the options that the pinned release refuses (the written config's header and
+    `build --plan-only` say them alike)."""
+    return [f"Needs a release after {TENSORRT_LLM_VERSION}, which refuses {key}"
+            for key in keys_newer_than_pin(options)]
 LLM_ARGS_SOURCE = "NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
 
 TOP_LEVEL_KEYS = frozenset({
