@@ -168,13 +168,18 @@ def _stall(step: str) -> None:
 LOCK_SUFFIX = ".lock"
 
 
+def _lock_of(path: Path) -> Path:
+    """The lock file beside a build's temporary directory or set-aside engine."""
+    return path.with_name(path.name + LOCK_SUFFIX)
+
+
 @contextmanager
 def _held(path: Path) -> Iterator[None]:
     """An exclusive flock on `path`.lock for the block, taken before `path` exists: while it is held, other builds
     beside it see `path` as a live build's. A lock, not the PID in the name: a build in another container sharing
     the directory has PIDs of its own namespace, and one of them once deleted a live build's half-written engine,
     which then wrote a manifest over what was left. The lock goes with the process, SIGKILL included."""
-    lock = path.with_name(path.name + LOCK_SUFFIX)
+    lock = _lock_of(path)
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         try:
@@ -214,7 +219,7 @@ def _dead_builds(out: Path, kind: str, any_name: bool = False) -> Iterator[Path]
     for path in out.parent.glob(pattern):
         if not path.is_dir():
             continue
-        lock = path.with_name(path.name + LOCK_SUFFIX)
+        lock = _lock_of(path)
         if _lock_free(lock) or (kind == "old" and not lock.exists()):
             yield path
 
