@@ -252,10 +252,10 @@ def cached_self_prompts(engine: LLMEngine, path: Path, num_per_persona: int, exc
             logger.info("%s: %d self-written prompts (reused)", path, len(prompts))
         return prompts
     done = read_prompts(partial) if partial.is_file() and written_for == num_per_persona else []
-    if not done:  # another count's: the meta written next would otherwise make a later run take it for this one's
-        partial.unlink(missing_ok=True)
     if done:
         logger.info("%s: %d self-written prompts of finished personas kept from an interrupted run", partial, len(done))
+    else:  # another count's: the meta written next would otherwise make a later run take it for this one's
+        partial.unlink(missing_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     asked.write_text(json.dumps({"per_persona": num_per_persona}) + "\n")
     prompts = generate_self_prompts(engine, num_per_persona, exclude=exclude, done=done,
