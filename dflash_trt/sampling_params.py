@@ -11,6 +11,7 @@ AcceptanceRule = Literal["match", "rejection"]
 # Temperatures below this decode greedily: logits divided by one overflow fp32 to inf, and the softmax of those is NaN
 # (1e-38 sampled garbage); at 1e-5 a logit gap of 0.001 is already a factor e^100 (vLLM's cut too).
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (and vLLM's default max_logprobs)
 
 
 @dataclass
@@ -32,6 +33,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     acceptance: AcceptanceRule = "match"
+    logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -46,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not x for x in self.stop):
             raise ValueError("stop strings must not be empty (an empty one would match before any text)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash_trt.engine.llm_engine import LLMEngine, RequestOutput, StepResult
+from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class RequestUpdate:
     finished: bool
     output: RequestOutput | None = None  # set when finished (text cut at stop strings, statistics)
     error: str | None = None  # set when the engine failed this request
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated id so far, where the request asked for them
 
 
 Callback = Callable[[RequestUpdate], None]
@@ -147,7 +149,8 @@ class EngineLoop:
                     continue
                 if output is not None:
                     self._hook(self.on_finish, output)
-                self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output))
+                self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output,
+                                            logprobs=tuple(seq.output_logprobs)))
         # Shutting down: answer whatever is left so no caller waits forever.
         with self._intake:  # the loop ends only on stop(): a submit past this point sees it
             pass

@@ -11,6 +11,7 @@ import torch
 
 from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
+from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
@@ -102,6 +103,7 @@ class RequestOutput:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per generated id, where the request asked for them
 
     @property
     def num_tokens(self) -> int:
@@ -400,6 +402,7 @@ class LLMEngine:
             verify_time=s.stats.verify_time,
             prefill_time=s.stats.prefill_time,
             decode_time=s.stats.decode_time,
+            logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
         )
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, round_up
@@ -137,7 +138,10 @@ class ModelRunner:
             # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
             last = torch.tensor([lens[i] - 1 for i in done], device=self.device)
             last_hidden = hidden[torch.tensor(done, device=self.device), last]
-            for i, t in zip(done, self._next_tokens([seqs[i] for i in done], last_hidden)):
+            done_seqs = [seqs[i] for i in done]
+            firsts = self._next_tokens(done_seqs, last_hidden)
+            self._note_logprobs(done_seqs, last_hidden[:, None], [[t] for t in firsts], [[0]] * len(done))
+            for i, t in zip(done, firsts):
                 tokens[i] = t
         elapsed = time.perf_counter() - start_time
         for i, s in enumerate(seqs):
@@ -154,6 +158,7 @@ class ModelRunner:
         positions = torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device)
         hidden, features = self.target(ids, AttentionMetadata.causal_step(self._rows(seqs), positions), self.target_cache, self.capture)
         tokens = self._next_tokens(seqs, hidden[:, 0])
+        self._note_logprobs(seqs, hidden, [[t] for t in tokens], [[0]] * len(seqs))
         elapsed = time.perf_counter() - start
         for i, s in enumerate(seqs):
             s.stats.verify_time += elapsed
@@ -188,6 +193,7 @@ class ModelRunner:
         else:
             result = self._verify(seqs, proposal, sampling, self.target.compute_logits(hidden))
         emitted = result.emitted(proposal.draft_tokens)
+        self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])
         for i, drafted in lookups.items():
             seqs[i].context_lookup().observe(drafted, min(drafted, len(emitted[i]) - 1))
         t2 = time.perf_counter()
@@ -234,6 +240,7 @@ class ModelRunner:
         paths = accept_tree(tree, choices)
         tokens, choices = tree.tokens.tolist(), choices.tolist()
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
+        self._note_logprobs(seqs, hidden, emitted, paths)  # the token after node j was chosen at node j
         # How deep each lookup was verified and accepted, counted alike where the drafter proposed the same nodes.
         for i, branch in enumerate(branches or ()):
             drafted = [t for t, _ in branch]
@@ -266,6 +273,16 @@ class ModelRunner:
         u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
         probs = sampling_probs(self.target.compute_logits(hidden), *self._params(seqs))  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, depths))
+
+    def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],
+                       positions: list) -> None:
+        """For the rows that ask for logprobs: the target's log-probabilities of the tokens each emitted
+        (engine/logprobs.py), for Sequence.append to commit. hidden [B, T, H]; row i's token j was chosen by the
+        target at hidden[i, positions[i][j]]. Only these rows pay for the full head's logits."""
+        for i, s in enumerate(seqs):
+            if s.params.logprobs is not None:
+                logits = self.target.compute_logits(hidden[i, list(positions[i])])
+                s.new_logprobs = token_logprobs(logits, emitted[i], s.params.logprobs)
 
     def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's cache row, anchor position (its committed length) and anchor (its last token, which the

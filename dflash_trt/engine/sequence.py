@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.spec.context_lookup import ContextLookup
 
@@ -44,6 +45,9 @@ class Sequence:
         stop_ids = params.stop_token_ids if params.stop_token_ids is not None else list(eos_token_ids)
         self.stop_ids = set() if params.ignore_eos and params.stop_token_ids is None else set(stop_ids)
         self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs: one per output id
+        # the runner's last step's logprobs for the tokens it emitted, which append commits as far as it commits them
+        self.new_logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.slot: int = -1
         self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
@@ -97,6 +101,7 @@ class Sequence:
 
     def append(self, tokens: list[int], max_model_len: int) -> int:
         """Commit tokens in order until a stop condition; returns how many were committed."""
+        logprobs, self.new_logprobs = self.new_logprobs, None
         n = 0
         for t in tokens:
             self.output_ids.append(int(t))
@@ -109,4 +114,6 @@ class Sequence:
                 self.finish_reason = "length"
             if self.finish_reason:
                 break
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs[:n])
         return n
