@@ -23,6 +23,7 @@ from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server import protocol as p
+from dflash_trt.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    token_text = TokenText(engine.tokenizer)
     card = p.ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
@@ -111,7 +113,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.stream:
             return _sse(_stream_completion(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [p.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, acceptance=_acceptance(o))
+        choices = [p.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, acceptance=_acceptance(o),
+                                      logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs, token_text))
                    for i, o in enumerate(outputs)]
         body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs))
         return JSONResponse(body.model_dump())
@@ -131,7 +134,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return _sse(_stream_chat(req, submitted))
         (out,) = await _wait_all(request, submitted)
         choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                              acceptance=_acceptance(out))
+                              acceptance=_acceptance(out),
+                              logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, token_text))
         body = p.ChatCompletionResponse(model=model_name, choices=[choice], usage=_usage([out]))
         return JSONResponse(body.model_dump())
 
@@ -205,7 +209,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
-                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance)
+                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -275,17 +279,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             pass
 
     async def _updates(s: _Submitted):
-        """Yield (choice index, text delta, finished output or None) until every choice has finished;
-        abort the unfinished ones if the consumer stops early (client disconnect)."""
+        """Yield (choice index, text delta, finished output or None, the logprobs of the tokens new since the last)
+        until every choice has finished; abort the unfinished ones if the consumer stops early (client disconnect).
+        Logprobs go with the update whose tokens they belong to, even where its text is held back."""
         done = [False] * len(s.request_ids)
+        sent = [0] * len(s.request_ids)
         try:
             while not all(done):
                 i, update = await s.queue.get()
                 out = _finished(update) if update.finished else None
                 done[i] = update.finished
                 text = s.detoks[i].delta(update.token_ids, out.text if out is not None else None)
-                if text or out is not None:
-                    yield i, text, out
+                new, sent[i] = update.logprobs[sent[i]:], max(sent[i], len(update.logprobs))
+                if text or out is not None or new:
+                    yield i, text, out, new
         finally:
             for i, rid in enumerate(s.request_ids):
                 if not done[i]:
@@ -295,9 +302,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         usage, no_usage = _include_usage(req)
         outputs = []
-        async for i, text, out in _updates(s):
+        offsets = [0] * len(s.request_ids)  # where each choice's next token starts in its text
+        async for i, text, out, new in _updates(s):
+            logprobs = None
+            if req.num_logprobs is not None:
+                logprobs = completion_logprobs(new, token_text, offsets[i])
+                offsets[i] += sum(map(len, logprobs.tokens))
             choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
-                                        acceptance=_acceptance(out) if out else None)
+                                        acceptance=_acceptance(out) if out else None, logprobs=logprobs)
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)
@@ -312,10 +324,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         first_chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first])
         yield first_chunk.model_dump(exclude=no_usage)
         outputs = []
-        async for i, text, out in _updates(s):
+        async for i, text, out, new in _updates(s):
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
                                        finish_reason=out.finish_reason if out else None,
-                                       acceptance=_acceptance(out) if out else None)
+                                       acceptance=_acceptance(out) if out else None,
+                                       logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)
             chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
             if out is not None:
                 outputs.append(out)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 
+from dflash_trt.sampling_params import MAX_TOP_LOGPROBS
+
 
 class ErrorInfo(BaseModel):
     message: str
@@ -72,7 +74,7 @@ class StreamOptions(_NullIsUnset):
 
 class _SamplingRequest(_NullIsUnset):
     # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
-    # change the answer's content or shape and are not implemented (logprobs, logit_bias, tools, ...) are refused
+    # change the answer's content or shape and are not implemented (logit_bias, tools, ...) are refused
     # below rather than silently dropped. Numbers and booleans are strict: "5" or true is no max_tokens.
     model_config = ConfigDict(extra="ignore")
 
@@ -87,8 +89,6 @@ class _SamplingRequest(_NullIsUnset):
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     # OpenAI features this server does not implement: refused unless off
-    logprobs: StrictBool | StrictInt | None = None  # chat: a bool; completions: how many (0 or null: off)
-    top_logprobs: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -143,9 +143,6 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError("stop strings must not be empty (an empty one would match before any text)")
         return v
 
-    _no_logprobs = _refuse_set("logprobs", "top_logprobs",
-                               message="logprobs are not supported; leave logprobs and top_logprobs unset")
-
     _no_logit_bias = _refuse_set("logit_bias",
                                  message="logit_bias is not supported (it would change the target's distribution)")
 
@@ -192,6 +189,9 @@ def _is_id(x: Any) -> bool:
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
+    # how many alternatives each token's logprobs list (0: the token's own only); false or null: no logprobs
+    logprobs: StrictBool | StrictInt | None = None
+    top_logprobs: StrictInt | None = None  # chat's field: refused here, where logprobs holds the count
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
@@ -211,11 +211,19 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_sampled_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        # completions' logprobs=0 is not "off": OpenAI then still returns each sampled token's logprob
-        if v is not None and v is not False:
-            raise ValueError("logprobs are not supported; leave logprobs unset")
+    def _logprobs_count(cls, v: bool | int | None) -> bool | int | None:
+        # 0 is not "off": OpenAI then still returns each sampled token's logprob
+        if v is True or isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs is how many alternatives to list per token, 0..{MAX_TOP_LOGPROBS}; got {v}")
         return v
+
+    _no_top_logprobs = _refuse_set("top_logprobs", message="top_logprobs is chat's field; completions take the "
+                                   "count as logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The alternatives each token lists, or None for no logprobs."""
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     _no_echo = _refuse_set("echo", message="echo is not supported")
 
@@ -272,6 +280,20 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):  # OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The alternatives each token lists, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_tokens_param(self) -> str:
@@ -302,11 +324,33 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 
 
@@ -328,7 +372,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 
 
@@ -355,7 +399,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 
 

@@ -241,12 +241,12 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "temperature": "0.7"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": True}, 400, "top_p"),
     # features that would change the answer, refused instead of silently ignored
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # OpenAI's and vLLM's limit: 20
+    ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),  # completions take a count
+    ({"model": MODEL, "prompt": "hi", "top_logprobs": 3}, 400, "top_logprobs"),  # chat's field
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
-    # OpenAI: logprobs=0 still returns the sampled tokens' logprobs, so it is not "off"
-    ({"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "logprobs"),
     # vLLM's sampling extensions that benchmark tools pass through, unless neutral
     ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
@@ -263,7 +263,9 @@ BAD = [
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 BAD_CHAT = [
-    ({**CHAT, "logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),  # OpenAI: only with logprobs=true
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),

@@ -1,0 +1,80 @@
+"""OpenAI's logprobs objects from the engine's TokenLogprobs: chat's `content` entries (token, logprob, bytes,
+top_logprobs) and completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset).
+
+A token's text is its own decoding, special tokens included (as vLLM's); its bytes are exact where the tokenizer
+says which bytes a token holds (byte-level BPE pieces, SentencePiece's <0xNN> byte tokens), so the bytes of a
+character split across tokens add up to it, where each piece's own text is only U+FFFD.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from dflash_trt.engine.logprobs import TokenLogprob
+from dflash_trt.server import protocol as p
+
+# JSON has no -inf (a token the model rules out): OpenAI clients read vLLM's floor as "impossible"
+FLOOR = -9999.0
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): bytes that are printable Latin-1 stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+class TokenText:
+    """Token ids -> their text and bytes, each decoded once."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        self.text = lru_cache(maxsize=None)(self._text)
+        self.bytes = lru_cache(maxsize=None)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
+                return [self._byte_level[c] for c in piece]
+            if m := _BYTE_TOKEN.fullmatch(piece):
+                return [int(m.group(1), 16)]
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def _lp(x: float) -> float:
+    return max(x, FLOOR)
+
+
+def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: TokenText) -> p.ChatLogprobs:
+    def top(token_id: int, logprob: float) -> p.TopLogprob:
+        return p.TopLogprob(token=text.text(token_id), logprob=_lp(logprob), bytes=text.bytes(token_id))
+
+    return p.ChatLogprobs(content=[
+        p.ChatTokenLogprob(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
+        for e in entries])
+
+
+def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: TokenText,
+                        offset: int = 0) -> p.CompletionLogprobs:
+    """offset: where the first entry's text starts in the whole completion (a stream's later chunks)."""
+    out = p.CompletionLogprobs()
+    for e in entries:
+        token = text.text(e.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(_lp(e.logprob))
+        # OpenAI's legacy shape: the top tokens, and the chosen one even where it is not among them
+        out.top_logprobs.append({**{text.text(t): _lp(lp) for t, lp in e.top}, token: _lp(e.logprob)})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out

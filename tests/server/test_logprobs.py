@@ -1,0 +1,109 @@
+"""Logprobs over HTTP: OpenAI's chat and completions shapes, streamed and not, carry the target's log-probability of
+every generated token (transformers' logits are the oracle, in fp32), and a split character's bytes add up to it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server.logprobs import TokenText
+from tests.engine.test_logprobs import hf_logprobs
+from tests.server.conftest import MODEL
+
+PROMPT = "the quick brown fox jumps"
+
+
+def _oracle(tiny_dirs, oracle, prompt_ids, max_tokens):
+    """The greedy answer's ids (the engine's generate, itself equal to transformers' greedy: test_lossless) and
+    transformers' log-softmax at each of its positions."""
+    (want,) = oracle.generate([prompt_ids], SamplingParams(max_new_tokens=max_tokens))
+    return want, hf_logprobs(tiny_dirs["qwen3"], prompt_ids, want.token_ids)
+
+
+def _events(server, path, body) -> list[dict]:
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_logprobs_are_the_targets_streamed_and_not(server, oracle, tiny_dirs):
+    want, ref = _oracle(tiny_dirs, oracle, oracle.encode(PROMPT), 20)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "logprobs": 3}
+    lp = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    tok = oracle.tokenizer
+    assert lp["tokens"] == [tok.decode([t]) for t in want.token_ids]
+    chosen = ref.gather(1, torch.tensor(want.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"]), chosen, atol=1e-4, rtol=0)
+    values, ids = ref.topk(3, dim=-1)
+    for top, v, i, t, c in zip(lp["top_logprobs"], values, ids, want.token_ids, chosen):
+        expect = {tok.decode([x]): float(y) for x, y in zip(i.tolist(), v)} | {tok.decode([t]): float(c)}
+        assert top.keys() == expect.keys() and all(abs(top[k] - expect[k]) < 1e-4 for k in top)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:j])) for j in range(len(lp["tokens"]))]
+
+    chunks = _events(server, "/completions", {**body, "stream": True})
+    streamed = {k: sum((c["choices"][0]["logprobs"][k] for c in chunks), []) for k in lp}
+    assert streamed == lp
+
+
+def test_chat_logprobs_are_the_targets_through_the_openai_client(server, oracle, tiny_dirs):
+    messages = [{"role": "user", "content": "hello there"}]
+    want, ref = _oracle(tiny_dirs, oracle, oracle.encode_chat(messages), 16)
+    client = server.client()
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert [e.token for e in content] == [oracle.tokenizer.decode([t]) for t in want.token_ids]
+    assert all(e.bytes == list(e.token.encode()) for e in content)  # one character per token here
+    chosen = ref.gather(1, torch.tensor(want.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in content]), chosen, atol=1e-4, rtol=0)
+    values, _ = ref.topk(2, dim=-1)
+    torch.testing.assert_close(torch.tensor([[t.logprob for t in e.top_logprobs] for e in content]), values,
+                               atol=1e-4, rtol=0)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_a_stop_string_cuts_the_text_not_the_tokens_logprobs(server, oracle):
+    """The answer's text ends before the stop string; usage and logprobs count every token generated."""
+    want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=20))[0]
+    stop = want.text[5:7]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "logprobs": 0, "stop": [stop]}
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    assert stop not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == r["usage"]["completion_tokens"]
+    chunks = _events(server, "/completions", {**body, "stream": True})
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == r["usage"]["completion_tokens"]
+
+
+def test_the_bytes_of_a_character_split_across_tokens_add_up_to_it(smollm2_dir):
+    """SmolLM2's byte-level BPE splits the emoji over two tokens, each decoding alone to U+FFFD."""
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    text = TokenText(tokenizer)
+    ids = tokenizer.encode(" héllo 😀 wörld")
+    assert any(text.text(t).endswith("\ufffd") for t in ids)
+    assert bytes(b for t in ids for b in text.bytes(t)) == " héllo 😀 wörld".encode()
+
+
+@pytest.mark.parametrize("body, listed", [({"logprobs": 2}, 2), ({"logprobs": 0}, 0), ({"logprobs": False}, None),
+                                          ({}, None)])
+def test_completions_take_logprobs_as_a_count_or_leave_them_out(server, body, listed):
+    """0 is a count (each token's own logprob, as OpenAI's), not "off"."""
+    r = httpx.post(server.base_url + "/completions", timeout=60,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body})
+    lp = r.json()["choices"][0]["logprobs"]
+    if listed is None:
+        assert lp is None
+    else:  # the top ones, and the chosen one where it is not among them
+        assert len(lp["tokens"]) == 3 and all(len(top) in (listed, listed + 1) for top in lp["top_logprobs"])
