@@ -209,6 +209,9 @@ def draft_attention_triton(
     q, k_block, v_block, k_cache, v_cache = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
     if k_cache.stride() != v_cache.stride() or k_block.stride() != v_block.stride():
         k_cache, v_cache, k_block, v_block = (t.contiguous() for t in (k_cache, v_cache, k_block, v_block))
+    # The kernel reads row b's entries at ROWS + b and CTX + b: the drafter passes its positions' first column, a view
+    # whose stride is the block length (read as is, rows past the first took another row's context length).
+    cache_rows, ctx_lens = cache_rows.contiguous(), ctx_lens.contiguous()
     groups = h // kvh
     splits = num_splits or num_splits_for(b, kvh, k_cache.shape[2], q.device)
     block_d = _pow2(d)

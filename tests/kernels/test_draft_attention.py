@@ -138,3 +138,17 @@ def test_kernel_takes_k_and_v_with_different_strides(triton_device):
     got = draft_attention_triton(q, kb, v_view, kc, vc, rows, ctx, 0.25)
     want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_context_lengths_and_rows_given_as_strided_views(triton_device):
+    # The drafter passes its block positions' first column (positions[:, 0]) as the context lengths: a view whose
+    # stride is the block length. Read as contiguous, every row past the first attended to another row's context.
+    from dflash_trt.kernels.draft_attention_triton import draft_attention_triton
+
+    q, kb, vb, kc, vc, rows, ctx = _inputs(3, 4, 1, 2, 16, [20, 7, 12], rows=[1, 2, 0], device=triton_device)
+    positions = ctx[:, None] + torch.arange(4, device=triton_device)  # [B, Q], as the drafter's metadata holds them
+    rows_view = torch.stack([rows, rows], dim=1)[:, 0]
+    assert positions[:, 0].stride() != (1,) and rows_view.stride() != (1,)
+    got = draft_attention_triton(q, kb, vb, kc, vc, rows_view, positions[:, 0], 0.25)
+    want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
