@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, target_runtime
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -72,13 +73,13 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
               "before (spec/context_lookup.py): in a tree's nodes, or as a chain's drafts, where likelier than the "
               "drafter's; 0: none. Default: the engine's speculative_config.lookup_nodes, else none.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Default: float32, or the engine's dtype with ENGINE.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help=DEVICE_HELP)
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Prompt + generated tokens. Default: 4096, or the engine's max_seq_len with ENGINE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
-             seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, max_model_len,
+             seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, device, max_model_len,
              as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
@@ -112,21 +113,22 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                     "--chat": chat, "--stop": stop, "--ignore-eos": ignore_eos, "--no-spec": no_spec,
                     "--acceptance": acceptance != "match", "--max-draft-len": max_draft_len,
                     "--tree-nodes": tree_nodes, "--lookup-nodes": lookup_nodes, "--dtype": dtype,
-                    "--max-model-len": max_model_len})
+                    "--device": device, "--max-model-len": max_model_len})
                 built.verify()
                 text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
                 click.echo(json.dumps(text) if as_json else text["text"])
                 return
             engine = open_engine(engine_path, "torch", max_batch_size=1, max_model_len=max_model_len,
                                  max_draft_len=max_draft_len, speculative=False if no_spec else None, dtype=dtype,
-                                 draft_tree=tree, lookup_nodes=lookup_nodes)
+                                 device=device, draft_tree=tree, lookup_nodes=lookup_nodes)
         else:
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")
             target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
+            device, dtype = target_runtime(device, dtype)
             config = EngineConfig(max_batch_size=1, max_model_len=4096 if max_model_len is None else max_model_len,
-                                  max_draft_len=max_draft_len,
-                                  speculative=not no_spec, dtype=dtype or "float32", draft_tree=tree or {},
+                                  max_draft_len=max_draft_len, device=device,
+                                  speculative=not no_spec, dtype=dtype, draft_tree=tree or {},
                                   lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly

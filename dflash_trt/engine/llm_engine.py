@@ -83,6 +83,15 @@ class EngineConfig:
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.lookup_nodes < 0:
             raise ValueError(f"lookup_nodes must be >= 0, got {self.lookup_nodes}")
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError as e:
+            raise ValueError(f"device={self.device!r} is not a torch device ({e})") from e
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: the runtime runs on 'cpu' or 'cuda'")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but torch sees no CUDA device (torch.cuda.is_available() is "
+                             "False); run on 'cpu' (--device cpu)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP
+
 # EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
 # tests/test_cli.py checks they agree)
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -40,8 +42,10 @@ def load_engine(engine_dir, target, drafter, no_spec, **overrides):
             overrides["speculative"] = False
         return open_engine(engine_dir, backend="torch", **overrides), Path(engine_dir).resolve().name
     from dflash_trt.cli import _default_dirs
+    from dflash_trt.runtime_device import target_runtime
 
     target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
+    overrides["device"], overrides["dtype"] = target_runtime(overrides.get("device"), overrides.get("dtype"))
     values = {k: v for k, v in overrides.items() if v is not None}
     config = EngineConfig(speculative=not no_spec, **values)
     return LLMEngine.from_dirs(target_dir, drafter_dir, config), Path(target_dir).resolve().name
@@ -88,8 +92,8 @@ def _engine_options(f):
         click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=None,
                      help=f"Prompt tokens per step; longer prompts are chunked, each on a grid of its own positions "
                           f"(default: {DEFAULT_MAX_PREFILL_TOKENS})."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     help="Default: the engine's dtype with ENGINE, else float32."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help=DEVICE_HELP),
         click.option("--head-screen/--full-head", default=None,
                      help="Greedy tokens through the output head's int8 screen on the CPU (the full head's tokens, "
                      "about half its bytes read; default) or through the full head."),
@@ -103,7 +107,7 @@ def _engine_options(f):
 
 
 def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
+               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, device, head_screen,
                int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
     tree = None
@@ -113,7 +117,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
                 draft_len_schedule=schedule or None, draft_tree=tree, lookup_nodes=lookup_nodes,
                 adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
-                dtype=dtype, screen_head=head_screen, int8_drafter=int8_drafter)
+                dtype=dtype, device=device, screen_head=head_screen, int8_drafter=int8_drafter)
 
 
 @click.command()
@@ -126,7 +130,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype,
-          head_screen, int8_drafter, host, port, backend, served_model_name) -> None:
+          device, head_screen, int8_drafter, host, port, backend, served_model_name) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -150,8 +154,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     names = []
     overrides = _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-                           adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, head_screen,
-                           int8_drafter)
+                           adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, device,
+                           head_screen, int8_drafter)
 
     def build():
         llm, name = load_engine(engine, target, drafter, no_spec, **overrides)
