@@ -1,0 +1,27 @@
+"""A K/V cache that would not fit the GPU is refused before it is allocated, saying which rows or length would."""
+
+import pytest
+import torch
+
+from dflash_trt.engine.kv_cache import KVCache
+
+
+def test_a_cache_past_the_gpus_free_memory_is_refused_saying_what_fits(monkeypatch):
+    # Qwen3-8B's target cache (36 layers, 8 kv heads of 128, bf16: 147,456 bytes a position) for 32 rows x 32k
+    # positions: 154.6 GB, where an H100 has about 60 GB free after the weights.
+    free = 60e9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(80e9)))
+    with pytest.raises(ValueError) as e:
+        KVCache(36, 32, 32768, 8, 128, torch.bfloat16, "cuda")
+    per_position = 2 * 36 * 8 * 128 * 2
+    usable = int(free * 0.9)
+    message = str(e.value)
+    assert "32 rows x 32,768 positions needs 154.6 GB" in message and "60.0 GB free" in message
+    assert f"at most {usable // (per_position * 32768)} rows at this length (--max-batch-size)" in message
+    assert f"{usable // (per_position * 32):,} positions a row at 32 rows (--max-model-len)" in message
+
+
+def test_the_cpu_cache_is_not_checked_against_gpu_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("read GPU memory for a CPU cache"))
+    cache = KVCache(2, 3, 16, 2, 8, torch.float32, "cpu")
+    assert cache.nbytes() == 2 * 2 * 3 * 2 * 16 * 8 * 4
