@@ -174,7 +174,7 @@ class ModelRunner:
         rows, anchor_pos, anchors = self._anchors(seqs)
 
         t0 = time.perf_counter()
-        features, feature_pos = self._pending_batch(seqs, anchor_pos)
+        features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
         sampling = self._draft_sampling(seqs)
         lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
         # the drafter's log-probabilities only where a lookup competes with its chain
@@ -229,7 +229,7 @@ class ModelRunner:
         rows, anchor_pos, anchors = self._anchors(seqs)
 
         t0 = time.perf_counter()
-        features, feature_pos = self._pending_batch(seqs, anchor_pos)
+        features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
         branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
         tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes, branches)
         t1 = time.perf_counter()
@@ -300,20 +300,34 @@ class ModelRunner:
             s.stats.draft_time += draft_s
             s.stats.verify_time += verify_s
 
-    def _pending_batch(self, seqs: list[Sequence], anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pending_batch(self, seqs: list[Sequence], rows: torch.Tensor,
+                       anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor.
 
         Padding entries are written at positions past the anchor (clamped into the cache), where the
-        block's own K/V overwrite them or the block mask hides them.
+        block's own K/V overwrite them or the block mask hides them. A row whose stretch (a prompt just prefilled, a
+        run of plain steps) would pad the batch to more than twice its entries is injected into the drafter's cache
+        alone first: padded beside it, every row would run the drafter's projections over the whole stretch (on a GPU,
+        32 rows beside an 8k prompt hold 10 GB of features).
         """
         counts = [s.num_pending_features for s in seqs]
+        template = next(s.pending_features[0] for s in seqs if s.pending_features)
+        steady = self.max_draft_len + 1
+        if len(seqs) > 1 and len(seqs) * max(counts) > 2 * sum(counts):
+            for i, s in enumerate(seqs):
+                if counts[i] > steady:
+                    features = torch.cat(s.pending_features)[None]
+                    positions = anchor_pos[i] - counts[i] + torch.arange(counts[i], device=anchor_pos.device)
+                    meta = AttentionMetadata.causal_step(rows[i:i + 1], positions[None])
+                    self.proposer.drafter.project_context(features, meta, self.proposer.cache)
+                    s.pending_features, counts[i] = [], 0
         n = max(counts)
-        if n > self.max_draft_len + 1:  # a prompt's or a plain stretch's features: any length, so bucket it
+        if n > steady:  # a prompt's or a plain stretch's features: any length, so bucket it
             n = round_up(n, TOKEN_BUCKET)
-        first_chunk = seqs[0].pending_features[0]
-        features = first_chunk.new_zeros(len(seqs), n, first_chunk.shape[-1])
+        features = template.new_zeros(len(seqs), n, template.shape[-1])  # n = 0 where every row went alone
         for i, s in enumerate(seqs):
-            torch.cat(s.pending_features, out=features[i, : counts[i]])
+            if counts[i]:
+                torch.cat(s.pending_features, out=features[i, : counts[i]])
         first = anchor_pos - torch.tensor(counts, device=anchor_pos.device)
         positions = first[:, None] + torch.arange(n, device=anchor_pos.device)
         return features, positions.clamp_max(self.proposer.cache.max_len - 1)

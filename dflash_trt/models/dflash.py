@@ -338,11 +338,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def draft(
-        self, features: torch.Tensor, context_meta: AttentionMetadata, block_embeds: torch.Tensor,
+        self, features: torch.Tensor, context_meta: AttentionMetadata | None, block_embeds: torch.Tensor,
         block_meta: AttentionMetadata, cache: KVCache,
     ) -> torch.Tensor:
         """project_context(features, context_meta) then forward_block(block_embeds, block_meta): in one C call where
         the kernels serve both (bit-identical; a decode step's Python between them is ~0.3 ms on the CPU)."""
+        if features.shape[1] == 0:  # every row's context is in the cache already (no context_meta then)
+            return self.forward_block(block_embeds, block_meta, cache)
         fused = (
             self.context_table is not None and block_embeds.dtype == torch.bfloat16
             # the row counts at which project_context's and forward_block's linears take the same kernels

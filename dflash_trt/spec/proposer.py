@@ -135,5 +135,7 @@ class DFlashProposer:
         embeds = F.embedding(block, self.embed_weight)
         if d.config.input_embedding_scale != 1.0:
             embeds = embeds * d.config.input_embedding_scale
-        hidden = d.draft(features, AttentionMetadata.causal_step(rows, feature_positions), embeds, meta, self.cache)
+        # no context meta where every row's context went into the cache alone (engine/model_runner.py _pending_batch)
+        context = AttentionMetadata.causal_step(rows, feature_positions) if feature_positions.shape[1] else None
+        hidden = d.draft(features, context, embeds, meta, self.cache)
         return d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j

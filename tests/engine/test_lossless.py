@@ -815,3 +815,54 @@ def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_dirs, temper
 def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature):
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=temperature)
+
+
+def test_a_long_prompt_joining_short_rows_drafts_from_its_whole_context_without_padding_them(tiny_dirs):
+    """A 150-token prompt joins three rows in steady decoding: its stretch of prompt features goes into the drafter's
+    cache alone (padded beside it, the three rows would carry 150 entries each), and its drafts are the ones it gets
+    served alone; every answer is transformers' greedy one."""
+    g = torch.Generator().manual_seed(11)
+    short = _prompts(3)
+    long = torch.randint(3, 90, (150,), generator=g).tolist()
+    alone = _engine(tiny_dirs, "qwen3", 3, rows=1).generate([long], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=4)
+    batches = []
+    real = engine.runner.proposer.propose
+
+    def propose(rows, features, *args, **kw):
+        batches.append(tuple(features.shape[:2]))
+        return real(rows, features, *args, **kw)
+
+    engine.runner.proposer.propose = propose
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in short]
+    for _ in range(4):
+        engine.step()
+    seqs.append(engine.add_request(long, params))
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.make_output(s) for s in seqs]
+    for p, o in zip([*short, long], outs):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+    assert outs[-1].acceptance_lengths == alone[0].acceptance_lengths
+    assert max(n for b, n in batches if b == 4) <= 4  # K + 1: no row padded to the long one's 150
+
+
+def test_rows_that_all_go_alone_into_the_drafters_cache_still_draft_from_their_context(tiny_dirs):
+    """Four prompts prefilled together (20-150 tokens) each go into the drafter's cache alone before the first step,
+    which then drafts with no context features left to inject; drafts match each prompt served alone."""
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (20, 25, 30, 150)]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=4)
+    widths = []
+    real = engine.runner.proposer.propose
+    engine.runner.proposer.propose = lambda rows, features, *a, **kw: (widths.append(features.shape[1]),
+                                                                       real(rows, features, *a, **kw))[1]
+    outs = engine.generate(prompts, params)
+    assert widths[0] == 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+        (alone,) = _engine(tiny_dirs, "qwen3", 3, rows=1).generate([p], params)
+        assert o.acceptance_lengths == alone.acceptance_lengths
