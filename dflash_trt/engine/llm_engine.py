@@ -260,16 +260,22 @@ class LLMEngine:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template, with the generation prompt."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template (or `chat_template`), with the generation
+        prompt, or continuing the last (assistant) message where asked; template_kwargs reach the template (Qwen3's
+        enable_thinking, ...)."""
+        if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")
-        if "developer" not in str(self.tokenizer.chat_template):  # a dict of named templates too
+        if "developer" not in str(chat_template or self.tokenizer.chat_template):  # a dict of named templates too
             # OpenAI's newer name for the system role: a template without it renders a turn of a role the model never
             # saw (SmolLM2's also adds its default system prompt before it)
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, tokenize=True, **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:

@@ -49,10 +49,18 @@ def _is_union_tag(loc: str | int) -> bool:
     return isinstance(loc, str) and (loc in {"str", "int", "float", "bool", "list", "dict"} or "[" in loc)
 
 
-def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
+    default: a server on 127.0.0.1 would otherwise answer any web page the user opens."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.engine_loop = loop
     app.state.metrics = metrics
     # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL): a 12 MB prompt took 7 s to tokenize,
@@ -124,7 +132,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(req.model)
         try:
-            ids = await tokenized(engine.encode_chat, [{"role": m.role, "content": m.text()} for m in req.messages])
+            ids = await tokenized(engine.encode_chat, [{"role": m.role, "content": m.text()} for m in req.messages],
+                                  req.add_generation_prompt, req.continue_final_message, req.chat_template,
+                                  req.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # a template that rejects this conversation (roles, order)
@@ -322,9 +332,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         usage, no_usage = _include_usage(req)
         first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
         first_chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first])
-        yield first_chunk.model_dump(exclude=no_usage)
         outputs = []
         async for i, text, out, new in _updates(s):
+            if first_chunk is not None:
+                # with the first output, as vLLM's: benchmark clients time the first token from the first chunk
+                yield first_chunk.model_dump(exclude=no_usage)
+                first_chunk = None
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
                                        finish_reason=out.finish_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,

@@ -12,10 +12,20 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
+from typing import Annotated
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      ValidationInfo, field_validator, model_serializer, model_validator)
 
 from dflash_trt.sampling_params import MAX_TOP_LOGPROBS
+
+
+def _whole(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# An integer, or a float that is one (16.0: JavaScript clients and vLLM's lax parsing); never a string or a bool
+WholeInt = Annotated[StrictInt, BeforeValidator(_whole)]
 
 
 class ErrorInfo(BaseModel):
@@ -70,6 +80,10 @@ class _NullIsUnset(BaseModel):
 
 class StreamOptions(_NullIsUnset):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's usage in every chunk: not implemented
+
+    _no_continuous = _refuse_set("continuous_usage_stats",
+                                 message="continuous_usage_stats is not supported (usage comes in the last chunk)")
 
 
 class _SamplingRequest(_NullIsUnset):
@@ -81,11 +95,11 @@ class _SamplingRequest(_NullIsUnset):
     model: str
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    n: StrictInt = 1
+    n: WholeInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: WholeInt | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     # OpenAI features this server does not implement: refused unless off
@@ -96,10 +110,10 @@ class _SamplingRequest(_NullIsUnset):
     functions: list[Any] | None = None  # the deprecated spelling of tools
     function_call: Any = None
     # extensions
-    top_k: StrictInt = Field(0, ge=-1)  # 0 or -1: no top-k
+    top_k: WholeInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: stop at these ids as well as at the model's eos
-    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's; checked against ignore_eos and stop in the app
+    min_tokens: WholeInt = Field(0, ge=0)  # vLLM's; checked against ignore_eos and stop in the app
     acceptance: Literal["match", "rejection"] = "match"
     # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
     # neutral, rather than ignored as unknown fields are
@@ -113,6 +127,11 @@ class _SamplingRequest(_NullIsUnset):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[Any] | None = None
+    logits_processors: list[Any] | None = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -172,6 +191,13 @@ class _SamplingRequest(_NullIsUnset):
     _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                              message="structured (guided) output is not supported")
 
+    _no_vocab_limits = _refuse_set("bad_words", "allowed_token_ids", "logits_processors",
+                                   message="bad_words, allowed_token_ids and logits_processors are not supported (they "
+                                   "would change the target's distribution)")
+    _no_truncation = _refuse_set("truncate_prompt_tokens", message="truncate_prompt_tokens is not supported")
+    _no_prompt_logprobs = _refuse_set("prompt_logprobs", message="prompt_logprobs are not supported (logprobs of the "
+                                      "generated tokens are)")
+
     _skip_special = _refuse_unless("skip_special_tokens", True, "skip_special_tokens=false is not supported: answers "
                                    "are decoded without special tokens")
 
@@ -188,12 +214,12 @@ def _is_id(x: Any) -> bool:
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
+    max_tokens: WholeInt | None = 16
     # how many alternatives each token's logprobs list (0: the token's own only); false or null: no logprobs
-    logprobs: StrictBool | StrictInt | None = None
+    logprobs: StrictBool | WholeInt | None = None
     top_logprobs: StrictInt | None = None  # chat's field: refused here, where logprobs holds the count
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: WholeInt | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -273,15 +299,33 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # vLLM's joint
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: WholeInt | None = None
+    max_completion_tokens: WholeInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's chat template extensions
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # go on with the last (assistant) message instead of a new turn
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    echo: StrictBool = False
+
+    _no_echo = _refuse_set("echo", message="echo is not supported")
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_new_turn(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt=false")
+        messages = info.data.get("messages")
+        if v and messages and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod

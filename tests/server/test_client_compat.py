@@ -1,0 +1,124 @@
+"""What OpenAI and vLLM clients send beyond the basics: the first chat chunk comes with the first output (benchmark
+clients time the first token from it), whole numbers as floats, vLLM's chat-template fields (the tokenizer's own
+apply_chat_template is the oracle), text parts, CORS for browser clients, and vLLM sampling extensions refused."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server.app import create_app
+from tests.server.conftest import MODEL
+
+CHAT = {"model": MODEL, "temperature": 0, "max_tokens": 8}
+
+
+def _answer(oracle, ids, max_tokens=8) -> str:
+    return oracle.generate([ids], SamplingParams(max_new_tokens=max_tokens))[0].text
+
+
+def test_the_first_chat_chunk_waits_for_the_first_output(server, monkeypatch):
+    """vLLM's bench times the first token at the first chunk with choices: a role chunk sent on arrival made a prompt's
+    prefill look free and put it in the first inter-token gap."""
+    engine, first_output = server.engine, []
+    real = engine.step
+
+    def step():
+        time.sleep(0.3)  # a long prefill
+        result = real()
+        if result.updated and not first_output:
+            first_output.append(time.monotonic())
+        return result
+
+    monkeypatch.setattr(engine, "step", step)
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        arrived = time.monotonic()
+        list(lines)
+    assert '"role":"assistant"' in first.replace(" ", "")
+    assert first_output and arrived >= first_output[0]
+
+
+@pytest.mark.parametrize("field, value, ok", [("max_tokens", 6.0, True), ("seed", 42.0, True), ("n", 1.0, True),
+                                              ("max_tokens", 6.5, False), ("max_tokens", "6", False)])
+def test_whole_numbers_sent_as_floats_are_integers(server, field, value, ok):
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, field: value}
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == (200 if ok else 400), r.text
+    if ok and field == "max_tokens":
+        assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_continue_final_message_goes_on_with_the_assistants_text(server, oracle):
+    messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "1, 2, 3"}]
+    body = {**CHAT, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    ids = oracle.tokenizer.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False,
+                                               tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    new_turn = httpx.post(server.base_url + "/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
+    assert new_turn.json()["usage"]["prompt_tokens"] == len(ids) + 1  # the template's generation prompt, ">"
+
+
+def test_a_chat_template_and_its_kwargs_render_the_prompt(server, oracle):
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if shout %}!{% endif %}"
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs in ({}, {"shout": True}):
+        body = {**CHAT, "messages": messages, "chat_template": template, "chat_template_kwargs": kwargs}
+        r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+        ids = oracle.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                                   add_generation_prompt=True, **kwargs)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids) == 4 + len(kwargs)
+        assert r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
+    parts = [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}]
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={**CHAT, "messages": [{"role": "user", "content": parts}]})
+    ids = oracle.encode_chat([{"role": "user", "content": "foo\nbar"}])
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt left true
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
+    ({"echo": True}, "echo"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+])
+def test_what_would_change_the_answer_unseen_is_refused(server, body, param):
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={**CHAT, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_vllm_extensions_pass(server):
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "bad_words": [], "allowed_token_ids": None,
+            "echo": False, "add_generation_prompt": True, "stream_options": None}
+    assert httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+    closed = TestClient(create_app(server.loop, MODEL))
+    assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
+    opened = TestClient(create_app(server.loop, MODEL, allowed_origins=("http://localhost:3000",)))
+    r = opened.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = opened.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+    assert opened.get("/v1/models", headers={"Origin": "http://localhost:3000"}).json()["data"][0]["id"] == MODEL
