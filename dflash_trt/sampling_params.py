@@ -34,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     acceptance: AcceptanceRule = "match"
     logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (OpenAI's echo)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -48,8 +49,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not x for x in self.stop):
             raise ValueError("stop strings must not be empty (an empty one would match before any text)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 

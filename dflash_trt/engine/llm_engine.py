@@ -113,6 +113,7 @@ class RequestOutput:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     logprobs: list[TokenLogprob] | None = None  # one per generated id, where the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt id after the first, where asked for
 
     @property
     def num_tokens(self) -> int:
@@ -418,6 +419,7 @@ class LLMEngine:
             prefill_time=s.stats.prefill_time,
             decode_time=s.stats.decode_time,
             logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+            prompt_logprobs=list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None,
         )
 
 

@@ -132,6 +132,12 @@ class ModelRunner:
         positions = (first[:, None] + torch.arange(n, device=self.device)).clamp_max(self.target_cache.max_len - 1)
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions)
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
+        for i, s in enumerate(seqs):
+            if s.params.prompt_logprobs is not None:
+                # positions start .. end - 1 choose the prompt's tokens start + 1 .. end (the last one's: the output's)
+                scored = s.prompt_ids[starts[i] + 1: ends[i] + 1]
+                logits = self.target.compute_logits(hidden[i, : len(scored)])
+                s.prompt_logprobs += token_logprobs(logits, scored, s.params.prompt_logprobs) if scored else []
         done = [i for i, s in enumerate(seqs) if ends[i] == len(s.prompt_ids)]
         tokens: list[int | None] = [None] * len(seqs)
         if done:

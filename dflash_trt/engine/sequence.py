@@ -46,6 +46,7 @@ class Sequence:
         self.stop_ids = set() if params.ignore_eos and params.stop_token_ids is None else set(stop_ids)
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs: one per output id
+        self.prompt_logprobs: list[TokenLogprob] = []  # with params.prompt_logprobs: one per prompt id after the first
         # the runner's last step's logprobs for the tokens it emitted, which append commits as far as it commits them
         self.new_logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None

@@ -116,14 +116,22 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def completions(request: Request) -> Response:
         req = await _parse(request, p.CompletionRequest)
         _check_model(req.model)
-        prompts = [await _encode_prompt(x) for x in req.prompts()]
+        raw = req.prompts()
+        prompts = [await _encode_prompt(x) for x in raw]
         submitted = _submit(req, prompts, req.max_tokens)
         if req.stream:
             return _sse(_stream_completion(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [p.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, acceptance=_acceptance(o),
-                                      logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs, token_text))
-                   for i, o in enumerate(outputs)]
+        choices = []
+        for i, (o, prompt) in enumerate(zip(outputs, raw)):
+            logprobs = None
+            if o.logprobs is not None:
+                entries = [*(o.prompt_logprobs or []), *o.logprobs] if req.echo else o.logprobs
+                logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if req.echo else None)
+            # echo: the prompt as sent (token ids decoded), then the answer
+            text = ((prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) if req.echo else "") + o.text
+            choices.append(p.CompletionChoice(index=i, text=text, finish_reason=o.finish_reason,
+                                              acceptance=_acceptance(o), logprobs=logprobs))
         body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs))
         return JSONResponse(body.model_dump())
 
@@ -219,7 +227,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
-                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs)
+                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
+                                  prompt_logprobs=req.num_logprobs if req.echo else None)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

@@ -66,9 +66,18 @@ def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: 
 
 
 def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: TokenText,
-                        offset: int = 0) -> p.CompletionLogprobs:
-    """offset: where the first entry's text starts in the whole completion (a stream's later chunks)."""
+                        offset: int = 0, echoed: list[int] | None = None) -> p.CompletionLogprobs:
+    """offset: where the first entry's text starts in the whole completion (a stream's later chunks). echoed: the
+    prompt's ids, whose first token comes first with no logprob (OpenAI's echo; `entries` then holds the prompt's
+    others, then the output's)."""
     out = p.CompletionLogprobs()
+    if echoed:
+        token = text.text(echoed[0])
+        out.tokens.append(token)
+        out.token_logprobs.append(None)
+        out.top_logprobs.append(None)
+        out.text_offset.append(offset)
+        offset += len(token)
     for e in entries:
         token = text.text(e.token_id)
         out.tokens.append(token)

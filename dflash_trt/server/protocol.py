@@ -100,6 +100,7 @@ class _SamplingRequest(_NullIsUnset):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: WholeInt | None = None
+    echo: StrictBool = False  # completions: the prompt before the answer (and its logprobs); refused on chat
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     # OpenAI features this server does not implement: refused unless off
@@ -218,7 +219,6 @@ class CompletionRequest(_SamplingRequest):
     # how many alternatives each token's logprobs list (0: the token's own only); false or null: no logprobs
     logprobs: StrictBool | WholeInt | None = None
     top_logprobs: StrictInt | None = None  # chat's field: refused here, where logprobs holds the count
-    echo: StrictBool = False
     best_of: WholeInt | None = None
     suffix: str | None = None
 
@@ -251,7 +251,12 @@ class CompletionRequest(_SamplingRequest):
         """The alternatives each token lists, or None for no logprobs."""
         return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
-    _no_echo = _refuse_set("echo", message="echo is not supported")
+    @field_validator("echo")
+    @classmethod
+    def _echo_whole(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream"):
+            raise ValueError("echo is supported without stream")
+        return v
 
     @field_validator("best_of")
     @classmethod
@@ -313,9 +318,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: StrictBool = False  # go on with the last (assistant) message instead of a new turn
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
-    echo: StrictBool = False
 
-    _no_echo = _refuse_set("echo", message="echo is not supported")
+    _no_echo = _refuse_set("echo", message="echo is supported on /v1/completions, not on chat")
 
     @field_validator("continue_final_message")
     @classmethod
@@ -385,8 +389,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -93,3 +93,20 @@ def test_a_stop_mid_step_keeps_the_logprobs_of_the_tokens_kept(tiny_dirs):
 def test_logprobs_outside_0_to_20_are_refused(n):
     with pytest.raises(ValueError, match="logprobs must be in 0..20"):
         SamplingParams(logprobs=n)
+
+
+@pytest.mark.parametrize("chunk", [8, 512])
+def test_prompt_tokens_carry_the_targets_log_probability_however_the_prompt_is_chunked(tiny_dirs, chunk):
+    """Prompt logprobs (OpenAI's echo): each prompt token after the first, from the prefill forward whose position
+    before it chose it, across chunk boundaries."""
+    prompt = _prompts(4)[3]  # 30 tokens: four chunks of 8
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_prefill_tokens=chunk)
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=4, prompt_logprobs=2))
+    hf = _models.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    assert [x.token_id for x in out.prompt_logprobs] == prompt[1:]
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([x.logprob for x in out.prompt_logprobs]), want, atol=1e-4, rtol=0)
+    assert [[t for t, _ in x.top] for x in out.prompt_logprobs] == ref.topk(2, dim=-1).indices.tolist()
+    assert out.logprobs is None

@@ -107,3 +107,30 @@ def test_completions_take_logprobs_as_a_count_or_leave_them_out(server, body, li
         assert lp is None
     else:  # the top ones, and the chosen one where it is not among them
         assert len(lp["tokens"]) == 3 and all(len(top) in (listed, listed + 1) for top in lp["top_logprobs"])
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, oracle, tiny_dirs):
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): echo, logprobs 1, one new token. The
+    prompt's tokens after the first carry transformers' log-probabilities; the first has none, as OpenAI's."""
+    prompt_ids = oracle.encode(PROMPT)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+            "seed": 1234}
+    choice = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()["choices"][0]
+    (want,) = oracle.generate([prompt_ids], SamplingParams(max_new_tokens=1))
+    assert choice["text"] == PROMPT + want.text
+    lp = choice["logprobs"]
+    ids = prompt_ids + want.token_ids
+    assert lp["tokens"] == [oracle.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = hf_logprobs(tiny_dirs["qwen3"], prompt_ids[:1], ids[1:])
+    want_lp = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), want_lp, atol=1e-4, rtol=0)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:j])) for j in range(len(ids))]
+    # token ids as the prompt: echoed decoded, scored alike
+    by_ids = httpx.post(server.base_url + "/completions", json={**body, "prompt": prompt_ids}, timeout=60).json()
+    assert by_ids["choices"][0]["text"] == choice["text"] and by_ids["choices"][0]["logprobs"] == lp
+    # without logprobs, echo is the text alone
+    plain = httpx.post(server.base_url + "/completions", json={**body, "logprobs": None}, timeout=60).json()
+    assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None
+    streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
