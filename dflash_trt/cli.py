@@ -105,8 +105,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             if target or drafter:
                 raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
             built = EngineDir(engine_path)
+            built.check_format()
             if backend == "auto":
-                gpu = built.plan["layout"] == "trtllm"
+                gpu = built.layout == "trtllm"
                 backend = "trtllm" if gpu and launch.tensorrt_llm_available() else "torch"
             if backend == "trtllm":
                 _refuse_unpassed_to_trtllm({

@@ -54,13 +54,17 @@ class EngineDir:
         if gone:  # cheap (no checksums): every command that opens an engine says so before reading any of it
             raise ValueError(f"{self.path / gone[0]}: listed in {MANIFEST} but missing; rebuild the engine")
 
-    def verify(self) -> None:
-        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
+    def check_format(self) -> None:
+        """ValueError unless this dflash-trt reads the engine's format (cheap: verify() without the checksums)."""
         version = self.manifest["format_version"]
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"{self.path / MANIFEST}: format_version={version}, this dflash-trt reads {FORMAT_VERSION}; rebuild the engine"
             )
+
+    def verify(self) -> None:
+        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
+        self.check_format()
         recorded = self.manifest.get(MANIFEST_DIGEST)  # absent in engines built before it was written
         if recorded is not None and recorded != manifest_digest(self.manifest):
             raise ValueError(
@@ -94,6 +98,15 @@ class EngineDir:
     @property
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"
+
+    @property
+    def layout(self) -> str:
+        """The plan's runtime layout ("torch" or "trtllm"), ValueError naming plan.json where it has none."""
+        try:
+            return self.plan["layout"]
+        except KeyError:
+            raise ValueError(f"{self.path / 'plan.json'}: no 'layout' key (edited, or written by another version); "
+                             "rebuild the engine") from None
 
     @property
     def plan(self) -> dict:

@@ -151,6 +151,42 @@ def test_inspect_names_an_unreadable_plan(tiny_engine, tmp_path):
     assert r.exit_code == 1 and "plan.json" in r.output, r.output
 
 
+def _edited(tiny_engine, tmp_path, name: str, edit) -> Path:
+    """A copy of the engine with one JSON file edited."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    data = json.loads((bad / name).read_text())
+    edit(data)
+    (bad / name).write_text(json.dumps(data))
+    return bad
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["generate", "-p", "hi", "--max-new-tokens", "2"],
+                                     ["triton", "export", "--backend", "trtllm", "-o", "REPO"]])
+def test_a_plan_without_its_layout_is_named_not_a_traceback(tiny_engine, tmp_path, command):
+    bad = _edited(tiny_engine, tmp_path, "plan.json", lambda plan: plan.pop("layout"))
+    args = [str(tmp_path / "repo") if a == "REPO" else a for a in command]
+    where = 2 if command[0] == "triton" else 1
+    r = CliRunner().invoke(main, [*args[:where], str(bad), *args[where:]])
+    assert r.exit_code == 1 and "plan.json" in r.output and "'layout'" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_an_engine_of_another_format_is_refused_before_it_runs_and_inspect_says_so(tiny_engine, tmp_path):
+    bad = _edited(tiny_engine, tmp_path, "manifest.json", lambda m: m.update(format_version=m["format_version"] + 1))
+    for args in (["generate", str(bad), "-p", "hi"], ["triton", "export", str(bad), "-o", str(tmp_path / "repo")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "format_version" in r.output, r.output
+    assert not (tmp_path / "repo").exists()
+    shown = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert shown.exit_code == 0 and "note:" in shown.output and "format_version" in shown.output
+
+
+def test_triton_serve_given_an_engine_says_to_export_it_first(tiny_engine):
+    r = CliRunner().invoke(main, ["triton", "serve", str(tiny_engine)])
+    assert r.exit_code == 1 and "is an engine directory" in r.output and "triton export" in r.output, r.output
+
+
 def _pairing_error(tiny_dirs, tmp_path, edit, **extra) -> str:
     drafter = tmp_path / "drafter"
     drafter.mkdir()

@@ -132,9 +132,10 @@ def check_sources(settings: ModelSettings) -> None:
         from dflash_trt.engine_dir import EngineDir
 
         engine = EngineDir(settings.engine_dir)
-        if settings.backend == "trtllm" and engine.plan["layout"] != "trtllm":
+        engine.check_format()  # else tritonserver fails to load it, its reason buried in the server's log
+        if settings.backend == "trtllm" and engine.layout != "trtllm":
             raise ValueError(f"{engine.path} was planned for this project's runtime (layout "
-                             f"{engine.plan['layout']!r}), not TensorRT-LLM: export it with --backend torch")
+                             f"{engine.layout!r}), not TensorRT-LLM: export it with --backend torch")
         if settings.speculative and engine.manifest.get("drafter"):
             block = engine.manifest["drafter"]["block_size"]
     else:
@@ -201,6 +202,9 @@ class TritonServer:
     def check_repository(self) -> None:
         """FileNotFoundError unless the repository holds a model, which tritonserver would otherwise find only
         after starting, ending in "failed to load all models"."""
+        if (self.repo / "manifest.json").is_file():
+            raise FileNotFoundError(f"{self.repo} is an engine directory, not a Triton model repository: export it "
+                                    f"first (dflash-trt triton export {self.repo} -o REPO), then serve REPO")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

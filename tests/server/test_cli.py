@@ -215,3 +215,11 @@ def test_the_start_up_line_names_the_k_this_cpu_drafts(tiny_dirs, monkeypatch, l
                       draft_len_schedule_without_amx={1: 2, 2: 1})
     assert cli.mode_text(llm) == expected
     assert cli.mode_text(tiny_engine(tiny_dirs, speculative=False)) == "autoregressive"
+
+
+@pytest.mark.parametrize("args", [["--no-spec"], ["--served-model-name", "x"], ["--max-batch-size", "4"],
+                                  ["--full-head"], ["--allowed-origin", "*"], ["--dtype", "float32"]])
+def test_serve_on_trtllm_refuses_what_trtllm_serve_would_not_be_told(tmp_path, args):
+    """trtllm-serve runs the engine's trtllm/config.yaml: a --no-spec baseline would draft, a model name go unused."""
+    result = CliRunner().invoke(cli.serve, [str(tmp_path), "--backend", "trtllm", *args])
+    assert result.exit_code == 2 and "does not take " + args[0] in result.output, result.output
