@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -211,14 +214,34 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: 
                                f"--steps {cfg.steps} counts the checkpoint's: pass a larger --steps to train on")
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM in the data stages ends the run as Ctrl-C does (what was kept is said, exit 130); the training stage
+    sets its own handler over this one, which finishes and saves the step first."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else signal.SIG_IGN
+    if previous != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        if previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
                       max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16",
-                      device: str = "cpu", self_prompts: int = 0) -> Path:
+                      device: str = "cpu", self_prompts: int = 0, features: str | None = None) -> Path:
     """The whole pipeline; each stage resumes where an interrupted run stopped.
 
-    On the CPU the target's features are cached on disk once (a target forward per step would cost more
-    than the drafter's); on a GPU they are computed per batch, which is cheaper than reading them back.
+    features: "cache" (the target's features cached on disk once: on the CPU a target forward per step costs more
+    than the drafter's) or "live" (computed per batch: on a GPU cheaper than reading them back, and on the CPU where the
+    cache would not fit the disk); None: cache on the CPU, live on a GPU.
     """
+    features = features or ("cache" if device == "cpu" else "live")
     from transformers import AutoTokenizer
 
     from dflash_trt.bench.datasets import load_dataset
@@ -251,7 +274,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         except OSError as e:
             raise click.BadParameter(f"cannot create {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
     check_data_target(data_dir, target_dir)
-    if device == "cpu":
+    if features == "cache":
         check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, DTYPES[dtype], device)
@@ -279,13 +302,13 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     check_records(records, responses, target.config.vocab_size)
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
-    if device == "cpu":
+    if features == "cache":
         sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
-        features = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids,
-                                       compute_with=lambda: feature_target(target, target_dir))
+        source = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids,
+                                     compute_with=lambda: feature_target(target, target_dir))
     else:
-        features = TargetFeatures(target, cfg.target_layer_ids)
-    trainer = Trainer(target, target_dir, tokenizer, records, features, out_dir, cfg, resume=resume)
+        source = TargetFeatures(target, cfg.target_layer_ids)
+    trainer = Trainer(target, target_dir, tokenizer, records, source, out_dir, cfg, resume=resume)
     trainer.train()
     return out_dir / "drafter"
 
@@ -371,6 +394,9 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--micro-batch", default=None, type=click.IntRange(min=1), help="Sequences per drafter forward (default: all of --seqs-per-step).")
 @click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True), help="Seconds: end the run (at most --steps) and its LR schedule within this wall-clock time, a resumed run's earlier training included.")
 @click.option("--device", default="cpu", show_default=True, callback=_device, help="cpu or cuda[:N].")
+@click.option("--features", type=click.Choice(["cache", "live"]), default=None,
+              help="The target's features: cached on disk once (default on the CPU; float16, 2 bytes x hidden x "
+              "target layers a token: 52 GB for the shipped data) or computed per training batch (default on a GPU).")
 @click.option("--anchors", default=32, show_default=True, type=click.IntRange(min=1), help="Random anchors per sequence.")
 @click.option("--eval-every", default=250, show_default=True, type=click.IntRange(min=1),
               help="Steps between evaluations on the held-out records (also after the last step); each one saves "
@@ -401,7 +427,7 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
           time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens, max_prompts,
           self_prompts, mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
-          resume) -> None:
+          resume, features) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts
     from dflash_trt.train.trainer import TrainConfig
@@ -426,9 +452,10 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         prompts = all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
-        drafter = prepare_and_train(Path(target), out_dir, data_dir, cfg, prompts, resume,
-                                    max_new_tokens=response_tokens, sampled_variants=sampled_variants, device=device,
-                                    self_prompts=self_prompts)
+        with _sigterm_as_interrupt():
+            drafter = prepare_and_train(Path(target), out_dir, data_dir, cfg, prompts, resume,
+                                        max_new_tokens=response_tokens, sampled_variants=sampled_variants,
+                                        device=device, self_prompts=self_prompts, features=features)
     except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -218,6 +219,13 @@ def build_feature_cache(
     if not missing:  # the index as read is whole (a shard dropped from it leaves sequences missing)
         bar.close()
         return cached
+    need = sum(len(ids) for _, ids in missing) * feature_dim * 2  # float16
+    free = shutil.disk_usage(root).free
+    if need > free:
+        bar.close()
+        raise OSError(f"{root}: caching the features of {len(missing):,} sequences needs {need / 1e9:.1f} GB, "
+                      f"{free / 1e9:.1f} GB is free; compute them per step instead (dflash-trt train --features live), "
+                      "or free the space")
     model = target if compute_with is None else compute_with()
     cache = model.make_cache(batch_rows, max(len(ids) for _, ids in missing))
     taken = {s["file"] for s in index["shards"]}

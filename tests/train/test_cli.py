@@ -255,6 +255,41 @@ def test_ctrl_c_in_data_generation_keeps_the_finished_batches(target, tmp_path, 
     assert stored.startswith(kept) and len({json.loads(line)["id"] for line in stored.splitlines()}) == 40
 
 
+def test_sigterm_in_data_generation_ends_as_ctrl_c_does(target, tmp_path, monkeypatch):
+    out, calls = tmp_path / "out", []
+    generate = LLMEngine.generate
+
+    def terminated_in_batch_2(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "generate", terminated_in_batch_2)
+    r = _train(target, out, "--max-prompts", "40")
+    assert r.exit_code == 130, r.output
+    assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'}" in r.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+
+def test_live_features_train_without_a_feature_cache(target, run, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data, ignore=shutil.ignore_patterns("features"))
+    r = _train(target, tmp_path / "out", "--data", str(data), "--features", "live")
+    assert r.exit_code == 0, r.output
+    assert not (data / "features").exists() and _log_steps(tmp_path / "out")
+
+
+def test_a_feature_cache_past_the_free_disk_is_refused_before_it_is_computed(target, run, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data, ignore=shutil.ignore_patterns("features"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    r = _train(target, tmp_path / "out", "--data", str(data))
+    assert r.exit_code == 1, r.output
+    assert "GB is free; compute them per step instead (dflash-trt train --features live)" in r.output
+    assert not list((data / "features").glob("shard_*"))
+
+
 def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(target, run, tmp_path):
     # A run killed after its last checkpoint logged steps that the resumed one trains again.
     out = tmp_path / "out"
