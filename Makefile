@@ -22,15 +22,20 @@ test: setup
 	$(PY) -m pytest -q
 
 # The default engine: SmolLM2-135M-Instruct with the shipped drafter, built on first use and rebuilt when its build
-# config or the drafter changes. demo and serve run it, so they pick the draft lengths and trees for this CPU
-# (with or without AMX tiles) as a served engine does.
+# config, the drafter or the code that writes engines (build, plan, configs, TensorRT-LLM config) changes. demo and
+# serve run it, so they pick the draft lengths and trees for this CPU (with or without AMX tiles) as a served engine
+# does.
 DEFAULT_ENGINE := engines/smollm2-135m-cpu
 DEFAULT_CONFIG := build_configs/smollm2-135m-cpu.yaml
 DRAFTER := drafters/smollm2-135m-dflash
 SERVE_PORT ?= 8000
 DEMO_PROMPT := Write a short poem about the sea.
 
-$(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(wildcard $(DRAFTER)/*.json $(DRAFTER)/*.safetensors) | setup
+ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/config.py dflash_trt/plan.py dflash_trt/engine_dir.py \
+	dflash_trt/draft_schedule.py dflash_trt/hardware.py dflash_trt/trtllm/*.py)
+
+$(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(wildcard $(DRAFTER)/*.json $(DRAFTER)/*.safetensors) \
+		$(ENGINE_WRITERS) | setup
 	$(VENV)/bin/dflash-trt build $(DEFAULT_CONFIG) -o $(DEFAULT_ENGINE) --force
 
 demo: setup $(DEFAULT_ENGINE)/manifest.json

@@ -151,3 +151,14 @@ def test_gpt_oss_throughput_plan_chooses_a_schedule_whose_k_falls_with_the_batch
     for b in chosen:
         pts = [pt for pt in perf["points"] if pt["batch_size"] == b]
         assert max(pts, key=lambda pt: pt["tok_s_gpu"])["draft_len"] == chosen[b]
+
+
+def test_a_suggested_max_seq_len_stays_within_the_targets_positions():
+    # 12 rows of 200,000 tokens on one H200: past gpt-oss's 131,072 positions and past the memory, which would hold
+    # about 150,000 at 12 rows; the length suggested must be one the target can run, not the memory's alone.
+    cfg = _cfg(max_batch_size=12, max_seq_len=200_000, moe_expert_parallel_size=1)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("h200"), max_draft_len=9)
+    suggested = [p for p in plan.problems if "max_seq_len <= " in p]
+    assert suggested, plan.problems
+    n = int(suggested[0].split("max_seq_len <= ")[1].split()[0])
+    assert n <= GPT_OSS.max_position_embeddings
