@@ -517,7 +517,7 @@ def load_drafter(
     cfg.check_pairing(target, source)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak
     with torch.no_grad():
         model.load_weights(WeightSet(drafter_dir))
     model.draft_vocab = load_draft_vocab(drafter_dir, target.vocab_size)

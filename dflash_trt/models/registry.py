@@ -35,7 +35,7 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
         )
     with torch.device("meta"):
         model = cls(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak
     weights = WeightSet(model_dir)
     with torch.no_grad():
         model.load_weights(weights)

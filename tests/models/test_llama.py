@@ -242,3 +242,24 @@ def test_a_sharded_checkpoints_bad_index_is_named(tmp_path, index, message):
     with pytest.raises(CheckpointError, match=message) as e:
         load_target(t)
     assert "model.safetensors.index.json" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_weights_are_allocated_in_the_asked_dtype_not_fp32_first(tiny_dirs, monkeypatch, which):
+    """A bf16 8B target allocated in fp32 and then cast needs 32 GB at its peak: more than a 24 GB GPU holds its
+    16 GB of bf16 weights in."""
+    from dflash_trt.models.dflash import load_drafter
+
+    allocated = []
+    real = torch.nn.Module.to_empty
+
+    def to_empty(self, *args, **kwargs):
+        allocated.extend(p.dtype for p in self.parameters() if p.is_floating_point())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", to_empty)
+    target = load_target(tiny_dirs["qwen3"], torch.bfloat16)
+    if which == "drafter":
+        allocated.clear()
+        load_drafter(tiny_dirs["qwen3_drafter"], target.config, torch.bfloat16)
+    assert allocated and set(allocated) == {torch.bfloat16}
