@@ -318,9 +318,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Generate for token-id prompts with continuous batching; outputs in prompt order."""
+        """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
+        with continuous batching; outputs in prompt order."""
+        prompts = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word

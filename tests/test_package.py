@@ -1,0 +1,28 @@
+"""The package's Python entry points: `import dflash_trt` stays light, and the engine an engine directory opens
+generates from text as from its token ids, equal to transformers' greedy continuation."""
+
+import subprocess
+import sys
+
+from dflash_trt.build import build_engine
+from tests.engine.test_lossless import hf_greedy
+from tests.test_build import write_config
+
+
+def test_importing_the_package_loads_no_torch():
+    code = "import sys, dflash_trt; print('torch' in sys.modules); dflash_trt.SamplingParams(max_new_tokens=4)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_open_engine_generates_from_text_as_from_its_ids(tiny_dirs, tmp_path):
+    import dflash_trt
+    from dflash_trt import SamplingParams, open_engine
+
+    engine_dir = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]),
+                              tmp_path / "engine", progress=False)
+    llm = open_engine(engine_dir)
+    assert isinstance(llm, dflash_trt.LLMEngine)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    by_text, by_ids = llm.generate(["hello there", llm.encode("hello there")], params)
+    assert by_text.token_ids == by_ids.token_ids == hf_greedy(tiny_dirs["qwen3"], llm.encode("hello there"), 12)
