@@ -14,6 +14,17 @@ GREEDY_BELOW = 1e-5
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (and vLLM's default max_logprobs)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's `choice`-th answer (OpenAI's n): choice 0 keeps the request's own, so n=1 samples as
+    before; the others are drawn from it, independent of each other and of any other request's seed."""
+    if choice == 0:
+        return seed
+    import numpy as np
+
+    words = np.random.SeedSequence(2 * abs(seed) + int(seed < 0), spawn_key=(choice,)).generate_state(2, np.uint64)
+    return int(words[0]) >> 1
+
+
 @dataclass
 class SamplingParams:
     """How one request decodes.

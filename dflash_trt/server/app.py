@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.scheduler import QueueFullError
-from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.sampling_params import SamplingParams, choice_seed
 from dflash_trt.server import protocol as p
 from dflash_trt.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
@@ -39,10 +40,11 @@ class APIError(Exception):
 
 @dataclass
 class _Submitted:
-    request_ids: list[int]
+    request_ids: list[int]  # one per choice: prompt-major, n answers of each prompt in turn (OpenAI's indices)
     prompt_lens: list[int]
     queue: asyncio.Queue  # (choice index, RequestUpdate)
     detoks: list[IncrementalDetokenizer]
+    n: int = 1
 
 
 def _is_union_tag(loc: str | int) -> bool:
@@ -123,7 +125,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return _sse(_stream_completion(req, submitted))
         outputs = await _wait_all(request, submitted)
         choices = []
-        for i, (o, prompt) in enumerate(zip(outputs, raw)):
+        for i, (o, prompt) in enumerate(zip(outputs, [x for x in raw for _ in range(req.n)])):
             logprobs = None
             if o.logprobs is not None:
                 entries = [*(o.prompt_logprobs or []), *o.logprobs] if req.echo else o.logprobs
@@ -132,7 +134,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             text = ((prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) if req.echo else "") + o.text
             choices.append(p.CompletionChoice(index=i, text=text, finish_reason=o.finish_reason,
                                               acceptance=_acceptance(o), logprobs=logprobs))
-        body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs))
+        body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
 
     @app.post("/v1/chat/completions")
@@ -150,11 +152,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
-        (out,) = await _wait_all(request, submitted)
-        choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                              acceptance=_acceptance(out),
-                              logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, token_text))
-        body = p.ChatCompletionResponse(model=model_name, choices=[choice], usage=_usage([out]))
+        outputs = await _wait_all(request, submitted)
+        choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                                acceptance=_acceptance(o),
+                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
+                   for i, o in enumerate(outputs)]
+        body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
 
     # --- request -> engine ------------------------------------------------------------------------
@@ -237,9 +240,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         # validate all before queueing any
         params = [_params(req, len(ids), max_tokens, max_param, prompt_param) for ids in prompts]
         capacity = engine.scheduler.capacity
-        if len(prompts) > capacity:  # would be refused however long the client waited
-            raise APIError(400, f"the request has {len(prompts)} prompts; this server holds at most {capacity} requests "
-                                "at a time (rows plus queue): send fewer per request", param=prompt_param)
+        if len(prompts) * req.n > capacity:  # would be refused however long the client waited
+            asked = f"{len(prompts)} prompts" + (f" x n={req.n} answers" if req.n > 1 else "")
+            raise APIError(400, f"the request has {asked}; this server holds at most {capacity} requests at a time "
+                                "(rows plus queue): send fewer per request",
+                           param="n" if req.n > 1 else prompt_param)
+        # n answers of each prompt, each sampled with a seed of its own (choice_seed), in OpenAI's order
+        params = [sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=choice_seed(sp.seed, j))
+                  for sp in params for j in range(req.n)]
+        prompts = [ids for ids in prompts for _ in range(req.n)]
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids: list[int] = []
@@ -263,7 +272,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                     loop.abort(rid)
                 raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list) for _ in prompts]
-        return _Submitted(ids, [len(x) for x in prompts], queue, detoks)
+        return _Submitted(ids, [len(x) for x in prompts], queue, detoks, req.n)
 
     # --- engine -> response -----------------------------------------------------------------------
 
@@ -334,19 +343,21 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 outputs.append(out)
             yield chunk.model_dump(exclude=no_usage)
         if usage:
-            yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
+            yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[],
+                                       usage=_usage(outputs, s)).model_dump()
 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage, no_usage = _include_usage(req)
-        first = p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))
-        first_chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first])
-        outputs = []
+        outputs, started = [], set()
         async for i, text, out, new in _updates(s):
-            if first_chunk is not None:
-                # with the first output, as vLLM's: benchmark clients time the first token from the first chunk
-                yield first_chunk.model_dump(exclude=no_usage)
-                first_chunk = None
+            if i not in started:
+                # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
+                # first chunk
+                started.add(i)
+                first = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
+                yield p.ChatCompletionChunk(id=rid, created=created, model=model_name,
+                                            choices=[first]).model_dump(exclude=no_usage)
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
                                        finish_reason=out.finish_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
@@ -356,7 +367,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 outputs.append(out)
             yield chunk.model_dump(exclude=no_usage)
         if usage:
-            yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=_usage(outputs)).model_dump()
+            yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
+                                        usage=_usage(outputs, s)).model_dump()
 
     def _include_usage(req: p._SamplingRequest) -> tuple[bool, set[str] | None]:
         """Whether a stream ends with a usage chunk, and what its other chunks leave out: OpenAI's carry
@@ -390,8 +402,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             draft_time_s=out.draft_time, verify_time_s=out.verify_time,
         )
 
-    def _usage(outputs: list[RequestOutput]) -> p.Usage:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    def _usage(outputs: list[RequestOutput], s: _Submitted) -> p.Usage:
+        prompt = sum(s.prompt_lens[:: s.n])  # each prompt once, however many answers it got (OpenAI's count)
         completion = sum(o.num_tokens for o in outputs)
         return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 

@@ -95,7 +95,7 @@ class _SamplingRequest(_NullIsUnset):
     model: str
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    n: WholeInt = 1
+    n: WholeInt = Field(1, ge=1)  # answers per prompt (the server's rows plus queue bound them)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -133,13 +133,6 @@ class _SamplingRequest(_NullIsUnset):
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

@@ -230,7 +230,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id beyond the vocabulary (96)
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": ["a", 1]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),  # would match before any text
