@@ -46,6 +46,10 @@ class SamplingParams:
     acceptance: AcceptanceRule = "match"
     logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (OpenAI's echo)
+    # penalties on the target's logits (layers/penalties.py, vLLM's semantics): 0, 0 and 1 leave them as they are
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -64,12 +68,26 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the target's logits as they are: the argmax alone decides (the head's int8 screen serves it)."""
+        return self.greedy and not self.penalized
 
     @property
     def samples_drafts(self) -> bool:

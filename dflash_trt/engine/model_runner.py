@@ -20,6 +20,7 @@ from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, round_up
+from dflash_trt.layers.penalties import penalize
 from dflash_trt.layers.sampler import sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
@@ -92,10 +93,10 @@ class ModelRunner:
 
     def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
-        if all(s.params.greedy for s in seqs):
+        if all(s.params.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
-        logits = self.target.compute_logits(hidden)
-        probs = sampling_probs(logits[:, None], *self._params(seqs))[:, 0]
+        logits = self._penalized(seqs, self.target.compute_logits(hidden)[:, None], [[[]] for _ in seqs])
+        probs = sampling_probs(logits, *self._params(seqs))[:, 0]
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
 
     def _uniforms(self, seqs: list[Sequence], n: int) -> torch.Tensor:
@@ -192,13 +193,16 @@ class ModelRunner:
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
         hidden, target_features = self.target(block, AttentionMetadata.causal_step(rows, positions), self.target_cache, self.capture)
-        if all(s.params.greedy for s in seqs):
+        if all(s.params.plain_greedy for s in seqs):
             # The GREEDY rule needs only the target's argmax: taken alone it skips the fp32 logits (on a GPU [B, K + 1,
             # V], 311 MB at 32 rows of Qwen3's vocabulary), the op's dispatch and the uniforms and modes a mixed batch
-            # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample.
+            # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or are penalized.
             result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
         else:
-            result = self._verify(seqs, proposal, sampling, self.target.compute_logits(hidden))
+            drafts = proposal.draft_tokens.tolist()  # position j's penalties count the drafts before it as output
+            extras = [[row[:j] for j in range(num_draft + 1)] for row in drafts]
+            result = self._verify(seqs, proposal, sampling,
+                                  self._penalized(seqs, self.target.compute_logits(hidden), extras))
         emitted = result.emitted(proposal.draft_tokens)
         self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])
         for i, drafted in lookups.items():
@@ -243,7 +247,7 @@ class ModelRunner:
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
         hidden, target_features = self.target(tree.tokens, meta, self.target_cache, self.capture)
-        choices = self._tree_choices(seqs, hidden, tree.depths, depth)  # [B, N + 1]: the token after each node
+        choices = self._tree_choices(seqs, hidden, tree, depth)  # [B, N + 1]: the token after each node
         paths = accept_tree(tree, choices)
         tokens, choices = tree.tokens.tolist(), choices.tolist()
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
@@ -268,18 +272,39 @@ class ModelRunner:
         (spec/context_lookup.py)."""
         return [s.context_lookup().scored_draft(max_len) for s in seqs]
 
-    def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, depths: torch.Tensor,
-                      depth: int) -> torch.Tensor:
+    def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, tree, depth: int) -> torch.Tensor:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,
         drawn with the row's uniform for the output position at the node's depth, so each token the path emits is the
-        target's own sample given the tokens before it."""
-        if all(s.params.greedy for s in seqs):
+        target's own sample given the tokens before it (and penalized as if that path were the output)."""
+        if all(s.params.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden)
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
-        probs = sampling_probs(self.target.compute_logits(hidden), *self._params(seqs))  # greedy rows: one-hot
-        return sample_from(probs, u.gather(1, depths))
+        if sampled:  # none where every row is greedy and some penalized
+            u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
+        logits = self.target.compute_logits(hidden)
+        if any(s.params.penalized for s in seqs):
+            logits = self._penalized(seqs, logits, [self._node_paths(tree, i) for i in range(len(seqs))])
+        probs = sampling_probs(logits, *self._params(seqs))  # greedy rows: one-hot
+        return sample_from(probs, u.gather(1, tree.depths))
+
+    @staticmethod
+    def _node_paths(tree, row: int) -> list[list[int]]:
+        """Per node of a tree row: the drafted tokens from the root to it (the node's own included)."""
+        tokens, paths = tree.tokens[row].tolist(), [[]]
+        for k, parent in enumerate(tree.parents[row][1:], start=1):
+            paths.append(paths[parent] + [tokens[k]])
+        return paths
+
+    @staticmethod
+    def _penalized(seqs: list[Sequence], logits: torch.Tensor, extras: list[list[list[int]]]) -> torch.Tensor:
+        """logits [B, T, V] with each penalized row's penalties applied at its positions (layers/penalties.py);
+        extras[i][j]: the tokens row i's position j counts as output beyond its committed ones."""
+        for i, s in enumerate(seqs):
+            if s.params.penalized:
+                n = len(extras[i])
+                logits[i, :n] = penalize(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras[i])
+        return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],
                        positions: list) -> None:

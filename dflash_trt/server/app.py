@@ -231,7 +231,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
                                   ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
-                                  prompt_logprobs=req.num_logprobs if req.echo else None)
+                                  prompt_logprobs=req.num_logprobs if req.echo else None,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

@@ -101,8 +101,8 @@ class _SamplingRequest(_NullIsUnset):
     stop: str | list[str] | None = None
     seed: WholeInt | None = None
     echo: StrictBool = False  # completions: the prompt before the answer (and its logprobs); refused on chat
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     # OpenAI features this server does not implement: refused unless off
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
@@ -119,7 +119,7 @@ class _SamplingRequest(_NullIsUnset):
     # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
     # neutral, rather than ignored as unknown fields are
     min_p: StrictFloat = 0.0
-    repetition_penalty: StrictFloat = 1.0
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)  # vLLM's
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     use_beam_search: StrictBool = False
@@ -133,13 +133,6 @@ class _SamplingRequest(_NullIsUnset):
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported (they would change the target's distribution); use 0")
-        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -177,8 +170,6 @@ class _SamplingRequest(_NullIsUnset):
         return v
 
     _no_min_p = _refuse_unless("min_p", 0, "min_p is not supported; use 0 (top_p and top_k are)")
-    _no_repetition_penalty = _refuse_unless("repetition_penalty", 1, "repetition_penalty is not supported (it would "
-                                            "change the target's distribution); use 1")
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")

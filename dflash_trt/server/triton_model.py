@@ -41,14 +41,14 @@ def _refuse_unhonoured(request, penalties):
 
     Accepted as they are: return_finish_reason (finish_reason is always sent), sampling_param_return_perf_metrics
     (the acceptance outputs are always sent) and sampling_param_exclude_input_from_output (text_output is the
-    generated text either way, as the llmapi model's CompletionOutput.text is). Penalties reach tensorrt_llm;
-    this project's runtime has none."""
+    generated text either way, as the llmapi model's CompletionOutput.text is). Penalties reach tensorrt_llm or
+    this project's runtime, within OpenAI's [-2, 2]."""
     best_of = _scalar(request, "sampling_param_best_of", 1)
     if best_of != 1:
         raise ValueError(f"sampling_param_best_of={best_of}: only 1 is supported")
     for name, value in penalties.items():
-        if value != 0.0:
-            raise ValueError(f"sampling_param_{name}={value}: penalties are not supported by the torch backend")
+        if not -2 <= value <= 2:
+            raise ValueError(f"sampling_param_{name}={value}: penalties must be in [-2, 2]")
     for name, output in (("return_stop_reason", "stop_reason"), ("return_cumulative_logprob", "cumulative_logprob")):
         if _scalar(request, name, False):
             raise ValueError(f"{name}: this model has no {output} output")
@@ -120,11 +120,11 @@ class TritonPythonModel:
                       top_k=int(_scalar(request, "sampling_param_top_k", 0)),
                       seed=_scalar(request, "sampling_param_seed", None), stop=stop)
         penalties = {name: float(_scalar(request, f"sampling_param_{name}", 0.0)) for name in PENALTIES}
-        if self.settings.backend == "trtllm":
-            _refuse_unhonoured(request, {})
-            self._start_trtllm(text, streaming, params | penalties, sender)
-            return
         _refuse_unhonoured(request, penalties)
+        params |= penalties
+        if self.settings.backend == "trtllm":
+            self._start_trtllm(text, streaming, params, sender)
+            return
         prompt = self.engine.encode(text)
         limit = self.engine.max_model_len
         if len(prompt) + max_tokens > limit:

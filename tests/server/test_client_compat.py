@@ -122,3 +122,15 @@ def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     other = opened.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
     assert opened.get("/v1/models", headers={"Origin": "http://localhost:3000"}).json()["data"][0]["id"] == MODEL
+
+
+def test_penalties_reach_the_runtime(server, oracle):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty shape the answer as the runtime's
+    generate under them (itself transformers' decoding under them: tests/engine/test_penalties.py)."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3}
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(server.base_url + "/completions", json={**body, **penalties}, timeout=60).json()
+    plain = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    want = oracle.generate([oracle.encode(body["prompt"])], SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                                           **penalties))[0]
+    assert got["choices"][0]["text"] == want.text != plain["choices"][0]["text"]

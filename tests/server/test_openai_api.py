@@ -249,7 +249,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     # vLLM's sampling extensions that benchmark tools pass through, unless neutral
     ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
-    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),  # OpenAI's [-2, 2]
     ({"model": MODEL, "prompt": "hi", "min_tokens": 8}, 400, "min_tokens"),  # an eos could end it sooner
     ({"model": MODEL, "prompt": "hi", "min_tokens": 8, "max_tokens": 4, "ignore_eos": True}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [96]}, 400, "stop_token_ids"),

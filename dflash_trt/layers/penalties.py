@@ -1,0 +1,40 @@
+"""Repetition, frequency and presence penalties on the target's logits, position by position (vLLM's semantics).
+
+repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
+holds; frequency_penalty subtracts, per output token, its count so far; presence_penalty subtracts once for every token
+the output holds. They shape the target's distribution itself, so a speculative step applies them at each verified
+position with the drafts before it counted as output: the step then keeps exactly what decoding one token at a time
+under the same penalties would choose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.sampling_params import SamplingParams
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+             extras: list[list[int]]) -> torch.Tensor:
+    """logits [n, V] float at n positions; extras[j]: the tokens between the committed output and position j (a
+    step's drafts before it) -> the penalized logits (a new tensor)."""
+    n, vocab = logits.shape
+    dev = logits.device
+    counts = torch.zeros(vocab, device=dev).index_add_(
+        0, torch.tensor(output_ids, dtype=torch.long, device=dev), torch.ones(len(output_ids), device=dev))
+    counts = counts.expand(n, vocab).clone()
+    for j, extra in enumerate(extras):
+        if extra:
+            counts[j].index_add_(0, torch.tensor(extra, dtype=torch.long, device=dev), torch.ones(len(extra), device=dev))
+    out = logits.float()
+    if params.repetition_penalty != 1.0:
+        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+        seen = (counts > 0) | in_prompt
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty:
+        out = out - params.frequency_penalty * counts
+    if params.presence_penalty:
+        out = out - params.presence_penalty * (counts > 0).float()
+    return out

@@ -1,0 +1,40 @@
+"""penalize against transformers' RepetitionPenaltyLogitsProcessor and a count-by-count reference of OpenAI's
+frequency and presence penalties, at positions that count different drafts as output."""
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from dflash_trt.layers.penalties import penalize
+from dflash_trt.sampling_params import SamplingParams
+
+PROMPT, OUTPUT = [3, 5, 5, 9], [7, 5, 7, 11]
+EXTRAS = [[], [12], [12, 7], [12, 7, 3]]  # a chain's drafts before each of its positions
+
+
+def test_repetition_matches_transformers_over_prompt_and_output_and_the_drafts_before_each_position():
+    logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(0)) * 3
+    got = penalize(logits, SamplingParams(repetition_penalty=1.7), PROMPT, OUTPUT, EXTRAS)
+    for j, extra in enumerate(EXTRAS):
+        ids = torch.tensor([PROMPT + OUTPUT + extra])
+        want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits[j:j + 1].clone())[0]
+        torch.testing.assert_close(got[j], want)
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.3), (-0.4, 1.1)])
+def test_frequency_and_presence_count_the_output_only(presence, frequency):
+    logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(1))
+    got = penalize(logits, SamplingParams(presence_penalty=presence, frequency_penalty=frequency), PROMPT, OUTPUT,
+                   EXTRAS)
+    for j, extra in enumerate(EXTRAS):
+        want = logits[j].clone()
+        for t in set(OUTPUT + extra):
+            want[t] -= frequency * (OUTPUT + extra).count(t) + presence
+        torch.testing.assert_close(got[j], want)
+
+
+@pytest.mark.parametrize("kw", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
+                                {"repetition_penalty": float("inf")}])
+def test_penalties_out_of_range_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
