@@ -192,6 +192,18 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
     return e.target_dir, e.drafter_dir
 
 
+def _json_object(text: str | None, option: str) -> dict:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from e
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"expected a JSON object, got {text!r}", param_hint=option)
+    return value
+
+
 @bench.command()
 @click.option("--url", required=True, callback=lambda ctx, param, url: _endpoint_url(url),
               help="The endpoint: http://HOST:PORT (or .../v1) of any OpenAI-compatible server.")
@@ -213,10 +225,13 @@ def eng_dirs(engine_dir: str) -> tuple[Path, Path | None]:
               help="Sampling temperature of every request (0: greedy).")
 @click.option("--ignore-eos/--stop-at-eos", default=True, show_default=True,
               help="Generate exactly --osl tokens (the usual sweep convention) or stop at EOS like real traffic.")
+@click.option("--extra-body", default=None, callback=lambda ctx, param, text: _json_object(text, "--extra-body"),
+              help='More fields for every request, as a JSON object, e.g. \'{"top_p": 0.9, "top_k": 20}\' (recorded '
+              "in the result's config; fields the sweep sets itself are refused).")
 @click.option("--label", default=None, help="The run's name in plots (default: the model name).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
 def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
-          gpus, api, temperature, ignore_eos, label, output) -> None:
+          gpus, api, temperature, ignore_eos, extra_body, label, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import load_dataset
@@ -237,7 +252,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
-                          label=label or model)
+                          label=label or model, extra_body=extra_body)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)

@@ -47,6 +47,11 @@ class SweepError(RuntimeError):
     """A point where no request succeeded (the endpoint's error is in the message)."""
 
 
+# request fields the sweep sets from its own options: --extra-body may not change them behind the result's back
+OWNED_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
+                          "messages", "prompt", "ignore_eos", "n", "seed"})
+
+
 @dataclass
 class SweepConfig:
     url: str  # http://host:port or http://host:port/v1
@@ -62,6 +67,8 @@ class SweepConfig:
     ignore_eos: bool = True  # vLLM, trtllm-serve and this project's server accept it
     osl: int | None = None  # output tokens per request; None: each prompt's max_tokens
     label: str = ""  # run name in plots, e.g. "DFlash K=3"
+    # more request fields for every request (top_p, top_k, penalties, a server's own extensions); never the ones above
+    extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0  # per connect / read of the stream
     # Servers may count a step in /metrics only after sending its tokens; waiting this long before each
     # scrape keeps the last step of one point from landing in the next.
@@ -78,6 +85,10 @@ class SweepConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_requests is not None and self.warmup_requests < 0:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        owned = sorted(set(self.extra_body) & OWNED_FIELDS)
+        if owned:
+            raise ValueError(f"extra_body sets {', '.join(owned)}, which the sweep sets itself (--model, --osl, "
+                             "--temperature, --ignore-eos, --seed, --api and the dataset)")
         if self.metrics_settle_s < 0:
             raise ValueError(f"metrics_settle_s must be >= 0, got {self.metrics_settle_s}")
         if self.osl is not None and self.osl < 1:
@@ -187,7 +198,7 @@ def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
         body["ignore_eos"] = True
     if cfg.temperature > 0:
         body["seed"] = (cfg.seed * 1_000_003 + index) % 2**31  # sampled runs stay reproducible
-    return body
+    return {**body, **cfg.extra_body}
 
 
 async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: BenchPrompt, index: int) -> RequestResult:

@@ -69,6 +69,7 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     (["--concurrency", "0"], "--concurrency"), (["--concurrency", "1,1"], "--concurrency"), (["--isl", "0"], "--isl"),
     (["--osl", "0"], "--osl"), (["--requests-per-concurrency", "0"], "--requests-per-concurrency"),
     (["--warmup", "-1"], "--warmup"), (["--gpus", "0"], "--gpus"), (["--temperature", "-1"], "--temperature"),
+    (["--extra-body", "{top_p: 1}"], "--extra-body"), (["--extra-body", "[1]"], "--extra-body"),
 ])
 def test_sweep_refuses_out_of_range_numbers_naming_the_option(tmp_path, args, option):
     dead = f"http://127.0.0.1:{free_port()}"

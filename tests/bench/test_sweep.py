@@ -336,6 +336,21 @@ def test_completions_api(stub):
     assert all(b["prompt"] == "raw prompt" and "messages" not in b for b, _ in state.arrivals)
 
 
+def test_extra_body_fields_reach_every_request_and_are_recorded(stub):
+    state = stub.reset()
+    extra = {"top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    result = run_sweep(config(stub.url, [2], extra_body=extra), prompts("hi"))
+    assert state.arrivals and all(b["top_p"] == 0.9 and b["top_k"] == 20 and b["repetition_penalty"] == 1.1
+                                  and b["stream"] is True for b, _ in state.arrivals)
+    assert result["config"]["extra_body"] == extra
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "stream", "model", "messages", "seed"])
+def test_extra_body_may_not_change_what_the_sweep_sets(field):
+    with pytest.raises(ValueError, match=f"extra_body sets {field}, which the sweep sets itself"):
+        SweepConfig(url="http://x", model="m", concurrencies=[1], extra_body={field: 1})
+
+
 def test_failures_are_counted(stub):
     stub.reset()
     cfg = config(stub.url, [2], min_requests=8)
