@@ -22,7 +22,10 @@ def check_fits_on_gpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     layers, rows, heads, positions, head_dim = shape
     per_position = 2 * layers * heads * head_dim * dtype.itemsize
     need = per_position * rows * positions
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    device = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    # what torch's allocator holds but does not use serves the cache too (mem_get_info counts it as taken)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     usable = int(free * GPU_CACHE_SHARE)
     if need <= usable:
         return

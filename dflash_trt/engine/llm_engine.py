@@ -277,7 +277,10 @@ class LLMEngine:
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, tokenize=True, **(template_kwargs or {}))
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if not all(isinstance(t, int) for t in ids):  # a template's variables that reached the call's own options
+            raise ValueError("the chat template did not render to one list of token ids")
+        return ids
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
         """ValueError unless every id is a token of the target: in a step, the embedding lookup would fail every

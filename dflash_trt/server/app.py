@@ -52,9 +52,11 @@ def _is_union_tag(loc: str | int) -> bool:
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
-               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
-    default: a server on 127.0.0.1 would otherwise answer any web page the user opens."""
+    default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
+    let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
+    loops holds the tokenizer, so every request, for as long as it runs."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
@@ -141,6 +143,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(req.model)
+        if req.chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "a request's own chat_template runs only on a server started with "
+                                "--trust-request-chat-template", param="chat_template")
         try:
             ids = await tokenized(engine.encode_chat, [{"role": m.role, "content": m.text()} for m in req.messages],
                                   req.add_generation_prompt, req.continue_final_message, req.chat_template,

@@ -128,12 +128,16 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 @click.option("--backend", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
               help="torch: this project's runtime; trtllm: exec trtllm-serve with the engine's trtllm/config.yaml.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the engine or target directory name).")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Let requests bring their own chat_template (a template is a program the server runs; off by "
+              "default, as vLLM's).")
 @click.option("--allowed-origin", "allowed_origins", multiple=True,
               help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000; '*' "
               "for any; repeatable (default: none).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype,
-          device, head_screen, int8_drafter, host, port, backend, served_model_name, allowed_origins) -> None:
+          device, head_screen, int8_drafter, host, port, backend, served_model_name, trust_request_chat_template,
+          allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -150,7 +154,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             "--max-prefill-tokens": max_prefill_tokens, "--dtype": dtype, "--device": device,
             "--head-screen" if head_screen else "--full-head": head_screen is not None,
             "--int8-drafter" if int8_drafter else "--bf16-drafter": int8_drafter is not None,
-            "--served-model-name": served_model_name, "--allowed-origin": allowed_origins})
+            "--served-model-name": served_model_name, "--allowed-origin": allowed_origins,
+            "--trust-request-chat-template": trust_request_chat_template})
         if dropped:
             raise click.UsageError(f"--backend trtllm serves the engine's trtllm/config.yaml as built; it does not take "
                                    f"{', '.join(dropped)} (rebuild the engine with those settings, or use --backend torch)")
@@ -193,7 +198,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             click.echo(note, err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
-        app = create_app(loop, name, metrics, allowed_origins)
+        app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template)
         mode = mode_text(llm)
 
         def started() -> None:

@@ -180,8 +180,12 @@ class _SamplingRequest(_NullIsUnset):
                                    message="bad_words, allowed_token_ids and logits_processors are not supported (they "
                                    "would change the target's distribution)")
     _no_truncation = _refuse_set("truncate_prompt_tokens", message="truncate_prompt_tokens is not supported")
-    _no_prompt_logprobs = _refuse_set("prompt_logprobs", message="prompt_logprobs are not supported (logprobs of the "
-                                      "generated tokens are)")
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: Any) -> Any:
+        if v is not None and v is not False:  # vLLM's 0 asks for the prompt's own logprobs: not "off"
+            raise ValueError("prompt_logprobs are not supported (completions' echo with logprobs scores the prompt)")
+        return v
 
     _skip_special = _refuse_unless("skip_special_tokens", True, "skip_special_tokens=false is not supported: answers "
                                    "are decoded without special tokens")
@@ -244,9 +248,10 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _one_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {v}")
+    def _best_of_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v not in (None, n):  # best_of == n returns every answer made: n's own meaning
+            raise ValueError(f"only best_of=n ({n}) is supported, got {v}")
         return v
 
     _no_suffix = _refuse_set("suffix", message="suffix (insertion) is not supported")
@@ -291,6 +296,13 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)  # vLLM's joint
 
 
+# apply_chat_template's own parameters, which chat_template_kwargs may not pass to it
+TEMPLATE_CALL_PARAMETERS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "kwargs"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: WholeInt | None = None
@@ -304,6 +316,15 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
 
     _no_echo = _refuse_set("echo", message="echo is supported on /v1/completions, not on chat")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # apply_chat_template's own parameters would change what it returns, or override the request's fields
+        taken = sorted(set(v or ()) & TEMPLATE_CALL_PARAMETERS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} are not template variables (the server sets them)")
+        return v
 
     @field_validator("continue_final_message")
     @classmethod

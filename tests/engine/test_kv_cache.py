@@ -9,8 +9,11 @@ from dflash_trt.engine.kv_cache import KVCache
 def test_a_cache_past_the_gpus_free_memory_is_refused_saying_what_fits(monkeypatch):
     # Qwen3-8B's target cache (36 layers, 8 kv heads of 128, bf16: 147,456 bytes a position) for 32 rows x 32k
     # positions: 154.6 GB, where an H100 has about 60 GB free after the weights.
+    # 40 GB free on the device, and 20 GB that torch's allocator holds unused (reserved 30, allocated 10): 60 GB
     free = 60e9
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(80e9)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(40e9), int(80e9)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(30e9))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: int(10e9))
     with pytest.raises(ValueError) as e:
         KVCache(36, 32, 32768, 8, 128, torch.bfloat16, "cuda")
     per_position = 2 * 36 * 8 * 128 * 2

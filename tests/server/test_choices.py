@@ -57,3 +57,12 @@ def test_greedy_answers_are_alike_and_more_than_the_server_holds_is_refused_nami
     too_many = httpx.post(server.base_url + "/completions", json={**body, "n": capacity + 1}, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
     assert f"x n={capacity + 1} answers" in too_many.json()["error"]["message"]
+
+
+def test_best_of_equal_to_n_is_n_and_more_is_refused(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 3}
+    same = httpx.post(server.base_url + "/completions", json={**body, "best_of": 2}, timeout=60).json()
+    plain = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in same["choices"]] == [c["text"] for c in plain["choices"]]
+    more = httpx.post(server.base_url + "/completions", json={**body, "best_of": 3}, timeout=60)
+    assert more.status_code == 400 and more.json()["error"]["param"] == "best_of"

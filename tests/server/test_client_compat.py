@@ -68,12 +68,16 @@ def test_continue_final_message_goes_on_with_the_assistants_text(server, oracle)
     assert new_turn.json()["usage"]["prompt_tokens"] == len(ids) + 1  # the template's generation prompt, ">"
 
 
-def test_a_chat_template_and_its_kwargs_render_the_prompt(server, oracle):
+def test_a_chat_template_and_its_kwargs_render_the_prompt_where_the_server_trusts_them(server, oracle):
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if shout %}!{% endif %}"
     messages = [{"role": "user", "content": "hi"}]
+    untrusted = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                           json={**CHAT, "messages": messages, "chat_template": template})
+    assert untrusted.status_code == 400 and untrusted.json()["error"]["param"] == "chat_template"
+    trusted = TestClient(create_app(server.loop, MODEL, trust_request_chat_template=True))
     for kwargs in ({}, {"shout": True}):
         body = {**CHAT, "messages": messages, "chat_template": template, "chat_template_kwargs": kwargs}
-        r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+        r = trusted.post("/v1/chat/completions", json=body)
         ids = oracle.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
                                                    add_generation_prompt=True, **kwargs)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -98,6 +102,8 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM's 0 is the prompt's own logprobs, not "off"
+    ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs"),  # the call's own options
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
 ])
 def test_what_would_change_the_answer_unseen_is_refused(server, body, param):
@@ -108,7 +114,8 @@ def test_what_would_change_the_answer_unseen_is_refused(server, body, param):
 
 def test_neutral_vllm_extensions_pass(server):
     body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "bad_words": [], "allowed_token_ids": None,
-            "echo": False, "add_generation_prompt": True, "stream_options": None}
+            "echo": False, "add_generation_prompt": True, "stream_options": None, "n": 2,
+            "prompt_logprobs": None, "chat_template_kwargs": {"enable_thinking": False}}
     assert httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).status_code == 200
 
 
