@@ -35,3 +35,10 @@ def test_cuda_without_a_gpu_is_refused_naming_the_device(tiny_dirs):
 def test_devices_the_runtime_does_not_run_on_are_refused(device):
     with pytest.raises(ValueError, match=f"device='{device}'"):
         EngineConfig(device=device)
+
+
+def test_a_cuda_device_past_the_machines_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device='cuda:7', but this machine has 1 CUDA device"):
+        EngineConfig(device="cuda:7")

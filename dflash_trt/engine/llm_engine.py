@@ -92,6 +92,9 @@ class EngineConfig:
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}, but torch sees no CUDA device (torch.cuda.is_available() is "
                              "False); run on 'cpu' (--device cpu)")
+        index = torch.device(self.device).index
+        if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,10 @@ from dflash_trt.spec.verifier import VerifyResult, accept_greedy
 TOKEN_BUCKET = 16
 
 
+# Prompt positions whose logprobs one head call computes (Qwen3's vocabulary: 156 MB of fp32 logits)
+PROMPT_LOGPROB_SLICE = 256
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -137,8 +141,10 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None:
                 # positions start .. end - 1 choose the prompt's tokens start + 1 .. end (the last one's: the output's)
                 scored = s.prompt_ids[starts[i] + 1: ends[i] + 1]
-                logits = self.target.compute_logits(hidden[i, : len(scored)])
-                s.prompt_logprobs += token_logprobs(logits, scored, s.params.prompt_logprobs) if scored else []
+                for a in range(0, len(scored), PROMPT_LOGPROB_SLICE):  # fp32 logits of a whole chunk: GBs on a GPU
+                    logits = self.target.compute_logits(hidden[i, a: a + PROMPT_LOGPROB_SLICE][: len(scored) - a])
+                    s.prompt_logprobs += token_logprobs(logits, scored[a: a + PROMPT_LOGPROB_SLICE],
+                                                        s.params.prompt_logprobs)
         done = [i for i, s in enumerate(seqs) if ends[i] == len(s.prompt_ids)]
         tokens: list[int | None] = [None] * len(seqs)
         if done:

@@ -95,10 +95,12 @@ def test_logprobs_outside_0_to_20_are_refused(n):
         SamplingParams(logprobs=n)
 
 
-@pytest.mark.parametrize("chunk", [8, 512])
-def test_prompt_tokens_carry_the_targets_log_probability_however_the_prompt_is_chunked(tiny_dirs, chunk):
+@pytest.mark.parametrize("chunk, head_slice", [(8, 256), (512, 256), (512, 7)])
+def test_prompt_tokens_carry_the_targets_log_probability_however_the_prompt_is_chunked(tiny_dirs, monkeypatch, chunk,
+                                                                                       head_slice):
     """Prompt logprobs (OpenAI's echo): each prompt token after the first, from the prefill forward whose position
-    before it chose it, across chunk boundaries."""
+    before it chose it, across chunk boundaries and the slices the head computes them in."""
+    monkeypatch.setattr("dflash_trt.engine.model_runner.PROMPT_LOGPROB_SLICE", head_slice)
     prompt = _prompts(4)[3]  # 30 tokens: four chunks of 8
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_prefill_tokens=chunk)
     (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=4, prompt_logprobs=2))
