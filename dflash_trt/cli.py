@@ -77,10 +77,18 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help=DEVICE_HELP)
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Prompt + generated tokens. Default: 4096, or the engine's max_seq_len with ENGINE.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Divides the logits of tokens the prompt or answer holds (vLLM's; 1: off).")
+@click.option("--presence-penalty", default=0.0, show_default=True, type=click.FloatRange(-2, 2),
+              help="Subtracted once from the logit of every token the answer holds (OpenAI's).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=click.FloatRange(-2, 2),
+              help="Subtracted from a token's logit per time the answer holds it (OpenAI's).")
+@click.option("--logprobs", default=None, type=click.IntRange(0, 20),
+              help="With --json: each generated token's log-probability and its N likeliest alternatives.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
              seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, device, max_model_len,
-             as_json) -> None:
+             repetition_penalty, presence_penalty, frequency_penalty, logprobs, as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine, capped_note
@@ -94,10 +102,14 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         flags = [f for f, v in (("--tree-nodes", tree_nodes), ("--lookup-nodes", lookup_nodes)) if v]
         raise click.UsageError(f"{' and '.join(flags)} apply to greedy and --acceptance match requests; "
                                "--acceptance rejection drafts chains")
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs come in the --json output: add --json")
     tree = None if tree_nodes is None else ({1: tree_nodes} if tree_nodes else {})
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=list(stop), ignore_eos=ignore_eos, acceptance=acceptance)
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos, acceptance=acceptance,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, logprobs=logprobs)
         if engine_path is not None:
             from dflash_trt.engine_dir import EngineDir, open_engine
             from dflash_trt.trtllm import launch
@@ -114,7 +126,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                     "--chat": chat, "--stop": stop, "--ignore-eos": ignore_eos, "--no-spec": no_spec,
                     "--acceptance": acceptance != "match", "--max-draft-len": max_draft_len,
                     "--tree-nodes": tree_nodes, "--lookup-nodes": lookup_nodes, "--dtype": dtype,
-                    "--device": device, "--max-model-len": max_model_len})
+                    "--device": device, "--max-model-len": max_model_len, "--logprobs": logprobs,
+                    "--repetition-penalty": repetition_penalty != 1.0, "--presence-penalty": presence_penalty != 0,
+                    "--frequency-penalty": frequency_penalty != 0})
                 built.verify()
                 text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
                 click.echo(json.dumps(text) if as_json else text["text"])
@@ -158,6 +172,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         "draft_s": round(out.draft_time, 4),
         "verify_s": round(out.verify_time, 4),
     }
+    if out.logprobs is not None:
+        result["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                              for e in out.logprobs]
     if as_json:
         click.echo(json.dumps(result))
         return

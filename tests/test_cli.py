@@ -249,3 +249,28 @@ def test_serve_and_triton_export_help_state_the_defaults_they_keep():
 def test_serve_refuses_out_of_range_numbers_before_loading_a_model(args, option):
     r = CliRunner().invoke(main, ["serve", "--no-spec", *args])
     assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output, r.output
+
+
+def test_generate_takes_penalties_and_reports_the_targets_logprobs(tiny_dirs):
+    """The answer is transformers' decoding under the same penalties; each token's logprob is transformers'."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_penalties import hf_penalized_greedy
+    from tests.server.test_logprobs import hf_logprobs
+
+    r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-p", "x",
+             "--max-new-tokens", "16", "--ignore-eos", "-k", "3", "--repetition-penalty", "1.4", "--frequency-penalty",
+             "0.5", "--logprobs", "2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    prompt = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])("x")["input_ids"]
+    assert out["token_ids"] == hf_penalized_greedy(tiny_dirs["qwen3"], prompt,
+                                                   dict(repetition_penalty=1.4, frequency_penalty=0.5), 16)
+    ref = hf_logprobs(tiny_dirs["qwen3"], prompt, out["token_ids"])
+    want = ref.gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e["logprob"] for e in out["logprobs"]]), want, atol=1e-4, rtol=0)
+    assert all(len(e["top"]) == 2 for e in out["logprobs"])
+    bare = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x",
+                                     "--logprobs", "1"])
+    assert bare.exit_code == 2 and "add --json" in bare.output
