@@ -126,18 +126,23 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.stream:
             return _sse(_stream_completion(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = []
-        for i, (o, prompt) in enumerate(zip(outputs, [x for x in raw for _ in range(req.n)])):
-            logprobs = None
-            if o.logprobs is not None:
-                entries = [*(o.prompt_logprobs or []), *o.logprobs] if req.echo else o.logprobs
-                logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if req.echo else None)
-            # echo: the prompt as sent (token ids decoded), then the answer
-            text = ((prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) if req.echo else "") + o.text
-            choices.append(p.CompletionChoice(index=i, text=text, finish_reason=o.finish_reason,
-                                              acceptance=_acceptance(o), logprobs=logprobs))
+        choices = [_completion_choice(i, o, prompt, req.echo)
+                   for i, (o, prompt) in enumerate(zip(outputs, [x for x in raw for _ in range(req.n)]))]
         body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
+
+    def _completion_choice(index: int, o: RequestOutput, prompt: str | list[int], echo: bool) -> p.CompletionChoice:
+        """A whole completions choice; with echo, the prompt as sent (token ids decoded) comes before the answer, and
+        with logprobs its tokens are scored before the answer's."""
+        logprobs = None
+        if o.logprobs is not None:
+            entries = [*(o.prompt_logprobs or []), *o.logprobs] if echo else o.logprobs
+            logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if echo else None)
+        text = o.text
+        if echo:
+            text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + text
+        return p.CompletionChoice(index=index, text=text, finish_reason=o.finish_reason, acceptance=_acceptance(o),
+                                  logprobs=logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
