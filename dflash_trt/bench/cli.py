@@ -256,8 +256,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from e
+    except ValueError as e:  # SweepConfig's extra_body is --extra-body here
+        raise click.ClickException(str(e).replace("extra_body sets", "--extra-body sets")) from e
 
     def show(p: dict) -> None:
         acc = p["acceptance"]

@@ -24,7 +24,7 @@ from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams, choice_seed
 from dflash_trt.server import protocol as p
-from dflash_trt.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                   req.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        except Exception as e:  # a template that rejects this conversation (roles, order)
+        except Exception as e:  # a template that rejects this conversation (roles, order), or the request's own
+            if req.chat_template is not None:
+                raise APIError(400, f"the request's chat_template failed: {e}", param="chat_template") from e
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
@@ -173,6 +175,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     # --- request -> engine ------------------------------------------------------------------------
 
     async def _parse(request: Request, schema: type[BaseModel]):
+        kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            # text/plain and form bodies are what a web page may send any server without asking (no CORS preflight):
+            # run, they would let any page the user opens make this server generate
+            raise APIError(415, f"the body must be JSON sent as Content-Type: application/json, not {kind!r}")
         raw = await request.body()
         try:
             data = json.loads(raw)
@@ -253,7 +260,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         params = [_params(req, len(ids), max_tokens, max_param, prompt_param) for ids in prompts]
         capacity = engine.scheduler.capacity
         if len(prompts) * req.n > capacity:  # would be refused however long the client waited
-            asked = f"{len(prompts)} prompts" + (f" x n={req.n} answers" if req.n > 1 else "")
+            asked = f"{len(prompts)} prompt{'s' * (len(prompts) > 1)}" + (f" x n={req.n} answers" if req.n > 1 else "")
             raise APIError(400, f"the request has {asked}; this server holds at most {capacity} requests at a time "
                                 "(rows plus queue): send fewer per request",
                            param="n" if req.n > 1 else prompt_param)
@@ -342,12 +349,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         usage, no_usage = _include_usage(req)
         outputs = []
-        offsets = [0] * len(s.request_ids)  # where each choice's next token starts in its text
+        offsets = [TextOffsets(token_text) for _ in s.request_ids]  # where each choice's next token starts
         async for i, text, out, new in _updates(s):
-            logprobs = None
-            if req.num_logprobs is not None:
-                logprobs = completion_logprobs(new, token_text, offsets[i])
-                offsets[i] += sum(map(len, logprobs.tokens))
+            logprobs = completion_logprobs(new, token_text, offsets[i]) if req.num_logprobs is not None else None
             choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
                                         acceptance=_acceptance(out) if out else None, logprobs=logprobs)
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])

@@ -3,11 +3,13 @@ top_logprobs) and completions' parallel lists (tokens, token_logprobs, top_logpr
 
 A token's text is its own decoding, special tokens included (as vLLM's); its bytes are exact where the tokenizer
 says which bytes a token holds (byte-level BPE pieces, SentencePiece's <0xNN> byte tokens), so the bytes of a
-character split across tokens add up to it, where each piece's own text is only U+FFFD.
+character split across tokens add up to it, where each piece's own text is only U+FFFD. Completions name such a piece
+`bytes:\\xNN...`, as OpenAI's legacy API does: U+FFFD alone would make every piece the same top_logprobs key.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 from functools import lru_cache
 
@@ -38,9 +40,18 @@ class TokenText:
         self._byte_level = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
         self.text = lru_cache(maxsize=None)(self._text)
         self.bytes = lru_cache(maxsize=None)(self._bytes)
+        self.name = lru_cache(maxsize=None)(self._name)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _name(self, token_id: int) -> str:
+        """Its text, or OpenAI's `bytes:\\xNN...` where the token holds only part of a character."""
+        token = self.text(token_id)
+        if "\ufffd" in token and token_id not in self.special_ids:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in self.bytes(token_id))
+        return token
 
     def _bytes(self, token_id: int) -> list[int]:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -65,25 +76,42 @@ def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: 
         for e in entries])
 
 
+class TextOffsets:
+    """Where each token starts in a completion's text: the characters its bytes completed before it (a character
+    split across tokens counts once, at the token that ends it; special tokens, which the text leaves out, count
+    none). One per choice, carried across a stream's chunks."""
+
+    def __init__(self, text: "TokenText") -> None:
+        self._text = text
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
+
+    def take(self, token_id: int) -> int:
+        """The token's offset; moves past it."""
+        at = self.offset
+        if token_id not in self._text.special_ids:
+            self.offset += len(self._decoder.decode(bytes(self._text.bytes(token_id))))
+        return at
+
+
 def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: TokenText,
-                        offset: int = 0, echoed: list[int] | None = None) -> p.CompletionLogprobs:
-    """offset: where the first entry's text starts in the whole completion (a stream's later chunks). echoed: the
+                        offsets: TextOffsets | None = None, echoed: list[int] | None = None) -> p.CompletionLogprobs:
+    """offsets: the choice's TextOffsets (a stream's, carried across its chunks; a new one by default). echoed: the
     prompt's ids, whose first token comes first with no logprob (OpenAI's echo; `entries` then holds the prompt's
-    others, then the output's)."""
+    others, then the output's). Tokens are named as OpenAI's legacy API names them: their text, or `bytes:\\xNN...` where
+    they hold part of a character (whose text alone would be U+FFFD, the same for every such token)."""
+    offsets = offsets or TextOffsets(text)
     out = p.CompletionLogprobs()
     if echoed:
-        token = text.text(echoed[0])
-        out.tokens.append(token)
+        out.tokens.append(text.name(echoed[0]))
         out.token_logprobs.append(None)
         out.top_logprobs.append(None)
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.text_offset.append(offsets.take(echoed[0]))
     for e in entries:
-        token = text.text(e.token_id)
+        token = text.name(e.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(_lp(e.logprob))
         # OpenAI's legacy shape: the top tokens, and the chosen one even where it is not among them
-        out.top_logprobs.append({**{text.text(t): _lp(lp) for t, lp in e.top}, token: _lp(e.logprob)})
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.top_logprobs.append({**{text.name(t): _lp(lp) for t, lp in e.top}, token: _lp(e.logprob)})
+        out.text_offset.append(offsets.take(e.token_id))
     return out

@@ -299,7 +299,7 @@ class ChatMessage(BaseModel):
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not pass to it
 TEMPLATE_CALL_PARAMETERS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "kwargs"})
 
@@ -331,7 +331,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _continue_or_new_turn(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message continues the last message: set add_generation_prompt=false")
+            raise ValueError("it continues the last message, where add_generation_prompt (true by default) opens a new "
+                             "turn: set add_generation_prompt=false")
         messages = info.data.get("messages")
         if v and messages and messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs an assistant message last")

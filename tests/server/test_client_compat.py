@@ -141,3 +141,24 @@ def test_penalties_reach_the_runtime(server, oracle):
     want = oracle.generate([oracle.encode(body["prompt"])], SamplingParams(max_new_tokens=24, ignore_eos=True,
                                                                            **penalties))[0]
     assert got["choices"][0]["text"] == want.text != plain["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_bodies_not_sent_as_json_are_refused(server, kind):
+    """What a web page may send any server without a CORS preflight must not make this one generate."""
+    body = '{"model": "%s", "prompt": "hi", "max_tokens": 2}' % MODEL
+    r = httpx.post(server.base_url + "/completions", content=body, headers={"content-type": kind}, timeout=60)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    sent = httpx.post(server.base_url + "/completions", content=body,
+                      headers={"content-type": "application/json; charset=utf-8"}, timeout=60)
+    assert sent.status_code == 200
+
+
+def test_a_broken_request_chat_template_is_named_and_messages_stay_template_input(server):
+    trusted = TestClient(create_app(server.loop, MODEL, trust_request_chat_template=True))
+    broken = trusted.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi"}],
+                                                         "chat_template": "{% for %}"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={**CHAT, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"

@@ -134,3 +134,23 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, oracle, tiny_dirs):
     assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None
     streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+
+
+def test_completion_offsets_and_names_hold_where_characters_split_across_tokens(smollm2_dir):
+    """Each token's text_offset is where it starts in the text (the tokenizer's own decoding of the tokens before it,
+    less a character they leave unfinished); a piece of a character is named by its bytes, as OpenAI's legacy API
+    names it, so two pieces never share a top_logprobs key."""
+    from dflash_trt.engine.logprobs import TokenLogprob
+    from dflash_trt.server.logprobs import completion_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    text = "Héllo wörld, 日本語 🙂 café"
+    ids = tokenizer.encode(text)
+    entries = [TokenLogprob(t, -1.0, ((t, -1.0), (ids[0], -2.0))) for t in ids[1:]]
+    lp = completion_logprobs(entries, TokenText(tokenizer), echoed=ids)
+    assert lp.text_offset == [len(tokenizer.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids))]
+    pieces = [name for name in lp.tokens if name.startswith("bytes:")]
+    assert len(pieces) >= 2 and not any("\ufffd" in name for name in lp.tokens)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])  # the chosen piece and the first token: two keys
+    whole = [name for name in lp.tokens if not name.startswith("bytes:")]
+    assert all(text[o:].startswith(name) for o, name in zip(lp.text_offset, lp.tokens) if name in whole)
