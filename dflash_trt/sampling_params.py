@@ -21,8 +21,8 @@ def choice_seed(seed: int, choice: int) -> int:
         return seed
     import numpy as np
 
-    words = np.random.SeedSequence(2 * abs(seed) + int(seed < 0), spawn_key=(choice,)).generate_state(2, np.uint64)
-    return int(words[0]) >> 1
+    state = np.random.SeedSequence(2 * abs(seed) + int(seed < 0), spawn_key=(choice,)).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
 
 
 @dataclass
