@@ -84,15 +84,15 @@ class EngineConfig:
         if self.lookup_nodes < 0:
             raise ValueError(f"lookup_nodes must be >= 0, got {self.lookup_nodes}")
         try:
-            kind = torch.device(self.device).type
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device={self.device!r} is not a torch device ({e})") from e
+        kind, index = device.type, device.index
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: the runtime runs on 'cpu' or 'cuda'")
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}, but torch sees no CUDA device (torch.cuda.is_available() is "
                              "False); run on 'cpu' (--device cpu)")
-        index = torch.device(self.device).index
         if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
             raise ValueError(f"device={self.device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,11 @@ TOKEN_BUCKET = 16
 
 # Prompt positions whose logprobs one head call computes (Qwen3's vocabulary: 156 MB of fp32 logits)
 PROMPT_LOGPROB_SLICE = 256
+
+
+def _prefixes(tokens: list[int]) -> list[list[int]]:
+    """[], tokens[:1], ..., tokens: what each position of a chain's block has drafted before it."""
+    return [tokens[:j] for j in range(len(tokens) + 1)]
 
 
 class ModelRunner:
@@ -99,7 +105,7 @@ class ModelRunner:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
         if all(s.params.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
-        logits = self._penalized(seqs, self.target.compute_logits(hidden)[:, None], [[[]] for _ in seqs])
+        logits = self._penalized(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
         probs = sampling_probs(logits, *self._params(seqs))[:, 0]
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
 
@@ -142,8 +148,8 @@ class ModelRunner:
                 # positions start .. end - 1 choose the prompt's tokens start + 1 .. end (the last one's: the output's)
                 scored = s.prompt_ids[starts[i] + 1: ends[i] + 1]
                 for a in range(0, len(scored), PROMPT_LOGPROB_SLICE):  # fp32 logits of a whole chunk: GBs on a GPU
-                    logits = self.target.compute_logits(hidden[i, a: a + PROMPT_LOGPROB_SLICE][: len(scored) - a])
-                    s.prompt_logprobs += token_logprobs(logits, scored[a: a + PROMPT_LOGPROB_SLICE],
+                    b = min(a + PROMPT_LOGPROB_SLICE, len(scored))
+                    s.prompt_logprobs += token_logprobs(self.target.compute_logits(hidden[i, a:b]), scored[a:b],
                                                         s.params.prompt_logprobs)
         done = [i for i, s in enumerate(seqs) if ends[i] == len(s.prompt_ids)]
         tokens: list[int | None] = [None] * len(seqs)
@@ -205,10 +211,10 @@ class ModelRunner:
             # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or are penalized.
             result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
         else:
-            drafts = proposal.draft_tokens.tolist()  # position j's penalties count the drafts before it as output
-            extras = [[row[:j] for j in range(num_draft + 1)] for row in drafts]
-            result = self._verify(seqs, proposal, sampling,
-                                  self._penalized(seqs, self.target.compute_logits(hidden), extras))
+            drafts = proposal.draft_tokens  # position j's penalties count the drafts before it as output
+            logits = self._penalized(seqs, self.target.compute_logits(hidden),
+                                     lambda i: _prefixes(drafts[i].tolist()))
+            result = self._verify(seqs, proposal, sampling, logits)
         emitted = result.emitted(proposal.draft_tokens)
         self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])
         for i, drafted in lookups.items():
@@ -288,9 +294,7 @@ class ModelRunner:
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # none where every row is greedy and some penalized
             u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
-        logits = self.target.compute_logits(hidden)
-        if any(s.params.penalized for s in seqs):
-            logits = self._penalized(seqs, logits, [self._node_paths(tree, i) for i in range(len(seqs))])
+        logits = self._penalized(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
         probs = sampling_probs(logits, *self._params(seqs))  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, tree.depths))
 
@@ -303,13 +307,15 @@ class ModelRunner:
         return paths
 
     @staticmethod
-    def _penalized(seqs: list[Sequence], logits: torch.Tensor, extras: list[list[list[int]]]) -> torch.Tensor:
+    def _penalized(seqs: list[Sequence], logits: torch.Tensor,
+                   extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor:
         """logits [B, T, V] with each penalized row's penalties applied at its positions (layers/penalties.py);
-        extras[i][j]: the tokens row i's position j counts as output beyond its committed ones."""
+        extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed ones, asked for the
+        penalized rows only (a step without penalties pays nothing)."""
         for i, s in enumerate(seqs):
             if s.params.penalized:
-                n = len(extras[i])
-                logits[i, :n] = penalize(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras[i])
+                extras = extras_of(i)
+                logits[i, :len(extras)] = penalize(logits[i, :len(extras)], s.params, s.prompt_ids, s.output_ids, extras)
         return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],
