@@ -8,12 +8,13 @@ import logging
 import os
 import re
 import signal
-import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+
+from dflash_trt.train.signals import signal_handlers
 
 if TYPE_CHECKING:
     from dflash_trt.models.config import DecoderConfig
@@ -221,15 +222,8 @@ def _sigterm_as_interrupt():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else signal.SIG_IGN
-    if previous != signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, interrupt)
-    try:
+    with signal_handlers(interrupt, signal.SIGTERM):
         yield
-    finally:
-        if previous != signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,

@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ from dflash_trt.models.weights import WeightSet
 from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
 from dflash_trt.train.blocks import IGNORE, TrainBlocks, blocks_at, next_step_anchors, sample_blocks, training_mask
 from dflash_trt.train.feature_cache import FeatureSource
+from dflash_trt.train.signals import signal_handlers
 from dflash_trt.train.teacher import Teacher, distill_loss
 
 logger = logging.getLogger(__name__)
@@ -605,19 +605,13 @@ class _FinishStepOnInterrupt:
     not worth saving); a second raises KeyboardInterrupt at once."""
 
     SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-    # getsignal gives None for a handler set outside Python: Python's own is the closest.
-    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def __init__(self, checkpoint: Path) -> None:
-        self.checkpoint, self.requested, self._previous = checkpoint, False, {}
+        self.checkpoint, self.requested = checkpoint, False
+        self._installed = signal_handlers(self._handle, *self.SIGNALS)
 
     def __enter__(self) -> "_FinishStepOnInterrupt":
-        # Only the main thread may set handlers; an ignored signal (SIGINT in a background job) stays ignored.
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) != signal.SIG_IGN:
-                    self._previous[sig] = signal.getsignal(sig)
-                    signal.signal(sig, self._handle)
+        self._installed.__enter__()
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -629,8 +623,7 @@ class _FinishStepOnInterrupt:
                        "the steps since the last checkpoint)", name, self.checkpoint)
 
     def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else self.DEFAULTS[sig])
+        self._installed.__exit__(*exc)
 
 
 def _name_of(names: dict[str, torch.dtype], dtype: torch.dtype) -> str:

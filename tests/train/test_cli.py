@@ -232,44 +232,33 @@ def test_ctrl_c_or_sigterm_in_training_saves_the_step_in_flight_and_resume_goes_
     assert f"drafter: {out / 'drafter'} (step 6)" in r.output and f"log: {out / 'train_log.jsonl'}" in r.output
 
 
-def test_ctrl_c_in_data_generation_keeps_the_finished_batches(target, tmp_path, monkeypatch):
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("interrupt", [_ctrl_c, lambda: signal.raise_signal(signal.SIGTERM)], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_or_sigterm_in_data_generation_keeps_the_finished_batches(target, tmp_path, monkeypatch, interrupt):
     out, calls = tmp_path / "out", []
     generate = LLMEngine.generate
 
-    def pressed_in_batch_2(self, *args, **kwargs):
+    def interrupted_in_batch_2(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            interrupt()
         return generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(LLMEngine, "generate", pressed_in_batch_2)
+    monkeypatch.setattr(LLMEngine, "generate", interrupted_in_batch_2)
     r = _train(target, out, "--max-prompts", "40")
     assert r.exit_code == 130, r.output
     assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'}" in r.output
     assert "no training checkpoint yet" in r.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
     monkeypatch.undo()
     kept = (out / "data" / "responses.jsonl").read_text()
     r = _train(target, out, "--max-prompts", "40", "--resume")
     assert r.exit_code == 0, r.output
     stored = (out / "data" / "responses.jsonl").read_text()
     assert stored.startswith(kept) and len({json.loads(line)["id"] for line in stored.splitlines()}) == 40
-
-
-def test_sigterm_in_data_generation_ends_as_ctrl_c_does(target, tmp_path, monkeypatch):
-    out, calls = tmp_path / "out", []
-    generate = LLMEngine.generate
-
-    def terminated_in_batch_2(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGTERM)
-        return generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(LLMEngine, "generate", terminated_in_batch_2)
-    r = _train(target, out, "--max-prompts", "40")
-    assert r.exit_code == 130, r.output
-    assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'}" in r.output
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
 def test_live_features_train_without_a_feature_cache(target, run, tmp_path):
