@@ -122,13 +122,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                 gpu = built.layout == "trtllm"
                 backend = "trtllm" if gpu and launch.tensorrt_llm_available() else "torch"
             if backend == "trtllm":
-                _refuse_unpassed_to_trtllm({
-                    "--chat": chat, "--stop": stop, "--ignore-eos": ignore_eos, "--no-spec": no_spec,
-                    "--acceptance": acceptance != "match", "--max-draft-len": max_draft_len,
-                    "--tree-nodes": tree_nodes, "--lookup-nodes": lookup_nodes, "--dtype": dtype,
-                    "--device": device, "--max-model-len": max_model_len, "--logprobs": logprobs,
-                    "--repetition-penalty": repetition_penalty != 1.0, "--presence-penalty": presence_penalty != 0,
-                    "--frequency-penalty": frequency_penalty != 0})
+                _refuse_unpassed_to_trtllm(options_given(click.get_current_context(), TRTLLM_GENERATE_TAKES))
                 built.verify()
                 text = launch.generate(built, [prompt], max_new_tokens, temperature, top_p, top_k, seed)[0]
                 click.echo(json.dumps(text) if as_json else text["text"])
@@ -223,10 +217,29 @@ def refuse_drafting_flags(flags: dict[str, object]) -> None:
         raise click.UsageError(f"--no-spec decodes without drafts: drop {', '.join(given)} (or --no-spec)")
 
 
-def _refuse_unpassed_to_trtllm(flags: dict[str, object]) -> None:
+def options_given(ctx: click.Context, taken: set[str]) -> list[str]:
+    """The options of ctx's command set to other than their defaults, but for the parameters named in `taken`, as a
+    user spells them (an on/off pair by the side given): what a path that passes on only `taken` would drop."""
+    given = []
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in taken:
+            continue
+        value = ctx.params.get(param.name)
+        if value is None or value == () or value == param.get_default(ctx):
+            continue
+        off = value is False and param.secondary_opts  # an on/off pair given off (its default None)
+        given.append(max(param.secondary_opts if off else param.opts, key=len))
+    return given
+
+
+# What `generate --backend trtllm` passes on to tensorrt_llm.LLM (launch.generate), or checks itself
+TRTLLM_GENERATE_TAKES = {"backend", "target", "drafter", "prompt", "max_new_tokens", "temperature", "top_p", "top_k",
+                         "seed", "as_json"}
+
+
+def _refuse_unpassed_to_trtllm(dropped: list[str]) -> None:
     """`--backend trtllm` generates through tensorrt_llm.LLM with the prompt as is and max_tokens, temperature,
     top_p, top_k and seed only: a flag it would drop must not be silently ignored."""
-    dropped = given_flags(flags)
     if dropped:
         raise click.UsageError(
             f"the TensorRT-LLM backend does not take {', '.join(dropped)} here (it passes the prompt as is with "

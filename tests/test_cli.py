@@ -175,11 +175,20 @@ def test_generate_summary_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_pa
 @pytest.mark.parametrize("args, flag", [
     (["--chat"], "--chat"), (["--stop", "."], "--stop"), (["--ignore-eos"], "--ignore-eos"), (["-k", "2"], "--max-draft-len"),
     (["--acceptance", "rejection"], "--acceptance"), (["--dtype", "bfloat16"], "--dtype"),
+    (["--repetition-penalty", "1.2"], "--repetition-penalty"), (["--logprobs", "1", "--json"], "--logprobs"),
 ])
 def test_generate_on_trtllm_refuses_the_flags_it_would_drop(tiny_engine_dir, args, flag):
     engine, _ = tiny_engine_dir
     r = CliRunner().invoke(main, ["generate", str(engine), "--backend", "trtllm", "-p", "x", *args])
     assert r.exit_code == 2 and flag in r.output and "--backend torch" in r.output, r.output
+
+
+def test_generate_on_trtllm_takes_what_it_passes_on_and_defaults_given_again(tiny_engine_dir):
+    engine, _ = tiny_engine_dir
+    r = CliRunner().invoke(main, ["generate", str(engine), "--backend", "trtllm", "-p", "x", "--temperature", "0.5",
+                                  "--top-k", "3", "--seed", "1", "--max-new-tokens", "4", "--acceptance", "match",
+                                  "--repetition-penalty", "1.0", "--json"])
+    assert r.exit_code == 1 and "does not take" not in r.output and "tensorrt_llm" in r.output, r.output
 
 
 def test_build_plan_only_with_an_output_is_a_usage_error_not_an_ignored_flag(tiny_engine_dir, tmp_path):

@@ -141,21 +141,11 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
-        from dflash_trt.cli import given_flags
+        from dflash_trt.cli import options_given
 
         # trtllm-serve takes the engine's trtllm/config.yaml, host and port: anything else asked would go unseen (a
         # --no-spec baseline would draft)
-        dropped = given_flags({
-            "--target": target, "--drafter": drafter, "--no-spec": no_spec, "--max-batch-size": max_batch_size,
-            "--max-model-len": max_model_len, "--max-draft-len": max_draft_len,
-            "--draft-len-schedule": draft_len_schedule, "--draft-tree": draft_tree, "--lookup-nodes": lookup_nodes,
-            "--adaptive-draft-len" if adaptive_draft_len else "--fixed-draft-len": adaptive_draft_len is not None,
-            "--draft-vocab-size": draft_vocab_size, "--max-queue-len": max_queue_len,
-            "--max-prefill-tokens": max_prefill_tokens, "--dtype": dtype, "--device": device,
-            "--head-screen" if head_screen else "--full-head": head_screen is not None,
-            "--int8-drafter" if int8_drafter else "--bf16-drafter": int8_drafter is not None,
-            "--served-model-name": served_model_name, "--allowed-origin": allowed_origins,
-            "--trust-request-chat-template": trust_request_chat_template})
+        dropped = options_given(click.get_current_context(), {"backend", "host", "port"})
         if dropped:
             raise click.UsageError(f"--backend trtllm serves the engine's trtllm/config.yaml as built; it does not take "
                                    f"{', '.join(dropped)} (rebuild the engine with those settings, or use --backend torch)")
