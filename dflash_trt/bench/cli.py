@@ -41,8 +41,8 @@ def bench() -> None:
 @click.option("--max-tokens", "--max-new-tokens", "max_tokens", type=click.IntRange(min=1), default=None,
               help="Output tokens per prompt (default: the dataset's).")
 @click.option("--draft-lens", "-k", default=None,
-              help="K values to measure, e.g. 3,7,15 (default: the K the ENGINE drafts at one row on this CPU, else 3,7 "
-              "where the drafter allows them).")
+              help="K values to measure, e.g. 3,7,15, each up to the drafter's block_size - 1 (default: the K the "
+              "ENGINE drafts at one row on this CPU, else 3,7 where the drafter allows them).")
 @click.option("--draft-vocab-sizes", default="all", show_default=True,
               help="Draft vocabularies to compare at each K: all (the drafter's draft_vocab.json), 0 (the whole "
               "vocabulary) or N (its N most frequent tokens), e.g. all,0.")
@@ -130,11 +130,11 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         # an ENGINE's K at one row on this CPU (its schedule's, or the one for CPUs without AMX), as it serves
         ks = ([eng.scheduler.config.draft_len_for(1)] if engine
               else ([k for k in (3, 7) if k <= eng.max_draft_len] or [eng.max_draft_len]))
-    if max(ks) > eng.max_draft_len:
-        # an ENGINE's bound is the K it was built with (its max_draft_len), not its drafter's block_size - 1
-        limit = (f"the engine's K={eng.max_draft_len} (its max_draft_len)" if engine
-                 else f"the drafter's limit {eng.max_draft_len} (its block_size - 1)")
-        raise click.BadParameter(f"K={max(ks)} exceeds {limit}", param_hint="--draft-lens")
+    # each K runs in an engine of its own (speed.py), so an ENGINE's drafter bounds it as generate and serve's
+    # --max-draft-len are bounded, not the K it was built with
+    if max(ks) > eng.runner.max_draft_len:
+        raise click.BadParameter(f"K={max(ks)} exceeds the drafter's limit {eng.runner.max_draft_len} (its "
+                                 "block_size - 1)", param_hint="--draft-lens")
     zlab = None
     if zlab_peer:
         from dflash_trt.cli import _default_dirs
@@ -145,8 +145,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
     if lookups is None:
         lookups = [eng.config.lookup_nodes]
-    # the engine's own bound: its sibling engines would refuse more with a traceback
-    if max(lookups) > eng.runner.max_draft_len:
+    if max(lookups) > eng.runner.max_draft_len:  # the sibling engines would refuse more with a traceback
         raise click.BadParameter(f"{max(lookups)} nodes exceed the drafter's limit {eng.runner.max_draft_len} (its "
                                  "block_size - 1)", param_hint="--lookup-nodes")
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,

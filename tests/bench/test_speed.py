@@ -160,8 +160,12 @@ def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_
     assert json.loads(r.stdout)["draft_lens"] == [2] and json.loads(r.stdout)["tree_nodes"] == [4]
     r = CliRunner().invoke(main, [*args, "--tree-nodes", "0"])
     assert json.loads(r.stdout)["systems"] == ["ar", "K=2"]
-    r = CliRunner().invoke(main, [*args, "-k", "3"])
-    assert r.exit_code != 0 and "K=3 exceeds the engine's K=2" in r.output
+    # past the engine's own K=2 as generate's --max-draft-len goes: up to the drafter's block_size - 1 (16 - 1)
+    r = CliRunner().invoke(main, [*args, "-k", "3", "--tree-nodes", "0"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["systems"] == ["ar", "K=3"]
+    r = CliRunner().invoke(main, [*args, "-k", "16"])
+    assert r.exit_code != 0 and "K=16 exceeds the drafter's limit 15 (its block_size - 1)" in r.output
     plain = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "plain", progress=False)
     r = CliRunner().invoke(main, ["bench", "speed", str(plain), *args[3:]])
     assert r.exit_code != 0 and "has no drafter" in r.output
