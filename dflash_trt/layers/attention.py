@@ -188,10 +188,25 @@ def attend(
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
     else:
+        if _masked_gqa_falls_to_math(q, k, mask):
+            # CUDA's flash kernel takes GQA but no mask and its efficient kernel a mask but no GQA, so SDPA ran every
+            # masked step (prefill chunks, chain verify, mixed-length decodes, training) in its math kernel, fp32
+            # scores of every query and key; K/V repeated per query head keep it efficient, as transformers'
+            # sdpa_attention does (use_gqa_in_sdpa)
+            k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _masked_gqa_falls_to_math(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    return q.device.type == "cuda" and mask is not None and k.shape[1] != q.shape[1]
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, KVH, T, D] -> [B, KVH * groups, T, D]: query head h reads KV head h // groups."""
+    return x.repeat_interleave(groups, dim=1)
 
 
 def _takes_grouped_path(q: torch.Tensor) -> bool:
@@ -225,8 +240,7 @@ def _attend_grouped(q, k, v, mask, scale):
 def _attend_with_sinks(q, k, v, mask, scale, sinks):
     # A per-head sink logit joins the softmax denominator but contributes no value.
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
