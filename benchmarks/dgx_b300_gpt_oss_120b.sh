@@ -9,8 +9,8 @@
 # Arms: "DFlash K=k" are fixed-K engines (the config's draft-length schedule removed); "DFlash auto" is the config as
 # written, whose schedule the build chooses per batch size (plan.json). Every engine is built for the preset's
 # ISL + OSL (max_seq_len), and prompts are cut to the ISL with the engine's own tokenizer.
-# Needs: TensorRT-LLM with DFlash's TRTLLM-gen attention (PR #16914, merged 2026-07-27: a release after
-# 1.3.0rc20, which refuses speculative_config.attention_backend; the engines' config.yaml headers say so) from the
+# Needs: TensorRT-LLM with DFlash's TRTLLM-gen attention (PR #16914, merged 2026-08-17: 1.3.0rc25 or later;
+# 1.3.0rc20 refuses speculative_config.attention_backend; the engines' config.yaml headers say so) from the
 # NGC container or NVIDIA's wheel index, with trtllm-serve on PATH, this package
 # installed (pip install -e .), the three checkpoints in the HF cache or reachable, 8 GPUs.
 #   benchmarks/dgx_b300_gpt_oss_120b.sh                          # all arms, 1k/1k

@@ -956,7 +956,7 @@ def test_plan_only_shows_the_tensorrt_llm_options_and_the_keys_the_pinned_releas
     assert r.exit_code == 0, r.output
     assert "TensorRT-LLM options (trtllm/config.yaml, for TensorRT-LLM 1.3.0rc20)" in r.output
     assert "attention_backend: TRTLLM" in r.output
-    assert "Needs a release after 1.3.0rc20, which refuses speculative_config.attention_backend" in r.output
+    assert "Needs TensorRT-LLM 1.3.0rc25 or later: 1.3.0rc20 refuses speculative_config.attention_backend" in r.output
     r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--json"])
     options = json.loads(r.stdout)["trtllm_options"]
     assert options["speculative_config"]["decoding_type"] == "DFlash" and options["tensor_parallel_size"] == 8

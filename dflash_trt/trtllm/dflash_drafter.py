@@ -16,9 +16,13 @@ subclass whose attention callable is `draft_attention_with_kvcache` below (same 
 hands everything else (the TRTLLM backend, Laguna, DSpark checkpoints) to the built-in builder.
 Call it, before the model is built, in the process that builds the model: TensorRT-LLM builds it in its
 executor worker processes (MPI workers; a separate process even at TP1 unless TLLM_WORKER_USE_SINGLE_PROCESS=1),
-not in the process that constructs `tensorrt_llm.LLM`, so a call there alone does not reach them
-(modeling_utils.register_draft_model names `trtllm-serve --custom_module_dirs` as the way in for external
-builders). dflash-trt's launchers (launch.py) do not call it yet: VANILLA there needs flash-attn installed.
+not in the process that constructs `tensorrt_llm.LLM`, so a call there alone does not reach them. Nor does
+`trtllm-serve --custom_module_dirs` (which modeling_utils.register_draft_model names as the way in): serve.py imports
+those modules in its own process only, and the workers are sent external `register_auto_model` classes
+(export_external_model_modules), not draft builders (read in the indexed source, session 44). At TP1,
+TLLM_WORKER_USE_SINGLE_PROCESS=1 builds the model in the process that registered; beyond, each worker would have to
+import this module itself (unverified without TensorRT-LLM). dflash-trt's launchers (launch.py) do not call it yet:
+VANILLA there needs flash-attn installed.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.embedded import cache_dir
-from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
+from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from
 
 logger = logging.getLogger(__name__)
 CONFIG_PATH = Path("trtllm") / "config.yaml"
@@ -47,12 +47,13 @@ def require_tensorrt_llm():
 
 
 def check_release(options: dict, version: str) -> None:
-    """RuntimeError where the installed release is the pinned one and the options hold a key it refuses (TensorRT-LLM
-    would fail on it with a validation error that does not say which release to install)."""
-    newer = keys_newer_than_pin(options)
-    if newer and version == TENSORRT_LLM_VERSION:
-        raise RuntimeError(f"tensorrt_llm {version} refuses {'; '.join(newer)}: install a later release, or build the "
-                           "engine without that key (e.g. speculative_config.attention_backend: VANILLA, with flash-attn)")
+    """RuntimeError where the installed release predates a key the options hold (TensorRT-LLM would fail on it with a
+    validation error that does not say which release to install)."""
+    missing = keys_missing_from(options, version)
+    if missing:
+        raise RuntimeError(f"tensorrt_llm {version} refuses {'; '.join(missing)}: install a later release, or build "
+                           "the engine without that key (e.g. speculative_config.attention_backend: VANILLA, with "
+                           "flash-attn)")
 
 
 def load_options(engine_path: Path) -> dict:

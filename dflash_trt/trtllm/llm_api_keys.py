@@ -5,38 +5,60 @@ The key lists are taken by reading NVIDIA/TensorRT-LLM `tensorrt_llm/llmapi/llm_
 DFlashDecodingConfig, KvCacheConfig, DecodeCudaGraphConfig, MoeConfig, AttentionDpConfig). They list the
 keys this project may write (a subset of what that file defines: the ones a serving config needs), and
 TorchLlmArgs rejects unknown keys (extra="forbid"), so a key outside these lists would fail at launch.
-The release pin is the 1.3.0 release-candidate line, where DFlash landed (PR #12794) and which
-PR #15666 validated against (1.3.0rc20); the commit above is the source read, and the GPU check
-confirms the pin against an installed tensorrt_llm.
+That commit is main after PR #16914 (merged 2026-08-17, first released in 1.3.0rc25 by the release notes; the
+repository itself was too large to fetch here and check the tag). The release pin stays 1.3.0rc20, the release
+candidate PR #15666 validated DFlash against (DFlash landed in the 1.3.0 line, PR #12794); keys the read source has
+and the pin lacks are listed with the first release that has them, and the GPU check confirms the pin against an
+installed tensorrt_llm.
 """
 
 from __future__ import annotations
 
 TENSORRT_LLM_VERSION = "1.3.0rc20"
 
-# Keys the source read has and the pinned release does not: a config holding one needs a later release (which one
-# could not be checked here: NVIDIA's wheel index is out of reach and PyPI holds only stub sdists).
-NEWER_THAN_PIN: dict[str, str] = {
-    "speculative_config.attention_backend": "NVIDIA/TensorRT-LLM PR #16914, merged 2026-07-27 (TRTLLM-gen attention "
-                                            "for DFlash drafters)",
+# Keys the source read has and the pinned release does not, with the first release that has them (read in its
+# release notes: NVIDIA's wheel index is out of reach here and PyPI holds only stub sdists), and where they came from.
+NEWER_THAN_PIN: dict[str, tuple[str, str]] = {
+    "speculative_config.attention_backend": ("1.3.0rc25", "NVIDIA/TensorRT-LLM PR #16914, merged 2026-08-17 "
+                                                          "(TRTLLM-gen attention for DFlash drafters)"),
 }
+
+
+def _newer_keys(options: dict) -> list[tuple[str, str, str]]:
+    """(dotted key, first release, origin) for each key of the LLM-API options that the pinned release lacks."""
+    found = []
+    for dotted, (first, origin) in NEWER_THAN_PIN.items():
+        section, _, key = dotted.rpartition(".")
+        if key in (options.get(section) or {} if section else options):
+            found.append((dotted, first, origin))
+    return found
 
 
 def keys_newer_than_pin(options: dict) -> list[str]:
     """'key (where it came from)' for each key of the LLM-API options that the pinned release does not accept."""
-    found = []
-    for dotted, origin in NEWER_THAN_PIN.items():
-        section, _, key = dotted.rpartition(".")
-        if key in (options.get(section) or {} if section else options):
-            found.append(f"{dotted} ({origin})")
-    return found
+    return [f"{dotted} ({origin})" for dotted, _, origin in _newer_keys(options)]
+
+
+def keys_missing_from(options: dict, version: str) -> list[str]:
+    """'key (needs FIRST or later: where it came from)' for each key of the options that release `version` lacks;
+    none for a version string that is not a release's (a source build, say)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        installed = Version(version)
+    except InvalidVersion:
+        return []
+    return [f"{dotted} (needs {first} or later: {origin})"
+            for dotted, first, origin in _newer_keys(options) if installed < Version(first)]
 
 
 def release_notes(options: dict) -> list[str]:
     """One sentence per key of the options that the pinned release refuses (the written config's header and
     `build --plan-only` say them alike)."""
-    return [f"Needs a release after {TENSORRT_LLM_VERSION}, which refuses {key}"
-            for key in keys_newer_than_pin(options)]
+    return [f"Needs TensorRT-LLM {first} or later: {TENSORRT_LLM_VERSION} refuses {dotted} ({origin})"
+            for dotted, first, origin in _newer_keys(options)]
+
+
 LLM_ARGS_SOURCE = "NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
 
 TOP_LEVEL_KEYS = frozenset({

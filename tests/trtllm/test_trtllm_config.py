@@ -112,7 +112,12 @@ def test_keys_the_pinned_release_refuses_are_named_and_a_pinned_install_is_refus
     assert newer.startswith("speculative_config.attention_backend (") and "#16914" in newer
     h200 = prepare_build(CONFIGS / "qwen3-8b-1xh200.yaml", allow_bundled=True).trtllm_options
     assert keys_newer_than_pin(h200) == []  # VANILLA: the key is left out
-    with pytest.raises(RuntimeError, match=f"tensorrt_llm {TENSORRT_LLM_VERSION} refuses speculative_config"):
-        launch.check_release(b300, TENSORRT_LLM_VERSION)
-    launch.check_release(b300, "1.4.0rc1")
+    # every release before the key's first is refused, compared as releases (rc9 before rc25), not as strings
+    for before in (TENSORRT_LLM_VERSION, "1.3.0rc24", "1.3.0rc9", "1.2.1"):
+        with pytest.raises(RuntimeError, match=rf"tensorrt_llm {before} refuses speculative_config.attention_backend "
+                                               r"\(needs 1.3.0rc25 or later: .*#16914"):
+            launch.check_release(b300, before)
+    for later in ("1.3.0rc25", "1.3.0", "1.4.0rc1", "1.3.0rc25.post1"):
+        launch.check_release(b300, later)
+    launch.check_release(b300, "unknown")  # no release to compare (a source build): TensorRT-LLM's own check
     launch.check_release(h200, TENSORRT_LLM_VERSION)

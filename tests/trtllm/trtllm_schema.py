@@ -3,7 +3,7 @@
 Written from reading NVIDIA/TensorRT-LLM (not copied, and not derived from this project's own key lists in
 dflash_trt/trtllm/llm_api_keys.py, so the tests that use it are not circular):
 
-- tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412 (main of the 1.3.0rc20 line):
+- tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412 (main after PR #16914, 1.3.0rc25 or later):
   `BaseLlmArgs` / `TorchLlmArgs` (model_config extra="forbid": an unknown top-level key is a validation error),
   `DecodingBaseConfig` + `DFlashDecodingConfig`, `KvCacheConfig`, `DecodeCudaGraphConfig` (`CudaGraphConfig`),
   `MoeConfig`, `AttentionDpConfig` (all `StrictBaseModel`: unknown keys rejected);
