@@ -19,6 +19,7 @@ import torch
 
 from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
+from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, round_up
 from dflash_trt.layers.penalties import penalize
@@ -192,7 +193,7 @@ class ModelRunner:
         dev = self.device
         rows, anchor_pos, anchors = self._anchors(seqs)
 
-        t0 = time.perf_counter()
+        clock = StepClock(dev)
         features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
         sampling = self._draft_sampling(seqs)
         lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
@@ -200,7 +201,7 @@ class ModelRunner:
         proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling,
                                          with_logprobs=bool(lookups))
         lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
-        t1 = time.perf_counter()
+        clock.drafted()
 
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
@@ -219,8 +220,7 @@ class ModelRunner:
         self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])
         for i, drafted in lookups.items():
             seqs[i].context_lookup().observe(drafted, min(drafted, len(emitted[i]) - 1))
-        t2 = time.perf_counter()
-        self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], t1 - t0, t2 - t1)
+        self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], *clock.split())
         return emitted
 
     def _chain_lookups(self, seqs: list[Sequence], num_draft: int) -> dict[int, list[tuple[int, float]]]:
@@ -251,11 +251,11 @@ class ModelRunner:
         assert self.proposer is not None, "tree_step needs a drafter"
         rows, anchor_pos, anchors = self._anchors(seqs)
 
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)
         features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
         branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
         tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes, branches)
-        t1 = time.perf_counter()
+        clock.drafted()
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
         hidden, target_features = self.target(tree.tokens, meta, self.target_cache, self.capture)
@@ -274,8 +274,7 @@ class ModelRunner:
         moves = [(int(rows[i]), int(anchor_pos[i]), p) for i, p in enumerate(paths) if p != list(range(len(p)))]
         if moves:
             self.target_cache.move(moves)
-        t2 = time.perf_counter()
-        self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], t1 - t0, t2 - t1)
+        self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], *clock.split())
         return emitted, tree.num_nodes
 
     @staticmethod
