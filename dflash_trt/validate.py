@@ -3,12 +3,16 @@ divide the model, and which K the engine will run. Errors name the build-config 
 
 from __future__ import annotations
 
+import logging
+
 from dflash_trt.config import BuildConfig
 from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.draft_tree import check_tree_nodes
+
+logger = logging.getLogger(__name__)
 
 
 def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig, drafter_source: str) -> int:
@@ -26,11 +30,10 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
     if rope not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{drafter_source}: rope_type={rope!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     if rope != target.rope_type:
-        raise ValueError(
-            f"bad target-drafter pairing: {drafter_source}: rope_type={rope!r} but the target uses "
-            f"rope_type={target.rope_type!r}; the drafter's context K/V are rotated at the target's positions and "
-            "must use the target's RoPE scaling"
-        )
+        # z-lab's drafters rotate with their own RoPE whatever the target's, and some ship so (Qwen3.6's YaRN drafter)
+        logger.warning("%s: rope_type=%r where the target uses rope_type=%r: the drafter rotates its context with its "
+                       "own, as z-lab's does; a drafter trained for another target would accept little", drafter_source,
+                       rope, target.rope_type)
     spec = cfg.speculative_config
     assert spec is not None, "check_pairing is only called for speculative builds"
     limit = drafter.block_size - 1

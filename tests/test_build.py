@@ -207,13 +207,25 @@ def _pairing_error(tiny_dirs, tmp_path, edit, **extra) -> str:
         (lambda c: c["dflash_config"].update(target_layer_ids=[1, 4]), "out of range: [4]"),
         (lambda c: c.update(num_target_layers=36), "num_target_layers=36 but the target has 4 layers"),
         (lambda c: c.update(block_size=4), "draft_block_size=4 (checkpoint) allows max_draft_len <= 3"),
-        (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-         "rope_type='linear' but the target uses rope_type='default'"),
     ],
 )
 def test_each_bad_pairing_fails_with_its_message(tiny_dirs, tmp_path, edit, words):
     msg = _pairing_error(tiny_dirs, tmp_path, edit)
     assert words in msg, msg
+
+
+def test_a_drafter_with_its_own_rope_builds_with_a_warning(tiny_dirs, tmp_path, caplog):
+    # z-lab's drafters rotate with their own RoPE whatever the target's (its Qwen3.6 drafter is YaRN): not refused
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING"):
+        prepare_build(write_config(tmp_path, tiny_dirs["qwen3"], drafter))
+    assert any("rope_type='linear' where the target uses rope_type='default'" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_model_that_is_not_on_disk_says_how_to_fetch_it(tiny_dirs, tmp_path):

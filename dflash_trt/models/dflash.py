@@ -35,6 +35,9 @@ from dflash_trt.spec.draft_vocab import load_draft_vocab
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
+DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
+# dflash_config keys of DFlash 2 drafters (z-lab's DFlash2DraftModel), whose convolutions and selector this runtime lacks
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # A drafter step runs in one call to the CPU kernels up to this many rows (a step's block, a few steps' features):
 # its int8 projections' VNNI dots grow with the rows, and a prompt's features are better served per layer.
 ONE_CALL_MAX_ROWS = 32
@@ -93,6 +96,13 @@ class DFlashConfig:
                 raise CheckpointError(f"{source}: missing key {key!r} (looked in dflash_config, then the top level)")
             return v
 
+        archs = cfg.get("architectures") or []
+        dflash2 = [key for key in DFLASH2_KEYS if value(key)]
+        if "DFlash2DraftModel" in archs or dflash2:
+            # its convolutions and candidate selector would be dropped as unused tensors, its drafts not DFlash 2's
+            raise CheckpointError(f"{source}: a DFlash 2 drafter ({', '.join(dflash2) or 'DFlash2DraftModel'}: "
+                                  "convolutions and a candidate selector) is not supported; only DFlash drafters "
+                                  "(DFlashDraftModel) are")
         model_type = cfg.get("model_type", "qwen3")
         if model_type not in SUPPORTED_DRAFTER_MODEL_TYPES:
             raise CheckpointError(
@@ -111,12 +121,23 @@ class DFlashConfig:
         ids = value("target_layer_ids")
         if ids is None:
             ids = build_target_layer_ids(whole("num_target_layers"), layers)
+        # As transformers' Qwen3Config reads them, so as z-lab's DFlashDraftModel gets them: the top-level window
+        # counts only with use_sliding_window, and missing layer_types come from it and max_window_layers
+        top_window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
         layer_types = cfg.get("layer_types")
-        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
+        if layer_types is None:
+            first = as_int(cfg.get("max_window_layers", 28), "max_window_layers", source, minimum=0)
+            layer_types = ["sliding_attention" if top_window is not None and i >= first else "full_attention"
+                           for i in range(layers)]
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
             raise CheckpointError(f"{source}: 'layer_types' must list one type per layer ({layers}), got "
                                   f"{layer_types!r}")
+        unknown = sorted({str(t) for t in layer_types if t not in DRAFTER_LAYER_TYPES})
+        if unknown:
+            raise CheckpointError(f"{source}: layer_types {unknown} are not supported; drafter layers are "
+                                  f"{DRAFTER_LAYER_TYPES}")
         causal = dflash.get("causal", cfg.get("is_causal"))
-        window = value("swa_window_size") if dflash.get("use_swa") else cfg.get("sliding_window")
+        window = value("swa_window_size") if dflash.get("use_swa") else top_window
         optional = {key: None if cfg.get(key) is None else whole(key, cfg[key])
                     for key in ("vocab_size", "num_target_layers")}
         softcap = value("final_logit_softcapping")

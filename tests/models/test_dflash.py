@@ -58,6 +58,41 @@ def test_draft_hidden_and_logits_equal_zlab(tmp_path, variant):
     assert (got_logits - want_logits).abs().max() < TOL
 
 
+def _without(d, *keys, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for key in keys:
+        cfg.pop(key, None)
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "keys, changes",
+    [
+        # a window without use_sliding_window: Qwen3Config drops it, so z-lab's sliding layer is causal, unwindowed
+        ((), {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3, "use_sliding_window": False}),
+        # no layer_types: Qwen3Config makes layers from max_window_layers on sliding where the window counts
+        (("layer_types",), {"sliding_window": 3, "use_sliding_window": True, "max_window_layers": 1}),
+        (("layer_types",), {"sliding_window": 3, "use_sliding_window": False, "max_window_layers": 0}),
+    ],
+    ids=["window off", "layer types from max_window_layers", "no window, no layer types"],
+)
+def test_hand_written_window_keys_are_read_as_zlab_reads_them(tmp_path, keys, changes):
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t, layers=2, block_size=8, target_layer_ids=(0, 1, 3))
+    _without(d, *keys, **changes)
+    ref = dflash_ref.DFlashDraftModel.from_pretrained(d).eval()  # reads config.json through Qwen3Config
+    target = load_target(t)
+    ours = load_drafter(d, target.config)
+    ctx_len, q = 11, 8
+    ctx = torch.randn(1, ctx_len, 3 * 64)
+    embeds = target.embed_tokens(torch.tensor([[5] + [ours.config.mask_token_id] * (q - 1)]))
+    with torch.no_grad():
+        want = ref(position_ids=torch.arange(ctx_len + q)[None], noise_embedding=embeds, target_hidden=ctx)
+        got = _draft_hidden_ours(ours, ctx, embeds, ctx_len)
+    assert (got - want).abs().max() < TOL
+
+
 def test_a_saved_drafter_loads_in_zlab_unchanged(tmp_path):
     t = make_target(tmp_path / "t")
     d = make_drafter(tmp_path / "d", t, layers=2, block_size=8)
@@ -109,6 +144,25 @@ def test_bad_pairing_is_refused_naming_the_key(tmp_path, change, message):
     t = make_target(tmp_path / "t")
     d = make_drafter(tmp_path / "d", t)
     _edit_config(d, **change)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(d, load_target(t).config)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"architectures": ["DFlash2DraftModel"]}, "a DFlash 2 drafter \\(DFlash2DraftModel"),
+        ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 2], "selector_rank": 64}},
+         "a DFlash 2 drafter \\(selector_rank"),
+        ({"layer_types": ["linear_attention"]}, r"layer_types \['linear_attention'\] are not supported"),
+    ],
+)
+def test_drafters_this_runtime_would_run_as_something_else_are_refused(tmp_path, changes, message):
+    # loaded, a DFlash 2 drafter's convolutions and selector were dropped as unused tensors and its drafts were plain
+    # DFlash's; an unknown layer type ran as full attention
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t)
+    _without(d, **changes)
     with pytest.raises(CheckpointError, match=message):
         load_drafter(d, load_target(t).config)
 
