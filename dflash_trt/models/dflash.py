@@ -126,9 +126,9 @@ class DFlashConfig:
         top_window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            first = as_int(cfg.get("max_window_layers", 28), "max_window_layers", source, minimum=0)
-            layer_types = ["sliding_attention" if top_window is not None and i >= first else "full_attention"
-                           for i in range(layers)]
+            first = layers if top_window is None else as_int(cfg.get("max_window_layers", 28), "max_window_layers",
+                                                             source, minimum=None)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if not isinstance(layer_types, list) or len(layer_types) != layers:
             raise CheckpointError(f"{source}: 'layer_types' must list one type per layer ({layers}), got "
                                   f"{layer_types!r}")
@@ -138,6 +138,10 @@ class DFlashConfig:
                                   f"{DRAFTER_LAYER_TYPES}")
         causal = dflash.get("causal", cfg.get("is_causal"))
         window = value("swa_window_size") if dflash.get("use_swa") else top_window
+        if window is None and cfg.get("sliding_window") and "sliding_attention" in layer_types:
+            logger.warning("%s: sliding_window=%s is not used (use_sliding_window is not true): its sliding layers "
+                           "attend causally without a window, as transformers' Qwen3Config and z-lab's drafter read "
+                           "them", source, cfg["sliding_window"])
         optional = {key: None if cfg.get(key) is None else whole(key, cfg[key])
                     for key in ("vocab_size", "num_target_layers")}
         softcap = value("final_logit_softcapping")

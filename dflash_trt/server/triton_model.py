@@ -164,14 +164,13 @@ class TritonPythonModel:
 
     def _init_trtllm(self):
         from dflash_trt.engine_dir import EngineDir
-        from dflash_trt.trtllm.launch import load_options, require_tensorrt_llm
+        from dflash_trt.trtllm.launch import new_llm, require_tensorrt_llm
 
         trtllm = require_tensorrt_llm()
         engine = EngineDir(self.settings.engine_dir)
         engine.verify()
         self._trtllm = trtllm
-        self._llm = trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir),
-                               **load_options(engine.path))
+        self._llm = new_llm(trtllm, engine)
         self._aio = asyncio.new_event_loop()
         threading.Thread(target=self._aio.run_forever, daemon=True).start()
 

@@ -35,8 +35,9 @@ def _newer_keys(options: dict) -> list[tuple[str, str, str]]:
 
 
 def keys_newer_than_pin(options: dict) -> list[str]:
-    """'key (where it came from)' for each key of the LLM-API options that the pinned release does not accept."""
-    return [f"{dotted} ({origin})" for dotted, _, origin in _newer_keys(options)]
+    """'key (FIRST or later: where it came from)' for each key of the LLM-API options that the pinned release does not
+    accept."""
+    return [f"{dotted} ({first} or later: {origin})" for dotted, first, origin in _newer_keys(options)]
 
 
 def keys_missing_from(options: dict, version: str) -> list[str]:

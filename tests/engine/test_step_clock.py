@@ -27,7 +27,8 @@ def test_on_a_gpu_drafting_is_the_time_between_events_and_the_step_ends_on_the_h
             assert enable_timing
             self.at = None
 
-        def record(self):
+        def record(self, stream):
+            assert stream == ("stream of", torch.device("cuda:1"))  # the model's device, not the current one
             self.at = {0: 0.0, 1: 250.0}[len(recorded)]  # ms: the drafter's kernels ran 0.25 s
             recorded.append(self)
 
@@ -38,8 +39,9 @@ def test_on_a_gpu_drafting_is_the_time_between_events_and_the_step_ends_on_the_h
             return end.at - self.at
 
     monkeypatch.setattr(step_clock.torch.cuda, "Event", Event)
+    monkeypatch.setattr(step_clock.torch.cuda, "current_stream", lambda device: ("stream of", device))
     _host_clock(monkeypatch, [5.0, 5.4])  # the host read 'drafted' early (queued work): it must not be used
-    clock = step_clock.StepClock(torch.device("cuda"))
+    clock = step_clock.StepClock(torch.device("cuda:1"))
     clock.drafted()
     draft, verify = clock.split()
     assert len(recorded) == 2

@@ -93,6 +93,19 @@ def test_hand_written_window_keys_are_read_as_zlab_reads_them(tmp_path, keys, ch
     assert (got - want).abs().max() < TOL
 
 
+def test_a_window_without_use_sliding_window_is_named_as_unused(caplog):
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+            "block_size": 8, "mask_token_id": 3, "target_layer_ids": [1], "sliding_window": 5}
+    with caplog.at_level("WARNING"):
+        cfg = DFlashConfig.from_dict({**base, "layer_types": ["sliding_attention", "full_attention"]})
+    assert cfg.sliding_window is None and "sliding_window=5 is not used" in caplog.text
+    # Qwen3Config's max_window_layers, -1 included, places sliding layers only where the window counts
+    cfg = DFlashConfig.from_dict({**base, "use_sliding_window": True, "max_window_layers": -1})
+    assert cfg.layer_types == ["sliding_attention"] * 2 and cfg.sliding_window == 5
+    cfg = DFlashConfig.from_dict({**base, "max_window_layers": None})
+    assert cfg.layer_types == ["full_attention"] * 2 and cfg.sliding_window is None
+
+
 def test_a_saved_drafter_loads_in_zlab_unchanged(tmp_path):
     t = make_target(tmp_path / "t")
     d = make_drafter(tmp_path / "d", t, layers=2, block_size=8)

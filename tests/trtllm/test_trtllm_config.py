@@ -121,3 +121,28 @@ def test_keys_the_pinned_release_refuses_are_named_and_a_pinned_install_is_refus
         launch.check_release(b300, later)
     launch.check_release(b300, "unknown")  # no release to compare (a source build): TensorRT-LLM's own check
     launch.check_release(h200, TENSORRT_LLM_VERSION)
+
+
+def test_every_llm_api_launch_refuses_a_release_older_than_its_options_before_building(tmp_path):
+    # generate --backend trtllm and the Triton model share new_llm: both refused rc21-rc24 only in TensorRT-LLM's own
+    # validation (the Triton model did not check at all)
+    import types
+
+    import yaml
+
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "trtllm").mkdir()
+    spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "drafter", "attention_backend": "TRTLLM"}
+    (tmp_path / "trtllm" / "config.yaml").write_text(yaml.safe_dump({"speculative_config": spec}))
+    engine = types.SimpleNamespace(path=tmp_path, target_dir=tmp_path / "target", tokenizer_dir=tmp_path / "tokenizer")
+    built = []
+
+    def release(version):
+        return types.SimpleNamespace(__version__=version, LLM=lambda **kw: built.append(kw) or "llm")
+
+    with pytest.raises(RuntimeError, match=r"tensorrt_llm 1.3.0rc24 refuses speculative_config.attention_backend"):
+        launch.new_llm(release("1.3.0rc24"), engine)
+    assert built == []
+    assert launch.new_llm(release("1.3.0rc25"), engine) == "llm"
+    assert built[0]["speculative_config"]["speculative_model"] == str(tmp_path / "drafter")  # made absolute
+    assert built[0]["model"] == str(tmp_path / "target")
