@@ -73,7 +73,8 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (final-normed hidden [B, Q, H], captured [B, Q, H * len(capture_layer_ids)] or None).
 
-        Layer l's capture is its output after the residual add: transformers' hidden_states[l + 1].
+        Layer l's capture is transformers' hidden_states[l + 1], what z-lab's drafters are trained on: its output after
+        the residual add, and for the last layer after the final norm too.
         """
         return self.run_layers(self.embed_tokens(input_ids), meta, cache, 0, capture_layer_ids)
 
@@ -91,15 +92,29 @@ class CausalLM(nn.Module):
         teacher logits cost the layers after the deepest feature, not a whole forward.
         """
         x, features = self._layers(x, meta, cache, start, len(self.layers), capture_layer_ids)
-        return self.norm(x), features
+        return self.finish(x, features, capture_layer_ids)
+
+    def finish(self, x: torch.Tensor, features: torch.Tensor | None,
+               capture_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's output -> (final-normed hidden, the captures with the last layer's normed): transformers'
+        last hidden_states entry is after the final norm."""
+        normed = self.norm(x)
+        last = len(self.layers) - 1
+        if last in capture_layer_ids:
+            h = x.shape[-1]
+            features = torch.cat([normed if i == last else features[..., j * h:(j + 1) * h]
+                                  for j, i in enumerate(capture_layer_ids)], dim=-1)
+        return normed, features
 
     def capture(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
                 capture_layer_ids: tuple[int, ...]) -> torch.Tensor:
         """forward's captured features alone [B, Q, H * len(capture_layer_ids)]: the layers after the deepest
         captured one and the final norm change no feature, so they do not run (a feature cache's build and the
         trainer's features on the fly: SmolLM2's [1, 8, 14, 20, 27] skip 2 of its 30 layers)."""
-        _, features = self._layers(self.embed_tokens(input_ids), meta, cache, 0, max(capture_layer_ids) + 1,
+        x, features = self._layers(self.embed_tokens(input_ids), meta, cache, 0, max(capture_layer_ids) + 1,
                                    capture_layer_ids)
+        if max(capture_layer_ids) == len(self.layers) - 1:
+            features = self.finish(x, features, capture_layer_ids)[1]
         return features
 
     def _layers(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache, start: int, stop: int,

@@ -2,7 +2,7 @@
 
 forward(input_ids, meta, cache) runs any number of new tokens per row against the static cache and
 captures the outputs of the requested decoder layers: layer l's output is transformers'
-hidden_states[l + 1] (after the residual add, before the final norm). Logits are separate
+hidden_states[l + 1] (after the residual add; the last layer's after the final norm too). Logits are separate
 (compute_logits) so callers only project the positions they need.
 """
 
@@ -124,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
             out = ops.llama_layers(x, table, cache.k, cache.v, cos, sin, keys.rows, keys.positions, keys.lens,
                                    tuple(capture_layer_ids), keys.tree)
             if out is not None:
-                return self.norm(out[0]), out[1]
+                return self.finish(out[0], out[1], tuple(capture_layer_ids))
         return super().forward(input_ids, meta, cache, capture_layer_ids)
 
     def pack_for_inference(self, screen_head: bool = True) -> None:

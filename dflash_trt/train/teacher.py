@@ -33,9 +33,12 @@ class Teacher:
         p = self.target.embed_tokens.weight
         n, length = feats.shape[:2]
         x = feats[..., self.slot * self.hidden : (self.slot + 1) * self.hidden].to(p.device, p.dtype)
-        seq = torch.arange(n, device=p.device)
-        meta = AttentionMetadata.causal_step(seq, torch.arange(length, device=p.device).expand(n, length))
-        hidden, _ = self.target.run_layers(x, meta, self.target.make_cache(n, length), self.start)
+        if self.start == len(self.target.layers):
+            hidden = x  # the last layer's feature is already past the final norm (transformers' last hidden state)
+        else:
+            seq = torch.arange(n, device=p.device)
+            meta = AttentionMetadata.causal_step(seq, torch.arange(length, device=p.device).expand(n, length))
+            hidden, _ = self.target.run_layers(x, meta, self.target.make_cache(n, length), self.start)
         return F.linear(hidden[rows, positions], self.head.to(hidden.dtype)).float()
 
 

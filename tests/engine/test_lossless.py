@@ -423,14 +423,16 @@ def test_k_beyond_the_block_is_refused_naming_the_limit(tiny_dirs):
         _engine(tiny_dirs, "qwen3", 16)
 
 
-def test_zlab_dflash_generate_gives_the_same_tokens_and_acceptance_lengths(tmp_path, monkeypatch):
+# (1, 3): the target's last layer, whose transformers hidden_states entry (z-lab's feature) is after the final norm
+@pytest.mark.parametrize("layer_ids", [(0, 2), (1, 3)])
+def test_zlab_dflash_generate_gives_the_same_tokens_and_acceptance_lengths(tmp_path, monkeypatch, layer_ids):
     ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is the oracle")
     import time
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # its stats path calls torch.cuda.synchronize
     # A small vocabulary makes a random drafter right often enough to produce acceptances > 1.
     t = make_target(tmp_path / "t", vocab=12)
-    d = make_drafter(tmp_path / "d", t, block_size=8, layers=2, target_layer_ids=(0, 2))
+    d = make_drafter(tmp_path / "d", t, block_size=8, layers=2, target_layer_ids=layer_ids)
     hf = AutoModelForCausalLM.from_pretrained(t).eval()
     zd = ref.DFlashDraftModel.from_pretrained(d).eval()
     target = load_target(t)

@@ -77,12 +77,14 @@ def test_logits_and_captured_layers_equal_transformers(gpt_oss_dir, hf_model):
     ids = torch.randint(0, VOCAB, (2, 45))  # 5x the window, past original_max_position_embeddings (YaRN matters)
     with torch.no_grad():
         ref = hf_model(ids, output_hidden_states=True)
-        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 48), capture_layer_ids=(2, 0))
+        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 48), capture_layer_ids=(2, 0, 3))
         logits = ours.compute_logits(hidden)
     assert (logits - ref.logits).abs().max() < TOL
-    # layer l's output is transformers' hidden_states[l + 1]; features concatenate in the given order
+    # layer l's output is transformers' hidden_states[l + 1], the last layer's after the final norm; features
+    # concatenate in the given order
     assert (feats[..., :HIDDEN] - ref.hidden_states[3]).abs().max() < TOL
-    assert (feats[..., HIDDEN:] - ref.hidden_states[1]).abs().max() < TOL
+    assert (feats[..., HIDDEN:2 * HIDDEN] - ref.hidden_states[1]).abs().max() < TOL
+    assert (feats[..., 2 * HIDDEN:] - ref.hidden_states[4]).abs().max() < TOL
 
 
 def test_incremental_decode_past_the_window_equals_transformers(gpt_oss_dir, hf_model):

@@ -37,17 +37,22 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, arch, rope):
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
         cache = ours.make_cache(2, 160)
-        hidden, feats = ours(ids, _run(ours, ids), cache, capture_layer_ids=(2, 0))
+        hidden, feats = ours(ids, _run(ours, ids), cache, capture_layer_ids=(2, 0, 3))
         logits = ours.compute_logits(hidden)
         # The tail again as decode and verify steps run it (1, 1 and 8 tokens: the CPU kernels' path), over
         # the K/V the long prefill left
         steps = [(140, 141), (141, 142), (142, 150)]
-        tail = [ours.compute_logits(ours(ids[:, a:b], _run(ours, ids[:, a:b], a), cache)[0]) for a, b in steps]
+        tail = [ours(ids[:, a:b], _run(ours, ids[:, a:b], a), cache, capture_layer_ids=(3, 1)) for a, b in steps]
     assert (logits - ref.logits).abs().max() < TOL
-    assert (torch.cat(tail, 1) - ref.logits[:, 140:]).abs().max() < TOL
-    # layer l's output is transformers' hidden_states[l + 1]; features concatenate in the given order
+    assert (torch.cat([ours.compute_logits(h) for h, _ in tail], 1) - ref.logits[:, 140:]).abs().max() < TOL
+    # layer l's output is transformers' hidden_states[l + 1], the last layer's after the final norm (what z-lab's
+    # drafters are trained on); features concatenate in the given order
     assert torch.allclose(feats[..., :64], ref.hidden_states[3], atol=TOL)
-    assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
+    assert torch.allclose(feats[..., 64:128], ref.hidden_states[1], atol=TOL)
+    assert torch.allclose(feats[..., 128:], ref.hidden_states[4], atol=TOL)
+    tail_feats = torch.cat([f for _, f in tail], 1)
+    assert torch.allclose(tail_feats[..., :64], ref.hidden_states[4][:, 140:], atol=TOL)
+    assert torch.allclose(tail_feats[..., 64:], ref.hidden_states[2][:, 140:], atol=TOL)
 
 
 def test_capture_alone_runs_only_the_layers_up_to_the_deepest_captured_one(tmp_path):
@@ -64,6 +69,10 @@ def test_capture_alone_runs_only_the_layers_up_to_the_deepest_captured_one(tmp_p
     assert ran == [0, 1]  # layers 2 and 3 change no captured feature
     assert torch.allclose(feats[..., :64], ref.hidden_states[2], atol=TOL)
     assert torch.allclose(feats[..., 64:], ref.hidden_states[1], atol=TOL)
+    with torch.no_grad():  # the last layer's capture is after the final norm, as transformers' last hidden state
+        feats = ours.capture(ids, _run(ours, ids), ours.make_cache(2, 32), (3, 1))
+    assert torch.allclose(feats[..., :64], ref.hidden_states[4], atol=TOL)
+    assert torch.allclose(feats[..., 64:], ref.hidden_states[2], atol=TOL)
 
 
 def test_incremental_decode_equals_full_forward(tmp_path):
