@@ -40,7 +40,7 @@ from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import (
     LLM_ARGS_SOURCE,
     TENSORRT_LLM_VERSION,
-    keys_newer_than_pin,
+    keys_missing_from,
     release_notes,
 )
 from dflash_trt.validate import check_mapping, check_pairing
@@ -423,7 +423,7 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
                 _write_weights(p.drafter.path, tmp / "drafter", DRAFTER_CONFIG_FILES, weights["drafter"], False, bar)
         (tmp / "plan.json").write_text(json.dumps(p.plan.to_dict(), indent=2) + "\n")
         (tmp / "trtllm").mkdir()
-        newer = keys_newer_than_pin(p.trtllm_options)
+        newer = keys_missing_from(p.trtllm_options)
         (tmp / "trtllm" / "config.yaml").write_text(
             f"# LLM-API options for TensorRT-LLM {TENSORRT_LLM_VERSION} (keys checked against {LLM_ARGS_SOURCE}).\n"
             + "".join(f"# {note}\n" for note in release_notes(p.trtllm_options))

@@ -34,15 +34,9 @@ def _newer_keys(options: dict) -> list[tuple[str, str, str]]:
     return found
 
 
-def keys_newer_than_pin(options: dict) -> list[str]:
-    """'key (FIRST or later: where it came from)' for each key of the LLM-API options that the pinned release does not
-    accept."""
-    return [f"{dotted} ({first} or later: {origin})" for dotted, first, origin in _newer_keys(options)]
-
-
-def keys_missing_from(options: dict, version: str) -> list[str]:
-    """'key (needs FIRST or later: where it came from)' for each key of the options that release `version` lacks;
-    none for a version string that is not a release's (a source build, say)."""
+def keys_missing_from(options: dict, version: str = TENSORRT_LLM_VERSION) -> list[str]:
+    """'key (needs FIRST or later: where it came from)' for each key of the LLM-API options that release `version`
+    (the pinned one by default) lacks; none for a version string that is not a release's (a source build, say)."""
     from packaging.version import InvalidVersion, Version
 
     try:

@@ -104,14 +104,14 @@ def test_pinned_version_accepts_the_written_config():
 def test_keys_the_pinned_release_refuses_are_named_and_a_pinned_install_is_refused_before_launch():
     # The B300 configs draft with TRTLLM-gen attention, a key that came after the pinned release (which forbids
     # unknown keys): the engine says which release it needs, and the launcher refuses the pinned one up front.
-    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_newer_than_pin
+    from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from
 
     b300 = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-latency.yaml", allow_bundled=True).trtllm_options
     assert b300["speculative_config"]["attention_backend"] == "TRTLLM"
-    (newer,) = keys_newer_than_pin(b300)
+    (newer,) = keys_missing_from(b300)
     assert newer.startswith("speculative_config.attention_backend (") and "#16914" in newer
     h200 = prepare_build(CONFIGS / "qwen3-8b-1xh200.yaml", allow_bundled=True).trtllm_options
-    assert keys_newer_than_pin(h200) == []  # VANILLA: the key is left out
+    assert keys_missing_from(h200) == []  # VANILLA: the key is left out
     # every release before the key's first is refused, compared as releases (rc9 before rc25), not as strings
     for before in (TENSORRT_LLM_VERSION, "1.3.0rc24", "1.3.0rc9", "1.2.1"):
         with pytest.raises(RuntimeError, match=rf"tensorrt_llm {before} refuses speculative_config.attention_backend "
