@@ -287,6 +287,13 @@ def plan_build(
             f"max_seq_len={seq} exceeds the drafter's max_position_embeddings={drafter.max_position_embeddings}: "
             "TensorRT-LLM drafts nothing for requests past it"
         )
+    if cfg.enable_attention_dp and isinstance(schedule, dict) and len(set(schedule.values())) > 1:
+        plan.notes.append(
+            f"draft_len_schedule={dict(sorted(schedule.items()))} under attention data parallelism: TensorRT-LLM "
+            "picks K from each rank's own batch (no cross-rank agreement, a known issue in NVIDIA/TensorRT-LLM PR "
+            "#16888), so ranks near a schedule key may draft different K and pad to CUDA graphs of other sizes; "
+            "check on the device, or draft one K"
+        )
     if hw.kind == "gpu" and batch * (k + 1) > cfg.max_num_tokens:
         plan.notes.append(
             f"max_batch_size={batch} with max_draft_len={k} verifies {batch * (k + 1)} tokens a step, past "

@@ -28,8 +28,15 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
     }
     kv = {"dtype": cfg.kv_cache_config.dtype, "free_gpu_memory_fraction": cfg.kv_cache_config.free_gpu_memory_fraction,
           "tokens_per_block": cfg.kv_cache_config.tokens_per_block}
-    if cfg.kv_cache_config.enable_block_reuse is not None:
-        kv["enable_block_reuse"] = cfg.kv_cache_config.enable_block_reuse
+    reuse = cfg.kv_cache_config.enable_block_reuse
+    if reuse is None and cfg.speculative_config is not None:
+        # Off unless asked for: TensorRT-LLM's DFlash keeps the drafter's context per request from the chunks it
+        # prefills (_torch/speculative/dflash.py@00679c66 _store_prefill_context), so a prompt whose prefix came
+        # from reused blocks drafts from a context without it, at shifted positions; NVIDIA's gpt-oss perf configs
+        # turn reuse off too (tests/scripts/perf-sanity/aggregated/gpt_oss_120b_fp4_blackwell.yaml@06508c5f)
+        reuse = False
+    if reuse is not None:
+        kv["enable_block_reuse"] = reuse
     opts["kv_cache_config"] = kv
     if has_experts:
         opts["moe_expert_parallel_size"] = cfg.moe_ep

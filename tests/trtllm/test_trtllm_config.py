@@ -146,3 +146,35 @@ def test_every_llm_api_launch_refuses_a_release_older_than_its_options_before_bu
     assert launch.new_llm(release("1.3.0rc25"), engine) == "llm"
     assert built[0]["speculative_config"]["speculative_model"] == str(tmp_path / "drafter")  # made absolute
     assert built[0]["model"] == str(tmp_path / "target")
+
+
+def test_dflash_engines_turn_kv_block_reuse_off_unless_the_config_asks(tmp_path):
+    # TensorRT-LLM's DFlash drafter keeps only the context it prefills itself: a prompt prefix from reused blocks would
+    # be missing from it, at shifted positions
+    import yaml
+
+    source = CONFIGS / "qwen3-8b-1xh200.yaml"
+    assert prepare_build(source, allow_bundled=True).trtllm_options["kv_cache_config"]["enable_block_reuse"] is False
+    cfg = yaml.safe_load(source.read_text())
+    cfg["kv_cache_config"]["enable_block_reuse"] = True
+    asked = tmp_path / "reuse.yaml"
+    asked.write_text(yaml.safe_dump(cfg))
+    assert prepare_build(asked, allow_bundled=True).trtllm_options["kv_cache_config"]["enable_block_reuse"] is True
+    cfg.pop("speculative_config")
+    cfg["kv_cache_config"].pop("enable_block_reuse")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(cfg))
+    assert "enable_block_reuse" not in prepare_build(plain, allow_bundled=True).trtllm_options["kv_cache_config"]
+
+
+def test_a_schedule_of_several_k_under_attention_dp_is_noted_and_one_k_is_not(tmp_path):
+    import yaml
+
+    source = CONFIGS / "gpt-oss-120b-8xb300-throughput.yaml"
+    notes = prepare_build(source, allow_bundled=True).plan.notes
+    assert any("under attention data parallelism" in n and "#16888" in n for n in notes), notes
+    cfg = yaml.safe_load(source.read_text())
+    cfg["speculative_config"]["draft_len_schedule"] = {1: 7, 512: 7}
+    one = tmp_path / "one_k.yaml"
+    one.write_text(yaml.safe_dump(cfg))
+    assert not any("attention data parallelism" in n for n in prepare_build(one, allow_bundled=True).plan.notes)
