@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
-# dflash_config keys of DFlash 2 drafters (z-lab's DFlash2DraftModel), whose convolutions and selector this runtime lacks
+# dflash_config keys of DFlash 2 drafters (z-lab's DFlash2DraftModel): convolutions and a selector this runtime lacks
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # A drafter step runs in one call to the CPU kernels up to this many rows (a step's block, a few steps' features):
 # its int8 projections' VNNI dots grow with the rows, and a prompt's features are better served per layer.

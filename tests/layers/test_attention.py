@@ -36,7 +36,8 @@ def test_masked_gqa_on_cuda_repeats_kv_so_sdpa_keeps_an_efficient_kernel(monkeyp
     k, v = torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
     mask = torch.rand(2, 1, 4, 11, generator=g) > 0.3
     mask[..., 0] = True
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2).reshape(2, 4, 48)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want = want.transpose(1, 2).reshape(2, 4, 48)
     assert not attention._masked_gqa_falls_to_math(q, k, mask)  # the CPU's SDPA takes masked GQA as it is
     taken = []
     real = attention.repeat_kv

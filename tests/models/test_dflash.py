@@ -74,7 +74,8 @@ def _edit_config(d, *drop, **changes):
     "keys, changes",
     [
         # a window without use_sliding_window: Qwen3Config drops it, so z-lab's sliding layer is causal, unwindowed
-        ((), {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3, "use_sliding_window": False}),
+        ((), {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3,
+              "use_sliding_window": False}),
         # no layer_types: Qwen3Config makes layers from max_window_layers on sliding where the window counts
         (("layer_types",), {"sliding_window": 3, "use_sliding_window": True, "max_window_layers": 1}),
         (("layer_types",), {"sliding_window": 3, "use_sliding_window": False, "max_window_layers": 0}),

@@ -132,7 +132,8 @@ def test_every_llm_api_launch_refuses_a_release_older_than_its_options_before_bu
 
     (tmp_path / "drafter").mkdir()
     (tmp_path / "trtllm").mkdir()
-    spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "drafter", "attention_backend": "TRTLLM"}
+    spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "drafter",
+            "attention_backend": "TRTLLM"}
     (tmp_path / "trtllm" / "config.yaml").write_text(yaml.safe_dump({"speculative_config": spec}))
     engine = types.SimpleNamespace(path=tmp_path, target_dir=tmp_path / "target", tokenizer_dir=tmp_path / "tokenizer")
     built = []
