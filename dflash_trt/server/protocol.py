@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
-
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
                       ValidationInfo, field_validator, model_serializer, model_validator)
@@ -181,6 +179,7 @@ class _SamplingRequest(_NullIsUnset):
                                    message="bad_words, allowed_token_ids and logits_processors are not supported (they "
                                    "would change the target's distribution)")
     _no_truncation = _refuse_set("truncate_prompt_tokens", message="truncate_prompt_tokens is not supported")
+
     @field_validator("prompt_logprobs")
     @classmethod
     def _no_prompt_logprobs(cls, v: Any) -> Any:
