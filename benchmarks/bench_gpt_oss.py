@@ -64,8 +64,8 @@ def force_acceptance(engine: LLMEngine, truth: list[int]) -> None:
     proposer = engine.runner.proposer
     real = proposer.__dict__.setdefault("real_propose", proposer.propose)  # unpatched, kept across calls
 
-    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None):
-        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling)
+    def propose(rows, features, context, anchors, anchor_positions, num_draft, sampling=None, **options):
+        out = real(rows, features, context, anchors, anchor_positions, num_draft, sampling, **options)
         pos = int(anchor_positions[0])
         drafts = [truth[p] if p < len(truth) else 0 for p in range(pos + 1, pos + 1 + num_draft)]
         return Proposal(torch.tensor([drafts], dtype=out.draft_tokens.dtype), out.draft_probs)

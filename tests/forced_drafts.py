@@ -13,8 +13,8 @@ def force_drafts(engine, truth_by_slot: dict[int, list[int]], error_rate: float,
     real = proposer.propose
     g = torch.Generator().manual_seed(seed)
 
-    def propose(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling=None, **options):
-        out = real(rows, features, feature_positions, anchors, anchor_positions, num_draft, sampling, **options)
+    def propose(rows, features, context, anchors, anchor_positions, num_draft, sampling=None, **options):
+        out = real(rows, features, context, anchors, anchor_positions, num_draft, sampling, **options)
         drafts = out.draft_tokens.clone()
         for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):
             full = truth_by_slot[row]
@@ -36,8 +36,8 @@ def force_tree_drafts(engine, truth_by_slot: dict[int, list[int]], seed: int = 0
     index = None if vocab is None else {int(t): i for i, t in enumerate(vocab.tolist())}
     g = torch.Generator().manual_seed(seed)
 
-    def slot_logits(rows, features, feature_positions, anchors, anchor_positions, num_draft):
-        logits = real(rows, features, feature_positions, anchors, anchor_positions, num_draft)
+    def slot_logits(rows, features, context, anchors, anchor_positions, num_draft, host=None):
+        logits = real(rows, features, context, anchors, anchor_positions, num_draft, host)
         fake = torch.rand(logits.shape, generator=g) - 20.0
         width = fake.shape[-1]
         for i, (row, pos) in enumerate(zip(rows.tolist(), anchor_positions.tolist())):

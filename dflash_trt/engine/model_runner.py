@@ -21,7 +21,7 @@ from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
-from dflash_trt.layers.attention import AttentionMetadata, round_up
+from dflash_trt.layers.attention import AttentionMetadata, HostRows, round_up
 from dflash_trt.layers.penalties import penalize
 from dflash_trt.layers.sampler import sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
@@ -93,6 +93,10 @@ class ModelRunner:
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
 
+    @staticmethod
+    def _host(seqs: list[Sequence], starts: list[int], limit: int | None = None) -> HostRows:
+        return HostRows([s.slot for s in seqs], starts, limit)
+
     def _params(self, seqs: list[Sequence]):
         p = [s.params for s in seqs]
         dev = self.device
@@ -142,7 +146,8 @@ class ModelRunner:
         # Padding beyond a row's chunk writes K/V past its length: masked, then overwritten. The clamp
         # keeps it inside the cache (the last position is never a live one: the cache has spare room).
         positions = (first[:, None] + torch.arange(n, device=self.device)).clamp_max(self.target_cache.max_len - 1)
-        meta = AttentionMetadata.causal_step(self._rows(seqs), positions)
+        meta = AttentionMetadata.causal_step(self._rows(seqs), positions,
+                                             self._host(seqs, starts, self.target_cache.max_len))
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
         for i, s in enumerate(seqs):
             if s.params.prompt_logprobs is not None:
@@ -175,8 +180,10 @@ class ModelRunner:
         """One autoregressive token per row (the baseline, and the fallback when K would be 0)."""
         start = time.perf_counter()
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device)
-        hidden, features = self.target(ids, AttentionMetadata.causal_step(self._rows(seqs), positions), self.target_cache, self.capture)
+        starts = [s.num_cached for s in seqs]
+        positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None]
+        meta = AttentionMetadata.causal_step(self._rows(seqs), positions, self._host(seqs, starts))
+        hidden, features = self.target(ids, meta, self.target_cache, self.capture)
         tokens = self._next_tokens(seqs, hidden[:, 0])
         self._note_logprobs(seqs, hidden, [[t] for t in tokens], [[0]] * len(seqs))
         elapsed = time.perf_counter() - start
@@ -191,21 +198,22 @@ class ModelRunner:
         """Draft num_draft tokens per row, verify them in one target forward, return each row's emitted tokens."""
         assert self.proposer is not None, "spec_step needs a drafter"
         dev = self.device
-        rows, anchor_pos, anchors = self._anchors(seqs)
+        rows, anchor_pos, anchors, host = self._anchors(seqs)
 
         clock = StepClock(dev)
-        features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
+        features, context = self._pending_batch(seqs, rows, anchor_pos, host)
         sampling = self._draft_sampling(seqs)
         lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
         # the drafter's log-probabilities only where a lookup competes with its chain
-        proposal = self.proposer.propose(rows, features, feature_pos, anchors, anchor_pos, num_draft, sampling,
-                                         with_logprobs=bool(lookups))
+        proposal = self.proposer.propose(rows, features, context, anchors, anchor_pos, num_draft, sampling,
+                                         with_logprobs=bool(lookups), host=host)
         lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
         clock.drafted()
 
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
-        hidden, target_features = self.target(block, AttentionMetadata.causal_step(rows, positions), self.target_cache, self.capture)
+        meta = AttentionMetadata.causal_step(rows, positions, host)
+        hidden, target_features = self.target(block, meta, self.target_cache, self.capture)
         if all(s.params.plain_greedy for s in seqs):
             # The GREEDY rule needs only the target's argmax: taken alone it skips the fp32 logits (on a GPU [B, K + 1,
             # V], 311 MB at 32 rows of Qwen3's vocabulary), the op's dispatch and the uniforms and modes a mixed batch
@@ -249,19 +257,20 @@ class ModelRunner:
         per row (spec/draft_tree.py), verify it in one target forward -> (each row's emitted tokens: the accepted path's
         drafts and the target's next; the nodes drafted, fewer where a shallow tree holds fewer paths)."""
         assert self.proposer is not None, "tree_step needs a drafter"
-        rows, anchor_pos, anchors = self._anchors(seqs)
+        rows, anchor_pos, anchors, host = self._anchors(seqs)
 
         clock = StepClock(self.device)
-        features, feature_pos = self._pending_batch(seqs, rows, anchor_pos)
+        features, context = self._pending_batch(seqs, rows, anchor_pos, host)
         branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
-        tree = self.proposer.propose_tree(rows, features, feature_pos, anchors, anchor_pos, depth, nodes, branches)
+        tree = self.proposer.propose_tree(rows, features, context, anchors, anchor_pos, depth, nodes, branches,
+                                          host=host)
         clock.drafted()
 
-        meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors)
+        meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors, host)
         hidden, target_features = self.target(tree.tokens, meta, self.target_cache, self.capture)
-        choices = self._tree_choices(seqs, hidden, tree, depth)  # [B, N + 1]: the token after each node
+        choices = self._tree_choices(seqs, hidden, tree, depth).tolist()  # [B][N + 1]: the token after each node
         paths = accept_tree(tree, choices)
-        tokens, choices = tree.tokens.tolist(), choices.tolist()
+        tokens = tree.node_tokens
         emitted = [[tokens[i][j] for j in path[1:]] + [choices[i][path[-1]]] for i, path in enumerate(paths)]
         self._note_logprobs(seqs, hidden, emitted, paths)  # the token after node j was chosen at node j
         # How deep each lookup was verified and accepted, counted alike where the drafter proposed the same nodes.
@@ -271,7 +280,7 @@ class ModelRunner:
             seqs[i].context_lookup().observe(verified, common_prefix(drafted[:verified], emitted[i][:-1]))
         # The accepted nodes' K/V move to the positions of their depths (node j was written at anchor + j), where
         # the next step's queries look for them; the rest is left behind, masked, as a chain's rejected drafts are.
-        moves = [(int(rows[i]), int(anchor_pos[i]), p) for i, p in enumerate(paths) if p != list(range(len(p)))]
+        moves = [(slot, start, p) for slot, start, p in zip(host.slots, host.starts, paths) if p != list(range(len(p)))]
         if moves:
             self.target_cache.move(moves)
         self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], *clock.split())
@@ -327,12 +336,13 @@ class ModelRunner:
                 logits = self.target.compute_logits(hidden[i, list(positions[i])])
                 s.new_logprobs = token_logprobs(logits, emitted[i], s.params.logprobs)
 
-    def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HostRows]:
         """Each row's cache row, anchor position (its committed length) and anchor (its last token, which the
-        target has not seen yet)."""
+        target has not seen yet); the rows and anchor positions on the host."""
         dev = self.device
-        return (self._rows(seqs), torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=dev),
-                torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev))
+        starts = [s.num_cached for s in seqs]
+        return (self._rows(seqs), torch.tensor(starts, dtype=torch.long, device=dev),
+                torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev), self._host(seqs, starts))
 
     @staticmethod
     def _committed(seqs: list[Sequence], features: list[torch.Tensor], draft_s: float, verify_s: float) -> None:
@@ -343,9 +353,10 @@ class ModelRunner:
             s.stats.draft_time += draft_s
             s.stats.verify_time += verify_s
 
-    def _pending_batch(self, seqs: list[Sequence], rows: torch.Tensor,
-                       anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor.
+    def _pending_batch(self, seqs: list[Sequence], rows: torch.Tensor, anchor_pos: torch.Tensor,
+                       host: HostRows) -> tuple[torch.Tensor, AttentionMetadata | None]:
+        """Pad each row's pending features to one [B, N, F] batch; row b's real entries end at its anchor. -> the
+        batch and where it goes in the drafter's cache (None where every row's went in alone).
 
         Padding entries are written at positions past the anchor (clamped into the cache), where the
         block's own K/V overwrite them or the block mask hides them. A row whose stretch (a prompt just prefilled, a
@@ -361,7 +372,8 @@ class ModelRunner:
                 if counts[i] > steady:
                     features = torch.cat(s.pending_features)[None]
                     positions = anchor_pos[i] - counts[i] + torch.arange(counts[i], device=anchor_pos.device)
-                    meta = AttentionMetadata.causal_step(rows[i:i + 1], positions[None])
+                    alone = HostRows([s.slot], [host.starts[i] - counts[i]])
+                    meta = AttentionMetadata.causal_step(rows[i:i + 1], positions[None], alone)
                     self.proposer.drafter.project_context(features, meta, self.proposer.cache)
                     s.pending_features, counts[i] = [], 0
         n = max(counts)
@@ -371,9 +383,13 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             if counts[i]:
                 torch.cat(s.pending_features, out=features[i, : counts[i]])
+        if not n:
+            return features, None
         first = anchor_pos - torch.tensor(counts, device=anchor_pos.device)
-        positions = first[:, None] + torch.arange(n, device=anchor_pos.device)
-        return features, positions.clamp_max(self.proposer.cache.max_len - 1)
+        limit = self.proposer.cache.max_len
+        positions = (first[:, None] + torch.arange(n, device=anchor_pos.device)).clamp_max(limit - 1)
+        context = HostRows(host.slots, [a - c for a, c in zip(host.starts, counts)], limit)
+        return features, AttentionMetadata.causal_step(rows, positions, context)
 
     def _draft_sampling(self, seqs: list[Sequence]) -> DraftSampling | None:
         idx = [i for i, s in enumerate(seqs) if s.params.samples_drafts]

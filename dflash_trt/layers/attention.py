@@ -44,6 +44,35 @@ class QueryKeys:
     tree: torch.Tensor | None = None  # int64 [N, 2]: (first tree position, visible-key bits) per query (tree steps)
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """The host's copies of what a step's metadata would otherwise read back from the device (on a GPU each read
+    waits for every kernel queued before it): each row's cache row and first query position, the row's queries lying
+    at consecutive positions from there, clamped below `limit` where a padded batch would run past the cache (for a
+    drafter block the row's keys end where its block does)."""
+
+    slots: list[int]
+    starts: list[int]
+    limit: int | None = None
+
+    def kv_len(self, queries: int) -> int:
+        end = max(self.starts) + queries
+        return end if self.limit is None else min(end, self.limit)
+
+    def clamped(self, queries: int) -> bool:
+        return self.limit is not None and max(self.starts) + queries > self.limit
+
+    @property
+    def aligned(self) -> bool:
+        """Every row's queries at the same positions."""
+        return min(self.starts) == max(self.starts)
+
+    @property
+    def row_slice(self) -> slice | None:
+        first, n = self.slots[0], len(self.slots)
+        return slice(first, first + n) if self.slots == list(range(first, first + n)) else None
+
+
 @dataclass
 class AttentionMetadata:
     rows: torch.Tensor  # [B] cache rows
@@ -57,24 +86,34 @@ class AttentionMetadata:
     _masks: dict = field(default_factory=dict, repr=False)
     flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
     _query_keys: "QueryKeys | None" = field(default=None, repr=False)
+    host: HostRows | None = None  # where given, the mask's all-visible check is decided without a device read
+
+    # Each constructor takes the step's HostRows where the caller has them (the engine does, every step), and
+    # otherwise reads the key count and the rows' layout from the tensors.
+    @classmethod
+    def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor,
+                    host: HostRows | None = None) -> "AttentionMetadata":
+        if host is None:
+            return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows))
+        return cls(rows, positions, host.kv_len(positions.shape[1]), True, None, host.row_slice, host=host)
 
     @classmethod
-    def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor) -> "AttentionMetadata":
-        return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows))
-
-    @classmethod
-    def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor) -> "AttentionMetadata":
-        return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
+    def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor,
+                   host: HostRows | None = None) -> "AttentionMetadata":
+        if host is None:
+            return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
+        return cls(rows, positions, host.kv_len(positions.shape[1]), False, block_end, host.row_slice, host=host)
 
     @classmethod
     def tree_step(cls, rows: torch.Tensor, start: torch.Tensor, depths: torch.Tensor,
-                  ancestors: torch.Tensor) -> "AttentionMetadata":
+                  ancestors: torch.Tensor, host: HostRows | None = None) -> "AttentionMetadata":
         """A draft tree's verify: node j of row b (j = 0 the root) is written at start[b] + j and rotated at
         start[b] + depths[b, j]; ancestors[b, j] has bit i set where node i is node j or one of its ancestors (so
         every parent precedes its children: causal order is kept)."""
         positions = start[:, None] + torch.arange(depths.shape[1], device=start.device)
-        return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows),
-                   rotary_positions=start[:, None] + depths, tree=ancestors.to(torch.int64))
+        meta = cls.causal_step(rows, positions, host)
+        meta.rotary_positions, meta.tree = start[:, None] + depths, ancestors.to(torch.int64)
+        return meta
 
     @property
     def rope_positions(self) -> torch.Tensor:
@@ -125,9 +164,21 @@ class AttentionMetadata:
             visible = visible & (p - t < window)
             if not causal:
                 visible = visible & (t - p < window)
-        if bool(visible.all()):
+        all_visible = self._all_visible(window, causal, kv_len)
+        if all_visible is None:
+            all_visible = bool(visible.all())
+        return None if all_visible else visible[:, None]
+
+    def _all_visible(self, window: int | None, causal: bool, kv_len: int) -> bool | None:
+        """Whether every query sees every key, from the host's copies (None without them). Keys read past the
+        step's own (buckets) are hidden; a causal step of several queries hides its later ones from its first (unless
+        clamped onto one position: then the tensors tell); else the rows' queries must sit at the same positions, the
+        last key within every window."""
+        if self.host is None or self.host.clamped(self.positions.shape[1]):
             return None
-        return visible[:, None]
+        if kv_len > self.kv_len or (causal and self.positions.shape[1] > 1):
+            return False
+        return self.host.aligned and (window is None or self.kv_len - 1 < window)
 
 
 def _as_slice(rows: torch.Tensor) -> slice | None:

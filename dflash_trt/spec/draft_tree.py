@@ -45,6 +45,7 @@ class DraftTree:
     parents: list[list[int]]  # per row, per node: the parent's node index (-1 for the root)
     depths: torch.Tensor  # [B, N + 1] int64: 0 for the root, a node's slot for the others
     ancestors: torch.Tensor  # [B, N + 1] int64: bit i set where node i is the node itself or one of its ancestors
+    node_tokens: list[list[int]]  # tokens on the host
 
     @property
     def num_nodes(self) -> int:
@@ -89,12 +90,19 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
     if not 1 <= nodes <= max_nodes(k, w):
         raise ValueError(f"a draft tree of {nodes} nodes needs 1 <= nodes <= {max_nodes(k, w)} "
                          f"(K={k} slots x {w} tokens each)")
-    # Python lists, one tensor each at the end: element-wise tensor writes cost ~5x the whole selection
-    top = top_tokens.cpu().tolist()
+    # Python lists, one tensor each at the end: element-wise tensor writes cost ~5x the whole selection. One read back
+    # from the device for all three (on a GPU each read waits for the queued kernels): token ids and fp32
+    # log-probabilities are exact in fp64.
+    b = anchors.shape[0]
+    host = torch.cat([anchors.double()[:, None], top_tokens.double().reshape(b, -1),
+                      top_logprobs.double().reshape(b, -1)], dim=1).tolist()
     tokens, depths, ancestors, parents = [], [], [], []
-    for row, (anchor, lp) in enumerate(zip(anchors.tolist(), top_logprobs.float().cpu().tolist())):
+    for row, values in enumerate(host):
+        anchor = int(values[0])
+        top = [[int(t) for t in values[1 + d * w: 1 + (d + 1) * w]] for d in range(k)]
+        lp = [values[1 + (k + d) * w: 1 + (k + d + 1) * w] for d in range(k)]
         ranks = select_paths(lp, nodes)
-        paths = [tuple(top[row][d][r] for d, r in enumerate(path)) for path in ranks]
+        paths = [tuple(top[d][r] for d, r in enumerate(path)) for path in ranks]
         if branches is not None:  # scores only where a branch competes for the nodes
             scores = [sum(lp[d][r] for d, r in enumerate(path)) for path in ranks]
             paths = merge(list(zip(paths, scores)), branches[row], nodes)
@@ -111,7 +119,7 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
         parents.append(row_parents)
     dev = top_tokens.device
     return DraftTree(torch.tensor(tokens, device=dev), parents, torch.tensor(depths, device=dev),
-                     torch.tensor(ancestors, device=dev))
+                     torch.tensor(ancestors, device=dev), tokens)
 
 
 def merge(drafted: list[tuple[tuple[int, ...], float]], branch: list[tuple[int, float]],
@@ -153,12 +161,12 @@ def tree_depth(tokens: list[int], parents: list[int], chain: list[int]) -> int:
     return depth
 
 
-def accept_tree(tree: DraftTree, target_tokens: torch.Tensor) -> list[list[int]]:
-    """Greedy acceptance: target_tokens [B, N + 1] is the target's argmax at every node. From the root, follow the
+def accept_tree(tree: DraftTree, choices: list[list[int]]) -> list[list[int]]:
+    """Greedy acceptance: choices[b][j] is the target's token after node j of row b. From the root, follow the
     child whose token is the target's choice at the current node -> per row the accepted path's node indices, root
-    first (the emitted tokens are those nodes' drafts after the root, then target_tokens at the last one)."""
+    first (the emitted tokens are those nodes' drafts after the root, then the choice at the last one)."""
     paths = []
-    tokens, choices = tree.tokens.tolist(), target_tokens.tolist()
+    tokens = tree.node_tokens
     for row, parents in enumerate(tree.parents):
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(parents[1:], start=1):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.attention import AttentionMetadata, HostRows
 from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import DraftTree, build_tree, max_nodes
@@ -72,14 +72,15 @@ class DFlashProposer:
         self,
         rows: torch.Tensor,  # [B] cache rows
         features: torch.Tensor,  # [B, N, H * n_features] target features of newly committed tokens
-        feature_positions: torch.Tensor,  # [B, N]; padded entries lie at or past the anchor position
+        context: AttentionMetadata | None,  # where they go in the cache ([B, N]; padded entries at or past the anchor)
         anchors: torch.Tensor,  # [B] the last committed token of each row (not yet seen by the target)
         anchor_positions: torch.Tensor,  # [B]
         num_draft: int,
         sampling: DraftSampling | None = None,
         with_logprobs: bool = False,
+        host: HostRows | None = None,  # the rows and anchor positions on the host (layers/attention.py)
     ) -> Proposal:
-        logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, num_draft)
+        logits = self._slot_logits(rows, features, context, anchors, anchor_positions, num_draft, host)
         draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
         logprobs = None
         if with_logprobs:  # before sampled rows replace their argmax: theirs are not argmax drafts
@@ -101,25 +102,26 @@ class DFlashProposer:
         self,
         rows: torch.Tensor,
         features: torch.Tensor,
-        feature_positions: torch.Tensor,
+        context: AttentionMetadata | None,
         anchors: torch.Tensor,
         anchor_positions: torch.Tensor,
         depth: int,
         nodes: int,
         branches: list[list[tuple[int, float]]] | None = None,
         width: int = 4,
+        host: HostRows | None = None,
     ) -> DraftTree:
         """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` likeliest of
         the paths through each slot's `width` most likely tokens and of the prefixes of the row's branch, where
         given (spec/draft_tree.py build_tree)."""
-        logits = self._slot_logits(rows, features, feature_positions, anchors, anchor_positions, depth)
+        logits = self._slot_logits(rows, features, context, anchors, anchor_positions, depth, host)
         width = min(width, nodes, logits.shape[-1])
         top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)
         tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
         # a shallow block (the scheduler shortens K near a request's end) holds fewer paths
         return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)), branches)
 
-    def _slot_logits(self, rows, features, feature_positions, anchors, anchor_positions, num_draft) -> torch.Tensor:
+    def _slot_logits(self, rows, features, context, anchors, anchor_positions, num_draft, host=None) -> torch.Tensor:
         """The drafter's step: [B, num_draft, V] logits of block slots 1..num_draft (over the draft vocabulary
         when there is one)."""
         if not 1 <= num_draft <= self.max_draft_len:
@@ -131,11 +133,9 @@ class DFlashProposer:
         positions = anchor_positions[:, None] + offsets  # [B, K + 1]
         block = torch.full_like(positions, self.mask_token_id)
         block[:, 0] = anchors
-        meta = AttentionMetadata.block_step(rows, positions, anchor_positions + num_draft + 1)
+        meta = AttentionMetadata.block_step(rows, positions, anchor_positions + num_draft + 1, host)
         embeds = F.embedding(block, self.embed_weight)
         if d.config.input_embedding_scale != 1.0:
             embeds = embeds * d.config.input_embedding_scale
-        # no context meta where every row's context went into the cache alone (engine/model_runner.py _pending_batch)
-        context = AttentionMetadata.causal_step(rows, feature_positions) if feature_positions.shape[1] else None
         hidden = d.draft(features, context, embeds, meta, self.cache)
         return d.compute_logits(hidden[:, 1:], self.lm_head)  # slot j predicts position anchor + j

@@ -1,12 +1,16 @@
 """attend(): the grouped CPU path (one query per row at 3+ rows) and the SDPA path equal torch's SDPA
-(the oracle) in fp32, over cache views, with and without masks; cached_attention's bucketed key reads."""
+(the oracle) in fp32, over cache views, with and without masks; cached_attention's bucketed key reads; metadata
+built from the host's copies equals metadata read from the tensors."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import KEY_BUCKET, AttentionMetadata, _attend_grouped, _takes_grouped_path, attend, cached_attention
+from dflash_trt.layers.attention import (KEY_BUCKET, AttentionMetadata, HostRows, _attend_grouped, _takes_grouped_path,
+                                         attend, cached_attention)
 
 
 @pytest.mark.parametrize("b, n, t, mask_q", [(4, 1, 9, None), (2, 1, 300, None), (3, 4, 12, 4), (3, 4, 12, 1), (8, 1, 7, 1),
@@ -154,3 +158,38 @@ def test_cuda_attention_takes_no_cudnn_plan_and_equals_the_math_reference():
             want = F.scaled_dot_product_attention(q.detach().float(), k.float(), v.float(), attn_mask=mask, scale=0.125,
                                                   enable_gqa=True)
         torch.testing.assert_close(out.float(), want.transpose(1, 2).reshape(3, 8, -1), atol=2e-2, rtol=2e-2)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_metadata_from_the_hosts_copies_equals_metadata_read_from_the_tensors(data):
+    """Causal steps (prefill chunks clamped below the cache's end, decodes, chain verifies), drafter blocks and tree
+    verifies: the same key count, row slice and masks (windows, keys read in buckets past the step's) either way."""
+    b = data.draw(st.integers(1, 4))
+    slots = data.draw(st.sampled_from([list(range(s, s + b)) for s in range(3)] + [
+        data.draw(st.permutations(range(6)))[:b]]))
+    starts = data.draw(st.lists(st.integers(0, 20), min_size=b, max_size=b))
+    if data.draw(st.booleans()):
+        starts = [starts[0]] * b
+    q = data.draw(st.integers(1, 5))
+    kind = data.draw(st.sampled_from(["causal", "block", "tree"]))
+    limit = data.draw(st.integers(2, 26)) if kind == "causal" and data.draw(st.booleans()) else None
+    rows, first = torch.tensor(slots), torch.tensor(starts)
+    positions = first[:, None] + torch.arange(q)
+    if limit is not None:
+        positions = positions.clamp_max(limit - 1)
+    host = HostRows(slots, starts, limit)
+    if kind == "causal":
+        metas = [AttentionMetadata.causal_step(rows, positions, h) for h in (None, host)]
+    elif kind == "block":
+        metas = [AttentionMetadata.block_step(rows, positions, first + q, h) for h in (None, host)]
+    else:
+        depths = torch.tensor([[0] + [1 + j // 2 for j in range(q - 1)]] * b)
+        ancestors = torch.tensor([[(1 << (j + 1)) - 1 for j in range(q)]] * b)  # a chain's: every earlier node
+        metas = [AttentionMetadata.tree_step(rows, first, depths, ancestors, h) for h in (None, host)]
+    read, given_ = metas
+    assert given_.kv_len == read.kv_len and given_.row_slice == read.row_slice
+    window = data.draw(st.sampled_from([None, 1, 3, 8, 30]))
+    for extra in (0, data.draw(st.integers(1, 9))):
+        want, got = read.mask(window, kv_len=read.kv_len + extra), given_.mask(window, kv_len=read.kv_len + extra)
+        assert (want is None) == (got is None) and (want is None or torch.equal(want, got))

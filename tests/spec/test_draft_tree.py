@@ -95,7 +95,7 @@ def test_acceptance_follows_the_targets_choices_as_deep_as_the_tree_allows(data)
     # choices drawn among the tree's own tokens (so paths do continue) and a token no node has
     pool = sorted(set(tree.tokens.flatten().tolist())) + [99]
     choices = torch.tensor([[data.draw(st.sampled_from(pool)) for _ in range(n)] for _ in range(2)])
-    assert accept_tree(tree, choices) == _accept_by_search(tree, choices)
+    assert accept_tree(tree, choices.tolist()) == _accept_by_search(tree, choices)
 
 
 def test_a_tree_holds_at_most_the_paths_its_slots_allow():
@@ -150,7 +150,7 @@ def test_a_likely_branch_takes_the_drafters_least_likely_nodes_and_shares_the_re
     node77 = next(j for j in range(6) if int(tree.tokens[0, j]) == 77)
     node78 = next(j for j in range(6) if int(tree.tokens[0, j]) == 78)
     choices[0, 0], choices[0, 1], choices[0, node77], choices[0, node78] = top0, 77, 78, 5
-    assert accept_tree(tree, choices)[0] == [0, 1, node77, node78]
+    assert accept_tree(tree, choices.tolist())[0] == [0, 1, node77, node78]
 
 
 def test_common_prefix_counts_leading_agreement():

@@ -50,7 +50,7 @@ def _drafts(tiny_dirs, vocab, k=7):
     proposer = DFlashProposer(drafter, target.embed_tokens.weight, target.lm_head_forward, 4, 64,
                               target.lm_head_weight, vocab)
     anchors = torch.randint(3, 90, (4,), generator=g)
-    return proposer.propose(rows, features, meta.positions, anchors, torch.full((4,), 12), k).draft_tokens
+    return proposer.propose(rows, features, meta, anchors, torch.full((4,), 12), k).draft_tokens
 
 
 def test_drafts_are_the_full_heads_argmax_restricted_to_the_vocabulary(tiny_dirs):
