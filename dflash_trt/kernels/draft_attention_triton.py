@@ -3,9 +3,12 @@
 One program per (row, kv head, context split) packs that kv head's GROUPS query heads x Q block slots
 into one M = GROUPS * Q tile, so each context K/V tile is read once per kv head (GQA packing, as in
 flash-decoding). The context is streamed in BLOCK_N tiles with an online softmax; the block's own
-K/V form one more tile, handled by the last split. With NUM_SPLITS > 1 (few rows, long contexts)
+K/V form one more tile, handled by the last split. With num_splits > 1 (few rows, long contexts)
 the splits write partial (acc, max, sum) and `_combine_kernel` merges them (and the sinks).
-Non-constexpr arguments are ordered inputs, scalars, outputs, as TensorRT AOT plugins launch them.
+Non-constexpr arguments are ordered inputs, scalars, outputs, as TensorRT AOT plugins launch them. The block length
+and the split count are runtime scalars, not constants: the torch op launches every draft length a schedule and a
+request's end give it and a split count per batch size, and Triton compiles a kernel per set of constants, mid-serving
+(the AOT plugin bakes them in as constants all the same).
 """
 
 from __future__ import annotations
@@ -48,12 +51,11 @@ def draft_attention_kernel(
     s_kbb, s_kbq, s_kbh,  # k_block / v_block [B, Q, KVH, D]
     s_kcr, s_kch, s_kcs,  # k_cache / v_cache [R, KVH, S, D]
     s_ob, s_oq, s_oh,  # out [B, Q, H, D]
-    qk_scale, window,  # scale * log2(e); window 0 = none
+    qk_scale, window, q_len, num_splits,  # scale * log2(e); window 0 = none; block slots; context splits
     OUT, ML,  # outputs: OUT, or with splits partial acc [B, H, S, Q, D] and ML [B, H, S, Q, 2] (float32)
-    KVH: tl.constexpr, GROUPS: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KVH: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -63,9 +65,9 @@ def draft_attention_kernel(
     ctx = tl.load(CTX + b).to(tl.int32)
 
     offs_m = tl.arange(0, BLOCK_M)
-    g = offs_m // Q_LEN  # query head within the group
-    j = offs_m % Q_LEN  # block slot
-    m_valid = offs_m < GROUPS * Q_LEN
+    g = offs_m // q_len  # query head within the group
+    j = offs_m % q_len  # block slot
+    m_valid = offs_m < GROUPS * q_len
     h = kvh * GROUPS + g
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -85,7 +87,7 @@ def draft_attention_kernel(
         lo = tl.maximum(ctx + 1 - window, 0)
     else:
         lo = ctx * 0
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
     kc_base = KC + row * s_kcr + kvh * s_kch
@@ -103,9 +105,9 @@ def draft_attention_kernel(
             k = k.to(tl.float32)
         m_i, l_i, acc = _tile_update(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32)
 
-    if split == NUM_SPLITS - 1:  # the block's own K/V, at positions ctx + i
+    if split == num_splits - 1:  # the block's own K/V, at positions ctx + i
         offs_i = tl.arange(0, BLOCK_Q)
-        i_valid = offs_i < Q_LEN
+        i_valid = offs_i < q_len
         kv_mask = i_valid[:, None] & d_valid[None, :]
         kb_off = b * s_kbb + offs_i[:, None] * s_kbq + kvh * s_kbh + offs_d[None, :]
         k = tl.load(KB + kb_off, mask=kv_mask, other=0.0)
@@ -121,7 +123,7 @@ def draft_attention_kernel(
             k = k.to(tl.float32)
         m_i, l_i, acc = _tile_update(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32)
 
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         if HAS_SINKS:
             sink = tl.load(SINKS + h, mask=m_valid, other=0.0).to(tl.float32) * 1.4426950408889634
             m_f = tl.maximum(m_i, sink)
@@ -131,35 +133,34 @@ def draft_attention_kernel(
         o_ptr = OUT + b * s_ob + j[:, None] * s_oq + h[:, None] * s_oh + offs_d[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
     else:
-        # partials [B, H, NUM_SPLITS, Q_LEN, D] and [B, H, NUM_SPLITS, Q_LEN, 2]
-        base = ((b * (KVH * GROUPS) + h) * NUM_SPLITS + split) * Q_LEN + j
-        tl.store(OUT + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+        # partials [B, H, num_splits, q_len, D] and [B, H, num_splits, q_len, 2]; OUT is the fp32 acc here
+        base = ((b * (KVH * GROUPS) + h) * num_splits + split) * q_len + j
+        tl.store(OUT + base[:, None] * BLOCK_D + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=m_valid[:, None])
         tl.store(ML + base * 2, m_i, mask=m_valid)
         tl.store(ML + base * 2 + 1, l_i, mask=m_valid)
 
 
 @triton.jit
 def _combine_kernel(
-    ACC, ML, SINKS, OUT, s_ob, s_oq, s_oh,
-    H: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ACC, ML, SINKS, OUT, s_ob, s_oq, s_oh, q_len, num_splits,
+    H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * H + h
     b = pid // H
     h = pid % H
     offs_j = tl.arange(0, BLOCK_Q)
-    j_valid = offs_j < Q_LEN
+    j_valid = offs_j < q_len
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BLOCK_Q], -1.0e30, tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(ML + ((pid * NUM_SPLITS + s) * Q_LEN + offs_j) * 2, mask=j_valid, other=-1.0e30))
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(ML + ((pid * num_splits + s) * q_len + offs_j) * 2, mask=j_valid, other=-1.0e30))
     if HAS_SINKS:
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
     l_tot = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
-        base = (pid * NUM_SPLITS + s) * Q_LEN + offs_j
+    for s in range(num_splits):
+        base = (pid * num_splits + s) * q_len + offs_j
         m_s = tl.load(ML + base * 2, mask=j_valid, other=-1.0e30)
         l_s = tl.load(ML + base * 2 + 1, mask=j_valid, other=0.0)
         w = tl.exp2(m_s - m)
@@ -229,16 +230,16 @@ def draft_attention_triton(
         k_block.stride(0), k_block.stride(1), k_block.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, n, splits,
         acc, ml,
-        KVH=kvh, GROUPS=groups, Q_LEN=n, HEAD_DIM=d,
+        KVH=kvh, GROUPS=groups, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n or (64 if q.is_cuda else 16), BLOCK_Q=_pow2(n), BLOCK_D=block_d,
-        NUM_SPLITS=splits, CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, DOT_FP32=q.dtype == torch.float32,
+        CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, DOT_FP32=q.dtype == torch.float32,
         num_warps=8 if big else 4,
     )
     if splits > 1:
         _combine_kernel[(b * h,)](
-            acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1), out.stride(2),
-            H=h, Q_LEN=n, HEAD_DIM=d, BLOCK_Q=_pow2(n), BLOCK_D=block_d, NUM_SPLITS=splits, HAS_SINKS=sinks is not None,
+            acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1), out.stride(2), n, splits,
+            H=h, HEAD_DIM=d, BLOCK_Q=_pow2(n), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         )
     return out

@@ -1,7 +1,7 @@
 """TensorRT AOT Python plugin `dflash::draft_attention` over dflash_trt/kernels/draft_attention_triton.py.
 
 The same Triton kernel the torch op launches, compiled to PTX with the layer's constants (heads, block
-size, head dim, scale, causal, window) baked in, one context split (NUM_SPLITS = 1: a single kernel).
+size, head dim, scale, causal, window) baked in, one context split (num_splits = 1: a single kernel).
 Inputs must be contiguous in the layouts of plugins/draft_attention/README.md. `import tensorrt`
 happens in `register()` only. Oracle: dflash_trt.kernels.draft_attention.draft_attention_ref.
 """
@@ -28,9 +28,9 @@ def compile_kernel(dtype: str, heads: int, kv_heads: int, q_len: int, head_dim: 
     types.update({s: "i32" for s in ("s_qb", "s_qq", "s_qh", "s_kbb", "s_kbq", "s_kbh", "s_kcr", "s_kch", "s_kcs",
                                      "s_ob", "s_oq", "s_oh")})
     constexprs = dict(
-        qk_scale=scale * _LOG2E, window=window, ML=None,
-        KVH=kv_heads, GROUPS=groups, Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_Q=_pow2(q_len), BLOCK_D=block_d, NUM_SPLITS=1, CAUSAL=causal, HAS_WINDOW=window > 0,
+        qk_scale=scale * _LOG2E, window=window, q_len=q_len, num_splits=1, ML=None,
+        KVH=kv_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_Q=_pow2(q_len), BLOCK_D=block_d, CAUSAL=causal, HAS_WINDOW=window > 0,
         HAS_SINKS=has_sinks, DOT_FP32=dtype == "float32",
     )
     return compile_ptx(draft_attention_kernel, types, constexprs, arch, num_warps=8 if block_m * block_d >= 8192 else 4)

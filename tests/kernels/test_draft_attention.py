@@ -152,3 +152,32 @@ def test_kernel_reads_context_lengths_and_rows_given_as_strided_views(triton_dev
     got = draft_attention_triton(q, kb, vb, kc, vc, rows_view, positions[:, 0], 0.25)
     want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class _Launches:
+    """Stands in for a @triton.jit kernel: records each launch's compile-time constants, runs nothing."""
+
+    def __init__(self) -> None:
+        self.constants: set[tuple] = set()
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.constants.add(tuple(sorted(constexprs.items())))
+
+
+def test_the_torch_ops_launches_compile_once_per_tile_size_not_per_draft_length_or_split_count(monkeypatch):
+    """Triton compiles a kernel per set of compile-time constants, on first launch: the engine launches every draft
+    length its schedule and requests' ends give (1..K + 1 slots) and a split count per batch size, mid-serving. Only
+    the tiles (powers of two) may vary with them."""
+    pytest.importorskip("triton", reason="the `kernels` extra (triton==3.7.1) is not installed")
+    from dflash_trt.kernels import draft_attention_triton as module
+
+    split, combine = _Launches(), _Launches()
+    monkeypatch.setattr(module, "draft_attention_kernel", split)
+    monkeypatch.setattr(module, "_combine_kernel", combine)
+    tiles = set()
+    for n in range(1, 16):
+        for splits in (1, 2, 3, 7, 32):
+            module.draft_attention_triton(*_inputs(1, n, 1, 2, 16, [40]), 0.25, num_splits=splits)
+        tiles.add(max(16, 1 << (2 * n - 1).bit_length()))  # BLOCK_M: the group's 2 heads x n slots, a power of two
+    assert len(split.constants) == len(tiles) == 2
+    assert len(combine.constants) == 1

@@ -38,11 +38,11 @@ from dflash_trt.kernels.draft_attention_triton import _combine_kernel, draft_att
 t = {n: "*fp32" for n in ("Q", "KB", "VB", "KC", "VC", "SINKS", "OUT", "ML", "ACC")}
 t.update({"ROWS": "*i64", "CTX": "*i64", "qk_scale": "fp32", "window": "i32"})
 t.update({n: "i32" for n in ("s_qb", "s_qq", "s_qh", "s_kbb", "s_kbq", "s_kbh", "s_kcr", "s_kch", "s_kcs", "s_ob", "s_oq", "s_oh")})
-c = dict(KVH=2, GROUPS=4, Q_LEN=8, HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64, BLOCK_Q=16, BLOCK_D=64, NUM_SPLITS=3,
+t.update({"q_len": "i32", "num_splits": "i32"})  # runtime in the torch op's launches
+c = dict(KVH=2, GROUPS=4, HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64, BLOCK_Q=16, BLOCK_D=64,
          CAUSAL=True, HAS_WINDOW=True, HAS_SINKS=True, DOT_FP32=True)
 out["split"] = params(compile_ptx(draft_attention_kernel, t, c))
-out["combine"] = params(compile_ptx(_combine_kernel, t, dict(H=8, Q_LEN=8, HEAD_DIM=64, BLOCK_Q=16, BLOCK_D=64,
-                                                               NUM_SPLITS=3, HAS_SINKS=True)))
+out["combine"] = params(compile_ptx(_combine_kernel, t, dict(H=8, HEAD_DIM=64, BLOCK_Q=16, BLOCK_D=64, HAS_SINKS=True)))
 print(json.dumps(out))
 """
 
