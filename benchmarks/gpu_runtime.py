@@ -1,0 +1,162 @@
+"""The torch runtime's decoding step on a GPU: milliseconds and host syncs a step, plain and speculative, by batch size.
+
+No checkpoint is needed (the device machine reaches no network and a device call carries 64 MiB): the target and
+the drafter are built from the bundled configs (dflash_trt/model_configs, Qwen3-8B and z-lab's Qwen3-8B-DFlash-b16
+drafter) with random weights on the device. What random weights leave meaningless is acceptance: speculative steps
+are timed as steps (a chain of K drafts, a tree of N nodes), whatever they accept, with the schedule and the adaptive
+mode off. Host syncs are counted by torch's CUDA sync debug mode (each one waits for every kernel queued before it:
+the host can no longer run ahead of the GPU).
+
+    python benchmarks/gpu_runtime.py [--batches 1,8,32] [--k 7] [--tree-nodes 6] [--steps 24] [--out NAME]
+    python benchmarks/gpu_runtime.py --device cpu --model smoke   # a dry run of the script itself, small shapes
+
+Writes benchmarks/results/NAME.json (default gpu_runtime_<gpu>). Several minutes at most on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import record  # noqa: E402
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from dflash_trt.models.config import decoder_config_from_dict  # noqa: E402
+from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from dflash_trt.models.registry import TARGET_ARCHITECTURES  # noqa: E402
+from dflash_trt.sampling_params import SamplingParams  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent.parent / "dflash_trt" / "model_configs"
+SMOKE = {  # a few layers of the same families, for a dry run on the CPU
+    "target": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+               "tie_word_embeddings": False},
+    "drafter": {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16, "num_target_layers": 4,
+                "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 2]}, "num_hidden_layers": 2,
+                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                "rope_theta": 1e6},
+}
+
+
+def _random(model: torch.nn.Module, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    model = model.to(dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def build(model: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, DFlashDrafter]:
+    if model == "smoke":
+        target_raw, drafter_raw = SMOKE["target"], SMOKE["drafter"]
+    else:
+        target_raw = json.loads((CONFIGS / "qwen3-8b.json").read_text())
+        drafter_raw = json.loads((CONFIGS / "qwen3-8b-dflash-b16.json").read_text())
+    cfg = decoder_config_from_dict(target_raw, "target config")
+    dcfg = DFlashConfig.from_dict(drafter_raw, "drafter config")
+    dcfg.check_pairing(cfg, "drafter config")
+    with torch.device("meta"):
+        target, drafter = TARGET_ARCHITECTURES[cfg.architecture](cfg), DFlashDrafter(dcfg)
+    return _random(target, device, dtype, 0), _random(drafter, device, dtype, 1)
+
+
+class SyncCounter:
+    """Counts the synchronizing CUDA calls torch warns of in sync debug mode ("warn")."""
+
+    def __init__(self, device: str) -> None:
+        self.on = device.startswith("cuda")
+        self.count = 0
+
+    def __enter__(self):
+        if self.on:
+            self._catch = warnings.catch_warnings(record=True)
+            self._seen = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")
+            self.count = sum("synchroniz" in str(w.message) for w in self._seen)
+            self._catch.__exit__(*exc)
+
+
+def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, steps: int, prompt_len: int,
+               **config) -> dict:
+    """Median ms a step and host syncs a step while `batch` requests decode together, after their prompts."""
+    engine = LLMEngine(target, None, drafter, EngineConfig(
+        max_batch_size=batch, max_model_len=prompt_len + 4 * steps + 64, device=device, dtype=str(dtype)[6:],
+        draft_len_schedule={}, adaptive_draft_len=False, **config))
+    g = torch.Generator().manual_seed(batch)
+    vocab = target.config.vocab_size
+    params = SamplingParams(max_new_tokens=4 * steps, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+    for _ in range(4):  # prompts, then warm steps (kernels compiled, caches grown)
+        engine.step()
+    times, syncs = [], []
+    for _ in range(steps):
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        with SyncCounter(device) as counter:
+            engine.step()
+            sync()
+        times.append((time.perf_counter() - start) * 1e3)
+        syncs.append(counter.count)
+    del engine
+    return {"batch": batch, "ms_per_step": round(statistics.median(times), 3),
+            "syncs_per_step": statistics.median(syncs) if device.startswith("cuda") else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", choices=["qwen3-8b", "smoke"], default="qwen3-8b")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--tree-nodes", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device (use --device cpu --model smoke for a dry run)", file=sys.stderr)
+        sys.exit(2)
+    dtype = torch.bfloat16
+    target, drafter = build(args.model, args.device, dtype)
+    systems = {
+        "plain": dict(speculative=False),
+        f"chain K={args.k}": dict(max_draft_len=args.k),
+        f"tree K={args.k} nodes={args.tree_nodes}": dict(max_draft_len=args.k, draft_tree={1: args.tree_nodes}),
+    }
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for name, config in systems.items():
+            row = {"system": name, **time_steps(target, drafter if name != "plain" else None, args.device, dtype,
+                                                batch, args.steps, args.prompt_len, **config)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    gpu = torch.cuda.get_device_name().split()[-1].lower() if args.device.startswith("cuda") else "cpu"
+    path = record(args.out or f"gpu_runtime_{gpu}", {"model": args.model, "dtype": "bfloat16", "prompt_len":
+                                                     args.prompt_len, "steps": args.steps, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
