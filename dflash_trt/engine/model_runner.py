@@ -23,7 +23,7 @@ from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, HostRows, round_up
 from dflash_trt.layers.penalties import penalize
-from dflash_trt.layers.sampler import sample_from, sampling_probs
+from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
 from dflash_trt.spec.proposer import DFlashProposer, DraftSampling
@@ -97,21 +97,30 @@ class ModelRunner:
     def _host(seqs: list[Sequence], starts: list[int], limit: int | None = None) -> HostRows:
         return HostRows([s.slot for s in seqs], starts, limit)
 
-    def _params(self, seqs: list[Sequence]):
+    @staticmethod
+    def _settings(seqs: list[Sequence]) -> tuple[list[float], list[int], list[float]]:
+        """Each row's temperature, top-k and top-p."""
         p = [s.params for s in seqs]
+        return [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p]
+
+    def _params(self, seqs: list[Sequence]):
+        t, k, p = self._settings(seqs)
         dev = self.device
         return (
-            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
-            torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
-            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
+            torch.tensor(t, dtype=torch.float32, device=dev),
+            torch.tensor(k, dtype=torch.long, device=dev),
+            torch.tensor(p, dtype=torch.float32, device=dev),
         )
+
+    def _sampling_probs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, *self._params(seqs), **known_flags(*self._settings(seqs), logits.shape[-1]))
 
     def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
         if all(s.params.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
         logits = self._penalized(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
-        probs = sampling_probs(logits, *self._params(seqs))[:, 0]
+        probs = self._sampling_probs(seqs, logits)[:, 0]
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
 
     def _uniforms(self, seqs: list[Sequence], n: int) -> torch.Tensor:
@@ -303,7 +312,7 @@ class ModelRunner:
         if sampled:  # none where every row is greedy and some penalized
             u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
         logits = self._penalized(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
-        probs = sampling_probs(logits, *self._params(seqs))  # greedy rows: one-hot
+        probs = self._sampling_probs(seqs, logits)  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, tree.depths))
 
     @staticmethod
@@ -397,7 +406,8 @@ class ModelRunner:
             return None
         sub = [seqs[i] for i in idx]
         t, k, p = self._params(sub)
-        return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub])
+        return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub],
+                             self._settings(sub))
 
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
         """All rows in one `dflash::verify_block`; each sampled row takes K + 1 uniforms (`_uniforms`)."""

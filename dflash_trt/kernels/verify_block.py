@@ -31,16 +31,25 @@ def target_probs(
     temperature: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None = None,
 ) -> torch.Tensor | None:  # [B, K + 1, V] float32 (zero rows for GREEDY), None when every row is greedy
-    """The sampler's distributions, one call per rule's rows as the runtime has always grouped them."""
-    if not bool((modes != GREEDY).any()):
+    """The sampler's distributions of the sampled rows, all in one call (row by row what plain decoding's sampler
+    gives). What the host must know of the batch is read back in one go: on a GPU every read waits for the queued
+    kernels. Raises where REJECTION rows come without draft_probs."""
+    sampled = modes != GREEDY
+    vocab = target_logits.shape[-1]
+    truncated = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    any_sampled, truncates, zero_temperature, rejection = torch.stack([
+        sampled.any(), (sampled & truncated).any(), (sampled & (temperature <= 0)).any(), (modes == REJECTION).any(),
+    ]).tolist()
+    if rejection and draft_probs is None:
+        raise ValueError("verify_block: REJECTION rows need draft_probs [B, K, V]")
+    if not any_sampled:
         return None
-    probs = torch.zeros(target_logits.shape, dtype=torch.float32, device=target_logits.device)
-    for mode in (MATCH, REJECTION):
-        idx = (modes == mode).nonzero()[:, 0]
-        if idx.numel():
-            probs[idx] = sampling_probs(target_logits[idx], temperature[idx], top_k[idx], top_p[idx])
-    return probs
+    # GREEDY rows at temperature 1, then zeroed: their one-hots are not needed
+    probs = sampling_probs(target_logits, torch.where(sampled, temperature, 1.0), top_k, top_p, truncates,
+                           zero_temperature)
+    return torch.where(sampled[:, None, None], probs, 0.0)
 
 
 def verify_block_ref(
@@ -56,7 +65,7 @@ def verify_block_ref(
     b = draft_tokens.shape[0]
     num_accepted = torch.zeros(b, dtype=torch.long, device=draft_tokens.device)
     bonus = torch.zeros(b, dtype=torch.long, device=draft_tokens.device)
-    probs = target_probs(target_logits, modes, temperature, top_k, top_p)
+    probs = target_probs(target_logits, modes, temperature, top_k, top_p, draft_probs)
     for mode in (GREEDY, MATCH, REJECTION):
         idx = (modes == mode).nonzero()[:, 0]
         if not idx.numel():
@@ -68,8 +77,6 @@ def verify_block_ref(
         elif mode == MATCH:
             r = match_from_uniforms(draft_tokens[idx], probs[idx], uniforms[idx])
         else:
-            if draft_probs is None:
-                raise ValueError("verify_block: REJECTION rows need draft_probs [B, K, V]")
             r = rejection_from_uniforms(draft_tokens[idx], draft_probs[idx], probs[idx], uniforms[idx])
         num_accepted[idx], bonus[idx] = r.num_accepted, r.bonus
     return num_accepted, bonus

@@ -149,9 +149,7 @@ def verify_block_triton(
     b, k = draft_tokens.shape
     vocab = target_logits.shape[-1]
     logits = target_logits.contiguous()
-    probs = target_probs(logits, modes, temperature, top_k, top_p)  # the runtime's sampler, on sampled rows
-    if bool((modes == REJECTION).any()) and draft_probs is None:
-        raise ValueError("verify_block: REJECTION rows need draft_probs [B, K, V]")
+    probs = target_probs(logits, modes, temperature, top_k, top_p, draft_probs)  # the runtime's sampler, sampled rows
     probs = logits if probs is None else probs
     dprobs = (probs if draft_probs is None else draft_probs).contiguous()
     u = uniforms.to(torch.float32).contiguous()
@@ -161,8 +159,9 @@ def verify_block_triton(
     choice = torch.empty(b, k + 1, dtype=torch.int64, device=logits.device)
     num_accepted = torch.empty(b, dtype=torch.int64, device=logits.device)
     bonus = torch.empty(b, dtype=torch.int64, device=logits.device)
-    if not bool((modes == REJECTION).all()):  # rejection rows need no per-position choice
-        choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv, num_warps=8 if logits.is_cuda else 4)
+    # REJECTION rows need no per-position choice: their programs store 0 (no read to skip an all-REJECTION batch)
+    choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv,
+                              num_warps=8 if logits.is_cuda else 4)
     accept_kernel[(b,)](
         drafts, choice, probs, dprobs, u, modes, vocab, k, num_accepted, bonus,
         BLOCK_K=max(16, triton.next_power_of_2(k)), BLOCK_V=bv,

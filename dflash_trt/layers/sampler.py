@@ -15,19 +15,33 @@ import torch
 from dflash_trt.layers.argmax import argmax_last
 
 
+def known_flags(temperature: list[float], top_k: list[int], top_p: list[float], vocab: int) -> dict[str, bool]:
+    """sampling_probs' `truncates` and `any_greedy` for rows of these settings over `vocab` tokens, decided as its
+    float32 tensors decide them."""
+    return {"truncates": any(0 < k < vocab for k in top_k) or bool((np.float32(top_p) < 1.0).any()),
+            "any_greedy": bool((np.float32(temperature) <= 0).any())}
+
+
 def sampling_probs(
     logits: torch.Tensor,  # [B, T, V] float
     temperature: torch.Tensor,  # [B]; 0 means greedy: a one-hot at the argmax
     top_k: torch.Tensor,  # [B] long; 0 means off
     top_p: torch.Tensor,  # [B] float; 1.0 means off
+    truncates: bool | None = None,
+    any_greedy: bool | None = None,
 ) -> torch.Tensor:
+    """truncates / any_greedy: whether some row keeps only its top-k or top-p / has temperature 0, where the caller
+    knows them (known_flags; on a GPU a read of the tensors waits for every queued kernel); None: read from the
+    tensors."""
     logits = logits.float()
     greedy = temperature <= 0
     scores = logits / torch.where(greedy, 1.0, temperature)[:, None, None]
     vocab = scores.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    if bool(use_k.any()) or bool(use_p.any()):
+    if truncates is None:
+        truncates = bool((use_k | use_p).any())
+    if truncates:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=scores.device)
         k = torch.where(use_k, top_k, vocab)[:, None, None]
@@ -40,7 +54,9 @@ def sampling_probs(
         probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
     else:
         probs = torch.softmax(scores, dim=-1)
-    if bool(greedy.any()):
+    if any_greedy is None:
+        any_greedy = bool(greedy.any())
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, argmax_last(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt.layers.attention import AttentionMetadata, HostRows
-from dflash_trt.layers.sampler import sample_from, sampling_probs, uniform
+from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs, uniform
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import DraftTree, build_tree, max_nodes
 from dflash_trt.spec.draft_vocab import DraftHead
@@ -31,6 +31,7 @@ class DraftSampling:
     top_k: torch.Tensor  # [R]
     top_p: torch.Tensor  # [R]
     generators: list[torch.Generator]
+    settings: tuple[list[float], list[int], list[float]]  # temperature, top-k, top-p on the host
 
 
 @dataclass
@@ -87,7 +88,8 @@ class DFlashProposer:
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_tokens[..., None])[..., 0]
         draft_probs = None
         if sampling is not None and sampling.rows.numel():
-            draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p)
+            draft_probs = sampling_probs(logits[sampling.rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                         **known_flags(*sampling.settings, logits.shape[-1]))
             u = uniform(sampling.generators, num_draft, logits.device)
             draft_tokens[sampling.rows] = sample_from(draft_probs, u)
         if self.draft_vocab is not None:

@@ -2,7 +2,8 @@
 `t.cpu()`, ...) waits for every kernel queued before it, so the host cannot run ahead of the GPU.
 
 The torch path the runtime takes on CUDA runs here with the CPU kernels off; the drafter's block attention, a
-Triton kernel there that reads nothing back, runs uncounted through its torch reference."""
+Triton kernel there that reads nothing back, runs uncounted through its torch reference, and `dflash::verify_block`'s
+reference stands in for its Triton launch (both read the batch's sampling facts through target_probs, once)."""
 
 from contextlib import contextmanager
 
@@ -71,9 +72,10 @@ def reads(monkeypatch) -> DeviceReads:
     return DeviceReads(monkeypatch)
 
 
-def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, **cfg) -> tuple[list[int], str]:
-    """Each step's reads while `rows` requests decode together (after their prompts and a first step), and the
-    runner's step that ran."""
+def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, sampling: dict | None = None,
+                    **cfg) -> tuple[list[int], str]:
+    """Each step's reads while `rows` requests decode together (after their prompts and a first step), greedy or
+    sampled by `sampling` (SamplingParams fields), and the runner's step that ran."""
     config = EngineConfig(max_batch_size=rows, max_draft_len=3, pack_weights=False, screen_head=False, **cfg)
     target = load_target(tiny_dirs["qwen3"], config.torch_dtype)
     drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config, config.torch_dtype)
@@ -87,7 +89,7 @@ def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, **cfg) -> tuple[li
             return _real(*args, **kwargs)
         setattr(engine.runner, kind, step)
     g = torch.Generator().manual_seed(5)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **(sampling or {}))
     for _ in range(rows):
         engine.add_request(torch.randint(3, 90, (9,), generator=g).tolist(), params)
     while len(kinds) < 2:  # prompts, a first step (the rotary table grows once)
@@ -101,9 +103,14 @@ def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, **cfg) -> tuple[li
     return counts, kinds[-1]
 
 
+MATCH = {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+REJECTION = {"temperature": 0.8, "top_k": 20, "seed": 1, "acceptance": "rejection"}
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_plain_step_reads_its_tokens_alone(tiny_dirs, reads, rows):
-    counts, kind = _reads_per_step(tiny_dirs, reads, rows, speculative=False)
+@pytest.mark.parametrize("sampling", [None, MATCH])
+def test_a_plain_step_reads_its_tokens_alone(tiny_dirs, reads, rows, sampling):
+    counts, kind = _reads_per_step(tiny_dirs, reads, rows, sampling, speculative=False)
     assert kind == "decode_step" and set(counts) == {1}
 
 
@@ -113,7 +120,14 @@ def test_a_chain_step_reads_its_emitted_tokens_alone(tiny_dirs, reads, rows):
     assert kind == "spec_step" and set(counts) == {1}
 
 
-def test_a_tree_step_reads_the_drafters_choices_and_the_targets(tiny_dirs, reads):
-    counts, kind = _reads_per_step(tiny_dirs, reads, 1, draft_tree={1: 5})
+@pytest.mark.parametrize("sampling", [MATCH, REJECTION])
+def test_a_sampled_chain_step_reads_what_the_batch_samples_by_and_its_emitted_tokens(tiny_dirs, reads, sampling):
+    counts, kind = _reads_per_step(tiny_dirs, reads, 3, sampling)
+    assert kind == "spec_step" and set(counts) == {2}
+
+
+@pytest.mark.parametrize("sampling", [None, MATCH])
+def test_a_tree_step_reads_the_drafters_choices_and_the_targets(tiny_dirs, reads, sampling):
+    counts, kind = _reads_per_step(tiny_dirs, reads, 1, sampling, draft_tree={1: 5})
     assert kind == "tree_step" and set(counts) == {2}
 

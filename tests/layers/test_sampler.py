@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.layers.sampler import PositionalUniforms
+from dflash_trt.layers.sampler import PositionalUniforms, known_flags, sampling_probs
 
 
 def _reference(seed: int, n: int) -> np.ndarray:
@@ -44,3 +45,17 @@ def test_the_derived_seed_fits_a_torch_generator(seed):
     s = u.derived_seed()
     assert 0 <= s < 2**63 and s == u.derived_seed() == PositionalUniforms(seed).derived_seed()
     torch.Generator().manual_seed(s)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(rows=st.lists(st.tuples(st.sampled_from([0.0, 1e-46, 0.5, 1.0]), st.sampled_from([0, 1, 5, 32, 40]),
+                               st.sampled_from([1.0, 1.0 - 1e-9, 0.9, 0.5])), min_size=1, max_size=4))
+def test_flags_known_on_the_host_give_the_distributions_read_from_the_tensors(rows):
+    """known_flags decides truncation and greedy rows as sampling_probs' float32 tensors do (a temperature or top-p
+    that rounds to 0 or 1 in float32 included), so passing them changes nothing."""
+    temperature, top_k, top_p = (list(c) for c in zip(*rows))
+    logits = torch.randn(len(rows), 3, 32, generator=torch.Generator().manual_seed(len(rows)))
+    tensors = (torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k),
+               torch.tensor(top_p, dtype=torch.float32))
+    want = sampling_probs(logits, *tensors)
+    assert torch.equal(sampling_probs(logits, *tensors, **known_flags(temperature, top_k, top_p, 32)), want)
