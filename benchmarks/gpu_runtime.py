@@ -110,13 +110,13 @@ def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, ste
     for _ in range(4):  # prompts, then warm steps (kernels compiled, caches grown)
         engine.step()
     times, syncs = [], []
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(steps):
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         sync()
         start = time.perf_counter()
-        with SyncCounter(device) as counter:
+        with SyncCounter(device) as counter:  # the step's own syncs, not the timer's
             engine.step()
-            sync()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
         syncs.append(counter.count)
     del engine
