@@ -41,6 +41,7 @@ def sampling_probs(
     use_p = top_p < 1.0
     if truncates is None:
         truncates = bool((use_k | use_p).any())
+    probs = torch.softmax(scores, dim=-1)
     if truncates:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=scores.device)
@@ -51,9 +52,10 @@ def sampling_probs(
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None, None]
         sorted_probs = sorted_probs * keep
         sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-        probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    else:
-        probs = torch.softmax(scores, dim=-1)
+        truncated = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+        # Only rows that truncate take the sorted path: there a float32 cumsum reaching 1 early would drop a tail
+        # of tokens, so a row's distribution would depend on what else shared its batch.
+        probs = torch.where((use_k | use_p)[:, None, None], truncated, probs)
     if any_greedy is None:
         any_greedy = bool(greedy.any())
     if any_greedy:

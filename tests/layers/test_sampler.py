@@ -59,3 +59,19 @@ def test_flags_known_on_the_host_give_the_distributions_read_from_the_tensors(ro
                torch.tensor(top_p, dtype=torch.float32))
     want = sampling_probs(logits, *tensors)
     assert torch.equal(sampling_probs(logits, *tensors, **known_flags(temperature, top_k, top_p, 32)), want)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.lists(st.tuples(st.sampled_from([0.0, 0.6, 1.0]), st.sampled_from([0, 3, 20]),
+                               st.sampled_from([1.0, 0.8])), min_size=2, max_size=4))
+def test_a_rows_distribution_depends_on_its_own_settings_alone(rows):
+    """Each row of a batch gets the distribution it gets alone, to the bit, whatever the other rows truncate (the
+    same request then samples the same tokens however it is batched). A wide, flat vocabulary, where a float32 cumsum
+    reaches 1 before the last token."""
+    temperature, top_k, top_p = (list(c) for c in zip(*rows))
+    logits = 3 * torch.randn(len(rows), 2, 150_000, generator=torch.Generator().manual_seed(len(rows)))
+    tensors = (torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p))
+    batch = sampling_probs(logits, *tensors)
+    for i in range(len(rows)):
+        alone = sampling_probs(logits[i : i + 1], *(t[i : i + 1] for t in tensors))
+        assert torch.equal(batch[i : i + 1], alone)
