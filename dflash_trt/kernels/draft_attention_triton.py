@@ -44,7 +44,9 @@ def _tile_update(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constex
     return m_new, l_i, acc
 
 
-@triton.jit
+# Triton would still compile a kernel apart for an int argument equal to 1 or divisible by 16 (K = 15, 16 or 32
+# splits): not these two.
+@triton.jit(do_not_specialize=["q_len", "num_splits"])
 def draft_attention_kernel(
     Q, KB, VB, KC, VC, ROWS, CTX, SINKS,  # inputs
     s_qb, s_qq, s_qh,  # q [B, Q, H, D] (unit stride on D)
@@ -135,12 +137,12 @@ def draft_attention_kernel(
     else:
         # partials [B, H, num_splits, q_len, D] and [B, H, num_splits, q_len, 2]; OUT is the fp32 acc here
         base = ((b * (KVH * GROUPS) + h) * num_splits + split) * q_len + j
-        tl.store(OUT + base[:, None] * BLOCK_D + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=m_valid[:, None])
+        tl.store(OUT + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
         tl.store(ML + base * 2, m_i, mask=m_valid)
         tl.store(ML + base * 2 + 1, l_i, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "num_splits"])
 def _combine_kernel(
     ACC, ML, SINKS, OUT, s_ob, s_oq, s_oh, q_len, num_splits,
     H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,

@@ -167,7 +167,7 @@ class _Launches:
 def test_the_torch_ops_launches_compile_once_per_tile_size_not_per_draft_length_or_split_count(monkeypatch):
     """Triton compiles a kernel per set of compile-time constants, on first launch: the engine launches every draft
     length its schedule and requests' ends give (1..K + 1 slots) and a split count per batch size, mid-serving. Only
-    the tiles (powers of two) may vary with them."""
+    the tiles (powers of two) may vary with them (nor does Triton specialize the two ints: tests/plugins)."""
     pytest.importorskip("triton", reason="the `kernels` extra (triton==3.7.1) is not installed")
     from dflash_trt.kernels import draft_attention_triton as module
 

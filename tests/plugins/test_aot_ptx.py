@@ -43,6 +43,7 @@ c = dict(KVH=2, GROUPS=4, HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64, BLOCK_Q=16, BLOCK
          CAUSAL=True, HAS_WINDOW=True, HAS_SINKS=True, DOT_FP32=True)
 out["split"] = params(compile_ptx(draft_attention_kernel, t, c))
 out["combine"] = params(compile_ptx(_combine_kernel, t, dict(H=8, HEAD_DIM=64, BLOCK_Q=16, BLOCK_D=64, HAS_SINKS=True)))
+out["not_specialized"] = [[p.name for p in k.params if p.do_not_specialize] for k in (draft_attention_kernel, _combine_kernel)]
 print(json.dumps(out))
 """
 
@@ -68,6 +69,12 @@ def test_draft_attention_ptx_takes_inputs_strides_output_in_tensorrt_order(ptx_p
 
 def test_split_context_variant_and_its_combine_kernel_compile(ptx_params):
     assert ptx_params["split"][:8] == ["ptr"] * 8 and ptx_params["combine"][0] == "ptr"
+
+
+def test_the_torch_ops_block_length_and_split_count_compile_no_kernel_apart(ptx_params):
+    """Triton compiles apart for an int argument equal to 1 or divisible by 16 unless told not to: the op launches
+    K + 1 = 16 and split counts of 1, 16 and 32 mid-serving."""
+    assert ptx_params["not_specialized"] == [["q_len", "num_splits"]] * 2
 
 
 def test_verify_ptx_takes_inputs_sizes_outputs_in_tensorrt_order(ptx_params):
