@@ -92,36 +92,45 @@ class SyncCounter:
     def __exit__(self, *exc) -> None:
         if self.on:
             torch.cuda.set_sync_debug_mode("default")
-            self.count = sum("synchroniz" in str(w.message) for w in self._seen)
+            # one warning a synchronizing call ("called a synchronizing CUDA operation"), not the mode's own notice
+            self.count = sum("called a synchronizing" in str(w.message) for w in self._seen)
             self._catch.__exit__(*exc)
 
 
 def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, steps: int, prompt_len: int,
                **config) -> dict:
-    """Median ms a step and host syncs a step while `batch` requests decode together, after their prompts."""
+    """Median ms a step while `batch` requests decode together (every prompt prefilled, a few warm steps), then host
+    syncs a step over as many more (counted apart: the debug mode's warnings cost time of their own)."""
+    longest = prompt_len + 8 * (2 * steps + batch + 8)  # room for K=7 accepting every draft of every step
     engine = LLMEngine(target, None, drafter, EngineConfig(
-        max_batch_size=batch, max_model_len=prompt_len + 4 * steps + 64, device=device, dtype=str(dtype)[6:],
-        draft_len_schedule={}, adaptive_draft_len=False, **config))
+        max_batch_size=batch, max_model_len=longest, device=device, dtype=str(dtype)[6:], draft_len_schedule={},
+        adaptive_draft_len=False, **config))
     g = torch.Generator().manual_seed(batch)
     vocab = target.config.vocab_size
-    params = SamplingParams(max_new_tokens=4 * steps, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
-    for _ in range(4):  # prompts, then warm steps (kernels compiled, caches grown)
+    params = SamplingParams(max_new_tokens=longest - prompt_len, ignore_eos=True)
+    seqs = [engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+            for _ in range(batch)]
+    while not all(s.output_ids for s in seqs):  # prompts (one chunk of max_prefill_tokens a step)
         engine.step()
+    for _ in range(3):  # warm steps: kernels compiled, caches grown
+        engine.step()
+    on_cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     times, syncs = [], []
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(steps):
         sync()
         start = time.perf_counter()
-        with SyncCounter(device) as counter:  # the step's own syncs, not the timer's
-            engine.step()
+        engine.step()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
+    for _ in range(steps if on_cuda else 0):
+        with SyncCounter(device) as counter:
+            engine.step()
         syncs.append(counter.count)
+    assert not any(s.is_finished for s in seqs), "a request finished inside the timed steps"
     del engine
     return {"batch": batch, "ms_per_step": round(statistics.median(times), 3),
-            "syncs_per_step": statistics.median(syncs) if device.startswith("cuda") else None}
+            "syncs_per_step": statistics.median(syncs) if on_cuda else None}
 
 
 def main() -> None:
@@ -152,7 +161,10 @@ def main() -> None:
                                                 batch, args.steps, args.prompt_len, **config)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower() if args.device.startswith("cuda") else "cpu"
+    gpu = "cpu"
+    if args.device.startswith("cuda"):  # "NVIDIA H100 80GB HBM3" -> h100
+        gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()),
+                   "gpu").lower()
     path = record(args.out or f"gpu_runtime_{gpu}", {"model": args.model, "dtype": "bfloat16", "prompt_len":
                                                      args.prompt_len, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")
