@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.device_copy import to_device
 from dflash_trt.layers.attention import AttentionMetadata
 
 
@@ -71,7 +72,7 @@ class KVCache:
         """For (row, start, nodes): the K/V at start + nodes[d] go to start + d in every layer (a draft tree's
         accepted path, root first, to the positions of its depths). Read before written: sources may overlap."""
         for row, start, nodes in moves:
-            src = torch.tensor(nodes, device=self.k.device) + start
+            src = to_device(nodes, torch.long, self.k.device) + start
             dst = torch.arange(len(nodes), device=self.k.device) + start
             for cache in (self.k, self.v):
                 cache[:, row, :, dst] = cache[:, row, :, src]

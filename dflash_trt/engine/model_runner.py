@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_trt.device_copy import host_to_device, to_device
 from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.step_clock import StepClock
@@ -91,7 +92,7 @@ class ModelRunner:
         return self.proposer.max_draft_len if self.proposer is not None else 0
 
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        return to_device([s.slot for s in seqs], torch.long, self.device)
 
     @staticmethod
     def _host(seqs: list[Sequence], starts: list[int], limit: int | None = None) -> HostRows:
@@ -107,9 +108,9 @@ class ModelRunner:
         t, k, p = self._settings(seqs)
         dev = self.device
         return (
-            torch.tensor(t, dtype=torch.float32, device=dev),
-            torch.tensor(k, dtype=torch.long, device=dev),
-            torch.tensor(p, dtype=torch.float32, device=dev),
+            to_device(t, torch.float32, dev),
+            to_device(k, torch.long, dev),
+            to_device(p, torch.float32, dev),
         )
 
     def _sampling_probs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -128,11 +129,11 @@ class ModelRunner:
         positional stream (layers/sampler.py PositionalUniforms), so its tokens do not depend on how many each step
         drafted; a "rejection" row's are fresh draws, as that rule's acceptance tests need (its tokens depend on the
         drafts anyway)."""
-        return torch.stack([
+        return host_to_device(torch.stack([
             torch.rand(n, generator=s.generator) if s.params.samples_drafts
             else s.uniforms.at(len(s.output_ids), n)
             for s in seqs
-        ]).to(self.device)
+        ]), self.device)
 
     @torch.inference_mode()
     def prefill(
@@ -148,10 +149,9 @@ class ModelRunner:
         ends = ends or [len(s.prompt_ids) for s in seqs]
         lens = [e - b for b, e in zip(starts, ends)]
         n = round_up(max(lens), TOKEN_BUCKET)
-        ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.prompt_ids[starts[i] : ends[i]], dtype=torch.long)
-        first = torch.tensor(starts, dtype=torch.long, device=self.device)
+        ids = to_device([s.prompt_ids[b:e] + [0] * (n - e + b) for s, b, e in zip(seqs, starts, ends)], torch.long,
+                        self.device)
+        first = to_device(starts, torch.long, self.device)
         # Padding beyond a row's chunk writes K/V past its length: masked, then overwritten. The clamp
         # keeps it inside the cache (the last position is never a live one: the cache has spare room).
         positions = (first[:, None] + torch.arange(n, device=self.device)).clamp_max(self.target_cache.max_len - 1)
@@ -170,8 +170,8 @@ class ModelRunner:
         tokens: list[int | None] = [None] * len(seqs)
         if done:
             # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
-            last = torch.tensor([lens[i] - 1 for i in done], device=self.device)
-            last_hidden = hidden[torch.tensor(done, device=self.device), last]
+            last = to_device([lens[i] - 1 for i in done], torch.long, self.device)
+            last_hidden = hidden[to_device(done, torch.long, self.device), last]
             done_seqs = [seqs[i] for i in done]
             firsts = self._next_tokens(done_seqs, last_hidden)
             self._note_logprobs(done_seqs, last_hidden[:, None], [[t] for t in firsts], [[0]] * len(done))
@@ -188,9 +188,9 @@ class ModelRunner:
     def decode_step(self, seqs: list[Sequence]) -> list[list[int]]:
         """One autoregressive token per row (the baseline, and the fallback when K would be 0)."""
         start = time.perf_counter()
-        ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.device)
+        ids = to_device([[s.last_token] for s in seqs], torch.long, self.device)
         starts = [s.num_cached for s in seqs]
-        positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None]
+        positions = to_device(starts, torch.long, self.device)[:, None]
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions, self._host(seqs, starts))
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
         tokens = self._next_tokens(seqs, hidden[:, 0])
@@ -256,7 +256,8 @@ class ModelRunner:
         swapped = {}
         for i, branch in lookups.items():
             if sum(math.exp(score) for _, score in branch) > drafter_expected[i]:
-                proposal.draft_tokens[i, : len(branch)] = torch.tensor([t for t, _ in branch])
+                proposal.draft_tokens[i, : len(branch)] = to_device([t for t, _ in branch], torch.long,
+                                                                    proposal.draft_tokens.device)
                 swapped[i] = len(branch)
         return swapped
 
@@ -310,7 +311,7 @@ class ModelRunner:
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # none where every row is greedy and some penalized
-            u[sampled] = self._uniforms([seqs[i] for i in sampled], depth + 1)
+            u[to_device(sampled, torch.long, self.device)] = self._uniforms([seqs[i] for i in sampled], depth + 1)
         logits = self._penalized(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
         probs = self._sampling_probs(seqs, logits)  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, tree.depths))
@@ -350,8 +351,8 @@ class ModelRunner:
         target has not seen yet); the rows and anchor positions on the host."""
         dev = self.device
         starts = [s.num_cached for s in seqs]
-        return (self._rows(seqs), torch.tensor(starts, dtype=torch.long, device=dev),
-                torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev), self._host(seqs, starts))
+        return (self._rows(seqs), to_device(starts, torch.long, dev),
+                to_device([s.last_token for s in seqs], torch.long, dev), self._host(seqs, starts))
 
     @staticmethod
     def _committed(seqs: list[Sequence], features: list[torch.Tensor], draft_s: float, verify_s: float) -> None:
@@ -394,7 +395,7 @@ class ModelRunner:
                 torch.cat(s.pending_features, out=features[i, : counts[i]])
         if not n:
             return features, None
-        first = anchor_pos - torch.tensor(counts, device=anchor_pos.device)
+        first = anchor_pos - to_device(counts, torch.long, anchor_pos.device)
         limit = self.proposer.cache.max_len
         positions = (first[:, None] + torch.arange(n, device=anchor_pos.device)).clamp_max(limit - 1)
         context = HostRows(host.slots, [a - c for a, c in zip(host.starts, counts)], limit)
@@ -406,7 +407,7 @@ class ModelRunner:
             return None
         sub = [seqs[i] for i in idx]
         t, k, p = self._params(sub)
-        return DraftSampling(torch.tensor(idx, device=self.device), t, k, p, [s.generator for s in sub],
+        return DraftSampling(to_device(idx, torch.long, self.device), t, k, p, [s.generator for s in sub],
                              self._settings(sub))
 
     def _verify(self, seqs, proposal, sampling: DraftSampling | None, logits: torch.Tensor) -> VerifyResult:
@@ -417,11 +418,11 @@ class ModelRunner:
         u = torch.zeros(b, k + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            u[sampled] = self._uniforms([seqs[i] for i in sampled], k + 1)
+            u[to_device(sampled, torch.long, self.device)] = self._uniforms([seqs[i] for i in sampled], k + 1)
         draft_probs = None  # [B, K, V], rows of the rejection rule only
         if sampling is not None:
             draft_probs = proposal.draft_probs.new_zeros(b, k, proposal.draft_probs.shape[-1])
             draft_probs[sampling.rows] = proposal.draft_probs
-        modes_t = torch.tensor(modes, dtype=torch.int32, device=self.device)
+        modes_t = to_device(modes, torch.int32, self.device)
         num_accepted, bonus = verify_block(drafts, logits, draft_probs, u, modes_t, *self._params(seqs))
         return VerifyResult(num_accepted, bonus)

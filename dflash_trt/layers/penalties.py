@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.device_copy import to_device
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -21,15 +22,15 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     n, vocab = logits.shape
     dev = logits.device
     counts = torch.zeros(vocab, device=dev).index_add_(
-        0, torch.tensor(output_ids, dtype=torch.long, device=dev), torch.ones(len(output_ids), device=dev))
+        0, to_device(output_ids, torch.long, dev), torch.ones(len(output_ids), device=dev))
     counts = counts.expand(n, vocab).clone()
     for j, extra in enumerate(extras):
         if extra:
-            counts[j].index_add_(0, torch.tensor(extra, dtype=torch.long, device=dev), torch.ones(len(extra), device=dev))
+            counts[j].index_add_(0, to_device(extra, torch.long, dev), torch.ones(len(extra), device=dev))
     out = logits.float()
     if params.repetition_penalty != 1.0:
         in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+        in_prompt[to_device(prompt_ids, torch.long, dev)] = True
         seen = (counts > 0) | in_prompt
         r = params.repetition_penalty
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dflash_trt.device_copy import host_to_device
 from dflash_trt.layers.argmax import argmax_last
 
 
@@ -66,7 +67,7 @@ def sampling_probs(
 
 def uniform(generators: list[torch.Generator], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, n] uniforms in [0, 1), row b drawn from generators[b]."""
-    return torch.stack([torch.rand(n, generator=g) for g in generators]).to(device)
+    return host_to_device(torch.stack([torch.rand(n, generator=g) for g in generators]), device)
 
 
 class PositionalUniforms:

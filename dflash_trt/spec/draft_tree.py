@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_trt.device_copy import to_device
+
 MAX_TREE_NODES = 62  # draft nodes per row: the root and its nodes fit a signed 64-bit visibility mask
 
 
@@ -118,8 +120,8 @@ def build_tree(anchors: torch.Tensor, top_tokens: torch.Tensor, top_logprobs: to
         tokens.append(row_tokens), depths.append(row_depths), ancestors.append(row_ancestors)
         parents.append(row_parents)
     dev = top_tokens.device
-    return DraftTree(torch.tensor(tokens, device=dev), parents, torch.tensor(depths, device=dev),
-                     torch.tensor(ancestors, device=dev), tokens)
+    return DraftTree(to_device(tokens, torch.long, dev), parents, to_device(depths, torch.long, dev),
+                     to_device(ancestors, torch.long, dev), tokens)
 
 
 def merge(drafted: list[tuple[tuple[int, ...], float]], branch: list[tuple[int, float]],

@@ -1,10 +1,13 @@
-"""A decoding step reads back from the device once: on a GPU every read (`int(t)`, `bool(t)`, `t.tolist()`,
-`t.cpu()`, ...) waits for every kernel queued before it, so the host cannot run ahead of the GPU.
+"""A decoding step reads back from the device once, and copies host data there only through device_copy: on a GPU
+every read (`int(t)`, `bool(t)`, `t.tolist()`, `t.cpu()`, ...) and every copy from pageable host memory
+(`torch.tensor(x, device=...)`, `t.to(device)`) waits for every kernel queued before it, so the host cannot run ahead
+of the GPU.
 
 The torch path the runtime takes on CUDA runs here with the CPU kernels off; the drafter's block attention, a
 Triton kernel there that reads nothing back, runs uncounted through its torch reference, and `dflash::verify_block`'s
 reference stands in for its Triton launch (both read the batch's sampling facts through target_probs, once)."""
 
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -22,14 +25,17 @@ READS = ("__int__", "__index__", "__float__", "__bool__", "item", "tolist", "num
 
 class DeviceReads:
     """Counts reads of tensor values by the host while `counting`; a tensor `.cpu()` returned is the host's copy, and
-    reading that counts no further."""
+    reading that counts no further. `copies` counts tensors made from host data or moved by `.to()` outside
+    dflash_trt/device_copy.py (a GPU would copy them from pageable memory)."""
 
     def __init__(self, monkeypatch) -> None:
         self.counting = False
-        self.count = 0
+        self.count = self.copies = 0
         self._host: set[int] = set()
         for name in READS:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
+        for owner, name in ((torch, "tensor"), (torch.Tensor, "to")):
+            monkeypatch.setattr(owner, name, self._copy(getattr(owner, name)))
         real_cpu = torch.Tensor.cpu
 
         def cpu(t, *args, **kwargs):
@@ -52,6 +58,14 @@ class DeviceReads:
             self._read(t)
             return method(t, *args, **kwargs)
         return read
+
+    def _copy(self, make):
+        def copy(*args, **kwargs):
+            moves = make is torch.tensor or "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)
+            if self.counting and moves and not sys._getframe(1).f_code.co_filename.endswith("device_copy.py"):
+                self.copies += 1
+            return make(*args, **kwargs)
+        return copy
 
     def _read(self, t: torch.Tensor) -> None:
         if self.counting and id(t) not in self._host:
@@ -96,10 +110,11 @@ def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, sampling: dict | N
         engine.step()
     counts = []
     while engine.has_unfinished():
-        reads.count, reads.counting = 0, True
+        reads.count, reads.copies, reads.counting = 0, 0, True
         engine.step()
         reads.counting = False
         counts.append(reads.count)
+        assert reads.copies == 0
     return counts, kinds[-1]
 
 
