@@ -319,7 +319,7 @@ class ModelRunner:
     @staticmethod
     def _node_paths(tree, row: int) -> list[list[int]]:
         """Per node of a tree row: the drafted tokens from the root to it (the node's own included)."""
-        tokens, paths = tree.tokens[row].tolist(), [[]]
+        tokens, paths = tree.node_tokens[row], [[]]
         for k, parent in enumerate(tree.parents[row][1:], start=1):
             paths.append(paths[parent] + [tokens[k]])
         return paths

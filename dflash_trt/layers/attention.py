@@ -63,6 +63,11 @@ class HostRows:
         return self.limit is not None and max(self.starts) + queries > self.limit
 
     @property
+    def first(self) -> int:
+        """The lowest query position."""
+        return min(self.starts) if self.limit is None else min(min(self.starts), self.limit - 1)
+
+    @property
     def aligned(self) -> bool:
         """Every row's queries at the same positions."""
         return min(self.starts) == max(self.starts)
@@ -114,6 +119,11 @@ class AttentionMetadata:
         meta = cls.causal_step(rows, positions, host)
         meta.rotary_positions, meta.tree = start[:, None] + depths, ancestors.to(torch.int64)
         return meta
+
+    @property
+    def first_position(self) -> int:
+        """The step's lowest query position."""
+        return self.host.first if self.host is not None else int(self.positions.min())
 
     @property
     def rope_positions(self) -> torch.Tensor:

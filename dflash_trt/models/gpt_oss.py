@@ -238,7 +238,7 @@ class GptOssForCausalLM(CausalLM):
     def _layer_args(self, meta: AttentionMetadata) -> tuple:
         # Keys before first_key are outside every sliding query's window: sliding layers read from there.
         window = self.params.sliding_window
-        return (max(0, int(meta.positions.min()) - window + 1) if window else 0,)
+        return (max(0, meta.first_position - window + 1) if window else 0,)
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (bf16 or MXFP4 experts); this rank reads and dequantizes only its experts."""

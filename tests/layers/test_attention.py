@@ -189,6 +189,7 @@ def test_metadata_from_the_hosts_copies_equals_metadata_read_from_the_tensors(da
         metas = [AttentionMetadata.tree_step(rows, first, depths, ancestors, h) for h in (None, host)]
     read, given_ = metas
     assert given_.kv_len == read.kv_len and given_.row_slice == read.row_slice
+    assert given_.first_position == read.first_position
     window = data.draw(st.sampled_from([None, 1, 3, 8, 30]))
     for extra in (0, data.draw(st.integers(1, 9))):
         want, got = read.mask(window, kv_len=read.kv_len + extra), given_.mask(window, kv_len=read.kv_len + extra)
