@@ -19,7 +19,8 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`."""
+    """A host tensor on `device`. `t` should be contiguous (else the copy goes through a pageable temporary) and left
+    unwritten after the call: a `t` already pinned is copied from in place, asynchronously."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -27,8 +27,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     alternatives."""
     import torch
 
+    from dflash_trt.device_copy import to_device
+
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    chosen = lp.gather(1, to_device(tokens, torch.long, lp.device)[:, None])[:, 0].tolist()
     if top > 0:
         values, ids = lp.topk(top, dim=-1)
         alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

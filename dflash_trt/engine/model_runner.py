@@ -293,7 +293,12 @@ class ModelRunner:
         moves = [(slot, start, p) for slot, start, p in zip(host.slots, host.starts, paths) if p != list(range(len(p)))]
         if moves:
             self.target_cache.move(moves)
-        self._committed(seqs, [target_features[i, p] for i, p in enumerate(paths)], *clock.split())
+        # the accepted nodes' features; a path off the first nodes indexed by a device tensor (a list index is copied
+        # from pageable memory: a GPU sync)
+        features = [target_features[i, : len(p)] if p == list(range(len(p)))
+                    else target_features[i].index_select(0, to_device(p, torch.long, self.device))
+                    for i, p in enumerate(paths)]
+        self._committed(seqs, features, *clock.split())
         return emitted, tree.num_nodes
 
     @staticmethod
@@ -343,7 +348,7 @@ class ModelRunner:
         target at hidden[i, positions[i][j]]. Only these rows pay for the full head's logits."""
         for i, s in enumerate(seqs):
             if s.params.logprobs is not None:
-                logits = self.target.compute_logits(hidden[i, list(positions[i])])
+                logits = self.target.compute_logits(hidden[i, to_device(list(positions[i]), torch.long, self.device)])
                 s.new_logprobs = token_logprobs(logits, emitted[i], s.params.logprobs)
 
     def _anchors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HostRows]:

@@ -91,7 +91,7 @@ class AttentionMetadata:
     _masks: dict = field(default_factory=dict, repr=False)
     flat_index: dict = field(default_factory=dict, repr=False)  # per-cache write offsets (engine/kv_cache.py)
     _query_keys: "QueryKeys | None" = field(default=None, repr=False)
-    host: HostRows | None = None  # where given, the mask's all-visible check is decided without a device read
+    host: HostRows | None = None  # where given, the mask's all-visible check and first_position read nothing
 
     # Each constructor takes the step's HostRows where the caller has them (the engine does, every step), and
     # otherwise reads the key count and the rows' layout from the tensors.
