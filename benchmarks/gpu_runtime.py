@@ -97,11 +97,11 @@ class SyncCounter:
             self._catch.__exit__(*exc)
 
 
-def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, steps: int, prompt_len: int,
+def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, steps: int, prompt_len: int, k: int,
                **config) -> dict:
     """Median ms a step while `batch` requests decode together (every prompt prefilled, a few warm steps), then host
     syncs a step over as many more (counted apart: the debug mode's warnings cost time of their own)."""
-    longest = prompt_len + 8 * (2 * steps + batch + 8)  # room for K=7 accepting every draft of every step
+    longest = prompt_len + (k + 1) * (2 * steps + batch + 8)  # room for every draft of every step accepted
     engine = LLMEngine(target, None, drafter, EngineConfig(
         max_batch_size=batch, max_model_len=longest, device=device, dtype=str(dtype)[6:], draft_len_schedule={},
         adaptive_draft_len=False, **config))
@@ -158,13 +158,13 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for name, config in systems.items():
             row = {"system": name, **time_steps(target, drafter if name != "plain" else None, args.device, dtype,
-                                                batch, args.steps, args.prompt_len, **config)}
+                                                batch, args.steps, args.prompt_len, args.k, **config)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     gpu = "cpu"
-    if args.device.startswith("cuda"):  # "NVIDIA H100 80GB HBM3" -> h100
-        gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()),
-                   "gpu").lower()
+    if args.device.startswith("cuda"):  # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA GH200 480GB" -> gh200
+        words = torch.cuda.get_device_name().split()
+        gpu = next((w for w in words if w[0].isalpha() and any(c.isdigit() for c in w)), "gpu").lower()
     path = record(args.out or f"gpu_runtime_{gpu}", {"model": args.model, "dtype": "bfloat16", "prompt_len":
                                                      args.prompt_len, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")
