@@ -27,8 +27,8 @@ class DeviceReads(TorchFunctionMode):
     """While active, counts the host's reads of tensor values (`count`; a tensor `.cpu()` returned is the host's copy,
     and reading that counts no further) and the tensors made from host data, moved by `.to(device)` or indexed by a
     list outside dflash_trt/device_copy.py (`copies`: a GPU would copy them from pageable memory). A torch function
-    mode, not patched torch functions: torch snapshots its own functions when it first imports some modules (dynamo),
-    and a patched one seen there changed later models' outputs in other tests."""
+    mode, not patched torch functions: with torch.tensor patched during an engine run, a transformers model later in
+    the same process computed other logits (the oracle of other tests; why is not pinned down)."""
 
     def __init__(self) -> None:
         super().__init__()
