@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.layers.sampler import sampling_probs
+from dflash_trt.layers.sampler import sampling_probs, truncating_rows
 from dflash_trt.spec.verifier import match_from_uniforms, rejection_from_uniforms, verify_greedy
 
 GREEDY, MATCH, REJECTION = 0, 1, 2
@@ -37,10 +37,8 @@ def target_probs(
     gives). What the host must know of the batch is read back in one go: on a GPU every read waits for the queued
     kernels. Raises where REJECTION rows come without draft_probs."""
     sampled = modes != GREEDY
-    vocab = target_logits.shape[-1]
-    truncated = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
     any_sampled, truncates, zero_temperature, rejection = torch.stack([
-        sampled.any(), (sampled & truncated).any(), (sampled & (temperature <= 0)).any(), (modes == REJECTION).any(),
+        sampled.any(), (sampled & truncating_rows(top_k, top_p, target_logits.shape[-1])).any(), (sampled & (temperature <= 0)).any(), (modes == REJECTION).any(),
     ]).tolist()
     if rejection and draft_probs is None:
         raise ValueError("verify_block: REJECTION rows need draft_probs [B, K, V]")

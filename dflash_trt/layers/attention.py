@@ -74,8 +74,7 @@ class HostRows:
 
     @property
     def row_slice(self) -> slice | None:
-        first, n = self.slots[0], len(self.slots)
-        return slice(first, first + n) if self.slots == list(range(first, first + n)) else None
+        return _slice_of(self.slots)
 
 
 @dataclass
@@ -99,14 +98,14 @@ class AttentionMetadata:
     def causal_step(cls, rows: torch.Tensor, positions: torch.Tensor,
                     host: HostRows | None = None) -> "AttentionMetadata":
         if host is None:
-            return cls(rows, positions, int(positions.max()) + 1, True, None, _as_slice(rows))
+            return cls(rows, positions, int(positions.max()) + 1, True, None, _slice_of(rows.tolist()))
         return cls(rows, positions, host.kv_len(positions.shape[1]), True, None, host.row_slice, host=host)
 
     @classmethod
     def block_step(cls, rows: torch.Tensor, positions: torch.Tensor, block_end: torch.Tensor,
                    host: HostRows | None = None) -> "AttentionMetadata":
         if host is None:
-            return cls(rows, positions, int(block_end.max()), False, block_end, _as_slice(rows))
+            return cls(rows, positions, int(block_end.max()), False, block_end, _slice_of(rows.tolist()))
         return cls(rows, positions, host.kv_len(positions.shape[1]), False, block_end, host.row_slice, host=host)
 
     @classmethod
@@ -191,12 +190,10 @@ class AttentionMetadata:
         return self.host.aligned and (window is None or self.kv_len - 1 < window)
 
 
-def _as_slice(rows: torch.Tensor) -> slice | None:
-    n = rows.numel()
-    first = int(rows[0])
-    if n == 1 or bool((rows == torch.arange(first, first + n, device=rows.device)).all()):
-        return slice(first, first + n)
-    return None
+def _slice_of(slots: list[int]) -> slice | None:
+    """Cache rows as a slice where they are consecutive (read without a copy)."""
+    first, n = slots[0], len(slots)
+    return slice(first, first + n) if slots == list(range(first, first + n)) else None
 
 
 def kernel_step(

@@ -23,6 +23,11 @@ def known_flags(temperature: list[float], top_k: list[int], top_p: list[float], 
             "any_greedy": bool((np.float32(temperature) <= 0).any())}
 
 
+def truncating_rows(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] bool: the rows whose top-k or top-p keeps only part of their `vocab` tokens (known_flags' rule)."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+
+
 def sampling_probs(
     logits: torch.Tensor,  # [B, T, V] float
     temperature: torch.Tensor,  # [B]; 0 means greedy: a one-hot at the argmax
@@ -38,15 +43,14 @@ def sampling_probs(
     greedy = temperature <= 0
     scores = logits / torch.where(greedy, 1.0, temperature)[:, None, None]
     vocab = scores.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    use_p = top_p < 1.0
+    truncating = truncating_rows(top_k, top_p, vocab)
     if truncates is None:
-        truncates = bool((use_k | use_p).any())
+        truncates = bool(truncating.any())
     probs = torch.softmax(scores, dim=-1)
     if truncates:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=scores.device)
-        k = torch.where(use_k, top_k, vocab)[:, None, None]
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None, None]
         sorted_scores = sorted_scores.masked_fill(rank >= k, float("-inf"))
         sorted_probs = torch.softmax(sorted_scores, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -56,7 +60,7 @@ def sampling_probs(
         truncated = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
         # Only rows that truncate take the sorted path: there a float32 cumsum reaching 1 early would drop a tail
         # of tokens, so a row's distribution would depend on what else shared its batch.
-        probs = torch.where((use_k | use_p)[:, None, None], truncated, probs)
+        probs = torch.where(truncating[:, None, None], truncated, probs)
     if any_greedy is None:
         any_greedy = bool(greedy.any())
     if any_greedy:
