@@ -19,7 +19,14 @@ EOS = 2
 
 def make_target(path: Path, arch: str = "qwen3", seed: int = 0, vocab: int = VOCAB, layers: int = 4, **overrides) -> Path:
     """A random HF model saved with save_pretrained; returns its directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
@@ -30,6 +37,8 @@ def make_target(path: Path, arch: str = "qwen3", seed: int = 0, vocab: int = VOC
     common.update(overrides)
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Sharper logits make greedy continuations less tie-prone and more varied.

@@ -26,11 +26,16 @@ class DecoderConfig:
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # per layer, the keys a query sees back from its own position (None: all of them); empty where none slides
+    layer_windows: tuple[int | None, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)  # family-specific keys (e.g. gpt-oss)
 
     @property
     def rope_type(self) -> str:
         return self.rope.get("rope_type", "default")
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 def read_config_json(model_dir: str | Path) -> dict:
@@ -80,6 +85,41 @@ def standardized_rope(cfg: dict) -> dict:
     return params
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def qwen3_layer_types(cfg: dict, layers: int, source: str) -> tuple[list[str], int | None]:
+    """(type of each layer, the window of its sliding ones) as transformers' Qwen3Config reads them: the top-level
+    sliding_window (4096 where absent) counts only with use_sliding_window, and missing layer_types come from it and
+    max_window_layers (layers from there on slide)."""
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = layers if window is None else as_int(cfg.get("max_window_layers", 28), "max_window_layers", source,
+                                                     minimum=None)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        raise ValueError(f"{source}: 'layer_types' must list one type per layer ({layers}), got {layer_types!r}")
+    unknown = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"{source}: layer_types {unknown} are not supported; layers are one of {LAYER_TYPES}")
+    return layer_types, None if window is None else as_int(window, "sliding_window", source)
+
+
+def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers' model of that family applies it: Mistral on every layer (4096
+    where config.json has no sliding_window), Qwen3 on its sliding layers (qwen3_layer_types), Llama on none."""
+    if model_type == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        windows = (None if window is None else as_int(window, "sliding_window", source),) * layers
+    elif model_type in ("qwen3", "qwen3_moe"):
+        layer_types, window = qwen3_layer_types(cfg, layers, source)
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    else:
+        return ()
+    return windows if any(w is not None for w in windows) else ()
+
+
 def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderConfig:
     def need(key: str):
         if key not in cfg:
@@ -96,12 +136,13 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
     eos_ids = (tuple(as_int_list(eos, "eos_token_id", source)) if isinstance(eos, list)
                else (() if eos is None else (as_int(eos, "eos_token_id", source),)))
     model_type = cfg.get("model_type", "llama")
+    layers = whole("num_hidden_layers")
     return DecoderConfig(
         architecture=archs[0] if archs else "",
         vocab_size=whole("vocab_size"),
         hidden_size=hidden,
         intermediate_size=whole("intermediate_size", minimum=0),  # 0: the perf model's attention-only stand-in
-        num_hidden_layers=whole("num_hidden_layers"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=whole("num_key_value_heads", heads),
         head_dim=whole("head_dim", hidden // heads),
@@ -114,5 +155,6 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         eos_token_ids=eos_ids,
         model_type=model_type,
+        layer_windows=_target_windows(cfg, model_type, layers, source),
         extra=cfg,
     )

@@ -27,7 +27,15 @@ from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
 from dflash_trt.layers.linear import kernel_weights, pack_linears
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
-from dflash_trt.models.config import DecoderConfig, as_float, as_int, as_int_list, read_config_json, standardized_rope
+from dflash_trt.models.config import (
+    DecoderConfig,
+    as_float,
+    as_int,
+    as_int_list,
+    qwen3_layer_types,
+    read_config_json,
+    standardized_rope,
+)
 from dflash_trt.models.llama import GatedMLP
 from dflash_trt.models.weights import CheckpointError, WeightSet
 from dflash_trt.spec.draft_vocab import load_draft_vocab
@@ -35,7 +43,6 @@ from dflash_trt.spec.draft_vocab import load_draft_vocab
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DRAFTER_MODEL_TYPES = ("qwen3",)
-DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
 # dflash_config keys of DFlash 2 drafters (z-lab's DFlash2DraftModel): convolutions and a selector this runtime lacks
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # A drafter step runs in one call to the CPU kernels up to this many rows (a step's block, a few steps' features):
@@ -121,21 +128,11 @@ class DFlashConfig:
         ids = value("target_layer_ids")
         if ids is None:
             ids = build_target_layer_ids(whole("num_target_layers"), layers)
-        # As transformers' Qwen3Config reads them, so as z-lab's DFlashDraftModel gets them: the top-level window
-        # counts only with use_sliding_window, and missing layer_types come from it and max_window_layers
-        top_window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
-        layer_types = cfg.get("layer_types")
-        if layer_types is None:
-            first = layers if top_window is None else as_int(cfg.get("max_window_layers", 28), "max_window_layers",
-                                                             source, minimum=None)
-            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        if not isinstance(layer_types, list) or len(layer_types) != layers:
-            raise CheckpointError(f"{source}: 'layer_types' must list one type per layer ({layers}), got "
-                                  f"{layer_types!r}")
-        unknown = sorted({str(t) for t in layer_types if t not in DRAFTER_LAYER_TYPES})
-        if unknown:
-            raise CheckpointError(f"{source}: layer_types {unknown} are not supported; drafter layers are "
-                                  f"{DRAFTER_LAYER_TYPES}")
+        # as transformers' Qwen3Config reads them, so as z-lab's DFlashDraftModel gets them
+        try:
+            layer_types, top_window = qwen3_layer_types(cfg, layers, source)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         causal = dflash.get("causal", cfg.get("is_causal"))
         window = value("swa_window_size") if dflash.get("use_swa") else top_window
         if window is None and cfg.get("sliding_window") and "sliding_attention" in layer_types:

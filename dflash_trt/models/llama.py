@@ -1,5 +1,8 @@
 """Llama-family target (Llama, SmolLM2, Mistral, Qwen3 with per-head q/k norm), this project's own code.
 
+Sliding layers (Mistral's, Qwen3's with use_sliding_window) keep full-length cache rows and hide the keys outside
+their window by mask, as gpt-oss's do.
+
 forward(input_ids, meta, cache) runs any number of new tokens per row against the static cache and
 captures the outputs of the requested decoder layers: layer l's output is transformers'
 hidden_states[l + 1] (after the residual add; the last layer's after the final norm too). Logits are separate
@@ -41,11 +44,13 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.window(layer_idx)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        step = kernel_step(meta, cache, qkv, cos)
+        # the CPU kernels attend without a window: they serve a sliding layer only while it hides no key
+        step = kernel_step(meta, cache, qkv, cos) if window_hides_nothing(self.sliding_window, meta) else None
         if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
             ops, keys = step
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -61,8 +66,15 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        out = cached_attention(cache, self.layer_idx, meta, q, k.transpose(1, 2), v, self.scale)
+        out = cached_attention(cache, self.layer_idx, meta, q, k.transpose(1, 2), v, self.scale,
+                               window=self.sliding_window)
         return self.o_proj(out)
+
+
+def window_hides_nothing(window: int | None, meta: AttentionMetadata) -> bool:
+    """Whether no query of the step has a key outside its window: none does while every key lies within `window`
+    positions of position 0 (a tree's queries rotate at depths, never past their cache positions)."""
+    return window is None or meta.kv_len <= window
 
 
 class GatedMLP(nn.Module):
@@ -106,6 +118,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernel_table: cpu_ops.LayerTable | None = None  # set by pack_for_inference where the kernels serve
         self.one_call_max_tokens = 0  # steps of up to this many tokens take kernel_table
+        self.smallest_window = min((w for w in cfg.layer_windows if w is not None), default=None)
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, capture_layer_ids: tuple[int, ...] = ()
@@ -114,7 +127,8 @@ class LlamaForCausalLM(CausalLM):
         # per-op overhead goes (up to 16 queries a row the same kernels in the same order as the layers' own CPU path:
         # bit-identical; above, that path attends with SDPA).
         table = self.kernel_table
-        fits = table is not None and input_ids.numel() <= self.one_call_max_tokens
+        fits = (table is not None and input_ids.numel() <= self.one_call_max_tokens
+                and window_hides_nothing(self.smallest_window, meta))
         # a row's queries are at most the step's tokens: fits bounds both
         step = kernel_step(meta, cache, self.embed_tokens.weight, max_queries=None) if fits else None
         if step is not None:

@@ -868,3 +868,55 @@ def test_rows_that_all_go_alone_into_the_drafters_cache_still_draft_from_their_c
         assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
         (alone,) = _engine(tiny_dirs, "qwen3", 3, rows=1).generate([p], params)
         assert o.acceptance_lengths == alone.acceptance_lengths
+
+
+# --- sliding-window targets: the window hides keys in verify steps and trees as in plain decoding ----------------
+
+@pytest.fixture(scope="module")
+def sliding_dirs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sliding")
+    mistral = make_target(root / "mistral", "mistral", seed=13, sliding_window=6)
+    qwen3 = make_target(root / "qwen3", "qwen3", seed=14, use_sliding_window=True, sliding_window=6,
+                        max_window_layers=1)
+    return {"mistral": mistral, "qwen3": qwen3,
+            "mistral_drafter": make_drafter(root / "md", mistral, block_size=8, target_layer_ids=(1, 3)),
+            "qwen3_drafter": make_drafter(root / "qd", qwen3, block_size=8, target_layer_ids=(1, 3))}
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_speculation_over_a_sliding_window_target_equals_its_greedy(sliding_dirs, arch, tree):
+    """Windows of 6 keys, answers of 40 tokens: verify blocks and trees cross the window every step."""
+    prompts = _prompts(2)
+    refs = [hf_greedy(sliding_dirs[arch], p) for p in prompts]
+    engine = _engine(sliding_dirs, arch, 3, rows=2, **({"draft_tree": {2: 5}} if tree else {}))
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    force_tree_drafts(engine, truth) if tree else force_drafts(engine, truth, error_rate=0.1)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 1.5
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_seeded_match_sample_over_a_sliding_window_target_is_its_plain_sample(sliding_dirs, tree):
+    prompts, seeds = _prompts(2), [5, 6]
+    refs = [hf_sample(sliding_dirs["mistral"], p, s, 1.0) for p, s in zip(prompts, seeds)]
+    engine = _engine(sliding_dirs, "mistral", 3, rows=2, **({"draft_tree": {2: 5}} if tree else {}))
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    force_tree_drafts(engine, truth) if tree else force_drafts(engine, truth, error_rate=0.2)
+    params = [SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=s, ignore_eos=True) for s in seeds]
+    for o, ref in zip(engine.generate(prompts, params), refs):
+        assert o.token_ids == ref
+        assert o.tau > 1.5
+
+
+def test_bf16_speculation_over_a_sliding_window_target_equals_bf16_plain_decoding(sliding_dirs):
+    prompts = _prompts(2)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    plain = _engine(sliding_dirs, "mistral", 3, rows=2, dtype="bfloat16", speculative=False).generate(prompts, params)
+    spec = _engine(sliding_dirs, "mistral", 3, rows=2, dtype="bfloat16", draft_tree={2: 5})
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    force_tree_drafts(spec, truth)
+    for o, ref in zip(spec.generate(prompts, params), plain):
+        assert o.token_ids == ref.token_ids

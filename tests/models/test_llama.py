@@ -55,6 +55,46 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, arch, rope):
     assert torch.allclose(tail_feats[..., 64:], ref.hidden_states[2][:, 140:], atol=TOL)
 
 
+SLIDING = {
+    "mistral": dict(sliding_window=8),  # every layer
+    "qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),  # layers 2 and 3 of 4
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_sliding_layers_hide_the_keys_outside_their_window_as_transformers_does(tmp_path, arch):
+    """Mistral's window on every layer, Qwen3's on the layers from max_window_layers on: logits equal transformers'
+    past the window, for the prefill and for decode and verify steps over its cache."""
+    d = make_target(tmp_path / "t", arch, seed=9, **SLIDING[arch])
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    ours = load_target(d)
+    assert ours.config.layer_windows == ((8,) * 4 if arch == "mistral" else (None, None, 8, 8))
+    ids = torch.randint(0, 96, (2, 40))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = ours.make_cache(2, 48)
+        logits = ours.compute_logits(ours(ids[:, :30], _run(ours, ids[:, :30]), cache)[0])
+        tail = [ours.compute_logits(ours(ids[:, a:b], _run(ours, ids[:, a:b], a), cache)[0])
+                for a, b in [(30, 31), (31, 32), (32, 40)]]
+        windowless = make_target(tmp_path / "w", arch, seed=9)  # the same weights attending to every key
+        far = AutoModelForCausalLM.from_pretrained(windowless).eval()(ids).logits
+    assert (logits - ref[:, :30]).abs().max() < TOL
+    assert (torch.cat(tail, 1) - ref[:, 30:]).abs().max() < TOL
+    assert (far[:, 8:] - ref[:, 8:]).abs().max() > 1e-2  # the window changes these logits: the test can fail
+    assert (far[:, :8] - ref[:, :8]).abs().max() < TOL
+
+
+def test_a_mistral_config_without_sliding_window_slides_at_transformers_default_and_null_turns_it_off(tmp_path):
+    import json
+
+    d = make_target(tmp_path / "t", "mistral", sliding_window=None)
+    assert load_target(d).config.layer_windows == ()
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["sliding_window"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_target(d).config.layer_windows == (4096,) * 4
+
+
 def test_capture_alone_runs_only_the_layers_up_to_the_deepest_captured_one(tmp_path):
     d = make_target(tmp_path / "t", "llama", seed=8, layers=4)
     hf = AutoModelForCausalLM.from_pretrained(d).eval()
@@ -169,6 +209,38 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
             layered = CausalLM.forward(ours, ids[:, step], meta(), caches[1], capture_layer_ids=(3, 1))
             assert torch.equal(fused[0], layered[0]) and torch.equal(fused[1], layered[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_bf16_sliding_layers_take_the_kernels_while_their_window_hides_nothing(tmp_path):
+    """The CPU kernels attend without a window: a sliding target takes them (the one call included) while every key
+    lies within the window, and leaves them where one falls outside; its bf16 logits then agree with transformers'
+    fp32 ones up to bf16's rounding, past the window as before it."""
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+    d = make_target(tmp_path / "t", "mistral", hidden_size=256, intermediate_size=512, head_dim=64, sliding_window=12)
+    ours = load_target(d, dtype=torch.bfloat16)
+    ours.pack_for_inference()
+    assert ours.kernel_table is not None
+    calls = []
+    real = ops.llama_layers
+    ids = torch.randint(0, 96, (1, 24))
+    with torch.no_grad():
+        cache = ours.make_cache(1, 32)
+        ours(ids[:, :8], _run(ours, ids[:, :8]), cache)
+        try:
+            ops.llama_layers = lambda *a: calls.append(1) or real(*a)
+            steps = [ours.compute_logits(ours(ids[:, i : i + 1], _run(ours, ids[:, i : i + 1], i), cache)[0])
+                     for i in range(8, 24)]
+        finally:
+            ops.llama_layers = real
+        want = AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits[:, 8:]
+    assert len(calls) == 4  # positions 8-11: keys 0-11 all within the window of 12
+    got = torch.cat(steps, 1).float()
+    assert (got - want).abs().max() < 0.15 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
 def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_path):
