@@ -256,11 +256,33 @@ def _check_output(out: Path, force: bool) -> None:
         return
     if not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
-    if not (out / MANIFEST).is_file():
+    why = _not_an_engine(out)
+    if why:
         raise FileExistsError(
-            f"{out} exists and is not an engine directory (no {MANIFEST}); --force replaces only an engine written "
+            f"{out} exists and is not an engine directory ({why}); --force replaces only an engine written "
             "by `dflash-trt build`: choose another -o, or move that directory away yourself"
         )
+
+
+def _not_an_engine(path: Path) -> str | None:
+    """Why directory `path` is not an engine `dflash-trt build` wrote, as it stands (None if it is one): a
+    manifest.json alone (a browser extension's, a web app's) does not make one, nor does an engine holding files its
+    manifest does not list (--force would delete them with it). Its checksums are not read: a damaged engine is
+    still one to replace."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, ValueError):
+        return f"its {MANIFEST} is not JSON"
+    keys = ("format_version", "files", "build_config")
+    if not isinstance(manifest, dict) or not all(k in manifest for k in keys) or not isinstance(manifest["files"], dict):
+        return f"its {MANIFEST} is not a dflash-trt engine's: no {', '.join(keys)}"
+    extra = sorted(str(f.relative_to(path)) for f in path.rglob("*")
+                   if not f.is_dir() and str(f.relative_to(path)) not in manifest["files"] and f.name != MANIFEST)
+    if extra:
+        return f"it holds {len(extra)} file(s) its {MANIFEST} does not list, e.g. {extra[0]}"
+    return None
 
 
 def _weight_files(src: Path) -> list[Path]:
@@ -393,10 +415,6 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
         missing = p.target if p.target.path is None else p.drafter
         raise FileNotFoundError(f"{missing.ref!r} is not on disk; fetch it with `hf download {missing.ref}`")
-    link = p.config.target_weights == "link"
-    if link and (p.target.path == out or out in p.target.path.parents):
-        raise ValueError(f"target_weights: link: the target {p.target.path} lies inside {out}, which this build "
-                         "replaces: the links would point into the deleted engine; use target_weights: copy")
     weights = {"target": _weight_files(p.target.path),
                "drafter": _weight_files(p.drafter.path) if p.drafter is not None else []}
     _check_tensors(p)

@@ -637,6 +637,20 @@ def test_force_replaces_only_an_engine_never_another_directory(tiny_dirs, tmp_pa
             build_engine(config, victim, force=True, progress=False)
         assert sorted(p.name for p in victim.iterdir()) == before
     assert (notes / "keep.txt").read_text() == "mine"
+    webext = tmp_path / "webext"  # a manifest.json of another kind
+    webext.mkdir()
+    (webext / "manifest.json").write_text('{"manifest_version": 3}')
+    (webext / "background.js").write_text("mine")
+    with pytest.raises(FileExistsError, match="manifest.json is not a dflash-trt engine's"):
+        build_engine(cfg, webext, force=True, progress=False)
+    engine = build_engine(cfg, tmp_path / "engine", progress=False)
+    (engine / "target" / "notes.txt").write_text("mine")  # a file of the user's inside an engine
+    with pytest.raises(FileExistsError, match="holds 1 file.* does not list, e.g. target/notes.txt"):
+        build_engine(cfg, engine, force=True, progress=False)
+    assert (webext / "background.js").read_text() == "mine" and (engine / "target" / "notes.txt").read_text() == "mine"
+    (engine / "target" / "notes.txt").unlink()
+    (engine / "target" / "model.safetensors").write_bytes(b"damaged")  # a damaged engine is still one to replace
+    EngineDir(build_engine(cfg, engine, force=True, progress=False)).verify()
     empty = tmp_path / "empty"
     empty.mkdir()  # nothing to lose: no --force needed
     EngineDir(build_engine(cfg, empty, progress=False)).verify()
@@ -891,7 +905,8 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     for f in tiny_dirs["qwen3"].glob("tokenizer*"):
         shutil.copy(f, out / "target")  # the engine's own target/ as a checkpoint
     cfg = write_config(tmp_path, out / "target", None, target_weights="link")
-    with pytest.raises(ValueError, match=f"target_weights: link: the target {out / 'target'} lies inside {out}"):
+    # the tokenizer files the engine does not list keep --force from replacing it: links into it would break
+    with pytest.raises(FileExistsError, match=f"{out} exists and is not an engine directory .it holds 2 file"):
         build_engine(cfg, out, force=True, progress=False)
     linked = build_engine(cfg, tmp_path / "linked", progress=False)
     assert f"symlinks to {out / 'target'} (the engine breaks if those files move)" in \
