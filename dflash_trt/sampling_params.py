@@ -41,7 +41,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # None: the model's eos ids
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # a string alone is one stop string
     ignore_eos: bool = False
     acceptance: AcceptanceRule = "match"
     logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
@@ -52,6 +52,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # else each of its characters would stop the answer
+            self.stop = [self.stop]
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN compares False both ways

@@ -4,6 +4,8 @@ generates from text as from its token ids, equal to transformers' greedy continu
 import subprocess
 import sys
 
+import pytest
+
 from dflash_trt.build import build_engine
 from tests.engine.test_lossless import hf_greedy
 from tests.test_build import write_config
@@ -26,3 +28,19 @@ def test_open_engine_generates_from_text_as_from_its_ids(tiny_dirs, tmp_path):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     by_text, by_ids = llm.generate(["hello there", llm.encode("hello there")], params)
     assert by_text.token_ids == by_ids.token_ids == hf_greedy(tiny_dirs["qwen3"], llm.encode("hello there"), 12)
+    # one prompt alone, as text or as its ids, is one prompt (not one per character or id)
+    (alone,) = llm.generate("hello there", params)
+    (alone_ids,) = llm.generate(llm.encode("hello there"), params)
+    assert alone.token_ids == alone_ids.token_ids == by_text.token_ids
+    for bad, words in (([["a"]], r"prompts\[0\] must be a string or a list of token ids"),
+                       (7, "prompts must be a string, a list of token ids or a list of those, got int")):
+        with pytest.raises(TypeError, match=words):
+            llm.generate(bad, params)
+    assert by_text.tau is not None and open_engine(engine_dir, speculative=False).generate("hi", params)[0].tau is None
+
+
+def test_a_stop_string_alone_is_one_stop_string_not_one_per_character():
+    from dflash_trt import SamplingParams
+
+    assert SamplingParams(stop="Haven").stop == ["Haven"]
+    assert SamplingParams(stop=["Haven", "end"]).stop == ["Haven", "end"]

@@ -109,7 +109,7 @@ class RequestOutput:
     finish_reason: str
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)  # drafts of each speculative step: K, or a tree's nodes
-    tau: float = 0.0
+    tau: float | None = None  # None where no speculative step ran
     acceptance_histogram: list[int] = field(default_factory=list)
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -158,6 +158,23 @@ def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
     bytes have not all come yet (a stop string holding one would match half a character)."""
     text = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     return any(x in text for x in stops)
+
+
+def _prompt_list(prompts) -> list:
+    """The prompts as a list of prompts: a string or a list of token ids alone is one prompt (iterating it would make
+    a prompt of each character or id); TypeError naming the first prompt that is neither."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(_is_id(t) for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and all(_is_id(t) for t in p))):
+            raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {p!r:.60}")
+    return list(prompts)
+
+
+def _is_id(token) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool)
 
 
 class LLMEngine:
@@ -324,11 +341,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def generate(
-        self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: str | list[int] | list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
-        with continuous batching; outputs in prompt order."""
-        prompts = [self.encode(p) if isinstance(p, str) else p for p in prompts]
+        with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""
+        prompts = [self.encode(p) if isinstance(p, str) else p for p in _prompt_list(prompts)]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word

@@ -24,10 +24,10 @@ class SequenceStats:
     decode_time: float = 0.0  # wall time from the end of prefill to the last token
 
     @property
-    def tau(self) -> float:
-        """Mean acceptance length, counting the bonus token (1.0 when nothing is accepted, 0.0 without a step)."""
+    def tau(self) -> float | None:
+        """Mean acceptance length, counting the bonus token (1.0 when nothing is accepted; None without a step)."""
         a = self.acceptance_lengths
-        return sum(a) / len(a) if a else 0.0
+        return sum(a) / len(a) if a else None
 
     def histogram(self, max_len: int) -> list[int]:
         """counts[i] = number of steps that committed i + 1 tokens, i in 0..max_len-1."""
