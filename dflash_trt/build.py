@@ -252,6 +252,9 @@ def _check_output(out: Path, force: bool) -> None:
     if os.path.ismount(out):  # found only after every file was copied and checksummed: the rename into place fails
         raise FileExistsError(f"{out} is a mount point: a build renames the finished engine into place, which a mount "
                               f"point cannot take; pass -o {out / 'ENGINE_NAME'}")
+    above = next((d for d in out.parents if d.exists()), None)
+    if above is not None and not above.is_dir():
+        raise FileExistsError(f"{above} is a file, not a directory: -o {out} cannot be made inside it")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:

@@ -132,6 +132,8 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
 
     if drafter is not None and (is_local_ref(drafter) or Path(drafter).expanduser().is_dir()):
         drafter = str(Path(drafter).expanduser().resolve())  # a path on the command line is the shell's, not the YAML's
+    elif drafter is not None and drafter.count("/") != 1:
+        raise click.BadParameter(f"{drafter!r} is neither a directory nor an HF id (org/name)", param_hint="--drafter")
     overrides = {"speculative_config.speculative_model": drafter, "max_batch_size": max_batch_size,
                  "max_seq_len": max_seq_len, "speculative_config.max_draft_len": max_draft_len}
     try:
@@ -179,10 +181,12 @@ def inspect(engine, verify) -> None:
     click.echo(_table(rows, f"Engine {Path(engine)}"))
     click.echo()
     click.echo(plan)
-    try:
-        e.check_format()
-    except ValueError as err:  # shown, as inspect shows any engine, but not to be taken for one this version runs
-        click.echo(f"note: {err}", err=True)
+    # shown, as inspect shows any engine, but not to be taken for one this version runs as it stands
+    for check in (e.check_format, e.check_digest):
+        try:
+            check()
+        except ValueError as err:
+            click.echo(f"note: {err}", err=True)
 
 
 def _manifest_rows(m: dict, verified: bool) -> list[tuple[str, str]]:

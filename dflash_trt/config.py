@@ -300,7 +300,7 @@ def _union_errors(errors: list[dict]) -> list[dict]:
 
 def _format_error(e: ValidationError, source: str) -> str:
     lines = []
-    # unknown keys first: a misspelt required key is also reported missing, and the misspelling is the cause
+    suggested = set()  # a misspelt required key is also reported missing: the misspelling, named first, is the cause
     for err in sorted(_union_errors(e.errors()), key=lambda err: err["type"] != "extra_forbidden"):
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
@@ -309,7 +309,10 @@ def _format_error(e: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(err["loc"][-1]), _keys_at(err["loc"][:-1]), n=1, cutoff=0.75)
             if close:
                 msg = f"unknown key; did you mean '{close[0]}'?"
+                suggested.add((*err["loc"][:-1], close[0]))
         elif err["type"] == "missing":
+            if tuple(err["loc"]) in suggested:
+                continue
             msg = "required key is missing"
         lines.append(f"{source}: key '{key}': {msg}")
     return "\n".join(lines)

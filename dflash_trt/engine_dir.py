@@ -35,6 +35,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _missing(f: Path) -> str:
+    if f.is_symlink():  # target_weights: link
+        return (f"{f}: a link to {f.readlink()}, which no longer exists (the engine was built with target_weights: "
+                "link and the checkpoint moved); put the checkpoint back, or rebuild the engine")
+    return f"{f}: listed in {MANIFEST} but missing; rebuild the engine"
+
+
 class EngineDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).resolve()
@@ -52,7 +59,7 @@ class EngineDir:
             raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
         gone = [rel for rel in self.manifest["files"] if not (self.path / rel).is_file()]
         if gone:  # cheap (no checksums): every command that opens an engine says so before reading any of it
-            raise ValueError(f"{self.path / gone[0]}: listed in {MANIFEST} but missing; rebuild the engine")
+            raise ValueError(_missing(self.path / gone[0]))
 
     def check_format(self) -> None:
         """ValueError unless this dflash-trt reads the engine's format (cheap: verify() without the checksums)."""
@@ -62,15 +69,19 @@ class EngineDir:
                 f"{self.path / MANIFEST}: format_version={version}, this dflash-trt reads {FORMAT_VERSION}; rebuild the engine"
             )
 
-    def verify(self) -> None:
-        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
-        self.check_format()
+    def check_digest(self) -> None:
+        """ValueError unless the manifest's content matches its own checksum (cheap: no file is read)."""
         recorded = self.manifest.get(MANIFEST_DIGEST)  # absent in engines built before it was written
         if recorded is not None and recorded != manifest_digest(self.manifest):
             raise ValueError(
                 f"{self.path / MANIFEST}: its content does not match its {MANIFEST_DIGEST} (edited after the build); "
                 "rebuild the engine"
             )
+
+    def verify(self) -> None:
+        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
+        self.check_format()
+        self.check_digest()
         listed = set(self.manifest["files"])
         for sub in LOADED_DIRS:
             for f in sorted((self.path / sub).rglob("*")):
@@ -83,7 +94,7 @@ class EngineDir:
         for rel, entry in self.manifest["files"].items():
             f = self.path / rel
             if not f.is_file():
-                raise ValueError(f"{f}: listed in {MANIFEST} but missing; rebuild the engine")
+                raise ValueError(_missing(f))
             if f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
                 raise ValueError(f"{f}: sha256 does not match {MANIFEST} (modified or corrupted); rebuild the engine")
 

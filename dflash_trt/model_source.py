@@ -53,6 +53,8 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
         return ModelSource(ref, "embedded", path, read_config_json(path))
     if is_local_ref(ref):
         path = (base_dir / Path(ref).expanduser()).resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"{key}={ref!r}: {path} does not exist")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{key}={ref!r}: {path} is not a model directory (no config.json)")
         return ModelSource(ref, "local", path, read_config_json(path))

@@ -329,18 +329,22 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
         hints.append(f"max_seq_len <= {best_seq} fits at max_batch_size={cfg.max_batch_size}")
     fixed = [key for key in comps if key not in ("runtime_reserve", "target_kv_cache")]
     if sum(comps[key] for key in fixed) + comps["runtime_reserve"] < hw.memory_bytes:
-        biggest = "target_kv_cache"  # everything else fits; the KV cache is what overflows
+        culprit = "The KV cache (target_kv_cache) overflows what the rest leaves"
+        biggest = "target_kv_cache"
     else:  # allocated before the KV cache, these alone overflow the device
         biggest = max(fixed, key=comps.get)
+        culprit = f"Before the KV cache, the rest alone overflows the device, most of it {biggest}"
+    # the torch runtime's activations grow with max_batch_size x max_seq_len; only TensorRT-LLM's with max_num_tokens
+    activations = "max_num_tokens or max_batch_size" if plan.layout == "trtllm" else "max_seq_len or max_batch_size"
     knob = {
         "target_weights": "tensor_parallel_size / moe_expert_parallel_size (more ranks) or a smaller dtype",
         "drafter_context_cache": "max_seq_len or max_batch_size (the drafter arena is dense: "
                                  "slots x max_seq_len, TRT-LLM issue #16005), or tensor_parallel_size",
         "target_kv_cache": ("" if kvd == "fp8" else "kv_cache_config.dtype (fp8), ") + "max_seq_len or max_batch_size",
-        "activations_estimate": "max_num_tokens or max_batch_size",
+        "activations_estimate": activations,
         "cuda_graph_pools": "cuda_graph_config.max_batch_size",
         "drafter_weights": "tensor_parallel_size",
     }.get(biggest, "max_batch_size")
     if not hints:
         hints.append("no batch size or sequence length fits; more ranks or a bigger device are needed")
-    return f"{head}. Largest item: {biggest}; change {knob}. " + "; ".join(hints) + "."
+    return f"{head}. {culprit}: change {knob}. " + "; ".join(hints) + "."

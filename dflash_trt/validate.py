@@ -29,11 +29,14 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
     rope = drafter.rope.get("rope_type", "default")
     if rope not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{drafter_source}: rope_type={rope!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    if rope != target.rope_type:
+    differ = sorted(k for k in set(drafter.rope) | set(target.rope) if drafter.rope.get(k) != target.rope.get(k))
+    if differ:
         # z-lab's drafters rotate with their own RoPE whatever the target's, and some ship so (Qwen3.6's YaRN drafter)
-        logger.warning("%s: rope_type=%r where the target uses rope_type=%r: the drafter rotates its context with its "
-                       "own, as z-lab's does; a drafter trained for another target would accept little", drafter_source,
-                       rope, target.rope_type)
+        ours = ", ".join(f"{k}={drafter.rope.get(k)!r}" for k in differ)
+        theirs = ", ".join(f"{k}={target.rope.get(k)!r}" for k in differ)
+        logger.warning("%s: %s where the target uses %s: the drafter rotates its context with its own RoPE, as "
+                       "z-lab's does; a drafter trained for another target would accept little", drafter_source, ours,
+                       theirs)
     spec = cfg.speculative_config
     assert spec is not None, "check_pairing is only called for speculative builds"
     limit = drafter.block_size - 1

@@ -129,7 +129,7 @@ def test_a_file_missing_from_an_engine_is_named_by_every_command(tiny_engine, tm
 
 @pytest.mark.parametrize("key, inner", [("sources", None), ("tokenizer", "chat_template")])
 def test_inspect_names_the_manifest_key_it_lacks(tiny_engine, tmp_path, key, inner):
-    # Without --verify the manifest's own checksum is not checked: an edited manifest reaches the table.
+    # Without --verify an edited manifest reaches the table (with a note that it was edited).
     bad = tmp_path / "bad"
     shutil.copytree(tiny_engine, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
@@ -182,6 +182,13 @@ def test_an_engine_of_another_format_is_refused_before_it_runs_and_inspect_says_
     assert shown.exit_code == 0 and "note:" in shown.output and "format_version" in shown.output
 
 
+def test_inspect_shows_a_hand_edited_manifest_with_a_note_that_it_was_edited(tiny_engine, tmp_path):
+    bad = _edited(tiny_engine, tmp_path, "manifest.json", lambda m: m.update(max_draft_len=5))
+    shown = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert shown.exit_code == 0 and "note:" in shown.output and "edited after the build" in shown.output
+    assert "edited after the build" not in CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
+
+
 def test_triton_serve_given_an_engine_says_to_export_it_first(tiny_engine):
     r = CliRunner().invoke(main, ["triton", "serve", str(tiny_engine)])
     assert r.exit_code == 1 and "is an engine directory" in r.output and "triton export" in r.output, r.output
@@ -214,18 +221,26 @@ def test_each_bad_pairing_fails_with_its_message(tiny_dirs, tmp_path, edit, word
     assert words in msg, msg
 
 
-def test_a_drafter_with_its_own_rope_builds_with_a_warning(tiny_dirs, tmp_path, caplog):
+@pytest.mark.parametrize("rope, words", [
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+     "factor=2.0, rope_type='linear' where the target uses factor=None, rope_type='default'"),
+    ({"rope_type": "default", "rope_theta": 1e6}, "rope_theta=1000000.0 where the target uses rope_theta=10000.0"),
+])
+def test_a_drafter_with_its_own_rope_builds_with_a_warning(tiny_dirs, tmp_path, caplog, rope, words):
     # z-lab's drafters rotate with their own RoPE whatever the target's (its Qwen3.6 drafter is YaRN): not refused
     drafter = tmp_path / "drafter"
     shutil.copytree(tiny_dirs["qwen3_drafter"], drafter)
     cfg = json.loads((drafter / "config.json").read_text())
     cfg.pop("rope_scaling", None)
-    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    cfg["rope_parameters"] = rope
     (drafter / "config.json").write_text(json.dumps(cfg))
     with caplog.at_level("WARNING"):
         prepare_build(write_config(tmp_path, tiny_dirs["qwen3"], drafter))
-    assert any("rope_type='linear' where the target uses rope_type='default'" in r.getMessage()
-               for r in caplog.records)
+    assert any(words in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        prepare_build(write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]))
+    assert not any("RoPE" in r.getMessage() for r in caplog.records)
 
 
 def test_a_model_that_is_not_on_disk_says_how_to_fetch_it(tiny_dirs, tmp_path):
@@ -243,6 +258,18 @@ def test_build_without_drafter_and_existing_output(tiny_dirs, tmp_path):
     assert build_engine(cfg, out, force=True, progress=False) == out
     engine = open_engine(out)
     assert engine.drafter is None
+
+
+def test_an_output_path_below_a_file_and_a_target_path_that_does_not_exist_are_named(tiny_dirs, tmp_path):
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(FileExistsError, match=f"{tmp_path / 'afile'} is a file, not a directory: -o "):
+        build_engine(cfg, tmp_path / "afile" / "sub", progress=False)
+    assert (tmp_path / "afile").read_text() == "mine"
+    with pytest.raises(FileNotFoundError, match=f"model='./no_such_model': {tmp_path / 'no_such_model'} does not exist"):
+        prepare_build(write_config(tmp_path, tiny_dirs["llama"], None, model="./no_such_model"))
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", "no_such_drafter"])
+    assert r.exit_code == 2 and "--drafter" in r.output and "neither a directory nor an HF id" in r.output, r.output
 
 
 def test_an_exception_midway_leaves_no_engine_and_no_temp(tiny_dirs, tmp_path, monkeypatch):
@@ -334,7 +361,7 @@ def _second_layer(tensors: dict, config: dict) -> None:
 
 
 @pytest.mark.parametrize("edit, words", [
-    (_second_layer, "hold layers 1 beyond num_hidden_layers=1"),
+    (_second_layer, "hold layer index 1, but config.json says num_hidden_layers=1"),
     (lambda t, c: t.update({"norm.weight": t["norm.weight"].to(torch.int32)}), "'norm.weight' is torch.int32"),
 ])
 def test_a_drafter_whose_weights_do_not_match_its_config_fails_naming_it(tiny_dirs, tmp_path, edit, words):
@@ -351,7 +378,7 @@ def test_a_target_config_that_undercounts_its_layers_fails_naming_them(tiny_dirs
     shutil.copytree(tiny_dirs["qwen3"], t)
     config = json.loads((t / "config.json").read_text())
     (t / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    words = "hold layers 3 beyond num_hidden_layers=3"
+    words = "hold layer index 3, but config.json says num_hidden_layers=3"
     with pytest.raises(ValueError, match=words):
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
     r = CliRunner().invoke(main, ["generate", "--target", str(t), "--no-spec", "-p", "hi"])
@@ -911,6 +938,9 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     linked = build_engine(cfg, tmp_path / "linked", progress=False)
     assert f"symlinks to {out / 'target'} (the engine breaks if those files move)" in \
         CliRunner().invoke(main, ["inspect", str(linked)]).output
+    (out / "target" / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    r = CliRunner().invoke(main, ["inspect", str(linked)])
+    assert r.exit_code == 1 and f"a link to {out / 'target' / 'model.safetensors'}, which no longer exists" in r.output
 
 
 @pytest.mark.parametrize("which, edit, words", [

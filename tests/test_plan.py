@@ -60,7 +60,8 @@ def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
     assert not plan.fits
     msg = plan.problems[0]
     assert "does not fit h200" in msg and "drafter_context_cache 139.60 GB" in msg
-    assert "Largest item: drafter_context_cache; change max_seq_len or max_batch_size" in msg
+    assert "Before the KV cache, the rest alone overflows the device, most of it drafter_context_cache: change max_seq_len or " \
+           "max_batch_size" in msg
     # The same arena at TP8 on a B300 is an eighth (one kv head per rank): 17.45 GB, and fits.
     cfg8 = _cfg(max_batch_size=64, max_seq_len=131072, tensor_parallel_size=8, moe_expert_parallel_size=8)
     plan8 = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg8, profile("b300"), max_draft_len=9)
@@ -162,3 +163,17 @@ def test_a_suggested_max_seq_len_stays_within_the_targets_positions():
     assert suggested, plan.problems
     n = int(suggested[0].split("max_seq_len <= ")[1].split()[0])
     assert n <= GPT_OSS.max_position_embeddings
+
+
+def test_a_cpu_plan_whose_activations_overflow_names_the_settings_that_size_them():
+    # The torch runtime's activations are max_batch_size x max_seq_len tokens: max_num_tokens changes nothing there.
+    # Qwen3-8B, bf16, 256 rows x 8,192 tokens: activations of 2,097,152 tokens x (4 x 4,096 + (32 + 16) x 128 +
+    # 3 x 12,288) x 2 B ~ 249 GB, past the 16 GB of weights and every other item
+    qwen = decoder_config_from_dict(bundled_config("Qwen/Qwen3-8B"))
+    raw = dict(model="Qwen/Qwen3-8B", hardware="cpu", kv_cache_config={"dtype": "bfloat16"}, speculative_config=None,
+               max_batch_size=256, max_seq_len=8192)
+    plan = plan_build(qwen, None, _cfg(**raw), profile("cpu"), max_draft_len=0)
+    msg = plan.problems[0]
+    assert "most of it activations_estimate: change max_seq_len or max_batch_size" in msg, msg
+    assert "max_num_tokens" not in msg
+    assert plan_build(qwen, None, _cfg(**raw, max_num_tokens=64), profile("cpu"), 0).components == plan.components

@@ -97,5 +97,7 @@ class WeightSet:
         deeper = sorted({int(m.group(1)) for n in self.unused() if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", n))
                          and int(m.group(1)) >= num_layers})
         if deeper:
-            raise CheckpointError(f"{self.model_dir}: the weights hold layers {', '.join(map(str, deeper))} beyond "
-                                  f"num_hidden_layers={num_layers} in config.json")
+            which = "layer index" if len(deeper) == 1 else "layer indices"
+            raise CheckpointError(f"{self.model_dir}: the weights hold {which} {', '.join(map(str, deeper))}, but "
+                                  f"config.json says num_hidden_layers={num_layers} (layers 0..{num_layers - 1}): "
+                                  "fix num_hidden_layers, or use the config.json that came with these weights")
