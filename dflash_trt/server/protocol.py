@@ -274,7 +274,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)  # checked when absent too
     tool_calls: list[Any] | None = None
 
     @field_validator("content", mode="before")
@@ -287,6 +287,14 @@ class ChatMessage(BaseModel):
         return v
 
     _no_tool_calls = _refuse_set("tool_calls", message="tool calls are not supported")
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI's schema: only an assistant's message may come without content (where it made tool calls)
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return v
 
     def text(self) -> str:
         if self.content is None:

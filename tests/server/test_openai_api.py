@@ -280,6 +280,8 @@ BAD_CHAT = [
      "messages.0.content"),
     ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
      "messages.0.tool_calls"),
+    ({**CHAT, "messages": [{"role": "system", "content": "be brief"}, {"role": "user"}]}, "messages.1.content"),
+    ({**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
 ]
 
 
