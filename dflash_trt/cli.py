@@ -144,7 +144,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         if note := capped_note(max_model_len, engine):
             click.echo(note, err=True)
         ids = engine.encode(prompt, chat=chat)
-        if len(ids) + max_new_tokens > engine.max_model_len:  # else a "length" finish would not say which limit
+        # else a "length" finish would not say which limit (a prompt that fills the context is the engine's error)
+        if len(ids) < engine.max_model_len < len(ids) + max_new_tokens:
             click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "
                        f"(--max-model-len): at most {max(engine.max_model_len - len(ids), 0)} new tokens, not "
                        f"{max_new_tokens}", err=True)

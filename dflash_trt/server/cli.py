@@ -377,10 +377,13 @@ def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
 
 
 def mode_text(llm) -> str:
-    """How the engine decodes, for the start-up line: the K a one-row step drafts on this CPU, and the schedule by
-    batch size where there is one (the table without AMX where the CPU has no tiles)."""
+    """How the engine decodes, for the start-up line: the K a one-row step drafts on this CPU, and the schedules by
+    batch size where there are (the tables without AMX where the CPU has no tiles): K, the draft tree's nodes, and the
+    context lookups' length."""
     if llm.drafter is None:
         return "autoregressive"
     schedule = llm.scheduler.config.draft_len_schedule
     by_batch = f", K by batch size {dict(sorted(schedule.items()))}" if schedule else ""
-    return f"DFlash K={llm.scheduler.config.draft_len_for(1)}{by_batch}"
+    tree = f", tree nodes by batch size {dict(sorted(llm.draft_tree.items()))}" if llm.draft_tree else ""
+    lookups = f", lookups of up to {llm.runner.lookup_nodes}" if llm.runner.lookup_nodes else ""
+    return f"DFlash K={llm.scheduler.config.draft_len_for(1)}{by_batch}{tree}{lookups}"

@@ -203,16 +203,18 @@ def test_no_spec_with_a_drafting_flag_is_a_usage_error_not_an_ignored_flag(comma
 
 
 @pytest.mark.parametrize("layout, expected", [
-    ("tiles", "DFlash K=3, K by batch size {1: 3, 4: 2}"),
-    ("panels", "DFlash K=2, K by batch size {1: 2, 2: 1}"),  # the table for CPUs without AMX tiles
+    ("tiles", "DFlash K=3, K by batch size {1: 3, 4: 2}, tree nodes by batch size {1: 4}, lookups of up to 2"),
+    # the tables for CPUs without AMX tiles
+    ("panels", "DFlash K=2, K by batch size {1: 2, 2: 1}, tree nodes by batch size {1: 3}, lookups of up to 2"),
 ])
-def test_the_start_up_line_names_the_k_this_cpu_drafts(tiny_dirs, monkeypatch, layout, expected):
+def test_the_start_up_line_names_the_k_and_trees_this_cpu_drafts(tiny_dirs, monkeypatch, layout, expected):
     from dflash_trt.engine import llm_engine
     from tests.server.conftest import tiny_engine
 
     monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)
     llm = tiny_engine(tiny_dirs, max_batch_size=4, max_draft_len=3, draft_len_schedule={1: 3, 4: 2},
-                      draft_len_schedule_without_amx={1: 2, 2: 1})
+                      draft_len_schedule_without_amx={1: 2, 2: 1}, draft_tree={1: 4}, draft_tree_without_amx={1: 3},
+                      lookup_nodes=2)
     assert cli.mode_text(llm) == expected
     assert cli.mode_text(tiny_engine(tiny_dirs, speculative=False)) == "autoregressive"
 
