@@ -233,7 +233,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
           gpus, api, temperature, ignore_eos, extra_body, label, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
-    from dflash_trt.bench.datasets import load_dataset
+    from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl
     from dflash_trt.bench.sweep import SweepConfig, SweepError, csv_path_of, run_sweep, write_results
 
     concurrencies = _ints(concurrencies, "--concurrency", minimum=1)
@@ -251,7 +251,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
-                          label=label or model, extra_body=extra_body)
+                          label=label or model, extra_body=extra_body, isl=prompt_isl(dataset, isl),
+                          tokenizer=tokenizer)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)
@@ -259,12 +260,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         raise click.ClickException(str(e).replace("extra_body sets", "--extra-body sets")) from e
 
     def show(p: dict) -> None:
-        acc = p["acceptance"]
-        tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
-        failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
-        click.echo(f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {p['tok_s_per_user'] or 0:7.1f} tok/s/user  "
-                   f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {p['ttft_s']['p50'] * 1000:7.0f} ms  "
-                   f"TPOT p50 {(p['tpot_s']['p50'] or 0) * 1000:6.1f} ms{tau}{failed}", err=True)
+        click.echo(point_line(p), err=True)
 
     kept: list[int] = []  # points in the file written last
 
@@ -282,7 +278,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                 else f" ({output} records it; no point was measured)")
 
     try:
-        result = run_sweep(cfg, prompts, dataset=dataset, on_point=show, on_result=keep)
+        result = run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep)
     except SweepError as e:
         raise click.ClickException(f"{e}{held()}") from e
     except KeyboardInterrupt:
@@ -293,6 +289,20 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     click.echo(f"wrote {output} and {csv_path_of(output)}", err=True)
 
 
+def point_line(p: dict) -> str:
+    """A sweep point as the console shows it; "-" where a figure is undefined (null in the result: one-token
+    answers have no TPOT, answers that end at once no TTFT), not a 0 that reads as measured."""
+    def fig(value: float | None, width: int, digits: int, scale: float = 1.0) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value * scale:{width}.{digits}f}"
+
+    acc = p["acceptance"]
+    tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
+    failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
+    return (f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {fig(p['tok_s_per_user'], 7, 1)} tok/s/user  "
+            f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {fig(p['ttft_s']['p50'], 7, 0, 1000)} ms  "
+            f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{failed}")
+
+
 @bench.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
@@ -300,7 +310,15 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
 @click.option("--title", default=None, help="The plot's title (default: Throughput vs interactivity).")
 def plot(runs, output, title) -> None:
     """Overlay sweep results as tokens/s/GPU against tokens/s/user, each run's Pareto frontier marked."""
-    from dflash_trt.bench.plot import UnsupportedFormat, distinct_labels, load_runs, plot_pareto, plottable
+    from dflash_trt.bench.plot import (
+        UnsupportedFormat,
+        distinct_labels,
+        incomplete,
+        load_runs,
+        mark_incomplete,
+        plot_pareto,
+        plottable,
+    )
 
     try:
         loaded = load_runs(runs)
@@ -313,6 +331,10 @@ def plot(runs, output, title) -> None:
             elif not plottable(run):
                 click.echo(f"warning: {name} ({run['label']}) has no point with both axes (tok/s/user needs outputs "
                            "of 2 or more tokens): left out of the plot", err=True)
+            elif incomplete(run) is not None:
+                click.echo(f"warning: {name} ({run['label']}) is an incomplete sweep ({incomplete(run)}): "
+                           "plotted with the points it has, marked (incomplete)", err=True)
+        mark_incomplete(loaded)
         if not any(plottable(run) for run in loaded):
             raise click.ClickException("no run has a point to plot: nothing written")
         path = plot_pareto(loaded, output, title)
@@ -351,8 +373,8 @@ def merge(rounds, output) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def compare(run, base, as_json) -> None:
     """RUN's output tokens/s over BASE's per concurrency; round by round where both are merged alternating rounds."""
-    from dflash_trt.bench.plot import distinct_labels, load_runs
-    from dflash_trt.bench.rounds import compare_runs
+    from dflash_trt.bench.plot import distinct_labels, incomplete, load_runs
+    from dflash_trt.bench.rounds import compare_runs, workload_differences
 
     try:
         a, b = load_runs([run, base])
@@ -360,6 +382,15 @@ def compare(run, base, as_json) -> None:
         rows = compare_runs(a, b)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    # warnings, not refusals: a comparison across workloads may be meant, but must not pass for a like-for-like one
+    for loaded, name in ((a, run), (b, base)):
+        if incomplete(loaded) is not None:
+            click.echo(f"warning: {name} is an incomplete sweep ({incomplete(loaded)}): compared at the "
+                       "concurrencies it measured", err=True)
+    differ = workload_differences(a, b, names=(run, base))
+    if differ:
+        click.echo(f"warning: {run} and {base} ran different workloads ({'; '.join(differ)}): the ratios are not "
+                   "the systems' alone", err=True)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

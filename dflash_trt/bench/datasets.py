@@ -131,6 +131,20 @@ def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
     return out
 
 
+def prompt_isl(spec: str, isl: int | None = None) -> int | None:
+    """The input tokens of the long-context prompts load_dataset makes of `spec` with `isl` (a gpu-* preset's own
+    without one), or None where the prompts are used as written."""
+    return isl if isl is not None or spec not in PRESETS else PRESETS[spec][0]
+
+
+def dataset_name(spec: str, isl: int | None = None) -> str:
+    """The dataset as a result names it: a built-in whose prompts `isl` replaced by long-context ones says so, as a
+    reader of "cpu-small" would otherwise take the prompts for its short ones."""
+    if isl is None or (spec in PRESETS and PRESETS[spec][0] == isl):
+        return spec
+    return f"{spec} --isl {isl} (long-context prompts)"
+
+
 def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int | None = None, tokenizer=None,
                  categories: list[str] | None = None, limit_per_category: int | None = None,
                  min_prompts: int | None = None) -> list[BenchPrompt]:
@@ -139,8 +153,7 @@ def load_dataset(spec: str = "categories", *, isl: int | None = None, osl: int |
     `min_prompts` of them in the chosen categories (a sweep's requests: each its own prompt, which a server's prefix
     cache cannot answer from an earlier one)."""
     if spec in PRESETS:
-        preset_isl, preset_osl = PRESETS[spec]
-        isl, osl = isl if isl is not None else preset_isl, osl if osl is not None else preset_osl
+        isl, osl = prompt_isl(spec, isl), osl if osl is not None else PRESETS[spec][1]
         if isl is not None:
             kept = len(set(categories) & _LONG_TASKS.keys()) if categories else len(_LONG_TASKS)
             per_category = max(8, -(-(min_prompts or 0) // max(kept, 1)))

@@ -61,6 +61,25 @@ def plottable(run: dict) -> bool:
     return any(p.get(X_KEY) is not None and p.get(Y_KEY) is not None for p in run["points"])
 
 
+def incomplete(run: dict) -> str | None:
+    """Why a sweep did not run all its points ('complete': false), e.g. "stopped at concurrency 8: interrupted";
+    None for a whole one, or an older result that does not say."""
+    if run.get("complete") is not False:
+        return None
+    stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}
+    if not stopped:  # written after each point: the sweep was killed, or is still running
+        return "it did not finish: killed, or still running"
+    where = f"stopped at concurrency {stopped['concurrency']}" if "concurrency" in stopped else "stopped in the warm-up"
+    return f"{where}: {stopped['error']}" if stopped.get("error") else where
+
+
+def mark_incomplete(runs: Sequence[dict]) -> None:
+    """An incomplete sweep's label says so, as its frontier lacks the points it did not reach."""
+    for run in runs:
+        if incomplete(run) is not None:
+            run["label"] = f"{run['label']} (incomplete)"
+
+
 def distinct_labels(runs: Sequence[dict], paths: Sequence[str | Path]) -> None:
     """Runs sharing a label (two systems serving one model name, swept without --label) get their file's name
     after it, so a legend or a comparison can tell them apart."""

@@ -38,8 +38,10 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
         raise ValueError(f"rounds of different systems: labels {sorted(map(str, labels))}")
     first = _sweep_identity(runs[0])
     for run, name in zip(runs[1:], names[1:]):
-        differ = [f"{key} {first.get(key)!r} in {names[0]}, {value!r} here"
-                  for key, value in _sweep_identity(run).items() if first.get(key) != value]
+        this = _sweep_identity(run)
+        # a setting either round records: one that only the first round records must not pass unseen
+        differ = [f"{key} {first.get(key)!r} in {names[0]}, {this.get(key)!r} here"
+                  for key in dict.fromkeys([*first, *this]) if first.get(key) != this.get(key)]
         if differ:  # two systems under one label (the model name), or rounds of different sweeps
             raise ValueError(f"{name}: not a round of {names[0]}'s sweep ({'; '.join(differ[:3])})")
     by_round = [_points_by_concurrency(r, n) for r, n in zip(runs, names)]
@@ -58,12 +60,27 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
 
 
 def _sweep_identity(run: dict) -> dict:
-    """What rounds of one sweep share: the endpoint, the model, the dataset and the sweep's settings (all but the
-    seed of the prompt order)."""
+    """What rounds of one sweep share: the endpoint, the model, the dataset (where named) and the sweep's settings
+    (all but the seed of the prompt order)."""
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
-    return {"url": run.get("url"), "model": run.get("model"), "dataset": dataset.get("name"),
+    named = {"dataset": dataset["name"]} if dataset.get("name") is not None else {}
+    return {"url": run.get("url"), "model": run.get("model"), **named,
             **{f"config.{k}": v for k, v in config.items() if k not in ("label", "seed")}}
+
+
+# What two systems compared on one workload share: the prompts (dataset, input length, the tokenizer that cut them),
+# the output length and how requests ask for it. Endpoints, models and extra request fields are the systems' own.
+WORKLOAD = ("dataset", "config.isl", "config.tokenizer", "config.osl", "config.api", "config.temperature",
+            "config.ignore_eos")
+
+
+def workload_differences(run: dict, base: dict, names: Sequence[str] = ("run", "base")) -> list[str]:
+    """The WORKLOAD settings in which two runs differ, each naming both values; a setting one of them does not
+    record (an older result) is not taken to differ."""
+    mine, theirs = _sweep_identity(run), _sweep_identity(base)
+    return [f"{k} {mine[k]!r} in {names[0]}, {theirs[k]!r} in {names[1]}"
+            for k in WORKLOAD if k in mine and k in theirs and mine[k] != theirs[k]]
 
 
 def compare_runs(run: dict, base: dict) -> list[dict]:

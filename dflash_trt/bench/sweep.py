@@ -67,6 +67,11 @@ class SweepConfig:
     ignore_eos: bool = True  # vLLM, trtllm-serve and this project's server accept it
     osl: int | None = None  # output tokens per request; None: each prompt's max_tokens
     label: str = ""  # run name in plots, e.g. "DFlash K=3"
+    # What the prompts are, recorded so that rounds and runs of other workloads are told apart (the sweep sends
+    # the prompts it is given): the input tokens of long-context prompts (None: prompts as written) and the
+    # tokenizer that cut them (None: about 4 characters per token).
+    isl: int | None = None
+    tokenizer: str | None = None
     # more request fields for every request (top_p, top_k, penalties, a server's own extensions); never the ones above
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0  # per connect / read of the stream
@@ -91,8 +96,9 @@ class SweepConfig:
                              "--temperature, --ignore-eos, --seed, --api and the dataset)")
         if self.metrics_settle_s < 0:
             raise ValueError(f"metrics_settle_s must be >= 0, got {self.metrics_settle_s}")
-        if self.osl is not None and self.osl < 1:
-            raise ValueError(f"osl must be >= 1, got {self.osl}")
+        for name in ("osl", "isl"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
 
@@ -490,6 +496,24 @@ def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | N
     return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result))
 
 
+_SUMMARY = ("mean", "p50", "p90", "p99")
+# Every key any source puts in an acceptance record (response_acceptance, _trtllm_acceptance, acceptance_delta).
+_ACCEPTANCE = ("source", "field", "metrics", "tau", "num_steps", "acceptance_rate", "acceptance_per_position",
+               "acceptance_histogram", "total_draft_tokens", "total_accepted_draft_tokens", "num_requests",
+               "num_iterations")
+# The CSV's columns, all of them in every file whatever the endpoint reports (an empty cell for null), so CSVs of
+# different runs concatenate; a merged run's rounds last.
+CSV_COLUMNS: tuple[str, ...] = (
+    "concurrency", "tokens_from", "num_requests", "num_failed", "empty_answers", "errors", "duration_s",
+    "output_tokens", "input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user", "user_throughput_tok_s",
+    "tok_s_per_gpu",
+    *(f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2el_s") for s in _SUMMARY),
+    "repeated_prompts",
+    *(f"{a}_{k}" for a in ("acceptance", "metrics_acceptance") for k in _ACCEPTANCE),
+    "rounds_output_tok_s", "median_round",
+)
+
+
 def flatten(point: dict, prefix: str = "") -> dict:
     """One CSV row: nested dicts joined with '_' (ttft_s_p50), lists as JSON."""
     row: dict = {}
@@ -514,13 +538,15 @@ def csv_path_of(path: str | Path) -> Path:
 
 
 def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
-    """The result as JSON at `path` and one CSV row per point next to it (csv_path_of: RUN.csv for RUN.json), each
-    replaced whole: a sweep rewrites them as it starts and after every point."""
+    """The result as JSON at `path` and one CSV row per point next to it (csv_path_of: RUN.csv for RUN.json; the
+    columns of CSV_COLUMNS, empty where a value is null), each replaced whole: a sweep rewrites them as it starts
+    and after every point."""
     path = Path(path)
     csv_path = csv_path_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [flatten(p) for p in result["points"]]
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    # a key no sweep writes (a hand-edited point) is kept, after the fixed columns, rather than dropped
+    columns = list(dict.fromkeys([*CSV_COLUMNS, *(k for row in rows for k in row)]))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)

@@ -386,7 +386,10 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(min=1),
               help="Training records drawn per optimizer step.")
 @click.option("--micro-batch", default=None, type=click.IntRange(min=1), help="Sequences per drafter forward (default: all of --seqs-per-step).")
-@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True), help="Seconds: end the run (at most --steps) and its LR schedule within this wall-clock time, a resumed run's earlier training included.")
+@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds: end the run (at most --steps), its LR schedule and its evaluations, the closing one "
+                   "included, within this wall-clock time, a resumed run's earlier training included. A run trains "
+                   "at least one step: a budget too short for that and its evaluation is overrun, with a warning.")
 @click.option("--device", default="cpu", show_default=True, callback=_device, help="cpu or cuda[:N].")
 @click.option("--features", type=click.Choice(["cache", "live"]), default=None,
               help="The target's features: cached on disk once (default on the CPU; float16, 2 bytes x hidden x "

@@ -18,7 +18,9 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +48,9 @@ from dflash_trt.train.teacher import Teacher, distill_loss
 
 logger = logging.getLogger(__name__)
 
-BUDGET_WARMUP_STEPS = 10  # a time budget measures the pace from here, and re-fits the run every this many steps
+# A time budget plans by the median time of the latest this many steps: the first ones pay one-off costs (a GPU's kernel
+# compilation and allocator warm-up made them 3x slower than the rest), and a stray slow step should not move the plan.
+PACE_STEPS = 20
 
 
 @dataclass
@@ -72,8 +76,8 @@ class TrainConfig:
     eval_every: int = 250
     eval_prompts: int = 8
     eval_new_tokens: int = 96
-    # Fit the run (its length, at most `steps`, and the schedule) into this much wall-clock time, a resumed run's
-    # earlier training included.
+    # Fit the run (its length, at most `steps`, and the schedule) into this much wall-clock time, its evaluations and
+    # a resumed run's earlier training included (Trainer._fit_to_budget).
     time_budget_s: float | None = None
     # The loss's softmax over the draft vocabulary (the training responses' tokens, which the exported drafter
     # drafts among), as inference computes it: SmolLM2's head shrinks from 49,152 rows to ~15k, and the head was
@@ -205,13 +209,18 @@ def shape_mismatches(saved: dict[str, tuple], dcfg: DFlashConfig) -> list[str]:
             for name in sorted(set(saved) | set(want)) if saved.get(name) != want.get(name)]
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.steps - warmup)
+def lr_at(before: float, after: float, cfg: TrainConfig) -> float:
+    """The learning rate of a step that takes the run from `before` to `after` (the shares of it done): linear warmup
+    while `after` is within warmup_ratio, then cosine decay by `before` down to min_lr_ratio of cfg.lr (step k of N
+    steps: k / N to (k + 1) / N).
+
+    A function of the shares done, not of step numbers, so that a time budget re-fitting the run's length changes how
+    fast the rate moves along the curve, never where on it the rate is."""
+    if after <= cfg.warmup_ratio:
+        return cfg.lr * after / cfg.warmup_ratio
+    progress = (before - cfg.warmup_ratio) / max(1.0 - cfg.warmup_ratio, 1e-9)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
 class Trainer:
@@ -273,7 +282,12 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.best_score = -math.inf  # held-out tau, or minus the held-out loss when eval_prompts is 0
-        self._eval_s = 0.0  # the last evaluation's wall-clock time (the time budget keeps room for one)
+        # An evaluation's wall-clock time with the export and checkpoint it brings (None: not measured in this
+        # process); a time budget keeps room for those still ahead. And the times of this process's latest steps.
+        self._eval_s: float | None = None
+        self._step_s: deque[float] = deque(maxlen=PACE_STEPS)
+        # The share of the LR schedule done (lr_at): k / steps, unless a time budget re-fitted the run's length
+        self._progress = 0.0
         # --steps, the most a time budget may fit the run to; and the seconds the checkpoint's run trained before
         # this process (a resumed budget counts them)
         self.max_steps = cfg.steps
@@ -422,7 +436,9 @@ class Trainer:
         each phase ends (benchmarks/profile_train_step.py times them)."""
         cfg = self.cfg
         done = phase or (lambda name: None)
-        lr = lr_at(self.step, cfg)
+        # What is left of the schedule spread evenly over the steps left: k / steps for a run of fixed length
+        after = self._progress + (1.0 - self._progress) / max(1, cfg.steps - self.step)
+        lr = lr_at(self._progress, after, cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
         picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()
@@ -445,30 +461,30 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         done("clip + optimizer")
         self.step += 1
+        self._progress = after
         return {"step": self.step, "loss": total / max(n, 1), "lr": lr, "grad_norm": grad_norm}
 
     def _train(self, stop: _FinishStepOnInterrupt) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        start = self._started = time.perf_counter()
+        if cfg.time_budget_s is not None and self._eval_s is None and self.step < cfg.steps:
+            self._eval_s = self._measure_eval_s()
         self.drafter.train()
-        start, start_step = time.perf_counter(), self.step
-        self._started = start
-        mark = (start, start_step)
+        last = time.perf_counter()
         while self.step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
             entry = self.train_step()
-            entry["step_s"] = time.perf_counter() - t0
-            done = self.step - start_step
-            if done == BUDGET_WARMUP_STEPS:
-                mark = (time.perf_counter(), self.step)
-            if cfg.time_budget_s is not None and done >= 2 * BUDGET_WARMUP_STEPS and done % BUDGET_WARMUP_STEPS == 0:
-                self._fit_to_budget(start, mark)
+            now = time.perf_counter()
+            entry["step_s"] = now - t0
+            self._step_s.append(now - last)  # with the previous step's log line and progress bar
+            if cfg.time_budget_s is not None:
+                self._fit_to_budget(now - start)
                 bar.total = cfg.steps
             evaluated = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+            t_eval = time.perf_counter()
             if evaluated:
-                t_eval = time.perf_counter()
                 entry.update(self.evaluate())
-                self._eval_s = time.perf_counter() - t_eval
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
                 elif (score := entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]) > self.best_score:
@@ -483,24 +499,63 @@ class Trainer:
                 self._save_checkpoint()
             bar.set_postfix(loss=f"{entry['loss']:.3f}", **({"tau": f"{entry['val_tau']:.2f}"} if "val_tau" in entry else {}))
             bar.update(1)
+            last = time.perf_counter()
+            if evaluated:
+                self._eval_s = last - t_eval
         bar.close()
 
-    def _fit_to_budget(self, start: float, mark: tuple[float, int]) -> None:
-        """Set the run's length so it ends inside time_budget_s at the pace since `mark` (evaluations included).
+    def _fit_to_budget(self, elapsed: float) -> None:
+        """Set the run's length (at most max_steps) to the most steps that end inside time_budget_s, `elapsed` seconds
+        into this process, with the evaluations they bring (every eval_every steps, and after the last) included.
 
-        The pace is measured after the first steps, which pay one-off costs (a GPU's kernel compilation and
-        allocator warm-up made them 3x slower than the rest), and re-measured as the run goes.
-        """
-        now = time.perf_counter()
-        per_step = (now - mark[0]) / (self.step - mark[1])
-        remaining = self.cfg.time_budget_s - self._trained_s - (now - start) - self._eval_s  # room for the last eval
-        self.cfg.steps = min(self.max_steps, max(self.step + 1, self.step + int(remaining / per_step)))
-        logger.debug("time budget: %.0f s left at %.3f s/step -> %d steps", remaining, per_step, self.cfg.steps)
+        Re-fitted after every step, at the pace of the latest PACE_STEPS, so that a short budget holds to a step too;
+        at least this step is trained (it ends the run, with an evaluation, where no more fit)."""
+        cfg = self.cfg
+        pace = statistics.median(self._step_s)
+        left = cfg.time_budget_s - self._trained_s - elapsed
 
-    @torch.no_grad()
+        def cost(n: int) -> float:  # of n more steps: they, and the evaluations from this step to their last
+            s, every = self.step, cfg.eval_every
+            return n * pace + self._eval_s * ((s + n) // every - (s - 1) // every + ((s + n) % every != 0))
+
+        lo, hi = 0, max(0, self.max_steps - self.step)  # cost grows with n: the most that fit, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
+        if len(self._step_s) == 1 and cost(0) > left:
+            logger.warning("a time budget of %.0f s is too short: a run trains at least one step and ends with an "
+                           "evaluation (here ~%.1f s a step and ~%.1f s an evaluation), so this one ends ~%.0f s past "
+                           "it", cfg.time_budget_s, pace, self._eval_s, cost(0) - left)
+        cfg.steps = self.step + lo
+        logger.debug("time budget: %.1f s left at %.3f s/step and %.1f s/evaluation -> %d steps", left, pace,
+                     self._eval_s, cfg.steps)
+
+    def _measure_eval_s(self) -> float:
+        """What an evaluation costs, measured before the first one: the held-out loss whole and the decoding of one
+        evaluation prompt, counted once per prompt (decoded one at a time, they dominate it). A budget ending before
+        the first eval_every evaluation must keep room for the closing one, and a step's time says nothing of it."""
+        t0 = time.perf_counter()
+        _, decode_s = self._evaluate(1)
+        n = len(self._eval_prompts())
+        took = time.perf_counter() - t0 + decode_s * max(0, n - 1)
+        logger.info("time budget: an evaluation takes ~%.1f s (measured decoding 1 of its %d prompts)", took, n)
+        return took
+
     def evaluate(self) -> dict:
         """Held-out loss (fixed anchors) and, unless eval_prompts is 0, held-out tau from real speculative
         greedy decoding; a metric with nothing held out to measure is left out (a 0 would read as a score)."""
+        t0 = time.perf_counter()
+        metrics, _ = self._evaluate(self.cfg.eval_prompts)
+        # a time budget keeps room for the next one (an evaluation before training spares it measuring one)
+        self._eval_s = time.perf_counter() - t0
+        return metrics
+
+    def _eval_prompts(self) -> list[list[int]]:
+        return [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
+
+    @torch.no_grad()
+    def _evaluate(self, n_prompts: int) -> tuple[dict, float]:
+        """evaluate(), decoding at most n_prompts of its prompts -> (its metrics, the seconds spent decoding)."""
         from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
         from dflash_trt.sampling_params import SamplingParams
 
@@ -508,11 +563,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(1234)
         batches = self._batches(self.heldout[:32], gen)
         if not batches:
-            return {}
+            return {}, 0.0
         val_loss = sum(float(self._batch_loss(b)) * len(b) for b in batches) / sum(map(len, batches))
-        prompts = [r["prompt_ids"] for r in self.heldout if r.get("mode") == "greedy"][: self.cfg.eval_prompts]
+        prompts = self._eval_prompts()[:n_prompts]
         if not prompts:
-            return {"val_loss": val_loss}
+            return {"val_loss": val_loss}, 0.0
         draft = copy.deepcopy(self.drafter).to(self.target.embed_tokens.weight.dtype)
         draft.draft_vocab = self.vocab_ids if self.vocab_ids.numel() else None
         pack_linears(draft)
@@ -523,10 +578,12 @@ class Trainer:
                            EngineConfig(max_batch_size=1, max_model_len=max(room, self.cfg.max_seq_len + 256),
                                         dtype=_name_of(DTYPES, self.target.embed_tokens.weight.dtype),
                                         device=str(self.device)))
+        t0 = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=self.cfg.eval_new_tokens))
+        decode_s = time.perf_counter() - t0
         steps = sum(len(o.acceptance_lengths) for o in outs)
         committed = sum(sum(o.acceptance_lengths) for o in outs)
-        return {"val_loss": val_loss, **({"val_tau": committed / steps} if steps else {})}
+        return {"val_loss": val_loss, **({"val_tau": committed / steps} if steps else {})}, decode_s
 
     # -- persistence ----------------------------------------------------------------------------------
     def export(self, path: Path, metrics: dict) -> None:
@@ -544,9 +601,10 @@ class Trainer:
             shutil.rmtree(old)
 
     def _save_checkpoint(self) -> None:
+        trained_s = self._trained_s + (time.perf_counter() - self._started if self._started is not None else 0.0)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
                  "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg),
-                 "trained_s": self._trained_s + (time.perf_counter() - self._started if self._started else 0.0)}
+                 "progress": self._progress, "trained_s": trained_s}
         tmp = self.out_dir / "checkpoint.pt.tmp"
         with tmp.open("wb") as f:
             torch.save(state, f)
@@ -565,6 +623,9 @@ class Trainer:
             # learning rate) until the pace is measured anew, and the budget less the time it already trained.
             self._trained_s = state.get("trained_s", 0.0)
             self.cfg.steps = min(self.max_steps, max(self.step, state["config"].get("steps", self.max_steps)))
+            self._progress = state.get("progress", self.step / self.cfg.steps)
+        else:  # the schedule of --steps, which may have changed since
+            self._progress = min(1.0, self.step / self.cfg.steps)
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)

@@ -186,3 +186,27 @@ def test_bench_speed_refuses_a_bad_dataset_before_the_model_loads(monkeypatch, a
     monkeypatch.setattr(server_cli, "load_engine", lambda *a, **k: pytest.fail("the model was loaded"))
     r = CliRunner().invoke(main, ["bench", "speed", *args])
     assert r.exit_code != 0 and message in r.output, r.output
+
+
+def test_plot_and_compare_say_which_runs_are_incomplete_sweeps(tmp_path):
+    """A sweep cut short (Ctrl-C, a failed point) has only its first points: its frontier and ratios are not the
+    whole sweep's, so both commands name the file, and the plot's legend marks the run."""
+    points = [{"concurrency": c, "output_tok_s": 10.0 * c, "tok_s_per_user": 10.0 / c, "tok_s_per_gpu": 10.0 * c}
+              for c in (1, 2, 4)]
+    whole, cut = tmp_path / "whole.json", tmp_path / "cut.json"
+    whole.write_text(json.dumps({"label": "ar", "points": points, "complete": True}))
+    cut.write_text(json.dumps({"label": "dflash", "points": points[:2], "complete": False,
+                               "stopped": {"concurrency": 4, "error": "interrupted"}}))
+    svg = tmp_path / "p.svg"
+    r = CliRunner().invoke(main, ["bench", "plot", str(whole), str(cut), "-o", str(svg)])
+    assert r.exit_code == 0, r.output
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and str(cut) in warnings[0] and "incomplete" in warnings[0], r.stderr
+    assert "concurrency 4" in warnings[0] and "interrupted" in warnings[0]
+    assert "dflash (incomplete)" in svg.read_text() and "ar (incomplete)" not in svg.read_text()  # the legend
+    r = CliRunner().invoke(main, ["bench", "compare", str(cut), str(whole)])
+    assert r.exit_code == 0 and "c=2" in r.stdout, r.output
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and str(cut) in warnings[0] and "incomplete" in warnings[0], r.stderr
+    r = CliRunner().invoke(main, ["bench", "compare", str(whole), str(whole)])
+    assert r.exit_code == 0 and r.stderr == "", r.output

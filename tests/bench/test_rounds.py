@@ -94,6 +94,42 @@ def test_rounds_of_another_sweep_under_the_same_label_are_refused_naming_what_di
     assert merge_rounds([a, same])["rounds"] == 2  # another seed of the prompt order is another round
 
 
+def test_a_round_that_lacks_a_setting_the_other_records_is_refused_in_either_order():
+    # an older result without isl against one swept with --isl: which file comes first must not decide
+    new = sweep_run("m", {1: 1.0}) | {"config": {"osl": 64, "isl": 1024}}
+    old = sweep_run("m", {1: 2.0}) | {"config": {"osl": 64}}
+    for runs, names in (([new, old], ["new.json", "old.json"]), ([old, new], ["old.json", "new.json"])):
+        with pytest.raises(ValueError, match=f"{names[1]}: not a round of {names[0]}'s sweep.*config.isl"):
+            merge_rounds(runs, names=names)
+
+
+@pytest.mark.parametrize("setting, mine, theirs", [
+    ("config.isl", 1024, 8192), ("config.tokenizer", "Qwen/Qwen3-8B", None), ("config.osl", 64, 128),
+    ("dataset", "cpu-small", "gpu-1k1k"),
+])
+def test_compare_warns_naming_the_files_where_the_workloads_differ(tmp_path, setting, mine, theirs):
+    def with_setting(run: dict, value) -> dict:
+        run |= {"config": {"osl": 64, "isl": None, "tokenizer": None, "api": "chat"}, "dataset": {"name": "cpu-small"}}
+        if setting == "dataset":
+            run["dataset"]["name"] = value
+        else:
+            run["config"][setting.removeprefix("config.")] = value
+        return run
+
+    (tmp_path / "a.json").write_text(json.dumps(with_setting(sweep_run("a", {1: 2.0}), mine)))
+    (tmp_path / "b.json").write_text(json.dumps(with_setting(sweep_run("b", {1: 1.0}), theirs)))
+    res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert res.exit_code == 0 and "2.00x" in res.stdout, res.output
+    warning = " ".join(res.stderr.split())
+    assert "warning" in warning and setting in warning and repr(mine) in warning and repr(theirs) in warning, warning
+    assert str(tmp_path / "a.json") in warning and str(tmp_path / "b.json") in warning
+    # the same workload under other systems' settings (endpoint, extra request fields) compares without a word
+    (tmp_path / "c.json").write_text(json.dumps(with_setting(sweep_run("c", {1: 1.0}), mine)
+                                                | {"url": "http://other:8000"}))
+    res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+
+
 def test_compare_tells_runs_of_one_label_apart_by_their_files_and_refuses_a_zero_base(tmp_path):
     (tmp_path / "ar.json").write_text(json.dumps(sweep_run("m", {1: 50.0})))
     (tmp_path / "dflash.json").write_text(json.dumps(sweep_run("m", {1: 75.0})))

@@ -24,6 +24,7 @@ from dflash_trt.train.feature_cache import FeatureCache, TargetFeatures
 from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.responses import read_records
 from dflash_trt.train.self_prompts import read_prompts, write_prompts
+from dflash_trt.train import trainer as trainer_module
 from dflash_trt.train.trainer import TrainConfig, Trainer
 from tests.conftest import make_target
 
@@ -399,12 +400,100 @@ def test_features_computed_on_the_fly_are_the_targets_hidden_states(trained):
     assert torch.allclose(got[1, :5], got[0, :5], atol=1e-5) and not got[1, 5:].any()  # cut, then zero-padded
 
 
-def test_a_time_budget_shortens_the_run_and_still_ends_with_an_evaluation(trained):
-    t, root = trained
-    tr = _trainer(t, root, root / "budget", steps=100_000, time_budget_s=0.01)
+class _FakeClock:
+    """Stands in for the trainer's `time` module: seconds pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _on_fake_clock(monkeypatch, step_s: float, decode_s: float, interrupt_at: int | None = None) -> _FakeClock:
+    """Trainers on a fake clock where a training step takes step_s, decoding an evaluation prompt decode_s and all
+    else no time; Ctrl-C is pressed during step `interrupt_at`."""
+    clock = _FakeClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    step, generate = Trainer.train_step, LLMEngine.generate
+
+    def timed_step(self, *args, **kwargs):
+        clock.now += step_s
+        if self.step + 1 == interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+        return step(self, *args, **kwargs)
+
+    def timed_generate(self, prompts, *args, **kwargs):
+        clock.now += decode_s * len(prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(LLMEngine, "generate", timed_generate)
+    return clock
+
+
+def _budgeted_run(t, root, out, monkeypatch, step_s: float, decode_s: float,
+                  **overrides) -> tuple[Trainer, list, float]:
+    """A budgeted run on _on_fake_clock -> (its trainer, its log, the seconds it took by that clock)."""
+    clock = _on_fake_clock(monkeypatch, step_s, decode_s)
+    tr = _trainer(t, root, out, **{"steps": 1000, **overrides})
     tr.train()
-    log = [json.loads(x) for x in (root / "budget" / "train_log.jsonl").read_text().splitlines()]
-    assert 20 <= len(log) < 100 and "val_tau" in log[-1] and (root / "budget" / "drafter" / "config.json").is_file()
+    return tr, _log(out), clock.now
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _assert_warms_up_then_decays_smoothly(lrs: list[float], cfg: TrainConfig) -> None:
+    """Up to the peak, then down to about the floor, never falling by more than a fifth of the way at once (a run of
+    some 20 steps falls by under a tenth a step along the cosine)."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    top = lrs.index(max(lrs))
+    assert max(lrs) == pytest.approx(peak) and lrs[-1] < floor + 0.1 * (peak - floor)
+    assert lrs[:top + 1] == sorted(lrs[:top + 1]) and lrs[top:] == sorted(lrs[top:], reverse=True)
+    assert all(a - b < 0.2 * (peak - floor) for a, b in zip(lrs[top:], lrs[top + 1:]))  # no jump down
+
+
+@pytest.mark.parametrize("budget, eval_every", [(20.0, 1000), (40.0, 5)], ids=["no evaluation before the last",
+                                                                              "evaluations on the way"])
+def test_a_short_time_budget_holds_to_a_step_its_evaluations_included(trained, monkeypatch, budget, eval_every):
+    # Steps of 1 s and evaluations of 2 prompts x 4 s: what the run may spend is known exactly.
+    t, root = trained
+    _, log, took = _budgeted_run(t, root, root / f"budget{eval_every}", monkeypatch, step_s=1.0, decode_s=4.0,
+                                 time_budget_s=budget, eval_every=eval_every, eval_prompts=2)
+    assert budget - 1.0 <= took <= budget + 1.0
+    assert "val_tau" in log[-1] and (root / f"budget{eval_every}" / "drafter" / "config.json").is_file()
+    assert [e["step"] for e in log if "val_tau" in e] == [*range(eval_every, len(log), eval_every), len(log)]
+
+
+def test_a_budgeted_runs_learning_rate_warms_up_to_its_peak_then_decays_without_a_jump(trained, monkeypatch):
+    t, root = trained
+    tr, log, _ = _budgeted_run(t, root, root / "budget_lr", monkeypatch, step_s=1.0, decode_s=3.0, time_budget_s=30.0)
+    _assert_warms_up_then_decays_smoothly([e["lr"] for e in log], tr.cfg)
+
+
+def test_an_interrupted_budgeted_run_resumes_its_learning_rate_and_its_budget(trained, monkeypatch,
+                                                                             ctrl_c_reaches_python):
+    t, root = trained
+    clock = _on_fake_clock(monkeypatch, step_s=1.0, decode_s=3.0, interrupt_at=6)
+    out = root / "budget_interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(t, root, out, steps=1000, time_budget_s=30.0).train()
+    assert [e["step"] for e in _log(out)] == [1, 2, 3, 4, 5, 6]
+    tr = _trainer(t, root, out, steps=1000, time_budget_s=30.0, resume=True)
+    tr.train()
+    assert clock.now <= 31.0 and "val_tau" in _log(out)[-1]  # both processes' time, each one's evaluations included
+    _assert_warms_up_then_decays_smoothly([e["lr"] for e in _log(out)], tr.cfg)
+
+
+def test_a_time_budget_too_short_for_a_step_and_its_evaluation_trains_one_and_says_so(trained, monkeypatch, caplog):
+    t, root = trained
+    with caplog.at_level(logging.WARNING):
+        _, log, took = _budgeted_run(t, root, root / "budget_short", monkeypatch, step_s=1.0, decode_s=10.0,
+                                     time_budget_s=5.0)
+    assert len(log) == 1 and "val_tau" in log[-1] and took == 21.0  # an evaluation measured, a step, the last one
+    assert "time budget of 5 s is too short" in caplog.text
 
 
 def test_a_time_budget_never_lengthens_the_run_past_its_steps(trained):
