@@ -242,11 +242,16 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     if tokenizer:
         from transformers import AutoTokenizer
 
+        local = Path(tokenizer).expanduser()
+        if not local.exists() and (tokenizer.count("/") != 1 or tokenizer.startswith((".", "/", "~"))):
+            # else Hugging Face's "Repo id must be in the form..." would answer a mistyped path
+            raise click.BadParameter(f"{tokenizer!r} is neither a directory nor an HF id (org/name)",
+                                     param_hint="--tokenizer")
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer)
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"cannot load a tokenizer from {tokenizer!r}: {e}", param_hint="--tokenizer") from e
-    model = model or served_model(url)
+    model = check_served(url, model) if model else served_model(url)
     try:
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
@@ -274,7 +279,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     def held() -> str:
         if not kept:
             return ""
-        return (f" ({output} holds the {kept[-1]} points measured before it)" if kept[-1]
+        points = "the point" if kept[-1] == 1 else f"the {kept[-1]} points"
+        return (f" ({output} holds {points} measured before it)" if kept[-1]
                 else f" ({output} records it; no point was measured)")
 
     try:
@@ -438,6 +444,24 @@ def _make_output_folder(output: str) -> Path:
     except OSError as e:
         raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
     return folder
+
+
+def check_served(url: str, model: str) -> str:
+    """`model`, refused where the endpoint lists the models it serves and not this one (else every request of the
+    sweep would fail on it); an endpoint that does not list them, or does not answer yet, is left to the sweep."""
+    import httpx
+
+    from dflash_trt.bench.sweep import server_root
+
+    models = server_root(url) + "/v1/models"
+    try:
+        ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError):
+        return model
+    if ids and model not in ids:
+        raise click.BadParameter(f"{model!r} is not served at {url} (it serves {', '.join(map(repr, ids))})",
+                                 param_hint="--model")
+    return model
 
 
 def served_model(url: str) -> str:

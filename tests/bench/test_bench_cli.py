@@ -39,11 +39,19 @@ def test_sweep_then_plot(running, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_sweep_that_measures_nothing_says_why_and_what_it_kept(running, tmp_path):
+def test_a_model_the_endpoint_does_not_list_is_refused_before_any_request(running, tmp_path):
     out = tmp_path / "run.json"
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--model", "nope", "--concurrency", "1",
                                   "--osl", "4", "-o", str(out)])
-    assert r.exit_code == 1 and "every warm-up request failed" in r.output and "HTTP 404" in r.output, r.output
+    assert r.exit_code == 2 and "--model" in r.output and "'nope' is not served" in r.output, r.output
+    assert "tiny-qwen3" in r.output and not out.exists()
+
+
+def test_a_sweep_that_measures_nothing_says_why_and_what_it_kept(running, tmp_path):
+    out = tmp_path / "run.json"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--concurrency", "1", "--osl", "4",
+                                  "--extra-body", '{"top_k": -5}', "-o", str(out)])  # every request a 400
+    assert r.exit_code == 1 and "every warm-up request failed" in r.output and "HTTP 400" in r.output, r.output
     assert f"{out} records it; no point was measured" in r.output.replace("\n", "")
     assert json.loads(out.read_text())["points"] == []
 
@@ -70,6 +78,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     (["--osl", "0"], "--osl"), (["--requests-per-concurrency", "0"], "--requests-per-concurrency"),
     (["--warmup", "-1"], "--warmup"), (["--gpus", "0"], "--gpus"), (["--temperature", "-1"], "--temperature"),
     (["--extra-body", "{top_p: 1}"], "--extra-body"), (["--extra-body", "[1]"], "--extra-body"),
+    # a mistyped tokenizer path is named as such, not answered with Hugging Face's "Repo id must be in the form"
+    (["--tokenizer", "./no/such/dir"], "neither a directory nor an HF id"),
+    (["--tokenizer", "no_such_dir"], "neither a directory nor an HF id"),
 ])
 def test_sweep_refuses_out_of_range_numbers_naming_the_option(tmp_path, args, option):
     dead = f"http://127.0.0.1:{free_port()}"
