@@ -184,8 +184,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         # the first token comes from the prompt's forward; the rest from speculative steps or, where the engine's
         # adaptive mode measured them faster (or a request's end left no room), plain ones
         plain = max(out.num_tokens - 1 - drafted, 0)
-        tau = f", tau {out.tau:.2f} over {steps} speculative steps" + (f", {plain} tokens from plain steps" if plain
-                                                                       else "")
+        ran = f", tau {out.tau:.2f} over {steps} speculative steps" if steps else ", no speculative step"
+        tau = ran + (f", {plain} tokens from plain steps" if plain else "")
     click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
     if not no_spec:
