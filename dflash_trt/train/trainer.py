@@ -209,16 +209,22 @@ def shape_mismatches(saved: dict[str, tuple], dcfg: DFlashConfig) -> list[str]:
             for name in sorted(set(saved) | set(want)) if saved.get(name) != want.get(name)]
 
 
-def lr_at(before: float, after: float, cfg: TrainConfig) -> float:
+def warmup_share(cfg: TrainConfig, steps: int) -> float:
+    """The share of a run of `steps` steps that warms up: warmup_ratio of it in whole steps, at least one."""
+    return max(1, int(cfg.warmup_ratio * steps)) / steps
+
+
+def lr_at(before: float, after: float, warmup: float, cfg: TrainConfig) -> float:
     """The learning rate of a step that takes the run from `before` to `after` (the shares of it done): linear warmup
-    while `after` is within warmup_ratio, then cosine decay by `before` down to min_lr_ratio of cfg.lr (step k of N
-    steps: k / N to (k + 1) / N).
+    while `after` is within the `warmup` share, then cosine decay by `before` down to min_lr_ratio of cfg.lr. Step k
+    of a run of N steps goes from k / N to (k + 1) / N, warming up over its first W = warmup x N steps at
+    lr (k + 1) / W, then at the cosine of (k - W) / (N - W).
 
     A function of the shares done, not of step numbers, so that a time budget re-fitting the run's length changes how
     fast the rate moves along the curve, never where on it the rate is."""
-    if after <= cfg.warmup_ratio:
-        return cfg.lr * after / cfg.warmup_ratio
-    progress = (before - cfg.warmup_ratio) / max(1.0 - cfg.warmup_ratio, 1e-9)
+    if after <= warmup * (1 + 1e-9):  # (k + 1) / N summed step by step lands a rounding off W / N
+        return cfg.lr * min(1.0, after / warmup)
+    progress = (before - warmup) / max(1.0 - warmup, 1e-9)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
@@ -438,7 +444,7 @@ class Trainer:
         done = phase or (lambda name: None)
         # What is left of the schedule spread evenly over the steps left: k / steps for a run of fixed length
         after = self._progress + (1.0 - self._progress) / max(1, cfg.steps - self.step)
-        lr = lr_at(self._progress, after, cfg)
+        lr = lr_at(self._progress, after, warmup_share(cfg, self.max_steps), cfg)
         for g in self.opt.param_groups:
             g["lr"] = lr
         picks = torch.randint(len(self.train_records), (cfg.seqs_per_step,), generator=self.gen).tolist()

@@ -455,6 +455,21 @@ def _assert_warms_up_then_decays_smoothly(lrs: list[float], cfg: TrainConfig) ->
     assert all(a - b < 0.2 * (peak - floor) for a, b in zip(lrs[top:], lrs[top + 1:]))  # no jump down
 
 
+@pytest.mark.parametrize("steps, warmup_ratio", [(10, 0.25), (7, 0.04), (30, 0.1)])
+def test_a_run_of_fixed_length_warms_up_over_whole_steps_then_follows_the_cosine(trained, steps, warmup_ratio):
+    """Without a time budget the schedule is the usual one by step number: W = max(1, floor(ratio x steps)) warmup
+    steps at lr (k + 1) / W, then lr at the cosine of (k - W) / (steps - W), down to min_lr_ratio of it."""
+    t, root = trained
+    out = root / f"fixed_lr_{steps}"
+    tr = _trainer(t, root, out, steps=steps, warmup_ratio=warmup_ratio)
+    tr.train()
+    c = tr.cfg
+    w, floor = max(1, int(warmup_ratio * steps)), c.lr * c.min_lr_ratio
+    want = [c.lr * (k + 1) / w if k < w
+            else floor + (c.lr - floor) * 0.5 * (1 + math.cos(math.pi * (k - w) / (steps - w))) for k in range(steps)]
+    assert [e["lr"] for e in _log(out)] == pytest.approx(want, rel=1e-9)
+
+
 @pytest.mark.parametrize("budget, eval_every", [(20.0, 1000), (40.0, 5)], ids=["no evaluation before the last",
                                                                               "evaluations on the way"])
 def test_a_short_time_budget_holds_to_a_step_its_evaluations_included(trained, monkeypatch, budget, eval_every):
