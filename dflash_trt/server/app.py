@@ -190,7 +190,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             return schema.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
+            # a union's branches each fail: the one whose validator ran on a value of its type says what is wrong
+            # ("not valid Unicode text"), where the first may only say that a list is no string
+            err = next((x for x in e.errors() if x["type"] == "value_error"), e.errors()[0])
             # a union's failed branch adds its type to the location ("prompt.str"): name the field alone
             param = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) or None
             msg = err["msg"].removeprefix("Value error, ")

@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      ValidationInfo, field_validator, model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
+                      StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
 from dflash_trt.sampling_params import MAX_TOP_LOGPROBS
 
@@ -25,6 +25,18 @@ def _whole(v: Any) -> Any:
 
 # An integer, or a float that is one (16.0: JavaScript clients and vLLM's lax parsing); never a string or a bool
 WholeInt = Annotated[StrictInt, BeforeValidator(_whole)]
+
+
+def _unicode(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+        raise ValueError(f"not valid Unicode text: a lone surrogate {v[e.start]!r} at character {e.start}") from None
+    return v
+
+
+# Text a tokenizer can take: a JSON string with no lone surrogate
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class ErrorInfo(BaseModel):
@@ -97,7 +109,7 @@ class _SamplingRequest(_NullIsUnset):
     n: WholeInt = Field(1, ge=1)  # answers per prompt (the server's rows plus queue bound them)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: WholeInt | None = None
     echo: StrictBool = False  # completions: the prompt before the answer (and its logprobs); refused on chat
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
@@ -202,7 +214,7 @@ def _is_id(x: Any) -> bool:
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: WholeInt | None = 16
     # how many alternatives each token's logprobs list (0: the token's own only); false or null: no logprobs
     logprobs: StrictBool | WholeInt | None = None
@@ -267,14 +279,14 @@ class CompletionRequest(_SamplingRequest):
 
 class ContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)  # checked when absent too
+    content: Text | list[ContentPart] | None = Field(default=None, validate_default=True)  # checked when absent too
     tool_calls: list[Any] | None = None
 
     @field_validator("content", mode="before")

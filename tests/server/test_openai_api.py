@@ -297,6 +297,19 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
     # nested deeper than the parser recurses: still the client's malformed body, not a server error
     r = httpx.post(server.base_url + "/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30)
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    # JSON's \ud800 escape is valid JSON and decodes to a lone surrogate, which is no text a tokenizer takes: the
+    # field is named, and the connection stays open for the next request
+    with httpx.Client(base_url=server.base_url, timeout=30) as kept_alive:
+        for path, body, param in (
+                ("/completions", '{"model": "%s", "prompt": "hi \\ud800 there", "max_tokens": 4}', "prompt"),
+                ("/completions", '{"model": "%s", "prompt": ["ok", "\\ud800"], "max_tokens": 4}', "prompt.1"),
+                ("/completions", '{"model": "%s", "prompt": "hi", "stop": "\\ud800", "max_tokens": 4}', "stop"),
+                ("/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}',
+                 "messages.0.content")):
+            r = kept_alive.post(path, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert "lone surrogate" in r.json()["error"]["message"]
+        assert kept_alive.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
     r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     for body, param in BAD_CHAT:
