@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
-from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest
+from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest, read_manifest
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
@@ -273,16 +273,13 @@ def _not_an_engine(path: Path) -> str | None:
     manifest does not list (--force would delete them with it). Its checksums are not read: a damaged engine is
     still one to replace."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        listed = read_manifest(path)["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}"
-    except (OSError, ValueError):
-        return f"its {MANIFEST} is not JSON"
-    keys = ("format_version", "files", "build_config")
-    if not isinstance(manifest, dict) or not all(k in manifest for k in keys) or not isinstance(manifest["files"], dict):
-        return f"its {MANIFEST} is not a dflash-trt engine's: no {', '.join(keys)}"
+    except (OSError, ValueError) as e:
+        return str(e).removesuffix("; rebuild the engine")
     extra = sorted(str(f.relative_to(path)) for f in path.rglob("*")
-                   if not f.is_dir() and str(f.relative_to(path)) not in manifest["files"] and f.name != MANIFEST)
+                   if not f.is_dir() and str(f.relative_to(path)) not in listed and f.name != MANIFEST)
     if extra:
         return f"it holds {len(extra)} file(s) its {MANIFEST} does not list, e.g. {extra[0]}"
     return None

@@ -42,21 +42,30 @@ def _missing(f: Path) -> str:
     return f"{f}: listed in {MANIFEST} but missing; rebuild the engine"
 
 
+def read_manifest(path: Path) -> dict:
+    """The manifest of the engine directory at `path`: FileNotFoundError without one, ValueError naming what makes
+    it no dflash-trt manifest (not JSON, a key every version writes missing)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"{path}: not an engine directory (no {MANIFEST}); build one with `dflash-trt build CONFIG -o DIR`"
+        )
+    try:
+        content = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{manifest}: invalid JSON ({e}); rebuild the engine") from e
+    if not isinstance(content, dict) or not isinstance(content.get("files"), dict):
+        raise ValueError(f"{manifest}: not a dflash-trt engine's manifest (no 'files' listing); rebuild the engine")
+    missing = [k for k in ("format_version", "build_config", "target") if k not in content]
+    if missing:
+        raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+    return content
+
+
 class EngineDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).resolve()
-        manifest = self.path / MANIFEST
-        if not manifest.is_file():
-            raise FileNotFoundError(
-                f"{self.path}: not an engine directory (no {MANIFEST}); build one with `dflash-trt build CONFIG -o DIR`"
-            )
-        try:
-            self.manifest: dict = json.loads(manifest.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{manifest}: invalid JSON ({e}); rebuild the engine") from e
-        missing = [k for k in ("format_version", "files", "build_config", "target") if k not in self.manifest]
-        if missing:
-            raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+        self.manifest: dict = read_manifest(self.path)
         gone = [rel for rel in self.manifest["files"] if not (self.path / rel).is_file()]
         if gone:  # cheap (no checksums): every command that opens an engine says so before reading any of it
             raise ValueError(_missing(self.path / gone[0]))

@@ -668,7 +668,7 @@ def test_force_replaces_only_an_engine_never_another_directory(tiny_dirs, tmp_pa
     webext.mkdir()
     (webext / "manifest.json").write_text('{"manifest_version": 3}')
     (webext / "background.js").write_text("mine")
-    with pytest.raises(FileExistsError, match="manifest.json is not a dflash-trt engine's"):
+    with pytest.raises(FileExistsError, match="manifest.json: not a dflash-trt engine's manifest"):
         build_engine(cfg, webext, force=True, progress=False)
     engine = build_engine(cfg, tmp_path / "engine", progress=False)
     (engine / "target" / "notes.txt").write_text("mine")  # a file of the user's inside an engine

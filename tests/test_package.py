@@ -4,6 +4,7 @@ generates from text as from its token ids, equal to transformers' greedy continu
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from dflash_trt.build import build_engine
@@ -31,7 +32,10 @@ def test_open_engine_generates_from_text_as_from_its_ids(tiny_dirs, tmp_path):
     # one prompt alone, as text or as its ids, is one prompt (not one per character or id)
     (alone,) = llm.generate("hello there", params)
     (alone_ids,) = llm.generate(llm.encode("hello there"), params)
-    assert alone.token_ids == alone_ids.token_ids == by_text.token_ids
+    (as_tuple,) = llm.generate(tuple(llm.encode("hello there")), params)
+    (as_numpy,) = llm.generate([list(np.array(llm.encode("hello there")))], params)  # numpy's int64s
+    assert alone.token_ids == alone_ids.token_ids == as_tuple.token_ids == as_numpy.token_ids == by_text.token_ids
+    assert llm.generate([], params) == []
     for bad, words in (([["a"]], r"prompts\[0\] must be a string or a list of token ids"),
                        (7, "prompts must be a string, a list of token ids or a list of those, got int")):
         with pytest.raises(TypeError, match=words):

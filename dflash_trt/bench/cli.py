@@ -243,10 +243,11 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         from transformers import AutoTokenizer
 
         local = Path(tokenizer).expanduser()
-        if not local.exists() and (tokenizer.count("/") != 1 or tokenizer.startswith((".", "/", "~"))):
-            # else Hugging Face's "Repo id must be in the form..." would answer a mistyped path
-            raise click.BadParameter(f"{tokenizer!r} is neither a directory nor an HF id (org/name)",
-                                     param_hint="--tokenizer")
+        if local.exists():  # recorded as an absolute path: rounds given ./tok and /abs/tok are one workload
+            tokenizer = str(local.resolve())
+        elif tokenizer.count("/") > 1 or tokenizer.startswith((".", "/", "~")):
+            # a path, not an HF id (gpt2, org/name): else Hugging Face's "Repo id must be in the form..." answers
+            raise click.BadParameter(f"{tokenizer!r}: no such directory", param_hint="--tokenizer")
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer)
         except (OSError, ValueError) as e:
@@ -257,7 +258,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
                           label=label or model, extra_body=extra_body, isl=prompt_isl(dataset, isl),
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer if prompt_isl(dataset, isl) else None)  # only long prompts are cut
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)

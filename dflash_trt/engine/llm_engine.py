@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,21 +161,28 @@ def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
     return any(x in text for x in stops)
 
 
-def _prompt_list(prompts) -> list:
-    """The prompts as a list of prompts: a string or a list of token ids alone is one prompt (iterating it would make
-    a prompt of each character or id); TypeError naming the first prompt that is neither."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(_is_id(t) for t in prompts)):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
+def _prompt_list(prompts) -> list[str | list[int]]:
+    """The prompts as a list of prompts: a string or a sequence of token ids alone is one prompt (iterating it would
+    make a prompt of each character or id); ids as Python ints (numpy's integers taken); TypeError naming
+    the first prompt that is neither text nor ids."""
+    if isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) and all(map(_is_id, prompts))):
+        prompts = [prompts]
+    if not _is_sequence(prompts):
         raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}")
+    out = []
     for i, p in enumerate(prompts):
-        if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and all(_is_id(t) for t in p))):
+        if not (isinstance(p, str) or (_is_sequence(p) and all(map(_is_id, p)))):
             raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {p!r:.60}")
-    return list(prompts)
+        out.append(p if isinstance(p, str) else [int(t) for t in p])
+    return out
+
+
+def _is_sequence(value) -> bool:
+    return isinstance(value, (list, tuple))
 
 
 def _is_id(token) -> bool:
-    return isinstance(token, int) and not isinstance(token, bool)
+    return isinstance(token, numbers.Integral) and not isinstance(token, bool)
 
 
 class LLMEngine:
@@ -341,7 +349,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def generate(
-        self, prompts: str | list[int] | list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: str | list[int] | list[list[int] | str],
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
         with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""

@@ -112,7 +112,7 @@ def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tup
     if model_type == "mistral":
         window = cfg.get("sliding_window", 4096)
         windows = (None if window is None else as_int(window, "sliding_window", source),) * layers
-    elif model_type in ("qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
+    elif model_type == "qwen3" and cfg.get("use_sliding_window"):
         layer_types, window = qwen3_layer_types(cfg, layers, source)
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
     else:

@@ -79,8 +79,8 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     (["--warmup", "-1"], "--warmup"), (["--gpus", "0"], "--gpus"), (["--temperature", "-1"], "--temperature"),
     (["--extra-body", "{top_p: 1}"], "--extra-body"), (["--extra-body", "[1]"], "--extra-body"),
     # a mistyped tokenizer path is named as such, not answered with Hugging Face's "Repo id must be in the form"
-    (["--tokenizer", "./no/such/dir"], "neither a directory nor an HF id"),
-    (["--tokenizer", "no_such_dir"], "neither a directory nor an HF id"),
+    (["--tokenizer", "./no/such/dir"], "'./no/such/dir': no such directory"),
+    (["--tokenizer", "no/such/dir"], "'no/such/dir': no such directory"),
 ])
 def test_sweep_refuses_out_of_range_numbers_naming_the_option(tmp_path, args, option):
     dead = f"http://127.0.0.1:{free_port()}"

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request  # module level: the handlers' annotations are resolved by name
@@ -701,8 +703,12 @@ def test_a_sweep_records_the_input_length_and_tokenizer_of_its_prompts(stub, tin
     sent = [b["messages"][0]["content"] for b, _ in state.arrivals]
     assert all(len(t) > 64 and "following" in t for t in sent)  # a task over a long context, not cpu-small's
     assert res["dataset"]["name"] != "cpu-small" and "64" in res["dataset"]["name"]
-    stub.reset()
-    r = cli_sweep(stub, tmp_path / "short.json", "--dataset", "cpu-small", "--osl", "3")
+    stub.reset()  # the tokenizer as an absolute path, however it was written: the same workload either way
+    r = cli_sweep(stub, tmp_path / "rel.json", "--dataset", "cpu-small", "--isl", "64", "--tokenizer",
+                  os.path.relpath(tokenizer), "--osl", "3")
+    assert json.loads((tmp_path / "rel.json").read_text())["config"]["tokenizer"] == str(Path(tokenizer).resolve())
+    stub.reset()  # prompts used as written: no tokenizer cut them, none is recorded
+    r = cli_sweep(stub, tmp_path / "short.json", "--dataset", "cpu-small", "--osl", "3", "--tokenizer", tokenizer)
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "short.json").read_text())
     assert res["config"]["isl"] is None and res["config"]["tokenizer"] is None
