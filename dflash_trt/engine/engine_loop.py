@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dflash_trt.engine import heap
 from dflash_trt.engine.llm_engine import LLMEngine, RequestOutput, StepResult
 from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.sampling_params import SamplingParams
@@ -38,12 +39,14 @@ class LoopStopped(RuntimeError):
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None] | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None) -> None:
+                 on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_idle: Callable[[], object] | None = heap.trim) -> None:
         self.engine = engine
         # Metrics hooks, called on the engine thread: every step, and every request that ends
         # (finished, aborted, failed), whether or not its client is still there.
         self.on_step = on_step
         self.on_finish = on_finish
+        self.on_idle = on_idle  # once each time the engine runs out of work (heap.trim: give freed memory back)
         self._callbacks: dict[int, Callback] = {}
         self._lock = threading.Lock()
         # Held while a request is checked and queued: the thread, stopped, takes it once before answering everything
@@ -124,11 +127,16 @@ class EngineLoop:
         return found
 
     def _run(self) -> None:
+        busy = False
         while not self._stop.is_set():
             if not self.engine.has_unfinished():
+                if busy:
+                    busy = False
+                    self._hook(self.on_idle)
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            busy = True
             try:
                 result = self.engine.step()
             except Exception as e:  # one bad step fails the requests in it, never the loop
@@ -163,11 +171,11 @@ class EngineLoop:
             self._deliver(RequestUpdate(seq.request_id, (), True, None, "server shutting down"))
 
     @staticmethod
-    def _hook(hook, value) -> None:
+    def _hook(hook, *args) -> None:
         if hook is None:
             return
         try:
-            hook(value)
+            hook(*args)
         except Exception:
             logger.exception("engine loop hook failed")
 

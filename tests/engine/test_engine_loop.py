@@ -197,3 +197,21 @@ def test_a_stopped_loop_refuses_requests_and_answers_every_one_it_took(tiny_dirs
     with pytest.raises(LoopStopped, match="stopped"):
         loop.submit([5, 6, 7], SamplingParams(max_new_tokens=2), lambda u: None)
     assert sorted(u.request_id for u in finals) == sorted(ids)
+
+
+def test_the_loop_calls_on_idle_once_each_time_it_runs_out_of_work(tiny_dirs):
+    loop = EngineLoop.spawn(lambda: LLMEngine.from_dirs(tiny_dirs["qwen3"], None, EngineConfig(max_batch_size=2,
+                                                                                                speculative=False)))
+    idle, done = [], threading.Event()
+    loop.on_idle = lambda: (idle.append(threading.current_thread()), done.set())
+    try:
+        for _ in range(2):
+            done.clear()
+            finished = threading.Event()
+            loop.submit([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True),
+                        lambda u: u.finished and finished.set())
+            assert finished.wait(30) and done.wait(5)
+            threading.Event().wait(1.2)  # two more idle waits of the loop: no second call while nothing runs
+        assert len(idle) == 2 and all(t is loop._thread for t in idle)
+    finally:
+        loop.stop()
