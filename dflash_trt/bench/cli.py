@@ -447,16 +447,27 @@ def _make_output_folder(output: str) -> Path:
     return folder
 
 
+def _models_url(url: str) -> str:
+    from dflash_trt.bench.sweep import server_root
+
+    return server_root(url) + "/v1/models"
+
+
+def _listed_models(url: str) -> list[str]:
+    """The model ids the endpoint's /v1/models lists; httpx's errors, or KeyError / TypeError / ValueError for an
+    answer that is no model list, propagate."""
+    import httpx
+
+    return [m["id"] for m in httpx.get(_models_url(url), timeout=30).raise_for_status().json()["data"]]
+
+
 def check_served(url: str, model: str) -> str:
     """`model`, refused where the endpoint lists the models it serves and not this one (else every request of the
     sweep would fail on it); an endpoint that does not list them, or does not answer yet, is left to the sweep."""
     import httpx
 
-    from dflash_trt.bench.sweep import server_root
-
-    models = server_root(url) + "/v1/models"
     try:
-        ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
+        ids = _listed_models(url)
     except (httpx.HTTPError, KeyError, TypeError, ValueError):
         return model
     if ids and model not in ids:
@@ -469,11 +480,9 @@ def served_model(url: str) -> str:
     """The first model id of an OpenAI-compatible endpoint's /v1/models."""
     import httpx
 
-    from dflash_trt.bench.sweep import server_root
-
-    models = server_root(url) + "/v1/models"
+    models = _models_url(url)
     try:
-        ids = [m["id"] for m in httpx.get(models, timeout=30).raise_for_status().json()["data"]]
+        ids = _listed_models(url)
     except httpx.TransportError as e:  # nothing answered: --model would not help
         raise click.ClickException(f"{models}: cannot reach the endpoint ({e}); is a server running at {url}?") from e
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
