@@ -155,8 +155,9 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 def export_repository(repo: str | Path, model_name: str, settings: ModelSettings, force: bool = False) -> Path:
     """Write REPO/model_name/{config.pbtxt, 1/model.py}; returns the model directory. A model directory that holds
-    anything already is written into only with `force` (else FileExistsError), as `dflash-trt build` asks before
-    replacing an engine."""
+    anything already is replaced only with `force` (else FileExistsError), as `dflash-trt build` asks before
+    replacing an engine, and replaced whole: a version directory left from before (2/model.py) would be the one
+    tritonserver loads, its latest."""
     if not MODEL_NAME.fullmatch(model_name) or model_name in (".", ".."):
         # one directory inside REPO, named as config.pbtxt names it: "" wrote the model into REPO itself, "../x" beside
         # it, and a quote broke config.pbtxt
@@ -168,9 +169,20 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
         if path and not Path(path).is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
     check_sources(settings)
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
-    shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    # written beside, then renamed into place: a failed or interrupted export leaves the previous model as it was
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_name}.export-", dir=model_dir.parent))
+    old = tmp.with_name(tmp.name + ".old")
+    try:
+        (tmp / "1").mkdir()
+        (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
+        shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
+        if model_dir.exists():
+            os.replace(model_dir, old)
+        os.replace(tmp, model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return model_dir
 
 

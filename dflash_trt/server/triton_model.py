@@ -54,6 +54,20 @@ def _refuse_unhonoured(request, penalties):
             raise ValueError(f"{name}: this model has no {output} output")
 
 
+# SamplingParams' fields as this model's inputs name them (its errors begin with the field's name)
+INPUT_OF = {"max_new_tokens": "sampling_param_max_tokens", "temperature": "sampling_param_temperature",
+            "top_p": "sampling_param_top_p", "top_k": "sampling_param_top_k", "stop": "sampling_param_stop"}
+
+
+def _sampling_params(cls, params: dict):
+    """cls(**params) (this project's SamplingParams), a ValueError naming the Triton input a client sent."""
+    try:
+        return cls(**params)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise ValueError(f"{INPUT_OF[field]} {rest}" if field in INPUT_OF else str(e)) from None
+
+
 def _response(text, finish_reason="", accepted=0, drafted=0):
     rate = accepted / drafted if drafted else 0.0
     return pb_utils.InferenceResponse(output_tensors=[
@@ -122,6 +136,7 @@ class TritonPythonModel:
         penalties = {name: float(_scalar(request, f"sampling_param_{name}", 0.0)) for name in PENALTIES}
         _refuse_unhonoured(request, penalties)
         params |= penalties
+        sampling = _sampling_params(SamplingParams, params)  # checked on either backend, named as clients send them
         if self.settings.backend == "trtllm":
             self._start_trtllm(text, streaming, params, sender)
             return
@@ -158,7 +173,7 @@ class TritonPythonModel:
                 sender.send(_response(out.text, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
                             flags=FINAL)
 
-        self.loop.submit(prompt, SamplingParams(**params), on_update)
+        self.loop.submit(prompt, sampling, on_update)
 
     # --- trtllm backend: TensorRT-LLM's LLM API with the engine's config -----------------------------
 

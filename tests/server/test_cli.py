@@ -180,9 +180,13 @@ def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
     result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"])
     assert result.exit_code == 1 and f"{repo / 'dflash'} already holds a model; pass --force" in result.output
     assert config.read_text() == first
+    (repo / "dflash" / "2").mkdir()  # a version from before: tritonserver would load it, the latest
+    (repo / "dflash" / "2" / "model.py").write_text("stale")
     result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128", "--force"])
     assert result.exit_code == 0, result.output
     assert 'key: "max_model_len", value: { string_value: "128" }' in config.read_text()
+    assert sorted(p.name for p in (repo / "dflash").iterdir()) == ["1", "config.pbtxt"]  # replaced whole
+    assert sorted(p.name for p in repo.iterdir()) == ["dflash"]  # nothing left beside it
     # another model in the same repository overwrites nothing
     assert CliRunner().invoke(cli.triton, [*base, "--model-name", "other"]).exit_code == 0
     assert (repo / "other" / "config.pbtxt").is_file()

@@ -194,6 +194,12 @@ def test_trtllm_backend_passes_penalties_to_tensorrt_llm(trtllm_model):
 @pytest.mark.parametrize("name, value, message", [
     ("sampling_param_best_of", np.array([2], dtype=np.int32), "sampling_param_best_of=2"),
     ("return_cumulative_logprob", np.array([True]), "no cumulative_logprob output"),
+    # out of range: named as the client sends them, not as this project's SamplingParams spells its fields
+    ("sampling_param_max_tokens", np.array([-5], dtype=np.int32), "sampling_param_max_tokens must be > 0, got -5"),
+    ("sampling_param_top_p", np.array([2.0], dtype=np.float32), "sampling_param_top_p must be in (0, 1], got 2.0"),
+    ("sampling_param_top_k", np.array([-1], dtype=np.int32), "sampling_param_top_k must be >= 0, got -1"),
+    ("sampling_param_temperature", np.array([-1.0], dtype=np.float32), "sampling_param_temperature must be a"),
+    ("sampling_param_stop", np.array([b""], dtype=np.object_), "sampling_param_stop strings must not be empty"),
 ])
 def test_inputs_it_cannot_honour_are_refused_naming_them(trtllm_model, name, value, message):
     model, sampling_calls, _ = trtllm_model
