@@ -29,7 +29,9 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
     rope = drafter.rope.get("rope_type", "default")
     if rope not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{drafter_source}: rope_type={rope!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    differ = sorted(k for k in set(drafter.rope) | set(target.rope) if drafter.rope.get(k) != target.rope.get(k))
+    # the type and the base frequency: scaling details differ between genuine pairs (z-lab's gpt-oss drafter leaves
+    # YaRN's truncate unset where the target sets it false)
+    differ = [k for k in ("rope_theta", "rope_type") if drafter.rope.get(k) != target.rope.get(k)]
     if differ:
         # z-lab's drafters rotate with their own RoPE whatever the target's, and some ship so (Qwen3.6's YaRN drafter)
         ours = ", ".join(f"{k}={drafter.rope.get(k)!r}" for k in differ)

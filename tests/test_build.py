@@ -223,7 +223,7 @@ def test_each_bad_pairing_fails_with_its_message(tiny_dirs, tmp_path, edit, word
 
 @pytest.mark.parametrize("rope, words", [
     ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
-     "factor=2.0, rope_type='linear' where the target uses factor=None, rope_type='default'"),
+     "rope_type='linear' where the target uses rope_type='default'"),
     ({"rope_type": "default", "rope_theta": 1e6}, "rope_theta=1000000.0 where the target uses rope_theta=10000.0"),
 ])
 def test_a_drafter_with_its_own_rope_builds_with_a_warning(tiny_dirs, tmp_path, caplog, rope, words):
@@ -241,6 +241,14 @@ def test_a_drafter_with_its_own_rope_builds_with_a_warning(tiny_dirs, tmp_path, 
     with caplog.at_level("WARNING"):
         prepare_build(write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]))
     assert not any("RoPE" in r.getMessage() for r in caplog.records)
+
+
+def test_the_shipped_gpt_oss_pairing_builds_without_a_rope_warning(tmp_path, caplog):
+    # z-lab's drafter leaves YaRN's truncate unset where gpt-oss sets it false: a scaling detail, not another RoPE
+    with caplog.at_level("WARNING"):
+        prepare_build(Path(__file__).parents[1] / "build_configs" / "gpt-oss-120b-8xb300-latency.yaml",
+                      allow_bundled=True)
+    assert not any("RoPE" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_a_model_that_is_not_on_disk_says_how_to_fetch_it(tiny_dirs, tmp_path):
