@@ -52,8 +52,10 @@ def format_plan(plan: dict) -> str:
         ("max_batch_size x max_seq_len", f"{plan['max_batch_size_per_rank']} x {plan['max_seq_len']} per rank"),
         ("K (max_draft_len)", str(plan["max_draft_len"])),
         ("draft_len_schedule", _schedule(plan["draft_len_schedule"], plan["max_draft_len"])),
-        ("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"),
     ]
+    gpu = hw.get("kind") == "gpu"
+    if gpu:  # the torch layout captures no CUDA graphs
+        head.append(("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"))
     comps = [(k, f"{v / GB:9.3f} GB") for k, v in plan["components"].items()]
     comps.append(("total per rank", f"{plan['total_bytes'] / GB:9.3f} GB of {plan['memory_bytes'] / GB:.1f} GB"))
     comps.append(("KV cache budget", f"{plan['kv_cache_budget_bytes'] / GB:9.3f} GB"))
@@ -62,10 +64,10 @@ def format_plan(plan: dict) -> str:
     out += [f"problem: {p}" for p in plan["problems"]] + [f"note: {n}" for n in plan["notes"]]
     text = "\n\n".join(out[:2]) + "\n\n" + "\n".join(out[2:])
     perf = plan.get("performance")
-    return text + ("\n\n" + format_performance(perf) if perf else "")
+    return text + ("\n\n" + format_performance(perf, "GPU" if gpu else "device") if perf else "")
 
 
-def format_performance(perf: dict, max_rows: int = 12) -> str:
+def format_performance(perf: dict, unit: str = "GPU", max_rows: int = 12) -> str:
     """Predicted autoregressive vs scheduled-K throughput per batch size (the plan's performance section)."""
     fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     rows: dict[int, dict] = {}
@@ -79,12 +81,13 @@ def format_performance(perf: dict, max_rows: int = 12) -> str:
     if len(sizes) > max_rows:  # keep the ends and an even spread between
         step = (len(sizes) - 1) / (max_rows - 1)
         sizes = sorted({sizes[round(i * step)] for i in range(max_rows)})
-    lines = [f"{'batch':>6} {'K':>3} {'step ms':>8} {'tok/s/user':>11} {'tok/s/GPU':>10}   "
-             f"{'AR tok/s/user':>13} {'AR tok/s/GPU':>12}"]
+    per = f"tok/s/{unit}"  # tok/s/GPU on a GPU profile; a CPU is one device
+    lines = [f"{'batch':>6} {'K':>3} {'step ms':>8} {'tok/s/user':>11} {per:>13}   "
+             f"{'AR tok/s/user':>13} {'AR ' + per:>16}"]
     for b in sizes:
         ar, ch = rows[b]["ar"], rows[b].get("chosen", rows[b]["ar"])
         lines.append(f"{b:>6} {ch['draft_len']:>3} {ch['step_time_s'] * 1e3:>8.2f} {fmt(ch['tok_s_user']):>11} "
-                     f"{fmt(ch['tok_s_gpu']):>10}   {fmt(ar['tok_s_user']):>13} {fmt(ar['tok_s_gpu']):>12}")
+                     f"{fmt(ch['tok_s_gpu']):>13}   {fmt(ar['tok_s_user']):>13} {fmt(ar['tok_s_gpu']):>16}")
     ranks = perf["attention_dp_ranks"]
     per_rank = f", batch per rank of {ranks} attention-DP ranks: concurrency {ranks} x batch" if ranks > 1 else ""
     title = (f"Predicted per step (roofline{per_rank}, context {perf['context_len']} tokens, schedule "

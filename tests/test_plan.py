@@ -177,3 +177,19 @@ def test_a_cpu_plan_whose_activations_overflow_names_the_settings_that_size_them
     assert "most of it activations_estimate: change max_seq_len or max_batch_size" in msg, msg
     assert "max_num_tokens" not in msg
     assert plan_build(qwen, None, _cfg(**raw, max_num_tokens=64), profile("cpu"), 0).components == plan.components
+
+
+def test_the_plan_table_counts_throughput_per_gpu_on_a_gpu_and_per_device_on_a_cpu(tmp_path):
+    import yaml
+
+    from dflash_trt.build import prepare_build
+    from dflash_trt.build_cli import format_plan
+
+    tables = {}
+    for hardware in ("cpu", "h200"):  # Qwen3-8B's bundled config: planned with no download
+        path = tmp_path / f"{hardware}.yaml"
+        path.write_text(yaml.safe_dump({"name": "q", "model": "Qwen/Qwen3-8B", "hardware": hardware,
+                                        "dtype": "bfloat16", "max_batch_size": 4, "max_seq_len": 2048}))
+        tables[hardware] = format_plan(prepare_build(path, allow_bundled=True).plan.to_dict())
+    assert "tok/s/device" in tables["cpu"] and "GPU" not in tables["cpu"] and "CUDA-graph" not in tables["cpu"]
+    assert "tok/s/GPU" in tables["h200"] and "CUDA-graph batch sizes" in tables["h200"]
