@@ -17,6 +17,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,8 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
         # it, and a quote broke config.pbtxt
         raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.' (one directory in {repo})")
     model_dir = Path(repo) / model_name
+    if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
+        raise FileExistsError(f"{model_dir} is not a model directory (a file or a link): move it away yourself")
     if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
         raise FileExistsError(f"{model_dir} already holds a model; pass --force to overwrite it")
     for path in (settings.engine_dir, settings.target_dir, settings.drafter_dir):
@@ -170,19 +173,24 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
             raise FileNotFoundError(f"{path}: no such directory")
     check_sources(settings)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    # written beside, then renamed into place: a failed or interrupted export leaves the previous model as it was
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_name}.export-", dir=model_dir.parent))
+    # written beside, then swapped in: a failed or interrupted export leaves the previous model as it was
+    tmp = model_dir.with_name(f".{model_name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     old = tmp.with_name(tmp.name + ".old")
     try:
-        (tmp / "1").mkdir()
+        (tmp / "1").mkdir(parents=True)  # the umask's modes, as a plain mkdir: tritonserver may run as another user
         (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
         shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
         if model_dir.exists():
             os.replace(model_dir, old)
-        os.replace(tmp, model_dir)
+        try:
+            os.replace(tmp, model_dir)
+        except BaseException:
+            if old.exists():
+                os.replace(old, model_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
     return model_dir
 
 

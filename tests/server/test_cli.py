@@ -192,6 +192,44 @@ def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
     assert (repo / "other" / "config.pbtxt").is_file()
 
 
+def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_path, tiny_dirs, monkeypatch):
+    import os
+
+    from dflash_trt.server import triton
+
+    repo = tmp_path / "repo"
+    base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
+    assert CliRunner().invoke(cli.triton, base).exit_code == 0
+    first = (repo / "dflash" / "config.pbtxt").read_text()
+    assert oct((repo / "dflash").stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # readable as a mkdir leaves it
+    real, calls = os.replace, []
+
+    def fail_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the new model into place
+            raise OSError("injected: rename failed")
+        real(src, dst)
+
+    monkeypatch.setattr(triton.os, "replace", fail_second)
+    result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128", "--force"])
+    monkeypatch.undo()
+    assert result.exit_code != 0 and "injected" in str(result.exception or result.output)
+    assert (repo / "dflash" / "config.pbtxt").read_text() == first  # put back
+    assert sorted(p.name for p in repo.iterdir()) == ["dflash"]  # nothing left beside it
+    (repo / "other").write_text("a file named like a model")
+    result = CliRunner().invoke(cli.triton, [*base, "--model-name", "other", "--force"])
+    assert result.exit_code == 1 and "is not a model directory (a file or a link)" in result.output
+    assert (repo / "other").read_text() == "a file named like a model"
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @pytest.mark.parametrize("command, args, flag", [
     ("serve", ["-k", "3"], "--max-draft-len"), ("serve", ["--draft-tree", "1:6"], "--draft-tree"),
     ("serve", ["--lookup-nodes", "4"], "--lookup-nodes"), ("serve", ["--adaptive-draft-len"], "--adaptive-draft-len"),
