@@ -37,8 +37,9 @@ def target_probs(
     gives). What the host must know of the batch is read back in one go: on a GPU every read waits for the queued
     kernels. Raises where REJECTION rows come without draft_probs."""
     sampled = modes != GREEDY
+    truncating = truncating_rows(top_k, top_p, target_logits.shape[-1])
     any_sampled, truncates, zero_temperature, rejection = torch.stack([
-        sampled.any(), (sampled & truncating_rows(top_k, top_p, target_logits.shape[-1])).any(), (sampled & (temperature <= 0)).any(), (modes == REJECTION).any(),
+        sampled.any(), (sampled & truncating).any(), (sampled & (temperature <= 0)).any(), (modes == REJECTION).any(),
     ]).tolist()
     if rejection and draft_probs is None:
         raise ValueError("verify_block: REJECTION rows need draft_probs [B, K, V]")

@@ -155,6 +155,9 @@ class AttentionMetadata:
         return self._query_keys
 
     def _build_mask(self, window: int | None, causal: bool, kv_len: int) -> torch.Tensor | None:
+        all_visible = self._all_visible(window, causal, kv_len)
+        if all_visible:  # known from the host: no mask to build
+            return None
         t = torch.arange(kv_len, device=self.positions.device)[None, None, :]  # [1, 1, T]
         p = self.rope_positions[:, :, None]  # [B, Q, 1]
         if self.tree is not None:
@@ -173,7 +176,6 @@ class AttentionMetadata:
             visible = visible & (p - t < window)
             if not causal:
                 visible = visible & (t - p < window)
-        all_visible = self._all_visible(window, causal, kv_len)
         if all_visible is None:
             all_visible = bool(visible.all())
         return None if all_visible else visible[:, None]
