@@ -274,7 +274,8 @@ def test_an_output_path_below_a_file_and_a_target_path_that_does_not_exist_are_n
     with pytest.raises(FileExistsError, match=f"{tmp_path / 'afile'} is a file, not a directory: -o "):
         build_engine(cfg, tmp_path / "afile" / "sub", progress=False)
     assert (tmp_path / "afile").read_text() == "mine"
-    with pytest.raises(FileNotFoundError, match=f"model='./no_such_model': {tmp_path / 'no_such_model'} does not exist"):
+    missing = f"model='./no_such_model': {tmp_path / 'no_such_model'} does not exist"
+    with pytest.raises(FileNotFoundError, match=missing):
         prepare_build(write_config(tmp_path, tiny_dirs["llama"], None, model="./no_such_model"))
     r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", "no_such_drafter"])
     assert r.exit_code == 2 and "--drafter" in r.output and "neither a directory nor an HF id" in r.output, r.output

@@ -60,8 +60,8 @@ def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
     assert not plan.fits
     msg = plan.problems[0]
     assert "does not fit h200" in msg and "drafter_context_cache 139.60 GB" in msg
-    assert "Before the KV cache, the rest alone overflows the device, most of it drafter_context_cache: change max_seq_len or " \
-           "max_batch_size" in msg
+    assert ("Before the KV cache, the rest alone overflows the device, most of it drafter_context_cache: change "
+            "max_seq_len or max_batch_size") in msg
     # The same arena at TP8 on a B300 is an eighth (one kv head per rank): 17.45 GB, and fits.
     cfg8 = _cfg(max_batch_size=64, max_seq_len=131072, tensor_parallel_size=8, moe_expert_parallel_size=8)
     plan8 = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg8, profile("b300"), max_draft_len=9)

@@ -168,7 +168,8 @@ def _prompt_list(prompts) -> list[str | list[int]]:
     if isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) and all(map(_is_id, prompts))):
         prompts = [prompts]
     if not _is_sequence(prompts):
-        raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}")
+        raise TypeError("prompts must be a string, a list of token ids or a list of those, got "
+                        f"{type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
         if not (isinstance(p, str) or (_is_sequence(p) and all(map(_is_id, p)))):

@@ -309,7 +309,8 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
             r = kept_alive.post(path, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
             assert "lone surrogate" in r.json()["error"]["message"]
-        assert kept_alive.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        after = kept_alive.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert after.status_code == 200
     r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     for body, param in BAD_CHAT:
