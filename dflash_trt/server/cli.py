@@ -367,7 +367,7 @@ def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
     try:
         server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
         server.start()
-    except (RuntimeError, FileNotFoundError) as e:
+    except (RuntimeError, FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e
 
     def ready() -> None:

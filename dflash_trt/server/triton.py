@@ -152,6 +152,8 @@ def check_sources(settings: ModelSettings) -> None:
 
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# an export being written (swapped in as REPO/NAME when done), and the previous model it moved aside meanwhile
+EXPORT_DIR = re.compile(r"\.(?P<model>[A-Za-z0-9_.-]+)\.export-(?P<pid>\d+)-[0-9a-f]{8}(?P<old>\.old)?")
 
 
 def export_repository(repo: str | Path, model_name: str, settings: ModelSettings, force: bool = False) -> Path:
@@ -164,6 +166,7 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
         # it, and a quote broke config.pbtxt
         raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.' (one directory in {repo})")
     model_dir = Path(repo) / model_name
+    recover_interrupted_exports(model_dir.parent)
     if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
         raise FileExistsError(f"{model_dir} is not a model directory (a file or a link): move it away yourself")
     if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
@@ -194,6 +197,38 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
     return model_dir
 
 
+def recover_interrupted_exports(repo: Path) -> list[Path]:
+    """Clear what exports killed mid-way (SIGKILL, a power cut) left in the repository, where tritonserver would
+    refuse to start on them ("directory name must equal model name"): a half-written model, and the previous model
+    moved aside, which goes back where its model directory is missing (killed between the two renames) and is
+    dropped where a newer model stands there. Returns the directories of exports still running, left alone."""
+    if not repo.is_dir():
+        return []
+    running = []
+    for path in sorted(repo.iterdir(), key=lambda p: p.name.endswith(".old"), reverse=True):
+        match = EXPORT_DIR.fullmatch(path.name)
+        if match is None:
+            continue
+        model_dir = repo / match["model"]
+        if _process_alive(int(match["pid"])):
+            running.append(path)
+        elif match["old"] and not model_dir.exists():
+            os.replace(path, model_dir)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    return running
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class TritonServer:
     """The pytriton-bundled tritonserver on a model repository, bound to one host (127.0.0.1 by default).
 
@@ -220,11 +255,16 @@ class TritonServer:
                 "--log-verbose=0"]
 
     def check_repository(self) -> None:
-        """FileNotFoundError unless the repository holds a model, which tritonserver would otherwise find only
-        after starting, ending in "failed to load all models"."""
+        """FileNotFoundError unless the repository holds a model, FileExistsError while an export writes into it,
+        which tritonserver would otherwise find only after starting, ending in "failed to load all models"; what
+        killed exports left is cleared first."""
         if (self.repo / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.repo} is an engine directory, not a Triton model repository: export it "
                                     f"first (dflash-trt triton export {self.repo} -o REPO), then serve REPO")
+        running = recover_interrupted_exports(self.repo)
+        if running:
+            raise FileExistsError(f"{running[0]}: an export is being written there (process "
+                                  f"{EXPORT_DIR.fullmatch(running[0].name)['pid']}); start the server once it is done")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

@@ -3,6 +3,7 @@ engine's or EngineConfig's default), and it takes its port before loading the mo
 refuses what tritonserver could not load, and an existing model without --force; `triton serve` refuses a directory
 that is not a model repository."""
 
+import os
 import shutil
 import socket
 
@@ -220,6 +221,59 @@ def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_pat
     result = CliRunner().invoke(cli.triton, [*base, "--model-name", "other", "--force"])
     assert result.exit_code == 1 and "is not a model directory (a file or a link)" in result.output
     assert (repo / "other").read_text() == "a file named like a model"
+
+
+def test_a_triton_export_killed_mid_way_is_recovered_by_the_next(tmp_path, tiny_dirs):
+    """SIGKILL between the export's two renames leaves the previous model moved aside and the new one unswapped: the
+    next export puts the previous model back (so, without --force, refuses to overwrite it) and clears the rest."""
+    import subprocess
+    import sys
+
+    repo = tmp_path / "repo"
+    base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
+    assert CliRunner().invoke(cli.triton, base).exit_code == 0
+    first = (repo / "dflash" / "config.pbtxt").read_text()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = repo / f".dflash.export-{int(dead.stdout)}-0123abcd"
+    (repo / "dflash").rename(killed.with_name(killed.name + ".old"))
+    (killed / "1").mkdir(parents=True)  # the new model, half written
+    running = repo / f".dflash.export-{os.getpid()}-0123abcd"  # an export this process is running: not touched
+    running.mkdir()
+    result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"])
+    assert result.exit_code == 1 and "already holds a model; pass --force" in result.output, result.output
+    assert (repo / "dflash" / "config.pbtxt").read_text() == first
+    assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name])
+    # killed after the swap, before the previous model was deleted: the new model stays, the old one goes
+    (killed.with_name(killed.name + ".old") / "1").mkdir(parents=True)
+    result = CliRunner().invoke(cli.triton, [*base, "--model-name", "dflash", "--force"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name])
+
+
+def test_triton_serve_clears_what_a_killed_export_left_and_waits_for_a_running_one(monkeypatch, tmp_path, tiny_dirs):
+    """tritonserver refuses to start on a repository holding an export's working directory ("directory name must
+    equal model name"): a killed export's is cleared, a running one's named before tritonserver is looked for."""
+    import subprocess
+    import sys
+
+    from dflash_trt.server import triton
+
+    repo = tmp_path / "repo"
+    assert CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]),
+                                           "--no-spec"]).exit_code == 0
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    shutil.copytree(repo / "dflash", repo / f".dflash.export-{int(dead.stdout)}-0123abcd")
+    triton.TritonServer(repo).check_repository()
+    assert sorted(p.name for p in repo.iterdir()) == ["dflash"]
+
+    def no_tritonserver():
+        raise RuntimeError("tritonserver looked for")
+
+    monkeypatch.setattr(triton, "_pytriton_root", no_tritonserver)
+    (repo / f".dflash.export-{os.getpid()}-0123abcd").mkdir()
+    result = CliRunner().invoke(cli.triton, ["serve", str(repo)])
+    assert result.exit_code == 1 and f"an export is being written there (process {os.getpid()})" in result.output
+    assert "tritonserver looked for" not in result.output
 
 
 def _umask() -> int:
