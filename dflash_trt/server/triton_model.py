@@ -125,7 +125,10 @@ class TritonPythonModel:
         from dflash_trt.engine.detokenizer import IncrementalDetokenizer
         from dflash_trt.sampling_params import SamplingParams
 
-        text = "".join(_strings(request, "text_input"))
+        texts = _strings(request, "text_input")
+        if len(texts) != 1:  # TensorRT-LLM's llmapi model reads the first and drops the rest
+            raise ValueError(f"text_input holds {len(texts)} strings: this model takes one prompt a request")
+        text = texts[0]
         streaming = bool(_scalar(request, "streaming", False))
         stop = _strings(request, "sampling_param_stop")
         max_tokens = int(_scalar(request, "sampling_param_max_tokens", 64))

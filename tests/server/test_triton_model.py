@@ -200,6 +200,9 @@ def test_trtllm_backend_passes_penalties_to_tensorrt_llm(trtllm_model):
     ("sampling_param_top_k", np.array([-1], dtype=np.int32), "sampling_param_top_k must be >= 0, got -1"),
     ("sampling_param_temperature", np.array([-1.0], dtype=np.float32), "sampling_param_temperature must be a"),
     ("sampling_param_stop", np.array([b""], dtype=np.object_), "sampling_param_stop strings must not be empty"),
+    # one prompt a request: TensorRT-LLM's llmapi model silently drops all but the first
+    ("text_input", np.array([b"one", b"two"], dtype=np.object_), "text_input holds 2 strings: this model takes one"),
+    ("text_input", np.array([], dtype=np.object_), "text_input holds 0 strings"),
 ])
 def test_inputs_it_cannot_honour_are_refused_naming_them(trtllm_model, name, value, message):
     model, sampling_calls, _ = trtllm_model
