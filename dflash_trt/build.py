@@ -7,9 +7,6 @@ renamed into place last, so an interrupted build never leaves a directory that s
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import glob
 import hashlib
 import json
 import logging
@@ -18,7 +15,6 @@ import shutil
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_trt import dir_swap
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
 from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest, read_manifest
 from dflash_trt.hardware import HardwareProfile, profile
@@ -163,87 +160,6 @@ def _stall(step: str) -> None:
     if os.environ.get(STALL_ENV) == step:
         logger.warning("%s=%s: stalling so the build can be interrupted", STALL_ENV, step)
         time.sleep(3600)
-
-
-LOCK_SUFFIX = ".lock"
-
-
-def _lock_of(path: Path) -> Path:
-    """The lock file beside a build's temporary directory or set-aside engine."""
-    return path.with_name(path.name + LOCK_SUFFIX)
-
-
-@contextmanager
-def _held(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path`.lock for the block, taken before `path` exists: while it is held, other builds
-    beside it see `path` as a live build's. A lock, not the PID in the name: a build in another container sharing
-    the directory has PIDs of its own namespace, and one of them once deleted a live build's half-written engine,
-    which then wrote a manifest over what was left. The lock goes with the process, SIGKILL included."""
-    lock = _lock_of(path)
-    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:  # a file system without locks (NFS without lockd): build unguarded, as before locks
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-            logger.warning("%s: no lock on this file system (%s): a build beside this one could take it for dead",
-                           lock, e.strerror)
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-
-
-def _lock_free(lock: Path) -> bool:
-    """Whether `lock` exists and no process holds it."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)  # read-only: flock needs no more, and another user's lock may be 0644
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:  # held
-        return False
-    finally:
-        os.close(fd)
-
-
-def _dead_builds(out: Path, kind: str, any_name: bool = False) -> Iterator[Path]:
-    """`out`'s `.NAME.{kind}-...` siblings (NAME: out's name, or any with any_name) whose build is gone: a temporary
-    build directory only where its lock file is left and free (a directory without one is not provably a build's,
-    say `.site.build-2024-backup`), a set-aside engine ("old") unless its lock is held (builds before the lock
-    left none)."""
-    pattern = f".{'*' if any_name else glob.escape(out.name)}.{kind}-*"
-    for path in out.parent.glob(pattern):
-        if not path.is_dir():
-            continue
-        lock = _lock_of(path)
-        if _lock_free(lock) or (kind == "old" and not lock.exists()):
-            yield path
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Temporary directories of builds whose process is gone (killed builds) beside out are removed. A previous
-    engine set aside by a --force build is deleted once the new one is in place; if the build was killed (SIGKILL,
-    power) between the two renames, no engine is at `out` and the previous one is put back rather than deleted."""
-    # Any engine's, not only out's: a killed build of another name would keep its half-written copy (hundreds of
-    # MB) until that name was built again. An engine set aside (below) is out's alone: it may have to go back.
-    for tmp in _dead_builds(out, "build", any_name=True):
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in _dead_builds(out, "old"):
-        if not out.exists() and (old / MANIFEST).is_file():
-            old.rename(out)
-            logger.warning("%s: put back the engine a killed --force build had set aside", out)
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-    # Free locks whose directory is gone: removed above, or never made (a build killed between the two). A lock
-    # whose directory a partial removal left stays, so the next build tries again.
-    for kind in ("build", "old"):
-        for lock in out.parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
-            if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and _lock_free(lock):
-                lock.unlink(missing_ok=True)
 
 
 def _check_output(out: Path, force: bool) -> None:
@@ -409,7 +325,8 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
                  progress: bool = True) -> Path:
     """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
     out = Path(out_dir).resolve()
-    _remove_stale_temps(out)  # first: a killed --force build may have left the previous engine aside
+    # first: a killed --force build may have left the previous engine aside
+    dir_swap.remove_stale(out.parent, "build", "old", complete=lambda old: (old / MANIFEST).is_file(), name=out.name)
     _check_output(out, force)
     p = prepare_build(config_path, overrides)
     if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
@@ -420,8 +337,8 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     _check_tensors(p)
     _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with _sigterm_unwinds(), _held(tmp):
+    tmp = dir_swap.temp_beside(out, "build")
+    with _sigterm_unwinds(), dir_swap.held(tmp):
         tmp.mkdir()
         _write_files(p, out, tmp, weights, force, progress)
     return out
@@ -475,40 +392,18 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
         }
         manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        with _signals_held():  # a SIGTERM between the two renames would leave neither engine at `out`
-            _check_output(out, force)  # again: another process may have written `out` during this build
-            if out.exists():  # --force: swap, then delete the old engine
-                old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                with _held(old):
-                    out.rename(old)
-                    tmp.rename(out)
-                    shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(out)
+        # --force's check again: another process may have written `out` during this build
+        dir_swap.swap_in(tmp, out, "old", check=lambda: _check_output(out, force))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGTERM and SIGINT wait until the block ends (then unwind as usual)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-
-
-@contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM (a stopped job, `timeout`, a scheduler) unwinds like Ctrl-C, so a half-written engine is removed
     at once rather than by the next build to the same place. SIGKILL cannot be caught: that case stays the next
-    build's (_remove_stale_temps)."""
+    build's (dir_swap.remove_stale)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -17,9 +17,10 @@ import sys
 import sysconfig
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_trt import dir_swap
 
 MODEL_TEMPLATE = Path(__file__).with_name("triton_model.py")
 
@@ -152,8 +153,7 @@ def check_sources(settings: ModelSettings) -> None:
 
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-# an export being written (swapped in as REPO/NAME when done), and the previous model it moved aside meanwhile
-EXPORT_DIR = re.compile(r"\.(?P<model>[A-Za-z0-9_.-]+)\.export-(?P<pid>\d+)-[0-9a-f]{8}(?P<old>\.old)?")
+WRITING, REPLACED = "export", "replaced"  # dir_swap's kinds: REPO/.NAME.export-*, REPO/.NAME.replaced-*
 
 
 def export_repository(repo: str | Path, model_name: str, settings: ModelSettings, force: bool = False) -> Path:
@@ -166,7 +166,7 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
         # it, and a quote broke config.pbtxt
         raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.' (one directory in {repo})")
     model_dir = Path(repo) / model_name
-    recover_interrupted_exports(model_dir.parent)
+    remove_stale_exports(model_dir.parent)
     if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
         raise FileExistsError(f"{model_dir} is not a model directory (a file or a link): move it away yourself")
     if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
@@ -177,56 +177,22 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
     check_sources(settings)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     # written beside, then swapped in: a failed or interrupted export leaves the previous model as it was
-    tmp = model_dir.with_name(f".{model_name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    old = tmp.with_name(tmp.name + ".old")
-    try:
-        (tmp / "1").mkdir(parents=True)  # the umask's modes, as a plain mkdir: tritonserver may run as another user
-        (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
-        shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
-        if model_dir.exists():
-            os.replace(model_dir, old)
+    tmp = dir_swap.temp_beside(model_dir, WRITING)
+    with dir_swap.held(tmp):
         try:
-            os.replace(tmp, model_dir)
-        except BaseException:
-            if old.exists():
-                os.replace(old, model_dir)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "1").mkdir(parents=True)  # the umask's modes, as a plain mkdir: tritonserver may run as another user
+            (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
+            shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
+            dir_swap.swap_in(tmp, model_dir, REPLACED)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return model_dir
 
 
-def recover_interrupted_exports(repo: Path) -> list[Path]:
-    """Clear what exports killed mid-way (SIGKILL, a power cut) left in the repository, where tritonserver would
-    refuse to start on them ("directory name must equal model name"): a half-written model, and the previous model
-    moved aside, which goes back where its model directory is missing (killed between the two renames) and is
-    dropped where a newer model stands there. Returns the directories of exports still running, left alone."""
-    if not repo.is_dir():
-        return []
-    running = []
-    for path in sorted(repo.iterdir(), key=lambda p: p.name.endswith(".old"), reverse=True):
-        match = EXPORT_DIR.fullmatch(path.name)
-        if match is None:
-            continue
-        model_dir = repo / match["model"]
-        if _process_alive(int(match["pid"])):
-            running.append(path)
-        elif match["old"] and not model_dir.exists():
-            os.replace(path, model_dir)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-    return running
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+def remove_stale_exports(repo: Path) -> None:
+    """Clear what killed exports left in the repository (dir_swap.remove_stale), where tritonserver would refuse to
+    start ("directory name must equal model name")."""
+    dir_swap.remove_stale(repo, WRITING, REPLACED, complete=lambda old: (old / "config.pbtxt").is_file())
 
 
 class TritonServer:
@@ -261,10 +227,10 @@ class TritonServer:
         if (self.repo / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.repo} is an engine directory, not a Triton model repository: export it "
                                     f"first (dflash-trt triton export {self.repo} -o REPO), then serve REPO")
-        running = recover_interrupted_exports(self.repo)
+        remove_stale_exports(self.repo)
+        running = dir_swap.live_writers(self.repo, WRITING)
         if running:
-            raise FileExistsError(f"{running[0]}: an export is being written there (process "
-                                  f"{EXPORT_DIR.fullmatch(running[0].name)['pid']}); start the server once it is done")
+            raise FileExistsError(f"{running[0]}: an export is being written there; start the server once it is done")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

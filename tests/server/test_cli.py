@@ -3,9 +3,11 @@ engine's or EngineConfig's default), and it takes its port before loading the mo
 refuses what tritonserver could not load, and an existing model without --force; `triton serve` refuses a directory
 that is not a model repository."""
 
-import os
+import fcntl
 import shutil
 import socket
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import yaml
@@ -194,24 +196,20 @@ def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
 
 
 def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_path, tiny_dirs, monkeypatch):
-    import os
-
-    from dflash_trt.server import triton
-
     repo = tmp_path / "repo"
     base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
     assert CliRunner().invoke(cli.triton, base).exit_code == 0
     first = (repo / "dflash" / "config.pbtxt").read_text()
     assert oct((repo / "dflash").stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # readable as a mkdir leaves it
-    real, calls = os.replace, []
+    real, calls = Path.rename, []
 
     def fail_second(src, dst):
         calls.append(dst)
         if len(calls) == 2:  # the new model into place
             raise OSError("injected: rename failed")
-        real(src, dst)
+        return real(src, dst)
 
-    monkeypatch.setattr(triton.os, "replace", fail_second)
+    monkeypatch.setattr(Path, "rename", fail_second)
     result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128", "--force"])
     monkeypatch.undo()
     assert result.exit_code != 0 and "injected" in str(result.exception or result.output)
@@ -223,56 +221,64 @@ def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_pat
     assert (repo / "other").read_text() == "a file named like a model"
 
 
-def test_a_triton_export_killed_mid_way_is_recovered_by_the_next(tmp_path, tiny_dirs):
-    """SIGKILL between the export's two renames leaves the previous model moved aside and the new one unswapped: the
-    next export puts the previous model back (so, without --force, refuses to overwrite it) and clears the rest."""
-    import subprocess
-    import sys
+def _killed(path: Path) -> Path:
+    """`path` as a writer killed with SIGKILL leaves it: a directory and its lock file, which no process holds."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.with_name(path.name + ".lock").touch()
+    return path
 
+
+@contextmanager
+def _running(path: Path):
+    """`path` as a live writer holds it: its lock file flocked."""
+    path.mkdir(parents=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path
+
+
+def test_a_triton_export_killed_mid_way_is_recovered_by_the_next(tmp_path, tiny_dirs):
+    """SIGKILL between the export's two renames leaves the previous model set aside and the new one unswapped: the
+    next export puts the previous model back (so, without --force, refuses to overwrite it) and clears the rest."""
     repo = tmp_path / "repo"
     base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
     assert CliRunner().invoke(cli.triton, base).exit_code == 0
     first = (repo / "dflash" / "config.pbtxt").read_text()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = repo / f".dflash.export-{int(dead.stdout)}-0123abcd"
-    (repo / "dflash").rename(killed.with_name(killed.name + ".old"))
-    (killed / "1").mkdir(parents=True)  # the new model, half written
-    running = repo / f".dflash.export-{os.getpid()}-0123abcd"  # an export this process is running: not touched
-    running.mkdir()
-    result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"])
-    assert result.exit_code == 1 and "already holds a model; pass --force" in result.output, result.output
-    assert (repo / "dflash" / "config.pbtxt").read_text() == first
-    assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name])
-    # killed after the swap, before the previous model was deleted: the new model stays, the old one goes
-    (killed.with_name(killed.name + ".old") / "1").mkdir(parents=True)
-    result = CliRunner().invoke(cli.triton, [*base, "--model-name", "dflash", "--force"])
-    assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name])
+    (repo / "dflash").rename(repo / ".dflash.replaced-7-0123abcd")
+    _killed(repo / ".dflash.replaced-7-0123abcd")
+    (_killed(repo / ".dflash.export-7-4567cdef") / "1").mkdir()  # the new model, half written
+    with _running(repo / ".other.export-8-89abcdef") as running:  # another export, still writing: not touched
+        result = CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"])
+        assert result.exit_code == 1 and "already holds a model; pass --force" in result.output, result.output
+        assert (repo / "dflash" / "config.pbtxt").read_text() == first
+        assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name, running.name + ".lock"])
+        # killed after the swap, before the previous model was deleted: the new model stays, the old one goes
+        (_killed(repo / ".dflash.replaced-9-0123abcd") / "1").mkdir()
+        assert CliRunner().invoke(cli.triton, [*base, "--force"]).exit_code == 0
+        assert sorted(p.name for p in repo.iterdir()) == sorted(["dflash", running.name, running.name + ".lock"])
 
 
 def test_triton_serve_clears_what_a_killed_export_left_and_waits_for_a_running_one(monkeypatch, tmp_path, tiny_dirs):
     """tritonserver refuses to start on a repository holding an export's working directory ("directory name must
     equal model name"): a killed export's is cleared, a running one's named before tritonserver is looked for."""
-    import subprocess
-    import sys
-
     from dflash_trt.server import triton
 
     repo = tmp_path / "repo"
     assert CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]),
                                            "--no-spec"]).exit_code == 0
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    shutil.copytree(repo / "dflash", repo / f".dflash.export-{int(dead.stdout)}-0123abcd")
+    shutil.copytree(repo / "dflash", _killed(repo / ".dflash.export-7-0123abcd"), dirs_exist_ok=True)
+    (repo / "dflash").rename(_killed(repo / ".dflash.replaced-7-0123abcd"))  # killed between the renames
     triton.TritonServer(repo).check_repository()
-    assert sorted(p.name for p in repo.iterdir()) == ["dflash"]
+    assert sorted(p.name for p in repo.iterdir()) == ["dflash"] and (repo / "dflash" / "config.pbtxt").is_file()
 
     def no_tritonserver():
         raise RuntimeError("tritonserver looked for")
 
     monkeypatch.setattr(triton, "_pytriton_root", no_tritonserver)
-    (repo / f".dflash.export-{os.getpid()}-0123abcd").mkdir()
-    result = CliRunner().invoke(cli.triton, ["serve", str(repo)])
-    assert result.exit_code == 1 and f"an export is being written there (process {os.getpid()})" in result.output
+    with _running(repo / ".dflash.export-8-89abcdef") as running:
+        result = CliRunner().invoke(cli.triton, ["serve", str(repo)])
+    assert result.exit_code == 1, result.output
+    assert f"{running}: an export is being written there" in " ".join(result.output.split())
     assert "tritonserver looked for" not in result.output
 
 

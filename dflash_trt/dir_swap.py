@@ -1,0 +1,150 @@
+"""A directory written beside its destination and swapped in whole: an engine (`build`), a Triton model (`triton
+export`). Whatever stops the writer, the destination holds the previous directory or the new one, never a mix.
+
+Beside OUT, a writer makes `.OUT.WRITING-PID-HEX` and, replacing a previous OUT, sets that aside as
+`.OUT.REPLACED-PID-HEX` for the moment of the two renames. It holds an flock on each one's `.lock` file while the
+directory exists, so the next writer tells a killed writer's leftovers (lock free) from a live one's (held). A lock,
+not the PID in the name: a writer in another container sharing the directory has PIDs of its own namespace, and one
+of them once deleted a live build's half-written engine, which then wrote a manifest over what was left. The lock
+goes with the process, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import logging
+import os
+import shutil
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOCK_SUFFIX = ".lock"
+
+
+def lock_of(path: Path) -> Path:
+    """The lock file beside a writer's directory or a set-aside one."""
+    return path.with_name(path.name + LOCK_SUFFIX)
+
+
+def temp_beside(out: Path, kind: str) -> Path:
+    """A new `.OUT.KIND-PID-HEX` path beside `out`."""
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def held(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`.lock for the block, taken before `path` exists: while it is held, other writers
+    beside it see `path` as a live writer's."""
+    lock = lock_of(path)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without locks (NFS without lockd): write unguarded, as before locks
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            logger.warning("%s: no lock on this file system (%s): a writer beside this one could take it for dead",
+                           lock, e.strerror)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def lock_free(lock: Path) -> bool:
+    """Whether `lock` exists and no process holds it."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)  # read-only: flock needs no more, and another user's lock may be 0644
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held
+        return False
+    finally:
+        os.close(fd)
+
+
+def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[Path]:
+    """The `.NAME.KIND-...` directories in `parent` (of any NAME where `name` is None)."""
+    pattern = f".{'*' if name is None else glob.escape(name)}.{kind}-*"
+    return (path for path in parent.glob(pattern) if path.is_dir())
+
+
+def live_writers(parent: Path, kind: str) -> list[Path]:
+    """The directories of `kind` in `parent` that a live writer holds."""
+    return sorted(path for path in _directories(parent, kind)
+                  if lock_of(path).exists() and not lock_free(lock_of(path)))
+
+
+def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[Path], bool],
+                 name: str | None = None) -> None:
+    """Clear what killed writers left in `parent`: directories being written (of any name: a killed writer of
+    another name would otherwise keep its half-written copy until that name was written again) where their lock is
+    left and free (a directory without one is not provably a writer's, say `.site.build-2024-backup`); and set-aside
+    previous directories (`name`'s only, unless None) unless their lock is held (writers before the lock left none),
+    each going back to its place where the kill fell between the two renames (nothing there, and `complete` says it
+    is whole) and deleted otherwise."""
+    for tmp in _directories(parent, writing):
+        if lock_free(lock_of(tmp)):
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in _directories(parent, replaced, name):
+        lock = lock_of(old)
+        if not (lock_free(lock) or not lock.exists()):
+            continue
+        out = parent / old.name[1:].rsplit(f".{replaced}-", 1)[0]
+        if not out.exists() and complete(old):
+            old.rename(out)
+            logger.warning("%s: put back what a killed writer had set aside", out)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    # Free locks whose directory is gone: removed above, or never made (a writer killed between the two). A lock
+    # whose directory a partial removal left stays, so the next writer tries again.
+    for kind in (writing, replaced):
+        for lock in parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
+            if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_free(lock):
+                lock.unlink(missing_ok=True)
+
+
+def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | None = None) -> None:
+    """Rename the finished `tmp` to `out`, setting a previous `out` aside as `replaced` and deleting it after; the
+    previous one goes back where the second rename fails. `check` runs first, in the same block: another process
+    may have written `out` meanwhile. SIGTERM and SIGINT wait for the block, which would otherwise leave neither."""
+    with signals_held():
+        if check is not None:
+            check()
+        if not out.exists():
+            tmp.rename(out)
+            return
+        old = temp_beside(out, replaced)
+        with held(old):
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block ends (then unwind as usual)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)

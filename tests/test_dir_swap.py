@@ -1,0 +1,59 @@
+"""dir_swap: a directory is swapped in whole, and what killed writers left is told from live writers' by locks."""
+
+import fcntl
+from pathlib import Path
+
+import pytest
+
+from dflash_trt import dir_swap
+
+
+def _whole(path: Path) -> bool:
+    return (path / "done").is_file()
+
+
+def _dir(path: Path, *files: str) -> Path:
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_text(name)
+    return path
+
+
+def test_swap_in_replaces_whole_and_puts_the_previous_back_where_the_second_rename_fails(tmp_path, monkeypatch):
+    out = _dir(tmp_path / "out", "done", "stale")
+    dir_swap.swap_in(_dir(tmp_path / "new", "done"), out, "old")
+    assert sorted(p.name for p in out.iterdir()) == ["done"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    real, calls = Path.rename, []
+
+    def fail_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("injected")
+        return real(src, dst)
+
+    monkeypatch.setattr(Path, "rename", fail_second)
+    with pytest.raises(OSError, match="injected"):
+        dir_swap.swap_in(_dir(tmp_path / "newer", "other"), out, "old")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["done"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newer", "out"]  # the caller's to remove
+
+
+def test_remove_stale_goes_by_locks_not_by_names_or_pids(tmp_path):
+    killed = _dir(tmp_path / f".a.write-{1}-00000000", "half")  # its lock left, free: a killed writer's
+    killed.with_name(killed.name + ".lock").touch()
+    unlocked = _dir(tmp_path / ".b.write-backup")  # no lock: not provably a writer's
+    set_aside = _dir(tmp_path / ".c.replaced-2-00000000", "done")  # killed between the renames: c goes back
+    partial = _dir(tmp_path / ".d.replaced-3-00000000")  # not whole: deleted, not put back
+    live = _dir(tmp_path / ".e.write-4-00000000")
+    with open(live.with_name(live.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert dir_swap.live_writers(tmp_path, "write") == [live]
+        dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [unlocked.name, "c", live.name, live.name + ".lock"])
+    assert (tmp_path / "c" / "done").is_file() and not set_aside.exists() and not partial.exists()
+    # a set-aside directory is only `name`'s where one is given
+    other = _dir(tmp_path / ".f.replaced-5-00000000", "done")
+    dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole, name="c")
+    assert other.is_dir()
