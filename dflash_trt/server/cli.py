@@ -85,7 +85,8 @@ def _engine_options(f):
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
         click.option("--draft-vocab-size", type=click.IntRange(min=0), default=None,
                      help="Draft among the drafter's N most frequent tokens (its draft_vocab.json); 0: the whole "
-                     "vocabulary (default: every token the file lists, else the whole vocabulary)."),
+                     "vocabulary (default: the engine's speculative_config.draft_vocab_size, else every token the file lists, "
+                     "else the whole vocabulary)."),
         click.option("--max-queue-len", type=click.IntRange(min=0), default=None,
                      help=f"Requests waiting for a row beyond which the server answers 503 (default: "
                      f"{DEFAULT_MAX_QUEUE_LEN})."),
@@ -141,14 +142,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
-        from dflash_trt.cli import options_given
-
-        # trtllm-serve takes the engine's trtllm/config.yaml, host and port: anything else asked would go unseen (a
-        # --no-spec baseline would draft)
-        dropped = options_given(click.get_current_context(), {"backend", "host", "port"})
-        if dropped:
-            raise click.UsageError(f"--backend trtllm serves the engine's trtllm/config.yaml as built; it does not take "
-                                   f"{', '.join(dropped)} (rebuild the engine with those settings, or use --backend torch)")
+        _refuse_unseen_by_trtllm({"backend", "host", "port"})  # trtllm-serve takes the config, host and port
         _exec_trtllm_serve(engine, host, port)
         return
     if no_spec:
@@ -287,6 +281,17 @@ def _exec_trtllm_serve(engine, host: str, port: int) -> None:
     os.execv(cmd[0], cmd)  # trtllm-serve takes over this process, and its signals
 
 
+def _refuse_unseen_by_trtllm(taken: set[str]) -> None:
+    """A usage error naming the options given beside `taken`: TensorRT-LLM runs the engine's trtllm/config.yaml as
+    built, so they would go unseen (a --no-spec baseline would draft)."""
+    from dflash_trt.cli import options_given
+
+    dropped = options_given(click.get_current_context(), taken)
+    if dropped:
+        raise click.UsageError(f"--backend trtllm runs the engine's trtllm/config.yaml as built; it does not take "
+                               f"{', '.join(dropped)} (rebuild the engine with those settings, or use --backend torch)")
+
+
 @click.group()
 def triton() -> None:
     """Triton Inference Server: export a model repository, serve it with tritonserver."""
@@ -320,6 +325,10 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
 
     if engine is not None and (target or drafter):
         raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
+    if backend == "trtllm" and engine is not None:
+        # the model builds tensorrt_llm.LLM from the engine's trtllm/config.yaml alone (without an engine,
+        # export_repository says that it needs one)
+        _refuse_unseen_by_trtllm({"repo", "model_name", "backend", "force"})
     if no_spec:
         from dflash_trt.cli import refuse_drafting_flags
 
