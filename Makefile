@@ -31,7 +31,8 @@ DRAFTER := drafters/smollm2-135m-dflash
 SERVE_PORT ?= 8000
 DEMO_PROMPT := Write a short poem about the sea.
 
-ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/config.py dflash_trt/plan.py dflash_trt/engine_dir.py \
+ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/config.py dflash_trt/plan.py dflash_trt/perf_model.py \
+	dflash_trt/engine_dir.py dflash_trt/dir_swap.py \
 	dflash_trt/draft_schedule.py dflash_trt/hardware.py dflash_trt/trtllm/*.py)
 
 $(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(wildcard $(DRAFTER)/*.json $(DRAFTER)/*.safetensors) \
