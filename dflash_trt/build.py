@@ -353,7 +353,6 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
         copied = weights["drafter"] + ([] if link else weights["target"])
         with _progress(sum(f.stat().st_size for f in copied), "copy weights", progress) as bar:
             _write_weights(p.target.path, tmp / "target", TARGET_CONFIG_FILES, weights["target"], link, bar)
-            _stall("target")
             if p.drafter is not None:
                 _write_weights(p.drafter.path, tmp / "drafter", DRAFTER_CONFIG_FILES, weights["drafter"], False, bar)
         (tmp / "plan.json").write_text(json.dumps(p.plan.to_dict(), indent=2) + "\n")

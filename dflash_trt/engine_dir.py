@@ -156,10 +156,10 @@ class EngineDir:
             "device": "cuda" if plan["hardware"]["kind"] == "gpu" else "cpu",
         }
         known = {f.name for f in dataclasses.fields(EngineConfig)}
-        if spec.get("draft_len_schedule") and "draft_len_schedule" in known:
+        if spec.get("draft_len_schedule"):
             values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
         for key in ("draft_len_schedule_without_amx", "draft_tree", "draft_tree_without_amx"):
-            if spec.get(key) is not None and key in known:
+            if spec.get(key) is not None:
                 values[key] = {int(b): int(n) for b, n in spec[key].items()}
         if spec.get("adaptive_draft_len"):
             values["adaptive_draft_len"] = True

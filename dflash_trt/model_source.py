@@ -20,10 +20,6 @@ class ModelSource:
     path: Path | None  # the model directory; None when only bundled config values are known
     config: dict  # its config.json
 
-    @property
-    def on_disk(self) -> bool:
-        return self.path is not None
-
 
 def is_local_ref(ref: str) -> bool:
     return ref.startswith(("./", "../", "/", "~"))

@@ -7,7 +7,6 @@ import yaml
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
-from tests.engine.test_lossless import hf_greedy
 
 
 def _run(*args):

@@ -285,7 +285,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                 else f" ({output} records it; no point was measured)")
 
     try:
-        result = run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep)
+        run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep)
     except SweepError as e:
         raise click.ClickException(f"{e}{held()}") from e
     except KeyboardInterrupt:

@@ -89,10 +89,6 @@ class ScheduledBatch:
     num_draft: int  # K for the decodes; 0 means one autoregressive token
     aborted: list[Sequence]  # requests that were aborted since the last step (rows already freed)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes and not self.aborted
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:

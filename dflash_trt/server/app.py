@@ -65,8 +65,6 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    app.state.engine_loop = loop
-    app.state.metrics = metrics
     # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL): a 12 MB prompt took 7 s to tokenize,
     # and every stream and /health waited for it. One thread: requests' tokenizer calls never overlap each other.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")

@@ -10,7 +10,6 @@ Slot k (1..B-1) of block j is labelled with the token at anchor_j + k; the ancho
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
