@@ -192,4 +192,6 @@ def test_the_plan_table_counts_throughput_per_gpu_on_a_gpu_and_per_device_on_a_c
                                         "dtype": "bfloat16", "max_batch_size": 4, "max_seq_len": 2048}))
         tables[hardware] = format_plan(prepare_build(path, allow_bundled=True).plan.to_dict())
     assert "tok/s/device" in tables["cpu"] and "GPU" not in tables["cpu"] and "CUDA-graph" not in tables["cpu"]
+    assert "cuda_graph_pools" not in tables["cpu"]
     assert "tok/s/GPU" in tables["h200"] and "CUDA-graph batch sizes" in tables["h200"]
+    assert "cuda_graph_pools" in tables["h200"]
