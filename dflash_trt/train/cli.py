@@ -41,13 +41,17 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
 def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
     """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later)."""
     n = target_cfg.num_hidden_layers
+    # z-lab's spacing (2nd to third-to-last layer) repeats layers below 8 target layers, and leaves 0..n-1 below 4
+    k = min(len(cfg.target_layer_ids), n)
+    spaced = ",".join(str(round(i * (n - 1) / (k - 1))) if k > 1 else str(n // 2) for i in range(k))
+    hint = (f"given, or spaced by --num-features {cfg.num_features} over a {n}-layer target): pass distinct ids, "
+            f"e.g. --target-layers {spaced}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
     if bad:
-        raise click.BadParameter(f"{bad} not among the target's {n} layers (0..{n - 1})",
+        raise click.BadParameter(f"{bad} not among the target's {n} layers 0..{n - 1} ({hint}",
                                  param_hint="'--target-layers'")
-    if len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):  # z-lab's spacing, given too many for the target
-        raise click.BadParameter(f"{cfg.target_layer_ids} repeats a layer (given, or spaced by --num-features "
-                                 f"{cfg.num_features} over a {n}-layer target)", param_hint="'--target-layers'")
+    if len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):
+        raise click.BadParameter(f"{cfg.target_layer_ids} repeats a layer ({hint}", param_hint="'--target-layers'")
     vocab = target_cfg.vocab_size
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
         raise click.BadParameter(f"{cfg.mask_token_id} is not a token of the target (vocabulary 0..{vocab - 1})",
@@ -213,6 +217,12 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: 
     if saved["step"] >= cfg.steps:
         raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} is at step {saved['step']} already, and "
                                f"--steps {cfg.steps} counts the checkpoint's: pass a larger --steps to train on")
+    if cfg.time_budget_s is not None and old["time_budget_s"] is not None and saved["step"] >= old["steps"]:
+        # its schedule, fitted to its budget, has ended (the learning rate at its floor): a larger budget would train
+        # nothing (the length is re-fitted only after a step), and re-fitting it would warm the rate up again
+        raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} ended its run at step {saved['step']} (its "
+                               f"learning-rate schedule, fitted to its time budget, is done): to train that drafter "
+                               f"further, start a new run from it (--init-drafter {out_dir / 'drafter'} --out NEW_DIR)")
 
 
 @contextlib.contextmanager
@@ -271,6 +281,13 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     if features == "cache":
         check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    # a base model (no chat template) answers its prompts as plain text, as it is served (/v1/completions)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if not chat and self_prompts:
+        raise click.BadParameter(f"{target_dir} has no chat template, and the target writes its own requests from "
+                                 "its template's user turn", param_hint="'--self-prompts'")
+    if not chat:
+        logger.warning("%s has no chat template: its prompts are answered as plain text", target_dir)
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
     # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse
@@ -285,7 +302,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         bench = {p.text for p in load_dataset("cpu-small")}
         own = cached_self_prompts(engine, prompts_path, self_prompts, bench)
         prompts = list(prompts) + own
-    answer = dict(max_new_tokens=max_new_tokens, sampled_variants=sampled_variants, batch_size=rows)
+    answer = dict(max_new_tokens=max_new_tokens, sampled_variants=sampled_variants, batch_size=rows, chat=chat)
     if own and not any(p.source == SUMMARY_SOURCE for p in own):
         # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
         _, records = answer_with_summaries(engine, tokenizer, prompts, responses, bench,
@@ -406,6 +423,10 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
               help="Sampled responses per prompt besides the greedy one (0: greedy only).")
 @click.option("--response-tokens", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most tokens the target generates per response (responses already in DATA are kept as they are).")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              help='Your own prompts instead of the packaged ones: JSONL, {"text": "...", "source": "..."} a line '
+                   "(source optional: a category label). The target answers each; about 5% are held out, by a hash "
+                   "of the text. Add prompts later at the end of the file (a record's id is its prompt's position).")
 @click.option("--max-prompts", default=None, type=click.IntRange(min=1), help="Use only the first N prompts (quick runs).")
 @click.option("--self-prompts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also N requests per persona (chat, code, math, qa, writing) written by the target itself (Magpie), "
@@ -422,11 +443,11 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
-          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens, max_prompts,
+          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens, prompts_file, max_prompts,
           self_prompts, mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
           resume, features) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
-    from dflash_trt.train.prompts import all_prompts
+    from dflash_trt.train.prompts import all_prompts, read_user_prompts
     from dflash_trt.train.trainer import TrainConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -446,7 +467,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
                           init_drafter=init_drafter, draft_vocab_loss=not full_vocab_loss,
                           draft_vocab_size=draft_vocab_size, distill=distill,
                           steer_anchors=steer_anchors)
-        prompts = all_prompts()
+        prompts = read_user_prompts(Path(prompts_file)) if prompts_file else all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
         with _sigterm_as_interrupt():

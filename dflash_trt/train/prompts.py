@@ -142,6 +142,45 @@ def python_doc_prompts() -> list[Prompt]:
     return out
 
 
+USER_SOURCE = "user"
+
+
+def read_user_prompts(path: Path) -> list[Prompt]:
+    """A user's own prompts: one JSON object a line, {"text": the request, "source": optional label (a category,
+    default "user")}. Errors name the line and what is wrong with it; a prompt left out or made up would move every
+    later record's id (its position)."""
+    import json
+
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)  # bytes that are not UTF-8 raise a ValueError here too
+        except ValueError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            problem = f"a JSON {type(obj).__name__}, not an object"
+        elif not isinstance(obj.get("text"), str) or not obj["text"].strip():
+            problem = f'no "text" string to use as a prompt (its keys: {", ".join(obj) or "none"})'
+        elif set(obj) - {"text", "source"}:
+            problem = f"unknown keys {', '.join(sorted(set(obj) - {'text', 'source'}))}"
+        elif not isinstance(obj.get("source", USER_SOURCE), str):
+            problem = '"source" is not a string'
+        else:
+            out.append(Prompt(obj["text"], obj.get("source", USER_SOURCE)))
+            continue
+        raise ValueError(f'{path} line {n}: {problem}; each line is {{"text": "...", "source": "..."}} (source '
+                         "optional)")
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
 def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 9000, seed: int = 0) -> list[Prompt]:
     """The sources in one fixed order: chatterbot and shakespeare shuffled together (so a --max-prompts prefix
     mixes them), then the stdlib prompts, shuffled, then more_shakespeare further passages (the continuation of

@@ -105,7 +105,7 @@ def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(tar
 
 @pytest.mark.parametrize("flags, message", [
     (["--mask-token-id", str(VOCAB)], f"'--mask-token-id': {VOCAB} is not a token of the target (vocabulary 0..{VOCAB - 1})"),
-    (["--target-layers", "1,4"], "'--target-layers': [4] not among the target's 4 layers (0..3)"),
+    (["--target-layers", "1,4"], "'--target-layers': [4] not among the target's 4 layers 0..3"),
     (["--target-layers", "1,x"], "'--target-layers': expected comma-separated layer indices such as 1,8,14, got '1,x'"),
     (["--target-layers", "1,1"], "'--target-layers': [1, 1] repeats a layer"),
     (["--device", "foo"], "'--device': expected cpu, cuda or cuda:N, got 'foo'"),
@@ -379,3 +379,86 @@ def test_an_interrupt_while_the_target_writes_its_prompts_says_which_it_kept(tmp
                                                         Prompt("Why is it blue?", "self/chat")])
     said = interrupted_state(tmp_path / "out", data)
     assert f"Kept: 2 self-written prompts of finished personas in {data / 'self_prompts.partial.jsonl'}" in said
+
+
+def test_resuming_a_finished_time_budgeted_run_says_how_to_train_its_drafter_further(target, tmp_path, monkeypatch):
+    """A larger --time-budget trained nothing and said nothing: the schedule fitted to the first budget had ended."""
+    out = tmp_path / "out"
+    assert _train(target, out, "--time-budget", "600").exit_code == 0  # ends at TINY's --steps 2, within budget
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("no response may be generated"))
+    r = _train(target, out, "--resume", "--time-budget", "1200", "--steps", "50")
+    assert r.exit_code == 2 and "ended its run at step 2" in r.output, r.output
+    assert f"--init-drafter {out / 'drafter'}" in " ".join(r.output.split())
+
+
+def test_own_prompts_are_answered_by_the_target_in_their_order(target, tmp_path):
+    from transformers import AutoTokenizer
+
+    texts = ["Write a haiku about rain.", "What is 12 times 12?", "Name three rivers."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t, **({"source": "math"} if "12" in t else {})}) + "\n"
+                               for t in texts) + "\n")
+    out = tmp_path / "out"
+    r = _train(target, out, "--prompts", str(prompts), "--max-prompts", "10")
+    assert r.exit_code == 0, r.output
+    records = [json.loads(line) for line in (out / "data" / "responses.jsonl").open()]
+    tok = AutoTokenizer.from_pretrained(target)
+    chat = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+            for t in texts]
+    assert sorted((r["id"], r["source"], r["prompt_ids"]) for r in records) == [
+        (f"{i}:greedy", "math" if "12" in t else "user", ids) for i, (t, ids) in enumerate(zip(texts, chat))]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "hi"}\n', 'line 1: no "text" string to use as a prompt (its keys: prompt)'),
+    ('{"text": "hi"}\n{"text": "x", "source": "a", "lang": "en"}\n', "line 2: unknown keys lang"),
+    ('{"text": "hi"\n', "line 1 is not JSON"),
+    ("\n", "holds no prompts"),
+])
+def test_a_prompts_file_that_is_not_prompts_is_refused_naming_the_line_and_the_problem(target, tmp_path, content,
+                                                                                        message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    r = _train(target, tmp_path / "out", "--prompts", str(prompts))
+    assert r.exit_code == 1 and f"{prompts}" in r.output and message in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_a_chat_template_is_trained_on_plain_text(target, tmp_path):
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(target, base)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = base / name
+        if path.is_file() and name.endswith(".json"):
+            config = json.loads(path.read_text())
+            config.pop("chat_template", None)
+            path.write_text(json.dumps(config))
+        elif path.is_file():
+            path.unlink()
+    tok = AutoTokenizer.from_pretrained(base)
+    assert not tok.chat_template
+    r = _train(base, tmp_path / "self", "--self-prompts", "1")
+    assert r.exit_code == 2 and "has no chat template" in r.output and "--self-prompts" in r.output, r.output
+    out = tmp_path / "out"
+    r = _train(base, out, "--max-prompts", "3")
+    assert r.exit_code == 0, r.output
+    records = [json.loads(line) for line in (out / "data" / "responses.jsonl").open()]
+    from dflash_trt.train.prompts import all_prompts
+
+    assert sorted(r["prompt_ids"] for r in records) == sorted(tok(p.text)["input_ids"] for p in all_prompts()[:3])
+
+
+def test_default_layer_spacing_over_a_small_target_names_ids_that_would_do():
+    from types import SimpleNamespace
+
+    from dflash_trt.models.dflash import build_target_layer_ids
+    from dflash_trt.train.cli import check_against_target
+
+    for layers, features, ids in ((4, 5, "0,1,2,3"), (4, 2, "0,3"), (2, 5, "0,1")):
+        cfg = SimpleNamespace(target_layer_ids=build_target_layer_ids(layers, features), num_features=features,
+                              mask_token_id=None)
+        with pytest.raises(click.BadParameter, match=f"--num-features {features} over a {layers}-layer target\\): "
+                                                     f"pass distinct ids, e.g. --target-layers {ids}"):
+            check_against_target(cfg, SimpleNamespace(num_hidden_layers=layers, vocab_size=VOCAB))
