@@ -51,9 +51,11 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
         path = (base_dir / Path(ref).expanduser()).resolve()
         if not path.exists():
             raise FileNotFoundError(f"{key}={ref!r}: {path} does not exist")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{key}={ref!r}: {path} is not a model directory (no config.json)")
-        return ModelSource(ref, "local", path, read_config_json(path))
+        try:
+            config = read_config_json(path)  # names a training --out's drafter
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{key}={ref!r}: {e}") from None
+        return ModelSource(ref, "local", path, config)
     if ref.count("/") != 1:
         raise ValueError(
             f"{key}={ref!r} is neither an HF id (org/name) nor a local path; write local paths as ./dir, ../dir or /abs"

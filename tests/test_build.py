@@ -279,6 +279,11 @@ def test_an_output_path_below_a_file_and_a_target_path_that_does_not_exist_are_n
         prepare_build(write_config(tmp_path, tiny_dirs["llama"], None, model="./no_such_model"))
     r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", "no_such_drafter"])
     assert r.exit_code == 2 and "--drafter" in r.output and "neither a directory nor an HF id" in r.output, r.output
+    run = tmp_path / "run"  # a `dflash-trt train` --out: the drafter is run/drafter
+    shutil.copytree(tiny_dirs["llama_drafter"], run / "drafter")
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", str(run)])
+    assert r.exit_code != 0 and f"its drafter is {run / 'drafter'}" in " ".join(r.output.split()), r.output
 
 
 def test_an_exception_midway_leaves_no_engine_and_no_temp(tiny_dirs, tmp_path, monkeypatch):

@@ -272,12 +272,15 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
-    for path, flag in ((out_dir, "--out"), (data_dir, "--data")):
+    # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
+    made = [(data_dir, "--data"), (out_dir, "--out")]
+    for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise click.BadParameter(f"cannot create {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
-    check_data_target(data_dir, target_dir)
+        if flag == "--data":
+            check_data_target(data_dir, target_dir)
     if features == "cache":
         check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

@@ -339,6 +339,7 @@ def test_data_made_by_another_target_of_the_same_shape_is_refused(target, run, t
     r = _train(other, tmp_path / "out", "--data", str(run / "data"))
     assert r.exit_code == 2 and "Invalid value for '--data'" in r.output and "another target" in r.output, r.output
     assert str(target) in r.output  # the target the data was made with
+    assert not (tmp_path / "out").exists()  # nothing left behind
 
 
 @pytest.mark.parametrize("damage", [b"", b"[]", b'{"target": "x\xe9"}'])
