@@ -151,6 +151,14 @@ def avx512f_ops(tmp_path_factory):
                                                                    "avx512dq", "avx512cd"})
 
 
+@pytest.fixture(scope="session")
+def avx512bf16_ops(tmp_path_factory):
+    """The kernels as an AVX-512 CPU with BF16 dot products and no AMX tiles (Cooper Lake) builds them: attention
+    scores query by query through VDPBF16PS where AMX takes a run's queries at once."""
+    return _kernels_built_for(tmp_path_factory, "cooperlake", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                               "avx512dq", "avx512cd", "avx512_bf16"})
+
+
 @pytest.fixture
 def ctrl_c_reaches_python():
     """SIGINT handled as in a terminal: a test run started in the background (`cmd &`, nohup) inherits it ignored,

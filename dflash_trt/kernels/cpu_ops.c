@@ -184,6 +184,37 @@ static int scores_fast_bf16(const uint16_t *q, const uint16_t *K, int64_t n, int
     return 0;
 }
 
+#if defined(HAVE_AMX)
+static int scores_run_amx(const uint16_t *q, int64_t q_stride, int64_t R, const uint16_t *K, const int64_t *n,
+                          int64_t D, float scale, float *const *s, int *configured);
+#endif
+
+/* A run's scores at once where this CPU can (scores_run_amx), else 0 and the body scores query by query. */
+static int scores_run_bf16(const uint16_t *q, int64_t q_stride, int64_t R, const uint16_t *K, const int64_t *n,
+                           int64_t D, float scale, float *const *s, int *configured) {
+#if defined(HAVE_AMX)
+    return scores_run_amx(q, q_stride, R, K, n, D, scale, s, configured);
+#else
+    (void)q, (void)q_stride, (void)R, (void)K, (void)n, (void)D, (void)scale, (void)s, (void)configured;
+    return 0;
+#endif
+}
+
+static int scores_run_f32(const float *q, int64_t q_stride, int64_t R, const float *K, const int64_t *n, int64_t D,
+                          float scale, float *const *s, int *configured) {
+    (void)q, (void)q_stride, (void)R, (void)K, (void)n, (void)D, (void)scale, (void)s, (void)configured;
+    return 0;
+}
+
+/* The tiles a thread's scores_run configured, given back (their 8 KB state is saved at every context switch). */
+static inline void release_tiles(int configured) {
+#if defined(HAVE_AMX)
+    if (configured) _tile_release();
+#else
+    (void)configured;
+#endif
+}
+
 static int scores_fast_f32(const float *q, const float *K, int64_t n, int64_t D, float scale, float *s) {
     (void)q, (void)K, (void)n, (void)D, (void)scale, (void)s;
     return 0;
@@ -535,6 +566,70 @@ static void configure_tiles(int64_t rows) {
      * garbage): a compiler barrier keeps them. */
     __asm__ __volatile__("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
+}
+
+/* The scores of a run of R <= 16 queries that share their keys (a verify block, a draft tree, a drafter block):
+ * s[r][t] = scale * q_r . K[t] for t < n[r], keys [0, max n) through TDPBF16PS, the keys as tile rows straight from
+ * the cache and the queries as tile columns. The VDPBF16PS path reads every key once per query and reduces each of its
+ * dot products across lanes; here a block of 16 keys costs one multiply per 32 dimensions whatever R is. Each score
+ * is one tile element, summed in an order that depends neither on the other queries nor on the other keys, so a
+ * query's scores are the ones it gets alone (R = 1, a decode): a verify and a decode stay bit-identical. Returns 0
+ * where AMX is not granted or D is not a multiple of 32 up to 128 (then the per-query path runs). `*configured`: the
+ * R this thread's tiles are configured for (0: none; the caller releases them). */
+static int scores_run_amx(const uint16_t *q, int64_t q_stride, int64_t R, const uint16_t *K, const int64_t *n,
+                          int64_t D, float scale, float *const *s, int *configured) {
+    enum { MAX_CHUNKS = 4 }; /* B tiles 2..5; C 0 and 6 and A 1 and 7 take two blocks of keys at a time */
+    if (R < 1 || R > 16 || D % 32 || D > 32 * MAX_CHUNKS || !amx_ready()) return 0;
+    const int64_t chunks = D / 32;
+    int64_t keys = 0;
+    for (int64_t r = 0; r < R; r++) keys = n[r] > keys ? n[r] : keys;
+    if (*configured != R) { /* a call's runs are mostly of one length: a decode's 1, a verify's K + 1 */
+        tile_config c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        for (int t = 0; t < 8; t++) /* A (1, 7): 16 keys x 32 dimensions; C and B: R queries wide */
+            c.rows[t] = 16, c.colsb[t] = (uint16_t)(t == 1 || t == 7 ? 64 : 4 * R);
+        __asm__ __volatile__("" : : "r"(&c) : "memory"); /* see configure_tiles */
+        _tile_loadconfig(&c);
+        *configured = (int)R;
+    }
+    /* B: per 32 dimensions, row i holds dimensions 2i and 2i + 1 of each of the R queries */
+    uint16_t qt[MAX_CHUNKS][16][32];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < D; j++) qt[j / 32][(j % 32) / 2][2 * r + j % 2] = q[r * q_stride + j];
+    _tile_loadd(2, qt[0], 64); /* tile numbers are immediates: a line per 32 dimensions */
+    if (chunks > 1) _tile_loadd(3, qt[1], 64);
+    if (chunks > 2) _tile_loadd(4, qt[2], 64);
+    if (chunks > 3) _tile_loadd(5, qt[3], 64);
+    float dots[32][16];
+    uint16_t tail[16 * 32 * MAX_CHUNKS];
+    /* Two blocks of 16 keys at a time in two accumulators: one block's chain of multiplies waits on each one's
+     * latency. */
+    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+        const int64_t m = keys - t0 < 32 ? keys - t0 : 32;
+        const int two = m > 16;
+        const uint16_t *a = K + t0 * D, *b = a + 16 * D;
+        if (m < 32) { /* the last keys, zero-padded: no read past the run's keys */
+            memset(tail, 0, sizeof(uint16_t) * 16 * (size_t)D);
+            memcpy(tail, two ? b : a, sizeof(uint16_t) * (size_t)((two ? m - 16 : m) * D));
+            if (two) b = tail; else a = tail;
+        }
+        _tile_zero(0);
+        _tile_loadd(1, a, D * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        if (two) { _tile_zero(6); _tile_loadd(7, b, D * 2); _tile_dpbf16ps(6, 7, 2); }
+        if (chunks > 1) { _tile_loadd(1, a + 32, D * 2); _tile_dpbf16ps(0, 1, 3); }
+        if (chunks > 1 && two) { _tile_loadd(7, b + 32, D * 2); _tile_dpbf16ps(6, 7, 3); }
+        if (chunks > 2) { _tile_loadd(1, a + 64, D * 2); _tile_dpbf16ps(0, 1, 4); }
+        if (chunks > 2 && two) { _tile_loadd(7, b + 64, D * 2); _tile_dpbf16ps(6, 7, 4); }
+        if (chunks > 3) { _tile_loadd(1, a + 96, D * 2); _tile_dpbf16ps(0, 1, 5); }
+        if (chunks > 3 && two) { _tile_loadd(7, b + 96, D * 2); _tile_dpbf16ps(6, 7, 5); }
+        _tile_stored(0, dots, 64);
+        if (two) _tile_stored(6, dots[16], 64);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < m && t0 + i < n[r]; i++) s[r][t0 + i] = dots[i][r] * scale;
+    }
+    return 1;
 }
 
 /* f32_to_bf16(acc[i] + bias[i]) for 16 outputs at once, bit for bit the scalar rounding. */

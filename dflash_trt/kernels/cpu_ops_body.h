@@ -92,7 +92,10 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     /* Runs in the order first, last, second, second to last, ...: a prompt chunk's later runs see more keys, and
      * the threads' contiguous shares of the runs in order left one waiting; a run's heads stay together, so the query
      * heads of one KV head share its keys in cache. */
-#pragma omp parallel for schedule(static) if (work * H * D >= 65536)
+#pragma omp parallel if (work * H * D >= 65536)
+    {
+    int configured = 0; /* this thread's tiles, for scores_run */
+#pragma omp for schedule(static)
     for (int64_t item = 0; item < runs * H; item++) {
         const int64_t at = item / H, run = at % 2 ? runs - 1 - at / 2 : at / 2;
         const int64_t first = run_start[run], R = run_start[run + 1] - first, h = item % H;
@@ -105,8 +108,12 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
         float *buf = malloc(sizeof(float) * (size_t)(R * D + total + (tree ? total : 0)));
         if (!buf) abort();
         float *acc = buf, *s = buf + R * D, *packed = s + total;
+        float *run_s[MAX_QUERY_RUN];
+        for (int64_t r = 0, at = 0; r < R; at += n[r], r++) run_s[r] = s + at;
+        const int run_scored = CAT(scores_run_, SFX)(q + (first * H + h) * D, H * D, R, k_cache + base, n, D, scale,
+                                                     run_s, &configured);
         for (int64_t r = 0; r < R; r++) {
-            CAT(scores_, SFX)(q + ((first + r) * H + h) * D, k_cache + base, n[r], D, scale, s);
+            if (!run_scored) CAT(scores_, SFX)(q + ((first + r) * H + h) * D, k_cache + base, n[r], D, scale, s);
             int64_t from = n[r]; /* keys [from, n[r]) are the tree's: visible by their bit */
             uint64_t bits = 0;
             if (tree) {
@@ -143,6 +150,8 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             for (int64_t j = 0; j < D; j++) o[j] = STORE(acc[r * D + j]);
         }
         free(buf);
+    }
+    release_tiles(configured);
     }
     free(run_start);
 }

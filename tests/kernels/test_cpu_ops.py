@@ -76,10 +76,11 @@ def _sdpa_per_query(q, cache, layer, rows, lens, scale, window=None):
     return torch.stack(out)
 
 
-@pytest.fixture(params=["native", "avx2_ops", "avx512f_ops"])
+@pytest.fixture(params=["native", "avx2_ops", "avx512f_ops", "avx512bf16_ops"])
 def attention_ops(request):
-    """This CPU's build, and builds without AVX-512 BF16 (an AVX2 laptop's, Skylake's), whose bf16 attention widens
-    keys and values to fp32 in eight lanes instead of taking AVX512-BF16 dot products."""
+    """This CPU's build (with AMX: a run's scores through tiles), and builds without AMX: with AVX512-BF16 dot products
+    (Cooper Lake's), and without them (an AVX2 laptop's, Skylake's), whose bf16 attention widens keys and values to
+    fp32 in eight lanes."""
     return ops if request.param == "native" else request.getfixturevalue(request.param)
 
 
