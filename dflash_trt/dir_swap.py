@@ -16,6 +16,7 @@ import fcntl
 import glob
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -51,7 +52,7 @@ def held(path: Path) -> Iterator[None]:
         except OSError as e:  # a file system without locks (NFS without lockd): write unguarded, as before locks
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
-            logger.warning("%s: no lock on this file system (%s): a writer beside this one could take it for dead",
+            logger.warning("%s: no lock on this file system (%s): what a killed writer leaves here stays",
                            lock, e.strerror)
         yield
     finally:
@@ -59,49 +60,59 @@ def held(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def lock_free(lock: Path) -> bool:
-    """Whether `lock` exists and no process holds it."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)  # read-only: flock needs no more, and another user's lock may be 0644
+def lock_state(lock: Path) -> bool | None:
+    """Whether `lock` is free (True: it exists and no process holds it), held (False), or cannot be told (None: no
+    such file, or a file system whose locks this process cannot test), which neither clears nor waits on anything."""
+    try:  # read-write where allowed: NFS emulates flock with byte-range locks, whose exclusive kind needs it
+        fd = os.open(lock, os.O_RDWR)
+    except PermissionError:  # another user's lock (0644): flock itself needs no more than reading
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            return None
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except OSError:  # held
-        return False
+    except OSError as e:
+        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
     finally:
         os.close(fd)
 
 
-def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[Path]:
-    """The `.NAME.KIND-...` directories in `parent` (of any NAME where `name` is None)."""
+def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[tuple[Path, str]]:
+    """(path, NAME) of the `.NAME.KIND-PID-HEX` directories in `parent` (NAME `name` only, unless None), matched
+    whole: `.m.build-2.old-7-0123abcd` is m.build-2's set-aside directory, not a build of m."""
+    whole = re.compile(rf"\.(.+)\.{re.escape(kind)}-\d+-[0-9a-f]{{8}}")
     pattern = f".{'*' if name is None else glob.escape(name)}.{kind}-*"
-    return (path for path in parent.glob(pattern) if path.is_dir())
+    for path in parent.glob(pattern):
+        match = whole.fullmatch(path.name)
+        if match and path.is_dir() and (name is None or match[1] == name):
+            yield path, match[1]
 
 
 def live_writers(parent: Path, kind: str) -> list[Path]:
     """The directories of `kind` in `parent` that a live writer holds."""
-    return sorted(path for path in _directories(parent, kind)
-                  if lock_of(path).exists() and not lock_free(lock_of(path)))
+    return sorted(path for path, _ in _directories(parent, kind) if lock_state(lock_of(path)) is False)
 
 
 def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[Path], bool],
-                 name: str | None = None) -> None:
+                 name: str | None = None, unlocked_replaced: bool = False) -> None:
     """Clear what killed writers left in `parent`: directories being written (of any name: a killed writer of
     another name would otherwise keep its half-written copy until that name was written again) where their lock is
-    left and free (a directory without one is not provably a writer's, say `.site.build-2024-backup`); and set-aside
-    previous directories (`name`'s only, unless None) unless their lock is held (writers before the lock left none),
-    each going back to its place where the kill fell between the two renames (nothing there, and `complete` says it
-    is whole) and deleted otherwise."""
-    for tmp in _directories(parent, writing):
-        if lock_free(lock_of(tmp)):
+    left and free (a directory without one is not provably a writer's, say `.site.build-7-2024beef`); and set-aside
+    previous directories (`name`'s only, unless None) whose lock is free, or absent where `unlocked_replaced` (the
+    build's, whose writers before the lock left none), each going back to its place where the kill fell between the
+    two renames (nothing there, and `complete` says it is whole) and deleted otherwise."""
+    for tmp, _ in _directories(parent, writing):
+        if lock_state(lock_of(tmp)):
             shutil.rmtree(tmp, ignore_errors=True)
-    for old in _directories(parent, replaced, name):
+    for old, out_name in _directories(parent, replaced, name):
         lock = lock_of(old)
-        if not (lock_free(lock) or not lock.exists()):
+        if not (lock_state(lock) or (unlocked_replaced and not lock.exists())):
             continue
-        out = parent / old.name[1:].rsplit(f".{replaced}-", 1)[0]
+        out = parent / out_name
         if not out.exists() and complete(old):
             old.rename(out)
             logger.warning("%s: put back what a killed writer had set aside", out)
@@ -111,7 +122,7 @@ def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[
     # whose directory a partial removal left stays, so the next writer tries again.
     for kind in (writing, replaced):
         for lock in parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
-            if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_free(lock):
+            if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_state(lock):
                 lock.unlink(missing_ok=True)
 
 

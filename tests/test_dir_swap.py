@@ -39,21 +39,29 @@ def test_swap_in_replaces_whole_and_puts_the_previous_back_where_the_second_rena
     assert sorted(p.name for p in tmp_path.iterdir()) == ["newer", "out"]  # the caller's to remove
 
 
+def _lock(path: Path) -> Path:
+    path.with_name(path.name + ".lock").touch()  # left by a killed writer: no process holds it
+    return path
+
+
 def test_remove_stale_goes_by_locks_not_by_names_or_pids(tmp_path):
-    killed = _dir(tmp_path / f".a.write-{1}-00000000", "half")  # its lock left, free: a killed writer's
-    killed.with_name(killed.name + ".lock").touch()
-    unlocked = _dir(tmp_path / ".b.write-backup")  # no lock: not provably a writer's
-    set_aside = _dir(tmp_path / ".c.replaced-2-00000000", "done")  # killed between the renames: c goes back
-    partial = _dir(tmp_path / ".d.replaced-3-00000000")  # not whole: deleted, not put back
+    killed = _lock(_dir(tmp_path / ".a.write-1-00000000", "half"))  # its lock left, free: a killed writer's
+    unlocked = _dir(tmp_path / ".b.write-7-2024beef")  # no lock: not provably a writer's
+    set_aside = _lock(_dir(tmp_path / ".c.replaced-2-00000000", "done"))  # killed between the renames: c goes back
+    partial = _lock(_dir(tmp_path / ".d.replaced-3-00000000"))  # not whole: deleted, not put back
+    # a set-aside directory of a name holding the writing kind is not a write in progress: it goes back too
+    dotted = _lock(_dir(tmp_path / ".m.write-2.replaced-6-00000000", "done"))
+    unlocked_old = _dir(tmp_path / ".g.replaced-8-00000000", "done")  # lock-less: left unless unlocked_replaced
     live = _dir(tmp_path / ".e.write-4-00000000")
     with open(live.with_name(live.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert dir_swap.live_writers(tmp_path, "write") == [live]
         dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            [unlocked.name, "c", live.name, live.name + ".lock"])
-    assert (tmp_path / "c" / "done").is_file() and not set_aside.exists() and not partial.exists()
-    # a set-aside directory is only `name`'s where one is given
-    other = _dir(tmp_path / ".f.replaced-5-00000000", "done")
-    dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole, name="c")
-    assert other.is_dir()
+            [unlocked.name, "c", "m.write-2", unlocked_old.name, live.name, live.name + ".lock"])
+    assert (tmp_path / "c" / "done").is_file() and (tmp_path / "m.write-2" / "done").is_file()
+    assert not killed.exists() and not set_aside.exists() and not partial.exists() and not dotted.exists()
+    # a set-aside directory is only `name`'s where one is given; lock-less ones count where the caller says so
+    other = _lock(_dir(tmp_path / ".f.replaced-5-00000000", "done"))
+    dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole, name="g", unlocked_replaced=True)
+    assert other.is_dir() and (tmp_path / "g" / "done").is_file() and not unlocked_old.exists()

@@ -8,6 +8,7 @@ Repository layout:  REPO/NAME/config.pbtxt   REPO/NAME/1/model.py  (a copy of se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import dir_swap
+
+logger = logging.getLogger(__name__)
 
 MODEL_TEMPLATE = Path(__file__).with_name("triton_model.py")
 
@@ -226,10 +229,20 @@ class TritonServer:
         if (self.repo / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.repo} is an engine directory, not a Triton model repository: export it "
                                     f"first (dflash-trt triton export {self.repo} -o REPO), then serve REPO")
-        remove_stale_exports(self.repo)
+        try:
+            remove_stale_exports(self.repo)
+        except OSError as e:  # a read-only repository, or another user's: what is left is named below
+            logger.warning("%s: could not clear what an interrupted export left (%s)", self.repo, e)
         running = dir_swap.live_writers(self.repo, WRITING)
         if running:
             raise FileExistsError(f"{running[0]}: an export is being written there; start the server once it is done")
+        # tritonserver reads every directory as a model, hidden ones too ("directory name must equal model name")
+        left = sorted(p for p in self.repo.glob(f".*.{WRITING}-*") if p.is_dir())
+        left += sorted(p for p in self.repo.glob(f".*.{REPLACED}-*") if p.is_dir())
+        if left:
+            raise FileExistsError(f"{left[0]}: left by an interrupted export, and tritonserver would not start "
+                                  "with it in the repository: move it away (it holds an unfinished model, or the one "
+                                  "its export replaced)")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

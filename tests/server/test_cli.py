@@ -280,6 +280,11 @@ def test_triton_serve_clears_what_a_killed_export_left_and_waits_for_a_running_o
     assert result.exit_code == 1, result.output
     assert f"{running}: an export is being written there" in " ".join(result.output.split())
     assert "tritonserver looked for" not in result.output
+    legacy = repo / ".dflash.export-9-0123abcd.old"  # an export before locks left no lock file: named, not deleted
+    shutil.copytree(repo / "dflash", legacy)
+    result = CliRunner().invoke(cli.triton, ["serve", str(repo)])
+    assert result.exit_code == 1 and f"{legacy}: left by an interrupted export" in " ".join(result.output.split())
+    assert legacy.is_dir()
 
 
 def _umask() -> int:
