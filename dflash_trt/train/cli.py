@@ -44,8 +44,8 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
     # z-lab's spacing (2nd to third-to-last layer) repeats layers below 8 target layers, and leaves 0..n-1 below 4
     k = min(len(cfg.target_layer_ids), n)
     spaced = ",".join(str(round(i * (n - 1) / (k - 1))) if k > 1 else str(n // 2) for i in range(k))
-    hint = (f"given, or spaced by --num-features {cfg.num_features} over a {n}-layer target): pass distinct ids, "
-            f"e.g. --target-layers {spaced}")
+    hint = (f"given, or spaced by --num-features {cfg.num_features} over a {n}-layer target): pass distinct ids of "
+            f"its layers, e.g. --target-layers {spaced}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
     if bad:
         raise click.BadParameter(f"{bad} not among the target's {n} layers 0..{n - 1} ({hint}",
@@ -272,6 +272,14 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    # a base model (no chat template) answers its prompts as plain text, as it is served (/v1/completions)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if not chat and self_prompts:
+        raise click.BadParameter(f"{target_dir} has no chat template, and the target writes its own requests from "
+                                 "its template's user turn", param_hint="'--self-prompts'")
+    if not chat:
+        logger.warning("%s has no chat template: its prompts are answered as plain text", target_dir)
     # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
     made = [(data_dir, "--data"), (out_dir, "--out")]
     for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
@@ -283,14 +291,6 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
             check_data_target(data_dir, target_dir)
     if features == "cache":
         check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    # a base model (no chat template) answers its prompts as plain text, as it is served (/v1/completions)
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    if not chat and self_prompts:
-        raise click.BadParameter(f"{target_dir} has no chat template, and the target writes its own requests from "
-                                 "its template's user turn", param_hint="'--self-prompts'")
-    if not chat:
-        logger.warning("%s has no chat template: its prompts are answered as plain text", target_dir)
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
     # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse

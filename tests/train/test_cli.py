@@ -442,6 +442,7 @@ def test_a_target_without_a_chat_template_is_trained_on_plain_text(target, tmp_p
     assert not tok.chat_template
     r = _train(base, tmp_path / "self", "--self-prompts", "1")
     assert r.exit_code == 2 and "has no chat template" in r.output and "--self-prompts" in r.output, r.output
+    assert not (tmp_path / "self").exists()
     out = tmp_path / "out"
     r = _train(base, out, "--max-prompts", "3")
     assert r.exit_code == 0, r.output
@@ -461,5 +462,5 @@ def test_default_layer_spacing_over_a_small_target_names_ids_that_would_do():
         cfg = SimpleNamespace(target_layer_ids=build_target_layer_ids(layers, features), num_features=features,
                               mask_token_id=None)
         with pytest.raises(click.BadParameter, match=f"--num-features {features} over a {layers}-layer target\\): "
-                                                     f"pass distinct ids, e.g. --target-layers {ids}"):
+                                                     f"pass distinct ids of its layers, e.g. --target-layers {ids}"):
             check_against_target(cfg, SimpleNamespace(num_hidden_layers=layers, vocab_size=VOCAB))
