@@ -56,7 +56,7 @@ def format_plan(plan: dict) -> str:
     gpu = hw.get("kind") == "gpu"
     if gpu:  # the torch layout captures no CUDA graphs
         head.append(("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"))
-    # the torch layout captures no CUDA graphs: no pool row where none can be (a CPU's plan)
+    # a CPU's plan has no CUDA-graph pools: no row for them
     comps = [(k, f"{v / GB:9.3f} GB") for k, v in plan["components"].items() if gpu or k != "cuda_graph_pools"]
     comps.append(("total per rank", f"{plan['total_bytes'] / GB:9.3f} GB of {plan['memory_bytes'] / GB:.1f} GB"))
     comps.append(("KV cache budget", f"{plan['kv_cache_budget_bytes'] / GB:9.3f} GB"))

@@ -109,7 +109,7 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
         if (!buf) abort();
         float *acc = buf, *s = buf + R * D, *packed = s + total;
         float *run_s[MAX_QUERY_RUN];
-        for (int64_t r = 0, at = 0; r < R; at += n[r], r++) run_s[r] = s + at;
+        for (int64_t r = 0, offset = 0; r < R; offset += n[r], r++) run_s[r] = s + offset;
         const int run_scored = CAT(scores_run_, SFX)(q + (first * H + h) * D, H * D, R, k_cache + base, n, D, scale,
                                                      run_s, &configured);
         for (int64_t r = 0; r < R; r++) {

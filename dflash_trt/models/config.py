@@ -43,7 +43,7 @@ def read_config_json(model_dir: str | Path) -> dict:
     if not path.is_file():
         hint = (f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
                 if (path.parent / "drafter" / "config.json").is_file() else "")
-        raise FileNotFoundError(f"{path}: no config.json; expected an HF-format model directory{hint}")
+        raise FileNotFoundError(f"{path.parent}: no config.json; expected an HF-format model directory{hint}")
     try:
         cfg = json.loads(path.read_bytes())
     except ValueError as e:  # not JSON, or not UTF-8
