@@ -288,6 +288,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.best_score = -math.inf  # held-out tau, or minus the held-out loss when eval_prompts is 0
+        self.best_loss = math.inf  # breaks ties of tau (a weak drafter's 1.00 at every evaluation of few prompts)
         # An evaluation's wall-clock time with the export and checkpoint it brings (None: not measured in this
         # process); a time budget keeps room for those still ahead. And the times of this process's latest steps.
         self._eval_s: float | None = None
@@ -493,8 +494,9 @@ class Trainer:
                 entry.update(self.evaluate())
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
-                elif (score := entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]) > self.best_score:
-                    self.best_score = score
+                elif self._improves(entry):
+                    self.best_score = entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]
+                    self.best_loss = entry["val_loss"]
                     self.export(self.out_dir / "drafter", entry)
                 self.drafter.train()
             with self.log_path.open("a") as f:
@@ -509,6 +511,12 @@ class Trainer:
             if evaluated:
                 self._eval_s = last - t_eval
         bar.close()
+
+    def _improves(self, metrics: dict) -> bool:
+        """Whether an evaluation's drafter is the best so far: by held-out tau (or loss without evaluation prompts),
+        at an equal tau by the lower held-out loss."""
+        score = metrics["val_tau"] if "val_tau" in metrics else -metrics["val_loss"]
+        return score > self.best_score or (score == self.best_score and metrics["val_loss"] < self.best_loss)
 
     def _fit_to_budget(self, elapsed: float) -> None:
         """Set the run's length (at most max_steps) to the most steps that end inside time_budget_s, `elapsed` seconds
@@ -609,7 +617,8 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         trained_s = self._trained_s + (time.perf_counter() - self._started if self._started is not None else 0.0)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
-                 "rng": self.gen.get_state(), "best_score": self.best_score, "config": asdict(self.cfg),
+                 "rng": self.gen.get_state(), "best_score": self.best_score, "best_loss": self.best_loss,
+                 "config": asdict(self.cfg),
                  "progress": self._progress, "trained_s": trained_s}
         tmp = self.out_dir / "checkpoint.pt.tmp"
         with tmp.open("wb") as f:
@@ -634,6 +643,7 @@ class Trainer:
             self._progress = min(1.0, self.step / self.cfg.steps)
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
+        self.best_loss = state.get("best_loss", math.inf)
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
 
 

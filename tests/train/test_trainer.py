@@ -128,9 +128,11 @@ def test_resume_continues_from_the_checkpoint(trained):
     t, root = trained
     cfg = TrainConfig(num_layers=1, block_size=8, target_layer_ids=[1, 2], steps=124, lr=1e-2, seqs_per_step=4,
                       anchors_per_seq=16, eval_every=62, eval_prompts=2, eval_new_tokens=16, max_seq_len=96)
-    prepare_and_train(t, root / "out", root / "data", cfg, PROMPTS, resume=True, max_new_tokens=24,
+    out = root / "out_resumed"  # a copy: the fixture's run stays as the other tests read it
+    shutil.copytree(root / "out", out)
+    prepare_and_train(t, out, root / "data", cfg, PROMPTS, resume=True, max_new_tokens=24,
                       sampled_variants=0, dtype="float32")
-    log = [json.loads(x) for x in (root / "out" / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log[-4:]] == [121, 122, 123, 124]  # picked up at step 120, not from scratch
 
 
@@ -673,3 +675,23 @@ def test_held_out_records_that_cannot_be_scored_are_said_to_be(trained, caplog):
     with caplog.at_level(logging.WARNING):
         _trainer(t, root, root / "unscored", records=[r for r in records if r["split"] == "train"] + long)
     assert f"none of the {len(long)} held-out records has a response token within max_seq_len=96" in caplog.text
+
+
+def test_at_an_equal_held_out_tau_the_drafter_with_the_lower_held_out_loss_is_kept(trained):
+    """A weak drafter's tau ties (1.00 at every evaluation of few prompts): the first of them was kept however far the
+    held-out loss fell after it."""
+    t, root = trained
+    tr = _trainer(t, root, root / "tau_ties", steps=4, eval_every=1)
+    scores = iter([(3.0, 1.0), (2.0, 1.0), (2.5, 1.0), (2.2, 1.25)])
+    tr.evaluate = lambda: dict(zip(("val_loss", "val_tau"), next(scores)))
+    tr.train()
+    saved = json.loads((root / "tau_ties" / "drafter" / "training.json").read_text())
+    assert saved["step"] == 4  # the higher tau first
+    assert (tr.best_score, tr.best_loss) == (1.25, 2.2)
+    tr = _trainer(t, root, root / "tau_ties_2", steps=3, eval_every=1)
+    scores = iter([(3.0, 1.0), (2.0, 1.0), (2.5, 1.0)])
+    tr.evaluate = lambda: dict(zip(("val_loss", "val_tau"), next(scores)))
+    tr.train()
+    assert json.loads((root / "tau_ties_2" / "drafter" / "training.json").read_text())["step"] == 2
+    resumed = _trainer(t, root, root / "tau_ties_2", steps=3, eval_every=1, resume=True)
+    assert (resumed.best_score, resumed.best_loss) == (1.0, 2.0)  # kept in the checkpoint
