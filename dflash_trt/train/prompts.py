@@ -171,6 +171,8 @@ def read_user_prompts(path: Path) -> list[Prompt]:
             problem = f"unknown keys {', '.join(sorted(set(obj) - {'text', 'source'}))}"
         elif not isinstance(obj.get("source", USER_SOURCE), str):
             problem = '"source" is not a string'
+        elif obj.get("source", USER_SOURCE).startswith("self/"):  # --self-prompts picks its qa answers by source
+            problem = 'sources "self/..." are those of the prompts the target writes itself (--self-prompts)'
         else:
             out.append(Prompt(obj["text"], obj.get("source", USER_SOURCE)))
             continue

@@ -414,6 +414,7 @@ def test_own_prompts_are_answered_by_the_target_in_their_order(target, tmp_path)
     ('{"prompt": "hi"}\n', 'line 1: no "text" string to use as a prompt (its keys: prompt)'),
     ('{"text": "hi"}\n{"text": "x", "source": "a", "lang": "en"}\n', "line 2: unknown keys lang"),
     ('{"text": "hi"\n', "line 1 is not JSON"),
+    ('{"text": "hi", "source": "self/qa"}\n', 'line 1: sources "self/..." are those of the prompts the target writes'),
     ("\n", "holds no prompts"),
 ])
 def test_a_prompts_file_that_is_not_prompts_is_refused_naming_the_line_and_the_problem(target, tmp_path, content,
