@@ -45,15 +45,25 @@ def held(path: Path) -> Iterator[None]:
     """An exclusive flock on `path`.lock for the block, taken before `path` exists: while it is held, other writers
     beside it see `path` as a live writer's."""
     lock = lock_of(path)
-    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:  # a file system without locks (NFS without lockd): write unguarded, as before locks
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                os.close(fd)
                 raise
             logger.warning("%s: no lock on this file system (%s): what a killed writer leaves here stays",
                            lock, e.strerror)
+            break
+        # a cleaner may have taken the file for an orphan and unlinked it between the open and the lock: lock anew
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
         yield
     finally:
         lock.unlink(missing_ok=True)
