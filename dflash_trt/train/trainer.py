@@ -495,8 +495,7 @@ class Trainer:
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
                 elif self._improves(entry):
-                    self.best_score = entry["val_tau"] if "val_tau" in entry else -entry["val_loss"]
-                    self.best_loss = entry["val_loss"]
+                    self.best_score, self.best_loss = _score(entry), entry["val_loss"]
                     self.export(self.out_dir / "drafter", entry)
                 self.drafter.train()
             with self.log_path.open("a") as f:
@@ -515,7 +514,7 @@ class Trainer:
     def _improves(self, metrics: dict) -> bool:
         """Whether an evaluation's drafter is the best so far: by held-out tau (or loss without evaluation prompts),
         at an equal tau by the lower held-out loss."""
-        score = metrics["val_tau"] if "val_tau" in metrics else -metrics["val_loss"]
+        score = _score(metrics)
         return score > self.best_score or (score == self.best_score and metrics["val_loss"] < self.best_loss)
 
     def _fit_to_budget(self, elapsed: float) -> None:
@@ -645,6 +644,11 @@ class Trainer:
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         self.best_loss = state.get("best_loss", math.inf)
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
+
+
+def _score(metrics: dict) -> float:
+    """An evaluation's held-out score: its tau, or minus its loss without evaluation prompts."""
+    return metrics["val_tau"] if "val_tau" in metrics else -metrics["val_loss"]
 
 
 def _labelled(record: dict, max_seq_len: int) -> bool:
