@@ -253,12 +253,13 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"cannot load a tokenizer from {tokenizer!r}: {e}", param_hint="--tokenizer") from e
     model = check_served(url, model) if model else served_model(url)
+    long_isl = prompt_isl(dataset, isl)  # None: the prompts as written, which no tokenizer cut
     try:
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
-                          label=label or model, extra_body=extra_body, isl=prompt_isl(dataset, isl),
-                          tokenizer=tokenizer if prompt_isl(dataset, isl) else None)  # only long prompts are cut
+                          label=label or model, extra_body=extra_body, isl=long_isl,
+                          tokenizer=tokenizer if long_isl else None)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)
