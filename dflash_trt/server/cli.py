@@ -85,8 +85,8 @@ def _engine_options(f):
                      "(default: the engine's speculative_config.adaptive_draft_len, else fixed)."),
         click.option("--draft-vocab-size", type=click.IntRange(min=0), default=None,
                      help="Draft among the drafter's N most frequent tokens (its draft_vocab.json); 0: the whole "
-                     "vocabulary (default: the engine's speculative_config.draft_vocab_size, else every token the file lists, "
-                     "else the whole vocabulary)."),
+                     "vocabulary (default: the engine's speculative_config.draft_vocab_size, else every token the "
+                     "file lists, else the whole vocabulary)."),
         click.option("--max-queue-len", type=click.IntRange(min=0), default=None,
                      help=f"Requests waiting for a row beyond which the server answers 503 (default: "
                      f"{DEFAULT_MAX_QUEUE_LEN})."),

@@ -271,7 +271,8 @@ class TritonServer:
         # The stub's embedded interpreter finds its prefix (this venv, with torch) through the python on PATH.
         env["PATH"] = os.pathsep.join([str(Path(sys.exec_prefix) / "bin"), env.get("PATH", "")])
         env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
-        # Logs to our stdout. Own session (the terminal's Ctrl-C reaches us, and we stop the server), but it dies with us.
+        # Logs to our stdout. Own session (the terminal's Ctrl-C reaches us, and we stop the server), but it dies
+        # with us.
         self.process = subprocess.Popen(self.command(work / "backends"), env=env, stderr=subprocess.STDOUT,
                                         start_new_session=True, preexec_fn=_die_with_parent)
         return self

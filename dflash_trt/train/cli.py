@@ -446,9 +446,9 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")
 def train(target, out, data, layers, block_size, target_layers, num_features, steps, lr, seqs_per_step, micro_batch,
-          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens, prompts_file, max_prompts,
-          self_prompts, mask_token_id, init_from_target, init_drafter, distill, draft_vocab_size, steer_anchors, full_vocab_loss,
-          resume, features) -> None:
+          time_budget, device, anchors, eval_every, max_seq_len, gamma, seed, sampled_variants, response_tokens,
+          prompts_file, max_prompts, self_prompts, mask_token_id, init_from_target, init_drafter, distill,
+          draft_vocab_size, steer_anchors, full_vocab_loss, resume, features) -> None:
     """Train a DFlash drafter for a target, written in z-lab's format to OUT/drafter."""
     from dflash_trt.train.prompts import all_prompts, read_user_prompts
     from dflash_trt.train.trainer import TrainConfig

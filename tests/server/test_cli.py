@@ -326,8 +326,8 @@ def test_the_start_up_line_names_the_k_and_trees_this_cpu_drafts(tiny_dirs, monk
     assert cli.mode_text(tiny_engine(tiny_dirs, speculative=False)) == "autoregressive"
 
 
-@pytest.mark.parametrize("args", [["--no-spec"], ["--max-draft-len", "3"], ["--max-model-len", "64"], ["--max-batch-size", "4"],
-                                  ["--dtype", "float32"]])
+@pytest.mark.parametrize("args", [["--no-spec"], ["--max-draft-len", "3"], ["--max-model-len", "64"],
+                                  ["--max-batch-size", "4"], ["--dtype", "float32"]])
 def test_triton_export_on_trtllm_refuses_what_the_engines_config_would_overrule(tmp_path, args):
     """The model builds tensorrt_llm.LLM from the engine's trtllm/config.yaml: these were written and then unused."""
     result = CliRunner().invoke(cli.triton, ["export", str(tmp_path), "-o", str(tmp_path / "repo"), "--backend",
