@@ -11,6 +11,7 @@ checkpoint so far in z-lab's format, judged by the held-out acceptance length ta
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -476,7 +477,8 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         start = self._started = time.perf_counter()
         if cfg.time_budget_s is not None and self._eval_s is None and self.step < cfg.steps:
-            self._eval_s = self._measure_eval_s()
+            with _describing(bar, "train (timing an evaluation)"):
+                self._eval_s = self._measure_eval_s()
         self.drafter.train()
         last = time.perf_counter()
         while self.step < cfg.steps and not stop.requested:
@@ -491,7 +493,8 @@ class Trainer:
             evaluated = self.step % cfg.eval_every == 0 or self.step == cfg.steps
             t_eval = time.perf_counter()
             if evaluated:
-                entry.update(self.evaluate())
+                with _describing(bar, "train (evaluating)"):  # decoding held-out prompts: seconds with no step
+                    entry.update(self.evaluate())
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
                 elif self._improves(entry):
@@ -644,6 +647,17 @@ class Trainer:
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         self.best_loss = state.get("best_loss", math.inf)
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
+
+
+@contextlib.contextmanager
+def _describing(bar: tqdm, desc: str):
+    """The bar names the work between its steps while it lasts (else it looks stalled)."""
+    before = bar.desc
+    bar.set_description_str(desc)
+    try:
+        yield
+    finally:
+        bar.set_description_str(before, refresh=False)
 
 
 def _score(metrics: dict) -> float:

@@ -695,3 +695,24 @@ def test_at_an_equal_held_out_tau_the_drafter_with_the_lower_held_out_loss_is_ke
     assert json.loads((root / "tau_ties_2" / "drafter" / "training.json").read_text())["step"] == 2
     resumed = _trainer(t, root, root / "tau_ties_2", steps=3, eval_every=1, resume=True)
     assert (resumed.best_score, resumed.best_loss) == (1.0, 2.0)  # kept in the checkpoint
+
+
+def test_the_progress_bar_names_an_evaluation_while_it_runs(trained, monkeypatch):
+    """Evaluations decode held-out prompts for seconds between two steps: a bar that only counts steps looks stalled."""
+    t, root = trained
+    bars = []
+
+    class Recorded(trainer_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(trainer_module, "tqdm", Recorded)
+    tr = _trainer(t, root, root / "bar_desc", steps=2, eval_every=1, time_budget_s=1e6)
+    seen = []
+    evaluate, measure = tr.evaluate, tr._measure_eval_s
+    tr.evaluate = lambda: seen.append(bars[0].desc) or evaluate()
+    tr._measure_eval_s = lambda: seen.append(bars[0].desc) or measure()
+    tr.train()
+    assert seen == ["train (timing an evaluation)", "train (evaluating)", "train (evaluating)"]
+    assert bars[0].desc == "train"
