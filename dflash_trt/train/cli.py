@@ -178,10 +178,13 @@ def check_start(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
 def check_records(records: list[dict], path: Path, vocab_size: int) -> None:
     """Fail on records holding a token the target does not have: DATA holds another target's responses."""
     for r in records:
-        ids = r["prompt_ids"] + r["response_ids"]
-        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
-            raise ValueError(f"{path}: record {r['id']} holds token ids outside the target's vocabulary "
-                             f"(0..{vocab_size - 1}): its responses are another target's; pass another --data")
+        for key in ("prompt_ids", "response_ids"):
+            if not r[key] or 0 <= min(r[key]) <= max(r[key]) < vocab_size:  # builtins: millions of ids to check
+                continue
+            bad = next(t for t in r[key] if not 0 <= t < vocab_size)
+            raise ValueError(f"{path}: record {r['id']} holds token id {bad} in {key}, outside the target's "
+                             f"vocabulary (0..{vocab_size - 1}): its responses are another target's; pass "
+                             "another --data")
 
 
 def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: DecoderConfig) -> None:
