@@ -1317,7 +1317,8 @@ enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GA
  * results are bit-identical to it; what goes is Python's and torch's per-op overhead between them.
  * x [N, hidden] is the residual stream in and the last
  * layer's output out; layer l's output is also copied to features[:, slot * hidden] where capture_slot[l] >= 0
- * (capture_slot NULL: nothing is captured); tree: a draft tree's visibility, as decode_attention's. q8: the
+ * (capture_slot NULL: nothing is captured); tree: a draft tree's visibility, as decode_attention's; windows: each
+ * layer's sliding window, 0 for none (NULL: no layer slides), as decode_attention's window. q8: the
  * table's projections are q8_weight (linear_q8: a DFlash drafter's int8 tables), else bf16 kernel weights.
  * Returns 0 (nothing done) where this build has no bf16 linear kernel (or no int8 one, with q8) or a projection's
  * width is not a multiple of 32. */
@@ -1326,7 +1327,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
                       const int64_t *rows, const int64_t *positions, const int64_t *lens, int64_t N, int64_t hidden,
                       int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, float qk_eps,
                       float scale, const int64_t *capture_slot, uint16_t *features, int64_t n_capture, int64_t q8,
-                      const int64_t *tree) {
+                      const int64_t *tree, const int64_t *windows) {
 #if defined(__AVX512BF16__) || defined(HAVE_AVX2_LINEAR)
     if (hidden % 32 || (H * D) % 32 || inter % 32) return 0;
 #if !defined(HAVE_SCREEN)
@@ -1344,7 +1345,8 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
         linear_table(q8, h, lw[W_QKV], lw[W_QKV_BIAS], qkv, N, qkv_width, hidden);
         qkv_rotary_write_bf16(qkv, cos, sin, lw[W_Q_NORM], lw[W_K_NORM], qk_eps, rows, positions, q, kc, vc, N, H,
                               KVH, D, rot, max_len);
-        decode_attention_bf16(q, kc, vc, rows, lens, attn, N, H, KVH, max_len, D, scale, 0, tree);
+        decode_attention_bf16(q, kc, vc, rows, lens, attn, N, H, KVH, max_len, D, scale, windows ? windows[l] : 0,
+                              tree);
         linear_table(q8, attn, lw[W_O], lw[W_O_BIAS], tmp, N, hidden, H * D);
         rms_norm_bf16(tmp, x, x, lw[W_POST_NORM], h, N, hidden, eps); /* x += attention; h = norm(x) */
         linear_table(q8, h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);
@@ -1362,7 +1364,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
     (void)x, (void)w, (void)n_layers, (void)k_cache, (void)v_cache, (void)layer_stride, (void)cos, (void)sin;
     (void)rot, (void)rows, (void)positions, (void)lens, (void)N, (void)hidden, (void)H, (void)KVH, (void)D;
     (void)inter, (void)max_len, (void)eps, (void)qk_eps, (void)scale, (void)capture_slot, (void)features;
-    (void)n_capture, (void)q8, (void)tree;
+    (void)n_capture, (void)q8, (void)tree, (void)windows;
     return 0;
 #endif
 }
@@ -1411,7 +1413,7 @@ int dflash_step_bf16(const uint16_t *features, int64_t n_ctx, int64_t feature_wi
     free(ctx);
     const int done = llama_layers_bf16(x, w, n_layers, k_cache, v_cache, layer_stride, cos, sin, rot, rows, positions,
                                        lens, N, hidden, H, KVH, D, inter, max_len, eps, qk_eps, scale, NULL, NULL, 0,
-                                       q8, NULL);
+                                       q8, NULL, NULL);
     if (done) rms_norm_bf16(x, NULL, NULL, ctx_w[C_FINAL_NORM], out, N, hidden, eps);
     return done;
 }

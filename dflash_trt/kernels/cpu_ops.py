@@ -110,7 +110,7 @@ class CpuOps:
             self._fns[dtype] = (norm, attn, rope, silu)
         self._layers = library.llama_layers_bf16
         self._layers.argtypes = [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64, _i64, _p]
+                                 _i64, _i64, _f32, _f32, _f32, _p, _p, _i64, _i64, _p, _p]
         self._layers.restype = ctypes.c_int
         self._dflash_step = library.dflash_step_bf16
         self._dflash_step.argtypes = ([_p, _i64, _i64, _p, _f32, _p, _p, _p, _p] + self._layers.argtypes[:22]
@@ -322,7 +322,8 @@ class CpuOps:
         capture = torch.tensor(slots, dtype=torch.int64)
         features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
         done = self._layers(*args, capture.data_ptr(), features.data_ptr() if features is not None else None,
-                            len(capture_layer_ids), int(table.int8), _tree_pointer(tree, b * n))
+                            len(capture_layer_ids), int(table.int8), _tree_pointer(tree, b * n),
+                            None if table.windows is None else table.windows.data_ptr())
         return (x, features) if done else None
 
     def dflash_step(
@@ -372,7 +373,7 @@ class CpuOps:
         """Each query q[i] ([N, H, D]) attends over cache row rows[i] of k/v_cache ([cache rows, KVH, max_len, D]),
         keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]. tree (a draft tree's
         verify, QueryKeys.tree): int64 [N, 2] of (start, bits): keys t >= start visible only where bit t - start is
-        set."""
+        set; a window then counts from the node's depth (cpu_ops_body.h), which must be under it."""
         q = q.contiguous()
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape
@@ -381,16 +382,16 @@ class CpuOps:
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b, window),
+            b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b),
         )
         return out
 
 
-def _tree_pointer(tree: torch.Tensor | None, queries: int, window: int | None = None) -> int | None:
+def _tree_pointer(tree: torch.Tensor | None, queries: int) -> int | None:
     if tree is None:
         return None
-    if window or tree.dtype != torch.int64 or tree.shape != (queries, 2) or not tree.is_contiguous():
-        raise ValueError(f"tree must be a contiguous int64 [{queries}, 2] without a window, got {tuple(tree.shape)}")
+    if tree.dtype != torch.int64 or tree.shape != (queries, 2) or not tree.is_contiguous():
+        raise ValueError(f"tree must be a contiguous int64 [{queries}, 2], got {tuple(tree.shape)}")
     return tree.data_ptr()
 
 
@@ -450,9 +451,14 @@ class LayerTable:
     PER_LAYER = 12
 
     def __init__(self, per_layer: list[list[torch.Tensor | Int8Weight | None]], heads: int, intermediate: int,
-                 eps: float, qk_eps: float, scale: float, int8: bool = False) -> None:
+                 eps: float, qk_eps: float, scale: float, int8: bool = False,
+                 windows: tuple[int | None, ...] = ()) -> None:
         if any(len(entries) != self.PER_LAYER for entries in per_layer):
             raise ValueError(f"LayerTable: {self.PER_LAYER} entries per layer expected")
+        if windows and len(windows) != len(per_layer):
+            raise ValueError(f"LayerTable: {len(windows)} sliding windows for {len(per_layer)} layers")
+        # each layer's sliding window (0: none), or None where no layer slides
+        self.windows = torch.tensor([w or 0 for w in windows], dtype=torch.int64) if any(windows) else None
         self.tensors = [t for entries in per_layer for t in entries]
         self.pointers = (ctypes.c_void_p * len(self.tensors))(*[_pointer(t) for t in self.tensors])
         self.heads, self.intermediate, self.eps, self.qk_eps, self.scale = heads, intermediate, eps, qk_eps, scale

@@ -71,7 +71,8 @@ static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R
  * tree (or NULL): per query a (start, bits) pair of int64; keys t >= start are then visible only where bit t - start
  * of bits is set (a draft tree's ancestors, verify_tree in spec/draft_tree.py). A hidden key's weight is exactly 0 and
  * the softmax's sum runs over the visible keys packed together, so a node's output is bit for bit what a chain of its
- * ancestors would give: the same terms in the same order.
+ * ancestors would give: the same terms in the same order. A window counts a node's keys as that chain would: from its
+ * position start + depth (depth + 1 = its bits set), which must leave all its ancestors inside (depth < window).
  * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Consecutive queries of
  * one cache row form a run that reads each key and value once per head; the (run, query head) pairs are spread over
  * the OpenMP threads (per KV head there were too few of them to share two threads evenly at decode: SmolLM2's 3 KV
@@ -83,9 +84,12 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     const int64_t G = H / KVH;
     int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(B + 1)), runs = 0, work = 0;
     if (!run_start) abort();
+    /* a query whose window hides keys runs alone (its keys start where its window does); the rest share runs */
+#define SEEN(b) (tree ? tree[2 * (b)] + __builtin_popcountll((uint64_t)tree[2 * (b) + 1]) : lens[b])
+#define HIDES(b) (window > 0 && SEEN(b) > window)
     for (int64_t b = 0; b < B; b++) {
         work += lens[b];
-        if (b == 0 || window > 0 || rows[b] != rows[b - 1] || b - run_start[runs - 1] == MAX_QUERY_RUN)
+        if (b == 0 || HIDES(b) || HIDES(b - 1) || rows[b] != rows[b - 1] || b - run_start[runs - 1] == MAX_QUERY_RUN)
             run_start[runs++] = b;
     }
     run_start[runs] = B;
@@ -99,8 +103,7 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     for (int64_t item = 0; item < runs * H; item++) {
         const int64_t at = item / H, run = at % 2 ? runs - 1 - at / 2 : at / 2;
         const int64_t first = run_start[run], R = run_start[run + 1] - first, h = item % H;
-        /* a window keeps runs to one query, so one start serves the run */
-        const int64_t start = (window > 0 && lens[first] > window) ? lens[first] - window : 0;
+        const int64_t start = HIDES(first) ? SEEN(first) - window : 0; /* a run of several hides nothing */
         const int64_t base = ((rows[first] * KVH + h / G) * max_len + start) * D;
         int64_t n[MAX_QUERY_RUN], total = 0;
         const float *p[MAX_QUERY_RUN];
@@ -154,6 +157,8 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     release_tiles(configured);
     }
     free(run_start);
+#undef HIDES
+#undef SEEN
 }
 
 /* Neox rotary on the leading `rot` channels (x * cos + rotate_half(x) * sin, each product rounded, as torch's

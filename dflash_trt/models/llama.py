@@ -49,14 +49,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        # the CPU kernels attend without a window: they serve a sliding layer only while it hides no key
-        step = kernel_step(meta, cache, qkv, cos) if window_hides_nothing(self.sliding_window, meta) else None
+        step = kernel_step(meta, cache, qkv, cos) if kernels_keep_window(self.sliding_window, meta) else None
         if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
             ops, keys = step
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
             q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads, norms)
-            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, tree=keys.tree)
+            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, self.sliding_window,
+                                       keys.tree)
             return self.o_proj(out.view(b, n, -1))
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)
@@ -71,10 +71,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-def window_hides_nothing(window: int | None, meta: AttentionMetadata) -> bool:
-    """Whether no query of the step has a key outside its window: none does while every key lies within `window`
-    positions of position 0 (a tree's queries rotate at depths, never past their cache positions)."""
-    return window is None or meta.kv_len <= window
+def kernels_keep_window(window: int | None, meta: AttentionMetadata) -> bool:
+    """Whether the CPU kernels hide the keys outside this step's windows as the mask does: a tree's node counts its
+    window from its depth (as a chain of its ancestors would), which they take only while it leaves every ancestor
+    inside; a tree holds no node deeper than its count of nodes."""
+    return window is None or meta.tree is None or meta.positions.shape[1] <= window
 
 
 class GatedMLP(nn.Module):
@@ -128,7 +129,7 @@ class LlamaForCausalLM(CausalLM):
         # bit-identical; above, that path attends with SDPA).
         table = self.kernel_table
         fits = (table is not None and input_ids.numel() <= self.one_call_max_tokens
-                and window_hides_nothing(self.smallest_window, meta))
+                and kernels_keep_window(self.smallest_window, meta))
         # a row's queries are at most the step's tokens: fits bounds both
         step = kernel_step(meta, cache, self.embed_tokens.weight, max_queries=None) if fits else None
         if step is not None:
@@ -163,7 +164,7 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         a = self.layers[0].self_attn
         return cpu_ops.LayerTable(entries, c.num_attention_heads, c.intermediate_size, c.rms_norm_eps,
-                                  a.q_norm.eps if a.q_norm is not None else 0.0, a.scale)
+                                  a.q_norm.eps if a.q_norm is not None else 0.0, a.scale, windows=c.layer_windows)
 
     def load_weights(self, weights: WeightSet) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

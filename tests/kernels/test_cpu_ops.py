@@ -93,8 +93,9 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(attention_ops
     for bit, which is what lets a one-token decode and a K-token verify agree."""
     g = torch.Generator().manual_seed(heads * d)
     cache = _cache(6, 96, kv_heads, d, dtype, g)
-    rows = torch.tensor([4, 0, 5, 5, 2, 1, 3, 0])  # unordered, one row twice (two queries of a verify block)
-    lens = torch.tensor([1, 96, 37, 38, 64, 2, 70, 16])
+    # unordered, rows 5 and 2 holding a verify block each (row 2's last query the one its window of 5 hides keys from)
+    rows = torch.tensor([4, 0, 5, 5, 2, 1, 3, 0, 2, 2, 2])
+    lens = torch.tensor([1, 96, 37, 38, 64, 2, 70, 16, 3, 4, 6])
     q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
     got = attention_ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window)
     want = _sdpa_per_query(q, cache, 1, rows, lens, 0.2, window)
@@ -106,11 +107,13 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(attention_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_ops, dtype):
+@pytest.mark.parametrize("window", [None, 6, 20])
+def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_ops, dtype, window):
     """A draft tree's verify (spec/draft_tree.py): nodes at consecutive positions from `start`, each seeing the keys
     before `start` and, of the tree's own, its ancestors and itself. Against SDPA over exactly those keys; and bit for
     bit the output the same query gets when its ancestors sit contiguously after the prefix (a chain), which is what
-    keeps a tree's verify as exact as a chain's."""
+    keeps a tree's verify as exact as a chain's. A sliding window counts from the node's depth, as in that chain: a
+    window of 6 leaves the node of depth 4 one key of the prefix, one of 20 hides the prefix's first 21-25."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, start = 9, 3, 64, 40
     cache = _cache(2, 96, kv_heads, d, dtype, g)
@@ -124,7 +127,7 @@ def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_
     tree = torch.tensor([[start, bits] for bits in ancestors], dtype=torch.int64)
     # scores of about 1: a spread softmax, where the order of its sum shows
     q = (torch.randn(n, heads, d, generator=g) * 1e-4).to(dtype)
-    got = attention_ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, tree=tree)
+    got = attention_ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 0.125, window, tree)
 
     # the chain arrangement: node j's prefix then its ancestors in order, copied into another cache row
     for j in range(n):
@@ -132,19 +135,16 @@ def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_
         for layer_cache in (cache.k, cache.v):
             layer_cache[0, 0, :, : len(keys)] = layer_cache[0, 1, :, keys]
         chain = attention_ops.cached_attention(q[j : j + 1], cache.k[0], cache.v[0], torch.tensor([0]),
-                                     torch.tensor([len(keys)]), 0.125)
-        want = _sdpa_per_query(q[j : j + 1], cache, 0, torch.tensor([0]), torch.tensor([len(keys)]), 0.125)
+                                               torch.tensor([len(keys)]), 0.125, window)
+        want = _sdpa_per_query(q[j : j + 1], cache, 0, torch.tensor([0]), torch.tensor([len(keys)]), 0.125, window)
         tol = 1e-5 if dtype == torch.float32 else 0.05
         torch.testing.assert_close(got[j : j + 1].float(), want, rtol=tol, atol=tol * 1e4)  # values of about 1e4
         assert torch.equal(got[j : j + 1], chain), f"node {j}"
 
 
-def test_tree_attention_refuses_a_window_or_a_malformed_tree():
+def test_tree_attention_refuses_a_malformed_tree():
     cache = _cache(1, 16, 1, 32, torch.float32, torch.Generator().manual_seed(0))
     q, rows, lens = torch.zeros(2, 1, 32), torch.zeros(2, dtype=torch.long), torch.tensor([3, 4])
-    with pytest.raises(ValueError, match="tree"):
-        ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, window=4,
-                             tree=torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="tree"):
         ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, tree=torch.zeros(2, dtype=torch.long))
 

@@ -179,11 +179,15 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
     assert torch.equal(torch.cat(steps, 1), block)
 
 
-@pytest.mark.parametrize("arch, overrides", [("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
+@pytest.mark.parametrize("arch, overrides", [
+    ("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),  # layers 2-3 slide
+], ids=["qwen3", "llama-bias", "qwen3-sliding"])
 def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path, arch, overrides):
     """Packed bf16 decode and verify steps run every layer in one C call (cpu_ops.llama_layers); the oracle is the
     layers' own forward through the same kernels, one op at a time: hidden states, captured features and the
-    K/V the step wrote are bit-identical. (That path is checked against transformers above.)"""
+    K/V the step wrote are bit-identical, each layer with its own window past it. (That path is checked against
+    transformers above.)"""
     from dflash_trt.kernels import cpu_ops
     from dflash_trt.models.causal_lm import CausalLM
 
@@ -211,10 +215,10 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
-def test_bf16_sliding_layers_take_the_kernels_while_their_window_hides_nothing(tmp_path):
-    """The CPU kernels attend without a window: a sliding target takes them (the one call included) while every key
-    lies within the window, and leaves them where one falls outside; its bf16 logits then agree with transformers'
-    fp32 ones up to bf16's rounding, past the window as before it."""
+def test_bf16_sliding_layers_take_the_kernels_past_their_window(tmp_path):
+    """The CPU kernels hide the keys outside a sliding layer's window: a sliding target takes them (the one call
+    included) before and past its window, and its bf16 logits agree with transformers' fp32 ones up to bf16's
+    rounding."""
     from dflash_trt.kernels import cpu_ops
 
     ops = cpu_ops.load()
@@ -237,7 +241,7 @@ def test_bf16_sliding_layers_take_the_kernels_while_their_window_hides_nothing(t
         finally:
             ops.llama_layers = real
         want = AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits[:, 8:]
-    assert len(calls) == 4  # positions 8-11: keys 0-11 all within the window of 12
+    assert len(calls) == 16  # positions 8-23: from 12 on, keys fall outside the window of 12
     got = torch.cat(steps, 1).float()
     assert (got - want).abs().max() < 0.15 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
