@@ -153,11 +153,16 @@ def capped_note(asked: int | None, engine: "LLMEngine") -> str | None:
             f"({engine.max_position_embeddings}, its config.json): requests get at most {engine.max_model_len} tokens")
 
 
+def client_text(tokenizer, ids: list[int]) -> str:
+    """The text of ids as a client gets it: without special tokens, and without the U+FFFD of a character whose bytes
+    have not all come yet (streaming holds it back; an answer cut by max_tokens mid-character ends before it)."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
 def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
     """Whether the text of ids holds a stop string: decoded once for all of them (a request may send thousands), as
-    a client gets it (without special tokens, as make_output decodes it), without the U+FFFD of a character whose
-    bytes have not all come yet (a stop string holding one would match half a character)."""
-    text = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    a client gets it (a stop string holding U+FFFD would otherwise match half a character)."""
+    text = client_text(tokenizer, ids)
     return any(x in text for x in stops)
 
 
@@ -435,7 +440,7 @@ class LLMEngine:
         return expand(self.draft_tree, len(active))
 
     def make_output(self, s: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = client_text(self.tokenizer, s.output_ids) if self.tokenizer is not None else ""
         for stop in s.params.stop:
             cut = text.find(stop)
             if cut >= 0:
