@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import EngineLoop, LoopStopped, RequestUpdate
-from dflash_trt.engine.llm_engine import RequestOutput
+from dflash_trt.engine.llm_engine import PromptTooLong, RequestOutput
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams, choice_seed
 from dflash_trt.server import protocol as p
@@ -153,6 +153,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             ids = await tokenized(engine.encode_chat, [{"role": m.role, "content": m.text()} for m in req.messages],
                                   req.add_generation_prompt, req.continue_final_message, req.chat_template,
                                   req.chat_template_kwargs)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         except Exception as e:  # a template that rejects this conversation (roles, order), or the request's own
@@ -203,7 +205,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     async def _encode_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return await tokenized(engine.encode, prompt)
+            try:
+                return await tokenized(engine.encode, prompt)
+            except PromptTooLong as e:
+                raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
         try:  # here too, not only at submit: every prompt of a request is checked before any is queued
             engine.check_prompt_ids(prompt)
         except ValueError as e:

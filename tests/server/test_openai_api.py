@@ -224,6 +224,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),  # beyond max_model_len=256
     ({"model": MODEL, "prompt": "x" * 300, "max_tokens": 4}, 400, "prompt"),  # 300 chars = 300 tokens > 256
+    ({"model": MODEL, "prompt": "x" * 2_000_000}, 400, "prompt"),  # refused before it is tokenized
     ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
@@ -273,6 +274,7 @@ BAD_CHAT = [
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     # the chat request has no `prompt`: a conversation too long for the context is the messages' fault
     ({**CHAT, "messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
     # the deprecated spelling of tools
     ({**CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({**CHAT, "function_call": {"name": "f"}}, "function_call"),
@@ -316,6 +318,8 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
     for body, param in BAD_CHAT:
         r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        if len(str(body["messages"])) > 300:  # too long for the context: OpenAI's code for it
+            assert r.json()["error"]["code"] == "context_length_exceeded", r.text
     client = server.client()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
