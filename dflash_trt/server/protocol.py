@@ -334,8 +334,19 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: StrictBool = False  # go on with the last (assistant) message instead of a new turn
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    # OpenAI's audio output: the answer would carry an audio object, which this server never makes
+    modalities: list[Any] | None = None
+    audio: Any = None
 
     _no_echo = _refuse_set("echo", message="echo is supported on /v1/completions, not on chat")
+    _no_audio = _refuse_set("audio", message="audio output is not supported (this server answers in text)")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_answers(cls, v: list[Any] | None) -> list[Any] | None:
+        if v and v != ["text"]:
+            raise ValueError(f"only the text modality is supported, got {v}")
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod

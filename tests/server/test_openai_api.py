@@ -54,7 +54,8 @@ def test_chat_uses_the_chat_template_streaming_and_not(server, oracle):
     want = expected(oracle, ["hello there"], 20, chat=True)[0]
     client = server.client()
     messages = [{"role": "user", "content": "hello there"}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                          modalities=["text"], user="u1", metadata={"k": "v"})  # harmless fields
     assert resp.choices[0].message.content == want.text and resp.choices[0].message.role == "assistant"
     assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
@@ -271,6 +272,8 @@ BAD_CHAT = [
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),  # OpenAI would answer with an audio object too
+    ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     # the chat request has no `prompt`: a conversation too long for the context is the messages' fault
     ({**CHAT, "messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
