@@ -78,13 +78,9 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     target = resolve_model(cfg.model, base_dir, "model", allow_bundled)
     tcfg = decoder_config_from_dict(target.config, f"{cfg.model} config.json")
     if hw.kind == "cpu":
-        from dflash_trt.models.registry import TARGET_ARCHITECTURES
+        from dflash_trt.models.registry import runtime_class
 
-        if tcfg.architecture not in TARGET_ARCHITECTURES:
-            raise ValueError(
-                f"model={cfg.model!r}: architecture {tcfg.architecture!r} has no torch runtime implementation; "
-                f"supported: {sorted(TARGET_ARCHITECTURES)}"
-            )
+        runtime_class(tcfg, f"model={cfg.model!r} config.json")
     drafter, dcfg, k = None, None, 0
     auto = cfg.speculative_config is not None and cfg.speculative_config.draft_len_schedule == "auto"
     if cfg.drafter is not None:

@@ -26,6 +26,7 @@ class DecoderConfig:
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    hidden_act: str = "silu"
     # per layer, the keys a query sees back from its own position (None: all of them); empty where none slides
     layer_windows: tuple[int | None, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)  # family-specific keys (e.g. gpt-oss)
@@ -68,20 +69,45 @@ def as_float(value, key: str, source: str) -> float:
     return float(value)
 
 
+def as_bool(value, key: str, source: str, default: bool) -> bool:
+    """A config flag: JSON's true or false (null: the default); "false" or 0 would read as the opposite or pass as
+    one, where transformers refuses them."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def as_int_list(value, key: str, source: str) -> list[int]:
     if not isinstance(value, list):
         raise ValueError(f"{source}: {key!r} must be a list of whole numbers, got {value!r}")
     return [as_int(v, f"{key}[{i}]", source) for i, v in enumerate(value)]
 
 
-def standardized_rope(cfg: dict) -> dict:
+# rope parameters that are numbers where given (null: transformers computes the default, as for attention_factor)
+ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
+                "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
+
+
+def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
     """Rope parameters in transformers 5.x's `rope_parameters` layout, whichever layout config.json uses
-    (5.x `rope_parameters`, or legacy `rope_scaling` + `rope_theta`)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    (5.x `rope_parameters`, or legacy `rope_scaling` + `rope_theta`); a value of the wrong type named."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    given = cfg.get(key) or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"{source}: {key!r} must be an object of rope parameters, got {given!r}")
+    params = dict(given)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
     if "partial_rotary_factor" in cfg:
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if not isinstance(params["rope_type"], str):
+        raise ValueError(f"{source}: {key}.rope_type must be a string, got {params['rope_type']!r}")
+    as_float(params["rope_theta"], "rope_theta", source)
+    for name in ROPE_NUMBERS:
+        if params.get(name) is not None:
+            as_float(params[name], f"{key}.{name}", source)
     return params
 
 
@@ -92,7 +118,8 @@ def qwen3_layer_types(cfg: dict, layers: int, source: str) -> tuple[list[str], i
     """(type of each layer, the window of its sliding ones) as transformers' Qwen3Config reads them: the top-level
     sliding_window (4096 where absent) counts only with use_sliding_window, and missing layer_types come from it and
     max_window_layers (layers from there on slide)."""
-    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    window = cfg.get("sliding_window", 4096) if as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source,
+                                                        False) else None
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         first = layers if window is None else as_int(cfg.get("max_window_layers", 28), "max_window_layers", source,
@@ -103,7 +130,7 @@ def qwen3_layer_types(cfg: dict, layers: int, source: str) -> tuple[list[str], i
     unknown = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
     if unknown:
         raise ValueError(f"{source}: layer_types {unknown} are not supported; layers are one of {LAYER_TYPES}")
-    return layer_types, None if window is None else as_int(window, "sliding_window", source)
+    return layer_types, None if window is None else as_int(window, "sliding_window", source, minimum=1)
 
 
 def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tuple[int | None, ...]:
@@ -111,8 +138,8 @@ def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tup
     where config.json has no sliding_window), Qwen3 on its sliding layers (qwen3_layer_types), Llama on none."""
     if model_type == "mistral":
         window = cfg.get("sliding_window", 4096)
-        windows = (None if window is None else as_int(window, "sliding_window", source),) * layers
-    elif model_type == "qwen3" and cfg.get("use_sliding_window"):
+        windows = (None if window is None else as_int(window, "sliding_window", source, minimum=1),) * layers
+    elif model_type == "qwen3" and as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source, False):
         layer_types, window = qwen3_layer_types(cfg, layers, source)
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
     else:
@@ -130,6 +157,11 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         return as_int(need(key) if default is None else cfg.get(key) or default, key, source, minimum)
 
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: 'architectures' must be a list of class names, got {archs!r}")
+    act = cfg.get("hidden_act", "silu")
+    if not isinstance(act, str):
+        raise ValueError(f"{source}: 'hidden_act' must be an activation's name, got {act!r}")
     heads = whole("num_attention_heads")
     hidden = whole("hidden_size")
     eos = cfg.get("eos_token_id")
@@ -147,14 +179,15 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         num_key_value_heads=whole("num_key_value_heads", heads),
         head_dim=whole("head_dim", hidden // heads),
         rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-        rope=standardized_rope(cfg),
+        rope=standardized_rope(cfg, source),
         max_position_embeddings=whole("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=as_bool(cfg.get("tie_word_embeddings"), "tie_word_embeddings", source, False),
+        attention_bias=as_bool(cfg.get("attention_bias"), "attention_bias", source, False),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=as_bool(cfg.get("mlp_bias"), "mlp_bias", source, False),
         eos_token_ids=eos_ids,
         model_type=model_type,
+        hidden_act=act,
         layer_windows=_target_windows(cfg, model_type, layers, source),
         extra=cfg,
     )

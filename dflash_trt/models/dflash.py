@@ -29,6 +29,7 @@ from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import (
     DecoderConfig,
+    as_bool,
     as_float,
     as_int,
     as_int_list,
@@ -154,12 +155,12 @@ class DFlashConfig:
             target_layer_ids=as_int_list(ids, "target_layer_ids", source),
             **optional,
             rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            rope=standardized_rope(cfg),
+            attention_bias=as_bool(cfg.get("attention_bias"), "attention_bias", source, False),
+            rope=standardized_rope(cfg, source),
             max_position_embeddings=whole("max_position_embeddings", cfg.get("max_position_embeddings", 40960)),
             layer_types=layer_types,
             sliding_window=whole("sliding_window", window) if window else None,
-            is_causal=None if causal is None else bool(causal),
+            is_causal=None if causal is None else as_bool(causal, "dflash_config.causal", source, False),
             input_embedding_scale=as_float(value("input_embedding_scale", 1.0), "input_embedding_scale", source),
             output_multiplier=as_float(value("output_multiplier", 1.0), "output_multiplier", source),
             final_logit_softcapping=None if softcap is None else as_float(softcap, "final_logit_softcapping", source),

@@ -25,7 +25,7 @@ from dflash_trt.layers.linear import PackedLinear, can_pack
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
-from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.config import DecoderConfig, as_bool, as_float, as_int
 from dflash_trt.models.mxfp4 import expert_range, load_experts
 from dflash_trt.models.weights import WeightSet
 
@@ -61,23 +61,26 @@ class GptOssParams:
                 f"{source}: layer_types={layer_types!r} must list {n} entries of 'sliding_attention'/'full_attention'"
             )
         window = raw.get("sliding_window", 128)
-        if "sliding_attention" in layer_types and not window:
+        if "sliding_attention" in layer_types and window is None:
             raise ValueError(f"{source}: layer_types has sliding layers but sliding_window={window!r}")
-        experts = int(raw.get("num_local_experts", 128))
-        top_k = int(raw.get("num_experts_per_tok", raw.get("experts_per_token", 4)))
+        window = None if window is None else as_int(window, "sliding_window", source, minimum=1)
+        experts = as_int(raw.get("num_local_experts", 128), "num_local_experts", source, minimum=1)
+        top_k_key = "num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token"
+        top_k = as_int(raw.get(top_k_key, 4), top_k_key, source)
         if not 1 <= top_k <= experts:
             raise ValueError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_local_experts={experts}")
         has_rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-        rope = cfg.rope if has_rope else {**DEFAULT_ROPE, "rope_theta": float(raw.get("rope_theta", 150000.0))}
+        theta = as_float(raw.get("rope_theta", 150000.0), "rope_theta", source)
+        rope = cfg.rope if has_rope else {**DEFAULT_ROPE, "rope_theta": theta}
         return cls(
             num_local_experts=experts,
             num_experts_per_tok=top_k,
             layer_types=tuple(layer_types),
-            sliding_window=int(window) if window else None,
-            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-            attention_bias=bool(raw.get("attention_bias", True)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            sliding_window=window,
+            swiglu_alpha=as_float(raw.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
+            swiglu_limit=as_float(raw.get("swiglu_limit", 7.0), "swiglu_limit", source),
+            attention_bias=as_bool(raw.get("attention_bias"), "attention_bias", source, True),
+            rms_norm_eps=as_float(raw.get("rms_norm_eps", 1e-5), "rms_norm_eps", source),
             rope=rope,
         )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_trt.models.config import decoder_config_from_dict, read_config_json
+from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_config_json
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
 from dflash_trt.models.weights import WeightSet
@@ -23,16 +23,24 @@ TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
-def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    model_dir = Path(model_dir)
-    raw = read_config_json(model_dir)
-    cfg = decoder_config_from_dict(raw, str(model_dir / "config.json"))
+def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
+    """The class this project's runtime runs the target with; ValueError naming the key where it runs no such model:
+    an architecture it lacks, or a Llama-family MLP of another activation than SiLU (gpt-oss's clamped SwiGLU is
+    its own, whatever hidden_act says, as in transformers)."""
     cls = TARGET_ARCHITECTURES.get(cfg.architecture)
     if cls is None:
-        raise ValueError(
-            f"{model_dir / 'config.json'}: architectures={raw.get('architectures')!r} is not supported; "
-            f"supported: {', '.join(sorted(TARGET_ARCHITECTURES))}"
-        )
+        raise ValueError(f"{source}: architectures={[cfg.architecture] if cfg.architecture else []!r} is not "
+                         f"supported by this project's runtime; supported: {', '.join(sorted(TARGET_ARCHITECTURES))}")
+    if cls is LlamaForCausalLM and cfg.hidden_act != "silu":
+        raise ValueError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported by this project's runtime "
+                         "(its Llama-family MLP is SiLU-gated)")
+    return cls
+
+
+def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    model_dir = Path(model_dir)
+    cfg = decoder_config_from_dict(read_config_json(model_dir), str(model_dir / "config.json"))
+    cls = runtime_class(cfg, str(model_dir / "config.json"))
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak

@@ -136,6 +136,22 @@ def test_params_default_like_transformers_when_config_json_omits_them():
         GptOssParams.from_config(decoder_config_from_dict({**raw, "num_experts_per_tok": 9}))
 
 
+@pytest.mark.parametrize("change, named", [
+    ({"sliding_window": "8"}, "'sliding_window' must be a whole number"),  # transformers refuses these; int() took them
+    ({"sliding_window": 0}, "'sliding_window' must be >= 1"),  # was read as no window at all
+    ({"num_experts_per_tok": "2"}, "'num_experts_per_tok' must be a whole number"),
+    ({"num_local_experts": 8.5}, "'num_local_experts' must be a whole number"),
+    ({"swiglu_limit": "7"}, "'swiglu_limit' must be a number"),
+    ({"attention_bias": "false"}, "'attention_bias' must be true or false"),
+])
+def test_params_of_the_wrong_kind_are_refused_naming_the_key(change, named):
+    raw = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 96, "hidden_size": 64,
+           "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match=named):
+        GptOssParams.from_config(decoder_config_from_dict({**raw, **change}))
+
+
 # ---- MXFP4 experts ------------------------------------------------------------------------------------
 
 

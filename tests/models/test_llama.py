@@ -1,5 +1,6 @@
 """The Llama-family target against transformers on the same weights (fp32: exact up to float noise)."""
 
+import json
 import zlib
 
 import pytest
@@ -154,6 +155,39 @@ def test_unsupported_architecture_is_named(tmp_path):
     cfg = (d / "config.json").read_text().replace("LlamaForCausalLM", "FalconForCausalLM")
     (d / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match="FalconForCausalLM"):
+        load_target(d)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),  # the MLP is SiLU-gated: gelu ran as SiLU
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),  # bool("false") tied the head
+    ({"tie_word_embeddings": 1}, "'tie_word_embeddings' must be true or false"),
+    ({"attention_bias": "false"}, "'attention_bias' must be true or false"),
+    ({"sliding_window": 0}, "'sliding_window' must be >= 1"),
+    ({"sliding_window": -4}, "'sliding_window' must be >= 1"),
+    ({"architectures": "MistralForCausalLM"}, "'architectures' must be a list"),  # was taken as architecture 'M'
+    ({"rope_parameters": [1, 2]}, "'rope_parameters' must be an object"),
+    ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
+    ({"rope_parameters": None, "rope_theta": None}, "'rope_theta' must be a number"),
+    ({"rope_parameters": None, "rope_theta": "1e6"}, "'rope_theta' must be a number"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "8", "rope_theta": 1e4}}, "'rope_parameters.factor'"),
+])
+def test_a_config_value_of_the_wrong_kind_is_refused_naming_its_key(tmp_path, change, named):
+    """transformers refuses these configs (or runs another model than they say): a target whose output would
+    silently differ from transformers' is refused instead, naming the file and key."""
+    d = make_target(tmp_path / "t", "mistral", sliding_window=8)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=named) as refused:
+        load_target(d)
+    assert str(d / "config.json") in str(refused.value)
+
+
+def test_qwen3s_sliding_flag_must_be_a_flag(tmp_path):
+    d = make_target(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": "false"}))
+    with pytest.raises(ValueError, match="'use_sliding_window' must be true or false"):
         load_target(d)
 
 
