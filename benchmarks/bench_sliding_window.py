@@ -1,6 +1,6 @@
 """Decoding a sliding-window target on the CPU past its window: the C kernels with windows (session 48) against
-torch's attention, which took every step once the context passed the window before (the guard of dd4980c~1,
-restored in this process for the "before" rounds: kernels only while every key lies within the window).
+torch's attention, which took every step once the context passed the window before (the kernels as dd4980c~1 ran
+them, restored in this process for the "before" rounds: only while every key lies within the window).
 
 A random Mistral of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV heads) with a window of 128,
 bf16, one row, greedy, a prompt of 160 tokens: every step decodes past the window. Plain decoding and a K=3 chain
@@ -27,6 +27,7 @@ from common import record  # noqa: E402
 
 from dflash_trt import SamplingParams  # noqa: E402
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from dflash_trt.layers.attention import kernel_step  # noqa: E402
 from dflash_trt.models import llama  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig, load_drafter, new_drafter, save_drafter  # noqa: E402
 from dflash_trt.models.registry import load_target  # noqa: E402
@@ -37,9 +38,10 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidd
              tie_word_embeddings=True, eos_token_id=0, bos_token_id=1)
 
 
-def torch_past_the_window(window, meta) -> bool:
-    """The guard before dd4980c: the kernels attended without a window, so they served only while it hid nothing."""
-    return window is None or meta.kv_len <= window
+def torch_past_the_window(meta, cache, *tensors, **kwargs):
+    """The kernels as before dd4980c: attending without a window, they served only while it hid nothing (every
+    layer of this target slides)."""
+    return None if meta.kv_len > WINDOW else kernel_step(meta, cache, *tensors, **kwargs)
 
 
 def main() -> None:
@@ -69,14 +71,14 @@ def main() -> None:
             "K=3": LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_model_len=512, dtype="bfloat16",
                                                                  max_draft_len=3)),
         }
-        guards = {"before": torch_past_the_window, "after": llama.kernels_keep_window}
+        guards = {"before": torch_past_the_window, "after": kernel_step}
         tok_s: dict[str, dict[str, list[float]]] = {e: {g: [] for g in guards} for e in engines}
         outputs: dict[str, dict[str, list[int]]] = {e: {} for e in engines}
         prefill_s: dict[str, list[float]] = {g: [] for g in guards}
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for name, engine in engines.items():
                 for guard, fn in guards.items():
-                    llama.kernels_keep_window = fn
+                    llama.kernel_step = fn
                     start = time.perf_counter()
                     out = engine.generate([prompt], params)[0]
                     took = time.perf_counter() - start
@@ -84,7 +86,7 @@ def main() -> None:
                     if round_:  # decoding alone: the prompt's prefill (past the window too) is timed apart
                         tok_s[name][guard].append(len(out.token_ids) / (took - out.prefill_time))
                         prefill_s[guard].append(out.prefill_time)
-        llama.kernels_keep_window = guards["after"]
+        llama.kernel_step = kernel_step
     result = {}
     for name in engines:
         pairs = [a / b for a, b in zip(tok_s[name]["after"], tok_s[name]["before"])]

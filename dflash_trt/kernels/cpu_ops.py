@@ -373,7 +373,7 @@ class CpuOps:
         """Each query q[i] ([N, H, D]) attends over cache row rows[i] of k/v_cache ([cache rows, KVH, max_len, D]),
         keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]. tree (a draft tree's
         verify, QueryKeys.tree): int64 [N, 2] of (start, bits): keys t >= start visible only where bit t - start is
-        set; a window then counts from the node's depth (cpu_ops_body.h), which must be under it."""
+        set; a window then counts from the node's depth, as a chain of its ancestors would (cpu_ops_body.h)."""
         q = q.contiguous()
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape

@@ -72,7 +72,8 @@ static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R
  * of bits is set (a draft tree's ancestors, verify_tree in spec/draft_tree.py). A hidden key's weight is exactly 0 and
  * the softmax's sum runs over the visible keys packed together, so a node's output is bit for bit what a chain of its
  * ancestors would give: the same terms in the same order. A window counts a node's keys as that chain would: from its
- * position start + depth (depth + 1 = its bits set), which must leave all its ancestors inside (depth < window).
+ * position start + depth (depth + 1 = its bits set); one shorter than the node's path hides its shallowest ancestors
+ * (its lowest bits: a parent precedes its children) and every key before the tree.
  * q: [B, H, D]; k_cache, v_cache: one layer, [cache rows, KVH, max_len, D]; out: [B, H, D]. Consecutive queries of
  * one cache row form a run that reads each key and value once per head; the (run, query head) pairs are spread over
  * the OpenMP threads (per KV head there were too few of them to share two threads evenly at decode: SmolLM2's 3 KV
@@ -103,7 +104,9 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
     for (int64_t item = 0; item < runs * H; item++) {
         const int64_t at = item / H, run = at % 2 ? runs - 1 - at / 2 : at / 2;
         const int64_t first = run_start[run], R = run_start[run + 1] - first, h = item % H;
-        const int64_t start = HIDES(first) ? SEEN(first) - window : 0; /* a run of several hides nothing */
+        /* a run of several hides nothing; a node whose window ends inside its path drops that many ancestors */
+        int64_t start = HIDES(first) ? SEEN(first) - window : 0, dropped = 0;
+        if (tree && start > tree[2 * first]) dropped = start - tree[2 * first], start = tree[2 * first];
         const int64_t base = ((rows[first] * KVH + h / G) * max_len + start) * D;
         int64_t n[MAX_QUERY_RUN], total = 0;
         const float *p[MAX_QUERY_RUN];
@@ -122,6 +125,7 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             if (tree) {
                 from = tree[2 * (first + r)] - start;
                 bits = (uint64_t)tree[2 * (first + r) + 1];
+                for (int64_t k = 0; k < dropped; k++) bits &= bits - 1; /* its lowest set bit */
                 for (int64_t t = from; t < n[r]; t++)
                     if (!((bits >> (t - from)) & 1u)) s[t] = -INFINITY;
             }

@@ -112,6 +112,7 @@ def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2CLS: both are SiLU
 
 
 def qwen3_layer_types(cfg: dict, layers: int, source: str) -> tuple[list[str], int | None]:

@@ -29,6 +29,7 @@ from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.config import (
     DecoderConfig,
+    SILU_NAMES,
     as_bool,
     as_float,
     as_int,
@@ -118,8 +119,8 @@ class DFlashConfig:
                 f"decoder stacks (model_type one of {SUPPORTED_DRAFTER_MODEL_TYPES}) whatever the target family"
             )
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        if act not in SILU_NAMES:
+            raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only SiLU: 'silu' or 'swish')")
         def whole(key: str, v=None, minimum: int | None = 1) -> int:
             return as_int(need(key) if v is None else v, key, source, minimum)
 
@@ -160,7 +161,8 @@ class DFlashConfig:
             max_position_embeddings=whole("max_position_embeddings", cfg.get("max_position_embeddings", 40960)),
             layer_types=layer_types,
             sliding_window=whole("sliding_window", window) if window else None,
-            is_causal=None if causal is None else as_bool(causal, "dflash_config.causal", source, False),
+            is_causal=None if causal is None else as_bool(
+                causal, "dflash_config.causal" if "causal" in dflash else "is_causal", source, False),
             input_embedding_scale=as_float(value("input_embedding_scale", 1.0), "input_embedding_scale", source),
             output_multiplier=as_float(value("output_multiplier", 1.0), "output_multiplier", source),
             final_logit_softcapping=None if softcap is None else as_float(softcap, "final_logit_softcapping", source),

@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        step = kernel_step(meta, cache, qkv, cos) if kernels_keep_window(self.sliding_window, meta) else None
+        step = kernel_step(meta, cache, qkv, cos)
         if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
             ops, keys = step
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -69,13 +69,6 @@ class LlamaAttention(nn.Module):
         out = cached_attention(cache, self.layer_idx, meta, q, k.transpose(1, 2), v, self.scale,
                                window=self.sliding_window)
         return self.o_proj(out)
-
-
-def kernels_keep_window(window: int | None, meta: AttentionMetadata) -> bool:
-    """Whether the CPU kernels hide the keys outside this step's windows as the mask does: a tree's node counts its
-    window from its depth (as a chain of its ancestors would), which they take only while it leaves every ancestor
-    inside; a tree holds no node deeper than its count of nodes."""
-    return window is None or meta.tree is None or meta.positions.shape[1] <= window
 
 
 class GatedMLP(nn.Module):
@@ -119,7 +112,6 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernel_table: cpu_ops.LayerTable | None = None  # set by pack_for_inference where the kernels serve
         self.one_call_max_tokens = 0  # steps of up to this many tokens take kernel_table
-        self.smallest_window = min((w for w in cfg.layer_windows if w is not None), default=None)
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, capture_layer_ids: tuple[int, ...] = ()
@@ -128,8 +120,7 @@ class LlamaForCausalLM(CausalLM):
         # per-op overhead goes (up to 16 queries a row the same kernels in the same order as the layers' own CPU path:
         # bit-identical; above, that path attends with SDPA).
         table = self.kernel_table
-        fits = (table is not None and input_ids.numel() <= self.one_call_max_tokens
-                and kernels_keep_window(self.smallest_window, meta))
+        fits = table is not None and input_ids.numel() <= self.one_call_max_tokens
         # a row's queries are at most the step's tokens: fits bounds both
         step = kernel_step(meta, cache, self.embed_tokens.weight, max_queries=None) if fits else None
         if step is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_config_json
+from dflash_trt.models.config import SILU_NAMES, DecoderConfig, decoder_config_from_dict, read_config_json
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
 from dflash_trt.models.weights import WeightSet
@@ -31,7 +31,7 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
     if cls is None:
         raise ValueError(f"{source}: architectures={[cfg.architecture] if cfg.architecture else []!r} is not "
                          f"supported by this project's runtime; supported: {', '.join(sorted(TARGET_ARCHITECTURES))}")
-    if cls is LlamaForCausalLM and cfg.hidden_act != "silu":
+    if cls is LlamaForCausalLM and cfg.hidden_act not in SILU_NAMES:
         raise ValueError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported by this project's runtime "
                          "(its Llama-family MLP is SiLU-gated)")
     return cls

@@ -652,6 +652,9 @@ class Trainer:
 @contextlib.contextmanager
 def _describing(bar: tqdm, desc: str):
     """The bar names the work between its steps while it lasts (else it looks stalled)."""
+    if bar.disable:  # TQDM_DISABLE=1, or no terminal to draw on: such a bar has no description to set
+        yield
+        return
     before = bar.desc
     bar.set_description_str(desc)
     try:

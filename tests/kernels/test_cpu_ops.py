@@ -107,13 +107,14 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(attention_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 6, 20])
+@pytest.mark.parametrize("window", [None, 2, 6, 20, 44])
 def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_ops, dtype, window):
     """A draft tree's verify (spec/draft_tree.py): nodes at consecutive positions from `start`, each seeing the keys
     before `start` and, of the tree's own, its ancestors and itself. Against SDPA over exactly those keys; and bit for
     bit the output the same query gets when its ancestors sit contiguously after the prefix (a chain), which is what
     keeps a tree's verify as exact as a chain's. A sliding window counts from the node's depth, as in that chain: a
-    window of 6 leaves the node of depth 4 one key of the prefix, one of 20 hides the prefix's first 21-25."""
+    window of 2 leaves a node its parent alone, 6 the node of depth 4 one key of the prefix, 20 hides the prefix's
+    first 21-25 keys, 44 only the deepest node's first (the others share a run)."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, start = 9, 3, 64, 40
     cache = _cache(2, 96, kv_heads, d, dtype, g)

@@ -183,6 +183,16 @@ def test_a_config_value_of_the_wrong_kind_is_refused_naming_its_key(tmp_path, ch
     assert str(d / "config.json") in str(refused.value)
 
 
+def test_swish_is_silu_as_transformers_reads_it(tmp_path):
+    d = make_target(tmp_path / "t", "llama", hidden_act="swish")
+    ids = torch.randint(0, 96, (1, 12))
+    ours = load_target(d)
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, _run(ours, ids), ours.make_cache(1, 16))[0])
+        want = AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits
+    assert (got - want).abs().max() < TOL
+
+
 def test_qwen3s_sliding_flag_must_be_a_flag(tmp_path):
     d = make_target(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=2)
     cfg = json.loads((d / "config.json").read_text())

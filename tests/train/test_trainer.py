@@ -1,5 +1,6 @@
 """A tiny end-to-end training run: target-generated data, feature cache, trainer, export, resume."""
 
+import functools
 import json
 import logging
 import math
@@ -716,3 +717,13 @@ def test_the_progress_bar_names_an_evaluation_while_it_runs(trained, monkeypatch
     tr.train()
     assert seen == ["train (timing an evaluation)", "train (evaluating)", "train (evaluating)"]
     assert bars[0].desc == "train"
+
+
+def test_a_run_with_progress_bars_turned_off_trains_and_evaluates(trained, monkeypatch):
+    """TQDM_DISABLE=1 (CI, logs to files; tqdm reads it as disable=True) makes bars that hold no description to name
+    an evaluation with."""
+    t, root = trained
+    monkeypatch.setattr(trainer_module, "tqdm", functools.partial(trainer_module.tqdm, disable=True))
+    tr = _trainer(t, root, root / "no_bars", steps=2, eval_every=1, time_budget_s=1e6)
+    tr.train()
+    assert [e["step"] for e in _log(root / "no_bars") if "val_loss" in e] == [1, 2]
