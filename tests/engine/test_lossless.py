@@ -884,12 +884,13 @@ def sliding_dirs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])
-@pytest.mark.parametrize("tree", [False, True])
-def test_greedy_speculation_over_a_sliding_window_target_equals_its_greedy(sliding_dirs, arch, tree):
-    """Windows of 6 keys, answers of 40 tokens: verify blocks and trees cross the window every step."""
+@pytest.mark.parametrize("k, tree", [(3, 0), (3, 5), (7, 10)], ids=["chain", "tree", "tree-deeper-than-the-window"])
+def test_greedy_speculation_over_a_sliding_window_target_equals_its_greedy(sliding_dirs, arch, k, tree):
+    """Windows of 6 keys, answers of 40 tokens: verify blocks and trees cross the window every step; a tree's nodes
+    past depth 5 lose their shallowest ancestors from the window too."""
     prompts = _prompts(2)
     refs = [hf_greedy(sliding_dirs[arch], p) for p in prompts]
-    engine = _engine(sliding_dirs, arch, 3, rows=2, **({"draft_tree": {2: 5}} if tree else {}))
+    engine = _engine(sliding_dirs, arch, k, rows=2, **({"draft_tree": {2: tree}} if tree else {}))
     truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
     force_tree_drafts(engine, truth) if tree else force_drafts(engine, truth, error_rate=0.1)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
