@@ -12,6 +12,9 @@ import click
 from dflash_trt.bench.datasets import PRESETS
 
 
+MAX_SWEEP_REQUESTS = 1_000_000
+
+
 def _ints(text: str, name: str, minimum: int = 0) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -52,6 +55,10 @@ def bench() -> None:
 @click.option("--lookup-nodes", default=None,
               help="Context lookups to compare at each K and tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
               "(default: the ENGINE's lookup_nodes, else none).")
+@click.option("--adaptive/--fixed-k", "adaptive", default=None,
+              help="Let the DFlash systems run plain steps where those measure faster (their names end in "
+              "'adaptive'; tau counts their speculative steps only), or draft every step (default: as the ENGINE "
+              "does).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timed rounds (the median is reported).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -73,8 +80,8 @@ def bench() -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Write the JSON result here (missing folders are created).")
 def speed(engine, target, drafter, dataset, categories, limit_per_category, max_tokens, draft_lens, draft_vocab_sizes,
-          tree_nodes, lookup_nodes, rounds, temperature, top_p, top_k, seed, acceptance, dtype, threads, zlab_peer,
-          as_json, output) -> None:
+          tree_nodes, lookup_nodes, adaptive, rounds, temperature, top_p, top_k, seed, acceptance, dtype, threads,
+          zlab_peer, as_json, output) -> None:
     """Autoregressive vs DFlash at batch 1, greedy or sampled, per prompt category: tau, histogram, tok/s, speedup."""
     import torch
     from tqdm import tqdm
@@ -148,8 +155,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if max(lookups) > eng.runner.max_draft_len:  # the sibling engines would refuse more with a traceback
         raise click.BadParameter(f"{max(lookups)} nodes exceed the drafter's limit {eng.runner.max_draft_len} (its "
                                  "block_size - 1)", param_hint="--lookup-nodes")
+    adaptive = eng.config.adaptive_draft_len if adaptive is None else adaptive
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,
-                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
+                      adaptive=adaptive, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                      acceptance=acceptance)
     with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
         result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
                            progress=bar.update)
@@ -158,7 +167,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.sweep import machine_info
 
     result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
-              "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
+              "lookup_nodes": lookups, "adaptive_draft_len": adaptive, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
@@ -237,6 +246,10 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
     from dflash_trt.bench.sweep import SweepConfig, SweepError, csv_path_of, run_sweep, write_results
 
     concurrencies = _ints(concurrencies, "--concurrency", minimum=1)
+    if sum(concurrencies) * requests_per_concurrency > MAX_SWEEP_REQUESTS:  # prompts are gathered for them first
+        raise click.BadParameter(f"{sum(concurrencies) * requests_per_concurrency:,} requests in all; at most "
+                                 f"{MAX_SWEEP_REQUESTS:,} (lower --concurrency or --requests-per-concurrency)",
+                                 param_hint="--concurrency")
     _check_output(output)  # before the sweep: a path that cannot be written must not cost one
     tok = None
     if tokenizer:
@@ -306,9 +319,14 @@ def point_line(p: dict) -> str:
     acc = p["acceptance"]
     tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
     failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
+    # what the figures rest on where it is not what they seem to: tokens counted from stream chunks (an endpoint that
+    # sends no usage; a speculative one sends several tokens a chunk), prompts sent again (a prefix cache's hits)
+    notes = (["tokens counted by chunks: the endpoint sent no usage"] if p["tokens_from"] == "chunks" else []) + (
+        [f"{p['repeated_prompts']} repeated prompts"] if p.get("repeated_prompts") else [])
     return (f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {fig(p['tok_s_per_user'], 7, 1)} tok/s/user  "
             f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {fig(p['ttft_s']['p50'], 7, 0, 1000)} ms  "
-            f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{failed}")
+            f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{failed}"
+            + (f"  ({'; '.join(notes)})" if notes else ""))
 
 
 @bench.command()

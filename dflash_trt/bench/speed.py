@@ -39,6 +39,10 @@ class SpeedConfig:
     # Context lookups to compare at every K and tree (EngineConfig.lookup_nodes; 0: none). Systems with one are
     # named "K=7 tree=6 lookup=7".
     lookup_nodes: list[int] = field(default_factory=lambda: [0])
+    # Whether the speculative systems run plain steps where those measure faster (EngineConfig.adaptive_draft_len;
+    # None: as the engine does). Systems that may are named "... adaptive": their tau and histogram count their
+    # speculative steps only, their tok/s every step.
+    adaptive: bool | None = None
     # Decoding of every request: temperature 0 is greedy; above it prompt i is sampled with seed `seed + i`.
     temperature: float = 0.0
     top_p: float = 1.0
@@ -75,13 +79,15 @@ class _Tally:
 
 
 def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
-                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,),
+                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,), adaptive: bool | None = None,
                     ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
     """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, context lookup), all sharing
-    `engine`'s weights and tokenizer, keyed by system name."""
+    `engine`'s weights and tokenizer, keyed by system name; adaptive: SpeedConfig.adaptive."""
     # each system's K and tree as named, whatever the CPU (the *_without_amx tables would pick others)
+    adaptive = engine.config.adaptive_draft_len if adaptive is None else adaptive
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
-                              draft_len_schedule_without_amx=None, draft_tree_without_amx=None)
+                              draft_len_schedule_without_amx=None, draft_tree_without_amx=None,
+                              adaptive_draft_len=adaptive)
     ar = LLMEngine(engine.target, engine.tokenizer, None, dataclasses.replace(cfg, speculative=False))
     if engine.drafter is None and draft_lens:
         raise ValueError("bench speed needs a drafter for K > 0 (an engine with a drafter, or --drafter DIR)")
@@ -98,6 +104,7 @@ def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes:
                 for lookup in lookup_nodes:
                     name = f"K={k}" if len(draft_vocab_sizes) == 1 else f"K={k} vocab={'all' if v is None else v}"
                     name += (f" tree={n}" if n else "") + (f" lookup={lookup}" if lookup else "")
+                    name += " adaptive" if adaptive else ""
                     specs[name] = LLMEngine(engine.target, engine.tokenizer, engine.drafter, dataclasses.replace(
                         cfg, speculative=True, max_draft_len=k, draft_vocab_size=v, draft_tree={1: n} if n else {},
                         lookup_nodes=lookup))
@@ -142,7 +149,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
     if zlab is not None and cfg.temperature > 0:
         raise ValueError("z-lab's dflash_generate runs greedy only: drop the peer or the temperature")
     ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes,
-                                  cfg.lookup_nodes)
+                                  cfg.lookup_nodes, cfg.adaptive)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
     index = {p.id: i for i, p in enumerate(prompts)}

@@ -6,6 +6,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from dflash_trt.bench.cli import point_line
 from dflash_trt.cli import main
 from tests.server.conftest import MODEL, free_port, start_server, tiny_engine
 
@@ -33,6 +34,10 @@ def test_sweep_then_plot(running, tmp_path):
     assert all(p["output_tokens"] == 5 * 4 and p["num_failed"] == 0 for p in res["points"])
     assert all(p["acceptance"]["source"] == "response" for p in res["points"])
     assert out.with_suffix(".csv").read_text().count("\n") == 3  # header + 2 points
+    # 9 requests over 3 prompts: the console says so (a prefix cache would have served the repeats in part)
+    assert all(p["repeated_prompts"] for p in res["points"]) and "repeated prompts" in r.output
+    assert "counted by chunks" not in r.output
+    assert "tokens counted by chunks" in point_line({**res["points"][0], "tokens_from": "chunks"})
     png = tmp_path / "pareto.png"
     r = CliRunner().invoke(main, ["bench", "plot", str(out), str(out), "-o", str(png), "--title", "t"])
     assert r.exit_code == 0, r.output
@@ -81,6 +86,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     # a mistyped tokenizer path is named as such, not answered with Hugging Face's "Repo id must be in the form"
     (["--tokenizer", "./no/such/dir"], "'./no/such/dir': no such directory"),
     (["--tokenizer", "no/such/dir"], "'no/such/dir': no such directory"),
+    # prompts are gathered for every request before the first is sent: a huge count hung, memory growing
+    (["--concurrency", "99999999999999999999"], "--concurrency"),
+    (["--concurrency", "1000", "--requests-per-concurrency", "100000"], "--concurrency"),
 ])
 def test_sweep_refuses_out_of_range_numbers_naming_the_option(tmp_path, args, option):
     dead = f"http://127.0.0.1:{free_port()}"

@@ -54,6 +54,18 @@ def test_tau_and_histogram_agree_with_their_definitions(result):
         assert row["speedup"] > 0 and row["tok_s"] > 0
 
 
+def test_an_adaptive_engines_systems_say_so_and_fixed_k_drafts_every_step(tiny_dirs):
+    """An engine built with adaptive_draft_len runs plain steps where they measure faster: its systems are named for
+    it (their tau counts the speculative steps only), and --fixed-k drafts at every step as the name says."""
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
+                                 EngineConfig(dtype="float32", adaptive_draft_len=True))
+    assert run_speed(engine, PROMPTS[:1], SpeedConfig(draft_lens=[3], rounds=1), chat=False)["systems"] == [
+        "ar", "K=3 adaptive"]
+    fixed = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, adaptive=False), chat=False)
+    row = fixed["overall"]["K=3"]
+    assert sum((i + 1) * c for i, c in enumerate(row["acceptance_histogram"])) == row["tokens"] - len(PROMPTS)
+
+
 def test_overall_merges_the_categories(result):
     _, r = result
     for system in r["systems"]:
