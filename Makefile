@@ -31,9 +31,10 @@ DRAFTER := drafters/smollm2-135m-dflash
 SERVE_PORT ?= 8000
 DEMO_PROMPT := Write a short poem about the sea.
 
-ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/config.py dflash_trt/plan.py dflash_trt/perf_model.py \
-	dflash_trt/engine_dir.py dflash_trt/dir_swap.py \
-	dflash_trt/draft_schedule.py dflash_trt/hardware.py dflash_trt/trtllm/*.py)
+ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/build_cli.py dflash_trt/config.py dflash_trt/plan.py \
+	dflash_trt/perf_model.py dflash_trt/validate.py dflash_trt/model_source.py dflash_trt/embedded.py \
+	dflash_trt/convert.py dflash_trt/engine_dir.py dflash_trt/dir_swap.py dflash_trt/draft_schedule.py \
+	dflash_trt/hardware.py dflash_trt/models/config.py dflash_trt/trtllm/*.py)
 
 $(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(wildcard $(DRAFTER)/*.json $(DRAFTER)/*.safetensors) \
 		$(ENGINE_WRITERS) | setup
