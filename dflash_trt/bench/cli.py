@@ -167,7 +167,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.sweep import machine_info
 
     result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
-              "lookup_nodes": lookups, "adaptive_draft_len": adaptive, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
+              "lookup_nodes": lookups, "adaptive_draft_len": adaptive, "rounds": rounds, "prompts": len(prompts),
+              "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
