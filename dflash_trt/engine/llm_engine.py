@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import time
@@ -15,6 +14,7 @@ from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.engine.model_runner import ModelRunner
+from dflash_trt.engine.prompt_encoder import PromptEncoder
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.layers.linear import kernel_layout
@@ -101,10 +101,6 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-class PromptTooLong(ValueError):
-    """A prompt past max_model_len, told before it was tokenized."""
 
 
 @dataclass
@@ -210,6 +206,7 @@ class LLMEngine:
                         config.max_model_len, max_pos)
         self.max_position_embeddings = max_pos
         self.max_model_len = min(config.max_model_len, max_pos)
+        self.prompt_encoder = PromptEncoder(tokenizer, self.max_model_len)
         # both tables, whichever this CPU takes: the target cache keeps room for the larger
         trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}
         most_nodes = 0
@@ -296,53 +293,14 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        self._check_prompt_chars(prompt)
-        return self.tokenizer(prompt)["input_ids"]
-
-    @functools.cached_property
-    def max_prompt_chars(self) -> int:
-        """More characters than any prompt that fits max_model_len tokens holds: no token stands for more characters
-        than its own string has (a byte-level token's string has a character per byte; a SentencePiece piece's, one
-        per character, or six for one byte), bar a normalizer's compositions (NFC's at most 3 to 1), given 4x, and
-        characters a vocabulary has no token for, which vanish (a few control characters in SmolLM2's)."""
-        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-        longest = max((len(piece) for piece in pieces if piece), default=1)
-        normalizer = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "normalizer", True)
-        return self.max_model_len * longest * (1 if normalizer is None else 4)
-
-    def _check_prompt_chars(self, text: str) -> None:
-        """PromptTooLong, before a prompt is tokenized, where its characters are more than max_model_len tokens
-        could hold: tokenizing megabytes takes seconds, and the requests queued behind it would wait them out."""
-        if len(text) > self.max_prompt_chars:
-            raise PromptTooLong(f"the prompt has {len(text)} characters, more than {self.max_model_len} tokens (this "
-                                f"model's maximum context length) can hold")
+        return self.prompt_encoder.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template (or `chat_template`), with the generation
-        prompt, or continuing the last (assistant) message where asked; template_kwargs reach the template (Qwen3's
-        enable_thinking, ...)."""
-        if not chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
-                             "without --chat)")
-        if "developer" not in str(chat_template or self.tokenizer.chat_template):  # a dict of named templates too
-            # OpenAI's newer name for the system role: a template without it renders a turn of a role the model never
-            # saw (SmolLM2's also adds its default system prompt before it)
-            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       chat_template=chat_template, **(template_kwargs or {}))
-        if sum(len(str(m.get("content") or "")) for m in messages) > self.max_prompt_chars:
-            # likely too long: rendered first (a template need not render every message) to be sure before tokenizing
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
-            self._check_prompt_chars(rendered if isinstance(rendered, str) else "")
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if not all(isinstance(t, int) for t in ids):  # a template's variables that reached the call's own options
-            raise ValueError("the chat template did not render to one list of token ids")
-        return ids
+        """PromptEncoder.encode_chat with this engine's tokenizer."""
+        return self.prompt_encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template,
+                                               template_kwargs)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
         """ValueError unless every id is a token of the target: in a step, the embedding lookup would fail every

@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import EngineLoop, LoopStopped, RequestUpdate
-from dflash_trt.engine.llm_engine import PromptTooLong, RequestOutput
+from dflash_trt.engine.llm_engine import RequestOutput
+from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams, choice_seed
 from dflash_trt.server import protocol as p
@@ -28,6 +29,9 @@ from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, co
 from dflash_trt.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+# Prompts of more characters than this are tokenized on a lane of their own (SmolLM2's tokenizer: ~0.1 s at this size)
+BIG_PROMPT_CHARS = 64_000
 
 
 class APIError(Exception):
@@ -66,11 +70,18 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL): a 12 MB prompt took 7 s to tokenize,
-    # and every stream and /health waited for it. One thread: requests' tokenizer calls never overlap each other.
-    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize")
+    # and every stream and /health waited for it. Two lanes of one thread each, each with a tokenizer of its own (one
+    # tokenizer is never called from two threads at once): prompts of over BIG_PROMPT_CHARS characters take the
+    # second, so one that takes seconds holds only the big prompts queued behind it, not every request's.
+    lanes = {False: (engine.prompt_encoder, ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize"))}
 
-    async def tokenized(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+    async def tokenized(chars: int, method: str, *args):
+        big = chars > BIG_PROMPT_CHARS
+        if big not in lanes:  # its tokenizer copied at the first big prompt: most servers never see one
+            lanes[big] = (engine.prompt_encoder.copy(),
+                          ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize-big"))
+        encoder, thread = lanes[big]
+        return await asyncio.get_running_loop().run_in_executor(thread, getattr(encoder, method), *args)
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
@@ -150,9 +161,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, "a request's own chat_template runs only on a server started with "
                                 "--trust-request-chat-template", param="chat_template")
         try:
-            ids = await tokenized(engine.encode_chat, [{"role": m.role, "content": m.text()} for m in req.messages],
-                                  req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                                  req.chat_template_kwargs)
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = await tokenized(chat_chars(messages), "encode_chat", messages, req.add_generation_prompt,
+                                  req.continue_final_message, req.chat_template, req.chat_template_kwargs)
         except PromptTooLong as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
         except ValueError as e:
@@ -206,7 +217,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _encode_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             try:
-                return await tokenized(engine.encode, prompt)
+                return await tokenized(len(prompt), "encode", prompt)
             except PromptTooLong as e:
                 raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
         try:  # here too, not only at submit: every prompt of a request is checked before any is queued

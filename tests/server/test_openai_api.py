@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -489,14 +490,15 @@ def test_the_server_answers_others_while_a_prompt_is_tokenized(server, oracle, m
     import threading
 
     name = "encode" if route == "completions" else "encode_chat"
-    tokenize, started, release = getattr(server.engine, name), threading.Event(), threading.Event()
+    encoder = server.engine.prompt_encoder
+    tokenize, started, release = getattr(encoder, name), threading.Event(), threading.Event()
 
     def slow(*args, **kwargs):
         started.set()
         release.wait(30)
         return tokenize(*args, **kwargs)
 
-    monkeypatch.setattr(server.engine, name, slow)
+    monkeypatch.setattr(encoder, name, slow)
     body = ({"prompt": PROMPTS[4]} if route == "completions"
             else {"messages": [{"role": "user", "content": PROMPTS[4]}]})
     with httpx.Client(timeout=60) as client:
@@ -522,3 +524,36 @@ def test_a_request_after_the_engine_stopped_is_refused_as_shutting_down_not_an_i
         assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
     finally:
         s.stop()
+
+
+def test_a_big_prompt_being_tokenized_holds_no_small_request(tiny_dirs, monkeypatch):
+    """Prompts of over BIG_PROMPT_CHARS characters are tokenized on a lane of their own: one that takes seconds (held
+    here until the small request is answered) keeps no other request waiting behind it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+    from dflash_trt.server.app import BIG_PROMPT_CHARS
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class Held(PromptEncoder):
+        def encode(self, prompt, chat=False):
+            entered.set()
+            gate.wait(60)
+            return super().encode(prompt, chat)
+
+    monkeypatch.setattr(PromptEncoder, "copy", lambda self: Held(self.tokenizer, self.max_model_len))
+    running = start_server(tiny_engine(tiny_dirs))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            big = pool.submit(httpx.post, running.base_url + "/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "x" * (BIG_PROMPT_CHARS + 1), "max_tokens": 2})
+            assert entered.wait(30)
+            small = httpx.post(running.base_url + "/completions", timeout=30,
+                               json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert small.status_code == 200 and not big.done()
+            gate.set()
+            assert big.result().json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        gate.set()
+        running.stop()

@@ -1,16 +1,14 @@
-"""LLMEngine.encode_chat: a conversation through the tokenizer's own chat template (the oracle), OpenAI's "developer"
-role read as the system role where the template does not know it; a prompt too long to fit refused before it is
-tokenized."""
+"""PromptEncoder: a conversation through the tokenizer's own chat template (the oracle), OpenAI's "developer" role read
+as the system role where the template does not know it; a prompt too long to fit refused before it is tokenized; a
+copy that tokenizes alike on a tokenizer of its own."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.engine.llm_engine import LLMEngine, PromptTooLong
+from dflash_trt.engine.prompt_encoder import PromptEncoder, PromptTooLong
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +25,11 @@ def template(tokenizer, messages) -> list[int]:
 
 def test_a_developer_message_is_the_system_message_where_the_template_has_no_developer_role(tokenizer):
     assert "developer" not in tokenizer.chat_template  # SmolLM2's: system, user, assistant
-    engine = SimpleNamespace(tokenizer=tokenizer, max_prompt_chars=10**6)
+    encoder = PromptEncoder(tokenizer, 2048)
     asked = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
     want = template(tokenizer, [{"role": "system", "content": "Answer in French."}, asked[1]])
-    assert LLMEngine.encode_chat(engine, asked) == want
-    assert LLMEngine.encode_chat(engine, asked[1:]) == template(tokenizer, asked[1:])
+    assert encoder.encode_chat(asked) == want
+    assert encoder.encode_chat(asked[1:]) == template(tokenizer, asked[1:])
 
 
 class CountingTokenizer:
@@ -55,27 +53,21 @@ class CountingTokenizer:
         return len(self.tokenizer)
 
 
-def _engine(tokenizer, max_model_len: int) -> LLMEngine:
-    engine = LLMEngine.__new__(LLMEngine)  # the tokenizer's side of an engine; no model is needed
-    engine.tokenizer, engine.max_model_len = tokenizer, max_model_len
-    return engine
-
-
 def test_a_prompt_past_what_the_context_can_hold_is_refused_before_it_is_tokenized(tokenizer):
     """Tokenizing megabytes takes seconds, which every request queued behind it waited out."""
     counting = CountingTokenizer(tokenizer)
-    engine = _engine(counting, 64)
-    huge = "x " * (engine.max_prompt_chars // 2 + 1)
+    encoder = PromptEncoder(counting, 64)
+    huge = "x " * (encoder.max_prompt_chars // 2 + 1)
     with pytest.raises(PromptTooLong, match=f"{len(huge)} characters, more than 64 tokens"):
-        engine.encode(huge)
+        encoder.encode(huge)
     with pytest.raises(PromptTooLong):
-        engine.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": huge}])
+        encoder.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": huge}])
     assert counting.tokenized == 0
     # long content a template leaves out is no reason to refuse: what counts is the rendered prompt
     drops = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content[:10] }}{% endif %}{% endfor %}"
-    assert engine.encode_chat([{"role": "user", "content": huge}], chat_template=drops) == tokenizer("x x x x x ")[
+    assert encoder.encode_chat([{"role": "user", "content": huge}], chat_template=drops) == tokenizer("x x x x x ")[
         "input_ids"]
-    assert engine.encode("x " * 16) == tokenizer("x " * 16)["input_ids"]  # short prompts as ever
+    assert encoder.encode("x " * 16) == tokenizer("x " * 16)["input_ids"]  # short prompts as ever
 
 
 @settings(max_examples=80, deadline=None)
@@ -84,5 +76,15 @@ def test_no_prompt_that_fits_holds_more_characters_than_the_bound(tokenizer, tex
     """The bound's premise against the tokenizer itself: a prompt of n tokens has at most n x (the longest token's
     string) characters, so one of more than max_model_len x that cannot fit. Control characters aside: SmolLM2's
     vocabulary has no token for six of them, which vanish (a prompt of them alone is empty)."""
-    engine = _engine(tokenizer, 1)
-    assert len(text) <= len(tokenizer(text)["input_ids"]) * engine.max_prompt_chars
+    encoder = PromptEncoder(tokenizer, 1)
+    assert len(text) <= len(tokenizer(text)["input_ids"]) * encoder.max_prompt_chars
+
+
+def test_a_copy_tokenizes_alike_on_a_tokenizer_of_its_own(tokenizer):
+    """A server's lane for big prompts: the same ids, from another tokenizer object (never called from two threads)."""
+    encoder = PromptEncoder(tokenizer, 2048)
+    other = encoder.copy()
+    assert other.tokenizer is not tokenizer and other.max_model_len == 2048
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    assert other.encode_chat(messages) == encoder.encode_chat(messages) == template(tokenizer, messages)
+    assert other.encode("a b c") == tokenizer("a b c")["input_ids"]
