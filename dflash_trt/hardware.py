@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GB = 10**9
 GiB = 2**30
@@ -82,6 +83,39 @@ def native_bf16(device_type: str) -> bool:
 
 def cpu_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_available_bytes() -> int | None:
+    """Memory a new allocation can take without swapping or being killed: Linux's MemAvailable (free pages and the
+    page cache it can reclaim), else the free pages, and no more than a container's memory limit leaves (cgroup v2 or
+    v1: MemAvailable counts the whole machine's); None where nothing is known."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            available = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES
+            pass
+    left = cgroup_memory_left()
+    return left if available is None else available if left is None else min(available, left)
+
+
+def cgroup_memory_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's memory cgroup still allows (its limit less its use), or None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),  # v2
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # v1
+        try:
+            limit = Path(root, limit_file).read_text().strip()
+            usage = int(Path(root, usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" (v2) or a huge number (v1): no limit
+            return max(0, int(limit) - usage)
+    return None
 
 
 # GPU fixed costs (estimates, to be replaced by a measurement on the device): one NCCL/TRT-LLM all-reduce

@@ -61,3 +61,19 @@ def test_each_cpu_fit_is_the_one_its_calibration_record_holds(fit):
     for key in ("mem_bandwidth_bytes_s", "dense_flops", "step_overhead_s", "draft_overhead_s"):
         assert getattr(want, key) == pytest.approx(got[key], rel=0.01), key
     assert f"{100 * record['mean_abs_relative_error']:.1f}% mean error" in want.source
+
+
+@pytest.mark.parametrize("files, left", [
+    ({"memory.max": "8000000000\n", "memory.current": "3000000000\n"}, 5_000_000_000),  # v2, a container's limit
+    ({"memory.max": "max\n", "memory.current": "3000000000\n"}, None),  # v2 without a limit
+    ({"memory/memory.limit_in_bytes": "4000000000\n", "memory/memory.usage_in_bytes": "1000000000\n"}, 3_000_000_000),
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"}, None),  # v1's
+    ({}, None),
+])
+def test_a_containers_memory_limit_bounds_what_is_available(tmp_path, files, left):
+    """MemAvailable counts the whole machine's memory: in a container of 8 GB on a 64 GB host, a cache it allowed was
+    killed by the kernel."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert hardware.cgroup_memory_left(str(tmp_path)) == left

@@ -10,32 +10,39 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.device_copy import to_device
+from dflash_trt.hardware import cpu_available_bytes
 from dflash_trt.layers.attention import AttentionMetadata
 
 
-# Of the GPU memory free when a cache is made, what it may take: the rest holds a step's activations and logits.
-GPU_CACHE_SHARE = 0.9
+# Of the memory free when a cache is made, what it may take: the rest holds a step's activations and logits.
+CACHE_SHARE = 0.9
 
 
-def check_fits_on_gpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
     """ValueError saying what fits where a cache of `shape` ([layers, rows, kv_heads, positions, head_dim], K and V)
-    would not fit in the GPU's free memory: torch's out-of-memory error names neither the rows nor the length."""
+    would not fit in the memory free on `device`: torch's out-of-memory error names neither the rows nor the length,
+    and on the CPU a cache past the free memory swaps, or is killed by the kernel, without a word."""
     layers, rows, heads, positions, head_dim = shape
     per_position = 2 * layers * heads * head_dim * dtype.itemsize
     need = per_position * rows * positions
     device = torch.device(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    # what torch's allocator holds but does not use serves the cache too (mem_get_info counts it as taken)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    usable = int(free * GPU_CACHE_SHARE)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # what torch's allocator holds but does not use serves the cache too (mem_get_info counts it as taken)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        where = f"{device} has {free / 1e9:.1f} GB free after the weights"
+    else:
+        free = cpu_available_bytes()
+        if free is None:  # nothing to go by
+            return
+        where = f"this machine has {free / 1e9:.1f} GB of memory available after the weights"
+    usable = int(free * CACHE_SHARE)
     if need <= usable:
         return
-    gb = 1e9
     raise ValueError(
-        f"a K/V cache of {layers} layers for {rows} rows x {positions:,} positions needs {need / gb:.1f} GB; {device} "
-        f"has {free / gb:.1f} GB free after the weights ({GPU_CACHE_SHARE:.0%} of it for the cache): at most "
-        f"{usable // (per_position * positions)} rows at this length (--max-batch-size), or "
-        f"{usable // (per_position * rows):,} positions a row at {rows} rows (--max-model-len)")
+        f"a K/V cache of {layers} layers for {rows} rows x {positions:,} positions needs {need / 1e9:.1f} GB; {where} "
+        f"({CACHE_SHARE:.0%} of it for the cache): at most {usable // (per_position * positions)} rows at this length "
+        f"(--max-batch-size), or {usable // (per_position * rows):,} positions a row at {rows} rows (--max-model-len)")
 
 
 class KVCache:
@@ -50,8 +57,7 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
-        if torch.device(device).type == "cuda":
-            check_fits_on_gpu(shape, dtype, device)
+        check_fits(shape, dtype, device)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_rows = num_rows

@@ -1,9 +1,12 @@
-"""A K/V cache that would not fit the GPU is refused before it is allocated, saying which rows or length would."""
+"""A K/V cache that would not fit the GPU's or the machine's free memory is refused before it is allocated, saying
+which rows or length would."""
 
 import pytest
 import torch
 
+from dflash_trt.engine import kv_cache
 from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.hardware import cpu_available_bytes, cpu_ram_bytes
 
 
 def test_a_cache_past_the_gpus_free_memory_is_refused_saying_what_fits(monkeypatch):
@@ -28,3 +31,23 @@ def test_the_cpu_cache_is_not_checked_against_gpu_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("read GPU memory for a CPU cache"))
     cache = KVCache(2, 3, 16, 2, 8, torch.float32, "cpu")
     assert cache.nbytes() == 2 * 2 * 3 * 2 * 16 * 8 * 4
+
+
+def test_a_cpu_cache_past_the_available_memory_is_refused_saying_what_fits(monkeypatch):
+    """On a laptop the same cache swapped or was killed by the kernel without a word (or torch's allocator named
+    neither rows nor length): 8 GB available, SmolLM2's cache (30 layers, 3 kv heads of 64, bf16) at 64 x 131,072."""
+    monkeypatch.setattr(kv_cache, "cpu_available_bytes", lambda: int(8e9))
+    with pytest.raises(ValueError) as e:
+        KVCache(30, 64, 131072, 3, 64, torch.bfloat16, "cpu")
+    per_position = 2 * 30 * 3 * 64 * 2
+    usable = int(8e9 * 0.9)
+    message = str(e.value)
+    assert "64 rows x 131,072 positions needs 193.3 GB" in message and "8.0 GB of memory available" in message
+    assert f"at most {usable // (per_position * 131072)} rows at this length (--max-batch-size)" in message
+    assert f"{usable // (per_position * 64):,} positions a row at 64 rows (--max-model-len)" in message
+    monkeypatch.setattr(kv_cache, "cpu_available_bytes", lambda: None)  # nothing known: as before, allocated
+    assert KVCache(2, 3, 16, 2, 8, torch.float32, "cpu").nbytes() == 2 * 2 * 3 * 2 * 16 * 8 * 4
+
+
+def test_the_available_memory_is_some_of_the_machines():
+    assert 0 < cpu_available_bytes() <= cpu_ram_bytes()
