@@ -37,5 +37,11 @@ def smollm2_dir() -> Path:
     """The SmolLM2-135M-Instruct HF directory, converting the packaged GGUF on first use."""
     out = cache_dir() / SMOLLM2_NAME
     if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
-        convert_gguf(smollm2_gguf(), out)
+        from safetensors import SafetensorError
+
+        try:
+            convert_gguf(smollm2_gguf(), out)
+        except (OSError, SafetensorError) as e:  # a full or read-only disk: the writer's own words, no path of ours
+            raise RuntimeError(f"cannot convert the embedded SmolLM2 into {out} ({e}): it needs about 600 MB there; "
+                               "free some, or set DFLASH_TRT_CACHE to a writable directory") from e
     return out

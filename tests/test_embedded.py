@@ -1,0 +1,24 @@
+"""The embedded default model: converted once into the cache directory, with a clear error where that cannot be."""
+
+import errno
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt import embedded
+from dflash_trt.cli import main
+
+
+def _disk_full(gguf, out):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_cache_directory_that_cannot_take_the_conversion_is_named_with_the_way_out(tmp_path, monkeypatch):
+    """A full or read-only disk ended the first `generate` in a traceback from safetensors' writer."""
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "convert_gguf", _disk_full)
+    with pytest.raises(RuntimeError, match="No space left on device") as e:
+        embedded.smollm2_dir()
+    assert str(tmp_path / "cache" / embedded.SMOLLM2_NAME) in str(e.value) and "DFLASH_TRT_CACHE" in str(e.value)
+    r = CliRunner().invoke(main, ["generate", "-p", "hi", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and "DFLASH_TRT_CACHE" in r.output and "Traceback" not in r.output, r.output
