@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -288,8 +289,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
         try:
             path.mkdir(parents=True, exist_ok=True)
+            # writable now, not after the responses and features (hours on a real run): an existing read-only one
+            tempfile.TemporaryFile(dir=path).close()
         except OSError as e:
-            raise click.BadParameter(f"cannot create {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
+            raise click.BadParameter(f"cannot write in {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
         if flag == "--data":
             check_data_target(data_dir, target_dir)
     if features == "cache":

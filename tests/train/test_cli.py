@@ -1,9 +1,12 @@
 """`dflash-trt train`'s command line: options checked before the data stages, and a run in OUT kept safe."""
 
+import errno
 import json
 import logging
 import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import click
 import pytest
@@ -291,13 +294,27 @@ def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(target, run, tmp_
     assert _log_steps(out) == [1, 2, 3]
 
 
-def test_an_out_or_data_that_cannot_be_created_is_refused_before_any_response_is_generated(target, tmp_path):
+def test_an_out_or_data_that_cannot_be_written_is_refused_before_any_response_is_generated(target, tmp_path,
+                                                                                           monkeypatch):
     (tmp_path / "afile").write_text("")
     r = _train(target, tmp_path / "afile" / "out")
-    assert r.exit_code == 2 and "Invalid value for '--out': cannot create" in r.output, r.output
+    assert r.exit_code == 2 and "Invalid value for '--out': cannot write in" in r.output, r.output
     r = _train(target, tmp_path / "out", "--data", str(tmp_path / "afile" / "data"))
-    assert r.exit_code == 2 and "Invalid value for '--data': cannot create" in r.output, r.output
+    assert r.exit_code == 2 and "Invalid value for '--data': cannot write in" in r.output, r.output
     assert not (tmp_path / "out" / "checkpoint.pt").exists() and not list(tmp_path.rglob("responses.jsonl"))
+    # an --out that exists but is read-only (a mount; root's writes pass chmod) was found out at the first step
+    read_only, real = tmp_path / "ro", tempfile.TemporaryFile
+    read_only.mkdir()
+
+    def on_read_only_mount(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == read_only:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", on_read_only_mount)
+    r = _train(target, read_only, "--data", str(tmp_path / "data"))
+    assert r.exit_code == 2 and f"cannot write in {read_only}: Read-only file system" in r.output, r.output
+    assert not list(tmp_path.rglob("responses.jsonl"))
 
 
 @pytest.mark.parametrize("damage", ["missing", "cut short"])
