@@ -155,7 +155,6 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if max(lookups) > eng.runner.max_draft_len:  # the sibling engines would refuse more with a traceback
         raise click.BadParameter(f"{max(lookups)} nodes exceed the drafter's limit {eng.runner.max_draft_len} (its "
                                  "block_size - 1)", param_hint="--lookup-nodes")
-    adaptive = eng.config.adaptive_draft_len if adaptive is None else adaptive
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,
                       adaptive=adaptive, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                       acceptance=acceptance)
@@ -167,8 +166,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     from dflash_trt.bench.sweep import machine_info
 
     result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
-              "lookup_nodes": lookups, "adaptive_draft_len": adaptive, "rounds": rounds, "prompts": len(prompts),
-              "threads": torch.get_num_threads(),
+              "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), **result}
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:

@@ -79,12 +79,11 @@ class _Tally:
 
 
 def sibling_engines(engine: LLMEngine, draft_lens: list[int], draft_vocab_sizes: list[int | None] = (None,),
-                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,), adaptive: bool | None = None,
+                    tree_nodes: list[int] = (0,), lookup_nodes: list[int] = (0,), adaptive: bool = False,
                     ) -> tuple[LLMEngine, dict[str, LLMEngine]]:
     """An autoregressive engine and one engine per (K, draft vocabulary, draft tree, context lookup), all sharing
-    `engine`'s weights and tokenizer, keyed by system name; adaptive: SpeedConfig.adaptive."""
+    `engine`'s weights and tokenizer, keyed by system name; adaptive: whether those run adaptive plain steps."""
     # each system's K and tree as named, whatever the CPU (the *_without_amx tables would pick others)
-    adaptive = engine.config.adaptive_draft_len if adaptive is None else adaptive
     cfg = dataclasses.replace(engine.config, max_batch_size=1, draft_len_schedule={}, draft_tree={},
                               draft_len_schedule_without_amx=None, draft_tree_without_amx=None,
                               adaptive_draft_len=adaptive)
@@ -148,8 +147,9 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
     """Measure every category; returns the JSON-ready result (see module doc)."""
     if zlab is not None and cfg.temperature > 0:
         raise ValueError("z-lab's dflash_generate runs greedy only: drop the peer or the temperature")
+    adaptive = engine.config.adaptive_draft_len if cfg.adaptive is None else cfg.adaptive
     ar, specs = sibling_engines(engine, cfg.draft_lens, cfg.draft_vocab_sizes, cfg.tree_nodes,
-                                  cfg.lookup_nodes, cfg.adaptive)
+                                  cfg.lookup_nodes, adaptive)
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
     index = {p.id: i for i, p in enumerate(prompts)}
@@ -204,7 +204,8 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                         s.add_hist([sum(1 for n in lengths if n == i + 1) for i in range(k0 + 1)])
                 if progress is not None:
                     progress()
-    result = _report(tallies, systems, cfg.compares_tokens) | {"draft_vocab_size": vocab_sizes}
+    result = _report(tallies, systems, cfg.compares_tokens) | {"draft_vocab_size": vocab_sizes,
+                                                                 "adaptive_draft_len": adaptive}
     return result | {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                                   "seed": cfg.seed, "acceptance": cfg.acceptance} if cfg.temperature > 0 else None}
 

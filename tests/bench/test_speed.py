@@ -59,9 +59,10 @@ def test_an_adaptive_engines_systems_say_so_and_fixed_k_drafts_every_step(tiny_d
     it (their tau counts the speculative steps only), and --fixed-k drafts at every step as the name says."""
     engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
                                  EngineConfig(dtype="float32", adaptive_draft_len=True))
-    assert run_speed(engine, PROMPTS[:1], SpeedConfig(draft_lens=[3], rounds=1), chat=False)["systems"] == [
-        "ar", "K=3 adaptive"]
+    adaptive = run_speed(engine, PROMPTS[:1], SpeedConfig(draft_lens=[3], rounds=1), chat=False)
+    assert adaptive["systems"] == ["ar", "K=3 adaptive"] and adaptive["adaptive_draft_len"] is True
     fixed = run_speed(engine, PROMPTS, SpeedConfig(draft_lens=[3], rounds=1, adaptive=False), chat=False)
+    assert fixed["adaptive_draft_len"] is False  # recorded in the result
     row = fixed["overall"]["K=3"]
     assert sum((i + 1) * c for i, c in enumerate(row["acceptance_histogram"])) == row["tokens"] - len(PROMPTS)
 
