@@ -1,6 +1,7 @@
 """dir_swap: a directory is swapped in whole, and what killed writers left is told from live writers' by locks."""
 
 import fcntl
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,29 @@ def test_swap_in_replaces_whole_and_puts_the_previous_back_where_the_second_rena
     monkeypatch.undo()
     assert sorted(p.name for p in out.iterdir()) == ["done"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["newer", "out"]  # the caller's to remove
+
+
+def test_swaps_into_one_output_take_turns(tmp_path):
+    """A second writer's check and renames wait for the first's: interleaved, each set aside what the other had just
+    renamed in, and one failed with a bare rename error."""
+    out = _dir(tmp_path / "out", "done")
+    first_in, second_checked, seen = threading.Event(), threading.Event(), []
+
+    def first_check():
+        first_in.set()
+        seen.append(second_checked.wait(timeout=1.0))  # the second writer's check must not run meanwhile
+
+    def second():
+        first_in.wait()
+        dir_swap.swap_in(_dir(tmp_path / "b", "done", "b"), out, "old", check=second_checked.set)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    dir_swap.swap_in(_dir(tmp_path / "a", "done", "a"), out, "old", check=first_check)
+    thread.join()
+    assert seen == [False]
+    assert sorted(p.name for p in out.iterdir()) == ["b", "done"]  # the later swap wins, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _lock(path: Path) -> Path:
