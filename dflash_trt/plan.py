@@ -319,11 +319,11 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
         return _fits(c, hw, cfg)[0]
 
     hints = []
-    best_batch = _largest_fitting(1, cfg.max_batch_size, lambda b: fits_with(b, cfg.max_seq_len))
-    if best_batch >= 1:
-        hints.append(f"max_batch_size <= {best_batch} fits at max_seq_len={cfg.max_seq_len}")
     # never past the target's positions, which max_seq_len may not exceed anyway (a problem of its own)
     longest = min(cfg.max_seq_len, target.max_position_embeddings)
+    best_batch = _largest_fitting(1, cfg.max_batch_size, lambda b: fits_with(b, longest))
+    if best_batch >= 1:
+        hints.append(f"max_batch_size <= {best_batch} fits at max_seq_len={longest}")
     best_seq = _largest_fitting(2, longest, lambda s: fits_with(cfg.max_batch_size, s))
     if best_seq >= 2:
         hints.append(f"max_seq_len <= {best_seq} fits at max_batch_size={cfg.max_batch_size}")

@@ -154,15 +154,20 @@ def test_gpt_oss_throughput_plan_chooses_a_schedule_whose_k_falls_with_the_batch
         assert max(pts, key=lambda pt: pt["tok_s_gpu"])["draft_len"] == chosen[b]
 
 
-def test_a_suggested_max_seq_len_stays_within_the_targets_positions():
-    # 12 rows of 200,000 tokens on one H200: past gpt-oss's 131,072 positions and past the memory, which would hold
-    # about 150,000 at 12 rows; the length suggested must be one the target can run, not the memory's alone.
-    cfg = _cfg(max_batch_size=12, max_seq_len=200_000, moe_expert_parallel_size=1)
+def test_suggestions_stay_within_the_targets_positions():
+    # 32 rows of 200,000 tokens on one H200: past gpt-oss's 131,072 positions and past the memory; the length
+    # suggested must be one the target can run, not the memory's alone, and the batch one that fits at such a length.
+    cfg = _cfg(max_batch_size=32, max_seq_len=200_000, moe_expert_parallel_size=1)
     plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("h200"), max_draft_len=9)
     suggested = [p for p in plan.problems if "max_seq_len <= " in p]
     assert suggested, plan.problems
     n = int(suggested[0].split("max_seq_len <= ")[1].split()[0])
     assert n <= GPT_OSS.max_position_embeddings
+    batch = int(suggested[0].split("max_batch_size <= ")[1].split()[0])
+    assert f"max_batch_size <= {batch} fits at max_seq_len=131072" in suggested[0]
+    fits = lambda b: plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(max_batch_size=b, max_seq_len=131072,  # noqa: E731
+                                moe_expert_parallel_size=1), profile("h200"), 9).fits
+    assert fits(batch) and not fits(batch + 1)
 
 
 def test_a_cpu_plan_whose_activations_overflow_names_the_settings_that_size_them():
