@@ -220,7 +220,8 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--isl", type=click.IntRange(min=1), default=None, help="Input tokens per prompt (long-context prompts of real text).")
 @click.option("--osl", type=click.IntRange(min=1), default=None, help="Output tokens per request (default: the dataset's; a cap with --stop-at-eos).")
-@click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly; default ~4 chars/token.")
+@click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly (default ~4 "
+              "chars/token) and to count the output tokens of an endpoint that sends no usage (default: its chunks).")
 @click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="Warm-up requests before the first point (default: its concurrency).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the order of the prompts.")
@@ -298,7 +299,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                 else f" ({output} records it; no point was measured)")
 
     try:
-        run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep)
+        run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep,
+                  count_tokens=None if tok is None else lambda text: len(tok.encode(text, add_special_tokens=False)))
     except SweepError as e:
         raise click.ClickException(f"{e}{held()}") from e
     except KeyboardInterrupt:
@@ -320,7 +322,9 @@ def point_line(p: dict) -> str:
     failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
     # what the figures rest on where it is not what they seem to: tokens counted from stream chunks (an endpoint that
     # sends no usage; a speculative one sends several tokens a chunk), prompts sent again (a prefix cache's hits)
-    notes = (["tokens counted by chunks: the endpoint sent no usage"] if p["tokens_from"] == "chunks" else []) + (
+    counted = {"chunks": "tokens counted by chunks: the endpoint sent no usage (--tokenizer counts its text)",
+               "tokenizer": "tokens counted by the tokenizer: the endpoint sent no usage"}
+    notes = ([counted[p["tokens_from"]]] if p["tokens_from"] in counted else []) + (
         [f"{p['repeated_prompts']} repeated prompts"] if p.get("repeated_prompts") else [])
     return (f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {fig(p['tok_s_per_user'], 7, 1)} tok/s/user  "
             f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {fig(p['ttft_s']['p50'], 7, 0, 1000)} ms  "

@@ -161,6 +161,8 @@ class RequestResult:
     end: float | None = None  # arrival of the last data event (the finishing / usage chunk)
     finish: float | None = None  # when the request was over, failed or not: it held its slot until then
     completion_tokens: int | None = None  # usage, when the endpoint sends it
+    text: list[str] = field(default_factory=list)  # the content chunks, for a tokenizer to count without usage
+    counted_tokens: int | None = None  # that count
     prompt_tokens: int | None = None
     finish_reason: str | None = None  # the choice's, once the endpoint sends one
     acceptance: dict | None = None  # this project's per-choice extension
@@ -176,7 +178,9 @@ class RequestResult:
 
     @property
     def output_tokens(self) -> int:
-        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_times)
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return self.counted_tokens if self.counted_tokens is not None else len(self.chunk_times)
 
     @property
     def tpot(self) -> float | None:
@@ -281,6 +285,7 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
             content = choice.get("text")
         if content:
             res.chunk_times.append(now)
+            res.text.append(content)
         if choice.get("finish_reason"):
             res.finish_reason = choice["finish_reason"]
         if isinstance(choice.get("acceptance"), dict):
@@ -364,9 +369,12 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     per_user = [r.output_tokens / r.e2el for r in timed if r.e2el > 0]  # TensorRT-LLM benchmark_serving's tput_user
     return {
         "concurrency": concurrency,
-        # "chunks": the endpoint sent no usage, so tokens are counted as content chunks; an endpoint that
-        # packs several tokens in a chunk (speculation, stream intervals) is then undercounted
-        "tokens_from": "usage" if all(r.completion_tokens is not None for r in ok) else "chunks",
+        # where the endpoint sent no usage: "tokenizer", the text tokenized (a count that may differ from the
+        # server's by a token where the text tokenizes otherwise); "chunks", content chunks, an undercount where a
+        # chunk packs several tokens (speculation, stream intervals)
+        "tokens_from": ("usage" if all(r.completion_tokens is not None for r in ok) else
+                        "tokenizer" if all(r.completion_tokens is not None or r.counted_tokens is not None
+                                           for r in ok) else "chunks"),
         "num_requests": len(results),
         "num_failed": len(failed),
         "empty_answers": len(ok) - len(timed),
@@ -410,9 +418,11 @@ def machine_info() -> dict:
 
 async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
                           on_point: Callable[[dict], None] | None = None,
-                          on_result: Callable[[dict], None] | None = None) -> dict:
+                          on_result: Callable[[dict], None] | None = None,
+                          count_tokens: Callable[[str], int] | None = None) -> dict:
     """on_point(point) after each point; on_result(result so far) after each point and where a point fails, so a
-    caller can keep what was measured ('complete' false until the last point, 'stopped' naming a failed one)."""
+    caller can keep what was measured ('complete' false until the last point, 'stopped' naming a failed one).
+    count_tokens(text) counts the output tokens of answers that came without usage (after each point, untimed)."""
     prompts = list(prompts)
     result = {
         "label": cfg.label,
@@ -430,7 +440,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
         on_result(result)
     running: dict = {}  # the stage in flight, for an interrupt to name
     try:
-        return await _points(cfg, prompts, result, running, on_point, on_result)
+        return await _points(cfg, prompts, result, running, on_point, on_result, count_tokens)
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancels the sweep's task
         result.setdefault("stopped", {**running, "error": "interrupted"})
         if on_result is not None:
@@ -439,7 +449,8 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
 
 
 async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, running: dict,
-                  on_point: Callable[[dict], None] | None, on_result: Callable[[dict], None] | None) -> dict:
+                  on_point: Callable[[dict], None] | None, on_result: Callable[[dict], None] | None,
+                  count_tokens: Callable[[str], int] | None) -> dict:
     """The warm-up and every point of run_sweep_async, into `result`; `running` names the stage in flight."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
@@ -468,6 +479,10 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
                 await asyncio.sleep(cfg.metrics_settle_s)
                 metrics = await scrape(client, cfg.metrics_url)
             after = metrics if before is not None else None
+            if count_tokens is not None:
+                for r in results:
+                    if r.ok and r.completion_tokens is None:
+                        r.counted_tokens = count_tokens("".join(r.text))
             try:
                 point = point_stats(cfg, c, results)
             except SweepError as e:
@@ -491,9 +506,10 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
 
 def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
               on_point: Callable[[dict], None] | None = None,
-              on_result: Callable[[dict], None] | None = None) -> dict:
+              on_result: Callable[[dict], None] | None = None,
+              count_tokens: Callable[[str], int] | None = None) -> dict:
     """Run every concurrency point; returns the result dict (see write_results)."""
-    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result))
+    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result, count_tokens))
 
 
 _SUMMARY = ("mean", "p50", "p90", "p99")

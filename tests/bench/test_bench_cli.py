@@ -38,6 +38,7 @@ def test_sweep_then_plot(running, tmp_path):
     assert all(p["repeated_prompts"] for p in res["points"]) and "repeated prompts" in r.output
     assert "counted by chunks" not in r.output
     assert "tokens counted by chunks" in point_line({**res["points"][0], "tokens_from": "chunks"})
+    assert "tokens counted by the tokenizer" in point_line({**res["points"][0], "tokens_from": "tokenizer"})
     png = tmp_path / "pareto.png"
     r = CliRunner().invoke(main, ["bench", "plot", str(out), str(out), "-o", str(png), "--title", "t"])
     assert r.exit_code == 0, r.output

@@ -281,12 +281,16 @@ def test_tokens_come_from_usage_else_from_chunks(stub):
     span = 5 * GAP  # from the first chunk to the last
     assert span / 11 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 11
     assert GAP <= pt["itl_s"]["p50"] <= GAP + 0.015  # ITL stays per chunk
-    # Without usage the sweep can only count content chunks.
+    # Without usage the sweep counts content chunks, or with a tokenizer the text: here one token a character.
     stub.reset(tokens_per_chunk=2, usage=False)
     (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("x"))["points"]
-    assert pt["output_tokens"] == 2 * 6
+    assert pt["output_tokens"] == 2 * 6 and pt["tokens_from"] == "chunks"
     assert pt["input_tokens"] is None
     assert span / 5 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 5
+    stub.reset(tokens_per_chunk=2, usage=False)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("x"), count_tokens=len)["points"]
+    assert pt["output_tokens"] == 2 * 12 and pt["tokens_from"] == "tokenizer"
+    assert span / 11 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 11
 
 
 def test_closed_loop_holds_exactly_c_in_flight(stub):
@@ -718,6 +722,19 @@ def test_a_sweep_records_the_input_length_and_tokenizer_of_its_prompts(stub, tin
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "preset.json").read_text())
     assert res["config"]["isl"] == 1024 and res["dataset"]["name"] == "gpu-1k1k"
+
+
+def test_without_usage_a_given_tokenizer_counts_the_answers_text(stub, tiny_dirs, tmp_path):
+    # the stub sends "ab" a chunk, 6 chunks; the tiny tokenizer has a token per character
+    for args, tokens, source, said in (([], 6, "chunks", "--tokenizer counts its text"),
+                                       (["--tokenizer", str(tiny_dirs["qwen3"])], 12, "tokenizer",
+                                        "tokens counted by the tokenizer")):
+        stub.reset(tokens_per_chunk=2, usage=False)
+        r = cli_sweep(stub, tmp_path / "run.json", "--dataset", "cpu-small", "--osl", "6", *args)
+        assert r.exit_code == 0, r.output
+        (pt,) = json.loads((tmp_path / "run.json").read_text())["points"]
+        assert pt["output_tokens"] == 4 * tokens and pt["tokens_from"] == source
+        assert said in r.output
 
 
 def test_rounds_of_other_input_lengths_are_not_merged_and_compare_warns(stub, tmp_path):
