@@ -228,10 +228,12 @@ def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: l
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
     for f in files:
+        to = dst / f.relative_to(src)  # where the index names it: shards may lie in folders of their own
+        to.parent.mkdir(parents=True, exist_ok=True)
         if link:
-            (dst / f.name).symlink_to(f.resolve())
+            to.symlink_to(f.resolve())
         else:
-            _copy(f, dst / f.name, bar)
+            _copy(f, to, bar)
 
 
 def _tokenizer_files(src: Path) -> list[str]:
@@ -259,6 +261,13 @@ def _write_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
             f"{src}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is {vocab_size}; "
             "it is another model's tokenizer, or the checkpoint is"
         )
+    if tokenizer.chat_template:
+        try:  # one user message: what any chat template must render, else every chat request fails
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except Exception as e:  # jinja2's syntax and undefined errors, a template's own raise_exception
+            raise ValueError(f"{src}: the chat template does not render a user message "
+                             f"({type(e).__name__}: {e})") from e
     return copied
 
 
@@ -297,7 +306,8 @@ def _summaries(p: PreparedBuild) -> dict:
 
 def _check_tensors(p: PreparedBuild) -> None:
     """Every drafter tensor (and, for the torch runtime, every target tensor) must load with the shapes
-    config.json implies; the models are built on the meta device, so nothing is kept in memory."""
+    config.json implies, floating point and finite; the models are built on the meta device, so nothing is kept in
+    memory."""
     import torch
 
     from dflash_trt.models.dflash import DFlashDrafter
@@ -306,13 +316,13 @@ def _check_tensors(p: PreparedBuild) -> None:
     if p.drafter is not None:
         with torch.device("meta"):
             shell = DFlashDrafter(p.drafter_config)
-        shell.load_weights(WeightSet(p.drafter.path))
+        shell.load_weights(WeightSet(p.drafter.path, check_finite=True))
     if p.hardware.kind == "cpu":
         from dflash_trt.models.registry import TARGET_ARCHITECTURES
 
         with torch.device("meta"):
             target = TARGET_ARCHITECTURES[p.target_config.architecture](p.target_config)
-        weights = WeightSet(p.target.path)
+        weights = WeightSet(p.target.path, check_finite=True)
         target.load_weights(weights)
         weights.check_no_layers_beyond(p.target_config.num_hidden_layers)
 

@@ -91,6 +91,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
              repetition_penalty, presence_penalty, frequency_penalty, logprobs, as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
+    from jinja2 import TemplateError
+
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine, capped_note
 
     engine_path = engine
@@ -143,7 +145,10 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
         if note := capped_note(max_model_len, engine):
             click.echo(note, err=True)
-        ids = engine.encode(prompt, chat=chat)
+        try:
+            ids = engine.encode(prompt, chat=chat)
+        except TemplateError as e:  # jinja2's syntax and undefined errors, a template's own raise_exception
+            raise click.ClickException(f"the tokenizer's chat template does not render: {type(e).__name__}: {e}") from e
         # else a "length" finish would not say which limit (a prompt that fills the context is the engine's error)
         if len(ids) < engine.max_model_len < len(ids) + max_new_tokens:
             click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "

@@ -386,6 +386,109 @@ def test_a_drafter_whose_weights_do_not_match_its_config_fails_naming_it(tiny_di
     assert r.exit_code != 0 and words in r.output and "Traceback" not in r.output
 
 
+def _broken_target(tmp_path: Path, tiny_dirs, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    tensors = load_file(t / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, t / "model.safetensors")
+    return t
+
+
+def _poison(name: str, value: float):
+    def edit(tensors: dict) -> None:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[3] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    # an int8 copy of a linear once loaded as small integers, and generate wrote nonsense
+    (lambda t: t.update({"model.layers.1.mlp.up_proj.weight": t["model.layers.1.mlp.up_proj.weight"].to(torch.int8)}),
+     "'model.layers.1.mlp.up_proj.weight' is torch.int8"),
+    # a NaN once built, and generate wrote token 0 forever
+    (_poison("model.layers.1.self_attn.o_proj.weight", float("nan")),
+     "'model.layers.1.self_attn.o_proj.weight' holds NaN or Inf"),
+])
+def test_a_target_weight_that_is_not_a_finite_float_fails_the_build_naming_it(tiny_dirs, tmp_path, edit, words):
+    t = _broken_target(tmp_path, tiny_dirs, edit)
+    with pytest.raises(ValueError, match=words):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out" / "e").exists()
+
+
+def test_a_drafter_weight_holding_inf_fails_the_build_naming_it(tiny_dirs, tmp_path):
+    d = _broken_drafter(tmp_path, tiny_dirs, lambda t, c: _poison("fc.weight", float("inf"))(t))
+    with pytest.raises(ValueError, match="'fc.weight' holds NaN or Inf"):  # it built, and drafted nothing
+        build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+
+
+def _shard(checkpoint: Path, placement: dict[str, str]) -> None:
+    """Split `checkpoint`'s one file into shards: tensor-name prefix -> shard path, with an index naming them."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    weight_map = {name: next(f for prefix, f in placement.items() if name.startswith(prefix)) for name in tensors}
+    for f in set(weight_map.values()):
+        (checkpoint / f).parent.mkdir(parents=True, exist_ok=True)
+        save_file({n: t for n, t in tensors.items() if weight_map[n] == f}, checkpoint / f)
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_shards_in_folders_of_their_own_are_copied_where_the_index_names_them(tiny_dirs, tmp_path):
+    # The shards were copied flat beside an index naming their folders: the engine built and did not load, and two
+    # shards of one name in two folders overwrote each other.
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    _shard(t, {"model.layers.0.": "a/model.safetensors", "": "b/model.safetensors"})
+    out = tmp_path / "e"
+    build_engine(write_config(tmp_path, t, tiny_dirs["qwen3_drafter"]), out, progress=False)
+    assert _gen(str(out))["token_ids"] == _gen("--target", str(tiny_dirs["qwen3"]), "--no-spec")["token_ids"]
+
+
+def test_a_shard_named_outside_the_checkpoint_is_refused(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    _shard(t, {"": "../elsewhere/model.safetensors"})  # an engine would read it from outside itself, unchecksummed
+    with pytest.raises(ValueError, match="'../elsewhere/model.safetensors' is outside the checkpoint"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], d)
+    tensors = load_file(d / "model.safetensors")
+    save_file({"fc.weight": torch.zeros_like(tensors["fc.weight"])}, d / "zz.safetensors")  # which one was used?
+    with pytest.raises(ValueError, match="'fc.weight' is in both model.safetensors and zz.safetensors"):
+        build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+
+
+def test_an_index_naming_the_wrong_shard_for_a_tensor_says_so(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    _shard(t, {"model.layers.0.": "a.safetensors", "": "b.safetensors"})
+    index = t / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    index.write_text(json.dumps({"weight_map": {**weight_map, "model.norm.weight": "a.safetensors"}}))
+    with pytest.raises(ValueError, match=r"names a.safetensors for tensor 'model.norm.weight', which that file does"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+
+
+def test_a_chat_template_that_does_not_render_fails_the_build(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    (t / "chat_template.jinja").write_text("{% for x in %}{{ broken")  # it built, and generate --chat crashed
+    with pytest.raises(ValueError, match="the chat template does not render a user message.*TemplateSyntaxError"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+    r = CliRunner().invoke(main, ["generate", "--target", str(t), "--no-spec", "--chat", "-p", "hi"])
+    assert r.exit_code == 1 and "chat template does not render: TemplateSyntaxError" in r.output, r.output
+
+
 def test_a_target_config_that_undercounts_its_layers_fails_naming_them(tiny_dirs, tmp_path):
     # Else it built, and generate wrote nonsense from 3 of the target's 4 layers.
     t = tmp_path / "target"
@@ -966,6 +1069,8 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     ("drafter", {"dflash_config": [1, 2]}, "'dflash_config' must be an object of keys"),
     ("drafter", {"layer_types": ["full_attention"] * 3}, "'layer_types' must list one type per layer (1)"),
     ("drafter", {"rms_norm_eps": "abc"}, "'rms_norm_eps' must be a number, got 'abc'"),
+    ("drafter", {"num_key_value_heads": 0}, "'num_key_value_heads' must be >= 1, got 0"),  # read as missing once
+    ("drafter", {"head_dim": 0}, "'head_dim' must be >= 1, got 0"),
     ("target", {"num_attention_heads": 0, "head_dim": None}, "'num_attention_heads' must be >= 1, got 0"),
     ("target", {"intermediate_size": [128]}, "'intermediate_size' must be a whole number, got [128]"),
     ("target", {"num_hidden_layers": True}, "'num_hidden_layers' must be a whole number, got True"),

@@ -112,8 +112,8 @@ def load_experts(
             if in_dim % MXFP4_BLOCK:
                 raise CheckpointError(f"{prefix}{name}_blocks: input size {in_dim} is not a multiple of {MXFP4_BLOCK}")
             g = in_dim // MXFP4_BLOCK
-            blocks = weights.get(prefix + name + "_blocks", (e, out_dim, g, MXFP4_BLOCK // 2))[sel]
-            scales = weights.get(prefix + name + "_scales", (e, out_dim, g))[sel]
+            blocks = weights.get(prefix + name + "_blocks", (e, out_dim, g, MXFP4_BLOCK // 2), floating=False)[sel]
+            scales = weights.get(prefix + name + "_scales", (e, out_dim, g), floating=False)[sel]
             return dequantize_mxfp4(blocks, scales, dtype)
         if prefix + name in weights:
             return weights.get(prefix + name, (e, in_dim, out_dim))[sel].transpose(1, 2).to(dtype)

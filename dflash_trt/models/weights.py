@@ -28,13 +28,19 @@ def open_safetensors(path: Path):
 
 
 def read_index(index: Path) -> dict[str, Path]:
-    """A sharded checkpoint's tensor -> shard file, every shard checked present."""
+    """A sharded checkpoint's tensor -> shard file, every shard checked present and inside the checkpoint (a build
+    copies the shards where the index says, and an engine must hold every file it reads)."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         file_of = {str(name): index.parent / str(f) for name, f in weight_map.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, or no weight_map object in it
         raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
                               '"weight_map" of tensor name -> file') from e
+    outside = sorted({str(weight_map[name]) for name, f in file_of.items()
+                      if Path(weight_map[name]).is_absolute() or ".." in Path(weight_map[name]).parts})
+    if outside:
+        raise CheckpointError(f"{index}: shard {outside[0]!r} is outside the checkpoint directory; shards are named "
+                              "relative to it")
     missing = sorted({f for f in file_of.values() if not f.is_file()})
     if missing:
         raise CheckpointError(f"{missing[0]}: named in {index} but missing")
@@ -48,8 +54,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 class WeightSet:
-    def __init__(self, model_dir: str | Path) -> None:
+    """check_finite: a floating tensor holding NaN or Inf is refused (a build reads each tensor once, to check it;
+    a corrupt weight otherwise runs, writing token 0 forever or drafting nothing)."""
+
+    def __init__(self, model_dir: str | Path, check_finite: bool = False) -> None:
         self.model_dir = Path(model_dir)
+        self.check_finite = check_finite
         self._file_of: dict[str, Path] = {}
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -61,8 +71,12 @@ class WeightSet:
             for f in files:
                 with open_safetensors(f) as h:
                     for name in h.keys():
+                        if name in self._file_of:  # which copy a loader took would depend on the files' order
+                            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is in both "
+                                                  f"{self._file_of[name].name} and {f.name}")
                         self._file_of[name] = f
         self._handles: dict[Path, object] = {}
+        self._keys: dict[Path, set[str]] = {}
         self.used: set[str] = set()
 
     def names(self) -> list[str]:
@@ -71,12 +85,17 @@ class WeightSet:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None = None, floating: bool = True) -> torch.Tensor:
+        """floating: the tensor must be floating point (False for packed ones, MXFP4's blocks and scales)."""
         if name not in self._file_of:
             raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = open_safetensors(path)
+            self._keys[path] = set(self._handles[path].keys())
+        if name not in self._keys[path]:
+            raise CheckpointError(f"{self.model_dir / 'model.safetensors.index.json'}: names {path.name} for tensor "
+                                  f"{name!r}, which that file does not hold")
         try:
             t = self._handles[path].get_tensor(name)
         except Exception as e:  # safetensors' own error types: a file cut short after its header
@@ -85,6 +104,11 @@ class WeightSet:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
             )
+        if floating and not t.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name!r} is {t.dtype}; these weights are floating point (a "
+                                  "checkpoint quantized in a format this runtime does not read?)")
+        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
         self.used.add(name)
         return t
 
