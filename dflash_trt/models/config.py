@@ -155,7 +155,8 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         return cfg[key]
 
     def whole(key: str, default=None, minimum: int | None = 1) -> int:
-        return as_int(need(key) if default is None else cfg.get(key) or default, key, source, minimum)
+        # a key present as 0 is that 0, refused (as a default it once hid a bad num_key_value_heads)
+        return as_int(need(key) if default is None or cfg.get(key) is not None else default, key, source, minimum)
 
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):

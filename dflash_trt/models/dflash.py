@@ -148,8 +148,10 @@ class DFlashConfig:
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=whole("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
-            head_dim=whole("head_dim", cfg.get("head_dim") or hidden // heads),
+            # a key present as 0 is that 0, refused, not the default
+            num_key_value_heads=whole("num_key_value_heads", heads if cfg.get("num_key_value_heads") is None
+                                      else cfg["num_key_value_heads"]),
+            head_dim=whole("head_dim", hidden // heads if cfg.get("head_dim") is None else cfg["head_dim"]),
             intermediate_size=whole("intermediate_size"),
             block_size=whole("block_size", value("block_size", 16), minimum=None),
             mask_token_id=whole("mask_token_id", minimum=0),
@@ -478,9 +480,6 @@ class DFlashDrafter(nn.Module):
         h, q_size, kv_size = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
         def put(name: str, value: torch.Tensor) -> None:
-            if not value.is_floating_point():
-                raise CheckpointError(f"{weights.model_dir}: tensor {name!r} is {value.dtype}; a drafter's weights "
-                                      "are floating point")
             own[name].data.copy_(value)
 
         put("fc.weight", weights.get("fc.weight", (h, len(c.target_layer_ids) * h)))

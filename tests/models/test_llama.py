@@ -164,6 +164,8 @@ def test_unsupported_architecture_is_named(tmp_path):
     ({"tie_word_embeddings": 1}, "'tie_word_embeddings' must be true or false"),
     ({"attention_bias": "false"}, "'attention_bias' must be true or false"),
     ({"sliding_window": 0}, "'sliding_window' must be >= 1"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be >= 1"),  # read as missing: the heads' count
+    ({"head_dim": 0}, "'head_dim' must be >= 1"),
     ({"sliding_window": -4}, "'sliding_window' must be >= 1"),
     ({"architectures": "MistralForCausalLM"}, "'architectures' must be a list"),  # was taken as architecture 'M'
     ({"rope_parameters": [1, 2]}, "'rope_parameters' must be an object"),
