@@ -28,6 +28,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+SWAP = "swap"  # `.OUT.swap.lock`: swaps into OUT take turns under it
 
 
 def lock_of(path: Path) -> Path:
@@ -134,6 +135,9 @@ def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[
         for lock in parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
             if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_state(lock):
                 lock.unlink(missing_ok=True)
+    for lock in parent.glob(f".*.{SWAP}{LOCK_SUFFIX}"):  # a swap killed before its lock went (held() takes anew)
+        if lock_state(lock):
+            lock.unlink(missing_ok=True)
 
 
 def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | None = None) -> None:
@@ -142,7 +146,7 @@ def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | Non
     may have written `out` meanwhile. SIGTERM and SIGINT wait for the block, which would otherwise leave neither.
     Swaps into one `out` take turns (a lock named for it): two at once could each set aside what the other had just
     renamed in, and the slower one's rename then failed with a bare ENOTEMPTY."""
-    with signals_held(), held(out.parent / f".{out.name}.swap"):
+    with signals_held(), held(out.parent / f".{out.name}.{SWAP}"):
         if check is not None:
             check()
         if not out.exists():

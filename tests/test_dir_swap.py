@@ -77,12 +77,14 @@ def test_remove_stale_goes_by_locks_not_by_names_or_pids(tmp_path):
     dotted = _lock(_dir(tmp_path / ".m.write-2.replaced-6-00000000", "done"))
     unlocked_old = _dir(tmp_path / ".g.replaced-8-00000000", "done")  # lock-less: left unless unlocked_replaced
     live = _dir(tmp_path / ".e.write-4-00000000")
-    with open(live.with_name(live.name + ".lock"), "w") as lock:
+    (tmp_path / ".k.swap.lock").touch()  # a swap killed between its renames: free
+    with open(live.with_name(live.name + ".lock"), "w") as lock, open(tmp_path / ".l.swap.lock", "w") as swapping:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(swapping, fcntl.LOCK_EX)  # a swap in progress
         assert dir_swap.live_writers(tmp_path, "write") == [live]
         dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            [unlocked.name, "c", "m.write-2", unlocked_old.name, live.name, live.name + ".lock"])
+            [unlocked.name, "c", "m.write-2", unlocked_old.name, live.name, live.name + ".lock", ".l.swap.lock"])
     assert (tmp_path / "c" / "done").is_file() and (tmp_path / "m.write-2" / "done").is_file()
     assert not killed.exists() and not set_aside.exists() and not partial.exists() and not dotted.exists()
     # a set-aside directory is only `name`'s where one is given; lock-less ones count where the caller says so
