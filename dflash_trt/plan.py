@@ -308,7 +308,7 @@ def plan_build(
 def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     comps = plan.components
     gb = lambda b: f"{b / GB:.2f} GB"  # noqa: E731
-    parts = ", ".join(f"{key} {gb(v)}" for key, v in sorted(comps.items(), key=lambda kv: -kv[1]))
+    parts = ", ".join(f"{key} {gb(v)}" for key, v in sorted(comps.items(), key=lambda kv: -kv[1]) if v)
     head = (
         f"the build does not fit {hw.name} ({gb(hw.memory_bytes)} per device): each rank needs {gb(plan.total_bytes)} "
         f"({parts}); the KV cache may use {gb(max(plan.kv_cache_budget_bytes, 0))}"
