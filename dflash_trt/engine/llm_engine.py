@@ -426,7 +426,10 @@ class LLMEngine:
         return expand(self.draft_tree, len(active))
 
     def make_output(self, s: Sequence) -> RequestOutput:
-        text = client_text(self.tokenizer, s.output_ids) if self.tokenizer is not None else ""
+        ids = s.output_ids
+        if s.finish_reason == "stop" and ids and ids[-1] in s.stop_ids:
+            ids = ids[:-1]  # a stop token's text is not the answer's (vLLM's too); its id stays in token_ids
+        text = client_text(self.tokenizer, ids) if self.tokenizer is not None else ""
         for stop in s.params.stop:
             cut = text.find(stop)
             if cut >= 0:

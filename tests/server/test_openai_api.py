@@ -109,11 +109,15 @@ def test_stop_token_ids_end_the_answer_and_min_tokens_holds_with_ignore_eos(serv
     want = expected(oracle, PROMPTS[5:6], 24)[0]
     i = next(i for i in range(2, len(want.token_ids)) if want.token_ids[i] not in want.token_ids[:i])
     stop_id = want.token_ids[i]
-    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0,
-                                              extra_body={"stop_token_ids": [stop_id]})
-    # vLLM: the answer stops at the id, which a non-special token's text keeps
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id]})
+    # vLLM: the answer stops at the id, which usage counts and the text leaves out (the stop token's text was kept)
     assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == i + 1
-    assert resp.choices[0].text == oracle.tokenizer.decode(want.token_ids[:i + 1], skip_special_tokens=True)
+    assert resp.choices[0].text == oracle.tokenizer.decode(want.token_ids[:i], skip_special_tokens=True)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0, stream=True,
+                                       extra_body={"stop_token_ids": [stop_id]})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == resp.choices[0].text
     resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=10, temperature=0,
                                               extra_body={"min_tokens": 10, "ignore_eos": True})
     assert resp.usage.completion_tokens == 10
@@ -301,7 +305,8 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     # nested deeper than the parser recurses: still the client's malformed body, not a server error
-    r = httpx.post(server.base_url + "/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30)
+    r = httpx.post(server.base_url + "/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     # JSON's \ud800 escape is valid JSON and decodes to a lone surrogate, which is no text a tokenizer takes: the
     # field is named, and the connection stays open for the next request
