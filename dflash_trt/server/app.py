@@ -186,11 +186,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     # --- request -> engine ------------------------------------------------------------------------
 
     async def _parse(request: Request, schema: type[BaseModel]):
-        kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json" and not kind.endswith("+json"):
-            # text/plain and form bodies are what a web page may send any server without asking (no CORS preflight):
-            # run, they would let any page the user opens make this server generate
-            raise APIError(415, f"the body must be JSON sent as Content-Type: application/json, not {kind!r}")
+            # text/plain, form bodies and bodies of no type (a Blob's) are what a web page may send any server without
+            # asking (no CORS preflight): run, they would let any page the user opens make this server generate
+            sent = f"not {kind!r}" if kind else "and this request had no Content-Type"
+            raise APIError(415, f"the body must be JSON sent as Content-Type: application/json, {sent}")
         raw = await request.body()
         try:
             data = json.loads(raw)
