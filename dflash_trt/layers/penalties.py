@@ -34,6 +34,9 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
         seen = (counts > 0) | in_prompt
         r = params.repetition_penalty
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        # a penalty of 1e-38 (or 1e38) would take logits past float32's range: inf, then NaN probabilities
+        limit = torch.finfo(out.dtype).max
+        out = out.clamp(-limit, limit)
     if params.frequency_penalty:
         out = out - params.frequency_penalty * counts
     if params.presence_penalty:

@@ -54,7 +54,8 @@ def sampling_probs(
         sorted_scores = sorted_scores.masked_fill(rank >= k, float("-inf"))
         sorted_probs = torch.softmax(sorted_scores, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None, None]
+        # (rank 0 by name: a top_p under float32's least value reads as 0, and nothing would have stayed)
+        keep = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None, None]) | (rank == 0)
         sorted_probs = sorted_probs * keep
         sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
         truncated = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

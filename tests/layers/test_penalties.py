@@ -6,6 +6,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from dflash_trt.layers.penalties import penalize
+from dflash_trt.layers.sampler import sampling_probs
 from dflash_trt.sampling_params import SamplingParams
 
 PROMPT, OUTPUT = [3, 5, 5, 9], [7, 5, 7, 11]
@@ -38,3 +39,16 @@ def test_frequency_and_presence_count_the_output_only(presence, frequency):
 def test_penalties_out_of_range_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("r", [1e-38, 1e38])
+def test_an_extreme_repetition_penalty_still_gives_a_distribution(r):
+    # past float32's range the seen tokens' logits were inf (or every logit -inf): NaN probabilities, garbage samples
+    sign = 1.0 if r < 1 else -1.0
+    logits = sign * (torch.rand(1, 16, generator=torch.Generator().manual_seed(2)) * 20 + 1)
+    got = penalize(logits, SamplingParams(repetition_penalty=r), list(range(16)) if r > 1 else PROMPT, OUTPUT, [[]])
+    assert torch.isfinite(got).all()
+    probs = sampling_probs(got[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0, 0]
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    if r < 1:  # the mass is on the tokens the penalty raised, the prompt's and the output's
+        assert float(probs[sorted(set(PROMPT + OUTPUT))].sum()) > 1 - 1e-5

@@ -75,3 +75,10 @@ def test_a_rows_distribution_depends_on_its_own_settings_alone(rows):
     for i in range(len(rows)):
         alone = sampling_probs(logits[i : i + 1], *(t[i : i + 1] for t in tensors))
         assert torch.equal(batch[i : i + 1], alone)
+
+
+def test_a_top_p_below_float32s_least_value_keeps_the_most_likely_token():
+    # 1e-46 reads as 0 in float32: no token stayed, and every sample was one fixed token, not the argmax
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0))
+    probs = sampling_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1e-46, 1e-46]))
+    torch.testing.assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
