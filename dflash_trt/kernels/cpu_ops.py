@@ -185,9 +185,12 @@ class CpuOps:
         rows share the call."""
         x = x.contiguous()
         n, k = weight.shape
+        if x.shape[-1] != k:  # the kernel would write x.numel() // k rows into an output of fewer
+            raise ValueError(f"linear: x has {x.shape[-1]} inputs, the [{n}, {k}] weight {k}")
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-        self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                     x.numel() // k, n, k)
+        if not self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                            out.data_ptr(), x.numel() // k, n, k):
+            raise ValueError(f"linear: no kernel here serves a [{n}, {k}] weight (kernel_weight() gives None for it)")
         return out
 
     def linear_q8(self, x: torch.Tensor, weight: "Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -287,6 +290,7 @@ class CpuOps:
         n, rot = qkv.shape[0], cos.shape[-1]
         if qkv.shape[1] != (heads + 2 * kv_heads) * d:
             raise ValueError(f"qkv_rotary_write: {qkv.shape[1]} projected channels for {heads}+2x{kv_heads} heads of {d}")
+        _check_indices("qkv_rotary_write", n, rows=rows, positions=positions)
         cos, sin = cos.reshape(n, rot).contiguous(), sin.reshape(n, rot).contiguous()
         q_norm, k_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
         q = torch.empty(n, heads, d, dtype=qkv.dtype)
@@ -377,14 +381,25 @@ class CpuOps:
         q = q.contiguous()
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape
-        if h % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"cached_attention: {h} query heads over {kvh} KV heads, or a strided cache")
+        if h % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-1] != d:
+            raise ValueError(f"cached_attention: {h} query heads of {d} over {kvh} KV heads of {k_cache.shape[-1]}, "
+                             "or a strided cache")
+        _check_indices("cached_attention", b, rows=rows, lens=lens)
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
             b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b),
         )
         return out
+
+
+def _check_indices(op: str, n: int, **indices: torch.Tensor) -> None:
+    """The kernels read these as n contiguous int64 (a strided or int32 view was misread, reading past the cache);
+    their values are the caller's to keep in range (reading them would cost each call a reduction)."""
+    for name, t in indices.items():
+        if t.dtype != torch.int64 or t.shape != (n,) or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be a contiguous int64 [{n}], got {t.dtype} {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' (strided)'}")
 
 
 def _tree_pointer(tree: torch.Tensor | None, queries: int) -> int | None:

@@ -150,6 +150,28 @@ def test_tree_attention_refuses_a_malformed_tree():
         ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0, tree=torch.zeros(2, dtype=torch.long))
 
 
+def test_indices_the_kernels_would_misread_are_refused():
+    # a strided lens view was read as contiguous int64, past the cache: values of 1e28 where 0 was due
+    cache = _cache(2, 16, 1, 32, torch.float32, torch.Generator().manual_seed(0))
+    q, rows = torch.zeros(2, 1, 32), torch.zeros(2, dtype=torch.long)
+    for lens, words in ((torch.tensor([[3, 9], [4, 9]])[:, 0], "strided"), (torch.tensor([3, 4], dtype=torch.int32),
+                                                                              "torch.int32"), (torch.tensor([3]), "[2]")):
+        with pytest.raises(ValueError, match=f"lens must be a contiguous int64.*{words}"):
+            ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0)
+    with pytest.raises(ValueError, match="query heads of 16 over 1 KV heads of 32"):
+        ops.cached_attention(torch.zeros(2, 2, 16), cache.k[0], cache.v[0], rows, torch.tensor([3, 4]), 1.0)
+    qkv, cos = torch.zeros(2, 3 * 32), torch.zeros(2, 32)
+    with pytest.raises(ValueError, match="positions must be a contiguous int64"):
+        ops.qkv_rotary_write(qkv, cos, cos, rows, torch.tensor([1, 2], dtype=torch.int32), cache.k[0], cache.v[0], 1)
+
+
+def test_a_linear_whose_input_is_not_the_weights_width_is_refused():
+    # 2 rows of 96 inputs over a 64-input weight: the kernel wrote 3 rows into an output of 2, corrupting the heap
+    weight = ops.kernel_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x has 96 inputs"):
+        ops.linear(torch.zeros(2, 96, dtype=torch.bfloat16), weight)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim, qk_norm", [(64, False), (32, False), (64, True)])
 def test_qkv_rotary_write_equals_transformers_rotary_and_an_indexed_write(dtype, rotary_dim, qk_norm):
