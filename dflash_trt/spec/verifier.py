@@ -88,7 +88,8 @@ def rejection_from_uniforms(
     a = _prefix_len(u[:, :k] * q < p)
     rows = torch.arange(b, device=draft_tokens.device)
     p_a = target_probs[rows, a]  # [B, V]
-    q_a = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, a]  # zeros when all accepted
+    zeros = draft_probs.new_zeros(b, 1, target_probs.shape[-1])  # (not draft_probs[:, :1]: empty where K = 0)
+    q_a = torch.cat([draft_probs, zeros], dim=1)[rows, a]  # zeros when all accepted
     residual = (p_a - q_a).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     # mass == 0 only when p == q exactly, where any rejection is impossible; fall back to p.

@@ -58,6 +58,20 @@ def test_kernels_match_reference_on_mixed_batches(triton_device, b, k, vocab, se
     assert 0 < want[0].float().mean() < k  # partial acceptance happened
 
 
+def test_with_no_drafts_every_rule_samples_the_bonus_from_the_target():
+    # K = 0 under the rejection rule raised an IndexError (its residual padded with an empty slice)
+    vocab = 6
+    logits = torch.randn(3, 1, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    ones, u = torch.ones(3), torch.tensor([[0.1], [0.5], [0.9]])
+    args = (torch.zeros(3, 0, dtype=torch.long), logits, torch.zeros(3, 0, vocab), u,
+            torch.tensor([GREEDY, MATCH, REJECTION]), torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3, dtype=torch.long),
+            ones)
+    num_accepted, bonus = verify_block_ref(*args)
+    cdf = torch.softmax(logits[:, 0], -1).cumsum(-1)  # inverse-CDF sampling at each row's uniform
+    assert num_accepted.tolist() == [0, 0, 0]
+    assert bonus.tolist() == [int(logits[0, 0].argmax()), *(int((cdf[i] <= u[i, 0]).sum()) for i in (1, 2))]
+
+
 def test_rejection_sampling_in_the_kernel_preserves_the_target_distribution(triton_device):
     """K = 1: the emitted first token (the draft if accepted, else the residual sample) must follow p."""
     from dflash_trt.kernels.verify_block_triton import verify_block_triton
