@@ -33,6 +33,9 @@ class RequestUpdate:
 Callback = Callable[[RequestUpdate], None]
 
 
+SHUTTING_DOWN = "server shutting down"  # the error of requests the loop's stop() ended
+
+
 class LoopStopped(RuntimeError):
     """A request came after stop(): the server is shutting down."""
 
@@ -165,10 +168,10 @@ class EngineLoop:
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):
-            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, "server shutting down"))
+            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, SHUTTING_DOWN))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
-            self._deliver(RequestUpdate(seq.request_id, (), True, None, "server shutting down"))
+            self._deliver(RequestUpdate(seq.request_id, (), True, None, SHUTTING_DOWN))
 
     @staticmethod
     def _hook(hook, *args) -> None:

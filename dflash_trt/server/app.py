@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
-from dflash_trt.engine.engine_loop import EngineLoop, LoopStopped, RequestUpdate
+from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
@@ -313,6 +313,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     # --- engine -> response -----------------------------------------------------------------------
 
     def _finished(update: RequestUpdate) -> RequestOutput:
+        if update.error == SHUTTING_DOWN:  # not the server's fault, and said as a request after the stop is
+            raise APIError(503, update.error, "server_error", code="shutting_down")
         if update.error is not None or update.output is None:
             raise APIError(500, update.error or "the request ended without output", "server_error")
         return update.output

@@ -478,7 +478,7 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path):
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2][len("data: "):])
         assert last == {"error": {"message": "server shutting down", "type": "server_error", "param": None,
-                                  "code": None}}
+                                  "code": "shutting_down"}}
         assert proc.wait(20) == 0
         out = proc.stdout.read().decode()
         assert f"http://127.0.0.1:{port}/v1" in out
@@ -517,6 +517,28 @@ def test_the_server_answers_others_while_a_prompt_is_tokenized(server, oracle, m
         finally:
             release.set()
             pending.join(60)
+
+
+def test_a_request_the_stop_ends_is_answered_as_shutting_down_not_an_internal_error(tiny_dirs):
+    # a non-streamed request in flight at the stop got 500 server_error
+    import threading
+
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=2))
+    try:
+        answered = []
+        pending = threading.Thread(target=lambda: answered.append(httpx.post(
+            s.base_url + "/completions", timeout=60,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True})))
+        pending.start()
+        deadline = time.monotonic() + 30
+        while not s.loop.engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.loop.stop()
+        pending.join(60)
+        assert answered[0].status_code == 503, answered[0].text
+        assert answered[0].json()["error"]["code"] == "shutting_down"
+    finally:
+        s.stop()
 
 
 def test_a_request_after_the_engine_stopped_is_refused_as_shutting_down_not_an_internal_error(tiny_dirs):
