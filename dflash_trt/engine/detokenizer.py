@@ -55,8 +55,12 @@ class IncrementalDetokenizer:
             cut = text.find(stop)
             if cut >= 0:
                 best = max(best, len(text) - cut)
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if stop.startswith(text[-n:]):
-                    best = n
+            # only suffixes that start with the stop's first character: trying every length sliced and compared up to
+            # len(stop) characters len(stop) times, milliseconds an update for long stops on the event loop
+            i = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+            while i >= 0 and len(text) - i > best:
+                if stop.startswith(text[i:]):
+                    best = len(text) - i
                     break
+                i = text.find(stop[0], i + 1)
         return best

@@ -92,3 +92,15 @@ def test_a_metaspace_tokenizer_keeps_the_spaces_a_lone_token_would_lose():
     assert fast.decode(ids[3:4]) != " " + fast.decode(ids[3:4]).lstrip()  # the premise: a lone token loses its space
     detok = IncrementalDetokenizer(fast)
     assert "".join(detok.delta(ids[:n]) for n in range(1, len(ids) + 1)) == fast.decode(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab\n", max_size=30), stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=8),
+                                                                   max_size=3))
+def test_the_text_held_back_is_the_longest_suffix_a_stop_string_starts_with_or_holds(text, stops):
+    def held(stop: str) -> int:  # every suffix tried, longest first
+        if stop in text:
+            return len(text) - text.find(stop)
+        return next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if stop.startswith(text[-n:])), 0)
+
+    assert IncrementalDetokenizer(None, stops)._stop_prefix_len(text) == max(map(held, stops), default=0)
