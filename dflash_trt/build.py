@@ -191,10 +191,16 @@ def _not_an_engine(path: Path) -> str | None:
     except (OSError, ValueError) as e:
         return str(e).removesuffix("; rebuild the engine")
     extra = sorted(str(f.relative_to(path)) for f in path.rglob("*")
-                   if not f.is_dir() and str(f.relative_to(path)) not in listed and f.name != MANIFEST)
+                   if not f.is_dir() and str(f.relative_to(path)) not in listed and f.name != MANIFEST
+                   and not _mac_metadata(f.name))
     if extra:
         return f"it holds {len(extra)} file(s) its {MANIFEST} does not list, e.g. {extra[0]}"
     return None
+
+
+def _mac_metadata(name: str) -> bool:
+    """What a Mac's Finder or a copy from its disks leaves beside files (an engine copied from one still is one)."""
+    return name == ".DS_Store" or name.startswith("._")
 
 
 def _weight_files(src: Path) -> list[Path]:

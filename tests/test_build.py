@@ -793,6 +793,8 @@ def test_force_replaces_only_an_engine_never_another_directory(tiny_dirs, tmp_pa
         build_engine(cfg, engine, force=True, progress=False)
     assert (webext / "background.js").read_text() == "mine" and (engine / "target" / "notes.txt").read_text() == "mine"
     (engine / "target" / "notes.txt").unlink()
+    (engine / ".DS_Store").write_bytes(b"\0")  # a Mac's metadata: an engine copied from one is still one to replace
+    (engine / "target" / "._model.safetensors").write_bytes(b"\0")
     (engine / "target" / "model.safetensors").write_bytes(b"damaged")  # a damaged engine is still one to replace
     EngineDir(build_engine(cfg, engine, force=True, progress=False)).verify()
     empty = tmp_path / "empty"
