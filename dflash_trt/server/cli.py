@@ -358,6 +358,8 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
         path = export_repository(repo, model_name, settings, force=force)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # a repository in a read-only directory, or under a file
+        raise click.ClickException(f"cannot write the model repository {repo}: {e}") from e
     click.echo(str(path))
 
 

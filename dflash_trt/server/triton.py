@@ -7,6 +7,7 @@ Repository layout:  REPO/NAME/config.pbtxt   REPO/NAME/1/model.py  (a copy of se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -170,10 +171,14 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
         raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.' (one directory in {repo})")
     model_dir = Path(repo) / model_name
     remove_stale_exports(model_dir.parent)
-    if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
-        raise FileExistsError(f"{model_dir} is not a model directory (a file or a link): move it away yourself")
-    if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
-        raise FileExistsError(f"{model_dir} already holds a model; pass --force to overwrite it")
+
+    def check_target() -> None:  # before writing, and again where it is swapped in: another export may be done by then
+        if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
+            raise FileExistsError(f"{model_dir} is not a model directory (a file or a link): move it away yourself")
+        if model_dir.is_dir() and any(model_dir.iterdir()) and not force:
+            raise FileExistsError(f"{model_dir} already holds a model; pass --force to overwrite it")
+
+    check_target()
     for path in (settings.engine_dir, settings.target_dir, settings.drafter_dir):
         if path and not Path(path).is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
@@ -186,7 +191,7 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
             (tmp / "1").mkdir(parents=True)  # the umask's modes, as a plain mkdir: tritonserver may run as another user
             (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
             shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
-            dir_swap.swap_in(tmp, model_dir, REPLACED)
+            dir_swap.swap_in(tmp, model_dir, REPLACED, check=check_target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return model_dir
@@ -299,29 +304,46 @@ class TritonServer:
             time.sleep(0.5)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (Triton unloads the models and exits), then SIGKILL after `timeout`."""
+        """SIGTERM (Triton unloads the models and exits), then SIGKILL after `timeout`; either way, what is left of
+        its process group then (the python backend's stub, which tritonserver leaves behind when it gives up on a
+        request in flight) is killed."""
         code = None
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 code = self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._kill_group()
                 code = self.process.wait()
         elif self.process is not None:
             code = self.process.returncode
+        self._kill_group()
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
         return code
 
-    def wait_forwarding_signals(self, on_ready=None) -> int:
-        """Run until the server exits; SIGINT / SIGTERM stop it cleanly. Returns its exit code. `on_ready()` is
-        called once the server is ready, if it gets there."""
+    def _kill_group(self) -> None:
+        """SIGKILL tritonserver's process group (its own session: it and the stubs it started)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def wait_forwarding_signals(self, on_ready=None, grace: float = 15.0) -> int:
+        """Run until the server exits; SIGINT / SIGTERM stop it (0). Returns its exit code. `on_ready()` is called
+        once the server is ready, if it gets there. A request still generating keeps tritonserver from exiting (its
+        model is live until the request ends, minutes on a long answer): `grace` seconds after the stop, or at a
+        second signal, the server's process group is killed."""
         assert self.process is not None, "start() first"
+        stopping: list[float] = []  # when the first signal came
 
         def forward(signum, _frame):
-            if self.process is not None and self.process.poll() is None:
+            if self.process is None or self.process.poll() is not None:
+                return
+            if stopping:
+                self._kill_group()
+            else:
+                stopping.append(time.monotonic())
                 self.process.send_signal(signal.SIGTERM)
 
         signal.signal(signal.SIGINT, forward)
@@ -333,9 +355,17 @@ class TritonServer:
                 pass  # it exited: its code is returned below
             else:
                 on_ready()
-        code = self.process.wait()
+        while True:
+            try:
+                code = self.process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > grace:
+                    logger.warning("tritonserver did not stop within %.0f s of the signal (a request still "
+                                   "generating): killed", grace)
+                    self._kill_group()
         self.stop()
-        return 0 if code in (0, -signal.SIGTERM) else code
+        return 0 if stopping or code in (0, -signal.SIGTERM) else code
 
 
 def _die_with_parent() -> None:

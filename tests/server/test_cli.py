@@ -13,6 +13,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from dflash_trt import dir_swap as dir_swap_module
 from dflash_trt.server import cli
 from tests.server.conftest import free_port
 
@@ -219,6 +220,31 @@ def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_pat
     result = CliRunner().invoke(cli.triton, [*base, "--model-name", "other", "--force"])
     assert result.exit_code == 1 and "is not a model directory (a file or a link)" in result.output
     assert (repo / "other").read_text() == "a file named like a model"
+
+
+def test_an_export_that_finds_a_model_written_meanwhile_does_not_overwrite_it(tmp_path, tiny_dirs, monkeypatch):
+    # two exports without --force into an empty repository both passed the check up front: the second overwrote
+    repo = tmp_path / "repo"
+    base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
+    real = dir_swap_module.swap_in
+
+    def another_export_first(tmp, out, replaced, check=None):
+        monkeypatch.setattr(dir_swap_module, "swap_in", real)
+        assert CliRunner().invoke(cli.triton, [*base, "--max-model-len", "128"]).exit_code == 0
+        real(tmp, out, replaced, check)
+
+    monkeypatch.setattr(dir_swap_module, "swap_in", another_export_first)
+    result = CliRunner().invoke(cli.triton, base)
+    assert result.exit_code == 1 and "already holds a model; pass --force" in result.output, result.output
+    assert 'string_value: "128"' in (repo / "dflash" / "config.pbtxt").read_text()  # the other export's, whole
+    assert sorted(p.name for p in repo.iterdir()) == ["dflash"]
+
+
+def test_a_repository_that_cannot_be_written_is_named_not_a_traceback(tmp_path, tiny_dirs):
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(cli.triton, ["export", "-o", str(tmp_path / "file" / "repo"), "--target",
+                                             str(tiny_dirs["qwen3"]), "--no-spec"])
+    assert result.exit_code == 1 and f"cannot write the model repository {tmp_path / 'file' / 'repo'}" in result.output
 
 
 def _killed(path: Path) -> Path:

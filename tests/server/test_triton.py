@@ -231,3 +231,25 @@ def test_triton_serve_stops_cleanly_on_sigterm_after_a_cancelled_stream(triton):
     log = triton["log"]
     assert proc.wait(60) == 0, log.read_text()[-2000:]
     assert "Exit timeout expired" not in log.read_text()
+
+
+def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tmp_path):
+    """A request still generating kept tritonserver from exiting on SIGTERM for minutes, and when it gave up, its
+    python backend stub (same process group) was left running. Here a stand-in that ignores SIGTERM and holds a
+    child in its group: the stop kills the whole group after the grace, and reads as a clean stop (0)."""
+    import threading
+
+    from dflash_trt.server.triton import TritonServer
+
+    server = TritonServer(tmp_path)
+    server.process = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 600 & wait; wait"], start_new_session=True)
+    time.sleep(0.5)  # the trap is set
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        assert server.wait_forwarding_signals(grace=1.0) == 0
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    with pytest.raises(ProcessLookupError):  # nothing left in its group: the child went with it
+        os.killpg(server.process.pid, 0)
