@@ -36,8 +36,7 @@ def read_index(index: Path) -> dict[str, Path]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, or no weight_map object in it
         raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
                               '"weight_map" of tensor name -> file') from e
-    outside = sorted({str(weight_map[name]) for name, f in file_of.items()
-                      if Path(weight_map[name]).is_absolute() or ".." in Path(weight_map[name]).parts})
+    outside = sorted({str(f) for f in weight_map.values() if Path(str(f)).is_absolute() or ".." in Path(str(f)).parts})
     if outside:
         raise CheckpointError(f"{index}: shard {outside[0]!r} is outside the checkpoint directory; shards are named "
                               "relative to it")
