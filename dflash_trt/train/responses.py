@@ -106,9 +106,13 @@ def generate_responses(
     chat: each prompt as a user turn through the target's chat template, else as plain text (a base model's).
     """
     stored = {r["id"]: r["prompt_ids"] for r in read_records(out_path)}
-    jobs, strangers, wanted = [], [], set()
+    limit = getattr(engine, "engine", engine).max_model_len  # a BatchGenerator runs its engine's
+    jobs, strangers, wanted, too_long = [], [], set(), []
     for i, p in enumerate(prompts):
         ids = engine.encode(p.text, chat=chat)
+        if len(ids) >= limit:  # found before any is answered: answered shortest first, it failed the run last
+            too_long.append(f"prompt {first_id + i + 1} ({p.source}, {len(ids)} tokens)")
+            continue
         modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
@@ -117,6 +121,10 @@ def generate_responses(
                 jobs.append((rid, p, mode, ids))
             elif stored[rid] != ids:
                 strangers.append(rid)
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompt(s) leave no room to answer in {limit} tokens: "
+                         f"{', '.join(too_long[:3])}{' ...' if len(too_long) > 3 else ''}; remove them, or raise "
+                         "--max-seq-len (answers are generated in max(--max-seq-len, 1024) + --response-tokens)")
     if strangers:
         # Ids are positions: a record at another prompt's position would be skipped as answered, and that prompt
         # never answered (or one answered twice).

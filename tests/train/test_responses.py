@@ -84,3 +84,13 @@ def test_a_finished_data_file_is_only_read(engine, tmp_path, monkeypatch):
     first = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
     monkeypatch.setattr(responses, "_drop_torn_tail", lambda p: pytest.fail(f"{p} opened to write"))
     assert generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0) == first
+
+
+def test_a_prompt_too_long_to_answer_is_refused_before_any_is_answered(engine, tmp_path):
+    # answered shortest first, it failed the run after every other prompt, naming none
+    path = tmp_path / "responses.jsonl"
+    long = Prompt("word " * engine.max_model_len, "my-file")
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) leave no room .*: prompt 3 \(my-file, \d+ tokens\).*"
+                                         r"raise --max-seq-len"):
+        generate_responses(engine, [*PROMPTS[:2], long], path, max_new_tokens=6, sampled_variants=0)
+    assert read_records(path) == []
