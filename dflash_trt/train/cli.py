@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -373,6 +374,17 @@ def interrupted_state(out_dir: Path, data_dir: Path) -> str:
     return data + f"; training at step {saved['step']} in {out_dir / 'checkpoint.pt'}."
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, NaN and infinity refused (they pass its bounds: NaN compares false, and an --lr of inf
+    trained a NaN drafter, exported as the best)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
+
+
 def _layer_ids(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
     if value is None:
         return None
@@ -407,12 +419,12 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--num-features", default=5, show_default=True, type=click.IntRange(min=1), help="Target layers to fuse when --target-layers is not given.")
 @click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1),
               help="Optimizer steps in all (with --resume, counting the checkpoint's).")
-@click.option("--lr", default=6e-4, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--lr", default=6e-4, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Peak AdamW learning rate (linear warmup over the first 4% of steps, then cosine decay to 5% of it).")
 @click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(min=1),
               help="Training records drawn per optimizer step.")
 @click.option("--micro-batch", default=None, type=click.IntRange(min=1), help="Sequences per drafter forward (default: all of --seqs-per-step).")
-@click.option("--time-budget", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--time-budget", default=None, type=FiniteFloatRange(min=0, min_open=True),
               help="Seconds: end the run (at most --steps), its LR schedule and its evaluations, the closing one "
                    "included, within this wall-clock time, a resumed run's earlier training included. A run trains "
                    "at least one step: a budget too short for that and its evaluation is overrun, with a warning.")
@@ -425,7 +437,7 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
               help="Steps between evaluations on the held-out records (also after the last step); each one saves "
                    "checkpoint.pt, and OUT/drafter when it scores best (always, with nothing held out).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=16), help="Tokens of each record trained on (prompt first).")
-@click.option("--gamma", default=None, type=click.FloatRange(min=0, min_open=True), help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
+@click.option("--gamma", default=None, type=FiniteFloatRange(min=0, min_open=True), help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the drafter's initialization and of the records and anchors drawn for each step.")
 @click.option("--sampled-variants", default=1, show_default=True, type=click.IntRange(min=0),
@@ -443,11 +455,11 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token of the target.")
 @click.option("--init-from-target", is_flag=True, help="Start the drafter layers from the target's last layers.")
 @click.option("--init-drafter", type=click.Path(exists=True, file_okay=False), help="Warm start from a trained drafter (z-lab format, same width; with fewer layers than --layers, the extra ones start as identities).")
-@click.option("--distill", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+@click.option("--distill", default=0.0, show_default=True, type=FiniteFloatRange(0.0, 1.0),
               help="Weight of the KL to the target's own next-token distribution against the hard labels' CE (0: hard labels only).")
 @click.option("--draft-vocab-size", default=None, type=click.IntRange(min=1),
               help="Draft among (and train the loss over) only the N most frequent response tokens (default: all).")
-@click.option("--steer-anchors", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+@click.option("--steer-anchors", default=0.0, show_default=True, type=FiniteFloatRange(0.0, 1.0),
               help="Share of the random anchors moved to where the drafter's next decoding step from them would start.")
 @click.option("--full-vocab-loss", is_flag=True, help="Softmax over the whole vocabulary (default: over the draft vocabulary the drafter ships and drafts among).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt (data stages always resume).")

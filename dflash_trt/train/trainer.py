@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 PACE_STEPS = 20
 
 
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient is not finite: nothing of it is applied."""
+
+
 @dataclass
 class TrainConfig:
     num_layers: int = 2
@@ -465,6 +469,10 @@ class Trainer:
             n += len(batch)
             done("backward")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):  # else NaN weights, exported as the drafter
+            raise TrainingDiverged(f"step {self.step + 1}: loss {total / max(n, 1)}, gradient norm {grad_norm}: "
+                                   f"training diverged (a learning rate of {cfg.lr:g} too high?); {self.out_dir} "
+                                   "keeps what its last evaluation saved")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         done("clip + optimizer")

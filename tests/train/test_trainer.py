@@ -26,7 +26,7 @@ from dflash_trt.train.prompts import Prompt
 from dflash_trt.train.responses import read_records
 from dflash_trt.train.self_prompts import read_prompts, write_prompts
 from dflash_trt.train import trainer as trainer_module
-from dflash_trt.train.trainer import TrainConfig, Trainer
+from dflash_trt.train.trainer import TrainConfig, Trainer, TrainingDiverged
 from tests.conftest import make_target
 
 dflash_ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is the oracle")
@@ -225,6 +225,9 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     assert bad.exit_code != 0 and "--draft-vocab-size" in bad.output
     bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--steer-anchors", "2"])
     assert bad.exit_code != 0 and "--steer-anchors" in bad.output
+    for flag in ("--lr", "--time-budget", "--distill"):  # NaN and infinity passed click's bounds
+        bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), flag, "nan"])
+        assert bad.exit_code == 2 and f"'{flag}': nan is not a finite number" in bad.output, bad.output
 
 
 def _trainer(t, root, out, records: list[dict] | None = None, resume: bool = False, **overrides) -> Trainer:
@@ -727,3 +730,16 @@ def test_a_run_with_progress_bars_turned_off_trains_and_evaluates(trained, monke
     tr = _trainer(t, root, root / "no_bars", steps=2, eval_every=1, time_budget_s=1e6)
     tr.train()
     assert [e["step"] for e in _log(root / "no_bars") if "val_loss" in e] == [1, 2]
+
+
+def test_a_step_whose_loss_is_not_finite_is_refused_and_changes_nothing(trained):
+    # a run gone to NaN (--lr 1e30) trained on, and exported a NaN drafter as its best
+    t, root = trained
+    tr = _trainer(t, root, root / "diverged")
+    with torch.no_grad():
+        tr.drafter.fc.weight[0, 0] = float("nan")  # what an update at a learning rate far too high leaves
+    before = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+    with pytest.raises(TrainingDiverged, match=r"step 1: loss nan.*training diverged"):
+        tr.train_step()
+    after = tr.drafter.state_dict()
+    assert tr.step == 0 and all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)
