@@ -22,7 +22,7 @@ import signal
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +52,24 @@ logger = logging.getLogger(__name__)
 # A time budget plans by the median time of the latest this many steps: the first ones pay one-off costs (a GPU's kernel
 # compilation and allocator warm-up made them 3x slower than the rest), and a stray slow step should not move the plan.
 PACE_STEPS = 20
+
+
+@contextlib.contextmanager
+def _written(tmp: Path) -> Iterator[None]:
+    """Writes to `tmp` (a file or directory) that fail come out as an OSError naming it and the space left, `tmp`
+    removed: a full disk read as safetensors' or torch.save's own errors ("unexpected pos 3550784 vs 3550736")."""
+    try:
+        yield
+    except Exception as e:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        try:
+            free = f"; {shutil.disk_usage(tmp.parent).free / 2**20:.0f} MiB free there"
+        except OSError:
+            free = ""
+        raise OSError(f"cannot write {tmp}: {e}{free}") from e
 
 
 class TrainingDiverged(RuntimeError):
@@ -613,11 +631,12 @@ class Trainer:
     def export(self, path: Path, metrics: dict) -> None:
         """Write the drafter to path whole or not at all: built beside it, then swapped in by renames."""
         tmp, old = _settle_export(path)
-        save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
-        if self.vocab_ids.numel():
-            save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
-        (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
-                                                       "config": asdict(self.cfg)}, indent=2) + "\n")
+        with _written(tmp):
+            save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
+            if self.vocab_ids.numel():
+                save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
+            (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
+                                                           "config": asdict(self.cfg)}, indent=2) + "\n")
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
@@ -631,7 +650,7 @@ class Trainer:
                  "config": asdict(self.cfg),
                  "progress": self._progress, "trained_s": trained_s}
         tmp = self.out_dir / "checkpoint.pt.tmp"
-        with tmp.open("wb") as f:
+        with _written(tmp), tmp.open("wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # else a power cut after the rename can leave checkpoint.pt empty

@@ -743,3 +743,22 @@ def test_a_step_whose_loss_is_not_finite_is_refused_and_changes_nothing(trained)
         tr.train_step()
     after = tr.drafter.state_dict()
     assert tr.step == 0 and all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)
+
+
+def test_a_save_that_fails_names_the_file_and_leaves_no_part_of_it(trained, monkeypatch):
+    # a full disk read as safetensors' traceback (the export) or torch.save's "unexpected pos" (the checkpoint)
+    import dflash_trt.train.trainer as trainer_module
+
+    t, root = trained
+    tr = _trainer(t, root, root / "full_disk")
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3550784 vs 3550736")
+
+    monkeypatch.setattr(trainer_module.torch, "save", full)
+    with pytest.raises(OSError, match=r"cannot write .*checkpoint.pt.tmp: .*unexpected pos.* MiB free there"):
+        tr._save_checkpoint()
+    monkeypatch.setattr(trainer_module, "save_drafter", full)
+    with pytest.raises(OSError, match=r"cannot write .*drafter.* MiB free there"):
+        tr.export(root / "full_disk" / "drafter", {})
+    assert sorted(p.name for p in (root / "full_disk").iterdir() if p.name != "train_log.jsonl") == []
