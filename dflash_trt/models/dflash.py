@@ -577,5 +577,9 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype |
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
         cfg["dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    weights = out_dir / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
+    # safetensors writes 0600: a server run as another user could not read the drafter beside its config.json, whose
+    # mode (the umask's) it takes
+    weights.chmod((out_dir / "config.json").stat().st_mode & 0o777)
     return out_dir

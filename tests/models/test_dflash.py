@@ -118,6 +118,8 @@ def test_a_saved_drafter_loads_in_zlab_unchanged(tmp_path):
     ours = load_drafter(d, target.config)
     out = save_drafter(ours, tmp_path / "resaved")
     assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
+    # readable as its config is (safetensors writes 0600: a server run as another user could not read the weights)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     ref = dflash_ref.DFlashDraftModel.from_pretrained(out).eval()
     assert ref.block_size == 8 and ref.mask_token_id == ours.config.mask_token_id
     ctx = torch.randn(1, 6, 2 * 64)

@@ -228,6 +228,8 @@ def test_train_command_runs_the_whole_pipeline(tmp_path):
     for flag in ("--lr", "--time-budget", "--distill"):  # NaN and infinity passed click's bounds
         bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), flag, "nan"])
         assert bad.exit_code == 2 and f"'{flag}': nan is not a finite number" in bad.output, bad.output
+    bad = CliRunner().invoke(main, ["train", "--target", str(t), "--out", str(tmp_path / "x"), "--seed", str(2**70)])
+    assert bad.exit_code == 2 and "'--seed'" in bad.output  # failed after the data stages, naming no flag
 
 
 def _trainer(t, root, out, records: list[dict] | None = None, resume: bool = False, **overrides) -> Trainer:
