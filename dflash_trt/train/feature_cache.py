@@ -115,8 +115,13 @@ class TargetFeatures:
 def read_index(path: Path) -> dict:
     try:
         index = json.loads(path.read_text())
-        if not {"feature_dim", "target_layer_ids", "shards"} <= set(index):
+        if not isinstance(index, dict) or not {"feature_dim", "target_layer_ids", "shards"} <= set(index):
             raise ValueError("keys missing")
+        shards = index["shards"]
+        if not isinstance(shards, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sequences"), dict)
+                for s in shards):
+            raise ValueError("its shards are not a list of {file, sequences, ...}")
     except (ValueError, TypeError) as e:  # not JSON, or not an index
         raise ValueError(f"{path} is damaged ({e}): delete {path.parent} (the features are computed again from the "
                          "responses), or pass another --data") from None

@@ -130,9 +130,13 @@ def test_a_damaged_index_or_another_targets_cache_is_refused_naming_the_file(tmp
     index = tmp_path / "cache" / "index.json"
     with pytest.raises(ValueError, match=f"{index}: cached features are 64 wide, this target's layers give 48"):
         build_feature_cache(wider, _sequences(2), tmp_path / "cache", [0])
-    index.write_text(index.read_text()[:20])
-    with pytest.raises(ValueError, match=f"{index} is damaged .*: delete {tmp_path / 'cache'}"):
-        build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
+    whole = json.loads(index.read_text())
+    # cut short; a shard entry without its sequences, shards not a list (a KeyError or TypeError traceback)
+    for damaged in (index.read_text()[:20], json.dumps({**whole, "shards": [{"file": "x.npy"}]}),
+                    json.dumps({**whole, "shards": "oops"})):
+        index.write_text(damaged)
+        with pytest.raises(ValueError, match=f"{index} is damaged .*: delete {tmp_path / 'cache'}"):
+            build_feature_cache(target, _sequences(2), tmp_path / "cache", [0])
 
 
 @pytest.mark.parametrize("native", [False, True])
