@@ -77,6 +77,8 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     hw = profile(cfg.hardware)
     target = resolve_model(cfg.model, base_dir, "model", allow_bundled)
     tcfg = decoder_config_from_dict(target.config, f"{cfg.model} config.json")
+    if target.path is not None:
+        _check_generation_config(target.path / "generation_config.json")
     if hw.kind == "cpu":
         from dflash_trt.models.registry import runtime_class
 
@@ -105,6 +107,19 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
         raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
+
+
+def _check_generation_config(path: Path) -> None:
+    """The engine carries it for TensorRT-LLM, which reads its eos and sampling defaults at load: damaged, it would
+    fail there, on the device."""
+    if not path.is_file():
+        return
+    try:
+        loaded = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(loaded).__name__}")
 
 
 def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:

@@ -479,6 +479,16 @@ def test_an_index_naming_the_wrong_shard_for_a_tensor_says_so(tiny_dirs, tmp_pat
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
 
 
+@pytest.mark.parametrize("content, words", [("{not json", "invalid JSON"), ("[1]", "expected a JSON object")])
+def test_a_damaged_generation_config_fails_the_build_naming_it(tiny_dirs, tmp_path, content, words):
+    # copied unread into the engine, it would fail TensorRT-LLM's load, on the device
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    (t / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=f"{t / 'generation_config.json'}: {words}"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+
+
 def test_a_chat_template_that_does_not_render_fails_the_build(tiny_dirs, tmp_path):
     t = tmp_path / "target"
     shutil.copytree(tiny_dirs["qwen3"], t)
