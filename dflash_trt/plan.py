@@ -207,7 +207,11 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         target_kv = batch * per_token_layer * (full * seq + sliding * sliding_tokens)
         details.update(full_attention_layers=full, sliding_layers=sliding, sliding_tokens_per_seq=sliding_tokens)
     else:
-        block = d.block_size if d is not None else 1
+        # room past a row's last position for a step's verify rows, as the runtime keeps it (engine/model_runner.py):
+        # a drafter block, or a larger draft tree's nodes and its root
+        spec = cfg.speculative_config
+        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] if spec else []
+        block = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
         target_kv = batch * per_token_layer * t.num_hidden_layers * (seq + block + 1)
     comps = {
         "target_weights": target_weight_bytes(t, cfg, dtype_b, keep_mxfp4=trtllm),

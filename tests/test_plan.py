@@ -201,3 +201,16 @@ def test_the_plan_table_counts_throughput_per_gpu_on_a_gpu_and_per_device_on_a_c
     assert "cuda_graph_pools" not in tables["cpu"]
     assert "tok/s/GPU" in tables["h200"] and "CUDA-graph batch sizes" in tables["h200"]
     assert "cuda_graph_pools" in tables["h200"]
+
+
+def test_a_cpu_plan_keeps_room_for_a_draft_tree_larger_than_the_drafters_block():
+    # The runtime keeps max(block, tree nodes + 1) + 1 positions past a row's last (engine/model_runner.py): here
+    # 20 nodes past block 16. Qwen3-8B, 2 rows of 1,024: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B = 147,456 B a
+    # token, x 2 rows x (1,024 + 21 + 1) = 308,477,952 B (the block alone planned 2 x 1,041 tokens).
+    qwen = decoder_config_from_dict(bundled_config("Qwen/Qwen3-8B"))
+    drafter = DFlashConfig.from_dict(bundled_config("z-lab/Qwen3-8B-DFlash-b16"))
+    raw = dict(model="Qwen/Qwen3-8B", hardware="cpu", kv_cache_config={"dtype": "bfloat16"}, max_batch_size=2,
+               max_seq_len=1024, speculative_config={"speculative_model": "z-lab/Qwen3-8B-DFlash-b16",
+                                                     "max_draft_len": 15, "draft_tree": {1: 20}})
+    plan = plan_build(qwen, drafter, _cfg(**raw), profile("cpu"), max_draft_len=15)
+    assert plan.components["target_kv_cache"] == 147_456 * 2 * (1024 + 21 + 1) == 308_477_952
