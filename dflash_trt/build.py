@@ -225,6 +225,11 @@ def _weight_files(src: Path) -> list[Path]:
     index = src / INDEX
     if index.is_file():
         files = sorted(set(read_index(index).values()))
+        names = sorted(f.name for f in files)
+        twice = next((a for a, b in zip(names, names[1:]) if a == b), None)
+        if twice is not None:  # the engine keeps its shards beside the index, where TensorRT-LLM reads them
+            raise CheckpointError(f"{index}: two shards named {twice} in different folders; an engine holds its "
+                                  "shards in one folder: rename one (and the index's entries for it)")
     else:
         files = safetensors_files(src)
     if not files:
@@ -248,13 +253,17 @@ def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: l
     for name in config_files:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    if any(f.parent != src for f in files):
+        # shards in folders of their own go beside the index, which names them there: TensorRT-LLM's loader reads
+        # the *.safetensors beside it, not the index's paths (its names are unique: _weight_files)
+        index = json.loads((src / INDEX).read_text())
+        index["weight_map"] = {name: Path(str(f)).name for name, f in index["weight_map"].items()}
+        (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     for f in files:
-        to = dst / f.relative_to(src)  # where the index names it: shards may lie in folders of their own
-        to.parent.mkdir(parents=True, exist_ok=True)
         if link:
-            to.symlink_to(f.resolve())
+            (dst / f.name).symlink_to(f.resolve())
         else:
-            _copy(f, to, bar)
+            _copy(f, dst / f.name, bar)
 
 
 def _tokenizer_files(src: Path) -> list[str]:

@@ -135,9 +135,25 @@ def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[
         for lock in parent.glob(f".*.{kind}-*{LOCK_SUFFIX}"):
             if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_state(lock):
                 lock.unlink(missing_ok=True)
-    for lock in parent.glob(f".*.{SWAP}{LOCK_SUFFIX}"):  # a swap killed before its lock went (held() takes anew)
-        if lock_state(lock):
-            lock.unlink(missing_ok=True)
+    for lock in parent.glob(f".*.{SWAP}{LOCK_SUFFIX}"):  # a swap killed before its lock went
+        _unlink_if_free(lock)
+
+
+def _unlink_if_free(lock: Path) -> None:
+    """Unlink `lock` while holding it: a swap that opened it meanwhile then finds it gone once it has the lock, and
+    locks anew (held()); unlinked after a free test instead, the name is one the next swap reuses, and it could take
+    a lock another had just taken."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.unlink(missing_ok=True)
+    except OSError:
+        pass  # held: a swap in progress
+    finally:
+        os.close(fd)
 
 
 def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | None = None) -> None:
@@ -146,7 +162,7 @@ def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | Non
     may have written `out` meanwhile. SIGTERM and SIGINT wait for the block, which would otherwise leave neither.
     Swaps into one `out` take turns (a lock named for it): two at once could each set aside what the other had just
     renamed in, and the slower one's rename then failed with a bare ENOTEMPTY."""
-    with signals_held(), held(out.parent / f".{out.name}.{SWAP}"):
+    with held(out.parent / f".{out.name}.{SWAP}"), signals_held():  # Ctrl-C still ends the wait for another swap
         if check is not None:
             check()
         if not out.exists():

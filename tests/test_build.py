@@ -438,15 +438,26 @@ def _shard(checkpoint: Path, placement: dict[str, str]) -> None:
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def test_shards_in_folders_of_their_own_are_copied_where_the_index_names_them(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("link", [False, True])
+def test_shards_in_folders_of_their_own_go_beside_an_index_naming_them_there(tiny_dirs, tmp_path, link):
     # The shards were copied flat beside an index naming their folders: the engine built and did not load, and two
-    # shards of one name in two folders overwrote each other.
+    # shards of one name in two folders overwrote each other. Flat, as TensorRT-LLM's loader reads them (it globs
+    # the *.safetensors beside the index), with the index naming them there.
     t = tmp_path / "target"
     shutil.copytree(tiny_dirs["qwen3"], t)
-    _shard(t, {"model.layers.0.": "a/model.safetensors", "": "b/model.safetensors"})
+    _shard(t, {"model.layers.0.": "a/first.safetensors", "": "b/rest.safetensors"})
     out = tmp_path / "e"
-    build_engine(write_config(tmp_path, t, tiny_dirs["qwen3_drafter"]), out, progress=False)
+    build_engine(write_config(tmp_path, t, None, target_weights="link" if link else "copy"), out, progress=False)
+    assert sorted(p.name for p in (out / "target").glob("*.safetensors")) == ["first.safetensors", "rest.safetensors"]
+    weight_map = json.loads((out / "target" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == {"first.safetensors", "rest.safetensors"}
     assert _gen(str(out))["token_ids"] == _gen("--target", str(tiny_dirs["qwen3"]), "--no-spec")["token_ids"]
+    EngineDir(out).verify()
+    t2 = tmp_path / "t2"
+    shutil.copytree(tiny_dirs["qwen3"], t2)
+    _shard(t2, {"model.layers.0.": "a/model.safetensors", "": "b/model.safetensors"})
+    with pytest.raises(ValueError, match="two shards named model.safetensors in different folders"):
+        build_engine(write_config(tmp_path, t2, None), tmp_path / "e2", progress=False)
 
 
 def test_a_shard_named_outside_the_checkpoint_is_refused(tiny_dirs, tmp_path):

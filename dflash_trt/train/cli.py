@@ -437,8 +437,9 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
               help="Steps between evaluations on the held-out records (also after the last step); each one saves "
                    "checkpoint.pt, and OUT/drafter when it scores best (always, with nothing held out).")
 @click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=16), help="Tokens of each record trained on (prompt first).")
-@click.option("--gamma", default=None, type=FiniteFloatRange(min=0, min_open=True), help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),  # a torch generator's
+@click.option("--gamma", default=None, type=FiniteFloatRange(min=0, min_open=True),
+              help="The loss's position decay exp(-(k-1)/gamma) (default: by block size, 4 for 8).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(-2**63, 2**64 - 1),  # torch's seeds
               help="Seed of the drafter's initialization and of the records and anchors drawn for each step.")
 @click.option("--sampled-variants", default=1, show_default=True, type=click.IntRange(min=0),
               help="Sampled responses per prompt besides the greedy one (0: greedy only).")

@@ -110,10 +110,12 @@ def generate_responses(
     jobs, strangers, wanted, too_long = [], [], set(), []
     for i, p in enumerate(prompts):
         ids = engine.encode(p.text, chat=chat)
-        if len(ids) >= limit:  # found before any is answered: answered shortest first, it failed the run last
+        modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
+        if len(ids) >= limit and any(f"{first_id + i}:{mode}" not in stored for mode in modes):
+            # found before any is answered: answered shortest first, it failed the run last (one answered before,
+            # by a run with a longer limit, needs no room now)
             too_long.append(f"prompt {first_id + i + 1} ({p.source}, {len(ids)} tokens)")
             continue
-        modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
             wanted.add(rid)

@@ -58,9 +58,11 @@ PACE_STEPS = 20
 def _written(tmp: Path) -> Iterator[None]:
     """Writes to `tmp` (a file or directory) that fail come out as an OSError naming it and the space left, `tmp`
     removed: a full disk read as safetensors' or torch.save's own errors ("unexpected pos 3550784 vs 3550736")."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except Exception as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save's are RuntimeErrors
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -154,8 +154,9 @@ def test_indices_the_kernels_would_misread_are_refused():
     # a strided lens view was read as contiguous int64, past the cache: values of 1e28 where 0 was due
     cache = _cache(2, 16, 1, 32, torch.float32, torch.Generator().manual_seed(0))
     q, rows = torch.zeros(2, 1, 32), torch.zeros(2, dtype=torch.long)
-    for lens, words in ((torch.tensor([[3, 9], [4, 9]])[:, 0], "strided"), (torch.tensor([3, 4], dtype=torch.int32),
-                                                                              "torch.int32"), (torch.tensor([3]), "[2]")):
+    misread = ((torch.tensor([[3, 9], [4, 9]])[:, 0], "strided"),
+               (torch.tensor([3, 4], dtype=torch.int32), "torch.int32"), (torch.tensor([3]), "[2]"))
+    for lens, words in misread:
         with pytest.raises(ValueError, match=f"lens must be a contiguous int64.*{words}"):
             ops.cached_attention(q, cache.k[0], cache.v[0], rows, lens, 1.0)
     with pytest.raises(ValueError, match="query heads of 16 over 1 KV heads of 32"):

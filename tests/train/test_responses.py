@@ -94,3 +94,13 @@ def test_a_prompt_too_long_to_answer_is_refused_before_any_is_answered(engine, t
                                          r"raise --max-seq-len"):
         generate_responses(engine, [*PROMPTS[:2], long], path, max_new_tokens=6, sampled_variants=0)
     assert read_records(path) == []
+
+
+def test_prompts_answered_before_need_no_room_now(engine, tmp_path, monkeypatch):
+    # a run resumed with a smaller --max-seq-len refused prompts it had nothing left to answer for
+    path = tmp_path / "responses.jsonl"
+    first = generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0)
+    monkeypatch.setattr(engine, "max_model_len", 3)  # shorter than every prompt
+    assert generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0) == first
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) .*: prompt 3 \(test, "):
+        generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
