@@ -27,7 +27,7 @@ from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_co
 from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest, read_manifest
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
-from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict
+from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_json_object
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
 from dflash_trt.perf_model import plan_performance
@@ -112,14 +112,8 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
 def _check_generation_config(path: Path) -> None:
     """The engine carries it for TensorRT-LLM, which reads its eos and sampling defaults at load: damaged, it would
     fail there, on the device."""
-    if not path.is_file():
-        return
-    try:
-        loaded = json.loads(path.read_bytes())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(loaded).__name__}")
+    if path.is_file():
+        read_json_object(path)
 
 
 def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:

@@ -45,13 +45,19 @@ def read_config_json(model_dir: str | Path) -> dict:
         hint = (f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
                 if (path.parent / "drafter" / "config.json").is_file() else "")
         raise FileNotFoundError(f"{path.parent}: no config.json; expected an HF-format model directory{hint}")
+    return read_json_object(path, "of config keys")
+
+
+def read_json_object(path: Path, holding: str = "") -> dict:
+    """The JSON object in file `path`; ValueError naming it where it is not JSON, not UTF-8 or not an object."""
     try:
-        cfg = json.loads(path.read_bytes())
+        loaded = json.loads(path.read_bytes())
     except ValueError as e:  # not JSON, or not UTF-8
         raise ValueError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object of config keys, got {type(cfg).__name__}")
-    return cfg
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a JSON object{' ' + holding if holding else ''}, got "
+                         f"{type(loaded).__name__}")
+    return loaded
 
 
 def as_int(value, key: str, source: str, minimum: int | None = None) -> int:
