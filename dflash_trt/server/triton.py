@@ -122,9 +122,18 @@ def config_pbtxt(model_name: str, settings: ModelSettings) -> str:
     lines.append(",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: {d} }}' for n, t, d in OUTPUTS))
     lines.append("]")
     for key, value in settings.to_parameters().items():
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # protobuf text escapes
         lines.append(f'parameters {{ key: "{key}", value: {{ string_value: "{escaped}" }} }}')
     return "\n".join(lines) + "\n"
+
+
+_PARAMETER = re.compile(r'parameters \{ key: "(\w+)", value: \{ string_value: "((?:[^"\\]|\\.)*)" \} \}')
+
+
+def pbtxt_parameters(text: str) -> dict[str, str]:
+    """The string parameters config_pbtxt wrote, unescaped."""
+    unescape = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+    return {key: re.sub(r"\\.", lambda m: unescape.get(m[0], m[0]), value) for key, value in _PARAMETER.findall(text)}
 
 
 def check_sources(settings: ModelSettings) -> None:
@@ -248,6 +257,14 @@ class TritonServer:
             raise FileExistsError(f"{left[0]}: left by an interrupted export, and tritonserver would not start "
                                   "with it in the repository: move it away (it holds an unfinished model, or the one "
                                   "its export replaced)")
+        for config in sorted(self.repo.glob("*/config.pbtxt")):
+            # absolute paths written at export: found gone here, not 15 s into tritonserver's load of the model
+            params = pbtxt_parameters(config.read_text(errors="replace"))
+            gone = next(((k, params[k]) for k in ("engine_dir", "target_dir", "drafter_dir")
+                         if params.get(k) and not Path(params[k]).is_dir()), None)
+            if gone:
+                raise FileNotFoundError(f"{config}: its {gone[0]} {gone[1]} is gone (moved or deleted?): export the "
+                                        f"model again, with --force, from where it is now")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

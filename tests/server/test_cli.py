@@ -175,6 +175,30 @@ def test_triton_serve_refuses_a_directory_that_is_not_a_model_repository(monkeyp
     assert "tritonserver looked for" not in message
 
 
+def test_triton_serve_refuses_a_model_whose_sources_moved_before_starting_tritonserver(monkeypatch, tmp_path,
+                                                                                       tiny_dirs):
+    # found 15 s into tritonserver's load, buried in its log, with a hint to build an engine
+    from dflash_trt.server import triton
+
+    def no_tritonserver():
+        raise RuntimeError("tritonserver looked for")
+
+    monkeypatch.setattr(triton, "_pytriton_root", no_tritonserver)
+    target, repo = tmp_path / "tar\"get\nhere", tmp_path / "repo"  # a path protobuf's text format must escape
+    shutil.copytree(tiny_dirs["qwen3"], target)
+    exported = CliRunner().invoke(cli.triton, ["export", "-o", str(repo), "--target", str(target), "--no-spec"])
+    assert exported.exit_code == 0, exported.output
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    parsed = text_format.Parse((repo / "dflash" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert parsed.parameters["target_dir"].string_value == str(target)  # as tritonserver reads it
+    target.rename(tmp_path / "moved")
+    result = CliRunner().invoke(cli.triton, ["serve", str(repo)])
+    assert result.exit_code == 1 and "its target_dir" in result.output and "is gone" in result.output, result.output
+    assert "tritonserver looked for" not in result.output
+
+
 def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
     repo = tmp_path / "repo"
     base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
