@@ -143,7 +143,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                                   lookup_nodes=lookup_nodes or 0)
             engine = LLMEngine.from_dirs(target_dir, drafter_dir, config)
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
-        if note := capped_note(max_model_len, engine):
+        if note := capped_note(max_model_len, engine.max_position_embeddings):
             click.echo(note, err=True)
         try:
             ids = engine.encode(prompt, chat=chat)

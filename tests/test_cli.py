@@ -233,6 +233,10 @@ def test_triton_export_of_an_engine_keeps_its_rows_unless_told(tiny_engine_dir, 
 
     assert rows() == "2"  # the engine's max_batch_size, not 8
     assert rows("--max-batch-size", "3") == "3"
+    # past the target's 512 positions: capped where the model loads, with a log line there only
+    r = CliRunner().invoke(main, ["triton", "export", str(engine), "-o", str(tmp_path / "long"), "--max-model-len",
+                                  "100000"])
+    assert r.exit_code == 0 and "--max-model-len 100000 is past the target's max_position_embeddings (512" in r.output
 
 
 def test_serve_and_triton_export_help_state_the_defaults_they_keep():

@@ -145,13 +145,13 @@ _LINEAR_PATHS = {"tiles": "AMX tiles", "panels": "the kernel's AVX2 panels",
                  "rows": "the kernel's dot products (no AMX)", None: "torch/oneDNN"}
 
 
-def capped_note(asked: int | None, engine: "LLMEngine") -> str | None:
-    """The warning for a --max-model-len asked for past the target's positions (None where none was asked, or it fits):
-    the engine caps it, which should not pass unseen."""
-    if asked is None or asked <= engine.max_model_len:
+def capped_note(asked: int | None, positions: int) -> str | None:
+    """The warning for a --max-model-len asked for past the target's `positions` (None where none was asked, or it
+    fits): the engine caps it, which should not pass unseen."""
+    if asked is None or asked <= positions:
         return None
-    return (f"warning: --max-model-len {asked} is past the target's max_position_embeddings "
-            f"({engine.max_position_embeddings}, its config.json): requests get at most {engine.max_model_len} tokens")
+    return (f"warning: --max-model-len {asked} is past the target's max_position_embeddings ({positions}, its "
+            f"config.json): requests get at most {positions} tokens")
 
 
 def client_text(tokenizer, ids: list[int]) -> str:

@@ -178,7 +178,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             raise click.ClickException(str(e)) from e
         llm, name = loop.engine, served_model_name or names[0]
-        if note := capped_note(max_model_len, llm):
+        if note := capped_note(max_model_len, llm.max_position_embeddings):
             click.echo(note, err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
@@ -356,6 +356,14 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
             max_draft_len=max_draft_len or 0, dtype=dtype or "",
         )
         path = export_repository(repo, model_name, settings, force=force)
+        if max_model_len:  # capped where the model loads, with only a log line there
+            from dflash_trt.engine.llm_engine import capped_note
+            from dflash_trt.models.config import decoder_config_from_dict, read_config_json
+
+            target_dir = Path(engine) / "target" if engine else Path(target)
+            positions = decoder_config_from_dict(read_config_json(target_dir)).max_position_embeddings
+            if note := capped_note(max_model_len, positions):
+                click.echo(note, err=True)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e
     except OSError as e:  # a repository in a read-only directory, or under a file

@@ -409,8 +409,9 @@ def test_a_max_model_len_past_the_targets_positions_is_capped_and_asked_for_ones
 
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_model_len=4096)  # the tiny target has 512 positions
     assert engine.max_model_len == 512
-    assert "--max-model-len 4096 is past the target's max_position_embeddings (512" in capped_note(4096, engine)
-    assert capped_note(None, engine) is None and capped_note(512, engine) is None  # a default; one that fits
+    note = capped_note(4096, engine.max_position_embeddings)
+    assert "--max-model-len 4096 is past the target's max_position_embeddings (512" in note
+    assert capped_note(None, 512) is None and capped_note(512, 512) is None  # a default; one that fits
 
 
 def test_prompt_that_fills_the_context_is_refused(tiny_dirs):
