@@ -342,10 +342,10 @@ def _check_tensors(p: PreparedBuild) -> None:
             shell = DFlashDrafter(p.drafter_config)
         shell.load_weights(WeightSet(p.drafter.path, check_finite=True))
     if p.hardware.kind == "cpu":
-        from dflash_trt.models.registry import TARGET_ARCHITECTURES
+        from dflash_trt.models.registry import runtime_class
 
         with torch.device("meta"):
-            target = TARGET_ARCHITECTURES[p.target_config.architecture](p.target_config)
+            target = runtime_class(p.target_config, f"model={p.config.model!r} config.json")(p.target_config)
         weights = WeightSet(p.target.path, check_finite=True)
         target.load_weights(weights)
         weights.check_no_layers_beyond(p.target_config.num_hidden_layers)
