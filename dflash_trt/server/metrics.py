@@ -22,6 +22,13 @@ class ServerMetrics:
         self.queue_depth.set_function(lambda: scheduler.num_waiting)
         self.running = Gauge("dflash_running_requests", "Requests holding a cache row", registry=r)
         self.running.set_function(lambda: scheduler.num_running)
+        self.cache_rows = Gauge("dflash_cache_rows", "Cache rows: requests that can run at once", registry=r)
+        self.cache_rows.set(scheduler.slots.num_slots)
+        # The cache is static rows of max_model_len positions each, so a full row count with this low means short
+        # requests: more rows (a larger --max-batch-size at a smaller --max-model-len) would serve more at once.
+        self.kv_cache_usage = Gauge("dflash_kv_cache_usage", "Fraction of the KV cache's token positions holding "
+                                    "running requests' tokens (1 = full)", registry=r)
+        self.kv_cache_usage.set_function(lambda: _kv_cache_usage(scheduler))
         self.batch_size = Histogram("dflash_batch_size", "Decoding requests per engine step", buckets=_BATCH_BUCKETS, registry=r)
         steps = tuple(range(1, max(1, max_draft_len) + 2))
         self.acceptance_length = Histogram(
@@ -52,3 +59,8 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _kv_cache_usage(scheduler: Scheduler) -> float:
+    held = sum(seq.num_cached if seq.is_prefilled else seq.num_prefilled for seq in scheduler.running)
+    return held / (scheduler.slots.num_slots * scheduler.config.max_model_len)
