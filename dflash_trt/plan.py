@@ -5,7 +5,8 @@ Two layouts are modelled. On a GPU profile the engine serves through TensorRT-LL
 its allocations: weights sharded by the parallel mapping (MXFP4 experts at 4.25 bits), the target KV
 cache (full-attention layers hold max_seq_len tokens, sliding layers their window plus the draft block),
 DFlash's dense drafter context arena [max_batch + 1 slots, drafter layers, max_ctx + K + 1, kv heads,
-head_dim] x 2 (K and V) that TRT-LLM allocates up front (issue #16005), activations and CUDA-graph pools.
+head_dim] x 2 (K and V) that TRT-LLM allocates at the drafter's first forward (issue #16005), after the KV
+cache took free_gpu_memory_fraction of free memory, so in what that leaves; activations and CUDA-graph pools.
 On the CPU profile it follows this project's torch runtime: per-row caches of max_seq_len + block + 1
 tokens for every layer of both models. Activation sizes are estimates and are labelled so.
 """
@@ -243,12 +244,21 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     return comps, details
 
 
+_AFTER_THE_REST = ("target_kv_cache", "drafter_context_cache")  # TensorRT-LLM's allocations, in this order
+
+
 def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple[bool, int]:
-    fixed = sum(v for key, v in comps.items() if key != "target_kv_cache")
-    free = hw.memory_bytes - fixed
-    # TRT-LLM gives the KV cache free_gpu_memory_fraction of what is left after everything else.
-    budget = int(free * cfg.kv_cache_config.free_gpu_memory_fraction) if hw.kind == "gpu" else free
-    return free > 0 and comps["target_kv_cache"] <= budget, budget
+    if hw.kind != "gpu":
+        free = hw.memory_bytes - sum(v for key, v in comps.items() if key != "target_kv_cache")
+        return free > 0 and comps["target_kv_cache"] <= free, free
+    # TRT-LLM gives the KV cache free_gpu_memory_fraction of what is left after everything else, except DFlash's
+    # context arena: the drafter allocates it lazily, at its first forward, after the KV pool is carved, so it must
+    # fit in the rest (dflash.py `_check_ctx_arena_fits`; a newer path binds it to the draft KV pool, falling back
+    # to this private arena when that pool's dtype is not the drafter's: an fp8 cache with a bf16 drafter).
+    arena = comps.get("drafter_context_cache", 0)
+    free = hw.memory_bytes - sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
+    budget = int(free * cfg.kv_cache_config.free_gpu_memory_fraction)
+    return free > 0 and comps["target_kv_cache"] <= budget and arena <= free - budget, budget
 
 
 def _largest_fitting(lo: int, hi: int, ok) -> int:
@@ -332,12 +342,24 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     if best_seq >= 2:
         hints.append(f"max_seq_len <= {best_seq} fits at max_batch_size={cfg.max_batch_size}")
     fixed = [key for key in comps if key not in ("runtime_reserve", "target_kv_cache")]
-    if sum(comps[key] for key in fixed) + comps["runtime_reserve"] < hw.memory_bytes:
-        culprit = "The KV cache (target_kv_cache) overflows what the rest leaves"
-        biggest = "target_kv_cache"
-    else:  # allocated before the KV cache, these alone overflow the device
+    arena = comps.get("drafter_context_cache", 0)
+    fraction = cfg.kv_cache_config.free_gpu_memory_fraction
+    # what the KV cache's carve leaves for the arena (_fits)
+    rest = sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
+    left = hw.memory_bytes - rest - plan.kv_cache_budget_bytes
+    knob_first = ""
+    if sum(comps[key] for key in fixed) + comps["runtime_reserve"] >= hw.memory_bytes:
+        # allocated before the KV cache, these alone overflow the device
         biggest = max(fixed, key=comps.get)
         culprit = f"Before the KV cache, the rest alone overflows the device, most of it {biggest}"
+    elif plan.layout == "trtllm" and arena > left:
+        biggest = "drafter_context_cache"
+        knob_first = "kv_cache_config.free_gpu_memory_fraction (lower), "
+        culprit = (f"The drafter's context arena ({gb(arena)}) is allocated after the KV cache took "
+                   f"free_gpu_memory_fraction={fraction} of free memory, and overflows the {gb(left)} that leaves")
+    else:
+        culprit = "The KV cache (target_kv_cache) overflows what the rest leaves"
+        biggest = "target_kv_cache"
     # the torch runtime's activations grow with max_batch_size x max_seq_len; only TensorRT-LLM's with max_num_tokens
     activations = "max_num_tokens or max_batch_size" if plan.layout == "trtllm" else "max_seq_len or max_batch_size"
     knob = {
@@ -351,4 +373,4 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     }.get(biggest, "max_batch_size")
     if not hints:
         hints.append("no batch size or sequence length fits; more ranks or a bigger device are needed")
-    return f"{head}. {culprit}: change {knob}. " + "; ".join(hints) + "."
+    return f"{head}. {culprit}: change {knob_first}{knob}. " + "; ".join(hints) + "."

@@ -214,3 +214,28 @@ def test_a_cpu_plan_keeps_room_for_a_draft_tree_larger_than_the_drafters_block()
                                                      "max_draft_len": 15, "draft_tree": {1: 20}})
     plan = plan_build(qwen, drafter, _cfg(**raw), profile("cpu"), max_draft_len=15)
     assert plan.components["target_kv_cache"] == 147_456 * 2 * (1024 + 21 + 1) == 308_477_952
+
+
+def test_the_drafter_arena_must_fit_in_what_the_kv_caches_carve_leaves():
+    # TensorRT-LLM allocates DFlash's context arena at the drafter's first forward, after the KV cache took
+    # free_gpu_memory_fraction (0.9 by default) of the free memory. TP8/EP8 with attention DP (every rank holds all 8
+    # kv heads), 512 rows x 9,472 tokens: 513 slots x (9,472 + 7 + 1) tokens x 2 x 8 layers x 8 x 64 x 2 B = 79.7 GB,
+    # past the ~26 GB the carve leaves, though the KV cache itself fits.
+    cfg = _cfg(max_batch_size=512, max_seq_len=9472, tensor_parallel_size=8, moe_expert_parallel_size=8,
+               enable_attention_dp=True, max_num_tokens=20000)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=7)
+    c = plan.components
+    arena = c["drafter_context_cache"]
+    assert arena == 513 * (9472 + 7 + 1) * 2 * 8 * 8 * 64 * 2  # attention DP: all 8 kv heads on every rank
+    free = profile("b300").memory_bytes - sum(v for k, v in c.items() if k not in ("target_kv_cache",
+                                                                                     "drafter_context_cache"))
+    assert plan.kv_cache_budget_bytes == int(free * 0.9)
+    assert arena > free - plan.kv_cache_budget_bytes and c["target_kv_cache"] <= plan.kv_cache_budget_bytes
+    assert not plan.fits and "allocated after the KV cache took free_gpu_memory_fraction=0.9" in plan.problems[0]
+    n = int(plan.problems[0].split("max_batch_size <= ")[1].split()[0])
+    fits = lambda b: plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(**{**cfg.model_dump(), "max_batch_size": b}),  # noqa
+                                profile("b300"), 7).fits
+    assert 1 <= n < 512 and fits(n) and not fits(n + 1)
+    # with 40% left to it, the same arena fits
+    roomy = _cfg(**{**cfg.model_dump(), "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.6}})
+    assert plan_build(GPT_OSS, GPT_OSS_DRAFTER, roomy, profile("b300"), 7).fits
