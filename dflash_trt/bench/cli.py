@@ -236,10 +236,12 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--extra-body", default=None, callback=lambda ctx, param, text: _json_object(text, "--extra-body"),
               help='More fields for every request, as a JSON object, e.g. \'{"top_p": 0.9, "top_k": 20}\' (recorded '
               "in the result's config; fields the sweep sets itself are refused).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds the endpoint may send nothing before a request fails.")
 @click.option("--label", default=None, help="The run's name in plots (default: the model name).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
 def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
-          gpus, api, temperature, ignore_eos, extra_body, label, output) -> None:
+          gpus, api, temperature, ignore_eos, extra_body, timeout, label, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl
@@ -271,7 +273,7 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
-                          label=label or model, extra_body=extra_body, isl=long_isl,
+                          label=label or model, extra_body=extra_body, timeout_s=timeout, isl=long_isl,
                           tokenizer=tokenizer if long_isl else None)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,

@@ -15,6 +15,7 @@ kept beside it as user_throughput_tok_s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -50,6 +51,8 @@ class SweepError(RuntimeError):
 # request fields the sweep sets from its own options: --extra-body may not change them behind the result's back
 OWNED_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
                           "messages", "prompt", "ignore_eos", "n", "seed"})
+# how long to read past [DONE] for the end of the body, which returns the connection to the pool
+DRAIN_AFTER_DONE_S = 1.0
 
 
 @dataclass
@@ -74,7 +77,7 @@ class SweepConfig:
     tokenizer: str | None = None
     # more request fields for every request (top_p, top_k, penalties, a server's own extensions); never the ones above
     extra_body: dict = field(default_factory=dict)
-    timeout_s: float = 600.0  # per connect / read of the stream
+    timeout_s: float = 600.0  # per connect / read of the stream: seconds without a byte before a request fails
     # Servers may count a step in /metrics only after sending its tokens; waiting this long before each
     # scrape keeps the last step of one point from landing in the next.
     metrics_settle_s: float = 0.2
@@ -94,6 +97,8 @@ class SweepConfig:
         if owned:
             raise ValueError(f"extra_body sets {', '.join(owned)}, which the sweep sets itself (--model, --osl, "
                              "--temperature, --ignore-eos, --seed, --api and the dataset)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.metrics_settle_s < 0:
             raise ValueError(f"metrics_settle_s must be >= 0, got {self.metrics_settle_s}")
         for name in ("osl", "isl"):
@@ -229,16 +234,16 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                 text = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {text[:500]}"
                 return
-            # Read to the end of the stream (not just [DONE]) so the connection goes back to the pool.
             done = False
-            async for line in resp.aiter_lines():
-                if done or not line.startswith("data:"):
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if not line.startswith("data:"):
                     continue
                 now = time.perf_counter()
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     done = True
-                    continue
+                    break
                 event = json.loads(payload)
                 if isinstance(event, dict) and "error" in event:
                     err = event["error"]
@@ -250,6 +255,14 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                     # a malformed event fails its request, not the whole sweep and every point measured so far
                     res.error = f"malformed event {payload[:200]!r}: {e}"
                     return
+            if done:
+                # Read what follows [DONE] so the connection goes back to the pool, but not from a server that
+                # holds it open: the answer is complete.
+                with contextlib.suppress(asyncio.TimeoutError, httpx.HTTPError):
+                    await asyncio.wait_for(_drain(lines), DRAIN_AFTER_DONE_S)
+    except httpx.TimeoutException as e:
+        res.error = f"{type(e).__name__}: no answer from the endpoint for {cfg.timeout_s:g} s (--timeout)"
+        return
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return
@@ -269,6 +282,11 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
     res.ok = True
 
 
+async def _drain(lines) -> None:
+    async for _ in lines:
+        pass
+
+
 def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
     res.end = now
     usage = event.get("usage")
@@ -276,6 +294,8 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
         res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
         res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
     for choice in event.get("choices") or []:
+        if choice.get("index", 0) != 0:  # the sweep asks for one; another choice's chunks are not its tokens
+            continue
         if api == "chat":
             delta = choice.get("delta") or {}
             # Reasoning models (gpt-oss through harmony) stream their analysis channel in a separate field:

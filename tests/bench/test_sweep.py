@@ -116,6 +116,10 @@ def stub_app(state: StubState, n_chunks: int = 6):
                     if i:
                         await asyncio.sleep(state.gaps.get(text, GAP))
                     yield event(chunk("ab"[: state.tokens_per_chunk]))
+                    if text.startswith("twochoices:"):  # another choice's chunk, which is not this answer's
+                        yield event({"choices": [{**chunk("zz"), "index": 1}]})
+                    if text.startswith("stall:"):  # a server that stops sending mid-answer
+                        await asyncio.sleep(30)
                     if text.startswith(("midfail:", "slowfail:")):
                         yield event({"error": {"message": "stub died mid-stream"}})
                         yield "data: [DONE]\n\n"
@@ -155,6 +159,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                 if state.usage:
                     yield event({"choices": [], "usage": usage})
                 yield "data: [DONE]\n\n"
+                if text.startswith("holdopen:"):  # complete, but the body is not closed
+                    await asyncio.sleep(30)
             finally:
                 state.inflight -= 1
 
@@ -407,6 +413,27 @@ def test_cut_dropped_and_malformed_streams_fail_their_request_only(stub):
     assert pt["output_tokens"] == 6 and pt["tokens_from"] == "usage"  # the one complete answer's
     joined = " ".join(pt["errors"])
     assert "before [DONE]" in joined and "RemoteProtocolError" in joined and "malformed event" in joined
+
+
+def test_an_answer_complete_at_done_succeeds_though_the_server_holds_the_body_open(stub):
+    stub.reset()
+    start = time.monotonic()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2, timeout_s=10), prompts("ok", "holdopen:a"))["points"]
+    assert pt["num_failed"] == 0 and pt["output_tokens"] == 12
+    assert time.monotonic() - start < 5  # read past [DONE] for a second, not until the read timeout
+
+
+def test_a_stalled_stream_fails_after_the_timeout_saying_which(stub):
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2, timeout_s=0.5), prompts("ok", "stall:a"))["points"]
+    assert pt["num_failed"] == 1 and "ReadTimeout: no answer from the endpoint for 0.5 s (--timeout)" in pt["errors"]
+
+
+def test_only_the_first_choice_is_timed_and_counted(stub):
+    stub.reset(usage=False)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=1), prompts("twochoices:a"))["points"]
+    assert pt["output_tokens"] == 6 and pt["tokens_from"] == "chunks"
+    assert pt["itl_s"]["p50"] == pytest.approx(GAP, abs=0.015)
 
 
 def test_an_empty_answer_is_a_success_with_no_latency_to_time(stub):
