@@ -240,9 +240,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             max_tokens = limit - prompt_len
         if max_tokens <= 0:
             raise APIError(400, f"{max_param} must be > 0, got {max_tokens}", param=max_param)
-        if prompt_len + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
-                                f"and {max_param} is {max_tokens}", param=max_param, code="context_length_exceeded")
+        if max_tokens > limit:
+            raise APIError(400, f"{max_param}={max_tokens} is past this model's maximum context length of {limit} "
+                                "tokens", param=max_param, code="context_length_exceeded")
+        # vLLM's rule (get_max_tokens): what the context leaves, so clients that send one large max_tokens for
+        # every prompt are answered up to the context, with finish_reason "length"
+        max_tokens = min(max_tokens, limit - prompt_len)
         if req.min_tokens and not (req.ignore_eos and not req.stop_list and not req.stop_token_ids):
             # then nothing ends an answer before max_tokens, which is all min_tokens asks
             raise APIError(400, "min_tokens is supported only with ignore_eos=true and no stop or stop_token_ids",

@@ -348,6 +348,17 @@ def scrape(server) -> dict[str, float]:
     return values
 
 
+def test_max_tokens_past_what_the_prompt_leaves_is_cut_to_the_context_as_vllm_cuts_it(server):
+    """vLLM's get_max_tokens: min(max_tokens, max_model_len - prompt); only a max_tokens past the context is refused."""
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+    usage, choice = r.json()["usage"], r.json()["choices"][0]
+    assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 256, r.text
+    assert choice["finish_reason"] == "length"
+    r = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 257}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_null_fields_take_their_defaults(server):
     """OpenAI clients send null for what they leave unset."""
     body = {"model": MODEL, "prompt": PROMPTS[4], "temperature": None, "top_p": None, "n": None, "stream": None,
