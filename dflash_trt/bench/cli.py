@@ -343,6 +343,7 @@ def plot(runs, output, title) -> None:
     """Overlay sweep results as tokens/s/GPU against tokens/s/user, each run's Pareto frontier marked."""
     from dflash_trt.bench.plot import (
         UnsupportedFormat,
+        caveats,
         distinct_labels,
         incomplete,
         load_runs,
@@ -365,6 +366,8 @@ def plot(runs, output, title) -> None:
             elif incomplete(run) is not None:
                 click.echo(f"warning: {name} ({run['label']}) is an incomplete sweep ({incomplete(run)}): "
                            "plotted with the points it has, marked (incomplete)", err=True)
+            for note in caveats(run):
+                click.echo(f"warning: {name} ({run['label']}): {note}", err=True)
         mark_incomplete(loaded)
         if not any(plottable(run) for run in loaded):
             raise click.ClickException("no run has a point to plot: nothing written")
@@ -383,13 +386,17 @@ def plot(runs, output, title) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RUN.json (a .csv is written beside it).")
 def merge(rounds, output) -> None:
     """Merge repeated sweeps of one system: per concurrency, the round with the median output tokens/s."""
-    from dflash_trt.bench.plot import load_runs
+    from dflash_trt.bench.plot import caveats, load_runs
     from dflash_trt.bench.rounds import merge_rounds
     from dflash_trt.bench.sweep import write_results
 
     _check_output(output)
     try:
-        merged = merge_rounds(load_runs(rounds), names=list(rounds))
+        loaded = load_runs(rounds)
+        for run, name in zip(loaded, rounds):
+            for note in caveats(run):
+                click.echo(f"warning: {name}: {note}", err=True)
+        merged = merge_rounds(loaded, names=list(rounds))
         paths = write_results(merged, output)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
@@ -404,7 +411,7 @@ def merge(rounds, output) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def compare(run, base, as_json) -> None:
     """RUN's output tokens/s over BASE's per concurrency; round by round where both are merged alternating rounds."""
-    from dflash_trt.bench.plot import distinct_labels, incomplete, load_runs
+    from dflash_trt.bench.plot import caveats, distinct_labels, incomplete, load_runs
     from dflash_trt.bench.rounds import compare_runs, workload_differences
 
     try:
@@ -418,6 +425,8 @@ def compare(run, base, as_json) -> None:
         if incomplete(loaded) is not None:
             click.echo(f"warning: {name} is an incomplete sweep ({incomplete(loaded)}): compared at the "
                        "concurrencies it measured", err=True)
+        for note in caveats(loaded):
+            click.echo(f"warning: {name}: {note}", err=True)
     differ = workload_differences(a, b, names=(run, base))
     if differ:
         click.echo(f"warning: {run} and {base} ran different workloads ({'; '.join(differ)}): the ratios are not "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from collections.abc import Sequence
 from itertools import groupby
@@ -47,6 +48,11 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
                              f"and {Y_KEY})")
         run["label"] = run.get("label") or path.stem
         for p in points:
+            for key in (X_KEY, Y_KEY):  # None where a figure is undefined (a sweep writes that); else a number
+                if p[key] is not None and not (isinstance(p[key], (int, float)) and not isinstance(p[key], bool)
+                                               and math.isfinite(p[key])):
+                    raise ValueError(f"{path}: the point at concurrency {p['concurrency']} has {key}={p[key]!r}, "
+                                     "not a number")
             # Older sweeps recorded the mean of per-request 1 / TPOT, up to 30% above 1 / median TPOT where TPOT
             # varies (more with speculative decoding than without): every run, old or new, on one axis.
             tpot = p.get("tpot_s")
@@ -71,6 +77,19 @@ def incomplete(run: dict) -> str | None:
         return "it did not finish: killed, or still running"
     where = f"stopped at concurrency {stopped['concurrency']}" if "concurrency" in stopped else "stopped in the warm-up"
     return f"{where}: {stopped['error']}" if stopped.get("error") else where
+
+
+def caveats(run: dict) -> list[str]:
+    """What makes a run's figures less than they seem, which its sweep recorded: requests that failed (a point's
+    figures count only the answers that completed) and tokens counted from stream chunks (a speculative server
+    sends several tokens a chunk, so they undercount)."""
+    failed = [f"c={p['concurrency']}: {p['num_failed']} of {p['num_requests']}" for p in run["points"]
+              if p.get("num_failed")]
+    notes = [f"requests failed ({', '.join(failed)}): those points count only the answers that completed"] if failed else []
+    if any(p.get("tokens_from") == "chunks" for p in run["points"]):
+        notes.append("its tokens were counted from stream chunks, which undercount a server that sends several "
+                     "tokens a chunk (sweep with --tokenizer where the endpoint sends no usage)")
+    return notes
 
 
 def mark_incomplete(runs: Sequence[dict]) -> None:

@@ -29,10 +29,15 @@ def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
 
 def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> dict:
     """One run from rounds of the same sweep: per concurrency, the round with the median output tokens/s (the
-    lower middle of an even count), with every round's value under 'rounds_output_tok_s' in round order."""
+    lower middle of an even count), with every round's value under 'rounds_output_tok_s' in round order (the
+    order of the rounds' dates where all record one, else as given)."""
     if not runs:
         raise ValueError("no rounds to merge")
     names = list(names) if names is not None else [f"round {i + 1}" for i in range(len(runs))]
+    dates = [r.get("date") for r in runs]
+    if all(isinstance(d, str) for d in dates):  # in the order they ran, which `compare` pairs by, whatever was passed
+        order = sorted(range(len(runs)), key=lambda i: dates[i])
+        runs, names = [runs[i] for i in order], [names[i] for i in order]
     labels = {r.get("label") for r in runs}
     if len(labels) > 1:
         raise ValueError(f"rounds of different systems: labels {sorted(map(str, labels))}")

@@ -102,6 +102,11 @@ def test_load_runs(tmp_path):
         load_runs([broken])
     with pytest.raises(ValueError, match="missing.json"):
         load_runs([tmp_path / "missing.json"])
+    for value in ("12", float("nan"), True):
+        odd = tmp_path / "odd.json"
+        odd.write_text(json.dumps({"points": [{"concurrency": 4, "tok_s_per_user": 1.0, "tok_s_per_gpu": value}]}))
+        with pytest.raises(ValueError, match="odd.json: the point at concurrency 4 has tok_s_per_gpu=.*not a number"):
+            load_runs([odd])
 
 
 def test_runs_plot_tokens_per_user_as_one_over_the_median_tpot(tmp_path):

@@ -61,6 +61,29 @@ def test_paired_ratios_pair_the_rounds_in_order():
         compare_runs(sweep_run("engine", {1: 50.0}), sweep_run("ar", {2: 1.0}))
 
 
+def test_rounds_merge_in_the_order_they_ran_whatever_order_they_are_given():
+    # compare pairs rounds by position: ar's round 2 must meet engine's round 2, taken beside it
+    rounds = [sweep_run("ar", {1: v}, date=f"2026-12-05T10:0{i}:00+00:00") for i, v in enumerate((100.0, 80.0, 120.0))]
+    merged = merge_rounds([rounds[2], rounds[0], rounds[1]], names=["c.json", "a.json", "b.json"])
+    assert merged["points"][0]["rounds_output_tok_s"] == [100.0, 80.0, 120.0]
+    assert merged["round_dates"] == [r["date"] for r in rounds]
+
+
+def test_merge_plot_and_compare_warn_of_failed_requests_and_tokens_counted_from_chunks(tmp_path):
+    run = sweep_run("ar", {1: 100.0, 2: 150.0})
+    run["points"][1].update(num_failed=2, num_requests=8)
+    run["points"][0]["tokens_from"] = "chunks"
+    (tmp_path / "a.json").write_text(json.dumps(run))
+    (tmp_path / "b.json").write_text(json.dumps(sweep_run("engine", {1: 90.0, 2: 140.0})))
+    for args in (["merge", str(tmp_path / "a.json"), "-o", str(tmp_path / "m.json")],
+                 ["plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "-o", str(tmp_path / "p.png")],
+                 ["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]):
+        res = CliRunner().invoke(main, ["bench", *args])
+        assert res.exit_code == 0, res.output
+        assert "requests failed (c=2: 2 of 8)" in res.output and "counted from stream chunks" in res.output, args
+        assert res.output.count("warning: ") == 2
+
+
 def test_merge_and_compare_commands(tmp_path):
     for system, values in (("ar", (100.0, 90.0, 95.0)), ("engine", (99.0, 97.0, 96.0))):
         for i, v in enumerate(values):
