@@ -43,22 +43,24 @@ def throughput(batch_size: int, k: int, tau_by_k: Mapping[int, float], step_time
     return batch_size * tau / step_time(batch_size, k)
 
 
+# A larger K must model more than this much faster to be chosen: the model's step costs are estimates far coarser
+# than 1%, and a larger K costs what they leave out (verify rows, the drafter's cache, a wasted block on a miss).
+MIN_GAIN = 0.01
+
+
 def _best_k(batch_size: int, candidates: list[int], tau_by_k, step_time) -> int:
-    # Candidates are ascending, and only a strictly better throughput moves the choice: ties keep the
-    # smaller K (less work per step, same tokens per second).
-    best, best_tps = candidates[0], throughput(batch_size, candidates[0], tau_by_k, step_time)
-    for k in candidates[1:]:
-        tps = throughput(batch_size, k, tau_by_k, step_time)
-        if tps > best_tps:
-            best, best_tps = k, tps
-    return best
+    """The smallest candidate within MIN_GAIN of the best throughput."""
+    tps = {k: throughput(batch_size, k, tau_by_k, step_time) for k in candidates}
+    best = max(tps.values())
+    return min(k for k in candidates if tps[k] * (1 + MIN_GAIN) >= best)
 
 
 def choose_per_batch_size(
     tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float], batch_sizes: Iterable[int],
     max_draft_len: int,
 ) -> dict[int, int]:
-    """{batch size: K} maximising b x tau(K) / step_time(b, K) over K in {0} and tau_by_k's keys.
+    """{batch size: K} maximising b x tau(K) / step_time(b, K) over K in {0} and tau_by_k's keys (the smallest K
+    within MIN_GAIN of the maximum).
 
     K at the smallest batch size is chosen among K <= max_draft_len; every larger batch size among
     K <= that choice, because TensorRT-LLM requires schedule[1] == max_draft_len >= every K. (A larger

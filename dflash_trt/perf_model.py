@@ -63,12 +63,20 @@ def ring_allreduce_s(message_bytes: float, ranks: int, link_bytes_s: float, late
 
 def fill_tau_table(measured: dict[int, float], max_draft_len: int) -> tuple[dict[int, float], float]:
     """tau for every K in 1..max_draft_len: measured values as given, the others from the geometric
-    acceptance model with one alpha fitted to the measured points (least squares); returns (table, alpha)."""
+    acceptance model with one alpha fitted to the measured points (least squares), kept between the measured
+    values of the nearest shorter and longer drafts; returns (table, alpha)."""
     if not measured:
         raise ValueError("acceptance_by_draft_len is empty: give at least one measured {K: tau}")
     grid = [i / 10000 for i in range(10001)]
     alpha = min(grid, key=lambda a: sum((tau_from_acceptance(a, k) - t) ** 2 for k, t in measured.items()))
-    table = {k: measured.get(k, tau_from_acceptance(alpha, k)) for k in range(1, max_draft_len + 1)}
+
+    def modelled(k: int) -> float:
+        # A longer draft never accepts fewer tokens: a fitted value stays between its measured neighbours'.
+        below = max((t for j, t in measured.items() if j < k), default=1.0)
+        above = min((t for j, t in measured.items() if j > k), default=float("inf"))
+        return max(below, min(tau_from_acceptance(alpha, k), above))
+
+    table = {k: measured.get(k, modelled(k)) for k in range(1, max_draft_len + 1)}
     return table, alpha
 
 

@@ -65,6 +65,12 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
             f"speculative_config.lookup_nodes={spec.lookup_nodes}: a context lookup branch is at most "
             f"{limit} tokens deep (draft_block_size={drafter.block_size}, checkpoint)"
         )
+    past = sorted(key for key in spec.acceptance_by_draft_len or {} if key > limit)
+    if past:  # no run of this drafter drafts that many, so the figure is another drafter's, or a typo
+        raise ValueError(
+            f"speculative_config.acceptance_by_draft_len has K={past}, past what this drafter drafts "
+            f"(K <= {limit}: draft_block_size={drafter.block_size}, checkpoint)"
+        )
     return k
 
 

@@ -743,6 +743,8 @@ def test_a_lookup_deeper_than_the_drafters_block_or_a_tree_past_its_mask_fails_t
     with pytest.raises(ValueError, match=r"speculative_config.draft_tree_without_amx=.*at most 62 nodes"):
         prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree_without_amx={1: 63}))
     prepare_build(_spec_config(tmp_path, tiny_dirs, draft_tree={1: block + 4}))  # more nodes than a block: room kept
+    with pytest.raises(ValueError, match=rf"acceptance_by_draft_len has K=\[{block}\], past what this drafter drafts"):
+        prepare_build(_spec_config(tmp_path, tiny_dirs, acceptance_by_draft_len={2: 1.5, block: 2.0}))
 
 
 def test_a_drafters_draft_vocabulary_travels_into_the_engine_and_is_used(tiny_dirs, tmp_path):

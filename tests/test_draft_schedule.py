@@ -42,14 +42,17 @@ def test_expanded_schedule_reaches_the_brute_force_optimum_at_every_batch_size(t
     schedule = choose_draft_len_schedule(tau, lambda b, k: times[(b, k)], range(1, max_b + 1), cap)
     # Brute force, stage 1: the best K at batch 1 among K <= cap.
     allowed = [0] + [k for k in tau if k <= cap]
-    best1 = max(_tps(1, k, tau, times) for k in allowed)
-    k1 = min(k for k in allowed if _tps(1, k, tau, times) == best1)
+    # The smallest K within 1% of the best: the model cannot tell nearer ones apart.
+    def smallest_near_best(b, pool):
+        best = max(_tps(b, k, tau, times) for k in pool)
+        return min(k for k in pool if _tps(b, k, tau, times) * 1.01 >= best)
+
+    k1 = smallest_near_best(1, allowed)
     # Stage 2 (TensorRT-LLM: schedule[1] == max_draft_len >= every K): larger batches choose K <= k1.
     for b in range(1, max_b + 1):
         got = _rule(schedule, b)
         pool = allowed if b == 1 else [k for k in allowed if k <= k1]
-        assert got in pool
-        assert _tps(b, got, tau, times) == max(_tps(b, k, tau, times) for k in pool)
+        assert got == smallest_near_best(b, pool)
     if schedule:
         assert 1 in schedule and schedule[1] == k1 == max(schedule.values())
         assert schedule[max(schedule)] != 0  # a trailing 0 is implied, never written

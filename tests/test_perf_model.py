@@ -145,6 +145,16 @@ def test_tau_table_from_one_measured_point():
     assert all(table[k] < table[k + 1] for k in range(1, 9))
 
 
+def test_a_modelled_tau_stays_between_its_measured_neighbours():
+    # The one-alpha fit through tau(3) = 2.5 and tau(15) = 6.0 puts tau(2) at ~2.53, above the measured tau(3); a
+    # longer draft never accepts fewer tokens, so the table rises with K through the measured points.
+    table, alpha = fill_tau_table({3: 2.5, 15: 6.0}, 15)
+    assert 1 + alpha + alpha**2 > 2.5  # the fit alone breaks the order
+    assert table[3] == 2.5 and table[15] == 6.0 and table[2] == 2.5
+    assert all(table[k] <= table[k + 1] for k in range(1, 15))
+    assert all(2.5 <= table[k] <= 6.0 for k in range(4, 15))
+
+
 def test_predict_pareto_by_its_definition():
     m = _tiny(enable_attention_dp=True)  # 2 attention-DP ranks: concurrency 5 puts 3 rows on a rank
     points = predict_pareto(m, {3: 2.5}, [1, 5])

@@ -148,10 +148,11 @@ def test_gpt_oss_throughput_plan_chooses_a_schedule_whose_k_falls_with_the_batch
     assert perf["schedule_source"] == "auto" and perf["acceptance_by_draft_len"][7] < 4.4  # extrapolated below K=9
     chosen = {pt["batch_size"]: pt["draft_len"] for pt in perf["points"] if pt["chosen"]}
     assert all(chosen[b] == expand(schedule, b) for b in chosen)
-    # At each batch size the chosen K has the best predicted tok/s/GPU among K <= schedule[1].
+    # At each batch size the chosen K is the smallest within 1% of the best predicted tok/s/GPU among K <= schedule[1].
     for b in chosen:
         pts = [pt for pt in perf["points"] if pt["batch_size"] == b]
-        assert max(pts, key=lambda pt: pt["tok_s_gpu"])["draft_len"] == chosen[b]
+        best = max(pt["tok_s_gpu"] for pt in pts)
+        assert chosen[b] == min(pt["draft_len"] for pt in pts if pt["tok_s_gpu"] * 1.01 >= best)
 
 
 def test_suggestions_stay_within_the_targets_positions():
