@@ -9,6 +9,11 @@
 # Arms: "DFlash K=k" are fixed-K engines (the config's draft-length schedule removed); "DFlash auto" is the config as
 # written, whose schedule the build chooses per batch size (plan.json). Every engine is built for the preset's
 # ISL + OSL (max_seq_len), and prompts are cut to the ISL with the engine's own tokenizer.
+# Two layouts, as NVIDIA's B200 recipes for gpt-oss-120b split them (examples/configs/database/openai/gpt-oss-120b/
+# B200: 1k1k_tp8_conc384.yaml shards attention TP8, 1k1k_tp8_conc1024.yaml turns on attention data parallelism):
+# concurrencies up to SPLIT run engines from LOW_CONFIG (TP8, max_batch_size SPLIT), those above it engines from
+# HIGH_CONFIG (attention DP). Each arm's points of both layouts are joined into one result (each point names its
+# layout), so its frontier is the best of the two at every concurrency.
 # Needs: TensorRT-LLM with DFlash's TRTLLM-gen attention (PR #16914, merged 2026-08-17: 1.3.0rc25 or later;
 # 1.3.0rc20 refuses speculative_config.attention_backend; the engines' config.yaml headers say so) from the
 # NGC container or NVIDIA's wheel index, with trtllm-serve on PATH, this package
@@ -18,7 +23,9 @@
 # Before timing: nvidia-smi -pm 1 (and the clock/power settings in the trtllm-bench docs) as your site allows.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-CONFIG=${CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-throughput.yaml}
+LOW_CONFIG=${LOW_CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-latency.yaml}
+HIGH_CONFIG=${HIGH_CONFIG:-$ROOT/build_configs/gpt-oss-120b-8xb300-throughput.yaml}
+SPLIT=${SPLIT:-384}                 # TP8 up to this concurrency, attention DP above it
 PRESET=${PRESET:-gpu-1k1k}
 CONC=${CONC:-1,2,4,8,16,32,64,128,256,512,1024}
 KS=${KS:-"3 5 7 9"}
@@ -36,63 +43,110 @@ mkdir -p "$WORK" "$OUT"
 command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM (a release with PR #16914)" >&2; exit 1; }
 
 source "$ROOT/benchmarks/server_lifecycle.sh"   # stop, wait_up
-sweep() {  # label, result name
+# the concurrencies of CONC at or below SPLIT (tp8), above it (adp)
+split_conc() { tr , '\n' <<<"$CONC" | awk -v s="$SPLIT" -v hi="$1" 'hi ? $1 > s : $1 <= s' | paste -sd, -; }
+declare -A LAYOUT_CONC=([tp8]=$(split_conc 0) [adp]=$(split_conc 1))
+
+sweep() {  # label, result path, concurrencies
   # --model: the endpoint's own name for it (from /v1/models); reasoning deltas count as generated tokens
-  dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --concurrency "$CONC" --dataset "$PRESET" \
-    --tokenizer "$ENGINE0/tokenizer" --gpus 8 --requests-per-concurrency "$REQS" --label "$1" -o "$OUT/$2.json"
+  dflash-trt bench sweep --url "http://127.0.0.1:$PORT" --concurrency "$3" --dataset "$PRESET" \
+    --tokenizer "$ENGINE0/tokenizer" --gpus 8 --requests-per-concurrency "$REQS" --label "$1" -o "$2"
 }
 
-# One fixed-K DFlash engine per K from the config without its schedule, and the config as written (auto schedule);
-# each validated and planned for B300 at MAX_SEQ (the build refuses what does not fit).
-python3 - "$CONFIG" "$WORK/fixed_k.yaml" <<'PY'
-import sys, yaml
-o = yaml.safe_load(open(sys.argv[1]))
-for key in ("draft_len_schedule", "max_concurrency"):
-    o["speculative_config"].pop(key, None)
-yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
-PY
-for k in $KS; do
-  [[ -f "$WORK/dflash_k$k/manifest.json" ]] ||
-    dflash-trt build "$WORK/fixed_k.yaml" -o "$WORK/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ" --force
-done
-[[ -f "$WORK/dflash_auto/manifest.json" ]] || dflash-trt build "$CONFIG" -o "$WORK/dflash_auto" --max-seq-len "$MAX_SEQ" --force
-first_k=${KS%% *}
-ENGINE0=$WORK/dflash_k$first_k
-
-# AR and EAGLE-3 use the same engine's target, mapping and runtime settings with the speculative section replaced.
-variant() {  # name, python that edits dict `o`
-  python3 - "$ENGINE0/trtllm/config.yaml" "$WORK/$1.yaml" "$2" <<'PY'
+# edit a YAML: file in, file out, python that edits dict `o`
+edit_yaml() {
+  python3 - "$1" "$2" "$3" <<'PY'
 import sys, yaml
 o = yaml.safe_load(open(sys.argv[1]))
 exec(sys.argv[3])
 yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
 PY
 }
-variant ar 'o.pop("speculative_config", None)'
-variant eagle3 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # TRT-LLM tech blog 11'
 
-runs=()
+build_layout() {  # layout, config: one fixed-K DFlash engine per K and the config as written (auto schedule), each
+  # validated and planned for B300 at MAX_SEQ (the build refuses what does not fit); then the AR and EAGLE-3 configs
+  local L=$1 W=$WORK/$1
+  mkdir -p "$W"
+  # TP8 serves up to SPLIT requests at once (the recipes size batch and CUDA graphs to the concurrency)
+  # Rows a rank holds: TP8 serves up to SPLIT requests at once; under attention DP each of the 8 ranks a share of
+  # the largest concurrency (the recipes size batch and CUDA graphs to the concurrency). No more: DFlash's context
+  # arena is dense in rows x max_seq_len, and the 8k presets' would not fit beside the KV cache at the recipe's 512.
+  local top=${LAYOUT_CONC[$L]##*,}
+  local rows=$([[ $L == tp8 ]] && echo "$SPLIT" || echo $(((top + 7) / 8)))
+  edit_yaml "$2" "$W/config.yaml" "o['max_batch_size'] = $rows; o.setdefault('cuda_graph_config', {})['max_batch_size'] = $rows"
+  edit_yaml "$W/config.yaml" "$W/fixed_k.yaml" '[o["speculative_config"].pop(key, None) for key in ("draft_len_schedule", "max_concurrency")]'
+  # relative paths in the configs (none in the shipped ones) would now be read from $W
+  for k in $KS; do
+    [[ -f "$W/dflash_k$k/manifest.json" ]] ||
+      dflash-trt build "$W/fixed_k.yaml" -o "$W/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ" --force
+  done
+  [[ -f "$W/dflash_auto/manifest.json" ]] || dflash-trt build "$W/config.yaml" -o "$W/dflash_auto" --max-seq-len "$MAX_SEQ" --force
+  # AR and EAGLE-3 use the same engine's target, mapping and runtime settings with the speculative section replaced.
+  local e0=$W/dflash_k${KS%% *}
+  edit_yaml "$e0/trtllm/config.yaml" "$W/ar.yaml" 'o.pop("speculative_config", None)'
+  edit_yaml "$e0/trtllm/config.yaml" "$W/eagle3.yaml" 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # TRT-LLM tech blog 11'
+}
+
+run_layout() {  # layout: every arm swept at the layout's concurrencies, into $OUT/<layout>/<name>.json
+  local L=$1 W=$WORK/$1 conc=${LAYOUT_CONC[$1]}
+  ENGINE0=$W/dflash_k${KS%% *}
+  mkdir -p "$OUT/$L"
+  for arm in $ARMS; do
+    case $arm in
+      ar|eagle3)
+        (cd "$ENGINE0" && exec trtllm-serve "$ENGINE0/target" --tokenizer "$ENGINE0/tokenizer" --host 127.0.0.1 \
+            --port "$PORT" --config "$W/$arm.yaml") >"$OUT/$L/$arm.log" 2>&1 &
+        PID=$!; wait_up "$L/$arm" 1800
+        label=$([[ $arm == ar ]] && echo "autoregressive" || echo "EAGLE-3 K=3")
+        sweep "$label" "$OUT/$L/$arm.json" "$conc"; stop ;;
+      dflash)
+        for k in $KS; do
+          dflash-trt serve "$W/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/$L/dflash_k$k.log" 2>&1 &
+          PID=$!; wait_up "$L/dflash_k$k" 1800
+          sweep "DFlash K=$k" "$OUT/$L/dflash_k$k.json" "$conc"; stop
+        done ;;
+      dflash-auto)
+        dflash-trt serve "$W/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/$L/dflash_auto.log" 2>&1 &
+        PID=$!; wait_up "$L/dflash_auto" 1800
+        sweep "DFlash auto" "$OUT/$L/dflash_auto.json" "$conc"; stop ;;
+      *) echo "unknown arm $arm" >&2; exit 1 ;;
+    esac
+  done
+}
+
+layouts=()
+if [[ -n ${LAYOUT_CONC[tp8]} ]]; then layouts+=(tp8); build_layout tp8 "$LOW_CONFIG"; fi
+if [[ -n ${LAYOUT_CONC[adp]} ]]; then layouts+=(adp); build_layout adp "$HIGH_CONFIG"; fi
+for L in "${layouts[@]}"; do run_layout "$L"; done
+
+# One result per arm: its points in both layouts, each naming its layout (and the auto engine's schedule there).
+names=()
 for arm in $ARMS; do
-  case $arm in
-    ar|eagle3)
-      (cd "$ENGINE0" && exec trtllm-serve "$ENGINE0/target" --tokenizer "$ENGINE0/tokenizer" --host 127.0.0.1 \
-          --port "$PORT" --config "$WORK/$arm.yaml") >"$OUT/$arm.log" 2>&1 &
-      PID=$!; wait_up "$arm" 1800
-      label=$([[ $arm == ar ]] && echo "autoregressive" || echo "EAGLE-3 K=3")
-      sweep "$label" "$arm"; stop; runs+=("$OUT/$arm.json") ;;
-    dflash)
-      for k in $KS; do
-        dflash-trt serve "$WORK/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_k$k.log" 2>&1 &
-        PID=$!; wait_up "dflash_k$k" 1800
-        sweep "DFlash K=$k" "dflash_k$k"; stop; runs+=("$OUT/dflash_k$k.json")
-      done ;;
-    dflash-auto)
-      dflash-trt serve "$WORK/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/dflash_auto.log" 2>&1 &
-      PID=$!; wait_up dflash_auto 1800
-      schedule=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["draft_len_schedule"])' "$WORK/dflash_auto/plan.json")
-      sweep "DFlash auto $schedule" dflash_auto; stop; runs+=("$OUT/dflash_auto.json") ;;
-    *) echo "unknown arm $arm" >&2; exit 1 ;;
-  esac
+  case $arm in dflash) for k in $KS; do names+=("dflash_k$k"); done ;; dflash-auto) names+=(dflash_auto) ;; *) names+=("$arm") ;; esac
 done
-dflash-trt bench plot "${runs[@]}" -o "$OUT/pareto.png" --title "gpt-oss-120b, DGX B300 (TP8/EP8), $PRESET"
+runs=()
+for name in "${names[@]}"; do
+  python3 - "$OUT/$name.json" "$WORK" "$name" "${layouts[@]}" <<'PY'
+import json, sys
+out, work, name, layouts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+joined = None
+for layout in layouts:
+    run = json.load(open(f"{out.rsplit('/', 1)[0]}/{layout}/{name}.json"))
+    schedule = (json.load(open(f"{work}/{layout}/dflash_auto/plan.json"))["draft_len_schedule"]
+                if name == "dflash_auto" else None)
+    for p in run["points"]:
+        p["layout"] = layout if schedule is None else f"{layout}, schedule {schedule}"
+    if joined is None:
+        joined = {**run, "layouts": {}}
+    else:
+        joined["points"] += run["points"]
+        joined["complete"] = joined.get("complete") is not False and run.get("complete") is not False
+    joined["layouts"][layout] = sorted(p["concurrency"] for p in run["points"])
+joined["points"].sort(key=lambda p: p["concurrency"])
+json.dump(joined, open(out, "w"), indent=2)
+PY
+  runs+=("$OUT/$name.json")
+done
+dflash-trt bench plot "${runs[@]}" -o "$OUT/pareto.png" \
+  --title "gpt-oss-120b, DGX B300 (TP8/EP8 up to c=$SPLIT, attention DP above), $PRESET"
 echo "results in $OUT" >&2

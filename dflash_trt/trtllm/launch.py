@@ -41,9 +41,19 @@ def require_tensorrt_llm():
             "index or the NGC release container; it is not on PyPI), or use --backend torch"
         ) from e
     version = getattr(tensorrt_llm, "__version__", "unknown")
-    if version != TENSORRT_LLM_VERSION:
+    if older_than_pin(version):  # a later release is what the keys past the pin need (check_release)
         logger.warning("tensorrt_llm %s is installed; this engine's config targets %s", version, TENSORRT_LLM_VERSION)
     return tensorrt_llm
+
+
+def older_than_pin(version: str) -> bool:
+    """Whether a tensorrt_llm version predates the pinned release (or cannot be read as a release's)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) < Version(TENSORRT_LLM_VERSION)
+    except InvalidVersion:
+        return True
 
 
 def check_release(options: dict, version: str) -> None:

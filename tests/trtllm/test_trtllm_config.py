@@ -179,3 +179,16 @@ def test_a_schedule_of_several_k_under_attention_dp_is_noted_and_one_k_is_not(tm
     one = tmp_path / "one_k.yaml"
     one.write_text(yaml.safe_dump(cfg))
     assert not any("attention data parallelism" in n for n in prepare_build(one, allow_bundled=True).plan.notes)
+
+
+@pytest.mark.parametrize("version, warns", [("1.3.0rc25", False), ("1.3.0rc20", False), ("1.3.1", False),
+                                            ("1.3.0rc19", True), ("1.2.0", True), ("source-build", True)])
+def test_only_a_release_older_than_the_pin_is_warned_of(monkeypatch, caplog, version, warns):
+    # The B300 configs need a release after the pin: installing it must not read as a mismatch.
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.SimpleNamespace(__version__=version))
+    with caplog.at_level("WARNING", logger=launch.logger.name):
+        launch.require_tensorrt_llm()
+    assert ("this engine's config targets" in caplog.text) == warns
