@@ -278,6 +278,9 @@ def _exec_trtllm_serve(engine, host: str, port: int) -> None:
         cmd = serve_command(built, host, port)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
+    # trtllm-serve has no option for the served name: it is the path it loads, which clients must send as "model"
+    click.echo(f"trtllm-serve serves the model as {cmd[1]!r} (clients send it as \"model\"; /v1/models lists it)",
+               err=True)
     os.execv(cmd[0], cmd)  # trtllm-serve takes over this process, and its signals
 
 

@@ -114,6 +114,20 @@ def test_serve_command_is_a_trtllm_serve_command_line(tiny_trtllm_engine, tmp_pa
     assert sorted(p.name for p in config.parent.iterdir()) == [config.name]
 
 
+def test_serve_names_the_model_id_trtllm_serve_will_answer_to(tiny_trtllm_engine, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_trt.server import cli
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    ran = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
+    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm"])
+    assert result.exit_code == 0 and ran and ran[0][0] == "/opt/bin/trtllm-serve", result.output
+    assert f"serves the model as {str(EngineDir(tiny_trtllm_engine).target_dir)!r}" in result.output
+
+
 def _trtllm_serve_lines(script: str) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", script)
     out = []
