@@ -348,9 +348,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             pass
 
     async def _updates(s: _Submitted):
-        """Yield (choice index, text delta, finished output or None, the logprobs of the tokens new since the last)
-        until every choice has finished; abort the unfinished ones if the consumer stops early (client disconnect).
-        Logprobs go with the update whose tokens they belong to, even where its text is held back."""
+        """Yield (choice index, text delta, finished output or None, the logprobs of the tokens new since the last,
+        the choice's tokens so far) until every choice has finished; abort the unfinished ones if the consumer stops
+        early (client disconnect). Logprobs go with the update whose tokens they belong to, even where its text is
+        held back."""
         done = [False] * len(s.request_ids)
         sent = [0] * len(s.request_ids)
         try:
@@ -361,7 +362,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 text = s.detoks[i].delta(update.token_ids, out.text if out is not None else None)
                 new, sent[i] = update.logprobs[sent[i]:], max(sent[i], len(update.logprobs))
                 if text or out is not None or new:
-                    yield i, text, out, new
+                    yield i, text, out, new, out.num_tokens if out is not None else len(update.token_ids)
         finally:
             for i, rid in enumerate(s.request_ids):
                 if not done[i]:
@@ -369,14 +370,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     async def _stream_completion(req: p.CompletionRequest, s: _Submitted):
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        usage, no_usage = _include_usage(req)
+        usage, no_usage, continuous = _include_usage(req)
         outputs = []
         offsets = [TextOffsets(token_text) for _ in s.request_ids]  # where each choice's next token starts
-        async for i, text, out, new in _updates(s):
+        async for i, text, out, new, tokens in _updates(s):
             logprobs = completion_logprobs(new, token_text, offsets[i]) if req.num_logprobs is not None else None
             choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
                                         acceptance=_acceptance(out) if out else None, logprobs=logprobs)
-            chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice])
+            chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice],
+                                         usage=_choice_usage(s, i, tokens) if continuous else None)
             if out is not None:
                 outputs.append(out)
             yield chunk.model_dump(exclude=no_usage)
@@ -386,21 +388,23 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        usage, no_usage = _include_usage(req)
+        usage, no_usage, continuous = _include_usage(req)
         outputs, started = [], set()
-        async for i, text, out, new in _updates(s):
+        async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
                 # first chunk
                 started.add(i)
                 first = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
-                yield p.ChatCompletionChunk(id=rid, created=created, model=model_name,
-                                            choices=[first]).model_dump(exclude=no_usage)
+                yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first],
+                                            usage=_choice_usage(s, i, 0) if continuous else None
+                                            ).model_dump(exclude=no_usage)
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
                                        finish_reason=out.finish_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)
-            chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
+            chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice],
+                                          usage=_choice_usage(s, i, tokens) if continuous else None)
             if out is not None:
                 outputs.append(out)
             yield chunk.model_dump(exclude=no_usage)
@@ -408,11 +412,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
                                         usage=_usage(outputs, s)).model_dump()
 
-    def _include_usage(req: p._SamplingRequest) -> tuple[bool, set[str] | None]:
-        """Whether a stream ends with a usage chunk, and what its other chunks leave out: OpenAI's carry
-        `"usage": null` when usage was asked for, and no usage key otherwise."""
+    def _include_usage(req: p._SamplingRequest) -> tuple[bool, set[str] | None, bool]:
+        """Whether a stream ends with a usage chunk, what its other chunks leave out (OpenAI's carry `"usage": null`
+        when usage was asked for, and no usage key otherwise), and whether they carry their choice's usage so far
+        (vLLM's continuous_usage_stats, which counts only with include_usage)."""
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return usage, None if usage else {"usage"}
+        return usage, None if usage else {"usage"}, usage and req.stream_options.continuous_usage_stats
+
+    def _choice_usage(s: _Submitted, i: int, tokens: int) -> p.Usage:
+        return p.Usage(prompt_tokens=s.prompt_lens[i], completion_tokens=tokens, total_tokens=s.prompt_lens[i] + tokens)
 
     def _sse(chunks) -> StreamingResponse:
         async def events():

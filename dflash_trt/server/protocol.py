@@ -91,10 +91,7 @@ class _NullIsUnset(BaseModel):
 
 class StreamOptions(_NullIsUnset):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's usage in every chunk: not implemented
-
-    _no_continuous = _refuse_set("continuous_usage_stats",
-                                 message="continuous_usage_stats is not supported (usage comes in the last chunk)")
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 class _SamplingRequest(_NullIsUnset):

@@ -105,6 +105,31 @@ def test_streamed_chunks_follow_openais_schema(server):
             assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_its_chunks(server):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its own choice's prompt
+    and completion tokens so far; without include_usage it changes nothing."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]  # token ids: their lengths are the prompt counts
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    so_far = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        i, usage = choice["index"], c["usage"]
+        assert usage["prompt_tokens"] == len(prompts[i]) and usage["completion_tokens"] >= so_far[i]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        so_far[i] = usage["completion_tokens"]
+        if choice["finish_reason"]:
+            assert usage["completion_tokens"] == 5
+    assert so_far == {0: 5, 1: 5} and chunks[-1]["usage"]["completion_tokens"] == 10
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=chat, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks and all("usage" not in c for c in chunks)
+
+
 def test_stop_token_ids_end_the_answer_and_min_tokens_holds_with_ignore_eos(server, oracle):
     want = expected(oracle, PROMPTS[5:6], 24)[0]
     i = next(i for i in range(2, len(want.token_ids)) if want.token_ids[i] not in want.token_ids[:i])
