@@ -61,7 +61,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
-        self._thread.start()
+        """Start stepping; a started loop (spawn's) is left as it is, so `with EngineLoop.spawn(...)` works."""
+        if self._thread.ident is None:
+            self._thread.start()
         return self
 
     @classmethod

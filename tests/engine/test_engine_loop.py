@@ -215,3 +215,14 @@ def test_the_loop_calls_on_idle_once_each_time_it_runs_out_of_work(tiny_dirs):
         assert len(idle) == 2 and all(t is loop._thread for t in idle)
     finally:
         loop.stop()
+
+
+def test_a_spawned_or_started_loop_serves_as_a_context_manager(tiny_dirs):
+    def build():
+        return LLMEngine.from_dirs(tiny_dirs["qwen3"], None, EngineConfig(max_batch_size=1, speculative=False))
+
+    done = threading.Event()
+    with EngineLoop.spawn(build) as loop:
+        loop.submit([5, 6, 7], SamplingParams(max_new_tokens=2), lambda u: u.finished and done.set())
+        assert done.wait(30)
+    assert not loop.is_alive
