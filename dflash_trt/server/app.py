@@ -210,8 +210,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             msg = err["msg"].removeprefix("Value error, ")
             raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
 
-    def _check_model(name: str) -> None:
-        if name != model_name:
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 

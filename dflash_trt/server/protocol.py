@@ -100,7 +100,7 @@ class _SamplingRequest(_NullIsUnset):
     # below rather than silently dropped. Numbers and booleans are strict: "5" or true is no max_tokens.
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # vLLM's: absent or null is the served model (OpenAI requires it)
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     n: WholeInt = Field(1, ge=1)  # answers per prompt (the server's rows plus queue bound them)

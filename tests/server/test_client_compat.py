@@ -118,6 +118,16 @@ def test_neutral_vllm_extensions_pass(server):
     assert httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).status_code == 200
 
 
+def test_a_request_without_a_model_is_for_the_served_one_as_vllm_reads_it(server):
+    chat = {k: v for k, v in CHAT.items() if k != "model"}
+    for body in ({**chat, "messages": [{"role": "user", "content": "hi"}]},
+                 {**chat, "model": None, "messages": [{"role": "user", "content": "hi"}]}):
+        r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    r = httpx.post(server.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
 def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
     closed = TestClient(create_app(server.loop, MODEL))
