@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dflash_trt import __version__
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.llm_engine import RequestOutput
@@ -157,21 +158,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(req.model)
-        if req.chat_template is not None and not trust_request_chat_template:
-            raise APIError(400, "a request's own chat_template runs only on a server started with "
-                                "--trust-request-chat-template", param="chat_template")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await tokenized(chat_chars(messages), "encode_chat", messages, req.add_generation_prompt,
-                                  req.continue_final_message, req.chat_template, req.chat_template_kwargs)
-        except PromptTooLong as e:
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        except Exception as e:  # a template that rejects this conversation (roles, order), or the request's own
-            if req.chat_template is not None:
-                raise APIError(400, f"the request's chat_template failed: {e}", param="chat_template") from e
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        ids = await _encode_chat(req)
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
@@ -183,7 +170,51 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's: a prompt's or a conversation's token ids, as a completion or a chat completion would count them."""
+        req = await _parse(request, p.TokenizeRequest)
+        _check_model(req.model)
+        if req.messages is not None:
+            ids = await _encode_chat(await _parse(request, p.ChatCompletionRequest))
+        else:
+            ids = await _encode_prompt(req.prompt)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await _parse(request, p.DetokenizeRequest)
+        _check_model(req.model)
+        vocab = engine.target.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in 0..{vocab - 1}, got {bad[:5]}", param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
     # --- request -> engine ------------------------------------------------------------------------
+
+    async def _encode_chat(req: p.ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt ids through the chat template (the tokenizer's, or a trusted request's own)."""
+        if req.chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "a request's own chat_template runs only on a server started with "
+                                "--trust-request-chat-template", param="chat_template")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            return await tokenized(chat_chars(messages), "encode_chat", messages, req.add_generation_prompt,
+                                   req.continue_final_message, req.chat_template, req.chat_template_kwargs)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        except Exception as e:  # a template that rejects this conversation (roles, order), or the request's own
+            if req.chat_template is not None:
+                raise APIError(400, f"the request's chat_template failed: {e}", param="chat_template") from e
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
 
     async def _parse(request: Request, schema: type[BaseModel]):
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()

@@ -387,6 +387,29 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_NullIsUnset):
+    """vLLM's /tokenize: a completions prompt, or a conversation (read as a chat completion's messages and template
+    fields)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages, one of them")
+        return self
+
+
+class DetokenizeRequest(_NullIsUnset):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[WholeInt]
+
+
 class AcceptanceStats(BaseModel):
     """Speculative-decoding statistics of one request (names as in TensorRT-LLM's Triton model)."""
 

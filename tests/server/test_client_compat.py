@@ -128,6 +128,35 @@ def test_a_request_without_a_model_is_for_the_served_one_as_vllm_reads_it(server
     assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
 
 
+def test_tokenize_counts_as_the_completion_routes_do_and_detokenize_reverses_it(server, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    from dflash_trt import __version__
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    text = "the quick brown fox"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()
+    used = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1},
+                      timeout=60).json()["usage"]["prompt_tokens"]
+    assert r["tokens"] == tok(text)["input_ids"] and r["count"] == used == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    messages = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    used = httpx.post(server.base_url + "/chat/completions", json={"messages": messages, "max_tokens": 1},
+                      timeout=60).json()["usage"]["prompt_tokens"]
+    assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"]) and r["count"] == used
+    r = httpx.post(server.url + "/detokenize", json={"tokens": tok(text)["input_ids"]}, timeout=30)
+    assert r.json() == {"prompt": text}
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, None),
+                              ("/tokenize", {}, None),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model")):
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
 def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
     closed = TestClient(create_app(server.loop, MODEL))
