@@ -50,6 +50,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's: the stop token ids (eos unless ignore_eos, and stop_token_ids) are masked out of the target's logits
+    # until the output holds this many tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
@@ -75,6 +78,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        if self.min_tokens and self.stop:
+            # vLLM looks for stop strings only in the text after min_tokens; here they are found anywhere
+            raise ValueError("min_tokens with stop strings is not supported (with stop_token_ids it is)")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 
@@ -87,9 +95,14 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether the target's logits are changed before its choice: penalties, or min_tokens' mask."""
+        return self.penalized or self.min_tokens > 0
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy on the target's logits as they are: the argmax alone decides (the head's int8 screen serves it)."""
-        return self.greedy and not self.penalized
+        return self.greedy and not self.shapes_logits
 
     @property
     def samples_drafts(self) -> bool:

@@ -120,7 +120,7 @@ class ModelRunner:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
         if all(s.params.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
-        logits = self._penalized(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
+        logits = self._shaped(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
         probs = self._sampling_probs(seqs, logits)[:, 0]
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
 
@@ -226,11 +226,11 @@ class ModelRunner:
         if all(s.params.plain_greedy for s in seqs):
             # The GREEDY rule needs only the target's argmax: taken alone it skips the fp32 logits (on a GPU [B, K + 1,
             # V], 311 MB at 32 rows of Qwen3's vocabulary), the op's dispatch and the uniforms and modes a mixed batch
-            # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or are penalized.
+            # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or shape their logits.
             result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
         else:
             drafts = proposal.draft_tokens  # position j's penalties count the drafts before it as output
-            logits = self._penalized(seqs, self.target.compute_logits(hidden),
+            logits = self._shaped(seqs, self.target.compute_logits(hidden),
                                      lambda i: _prefixes(drafts[i].tolist()))
             result = self._verify(seqs, proposal, sampling, logits)
         emitted = result.emitted(proposal.draft_tokens)
@@ -315,9 +315,9 @@ class ModelRunner:
             return self.target.greedy_tokens(hidden)
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:  # none where every row is greedy and some penalized
+        if sampled:  # none where every row is greedy and some shape their logits
             u[to_device(sampled, torch.long, self.device)] = self._uniforms([seqs[i] for i in sampled], depth + 1)
-        logits = self._penalized(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
+        logits = self._shaped(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
         probs = self._sampling_probs(seqs, logits)  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, tree.depths))
 
@@ -330,15 +330,16 @@ class ModelRunner:
         return paths
 
     @staticmethod
-    def _penalized(seqs: list[Sequence], logits: torch.Tensor,
-                   extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor:
-        """logits [B, T, V] with each penalized row's penalties applied at its positions (layers/penalties.py);
-        extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed ones, asked for the
-        penalized rows only (a step without penalties pays nothing)."""
+    def _shaped(seqs: list[Sequence], logits: torch.Tensor,
+                extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor:
+        """logits [B, T, V] with each row's penalties and min_tokens' mask applied at its positions
+        (layers/penalties.py); extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed
+        ones, asked for the rows that shape their logits only (a step without either pays nothing)."""
         for i, s in enumerate(seqs):
-            if s.params.penalized:
+            if s.params.shapes_logits:
                 extras = extras_of(i)
-                logits[i, :len(extras)] = penalize(logits[i, :len(extras)], s.params, s.prompt_ids, s.output_ids, extras)
+                n = len(extras)
+                logits[i, :n] = penalize(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras, s.stop_ids)
         return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],

@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties on the target's logits, position by position (vLLM's semantics).
+"""Repetition, frequency and presence penalties on the target's logits, position by position (vLLM's semantics),
+and min_tokens' mask of the stop tokens.
 
 repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
 holds; frequency_penalty subtracts, per output token, its count so far; presence_penalty subtracts once for every token
@@ -9,6 +10,8 @@ under the same penalties would choose.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from dflash_trt.device_copy import to_device
@@ -16,18 +19,31 @@ from dflash_trt.sampling_params import SamplingParams
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-             extras: list[list[int]]) -> torch.Tensor:
+             extras: list[list[int]], stop_ids: Collection[int] = ()) -> torch.Tensor:
     """logits [n, V] float at n positions; extras[j]: the tokens between the committed output and position j (a
-    step's drafts before it) -> the penalized logits (a new tensor)."""
-    n, vocab = logits.shape
-    dev = logits.device
+    step's drafts before it) -> the penalized logits (a new tensor), with stop_ids at -inf at the positions before
+    params.min_tokens output tokens."""
+    out = logits.to(torch.float32, copy=True)
+    if params.penalized:
+        out = _penalties(out, params, prompt_ids, output_ids, extras)
+    held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
+    stops = sorted(t for t in stop_ids if 0 <= t < out.shape[-1])  # an id past the head is no token it can choose
+    if held and stops:
+        dev = out.device
+        out[to_device(held, torch.long, dev)[:, None], to_device(stops, torch.long, dev)] = -torch.inf
+    return out
+
+
+def _penalties(out: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+               extras: list[list[int]]) -> torch.Tensor:
+    n, vocab = out.shape
+    dev = out.device
     counts = torch.zeros(vocab, device=dev).index_add_(
         0, to_device(output_ids, torch.long, dev), torch.ones(len(output_ids), device=dev))
     counts = counts.expand(n, vocab).clone()
     for j, extra in enumerate(extras):
         if extra:
             counts[j].index_add_(0, to_device(extra, torch.long, dev), torch.ones(len(extra), device=dev))
-    out = logits.float()
     if params.repetition_penalty != 1.0:
         in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
         in_prompt[to_device(prompt_ids, torch.long, dev)] = True

@@ -277,9 +277,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         # vLLM's rule (get_max_tokens): what the context leaves, so clients that send one large max_tokens for
         # every prompt are answered up to the context, with finish_reason "length"
         max_tokens = min(max_tokens, limit - prompt_len)
-        if req.min_tokens and not (req.ignore_eos and not req.stop_list and not req.stop_token_ids):
-            # then nothing ends an answer before max_tokens, which is all min_tokens asks
-            raise APIError(400, "min_tokens is supported only with ignore_eos=true and no stop or stop_token_ids",
+        if req.min_tokens and req.stop_list:
+            raise APIError(400, "min_tokens with stop strings is not supported (with stop_token_ids it is)",
                            param="min_tokens")
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= {max_param} ({max_tokens})",
@@ -301,7 +300,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                   ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
                                   prompt_logprobs=req.num_logprobs if req.echo else None,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty)
+                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

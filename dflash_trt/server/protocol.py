@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (OpenAI field names unchanged; no torch).
 
 Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens` (with ignore_eos only), `repetition_penalty`, the chat template's `add_generation_prompt`,
+`min_tokens` (not with stop strings), `repetition_penalty`, the chat template's `add_generation_prompt`,
 `continue_final_message`, `chat_template` and `chat_template_kwargs`, and `acceptance` (the lossless sampling rule) on
 requests; per-choice `acceptance` statistics (tau, histogram, draft and accepted counts) on responses. vLLM's other sampling
 extensions are refused unless neutral, as are OpenAI features this server lacks.
@@ -122,7 +122,7 @@ class _SamplingRequest(_NullIsUnset):
     top_k: WholeInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: stop at these ids as well as at the model's eos
-    min_tokens: WholeInt = Field(0, ge=0)  # vLLM's; checked against ignore_eos and stop in the app
+    min_tokens: WholeInt = Field(0, ge=0)  # vLLM's; checked against max_tokens and stop in the app
     acceptance: Literal["match", "rejection"] = "match"
     # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
     # neutral, rather than ignored as unknown fields are

@@ -1,7 +1,7 @@
-"""Penalties keep speculation lossless: greedy output under repetition / frequency / presence penalties equals
-transformers' model decoding one token at a time under the same penalties (its RepetitionPenaltyLogitsProcessor, and
-a count-by-count reference for OpenAI's two), on plain, chain and tree steps; seeded samples under penalties are the
-same tokens plain decoding draws, in fp32."""
+"""Penalties and min_tokens keep speculation lossless: greedy output under repetition / frequency / presence penalties
+equals transformers' model decoding one token at a time under the same penalties (its RepetitionPenaltyLogitsProcessor,
+and a count-by-count reference for OpenAI's two), and under min_tokens transformers' generate with min_new_tokens, on
+plain, chain and tree steps; seeded samples under either are the same tokens plain decoding draws, in fp32."""
 
 import pytest
 import torch
@@ -80,3 +80,51 @@ def test_seeded_samples_under_penalties_are_plain_decodings(tiny_dirs, acceptanc
                                      acceptance=acceptance)
         other = _engine(tiny_dirs, "qwen3", 3, rows=2).generate(prompts, unpenalized)
         assert [o.token_ids for o in spec] != [o.token_ids for o in other]
+
+
+@pytest.mark.parametrize("path", ["plain", "chain", "tree"])
+def test_greedy_under_min_tokens_equals_transformers_generate_with_min_new_tokens(tiny_dirs, path):
+    """The stop tokens are the ones the target chooses second and fourth without min_tokens, and drafts proposing
+    them early (the unconstrained answer's) must be refused until the output holds min_tokens tokens."""
+    prompts, minimum = _prompts(3), 12
+    free = [hf_penalized_greedy(tiny_dirs["qwen3"], p, {}) for p in prompts]
+    stops = sorted({f[1] for f in free} | {f[3] for f in free})
+    hf = _hf.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=minimum, do_sample=False,
+                        eos_token_id=stops, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert all(len(r) > minimum for r in refs) and any(len(r) < NEW for r in refs)  # min_tokens held, then a stop
+    if path == "plain":
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
+    elif path == "chain":
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
+        force_drafts(engine, {i: p + f for i, (p, f) in enumerate(zip(prompts, free))}, error_rate=0.0)
+    else:
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
+        force_tree_drafts(engine, {i: p + f for i, (p, f) in enumerate(zip(prompts, free))})
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=stops,
+                                                   min_tokens=minimum))
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.finish_reason == ("stop" if len(r) < NEW else "length") for o, r in zip(outs, refs))
+
+
+def test_seeded_samples_under_min_tokens_never_stop_early_and_are_plain_decodings(tiny_dirs):
+    prompt = _prompts(1)[0]
+    first = hf_penalized_greedy(tiny_dirs["qwen3"], prompt, {}, new=1)[0]  # the likeliest first token: a stop now
+
+    def sample(engine, minimum):
+        params = [SamplingParams(max_new_tokens=4, temperature=0.5, seed=s, stop_token_ids=[first], ignore_eos=True,
+                                 min_tokens=minimum) for s in range(40)]
+        return [o.token_ids for o in engine.generate([prompt] * 40, params)]
+
+    free = sample(_engine(tiny_dirs, "qwen3", 3, rows=4, speculative=False), 0)
+    assert sum(ids[0] == first for ids in free) > 4  # without min_tokens it often stops at once
+    held = sample(_engine(tiny_dirs, "qwen3", 3, rows=4, speculative=False), 3)
+    assert all(first not in ids[:3] and len(ids) >= 3 for ids in held)
+    assert sample(_engine(tiny_dirs, "qwen3", 3, rows=4, draft_tree={4: 5}), 3) == held
+
+
+def test_min_tokens_out_of_range_or_with_stop_strings_is_refused():
+    with pytest.raises(ValueError, match=r"min_tokens must be in 0..max_new_tokens \(4\), got 5"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens with stop strings is not supported"):
+        SamplingParams(min_tokens=2, stop=["x"])
