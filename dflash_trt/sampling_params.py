@@ -46,13 +46,17 @@ class SamplingParams:
     acceptance: AcceptanceRule = "match"
     logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (OpenAI's echo)
-    # penalties on the target's logits (layers/penalties.py, vLLM's semantics): 0, 0 and 1 leave them as they are
+    # penalties on the target's logits (layers/logits_processors.py, vLLM's semantics): 0, 0 and 1 leave them as they
+    # are
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     # vLLM's: the stop token ids (eos unless ignore_eos, and stop_token_ids) are masked out of the target's logits
     # until the output holds this many tokens
     min_tokens: int = 0
+    # OpenAI's: added to these tokens' logits ([-100, 100]); vLLM's: only these tokens may be chosen
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
@@ -83,6 +87,13 @@ class SamplingParams:
         if self.min_tokens and self.stop:
             # vLLM looks for stop strings only in the text after min_tokens; here they are found anywhere
             raise ValueError("min_tokens with stop strings is not supported (with stop_token_ids it is)")
+        if self.logit_bias and not all(-100 <= b <= 100 for b in self.logit_bias.values()):  # NaN fails both
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {sorted(self.logit_bias.values())}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (no token could be chosen)")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t < 0 for t in getattr(self, name) or ()):
+                raise ValueError(f"{name} token ids must be >= 0")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 
@@ -96,8 +107,9 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether the target's logits are changed before its choice: penalties, or min_tokens' mask."""
-        return self.penalized or self.min_tokens > 0
+        """Whether the target's logits are changed before its choice (layers/logits_processors.py)."""
+        return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
 
     @property
     def plain_greedy(self) -> bool:

@@ -275,7 +275,7 @@ def test_generate_takes_penalties_and_reports_the_targets_logprobs(tiny_dirs):
     import torch
     from transformers import AutoTokenizer
 
-    from tests.engine.test_penalties import hf_penalized_greedy
+    from tests.engine.test_logits_processors import hf_penalized_greedy
     from tests.server.test_logprobs import hf_logprobs
 
     r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-p", "x",

@@ -23,7 +23,7 @@ from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, HostRows, round_up
-from dflash_trt.layers.penalties import penalize
+from dflash_trt.layers.logits_processors import process_logits
 from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
@@ -332,14 +332,15 @@ class ModelRunner:
     @staticmethod
     def _shaped(seqs: list[Sequence], logits: torch.Tensor,
                 extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor:
-        """logits [B, T, V] with each row's penalties and min_tokens' mask applied at its positions
-        (layers/penalties.py); extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed
-        ones, asked for the rows that shape their logits only (a step without either pays nothing)."""
+        """logits [B, T, V] with each row's settings applied at its positions (layers/logits_processors.py);
+        extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed ones, asked for the rows
+        that shape their logits only (a step without any pays nothing)."""
         for i, s in enumerate(seqs):
             if s.params.shapes_logits:
                 extras = extras_of(i)
                 n = len(extras)
-                logits[i, :n] = penalize(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras, s.stop_ids)
+                logits[i, :n] = process_logits(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras,
+                                               s.stop_ids)
         return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],

@@ -291,6 +291,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 raise APIError(400, f"stop_token_ids must be in 0..{vocab - 1}, got {bad[:5]}", param="stop_token_ids")
             # vLLM's meaning: in addition to the model's eos ids (unless ignore_eos), where the engine's replaces them
             stop_ids = [*(() if req.ignore_eos else engine.eos_token_ids), *req.stop_token_ids]
+        for name, ids in (("logit_bias", req.biases or ()), ("allowed_token_ids", req.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"{name} token ids must be in 0..{vocab - 1}, got {bad[:5]}", param=name)
         # a top_k of the whole vocabulary or more keeps every token; passed on, a huge one overflows the engine's
         # int64 tensor and fails every request in the step
         top_k = req.top_k if 0 < req.top_k < vocab else 0
@@ -300,7 +304,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                   ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
                                   prompt_logprobs=req.num_logprobs if req.echo else None,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
+                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                                  logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

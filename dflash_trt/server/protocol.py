@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (OpenAI field names unchanged; no torch).
 
 Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens` (not with stop strings), `repetition_penalty`, the chat template's `add_generation_prompt`,
+`min_tokens` (not with stop strings), `allowed_token_ids`, `repetition_penalty`, the chat template's `add_generation_prompt`,
 `continue_final_message`, `chat_template` and `chat_template_kwargs`, and `acceptance` (the lossless sampling rule) on
 requests; per-choice `acceptance` statistics (tau, histogram, draft and accepted counts) on responses. vLLM's other sampling
 extensions are refused unless neutral, as are OpenAI features this server lacks.
@@ -96,7 +96,7 @@ class StreamOptions(_NullIsUnset):
 
 class _SamplingRequest(_NullIsUnset):
     # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
-    # change the answer's content or shape and are not implemented (logit_bias, tools, ...) are refused
+    # change the answer's content or shape and are not implemented (tools, ...) are refused
     # below rather than silently dropped. Numbers and booleans are strict: "5" or true is no max_tokens.
     model_config = ConfigDict(extra="ignore")
 
@@ -111,8 +111,8 @@ class _SamplingRequest(_NullIsUnset):
     echo: StrictBool = False  # completions: the prompt before the answer (and its logprobs); refused on chat
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     # OpenAI features this server does not implement: refused unless off
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -137,7 +137,7 @@ class _SamplingRequest(_NullIsUnset):
     guided_grammar: Any = None
     structured_outputs: Any = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[Any] | None = None
+    allowed_token_ids: list[WholeInt] | None = Field(None, min_length=1)
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
@@ -157,8 +157,19 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError("stop strings must not be empty (an empty one would match before any text)")
         return v
 
-    _no_logit_bias = _refuse_set("logit_bias",
-                                 message="logit_bias is not supported (it would change the target's distribution)")
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases_of_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @property
+    def biases(self) -> dict[int, float] | None:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("response_format")
     @classmethod
@@ -184,9 +195,9 @@ class _SamplingRequest(_NullIsUnset):
     _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                              message="structured (guided) output is not supported")
 
-    _no_vocab_limits = _refuse_set("bad_words", "allowed_token_ids", "logits_processors",
-                                   message="bad_words, allowed_token_ids and logits_processors are not supported (they "
-                                   "would change the target's distribution)")
+    _no_vocab_limits = _refuse_set("bad_words", "logits_processors",
+                                   message="bad_words and logits_processors are not supported (they would change the "
+                                   "target's distribution)")
     _no_truncation = _refuse_set("truncate_prompt_tokens", message="truncate_prompt_tokens is not supported")
 
     @field_validator("prompt_logprobs")

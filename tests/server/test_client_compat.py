@@ -99,7 +99,6 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
     ({"echo": True}, "echo"),
     ({"bad_words": ["x"]}, "bad_words"),
-    ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM's 0 is the prompt's own logprobs, not "off"
@@ -169,9 +168,19 @@ def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     assert opened.get("/v1/models", headers={"Origin": "http://localhost:3000"}).json()["data"][0]["id"] == MODEL
 
 
+def test_logit_bias_and_allowed_token_ids_reach_the_runtime(server, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for extra in ({"logit_bias": {"40": 100}}, {"allowed_token_ids": [40]}):
+        r = httpx.post(server.base_url + "/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode([40] * 4), (extra, r.text)
+
+
 def test_penalties_reach_the_runtime(server, oracle):
     """OpenAI's presence / frequency penalties and vLLM's repetition_penalty shape the answer as the runtime's
-    generate under them (itself transformers' decoding under them: tests/engine/test_penalties.py)."""
+    generate under them (itself transformers' decoding under them: tests/engine/test_logits_processors.py)."""
     penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3}
     body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     got = httpx.post(server.base_url + "/completions", json={**body, **penalties}, timeout=60).json()

@@ -146,7 +146,7 @@ def test_stop_token_ids_end_the_answer_and_min_tokens_holds_them_off(server, ora
     resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=10, temperature=0,
                                               extra_body={"min_tokens": 10, "ignore_eos": True})
     assert resp.usage.completion_tokens == 10
-    # the stop id is masked until the answer holds i + 3 tokens (engine/test_penalties.py checks the tokens)
+    # the stop id is masked until the answer holds i + 3 tokens (engine/test_logits_processors.py checks the tokens)
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0,
                                      extra_body={"stop_token_ids": [stop_id], "min_tokens": i + 3})
     assert resp.usage.completion_tokens >= i + 3
@@ -280,7 +280,11 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # OpenAI's and vLLM's limit: 20
     ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),  # completions take a count
     ({"model": MODEL, "prompt": "hi", "top_logprobs": 3}, 400, "top_logprobs"),  # chat's field
-    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [1000000]}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     # vLLM's sampling extensions that benchmark tools pass through, unless neutral

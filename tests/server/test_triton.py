@@ -188,7 +188,7 @@ def test_triton_http_generate_extension(triton, tiny_dirs):
     assert json.loads(body)["text_output"] == want.text
     status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
                          {"text_input": PROMPT, "sampling_param_max_tokens": 12, "sampling_param_presence_penalty": 1.5})
-    assert status == 200, body  # the runtime's penalties (tests/engine/test_penalties.py)
+    assert status == 200, body  # the runtime's penalties (tests/engine/test_logits_processors.py)
     status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
                          {"text_input": PROMPT, "sampling_param_max_tokens": 12, "sampling_param_presence_penalty": 2.5})
     assert status == 400 and "sampling_param_presence_penalty=2.5" in body

@@ -1,11 +1,12 @@
-"""Repetition, frequency and presence penalties on the target's logits, position by position (vLLM's semantics),
-and min_tokens' mask of the stop tokens.
+"""What a request does to the target's logits before its choice, position by position, in vLLM's order: its
+allowed_token_ids keep only those tokens, logit_bias adds to some, the repetition, frequency and presence penalties
+(vLLM's semantics), and min_tokens masks the stop tokens until the answer holds that many.
 
 repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
 holds; frequency_penalty subtracts, per output token, its count so far; presence_penalty subtracts once for every token
 the output holds. They shape the target's distribution itself, so a speculative step applies them at each verified
 position with the drafts before it counted as output: the step then keeps exactly what decoding one token at a time
-under the same penalties would choose.
+under the same settings would choose.
 """
 
 from __future__ import annotations
@@ -18,18 +19,25 @@ from dflash_trt.device_copy import to_device
 from dflash_trt.sampling_params import SamplingParams
 
 
-def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-             extras: list[list[int]], stop_ids: Collection[int] = ()) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                   extras: list[list[int]], stop_ids: Collection[int] = ()) -> torch.Tensor:
     """logits [n, V] float at n positions; extras[j]: the tokens between the committed output and position j (a
-    step's drafts before it) -> the penalized logits (a new tensor), with stop_ids at -inf at the positions before
-    params.min_tokens output tokens."""
+    step's drafts before it) -> the logits the request's settings make of them (a new fp32 tensor); stop_ids are
+    masked at the positions before params.min_tokens output tokens."""
     out = logits.to(torch.float32, copy=True)
+    dev, vocab = out.device, out.shape[-1]
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        keep[to_device(params.allowed_token_ids, torch.long, dev)] = True
+        out.masked_fill_(~keep, -torch.inf)
+    if params.logit_bias:
+        ids, bias = zip(*sorted(params.logit_bias.items()))
+        out[:, to_device(list(ids), torch.long, dev)] += torch.tensor(bias, dtype=out.dtype, device=dev)
     if params.penalized:
         out = _penalties(out, params, prompt_ids, output_ids, extras)
     held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
-    stops = sorted(t for t in stop_ids if 0 <= t < out.shape[-1])  # an id past the head is no token it can choose
+    stops = sorted(t for t in stop_ids if 0 <= t < vocab)  # an id past the head is no token it can choose
     if held and stops:
-        dev = out.device
         out[to_device(held, torch.long, dev)[:, None], to_device(stops, torch.long, dev)] = -torch.inf
     return out
 

@@ -1,7 +1,8 @@
-"""Penalties and min_tokens keep speculation lossless: greedy output under repetition / frequency / presence penalties
+"""Logits processors keep speculation lossless: greedy output under repetition / frequency / presence penalties
 equals transformers' model decoding one token at a time under the same penalties (its RepetitionPenaltyLogitsProcessor,
-and a count-by-count reference for OpenAI's two), and under min_tokens transformers' generate with min_new_tokens, on
-plain, chain and tree steps; seeded samples under either are the same tokens plain decoding draws, in fp32."""
+and a count-by-count reference for OpenAI's two), and under min_tokens, logit_bias and allowed_token_ids transformers'
+generate with min_new_tokens, sequence_bias and prefix_allowed_tokens_fn, on plain, chain and tree steps; seeded
+samples under them are the same tokens plain decoding draws, in fp32."""
 
 import pytest
 import torch
@@ -128,3 +129,52 @@ def test_min_tokens_out_of_range_or_with_stop_strings_is_refused():
         SamplingParams(max_new_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens with stop strings is not supported"):
         SamplingParams(min_tokens=2, stop=["x"])
+
+
+def _engine_on(tiny_dirs, path, prompts, truths):
+    """A 3-row engine whose steps are plain, chains or trees; speculative ones draft `truths` (prompt + answer)."""
+    if path == "plain":
+        return _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
+    if path == "chain":
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
+        force_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))}, error_rate=0.1)
+        return engine
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
+    force_tree_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))})
+    return engine
+
+
+@pytest.mark.parametrize("path", ["plain", "chain", "tree"])
+def test_greedy_under_logit_bias_and_allowed_tokens_equals_transformers_generate(tiny_dirs, path):
+    prompts = _prompts(3)
+    hf = _hf.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    free = [hf_penalized_greedy(tiny_dirs["qwen3"], p, {}) for p in prompts]
+    # push away the tokens the target chose first and second, and pull one it did not choose
+    bias = {**{f[0]: -100.0 for f in free}, **{f[1]: -3.0 for f in free}, 40: 4.0}
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                        sequence_bias={(t,): b for t, b in bias.items()})[0, len(p):].tolist() for p in prompts]
+    assert all(r != f for r, f in zip(refs, free))
+    engine = _engine_on(tiny_dirs, path, prompts, free)  # drafts of the unbiased answers: some must be refused
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, logit_bias=bias))
+    assert [o.token_ids for o in outs] == refs
+    allowed = sorted({t for r in refs for t in r[::2]})
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                        prefix_allowed_tokens_fn=lambda batch, ids: allowed)[0, len(p):].tolist() for p in prompts]
+    outs = _engine_on(tiny_dirs, path, prompts, free).generate(
+        prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, allowed_token_ids=allowed))
+    assert [o.token_ids for o in outs] == refs and all(set(r) <= set(allowed) for r in refs)
+
+
+def test_seeded_samples_under_logit_bias_are_plain_decodings_and_ids_past_the_vocabulary_are_refused(tiny_dirs):
+    prompts = _prompts(2)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=4, logit_bias={40: 3.0, 41: -2.0},
+                            allowed_token_ids=list(range(20, 60)))
+    spec = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_tree={2: 5}).generate(prompts, params)
+    plain = _engine(tiny_dirs, "qwen3", 3, rows=2, speculative=False).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(20 <= t < 60 for o in spec for t in o.token_ids)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, speculative=False)
+    vocab = engine.target.config.vocab_size
+    for kw in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 5])):
+        with pytest.raises(ValueError, match=rf"token ids must be in 0..{vocab - 1}"):
+            engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, **kw))

@@ -1,11 +1,11 @@
-"""penalize against transformers' RepetitionPenaltyLogitsProcessor and a count-by-count reference of OpenAI's
+"""process_logits against transformers' RepetitionPenaltyLogitsProcessor and a count-by-count reference of OpenAI's
 frequency and presence penalties, at positions that count different drafts as output."""
 
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from dflash_trt.layers.penalties import penalize
+from dflash_trt.layers.logits_processors import process_logits
 from dflash_trt.layers.sampler import sampling_probs
 from dflash_trt.sampling_params import SamplingParams
 
@@ -15,7 +15,7 @@ EXTRAS = [[], [12], [12, 7], [12, 7, 3]]  # a chain's drafts before each of its 
 
 def test_repetition_matches_transformers_over_prompt_and_output_and_the_drafts_before_each_position():
     logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(0)) * 3
-    got = penalize(logits, SamplingParams(repetition_penalty=1.7), PROMPT, OUTPUT, EXTRAS)
+    got = process_logits(logits, SamplingParams(repetition_penalty=1.7), PROMPT, OUTPUT, EXTRAS)
     for j, extra in enumerate(EXTRAS):
         ids = torch.tensor([PROMPT + OUTPUT + extra])
         want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits[j:j + 1].clone())[0]
@@ -25,7 +25,7 @@ def test_repetition_matches_transformers_over_prompt_and_output_and_the_drafts_b
 @pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.3), (-0.4, 1.1)])
 def test_frequency_and_presence_count_the_output_only(presence, frequency):
     logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(1))
-    got = penalize(logits, SamplingParams(presence_penalty=presence, frequency_penalty=frequency), PROMPT, OUTPUT,
+    got = process_logits(logits, SamplingParams(presence_penalty=presence, frequency_penalty=frequency), PROMPT, OUTPUT,
                    EXTRAS)
     for j, extra in enumerate(EXTRAS):
         want = logits[j].clone()
@@ -46,9 +46,37 @@ def test_an_extreme_repetition_penalty_still_gives_a_distribution(r):
     # past float32's range the seen tokens' logits were inf (or every logit -inf): NaN probabilities, garbage samples
     sign = 1.0 if r < 1 else -1.0
     logits = sign * (torch.rand(1, 16, generator=torch.Generator().manual_seed(2)) * 20 + 1)
-    got = penalize(logits, SamplingParams(repetition_penalty=r), list(range(16)) if r > 1 else PROMPT, OUTPUT, [[]])
+    got = process_logits(logits, SamplingParams(repetition_penalty=r), list(range(16)) if r > 1 else PROMPT, OUTPUT, [[]])
     assert torch.isfinite(got).all()
     probs = sampling_probs(got[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0, 0]
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
     if r < 1:  # the mass is on the tokens the penalty raised, the prompt's and the output's
         assert float(probs[sorted(set(PROMPT + OUTPUT))].sum()) > 1 - 1e-5
+
+
+def test_logit_bias_and_allowed_tokens_match_transformers_processors():
+    from transformers import PrefixConstrainedLogitsProcessor, SequenceBiasLogitsProcessor
+
+    logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(1)) * 3
+    bias = {3: 2.5, 7: -100.0, 15: 0.25}
+    got = process_logits(logits, SamplingParams(logit_bias=bias), PROMPT, OUTPUT, EXTRAS)
+    ref = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+    for j, extra in enumerate(EXTRAS):
+        ids = torch.tensor([PROMPT + OUTPUT + extra])
+        torch.testing.assert_close(got[j], ref(ids, logits[j:j + 1].clone())[0])
+    allowed = [2, 5, 11]
+    got = process_logits(logits, SamplingParams(allowed_token_ids=allowed, logit_bias={5: 1.0}), PROMPT, OUTPUT, EXTRAS)
+    only = PrefixConstrainedLogitsProcessor(lambda batch, ids: allowed, num_beams=1)
+    for j in range(len(EXTRAS)):
+        want = only(torch.tensor([PROMPT]), logits[j:j + 1].clone())[0]
+        want[5] += 1.0
+        torch.testing.assert_close(got[j], want)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(logit_bias={3: 101.0}), "logit_bias values must be in"),
+                                       (dict(logit_bias={3: float("nan")}), "logit_bias values must be in"),
+                                       (dict(allowed_token_ids=[]), "must not be empty"),
+                                       (dict(allowed_token_ids=[-1]), "token ids must be >= 0")])
+def test_bad_biases_and_allowed_lists_are_refused(kw, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kw)
