@@ -132,27 +132,33 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_model(req.model)
         raw = req.prompts()
         prompts = [await _encode_prompt(x) for x in raw]
-        submitted = _submit(req, prompts, req.max_tokens)
+        # echo alone: the prompt's prefill scores it, and the one token generated with it is left out
+        submitted = _submit(req, prompts, 1 if req.echo_only else req.max_tokens)
         if req.stream:
             return _sse(_stream_completion(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [_completion_choice(i, o, prompt, req.echo)
+        choices = [_completion_choice(i, o, prompt, req.echo, req.echo_only)
                    for i, (o, prompt) in enumerate(zip(outputs, [x for x in raw for _ in range(req.n)]))]
-        body = p.CompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
+        usage = _usage(outputs, submitted)
+        if req.echo_only:
+            usage = p.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        body = p.CompletionResponse(model=model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _completion_choice(index: int, o: RequestOutput, prompt: str | list[int], echo: bool) -> p.CompletionChoice:
-        """A whole completions choice; with echo, the prompt as sent (token ids decoded) comes before the answer, and
-        with logprobs its tokens are scored before the answer's."""
+    def _completion_choice(index: int, o: RequestOutput, prompt: str | list[int], echo: bool,
+                           echo_only: bool = False) -> p.CompletionChoice:
+        """A whole completions choice; with echo, the prompt as sent (token ids decoded) comes before the answer (or
+        alone, with echo_only), and with logprobs its tokens are scored before the answer's."""
         logprobs = None
         if o.logprobs is not None:
-            entries = [*(o.prompt_logprobs or []), *o.logprobs] if echo else o.logprobs
+            answer = [] if echo_only else o.logprobs
+            entries = [*(o.prompt_logprobs or []), *answer] if echo else answer
             logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if echo else None)
-        text = o.text
+        text = "" if echo_only else o.text
         if echo:
             text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + text
-        return p.CompletionChoice(index=index, text=text, finish_reason=o.finish_reason, acceptance=_acceptance(o),
-                                  logprobs=logprobs)
+        return p.CompletionChoice(index=index, text=text, finish_reason="length" if echo_only else o.finish_reason,
+                                  acceptance=None if echo_only else _acceptance(o), logprobs=logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

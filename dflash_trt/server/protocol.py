@@ -276,6 +276,11 @@ class CompletionRequest(_SamplingRequest):
 
     _no_suffix = _refuse_set("suffix", message="suffix (insertion) is not supported")
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation: the prompt (and its logprobs) alone, as scoring harnesses ask for it."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):

@@ -134,6 +134,15 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, oracle, tiny_dirs):
     assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None
     streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+    # max_tokens 0: the prompt alone, scored the same, nothing generated (vLLM's echo without generation)
+    alone = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 0}, timeout=60).json()
+    (only,) = alone["choices"]
+    assert only["text"] == PROMPT and only["finish_reason"] == "length"
+    assert only["logprobs"] == {key: value[:len(prompt_ids)] for key, value in lp.items()}
+    assert alone["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
+                              "total_tokens": len(prompt_ids)}
+    refused = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 0, "echo": False}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_completion_offsets_and_names_hold_where_characters_split_across_tokens(smollm2_dir):
