@@ -295,6 +295,19 @@ class ContentPart(BaseModel):
     text: Text
 
 
+# the text parts vLLM reads as text (renderers/chat_utils.py TEXT_PART_TYPES, less its "thinking"), by their text field
+_TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _as_text_part(part: Any) -> Any:
+    """A plain string, or a text part of another name (the Responses API's), as a {"type": "text"} part."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if isinstance(part, dict) and part.get("type") in _TEXT_PART_FIELDS:
+        return {"type": "text", "text": part.get(_TEXT_PART_FIELDS[part["type"]])}
+    return part
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -306,6 +319,7 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts_only(cls, v: Any) -> Any:
         if isinstance(v, list):
+            v = [_as_text_part(part) for part in v]
             kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in v} - {"text"}
             if kinds:
                 raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")

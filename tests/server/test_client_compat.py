@@ -92,6 +92,12 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     ids = oracle.encode_chat([{"role": "user", "content": "foo\nbar"}])
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
     assert r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
+    # vLLM's other text parts: plain strings, the Responses API's input_text / output_text, an assistant's refusal
+    for parts in (["foo", "bar"], [{"type": "input_text", "text": "foo"}, {"type": "output_text", "text": "bar"}],
+                  ["foo", {"type": "refusal", "refusal": "bar"}]):
+        again = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                           json={**CHAT, "messages": [{"role": "user", "content": parts}]})
+        assert again.status_code == 200 and again.json()["usage"] == r.json()["usage"], (parts, again.text)
 
 
 @pytest.mark.parametrize("body, param", [
