@@ -318,8 +318,7 @@ def triton() -> None:
               help=f"Context length (default: the engine's max_seq_len, else {DEFAULT_MAX_MODEL_LEN}).")
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Default: the engine's dtype with ENGINE, else float32.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP)
 @click.option("--force", is_flag=True, help="Overwrite the model if the repository already holds one of that name.")
 def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
                   max_draft_len, dtype, force) -> None:

@@ -106,7 +106,10 @@ class ModelSettings:
                 overrides["speculative"] = False
             return open_engine(self.engine_dir, backend="torch", **overrides)
         from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+        from dflash_trt.runtime_device import target_runtime
 
+        # as generate and serve run checkpoints: the GPU where torch sees one, in bf16 there
+        overrides["device"], overrides["dtype"] = target_runtime(None, overrides["dtype"])
         config = EngineConfig(speculative=self.speculative, **{k: v for k, v in overrides.items() if v is not None})
         return LLMEngine.from_dirs(self.target_dir, self.drafter_dir or None, config)
 

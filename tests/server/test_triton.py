@@ -256,3 +256,15 @@ def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tm
         while time.monotonic() < deadline:
             os.killpg(server.process.pid, 0)
             time.sleep(0.1)
+
+
+def test_a_model_without_an_engine_runs_where_and_as_generate_would(tiny_dirs, monkeypatch):
+    """generate's rule (runtime_device.target_runtime: bf16 on a GPU where torch sees one, else fp32 on the CPU);
+    here its answer stands in for a GPU's dtype, as this machine has none."""
+    import dflash_trt.runtime_device as runtime_device
+    from dflash_trt.server.triton import ModelSettings
+
+    monkeypatch.setattr(runtime_device, "target_runtime", lambda device, dtype: ("cpu", dtype or "bfloat16"))
+    settings = dict(target_dir=str(tiny_dirs["qwen3"]), speculative=False, max_batch_size=1)
+    assert ModelSettings(**settings).open_engine().config.dtype == "bfloat16"
+    assert ModelSettings(**settings, dtype="float32").open_engine().config.dtype == "float32"
