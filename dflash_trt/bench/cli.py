@@ -108,6 +108,11 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tree-nodes") from e
     lookups = _ints(lookup_nodes, "--lookup-nodes") if lookup_nodes is not None else None
+    chains_only = acceptance == "rejection" and temperature > 0  # that rule verifies sampled chains
+    if chains_only and (any(trees or ()) or any(lookups or ())):
+        flags = [f for f, v in (("--tree-nodes", trees), ("--lookup-nodes", lookups)) if any(v or ())]
+        raise click.UsageError(f"{' and '.join(flags)} apply to greedy and --acceptance match requests; "
+                               "--acceptance rejection drafts chains")
     dataset_args = dict(osl=max_tokens, categories=list(categories) or None, limit_per_category=limit_per_category)
     prompts = None
     if dataset not in PRESETS or PRESETS[dataset][0] is None:  # the long-context presets need the model's tokenizer
@@ -148,10 +153,11 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
 
         tdir, ddir = (eng_dirs(engine) if engine else _default_dirs(target, drafter, False))  # a drafter: checked above
         zlab = zlab_runner(str(tdir), str(ddir), eng.config.torch_dtype, list(eng.eos_token_ids))
+    # an ENGINE's tree and lookups at one row on this CPU, as it serves them (none for chains: named as what runs)
     if trees is None:
-        trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree else 0]  # the tree it serves on this CPU
+        trees = [expand(eng.draft_tree, 1) if engine and eng.draft_tree and not chains_only else 0]
     if lookups is None:
-        lookups = [eng.config.lookup_nodes]
+        lookups = [0 if chains_only else eng.config.lookup_nodes]
     if max(lookups) > eng.runner.max_draft_len:  # the sibling engines would refuse more with a traceback
         raise click.BadParameter(f"{max(lookups)} nodes exceed the drafter's limit {eng.runner.max_draft_len} (its "
                                  "block_size - 1)", param_hint="--lookup-nodes")

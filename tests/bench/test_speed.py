@@ -182,6 +182,12 @@ def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_
     plain = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "plain", progress=False)
     r = CliRunner().invoke(main, ["bench", "speed", str(plain), *args[3:]])
     assert r.exit_code != 0 and "has no drafter" in r.output
+    # the rejection rule verifies sampled chains: the engine's tree is not what runs, so neither is it named
+    rejection = [*args, "--temperature", "0.8", "--acceptance", "rejection"]
+    r = CliRunner().invoke(main, rejection)
+    assert r.exit_code == 0 and json.loads(r.stdout)["systems"] == ["ar", "K=2"], r.output
+    r = CliRunner().invoke(main, [*rejection, "--tree-nodes", "4"])
+    assert r.exit_code == 2 and "--acceptance rejection drafts chains" in r.output
 
 
 @pytest.mark.parametrize("layout, k", [("tiles", 2), ("panels", 1)])
