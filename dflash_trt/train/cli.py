@@ -258,7 +258,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     from dflash_trt.models.config import decoder_config_from_dict, read_config_json
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
-    from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache, check_index
+    from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache, check_index, space_shortfall
     from dflash_trt.train.responses import generate_responses
     from dflash_trt.train.self_prompts import (
         SUMMARY_SOURCE,
@@ -297,7 +297,15 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         if flag == "--data":
             check_data_target(data_dir, target_dir)
     if features == "cache":
-        check_index(data_dir / "features", target_cfg.hidden_size * len(cfg.target_layer_ids), cfg.target_layer_ids)
+        feature_dim = target_cfg.hidden_size * len(cfg.target_layer_ids)
+        check_index(data_dir / "features", feature_dim, cfg.target_layer_ids)
+        # a bound on the tokens cached: each response at its longest (+ a chat template's tokens), cut to max_seq_len;
+        # the target's own requests (five personas and the summaries) at max_seq_len
+        longest = [min(cfg.max_seq_len, len(ids) + 32 + max_new_tokens)
+                   for ids in tokenizer([p.text for p in prompts])["input_ids"]] if prompts else []
+        bound = (sum(longest) + 6 * self_prompts * cfg.max_seq_len) * (1 + sampled_variants)
+        if shortfall := space_shortfall(data_dir / "features", bound, feature_dim):
+            click.echo(f"warning: {shortfall}", err=True)
     target = load_target(target_dir, DTYPES[dtype], device)
     rows = 16 if device == "cpu" else 128
     # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse

@@ -183,6 +183,20 @@ def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
     return index
 
 
+def space_shortfall(root: Path, token_bound: int, feature_dim: int) -> str | None:
+    """Before the responses are generated (hours on the CPU): why caching the features of up to token_bound tokens
+    may not fit root's disk (counting what root's shards hold already), or None where it fits."""
+    held = sum(f.stat().st_size for f in root.glob("shard_*.npy")) if root.is_dir() else 0
+    need = max(token_bound * feature_dim * 2 - held, 0)  # float16
+    probe = root if root.exists() else next(p for p in root.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if need <= free:
+        return None
+    return (f"{root}: caching the features may need up to {need / 1e9:.1f} GB (every response at its longest), and "
+            f"{free / 1e9:.1f} GB is free: the run would stop there after generating the responses; pass "
+            "--features live (computed per step), fewer --max-prompts, or a --data directory on a larger disk")
+
+
 @torch.inference_mode()
 def build_feature_cache(
     target: torch.nn.Module,

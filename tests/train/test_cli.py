@@ -283,6 +283,25 @@ def test_a_feature_cache_past_the_free_disk_is_refused_before_it_is_computed(tar
     assert not list((data / "features").glob("shard_*"))
 
 
+def test_a_feature_cache_that_may_not_fit_is_warned_of_before_the_responses_are_generated(target, tmp_path,
+                                                                                          monkeypatch):
+    import dflash_trt.train.responses as responses
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    started = []
+
+    def generate_responses(*args, **kwargs):
+        started.append(True)
+        raise KeyboardInterrupt  # the run stops here, as Ctrl-C stops it
+
+    monkeypatch.setattr(responses, "generate_responses", generate_responses)
+    r = _train(target, tmp_path / "out")
+    assert started and r.exit_code == 130, r.output
+    warning = r.output.index("warning: ")
+    assert "may need up to" in r.output[warning:] and "--features live" in r.output[warning:]
+    assert _train(target, tmp_path / "out2", "--features", "live").output.count("may need up to") == 0
+
+
 def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(target, run, tmp_path):
     # A run killed after its last checkpoint logged steps that the resumed one trains again.
     out = tmp_path / "out"
