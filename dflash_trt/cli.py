@@ -53,9 +53,10 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 @click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", default=128, show_default=True,
               type=click.IntRange(min=1), help="Tokens to generate at most.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass; 1 disables it.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0, max=1, min_open=True),
+              help="Nucleus sampling mass; 1 disables it.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
 @click.option("--seed", default=None, type=int, help="Fixes a sampled answer: with --acceptance match, the same text "
               "at any K, with or without speculation (default: a fresh seed).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")

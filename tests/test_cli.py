@@ -106,9 +106,11 @@ def test_a_context_too_short_for_max_new_tokens_is_said_not_silently_cut(tiny_di
     assert r.exit_code == 1 and "leaves no room to generate" in r.output and "note:" not in r.output, r.output
 
 
-def test_bad_sampling_values_are_reported_not_crashed(tiny_dirs):
-    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--top-p", "1.5"])
-    assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.output
+@pytest.mark.parametrize("flag, value", [("--top-p", "1.5"), ("--top-p", "0"), ("--temperature", "-1"),
+                                         ("--top-k", "-2")])
+def test_bad_sampling_values_are_named_by_their_flag_before_the_model_loads(tmp_path, flag, value):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tmp_path), "--no-spec", "-p", "x", flag, value])
+    assert r.exit_code == 2 and f"Invalid value for '{flag}'" in r.output, r.output
 
 
 # --- what a user walking through the README sees (flags, defaults, refusals) ---

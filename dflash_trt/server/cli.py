@@ -21,12 +21,19 @@ def parse_schedule(text: str | None, option: str = "--draft-len-schedule") -> di
     """"1:15,4:7,16:3" -> {1: 15, 4: 7, 16: 3} (batch size -> K, or draft tree nodes)."""
     if not text:
         return {}
+    from dflash_trt.draft_schedule import check_table
+
     try:
         pairs = [item.split(":") for item in text.split(",") if item.strip()]
-        return {int(b): int(k) for b, k in pairs}
+        table = {int(b): int(k) for b, k in pairs}
     except ValueError as e:
         raise click.BadParameter(f"expected BATCH:N[,BATCH:N...], e.g. 1:15,8:7,32:3; got {text!r}",
                                  param_hint=option) from e
+    try:  # here, named as typed: the engine checks a copy of it (the table for CPUs without AMX) first
+        check_table(table, "entry", "N")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=option) from e
+    return table
 
 
 def load_engine(engine_dir, target, drafter, no_spec, **overrides):

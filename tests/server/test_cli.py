@@ -42,9 +42,12 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
     assert seen["max_batch_size"] == 2
 
 
-def test_a_malformed_draft_tree_names_the_option():
-    result = CliRunner().invoke(cli.serve, ["--draft-tree", "five"])
-    assert result.exit_code == 2 and "--draft-tree" in result.output
+@pytest.mark.parametrize("args, option", [(["--draft-tree", "five"], "--draft-tree"),
+                                          (["--draft-tree", "0:4"], "--draft-tree"),
+                                          (["--draft-len-schedule", "1:-3"], "--draft-len-schedule")])
+def test_a_malformed_table_names_the_option_as_typed(args, option):
+    result = CliRunner().invoke(cli.serve, args)
+    assert result.exit_code == 2 and option in result.output and "without_amx" not in result.output, result.output
 
 
 @pytest.mark.parametrize("args, message", [
