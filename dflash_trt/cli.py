@@ -14,7 +14,8 @@ from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, target_runtime
 from dflash_trt.sampling_params import SamplingParams
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflash-trt")
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details (INFO).")
 def main(verbose: bool) -> None:
     """Build, serve and benchmark DFlash speculative decoding."""
@@ -190,14 +191,18 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         # the first token comes from the prompt's forward; the rest from speculative steps or, where the engine's
         # adaptive mode measured them faster (or a request's end left no room), plain ones
         plain = max(out.num_tokens - 1 - drafted, 0)
-        ran = f", tau {out.tau:.2f} over {steps} speculative steps" if steps else ", no speculative step"
-        tau = ran + (f", {plain} tokens from plain steps" if plain else "")
-    click.echo(f"{mode}: {out.num_tokens} tokens ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
+        ran = f", tau {out.tau:.2f} over {_count(steps, 'speculative step')}" if steps else ", no speculative step"
+        tau = ran + (f", {_count(plain, 'token')} from plain steps" if plain else "")
+    click.echo(f"{mode}: {_count(out.num_tokens, 'token')} ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
     if not no_spec:
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _tree_text(engine, params: SamplingParams) -> str:

@@ -295,3 +295,10 @@ def test_generate_takes_penalties_and_reports_the_targets_logprobs(tiny_dirs):
     bare = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x",
                                      "--logprobs", "1"])
     assert bare.exit_code == 2 and "add --json" in bare.output
+
+
+def test_the_cli_tells_its_version_and_takes_h_for_help():
+    from dflash_trt import __version__
+
+    assert CliRunner().invoke(main, ["--version"]).output.strip().endswith(__version__)
+    assert "Usage:" in CliRunner().invoke(main, ["-h"]).output
