@@ -40,7 +40,7 @@ def test_a_one_token_answer_ran_no_speculative_step_and_reports_no_tau(tiny_dirs
     assert out["num_tokens"] == 1 and out["acceptance_lengths"] == [] and out["tau"] is None
     r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]),
              "-p", "x", "--max-new-tokens", "1")  # the text report too
-    assert r.exit_code == 0 and ": 1 tokens (length), no speculative step," in r.stderr, r.stderr
+    assert r.exit_code == 0 and ": 1 token (length), no speculative step," in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("flag", ["--tree-nodes", "--lookup-nodes"])
