@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 import click
@@ -378,6 +379,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
     except OSError as e:  # a repository in a read-only directory, or under a file
         raise click.ClickException(f"cannot write the model repository {repo}: {e}") from e
     click.echo(str(path))
+    click.echo(f"serve it with: dflash-trt triton serve {shlex.quote(str(repo))}", err=True)
 
 
 @triton.command("serve")

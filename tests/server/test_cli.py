@@ -111,7 +111,9 @@ def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_no
     result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--backend", "trtllm"])
     assert result.exit_code == 1 and "export it with --backend torch" in result.output
     assert not repo.exists()
-    assert CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)]).exit_code == 0
+    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)])
+    assert result.exit_code == 0 and result.stdout.strip() == str(repo / "dflash")  # the model's folder, for scripts
+    assert f"serve it with: dflash-trt triton serve {repo}" in result.stderr
 
 
 def test_serve_on_a_taken_port_fails_before_loading_the_model(monkeypatch):
