@@ -94,7 +94,8 @@ def format_performance(perf: dict, unit: str = "GPU", max_rows: int = 12) -> str
     title = (f"Predicted per step (roofline{per_rank}, context {perf['context_len']} tokens, schedule "
              f"{perf['schedule_source'] or 'none'})")
     return (title + "\n" + "-" * len(title) + "\n" + "\n".join(lines)
-            + f"\n(hardware figures: {perf['hardware']['perf_source']})")
+            + f"\n(hardware figures: {perf['hardware']['perf_source']}; K as chains: a draft tree's other rows and "
+            "their tau are not modelled)")
 
 
 def _format_trtllm(options: dict) -> str:
