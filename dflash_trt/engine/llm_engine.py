@@ -117,6 +117,8 @@ class RequestOutput:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    time_to_first_token: float | None = None  # seconds from arrival (queueing included); None: no token came
+    latency: float | None = None  # seconds from arrival to the last token; None: it did not finish with one
     logprobs: list[TokenLogprob] | None = None  # one per generated id, where the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt id after the first, where asked for
 
@@ -383,6 +385,7 @@ class LLMEngine:
             c.seq.num_prefilled = c.end
             if t is not None:
                 c.seq.decode_start = time.perf_counter()
+                c.seq.stats.time_to_first_token = c.seq.decode_start - c.seq.arrival
                 c.seq.append([t], self.max_model_len)
                 result.updated.append(c.seq)
         if batch.decodes:
@@ -417,6 +420,7 @@ class LLMEngine:
         for s in result.updated:
             if s.is_finished:
                 s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
+                s.stats.latency = now - s.arrival
                 self.scheduler.finish(s)
         result.updated.extend(batch.aborted)
         self._busy_since = time.perf_counter() if batch.decodes and self.has_unfinished() else None
@@ -452,6 +456,8 @@ class LLMEngine:
             verify_time=s.stats.verify_time,
             prefill_time=s.stats.prefill_time,
             decode_time=s.stats.decode_time,
+            time_to_first_token=s.stats.time_to_first_token,
+            latency=s.stats.latency,
             logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
             prompt_logprobs=list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ class SequenceStats:
     verify_time: float = 0.0  # seconds in target verify forwards and acceptance
     prefill_time: float = 0.0
     decode_time: float = 0.0  # wall time from the end of prefill to the last token
+    time_to_first_token: float | None = None  # from the request's arrival (its queueing included)
+    latency: float | None = None  # from arrival to the last token
 
     @property
     def tau(self) -> float | None:
@@ -40,6 +43,7 @@ class Sequence:
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
         self.request_id = next(_ids)
+        self.arrival = time.perf_counter()
         self.prompt_ids = list(prompt_ids)
         self.params = params
         stop_ids = params.stop_token_ids if params.stop_token_ids is not None else list(eos_token_ids)

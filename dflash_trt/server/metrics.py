@@ -9,6 +9,7 @@ from dflash_trt.engine.scheduler import Scheduler
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 class ServerMetrics:
@@ -40,6 +41,13 @@ class ServerMetrics:
         self.draft_time = Histogram("dflash_draft_seconds", "Drafter time per engine step", buckets=_TIME_BUCKETS, registry=r)
         self.verify_time = Histogram("dflash_verify_seconds", "Target verify (or decode) time per engine step",
                                      buckets=_TIME_BUCKETS, registry=r)
+        # per finished request, as vLLM's time_to_first_token / request_time_per_output_token / e2e_request_latency
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "From a request's arrival (queueing included) to "
+                              "its first token", buckets=_REQUEST_BUCKETS, registry=r)
+        self.tpot = Histogram("dflash_time_per_output_token_seconds", "A request's decode time over its tokens after "
+                              "the first", buckets=_TIME_BUCKETS, registry=r)
+        self.latency = Histogram("dflash_e2e_request_latency_seconds", "From a request's arrival to its last token",
+                                 buckets=_REQUEST_BUCKETS, registry=r)
 
     def observe_step(self, result: StepResult) -> None:
         if result.batch_size:
@@ -56,6 +64,12 @@ class ServerMetrics:
         self.generation_tokens.inc(output.num_tokens)
         if output.acceptance_lengths:
             self.request_tau.observe(output.tau)
+        if output.time_to_first_token is not None:
+            self.ttft.observe(output.time_to_first_token)
+        if output.num_tokens > 1 and output.decode_time > 0:
+            self.tpot.observe(output.decode_time / (output.num_tokens - 1))
+        if output.latency is not None:
+            self.latency.observe(output.latency)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """EngineLoop.spawn: the engine is built on the thread that steps it, and build errors reach the caller."""
 
 import threading
+import time
 
 import pytest
 
@@ -226,3 +227,14 @@ def test_a_spawned_or_started_loop_serves_as_a_context_manager(tiny_dirs):
         loop.submit([5, 6, 7], SamplingParams(max_new_tokens=2), lambda u: u.finished and done.set())
         assert done.wait(30)
     assert not loop.is_alive
+
+
+def test_a_requests_first_token_and_latency_are_timed_from_its_arrival_queueing_included(tiny_dirs):
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], None, EngineConfig(max_batch_size=1, speculative=False))
+    start = time.perf_counter()
+    first, second = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    wall = time.perf_counter() - start
+    for out in (first, second):
+        assert 0 < out.time_to_first_token <= out.latency <= wall
+        assert out.latency >= out.time_to_first_token + out.decode_time - 1e-6
+    assert second.time_to_first_token >= first.latency  # one row: it waited for the first to finish

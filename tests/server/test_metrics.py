@@ -30,3 +30,17 @@ def test_cache_gauges_count_rows_and_the_positions_running_requests_hold():
     assert gauges(metrics)["dflash_kv_cache_usage"] == (12 + 16) / (4 * 50)
     sched.finish(decoding)
     assert gauges(metrics)["dflash_kv_cache_usage"] == 16 / (4 * 50)
+
+
+def test_request_latencies_are_observed_as_vllms_are():
+    from dflash_trt.engine.llm_engine import RequestOutput
+
+    metrics = ServerMetrics(Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=50)), max_draft_len=3)
+    out = RequestOutput(prompt_token_ids=[1, 2], token_ids=[5, 6, 7, 8, 9], text="", finish_reason="length",
+                        decode_time=0.2, time_to_first_token=0.3, latency=0.55)
+    metrics.observe_finished(out)
+    metrics.observe_finished(RequestOutput([1], [], "", "abort"))  # aborted in the queue: no token, no latency
+    g = gauges(metrics)
+    assert g["dflash_time_to_first_token_seconds_count"] == 1 and g["dflash_time_to_first_token_seconds_sum"] == 0.3
+    assert g["dflash_time_per_output_token_seconds_sum"] == 0.2 / 4  # over the 4 tokens after the first
+    assert g["dflash_e2e_request_latency_seconds_count"] == 1 and g["dflash_e2e_request_latency_seconds_sum"] == 0.55
