@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +24,14 @@ def choice_seed(seed: int, choice: int) -> int:
 
     state = np.random.SeedSequence(2 * abs(seed) + int(seed < 0), spawn_key=(choice,)).generate_state(1, np.uint64)
     return int(state[0]) >> 1
+
+
+def _is_int(x: object) -> bool:  # numpy's integers too; not a bool, which would read as token 0 or 1
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:  # NaN is not in any range checked against it
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass
@@ -87,13 +96,15 @@ class SamplingParams:
         if self.min_tokens and self.stop:
             # vLLM looks for stop strings only in the text after min_tokens; here they are found anywhere
             raise ValueError("min_tokens with stop strings is not supported (with stop_token_ids it is)")
-        if self.logit_bias and not all(-100 <= b <= 100 for b in self.logit_bias.values()):  # NaN fails both
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {sorted(self.logit_bias.values())}")
+        if not _is_int(self.min_tokens):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if self.logit_bias and not all(_is_real(b) and -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {list(self.logit_bias.values())}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty (no token could be chosen)")
         for name in ("logit_bias", "allowed_token_ids"):
-            if any(t < 0 for t in getattr(self, name) or ()):
-                raise ValueError(f"{name} token ids must be >= 0")
+            if not all(_is_int(t) and t >= 0 for t in getattr(self, name) or ()):
+                raise ValueError(f"{name} token ids must be integers >= 0")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 

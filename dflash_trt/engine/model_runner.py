@@ -23,7 +23,7 @@ from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
 from dflash_trt.layers.attention import AttentionMetadata, HostRows, round_up
-from dflash_trt.layers.logits_processors import process_logits
+from dflash_trt.layers.logits_processors import TokenSets, process_logits
 from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import accept_tree, common_prefix, tree_depth
@@ -339,8 +339,10 @@ class ModelRunner:
             if s.params.shapes_logits:
                 extras = extras_of(i)
                 n = len(extras)
+                if s.token_sets is None:
+                    s.token_sets = TokenSets.of(s.params, s.stop_ids, logits.shape[-1], logits.device)
                 logits[i, :n] = process_logits(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras,
-                                               s.stop_ids)
+                                               sets=s.token_sets)
         return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],

@@ -59,6 +59,7 @@ class Sequence:
         self.decode_start: float | None = None  # perf_counter when the first token was sampled
         self.uniforms: Any = None  # layers.sampler.PositionalUniforms: the target's sampling uniforms
         self.generator: Any = None  # torch.Generator: the drafter's samples and the rejection rule's uniforms
+        self.token_sets: Any = None  # layers.logits_processors.TokenSets, built at its first shaped step
         # Target features ([n_i, F] each) of tokens not yet in the drafter cache, joined only when injected: a
         # stretch of plain steps adds one per step, and re-concatenating each time would copy O(n^2).
         self.pending_features: list = []

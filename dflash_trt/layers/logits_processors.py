@@ -12,6 +12,7 @@ under the same settings would choose.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -19,26 +20,49 @@ from dflash_trt.device_copy import to_device
 from dflash_trt.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class TokenSets:
+    """One request's token sets as tensors on the logits' device, built once for all its steps (a logit_bias of
+    100,000 ids took 105 ms to sort): what it may choose, what it biases and by how much, and its stop tokens."""
+
+    allowed: torch.Tensor | None  # bool [V]
+    bias_ids: torch.Tensor | None  # long [n]
+    bias: torch.Tensor | None  # float32 [n]
+    stops: torch.Tensor | None  # long [m], the stop ids within the vocabulary
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_ids: Collection[int], vocab: int, device: torch.device) -> "TokenSets":
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
+            allowed[to_device(params.allowed_token_ids, torch.long, device)] = True
+        bias_ids = bias = None
+        if params.logit_bias:
+            bias_ids = to_device(list(params.logit_bias), torch.long, device)
+            bias = to_device(list(params.logit_bias.values()), torch.float32, device)
+        stops = [t for t in stop_ids if 0 <= t < vocab]  # an id past the head is no token it can choose
+        return cls(allowed, bias_ids, bias, to_device(stops, torch.long, device) if stops else None)
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                   extras: list[list[int]], stop_ids: Collection[int] = ()) -> torch.Tensor:
+                   extras: list[list[int]], stop_ids: Collection[int] = (), sets: TokenSets | None = None
+                   ) -> torch.Tensor:
     """logits [n, V] float at n positions; extras[j]: the tokens between the committed output and position j (a
     step's drafts before it) -> the logits the request's settings make of them (a new fp32 tensor); stop_ids are
-    masked at the positions before params.min_tokens output tokens."""
+    masked at the positions before params.min_tokens output tokens. sets: TokenSets.of(params, stop_ids, ...), where
+    the caller keeps them across steps."""
     out = logits.to(torch.float32, copy=True)
-    dev, vocab = out.device, out.shape[-1]
-    if params.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        keep[to_device(params.allowed_token_ids, torch.long, dev)] = True
-        out.masked_fill_(~keep, -torch.inf)
-    if params.logit_bias:
-        ids, bias = zip(*sorted(params.logit_bias.items()))
-        out[:, to_device(list(ids), torch.long, dev)] += torch.tensor(bias, dtype=out.dtype, device=dev)
+    if sets is None:
+        sets = TokenSets.of(params, stop_ids, out.shape[-1], out.device)
+    if sets.allowed is not None:
+        out.masked_fill_(~sets.allowed, -torch.inf)
+    if sets.bias is not None:
+        out[:, sets.bias_ids] += sets.bias  # a dict's ids are distinct: no two additions to one logit
     if params.penalized:
         out = _penalties(out, params, prompt_ids, output_ids, extras)
     held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
-    stops = sorted(t for t in stop_ids if 0 <= t < vocab)  # an id past the head is no token it can choose
-    if held and stops:
-        out[to_device(held, torch.long, dev)[:, None], to_device(stops, torch.long, dev)] = -torch.inf
+    if held and sets.stops is not None:
+        out[to_device(held, torch.long, out.device)[:, None], sets.stops] = -torch.inf
     return out
 
 

@@ -301,6 +301,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"{name} token ids must be in 0..{vocab - 1}, got {bad[:5]}", param=name)
+        stops = stop_ids if stop_ids is not None else () if req.ignore_eos else engine.eos_token_ids
+        if req.min_tokens and req.allowed_token_ids and set(req.allowed_token_ids) <= set(stops):
+            raise APIError(400, "allowed_token_ids are all stop tokens, which min_tokens masks: no token could be "
+                                "chosen", param="allowed_token_ids")
         # a top_k of the whole vocabulary or more keeps every token; passed on, a huge one overflows the engine's
         # int64 tensor and fails every request in the step
         top_k = req.top_k if 0 < req.top_k < vocab else 0

@@ -161,8 +161,10 @@ class _SamplingRequest(_NullIsUnset):
     @classmethod
     def _biases_of_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # ASCII digits only ("²" and "٣" are digits to isdigit, and not int's), and few of them (no vocabulary
+            # holds ids of more than ten digits; int() refuses over 4,300)
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v

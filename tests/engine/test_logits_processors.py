@@ -178,3 +178,13 @@ def test_seeded_samples_under_logit_bias_are_plain_decodings_and_ids_past_the_vo
     for kw in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 5])):
         with pytest.raises(ValueError, match=rf"token ids must be in 0..{vocab - 1}"):
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, **kw))
+
+
+def test_allowed_tokens_that_min_tokens_masks_all_are_refused(tiny_dirs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1, speculative=False)
+    with pytest.raises(ValueError, match="allowed_token_ids are all stop tokens, which min_tokens masks"):
+        engine.generate(_prompts(1), SamplingParams(max_new_tokens=4, stop_token_ids=[40, 41],
+                                                    allowed_token_ids=[41, 40], min_tokens=2))
+    out = engine.generate(_prompts(1), SamplingParams(max_new_tokens=4, stop_token_ids=[40], min_tokens=2,
+                                                      allowed_token_ids=[40, 41]))[0]
+    assert out.token_ids[:2] == [41, 41]  # the one token left to choose until min_tokens

@@ -73,10 +73,31 @@ def test_logit_bias_and_allowed_tokens_match_transformers_processors():
         torch.testing.assert_close(got[j], want)
 
 
-@pytest.mark.parametrize("kw, words", [(dict(logit_bias={3: 101.0}), "logit_bias values must be in"),
-                                       (dict(logit_bias={3: float("nan")}), "logit_bias values must be in"),
+@pytest.mark.parametrize("kw, words", [(dict(logit_bias={3: 101.0}), "logit_bias values must be numbers in"),
+                                       (dict(logit_bias={3: float("nan")}), "logit_bias values must be numbers in"),
+                                       (dict(logit_bias={3: "1"}), "logit_bias values must be numbers in"),
+                                       (dict(logit_bias={5.7: 1.0}), "token ids must be integers >= 0"),
+                                       (dict(logit_bias={True: 1.0}), "token ids must be integers >= 0"),
                                        (dict(allowed_token_ids=[]), "must not be empty"),
-                                       (dict(allowed_token_ids=[-1]), "token ids must be >= 0")])
+                                       (dict(allowed_token_ids=[40.9]), "token ids must be integers >= 0"),
+                                       (dict(allowed_token_ids=[-1]), "token ids must be integers >= 0"),
+                                       (dict(min_tokens=2.5), "min_tokens must be an integer"),
+                                       (dict(min_tokens=True), "min_tokens must be an integer")])
 def test_bad_biases_and_allowed_lists_are_refused(kw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**kw)
+
+
+def test_token_sets_built_once_serve_every_step_alike():
+    import numpy as np
+
+    from dflash_trt.layers.logits_processors import TokenSets
+
+    params = SamplingParams(logit_bias={np.int64(3): 2.0, 9: -1.5}, allowed_token_ids=[3, 9, 12], min_tokens=6)
+    logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(2))
+    sets = TokenSets.of(params, {12, 99}, 16, torch.device("cpu"))  # 99: past the vocabulary, no token
+    kept = process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, sets=sets)
+    torch.testing.assert_close(kept, process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, stop_ids={12, 99}))
+    # 4 output tokens + 0..3 drafts: positions 0 and 1 are held under 6, so stop token 12 is masked there only
+    assert kept[:2, 12].eq(-torch.inf).all() and kept[2:, 12].isfinite().all()
+    assert kept[0, 3] == logits[0, 3] + 2.0 and kept[0, 0] == -torch.inf

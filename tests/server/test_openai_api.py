@@ -282,6 +282,10 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "top_logprobs": 3}, 400, "top_logprobs"),  # chat's field
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # a digit to isdigit()
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 2, "stop_token_ids": [40], "allowed_token_ids": [40]}, 400,
+     "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [1000000]}, 400, "allowed_token_ids"),
