@@ -51,8 +51,9 @@ class SweepError(RuntimeError):
 # request fields the sweep sets from its own options: --extra-body may not change them behind the result's back
 OWNED_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
                           "messages", "prompt", "ignore_eos", "n", "seed"})
-# how long to read past [DONE] for the end of the body, which returns the connection to the pool
-DRAIN_AFTER_DONE_S = 1.0
+# how long to read past [DONE] for the end of the body, which returns the connection to the pool (a server that
+# holds it open keeps the worker's slot this much longer)
+DRAIN_AFTER_DONE_S = 0.1
 
 
 @dataclass
@@ -223,7 +224,8 @@ async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: Benc
     try:
         await _stream(client, cfg, body, res)
     finally:
-        res.finish = time.perf_counter()
+        if res.finish is None:  # else [DONE]'s time: what is read after it is not the request's
+            res.finish = time.perf_counter()
     return res
 
 
@@ -242,7 +244,7 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                 now = time.perf_counter()
                 payload = line[5:].strip()
                 if payload == "[DONE]":
-                    done = True
+                    done, res.finish = True, now
                     break
                 event = json.loads(payload)
                 if isinstance(event, dict) and "error" in event:
