@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,6 +35,14 @@ def _is_real(x: object) -> bool:  # NaN is not in any range checked against it
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+class TokenIdError(ValueError):
+    """A request's token ids that the model cannot take, naming the field (`param`) that holds them."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one request decodes.
@@ -55,8 +64,7 @@ class SamplingParams:
     acceptance: AcceptanceRule = "match"
     logprobs: int | None = None  # None: none; n: each emitted token's log-probability and its n likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (OpenAI's echo)
-    # penalties on the target's logits (layers/logits_processors.py, vLLM's semantics): 0, 0 and 1 leave them as they
-    # are
+    # penalties on the target's logits (layers/logits_processors.py, vLLM's semantics): 0, 0 and 1 leave them be
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -91,13 +99,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not _is_int(self.min_tokens):  # before the range, which a string or None would fail with a TypeError
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.min_tokens and self.stop:
             # vLLM looks for stop strings only in the text after min_tokens; here they are found anywhere
             raise ValueError("min_tokens with stop strings is not supported (with stop_token_ids it is)")
-        if not _is_int(self.min_tokens):
-            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
         if self.logit_bias and not all(_is_real(b) and -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {list(self.logit_bias.values())}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
@@ -108,6 +118,23 @@ class SamplingParams:
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
 
+    def stop_ids(self, eos_token_ids: Collection[int]) -> set[int]:
+        """The token ids that end the answer: stop_token_ids where given, else the model's eos unless ignore_eos."""
+        if self.stop_token_ids is not None:
+            return set(self.stop_token_ids)
+        return set() if self.ignore_eos else set(eos_token_ids)
+
+    def check_token_ids(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        """TokenIdError where logit_bias or allowed_token_ids name a token past the vocabulary (in a step the index
+        would fail every request batched with this one), or min_tokens would mask every allowed token."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                raise TokenIdError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")
+        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= self.stop_ids(eos_token_ids):
+            raise TokenIdError("allowed_token_ids", "allowed_token_ids are all stop tokens, which min_tokens masks "
+                               f"until the answer holds {self.min_tokens}: no token could be chosen")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -115,17 +142,6 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether the target's logits are changed before its choice (layers/logits_processors.py)."""
-        return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
-                or self.allowed_token_ids is not None)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy on the target's logits as they are: the argmax alone decides (the head's int8 screen serves it)."""
-        return self.greedy and not self.shapes_logits
 
     @property
     def samples_drafts(self) -> bool:

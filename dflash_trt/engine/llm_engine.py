@@ -318,15 +318,8 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
         self.check_prompt_ids(prompt_ids)
-        vocab = self.target.config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= vocab]
-            if bad:  # in a step, the index would fail every request batched with this one
-                raise ValueError(f"{name} token ids must be in 0..{vocab - 1}, got {bad[:5]}")
+        params.check_token_ids(self.target.config.vocab_size, self.eos_token_ids)
         seq = Sequence(prompt_ids, params, self.eos_token_ids)
-        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= seq.stop_ids:
-            raise ValueError("allowed_token_ids are all stop tokens, which min_tokens masks until the answer holds "
-                             f"{params.min_tokens}: no token could be chosen")
         seq.uniforms = PositionalUniforms(params.seed)
         seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())
         if params.stop and self.tokenizer is not None:

@@ -118,7 +118,7 @@ class ModelRunner:
 
     def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
-        if all(s.params.plain_greedy for s in seqs):
+        if all(s.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden).tolist()
         logits = self._shaped(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
         probs = self._sampling_probs(seqs, logits)[:, 0]
@@ -223,7 +223,7 @@ class ModelRunner:
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
         meta = AttentionMetadata.causal_step(rows, positions, host)
         hidden, target_features = self.target(block, meta, self.target_cache, self.capture)
-        if all(s.params.plain_greedy for s in seqs):
+        if all(s.plain_greedy for s in seqs):
             # The GREEDY rule needs only the target's argmax: taken alone it skips the fp32 logits (on a GPU [B, K + 1,
             # V], 311 MB at 32 rows of Qwen3's vocabulary), the op's dispatch and the uniforms and modes a mixed batch
             # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or shape their logits.
@@ -311,7 +311,7 @@ class ModelRunner:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,
         drawn with the row's uniform for the output position at the node's depth, so each token the path emits is the
         target's own sample given the tokens before it (and penalized as if that path were the output)."""
-        if all(s.params.plain_greedy for s in seqs):
+        if all(s.plain_greedy for s in seqs):
             return self.target.greedy_tokens(hidden)
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -336,7 +336,7 @@ class ModelRunner:
         extras_of(i)[j]: the tokens row i's position j counts as output beyond its committed ones, asked for the rows
         that shape their logits only (a step without any pays nothing)."""
         for i, s in enumerate(seqs):
-            if s.params.shapes_logits:
+            if s.shapes_logits:
                 extras = extras_of(i)
                 n = len(extras)
                 if s.token_sets is None:

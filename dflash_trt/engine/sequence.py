@@ -46,8 +46,7 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        stop_ids = params.stop_token_ids if params.stop_token_ids is not None else list(eos_token_ids)
-        self.stop_ids = set() if params.ignore_eos and params.stop_token_ids is None else set(stop_ids)
+        self.stop_ids = params.stop_ids(eos_token_ids)
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs: one per output id
         self.prompt_logprobs: list[TokenLogprob] = []  # with params.prompt_logprobs: one per prompt id after the first
@@ -87,6 +86,21 @@ class Sequence:
     @property
     def is_prefilled(self) -> bool:
         return self.num_prefilled >= len(self.prompt_ids)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this step changes the target's logits before its choice (layers/logits_processors.py): penalties,
+        logit_bias, allowed_token_ids, or min_tokens while the answer is short of it and has stop tokens to hold
+        (after that, or with none, the row is as fast as any: a batch's greedy rows take the head's int8 screen only
+        where none of them shapes its logits)."""
+        p = self.params
+        return (p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None
+                or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the target's logits as they are: the argmax alone decides (the head's int8 screen serves it)."""
+        return self.params.greedy and not self.shapes_logits
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
-"""What a request does to the target's logits before its choice, position by position, in vLLM's order: its
-allowed_token_ids keep only those tokens, logit_bias adds to some, the repetition, frequency and presence penalties
-(vLLM's semantics), and min_tokens masks the stop tokens until the answer holds that many.
+"""What a request does to the target's logits before its choice, position by position: logit_bias adds to some
+tokens, the repetition, frequency and presence penalties apply (vLLM's semantics), allowed_token_ids keep only those
+tokens, and min_tokens masks the stop tokens until the answer holds that many. vLLM masks before it penalizes; a
+masked logit is -inf either way, and masking last keeps it so (the repetition penalty's clamp would make it finite).
 
 repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
 holds; frequency_penalty subtracts, per output token, its count so far; presence_penalty subtracts once for every token
@@ -25,23 +26,23 @@ class TokenSets:
     """One request's token sets as tensors on the logits' device, built once for all its steps (a logit_bias of
     100,000 ids took 105 ms to sort): what it may choose, what it biases and by how much, and its stop tokens."""
 
-    allowed: torch.Tensor | None  # bool [V]
+    blocked: torch.Tensor | None  # bool [V]: the tokens allowed_token_ids leaves out
     bias_ids: torch.Tensor | None  # long [n]
     bias: torch.Tensor | None  # float32 [n]
     stops: torch.Tensor | None  # long [m], the stop ids within the vocabulary
 
     @classmethod
     def of(cls, params: SamplingParams, stop_ids: Collection[int], vocab: int, device: torch.device) -> "TokenSets":
-        allowed = None
+        blocked = None
         if params.allowed_token_ids is not None:
-            allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
-            allowed[to_device(params.allowed_token_ids, torch.long, device)] = True
+            blocked = torch.ones(vocab, dtype=torch.bool, device=device)
+            blocked[to_device(params.allowed_token_ids, torch.long, device)] = False
         bias_ids = bias = None
         if params.logit_bias:
             bias_ids = to_device(list(params.logit_bias), torch.long, device)
             bias = to_device(list(params.logit_bias.values()), torch.float32, device)
         stops = [t for t in stop_ids if 0 <= t < vocab]  # an id past the head is no token it can choose
-        return cls(allowed, bias_ids, bias, to_device(stops, torch.long, device) if stops else None)
+        return cls(blocked, bias_ids, bias, to_device(stops, torch.long, device) if stops else None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
@@ -54,14 +55,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     out = logits.to(torch.float32, copy=True)
     if sets is None:
         sets = TokenSets.of(params, stop_ids, out.shape[-1], out.device)
-    if sets.allowed is not None:
-        out.masked_fill_(~sets.allowed, -torch.inf)
     if sets.bias is not None:
         out[:, sets.bias_ids] += sets.bias  # a dict's ids are distinct: no two additions to one logit
     if params.penalized:
         out = _penalties(out, params, prompt_ids, output_ids, extras)
-    held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
-    if held and sets.stops is not None:
+    if sets.blocked is not None:
+        out.masked_fill_(sets.blocked, -torch.inf)
+    if sets.stops is not None and len(output_ids) < params.min_tokens:
+        held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
         out[to_device(held, torch.long, out.device)[:, None], sets.stops] = -torch.inf
     return out
 

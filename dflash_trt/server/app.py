@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP routes over an EngineLoop: /v1/completions, /v1/chat/completions (SSE
-streaming and not), /v1/models, /health, /metrics. Every refusal is an OpenAI-style JSON error."""
+streaming and not), /v1/models, vLLM's /tokenize, /detokenize and /version, /health, /metrics. Every refusal is an
+OpenAI-style JSON error."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
-from dflash_trt.sampling_params import SamplingParams, choice_seed
+from dflash_trt.sampling_params import SamplingParams, TokenIdError, choice_seed
 from dflash_trt.server import protocol as p
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
@@ -248,7 +249,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
 
     def _check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name and name != model_name:  # vLLM's: an empty or absent name is the served model
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
@@ -297,27 +298,23 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 raise APIError(400, f"stop_token_ids must be in 0..{vocab - 1}, got {bad[:5]}", param="stop_token_ids")
             # vLLM's meaning: in addition to the model's eos ids (unless ignore_eos), where the engine's replaces them
             stop_ids = [*(() if req.ignore_eos else engine.eos_token_ids), *req.stop_token_ids]
-        for name, ids in (("logit_bias", req.biases or ()), ("allowed_token_ids", req.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"{name} token ids must be in 0..{vocab - 1}, got {bad[:5]}", param=name)
-        stops = stop_ids if stop_ids is not None else () if req.ignore_eos else engine.eos_token_ids
-        if req.min_tokens and req.allowed_token_ids and set(req.allowed_token_ids) <= set(stops):
-            raise APIError(400, "allowed_token_ids are all stop tokens, which min_tokens masks: no token could be "
-                                "chosen", param="allowed_token_ids")
         # a top_k of the whole vocabulary or more keeps every token; passed on, a huge one overflows the engine's
         # int64 tensor and fails every request in the step
         top_k = req.top_k if 0 < req.top_k < vocab else 0
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
-                                  ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
-                                  prompt_logprobs=req.num_logprobs if req.echo else None,
-                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                                  logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids)
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
+                                    ignore_eos=req.ignore_eos, acceptance=req.acceptance, logprobs=req.num_logprobs,
+                                    prompt_logprobs=req.num_logprobs if req.echo else None,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                                    logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids)
+            params.check_token_ids(vocab, engine.eos_token_ids)  # here too, to name the field
+        except TokenIdError as e:
+            raise APIError(400, str(e), param=e.param) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        return params
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                 max_param: str = "max_tokens", prompt_param: str = "prompt") -> _Submitted:

@@ -29,7 +29,8 @@ def hf_penalized_greedy(target_dir, prompt: list[int], penalties: dict, new: int
             logits = rep(torch.tensor([ids]), logits)[0]
             out = ids[len(prompt):]
             for t in set(out):
-                logits[t] -= penalties.get("frequency_penalty", 0.0) * out.count(t) + penalties.get("presence_penalty", 0.0)
+                frequency, presence = penalties.get("frequency_penalty", 0.0), penalties.get("presence_penalty", 0.0)
+                logits[t] -= frequency * out.count(t) + presence
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
@@ -167,8 +168,8 @@ def test_greedy_under_logit_bias_and_allowed_tokens_equals_transformers_generate
 
 def test_seeded_samples_under_logit_bias_are_plain_decodings_and_ids_past_the_vocabulary_are_refused(tiny_dirs):
     prompts = _prompts(2)
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=4, logit_bias={40: 3.0, 41: -2.0},
-                            allowed_token_ids=list(range(20, 60)))
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=4,
+                            logit_bias={40: 3.0, 41: -2.0}, allowed_token_ids=list(range(20, 60)))
     spec = _engine(tiny_dirs, "qwen3", 3, rows=2, draft_tree={2: 5}).generate(prompts, params)
     plain = _engine(tiny_dirs, "qwen3", 3, rows=2, speculative=False).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -188,3 +189,20 @@ def test_allowed_tokens_that_min_tokens_masks_all_are_refused(tiny_dirs):
     out = engine.generate(_prompts(1), SamplingParams(max_new_tokens=4, stop_token_ids=[40], min_tokens=2,
                                                       allowed_token_ids=[40, 41]))[0]
     assert out.token_ids[:2] == [41, 41]  # the one token left to choose until min_tokens
+
+
+def test_min_tokens_takes_a_row_off_the_argmax_path_only_while_it_holds_a_stop_token():
+    """A greedy row's plain argmax (the head's int8 screen, for its whole batch) is lost only while min_tokens masks
+    something: never with no stop token to hold (ignore_eos, as benchmark clients send it), and not once the answer is
+    that long."""
+    from dflash_trt.engine.sequence import Sequence
+
+    held = Sequence([5, 6], SamplingParams(max_new_tokens=8, min_tokens=3), eos_token_ids=(2,))
+    assert not held.plain_greedy
+    held.output_ids = [7, 8, 9]
+    assert held.plain_greedy
+    free = Sequence([5, 6], SamplingParams(max_new_tokens=8, min_tokens=8, ignore_eos=True), eos_token_ids=(2,))
+    assert free.stop_ids == set() and free.plain_greedy
+    biased = Sequence([5, 6], SamplingParams(max_new_tokens=8, logit_bias={3: 1.0}), eos_token_ids=(2,))
+    biased.output_ids = [7] * 7
+    assert not biased.plain_greedy

@@ -46,7 +46,8 @@ def test_an_extreme_repetition_penalty_still_gives_a_distribution(r):
     # past float32's range the seen tokens' logits were inf (or every logit -inf): NaN probabilities, garbage samples
     sign = 1.0 if r < 1 else -1.0
     logits = sign * (torch.rand(1, 16, generator=torch.Generator().manual_seed(2)) * 20 + 1)
-    got = process_logits(logits, SamplingParams(repetition_penalty=r), list(range(16)) if r > 1 else PROMPT, OUTPUT, [[]])
+    prompt = list(range(16)) if r > 1 else PROMPT
+    got = process_logits(logits, SamplingParams(repetition_penalty=r), prompt, OUTPUT, [[]])
     assert torch.isfinite(got).all()
     probs = sampling_probs(got[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0, 0]
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
@@ -93,11 +94,18 @@ def test_token_sets_built_once_serve_every_step_alike():
 
     from dflash_trt.layers.logits_processors import TokenSets
 
-    params = SamplingParams(logit_bias={np.int64(3): 2.0, 9: -1.5}, allowed_token_ids=[3, 9, 12], min_tokens=6)
+    params = SamplingParams(logit_bias={np.int64(3): 2.0, 9: -1.5}, allowed_token_ids=[3, 9, 12], min_tokens=6,
+                            repetition_penalty=1.3)
     logits = torch.randn(len(EXTRAS), 16, generator=torch.Generator().manual_seed(2))
     sets = TokenSets.of(params, {12, 99}, 16, torch.device("cpu"))  # 99: past the vocabulary, no token
-    kept = process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, sets=sets)
-    torch.testing.assert_close(kept, process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, stop_ids={12, 99}))
-    # 4 output tokens + 0..3 drafts: positions 0 and 1 are held under 6, so stop token 12 is masked there only
-    assert kept[:2, 12].eq(-torch.inf).all() and kept[2:, 12].isfinite().all()
-    assert kept[0, 3] == logits[0, 3] + 2.0 and kept[0, 0] == -torch.inf
+    # by hand: the biases, transformers' repetition penalty, everything but 3, 9 and 12 out, and stop token 12 out
+    # where 4 output tokens + 0..3 drafts are under min_tokens 6 (positions 0 and 1)
+    want = logits.clone()
+    want[:, 3] += 2.0
+    want[:, 9] -= 1.5
+    for j, extra in enumerate(EXTRAS):
+        want[j] = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([PROMPT + OUTPUT + extra]), want[j:j + 1])[0]
+    want[:, [t for t in range(16) if t not in (3, 9, 12)]] = -torch.inf
+    want[:2, 12] = -torch.inf
+    for _ in range(2):  # the sets serve step after step
+        torch.testing.assert_close(process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, sets=sets), want)
