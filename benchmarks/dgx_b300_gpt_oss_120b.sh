@@ -40,11 +40,12 @@ case $PRESET in
 esac
 MAX_SEQ=$((ISL + OSL + 256))       # + the chat template and the draft block
 mkdir -p "$WORK" "$OUT"
-command -v trtllm-serve >/dev/null || { echo "trtllm-serve not on PATH: install TensorRT-LLM (a release with PR #16914)" >&2; exit 1; }
+command -v trtllm-serve >/dev/null ||
+  { echo "trtllm-serve not on PATH: install TensorRT-LLM (a release with PR #16914)" >&2; exit 1; }
 
 source "$ROOT/benchmarks/server_lifecycle.sh"   # stop, wait_up
-# the concurrencies of CONC at or below SPLIT (tp8), above it (adp)
-split_conc() { tr , '\n' <<<"$CONC" | awk -v s="$SPLIT" -v hi="$1" 'hi ? $1 > s : $1 <= s' | paste -sd, -; }
+# the concurrencies of CONC at or below SPLIT (tp8), above it (adp), in ascending order
+split_conc() { tr , '\n' <<<"$CONC" | sort -n | awk -v s="$SPLIT" -v hi="$1" 'hi ? $1 > s : $1 <= s' | paste -sd, -; }
 declare -A LAYOUT_CONC=([tp8]=$(split_conc 0) [adp]=$(split_conc 1))
 
 sweep() {  # label, result path, concurrencies
@@ -67,24 +68,28 @@ build_layout() {  # layout, config: one fixed-K DFlash engine per K and the conf
   # validated and planned for B300 at MAX_SEQ (the build refuses what does not fit); then the AR and EAGLE-3 configs
   local L=$1 W=$WORK/$1
   mkdir -p "$W"
-  # TP8 serves up to SPLIT requests at once (the recipes size batch and CUDA graphs to the concurrency)
   # Rows a rank holds: TP8 serves up to SPLIT requests at once; under attention DP each of the 8 ranks a share of
-  # the largest concurrency (the recipes size batch and CUDA graphs to the concurrency). No more: DFlash's context
-  # arena is dense in rows x max_seq_len, and the 8k presets' would not fit beside the KV cache at the recipe's 512.
+  # the largest concurrency (the recipes size batch and CUDA graphs to the concurrency; an uneven share waits). No
+  # more: DFlash's context arena is dense in rows x max_seq_len, and at the shipped throughput config's 512 rows the
+  # 8k presets' would not fit beside the KV cache.
   local top=${LAYOUT_CONC[$L]##*,}
   local rows=$([[ $L == tp8 ]] && echo "$SPLIT" || echo $(((top + 7) / 8)))
-  edit_yaml "$2" "$W/config.yaml" "o['max_batch_size'] = $rows; o.setdefault('cuda_graph_config', {})['max_batch_size'] = $rows"
-  edit_yaml "$W/config.yaml" "$W/fixed_k.yaml" '[o["speculative_config"].pop(key, None) for key in ("draft_len_schedule", "max_concurrency")]'
+  edit_yaml "$2" "$W/config.yaml" \
+    "o['max_batch_size'] = $rows; o.setdefault('cuda_graph_config', {})['max_batch_size'] = $rows"
+  edit_yaml "$W/config.yaml" "$W/fixed_k.yaml" \
+    '[o["speculative_config"].pop(key, None) for key in ("draft_len_schedule", "max_concurrency")]'
   # relative paths in the configs (none in the shipped ones) would now be read from $W
   for k in $KS; do
     [[ -f "$W/dflash_k$k/manifest.json" ]] ||
       dflash-trt build "$W/fixed_k.yaml" -o "$W/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ" --force
   done
-  [[ -f "$W/dflash_auto/manifest.json" ]] || dflash-trt build "$W/config.yaml" -o "$W/dflash_auto" --max-seq-len "$MAX_SEQ" --force
+  [[ -f "$W/dflash_auto/manifest.json" ]] ||
+    dflash-trt build "$W/config.yaml" -o "$W/dflash_auto" --max-seq-len "$MAX_SEQ" --force
   # AR and EAGLE-3 use the same engine's target, mapping and runtime settings with the speculative section replaced.
   local e0=$W/dflash_k${KS%% *}
   edit_yaml "$e0/trtllm/config.yaml" "$W/ar.yaml" 'o.pop("speculative_config", None)'
-  edit_yaml "$e0/trtllm/config.yaml" "$W/eagle3.yaml" 'o["speculative_config"] = {"decoding_type": "Eagle3", "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # TRT-LLM tech blog 11'
+  edit_yaml "$e0/trtllm/config.yaml" "$W/eagle3.yaml" 'o["speculative_config"] = {"decoding_type": "Eagle3",
+    "speculative_model": "nvidia/gpt-oss-120b-Eagle3", "max_draft_len": 3}  # TRT-LLM tech blog 11'
 }
 
 run_layout() {  # layout: every arm swept at the layout's concurrencies, into $OUT/<layout>/<name>.json
@@ -101,12 +106,14 @@ run_layout() {  # layout: every arm swept at the layout's concurrencies, into $O
         sweep "$label" "$OUT/$L/$arm.json" "$conc"; stop ;;
       dflash)
         for k in $KS; do
-          dflash-trt serve "$W/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/$L/dflash_k$k.log" 2>&1 &
+          dflash-trt serve "$W/dflash_k$k" --backend trtllm --host 127.0.0.1 --port "$PORT" \
+            >"$OUT/$L/dflash_k$k.log" 2>&1 &
           PID=$!; wait_up "$L/dflash_k$k" 1800
           sweep "DFlash K=$k" "$OUT/$L/dflash_k$k.json" "$conc"; stop
         done ;;
       dflash-auto)
-        dflash-trt serve "$W/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" >"$OUT/$L/dflash_auto.log" 2>&1 &
+        dflash-trt serve "$W/dflash_auto" --backend trtllm --host 127.0.0.1 --port "$PORT" \
+          >"$OUT/$L/dflash_auto.log" 2>&1 &
         PID=$!; wait_up "$L/dflash_auto" 1800
         sweep "DFlash auto" "$OUT/$L/dflash_auto.json" "$conc"; stop ;;
       *) echo "unknown arm $arm" >&2; exit 1 ;;
@@ -122,7 +129,11 @@ for L in "${layouts[@]}"; do run_layout "$L"; done
 # One result per arm: its points in both layouts, each naming its layout (and the auto engine's schedule there).
 names=()
 for arm in $ARMS; do
-  case $arm in dflash) for k in $KS; do names+=("dflash_k$k"); done ;; dflash-auto) names+=(dflash_auto) ;; *) names+=("$arm") ;; esac
+  case $arm in
+    dflash) for k in $KS; do names+=("dflash_k$k"); done ;;
+    dflash-auto) names+=(dflash_auto) ;;
+    *) names+=("$arm") ;;
+  esac
 done
 runs=()
 for name in "${names[@]}"; do
