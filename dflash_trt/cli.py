@@ -10,12 +10,13 @@ from pathlib import Path
 
 import click
 
+from dflash_trt import __version__
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, target_runtime
 from dflash_trt.sampling_params import SamplingParams
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="dflash-trt")
+@click.version_option(version=__version__)
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details (INFO).")
 def main(verbose: bool) -> None:
     """Build, serve and benchmark DFlash speculative decoding."""
@@ -193,7 +194,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         plain = max(out.num_tokens - 1 - drafted, 0)
         ran = f", tau {out.tau:.2f} over {_count(steps, 'speculative step')}" if steps else ", no speculative step"
         tau = ran + (f", {_count(plain, 'token')} from plain steps" if plain else "")
-    click.echo(f"{mode}: {_count(out.num_tokens, 'token')} ({out.finish_reason}){tau}, {out.tokens_per_s:.1f} tok/s decode, "
+    click.echo(f"{mode}: {_count(out.num_tokens, 'token')} ({out.finish_reason}){tau}, "
+               f"{out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
     if not no_spec:
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)

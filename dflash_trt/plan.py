@@ -354,7 +354,9 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
         culprit = f"Before the KV cache, the rest alone overflows the device, most of it {biggest}"
     elif plan.layout == "trtllm" and arena > left:
         biggest = "drafter_context_cache"
-        knob_first = "kv_cache_config.free_gpu_memory_fraction (lower), "
+        # a lower fraction leaves the arena more only where the KV cache still fits in what it then gets
+        if comps["target_kv_cache"] <= plan.kv_cache_budget_bytes:
+            knob_first = "kv_cache_config.free_gpu_memory_fraction (lower), "
         culprit = (f"The drafter's context arena ({gb(arena)}) is allocated after the KV cache took "
                    f"free_gpu_memory_fraction={fraction} of free memory, and overflows the {gb(left)} that leaves")
     else:

@@ -85,7 +85,8 @@ def caveats(run: dict) -> list[str]:
     sends several tokens a chunk, so they undercount)."""
     failed = [f"c={p['concurrency']}: {p['num_failed']} of {p['num_requests']}" for p in run["points"]
               if p.get("num_failed")]
-    notes = [f"requests failed ({', '.join(failed)}): those points count only the answers that completed"] if failed else []
+    notes = ([f"requests failed ({', '.join(failed)}): those points count only the answers that completed"]
+             if failed else [])
     if any(p.get("tokens_from") == "chunks" for p in run["points"]):
         notes.append("its tokens were counted from stream chunks, which undercount a server that sends several "
                      "tokens a chunk (sweep with --tokenizer where the endpoint sends no usage)")
