@@ -126,7 +126,8 @@ def test_neutral_vllm_extensions_pass(server):
 def test_a_request_without_a_model_is_for_the_served_one_as_vllm_reads_it(server):
     chat = {k: v for k, v in CHAT.items() if k != "model"}
     for body in ({**chat, "messages": [{"role": "user", "content": "hi"}]},
-                 {**chat, "model": None, "messages": [{"role": "user", "content": "hi"}]}):
+                 {**chat, "model": None, "messages": [{"role": "user", "content": "hi"}]},
+                 {**chat, "model": "", "messages": [{"role": "user", "content": "hi"}]}):
         r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
     r = httpx.post(server.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
