@@ -35,19 +35,25 @@ def hf_penalized_greedy(target_dir, prompt: list[int], penalties: dict, new: int
     return ids[len(prompt):]
 
 
+def _engine_on(tiny_dirs, path, prompts, truths):
+    """A 3-row engine whose steps are plain, chains or trees; speculative ones draft `truths` (prompt + answer)."""
+    if path == "plain":
+        return _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
+    if path == "chain":
+        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
+        force_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))}, error_rate=0.1)
+        return engine
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
+    force_tree_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))})
+    return engine
+
+
 @pytest.mark.parametrize("penalties", PENALTIES)
 @pytest.mark.parametrize("path", ["plain", "chain", "tree"])
 def test_greedy_under_penalties_equals_transformers_decoding_under_them(tiny_dirs, penalties, path):
     prompts = _prompts(3)
     refs = [hf_penalized_greedy(tiny_dirs["qwen3"], p, penalties) for p in prompts]
-    if path == "plain":
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
-    elif path == "chain":
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
-        force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
-    else:
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
-        force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    engine = _engine_on(tiny_dirs, path, prompts, refs)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, **penalties))
     for o, ref in zip(outs, refs):
         assert o.token_ids == ref
@@ -95,14 +101,7 @@ def test_greedy_under_min_tokens_equals_transformers_generate_with_min_new_token
     refs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=minimum, do_sample=False,
                         eos_token_id=stops, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(r) > minimum for r in refs) and any(len(r) < NEW for r in refs)  # min_tokens held, then a stop
-    if path == "plain":
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
-    elif path == "chain":
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
-        force_drafts(engine, {i: p + f for i, (p, f) in enumerate(zip(prompts, free))}, error_rate=0.0)
-    else:
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
-        force_tree_drafts(engine, {i: p + f for i, (p, f) in enumerate(zip(prompts, free))})
+    engine = _engine_on(tiny_dirs, path, prompts, free)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=stops,
                                                    min_tokens=minimum))
     assert [o.token_ids for o in outs] == refs
@@ -130,19 +129,6 @@ def test_min_tokens_out_of_range_or_with_stop_strings_is_refused():
         SamplingParams(max_new_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens with stop strings is not supported"):
         SamplingParams(min_tokens=2, stop=["x"])
-
-
-def _engine_on(tiny_dirs, path, prompts, truths):
-    """A 3-row engine whose steps are plain, chains or trees; speculative ones draft `truths` (prompt + answer)."""
-    if path == "plain":
-        return _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
-    if path == "chain":
-        engine = _engine(tiny_dirs, "qwen3", 3, rows=3)
-        force_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))}, error_rate=0.1)
-        return engine
-    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 6})
-    force_tree_drafts(engine, {i: p + t for i, (p, t) in enumerate(zip(prompts, truths))})
-    return engine
 
 
 @pytest.mark.parametrize("path", ["plain", "chain", "tree"])
