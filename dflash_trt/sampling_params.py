@@ -74,6 +74,8 @@ class SamplingParams:
     # OpenAI's: added to these tokens' logits ([-100, 100]); vLLM's: only these tokens may be chosen
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: a sampled token's probability must be at least this share of the likeliest's (0: off; greedy ignores it)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
@@ -86,6 +88,8 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not x for x in self.stop):

@@ -90,11 +90,11 @@ class Sequence:
     @property
     def shapes_logits(self) -> bool:
         """Whether this step changes the target's logits before its choice (layers/logits_processors.py): penalties,
-        logit_bias, allowed_token_ids, or min_tokens while the answer is short of it and has stop tokens to hold
-        (after that, or with none, the row is as fast as any: a batch's greedy rows take the head's int8 screen only
-        where none of them shapes its logits)."""
+        logit_bias, allowed_token_ids, min_p where it samples, or min_tokens while the answer is short of it and has
+        stop tokens to hold (after that, or with none, the row is as fast as any: a batch's greedy rows take the
+        head's int8 screen only where none of them shapes its logits)."""
         p = self.params
-        return (p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None
+        return (p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None or (p.min_p > 0 and not p.greedy)
                 or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
 
     @property

@@ -1,6 +1,7 @@
 """What a request does to the target's logits before its choice, position by position: logit_bias adds to some
 tokens, the repetition, frequency and presence penalties apply (vLLM's semantics), allowed_token_ids keep only those
-tokens, and min_tokens masks the stop tokens until the answer holds that many. vLLM masks before it penalizes; a
+tokens, min_tokens masks the stop tokens until the answer holds that many, and min_p drops a sampled row's tokens
+less likely than that share of its likeliest. vLLM masks before it penalizes; a
 masked logit is -inf either way, and masking last keeps it so (the repetition penalty's clamp would make it finite).
 
 repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
@@ -12,6 +13,7 @@ under the same settings would choose.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -64,6 +66,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     if sets.stops is not None and len(output_ids) < params.min_tokens:
         held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
         out[to_device(held, torch.long, out.device)[:, None], sets.stops] = -torch.inf
+    if params.min_p > 0 and not params.greedy:
+        # p_i < min_p * p_max at temperature T <=> logit_i < logit_max + T ln(min_p): the cut of vLLM's min_p, which
+        # it applies after the temperature and before top-k and top-p, as the sampler then does
+        cut = out.max(dim=-1, keepdim=True).values + params.temperature * math.log(params.min_p)
+        out.masked_fill_(out < cut, -torch.inf)
     return out
 
 

@@ -308,7 +308,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                     prompt_logprobs=req.num_logprobs if req.echo else None,
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                                    logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids)
+                                    logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids,
+                                    min_p=req.min_p)
             params.check_token_ids(vocab, engine.eos_token_ids)  # here too, to name the field
         except TokenIdError as e:
             raise APIError(400, str(e), param=e.param) from e

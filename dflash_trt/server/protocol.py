@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (OpenAI field names unchanged; no torch).
 
 Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens` (not with stop strings), `allowed_token_ids`, `repetition_penalty`, the chat template's
+`min_tokens` (not with stop strings), `min_p`, `allowed_token_ids`, `repetition_penalty`, the chat template's
 `add_generation_prompt`, `continue_final_message`, `chat_template` and `chat_template_kwargs`, and `acceptance` (the
 lossless sampling rule) on requests; per-choice `acceptance` statistics (tau, histogram, draft and accepted counts) on
 responses. vLLM's other sampling extensions are refused unless neutral, as are OpenAI features this server lacks.
@@ -123,10 +123,10 @@ class _SamplingRequest(_NullIsUnset):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: stop at these ids as well as at the model's eos
     min_tokens: WholeInt = Field(0, ge=0)  # vLLM's; checked against max_tokens and stop in the app
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)  # vLLM's
     acceptance: Literal["match", "rejection"] = "match"
     # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
     # neutral, rather than ignored as unknown fields are
-    min_p: StrictFloat = 0.0
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0)  # vLLM's
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -190,7 +190,6 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError("tool calling is not supported; leave tool_choice and function_call unset")
         return v
 
-    _no_min_p = _refuse_unless("min_p", 0, "min_p is not supported; use 0 (top_p and top_k are)")
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from dflash_trt import SamplingParams
+from tests.engine.conftest import V
 from tests.engine.test_lossless import _engine, _prompts
 from tests.forced_drafts import force_drafts, force_tree_drafts
 
@@ -192,3 +193,42 @@ def test_min_tokens_takes_a_row_off_the_argmax_path_only_while_it_holds_a_stop_t
     biased = Sequence([5, 6], SamplingParams(max_new_tokens=8, logit_bias={3: 1.0}), eos_token_ids=(2,))
     biased.output_ids = [7] * 7
     assert not biased.plain_greedy
+
+
+def _exact_joint_min_p(target_dir, prompt, temperature, min_p, vocab, new=4):
+    """P(x_1..x_new | prompt) under the target with transformers' temperature and min-p warpers, by enumeration."""
+    import itertools
+
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    seqs = list(itertools.product(range(vocab), repeat=new))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = hf(ids).logits[:, len(prompt) - 1: -1].float()
+    flat = logits.reshape(-1, vocab)
+    warped = MinPLogitsWarper(min_p)(ids, TemperatureLogitsWarper(temperature)(ids, flat)).reshape(logits.shape)
+    picked = torch.softmax(warped, -1).gather(-1, ids[:, len(prompt):, None])[..., 0]
+    return {s: float(p) for s, p in zip(seqs, picked.prod(-1))}
+
+
+@pytest.mark.parametrize("rule, tree", [("rejection", {}), ("match", {1500: 5})], ids=["rejection-chain", "match-tree"])
+def test_sampled_output_under_min_p_follows_the_target_distribution_under_it(small_vocab, rule, tree):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+    from dflash_trt.models.dflash import load_drafter
+    from dflash_trt.models.registry import load_target
+    from tests.stats import assert_matches
+
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint_min_p(t, prompt, 1.5, 0.5, V)
+    assert sum(p == 0 for p in expected.values()) > len(expected) / 2  # min_p rules out most outcomes
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, draft_tree=tree))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=1.5, min_p=0.5, seed=s, acceptance=rule, ignore_eos=True)
+              for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)

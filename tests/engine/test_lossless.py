@@ -16,6 +16,7 @@ from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.spec.context_lookup import ContextLookup
 from tests.conftest import make_drafter, make_target
+from tests.engine.conftest import V
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 from tests.stats import assert_matches
 
@@ -454,15 +455,6 @@ def test_zlab_dflash_generate_gives_the_same_tokens_and_acceptance_lengths(tmp_p
 
 # --- sampling: the distribution of speculative samples is the target's -----------------------------
 
-V = 4  # 4 new tokens over a 4-token vocabulary: 256 outcomes, enumerated exactly
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small_vocab")
-    t = make_target(root / "t", vocab=V, seed=11)
-    d = make_drafter(root / "d", t, block_size=8, target_layer_ids=(1, 3), seed=12)
-    return t, d
 
 
 def _exact_joint(target_dir, prompt, temperature, top_k, top_p, new=4):

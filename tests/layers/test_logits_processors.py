@@ -109,3 +109,19 @@ def test_token_sets_built_once_serve_every_step_alike():
     want[:2, 12] = -torch.inf
     for _ in range(2):  # the sets serve step after step
         torch.testing.assert_close(process_logits(logits, params, PROMPT, OUTPUT, EXTRAS, sets=sets), want)
+
+
+@pytest.mark.parametrize("temperature, min_p", [(1.0, 0.1), (0.7, 0.3), (1.6, 0.05)])
+def test_min_p_keeps_what_transformers_min_p_warper_keeps_after_the_temperature(temperature, min_p):
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = torch.randn(len(EXTRAS), 64, generator=torch.Generator().manual_seed(3)) * 2
+    params = SamplingParams(temperature=temperature, min_p=min_p)
+    got = sampling_probs(process_logits(logits, params, PROMPT, OUTPUT, EXTRAS)[None],
+                         torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]))[0]
+    ids = torch.tensor([PROMPT])
+    warped = MinPLogitsWarper(min_p)(ids, TemperatureLogitsWarper(temperature)(ids, logits.clone()))
+    torch.testing.assert_close(got, torch.softmax(warped, -1), atol=1e-6, rtol=0)
+    assert (got == 0).any()  # it cut something
+    greedy = process_logits(logits, SamplingParams(min_p=min_p), PROMPT, OUTPUT, EXTRAS)
+    torch.testing.assert_close(greedy, logits)  # greedy: the argmax is kept anyway, so nothing is touched

@@ -292,7 +292,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     # vLLM's sampling extensions that benchmark tools pass through, unless neutral
-    ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),  # OpenAI's [-2, 2]
     ({"model": MODEL, "prompt": "hi", "min_tokens": 8, "stop": "x"}, 400, "min_tokens"),
