@@ -247,6 +247,11 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
 _AFTER_THE_REST = ("target_kv_cache", "drafter_context_cache")  # TensorRT-LLM's allocations, in this order
 
 
+def _free_for_kv(comps: dict[str, int], hw: HardwareProfile) -> int:
+    """What a GPU holds when TensorRT-LLM carves its KV cache: everything but the allocations made at or after it."""
+    return hw.memory_bytes - sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
+
+
 def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple[bool, int]:
     if hw.kind != "gpu":
         free = hw.memory_bytes - sum(v for key, v in comps.items() if key != "target_kv_cache")
@@ -256,7 +261,7 @@ def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple
     # fit in the rest (dflash.py `_check_ctx_arena_fits`; a newer path binds it to the draft KV pool, falling back
     # to this private arena when that pool's dtype is not the drafter's: an fp8 cache with a bf16 drafter).
     arena = comps.get("drafter_context_cache", 0)
-    free = hw.memory_bytes - sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
+    free = _free_for_kv(comps, hw)
     budget = int(free * cfg.kv_cache_config.free_gpu_memory_fraction)
     return free > 0 and comps["target_kv_cache"] <= budget and arena <= free - budget, budget
 
@@ -344,9 +349,7 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     fixed = [key for key in comps if key not in ("runtime_reserve", "target_kv_cache")]
     arena = comps.get("drafter_context_cache", 0)
     fraction = cfg.kv_cache_config.free_gpu_memory_fraction
-    # what the KV cache's carve leaves for the arena (_fits)
-    rest = sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
-    left = hw.memory_bytes - rest - plan.kv_cache_budget_bytes
+    left = _free_for_kv(comps, hw) - plan.kv_cache_budget_bytes  # what the KV cache's carve leaves for the arena
     knob_first = ""
     if sum(comps[key] for key in fixed) + comps["runtime_reserve"] >= hw.memory_bytes:
         # allocated before the KV cache, these alone overflow the device
