@@ -231,7 +231,7 @@ class ModelRunner:
         else:
             drafts = proposal.draft_tokens  # position j's penalties count the drafts before it as output
             logits = self._shaped(seqs, self.target.compute_logits(hidden),
-                                     lambda i: _prefixes(drafts[i].tolist()))
+                                  lambda i: _prefixes(drafts[i].tolist()))
             result = self._verify(seqs, proposal, sampling, logits)
         emitted = result.emitted(proposal.draft_tokens)
         self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])

@@ -190,7 +190,6 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError("tool calling is not supported; leave tool_choice and function_call unset")
         return v
 
-
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
     _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
