@@ -107,9 +107,6 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
-        if self.min_tokens and self.stop:
-            # vLLM looks for stop strings only in the text after min_tokens; here they are found anywhere
-            raise ValueError("min_tokens with stop strings is not supported (with stop_token_ids it is)")
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
         if self.logit_bias and not all(_is_real(b) and -100 <= b <= 100 for b in self.logit_bias.values()):

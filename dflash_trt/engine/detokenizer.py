@@ -1,18 +1,44 @@
-"""IncrementalDetokenizer: turns a growing list of token ids into text deltas for streaming.
+"""The text of an answer as a client gets it, where stop strings cut it, and IncrementalDetokenizer: a growing list
+of token ids turned into text deltas for streaming.
 
 Text is held back while it ends in an incomplete UTF-8 character ("\ufffd") or in a prefix of a
 stop string, so a streamed answer never shows characters that the final answer does not contain.
 Example: stop=["\n\n"], tokens decode to "Hi\n": "Hi" is sent and "\n" held; the next token
 "\n" completes the stop string, the request finishes, and the final text "Hi" adds nothing.
+
+With min_tokens, as vLLM's: a stop string counts only where it ends past the text of the answer's first min_tokens
+tokens (one that ends within it stays in the answer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+
+def client_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of ids as a client gets it: without special tokens, and without the U+FFFD of a character whose bytes
+    have not all come yet (streaming holds it back; an answer cut by max_tokens mid-character ends before it)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
+
+
+def find_stop(text: str, stops: Sequence[str], after: int = 0) -> int:
+    """Where the answer's text ends: the start of the first stop string that ends past character `after`, or -1."""
+    cuts = [text.find(stop, max(after - len(stop) + 1, 0)) for stop in stops]
+    return min((c for c in cuts if c >= 0), default=-1)
+
+
+def stop_search_start(tokenizer, ids: Sequence[int], min_tokens: int) -> int:
+    """The character past which stop strings count: the length of the text of the first min_tokens ids (all of
+    ids' text while they are no more)."""
+    return len(client_text(tokenizer, ids[:min_tokens])) if min_tokens > 0 else 0
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self._after: int | None = None if min_tokens and self.stop else 0  # stop_search_start, once it is known
         self.text = ""  # what has been sent
         # Decoding every id on every update costs O(n) per token (SmolLM2's tokenizer on this CPU: 35 us at 200
         # ids, 1.1 ms at 8,000; this way 10 us at 8,000): only a window of the last ids is decoded, and its growth
@@ -29,7 +55,7 @@ class IncrementalDetokenizer:
             text = final_text
         else:
             text = self._decode(token_ids)
-            text = text[: len(text) - self._stop_prefix_len(text)]
+            text = text[: len(text) - self._stop_prefix_len(text, self._stops_after(token_ids, text))]
         if len(text) <= len(self.text):
             return ""
         new = text[len(self.text):]
@@ -48,13 +74,22 @@ class IncrementalDetokenizer:
         self._prefix_text = self.tokenizer.decode(list(token_ids[self._prefix:self._read]), skip_special_tokens=True)
         return self.decoded
 
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of text that starts (or is) one of the stop strings."""
+    def _stops_after(self, token_ids: Sequence[int], text: str) -> int:
+        if self._after is not None:
+            return self._after
+        if len(token_ids) < self.min_tokens:
+            return len(text)  # no stop string counts yet; one that may end past the first min_tokens is held
+        self._after = stop_search_start(self.tokenizer, token_ids, self.min_tokens)
+        return self._after
+
+    def _stop_prefix_len(self, text: str, after: int = 0) -> int:
+        """Length of the longest suffix of text that starts (or is) one of the stop strings (those that end past
+        character `after`)."""
         best = 0
+        cut = find_stop(text, self.stop, after)
+        if cut >= 0:
+            best = len(text) - cut
         for stop in self.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                best = max(best, len(text) - cut)
             # only suffixes that start with the stop's first character: trying every length sliced and compared up to
             # len(stop) characters len(stop) times, milliseconds an update for long stops on the event loop
             i = text.find(stop[0], max(len(text) - len(stop) + 1, 0))

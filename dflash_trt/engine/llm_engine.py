@@ -12,6 +12,7 @@ import torch
 
 from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
+from dflash_trt.engine.detokenizer import client_text, find_stop, stop_search_start
 from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.prompt_encoder import PromptEncoder
@@ -156,17 +157,14 @@ def capped_note(asked: int | None, positions: int) -> str | None:
             f"config.json): requests get at most {positions} tokens")
 
 
-def client_text(tokenizer, ids: list[int]) -> str:
-    """The text of ids as a client gets it: without special tokens, and without the U+FFFD of a character whose bytes
-    have not all come yet (streaming holds it back; an answer cut by max_tokens mid-character ends before it)."""
-    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
-
-
-def _holds_stop(tokenizer, ids: list[int], stops: list[str]) -> bool:
-    """Whether the text of ids holds a stop string: decoded once for all of them (a request may send thousands), as
-    a client gets it (a stop string holding U+FFFD would otherwise match half a character)."""
-    text = client_text(tokenizer, ids)
-    return any(x in text for x in stops)
+def _holds_stop(tokenizer, ids: list[int], stops: list[str], tail: int, min_tokens: int = 0) -> bool:
+    """Whether the text of ids holds a stop string that ends past the text of their first min_tokens: decoded once
+    for all of them (a request may send thousands), as a client gets it (a stop string holding U+FFFD would
+    otherwise match half a character). Only the last `tail` ids are decoded (the answer's text up to them was
+    checked as they came)."""
+    start = max(len(ids) - tail, 0)
+    text = client_text(tokenizer, ids[start:])
+    return find_stop(text, stops, stop_search_start(tokenizer, ids[start:], min_tokens - start)) >= 0
 
 
 def _prompt_list(prompts) -> list[str | list[int]]:
@@ -327,7 +325,7 @@ class LLMEngine:
             # Only the output's tail is decoded: as many tokens as the longest stop string can span (a token that
             # is not special decodes to at least one byte), 64 at least.
             tail = max(64, max(len(x.encode()) for x in stops) + 1)
-            seq.stop_check = lambda ids: _holds_stop(self.tokenizer, ids[-tail:], stops)
+            seq.stop_check = lambda ids: _holds_stop(self.tokenizer, ids, stops, tail, params.min_tokens)
         return seq
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -435,10 +433,9 @@ class LLMEngine:
         if s.finish_reason == "stop" and ids and ids[-1] in s.stop_ids:
             ids = ids[:-1]  # a stop token's text is not the answer's (vLLM's too); its id stays in token_ids
         text = client_text(self.tokenizer, ids) if self.tokenizer is not None else ""
-        for stop in s.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
+        if s.params.stop:
+            cut = find_stop(text, s.params.stop, stop_search_start(self.tokenizer, ids, s.params.min_tokens))
+            text = text[:cut] if cut >= 0 else text
         return RequestOutput(
             prompt_token_ids=s.prompt_ids,
             token_ids=list(s.output_ids),

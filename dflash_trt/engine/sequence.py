@@ -128,7 +128,8 @@ class Sequence:
             n += 1
             if int(t) in self.stop_ids:
                 self.finish_reason = "stop"
-            elif self.stop_check is not None and self.stop_check(self.output_ids):
+            elif (self.stop_check is not None and len(self.output_ids) > self.params.min_tokens
+                  and self.stop_check(self.output_ids)):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= max_model_len:
                 self.finish_reason = "length"

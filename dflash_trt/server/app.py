@@ -284,9 +284,6 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         # vLLM's rule (get_max_tokens): what the context leaves, so clients that send one large max_tokens for
         # every prompt are answered up to the context, with finish_reason "length"
         max_tokens = min(max_tokens, limit - prompt_len)
-        if req.min_tokens and req.stop_list:
-            raise APIError(400, "min_tokens with stop strings is not supported (with stop_token_ids it is)",
-                           param="min_tokens")
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= {max_param} ({max_tokens})",
                            param="min_tokens")
@@ -353,7 +350,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 for rid in ids:
                     loop.abort(rid)
                 raise APIError(400, str(e), param=prompt_param) from e
-        detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list) for _ in prompts]
+        detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list, req.min_tokens) for _ in prompts]
         return _Submitted(ids, [len(x) for x in prompts], queue, detoks, req.n)
 
     # --- engine -> response -----------------------------------------------------------------------

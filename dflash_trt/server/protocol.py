@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (OpenAI field names unchanged; no torch).
 
 Extensions beyond OpenAI, in the vLLM spelling where one exists: `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens` (not with stop strings), `min_p`, `allowed_token_ids`, `repetition_penalty`, the chat template's
+`min_tokens`, `min_p`, `allowed_token_ids`, `repetition_penalty`, the chat template's
 `add_generation_prompt`, `continue_final_message`, `chat_template` and `chat_template_kwargs`, and `acceptance` (the
 lossless sampling rule) on requests; per-choice `acceptance` statistics (tau, histogram, draft and accepted counts) on
 responses. vLLM's other sampling extensions are refused unless neutral, as are OpenAI features this server lacks.

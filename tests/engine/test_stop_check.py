@@ -6,10 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from transformers import AutoTokenizer
 
 from dflash_trt import SamplingParams
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
-from dflash_trt.engine.llm_engine import LLMEngine, _holds_stop
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine, _holds_stop
 from dflash_trt.engine.sequence import Sequence
 
 
@@ -24,8 +25,6 @@ class CountingTokenizer:
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
@@ -33,15 +32,15 @@ def test_a_stop_string_is_found_in_the_decoded_text_with_one_decode_for_all_stri
     ids = tokenizer.encode("The answer is 42.\n\nNext")
     counting = CountingTokenizer(tokenizer)
     stops = [f"never {i}" for i in range(1000)] + ["\n\n"]
-    assert _holds_stop(counting, ids, stops) and counting.calls == 1
-    assert not _holds_stop(counting, ids, stops[:1000]) and counting.calls == 2
+    assert _holds_stop(counting, ids, stops, 64) and counting.calls == 1
+    assert not _holds_stop(counting, ids, stops[:1000], 64) and counting.calls == 2
 
 
 def test_half_a_character_does_not_match_a_stop_string_holding_a_replacement_character(tokenizer):
     ids = tokenizer.encode("hi 😀")
     half = next(ids[:n] for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
-    assert not _holds_stop(tokenizer, half, ["\ufffd"])
-    assert _holds_stop(tokenizer, ids, ["😀"]) and not _holds_stop(tokenizer, half, ["😀"])
+    assert not _holds_stop(tokenizer, half, ["\ufffd"], 64)
+    assert _holds_stop(tokenizer, ids, ["😀"], 64) and not _holds_stop(tokenizer, half, ["😀"], 64)
 
 
 def test_an_answer_cut_mid_character_ends_before_it_as_its_stream_does(tokenizer):
@@ -55,3 +54,42 @@ def test_an_answer_cut_mid_character_ends_before_it_as_its_stream_does(tokenizer
     text = LLMEngine.make_output(engine, seq).text
     streamed = IncrementalDetokenizer(tokenizer).delta(half)
     assert text == streamed and not text.endswith("\ufffd") and text.startswith("love 😀")
+
+
+def _vllm_min_tokens_answer(tokenizer, ids: list[int], stop: str, min_tokens: int) -> tuple[list[int], str]:
+    """vLLM's rule, token by token (its detokenizer's stop_check_offset): from the token past min_tokens on, the
+    first stop string that ends past the text of the first min_tokens tokens ends the answer there."""
+    held = len(tokenizer.decode(ids[:min_tokens], skip_special_tokens=True))
+    for n in range(min_tokens + 1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        starts = [i for i in range(len(text) - len(stop) + 1) if text.startswith(stop, i) and i + len(stop) > held]
+        if starts:
+            return ids[:n], text[:starts[0]]
+    raise AssertionError("the stop string never ends past min_tokens' text: pick another")
+
+
+@pytest.mark.parametrize("drafting", [dict(speculative=False), dict(max_draft_len=3),
+                                      dict(max_draft_len=3, draft_tree={1: 6})], ids=["plain", "chain", "tree"])
+def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_their_text_as_vllms(tiny_dirs, drafting):
+    from tests.engine.test_lossless import _prompts, hf_greedy
+
+    prompt = _prompts(3)[2]  # its answer repeats pieces of text, not only one character
+    want = hf_greedy(tiny_dirs["qwen3"], prompt, new=120)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    text = tokenizer.decode(want, skip_special_tokens=True)
+    # a stop string of two characters, seen again later: min_tokens holds its first occurrence
+    stop = next(text[i:i + 2] for i in range(len(text))
+                if text[i] != text[i + 1] and text.find(text[i:i + 2], i + 4) > 0)
+    min_tokens = text.find(stop) + 3
+    ids, cut = _vllm_min_tokens_answer(tokenizer, want, stop, min_tokens)
+    assert text.find(stop) + len(stop) <= len(cut)  # the premise: the answer keeps an earlier occurrence
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
+                                 EngineConfig(max_batch_size=1, max_model_len=256, **drafting))
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=120, ignore_eos=True, stop=[stop],
+                                                   min_tokens=min_tokens))[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (ids, cut, "stop")
+    # streamed, the occurrence min_tokens holds goes out before the answer ends (it is not held back as a stop)
+    detok = IncrementalDetokenizer(tokenizer, [stop], min_tokens)
+    streamed = "".join(detok.delta(ids[:n]) for n in range(1, len(ids)))
+    assert cut.startswith(streamed) and len(streamed) >= text.find(stop) + len(stop)
+    assert streamed + detok.delta(ids, final_text=out.text) == cut

@@ -152,6 +152,25 @@ def test_stop_token_ids_end_the_answer_and_min_tokens_holds_them_off(server, ora
     assert resp.usage.completion_tokens >= i + 3
 
 
+def test_min_tokens_holds_off_stop_strings_that_end_in_their_text_streamed_or_not(server, oracle):
+    from tests.engine.test_stop_check import _vllm_min_tokens_answer
+
+    want = expected(oracle, PROMPTS[7:8], 40)[0]
+    text = want.text
+    stop = next(text[i:i + 2] for i in range(len(text))
+                if text[i] != text[i + 1] and text.find(text[i:i + 2], i + 4) > 0)
+    min_tokens = len(oracle.tokenizer.encode(text[:text.find(stop) + 2], add_special_tokens=False)) + 1
+    ids, cut = _vllm_min_tokens_answer(oracle.tokenizer, want.token_ids, stop, min_tokens)
+    assert len(cut) > text.find(stop)  # the premise: min_tokens holds the first occurrence
+    client = server.client()
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 40, "temperature": 0, "stop": [stop]}
+    resp = client.completions.create(**body, extra_body={"min_tokens": min_tokens})
+    assert (resp.choices[0].text, resp.usage.completion_tokens) == (cut, len(ids))
+    assert client.completions.create(**body).choices[0].text == text[:text.find(stop)]  # without: the first one
+    stream = client.completions.create(**body, stream=True, extra_body={"min_tokens": min_tokens})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == cut
+
+
 def test_a_huge_top_k_keeps_every_token_and_fails_no_bystander(server):
     """top_k beyond the vocabulary is no top-k; it must not crash the engine step, which the other requests share."""
     client = server.client()
@@ -295,7 +314,6 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),  # OpenAI's [-2, 2]
-    ({"model": MODEL, "prompt": "hi", "min_tokens": 8, "stop": "x"}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "hi", "min_tokens": 8, "max_tokens": 4, "ignore_eos": True}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [96]}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
