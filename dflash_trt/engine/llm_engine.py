@@ -110,6 +110,7 @@ class RequestOutput:
     token_ids: list[int]  # generated ids only
     text: str
     finish_reason: str
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id (not eos) that ended the answer
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)  # drafts of each speculative step: K, or a tree's nodes
     tau: float | None = None  # None where no speculative step ran
@@ -429,18 +430,24 @@ class LLMEngine:
         return expand(self.draft_tree, len(active))
 
     def make_output(self, s: Sequence) -> RequestOutput:
-        ids = s.output_ids
+        ids, stop_reason = s.output_ids, None
         if s.finish_reason == "stop" and ids and ids[-1] in s.stop_ids:
             ids = ids[:-1]  # a stop token's text is not the answer's (vLLM's too); its id stays in token_ids
+            if s.params.ignore_eos or s.output_ids[-1] not in self.eos_token_ids:
+                stop_reason = s.output_ids[-1]
         text = client_text(self.tokenizer, ids) if self.tokenizer is not None else ""
         if s.params.stop:
-            cut = find_stop(text, s.params.stop, stop_search_start(self.tokenizer, ids, s.params.min_tokens))
-            text = text[:cut] if cut >= 0 else text
+            after = stop_search_start(self.tokenizer, ids, s.params.min_tokens)
+            cut = find_stop(text, s.params.stop, after)
+            if cut >= 0:
+                stop_reason = next(x for x in s.params.stop if text.startswith(x, cut) and cut + len(x) > after)
+                text = text[:cut]
         return RequestOutput(
             prompt_token_ids=s.prompt_ids,
             token_ids=list(s.output_ids),
             text=text,
             finish_reason=s.finish_reason or "length",
+            stop_reason=stop_reason,
             acceptance_lengths=list(s.stats.acceptance_lengths),
             draft_lens=list(s.stats.draft_lens),
             tau=s.stats.tau,

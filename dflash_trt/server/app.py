@@ -158,8 +158,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         text = "" if echo_only else o.text
         if echo:
             text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + text
-        return p.CompletionChoice(index=index, text=text, finish_reason="length" if echo_only else o.finish_reason,
-                                  acceptance=None if echo_only else _acceptance(o), logprobs=logprobs)
+        if echo_only:
+            return p.CompletionChoice(index=index, text=text, finish_reason="length", logprobs=logprobs)
+        return p.CompletionChoice(index=index, text=text, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                  acceptance=_acceptance(o), logprobs=logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -171,7 +173,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return _sse(_stream_chat(req, submitted))
         outputs = await _wait_all(request, submitted)
         choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                                acceptance=_acceptance(o),
+                                stop_reason=o.stop_reason, acceptance=_acceptance(o),
                                 logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
                    for i, o in enumerate(outputs)]
         body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
@@ -416,6 +418,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         async for i, text, out, new, tokens in _updates(s):
             logprobs = completion_logprobs(new, token_text, offsets[i]) if req.num_logprobs is not None else None
             choice = p.CompletionChoice(index=i, text=text, finish_reason=out.finish_reason if out else None,
+                                        stop_reason=out.stop_reason if out else None,
                                         acceptance=_acceptance(out) if out else None, logprobs=logprobs)
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice],
                                          usage=_choice_usage(s, i, tokens) if continuous else None)
@@ -441,6 +444,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                             ).model_dump(exclude=no_usage)
             choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
                                        finish_reason=out.finish_reason if out else None,
+                                       stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)
             chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice],

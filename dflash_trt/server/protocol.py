@@ -485,6 +485,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id (not eos) that ended it
     logprobs: CompletionLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 
@@ -507,6 +508,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id (not eos) that ended it
     logprobs: ChatLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 
@@ -534,6 +536,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id (not eos) that ended it
     logprobs: ChatLogprobs | None = None
     acceptance: AcceptanceStats | None = None
 

@@ -93,3 +93,20 @@ def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_their_text
     streamed = "".join(detok.delta(ids[:n]) for n in range(1, len(ids)))
     assert cut.startswith(streamed) and len(streamed) >= text.find(stop) + len(stop)
     assert streamed + detok.delta(ids, final_text=out.text) == cut
+
+
+@pytest.mark.parametrize("stop_ids, ignore_eos, last, reason", [
+    (None, False, 2, None),  # the model's eos: no stop reason, as vLLM's
+    ([2, 40], False, 40, 40),  # a stop token id the request sent
+    ([40], True, 2, None),  # ignore_eos: eos is a token like any other (here the answer ran out of length)
+    ([2], True, 2, 2),  # ... unless the request named it
+])
+def test_the_stop_reason_is_the_stop_token_id_a_request_sent_never_the_models_eos(tiny_dirs, stop_ids, ignore_eos,
+                                                                                  last, reason):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    params = SamplingParams(max_new_tokens=3, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    seq = Sequence([1], params, eos_token_ids=(2,))
+    seq.append([50, 51, last], max_model_len=100)
+    engine = SimpleNamespace(tokenizer=tokenizer, drafter=None, max_draft_len=0, eos_token_ids=(2,))
+    out = LLMEngine.make_output(engine, seq)
+    assert out.stop_reason == reason and out.finish_reason == ("stop" if reason or not ignore_eos else "length")

@@ -139,6 +139,7 @@ def test_stop_token_ids_end_the_answer_and_min_tokens_holds_them_off(server, ora
                                      extra_body={"stop_token_ids": [stop_id]})
     # vLLM: the answer stops at the id, which usage counts and the text leaves out (the stop token's text was kept)
     assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == i + 1
+    assert resp.choices[0].stop_reason == stop_id  # vLLM's field: which stop ended it
     assert resp.choices[0].text == oracle.tokenizer.decode(want.token_ids[:i], skip_special_tokens=True)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0, stream=True,
                                        extra_body={"stop_token_ids": [stop_id]})
@@ -165,10 +166,14 @@ def test_min_tokens_holds_off_stop_strings_that_end_in_their_text_streamed_or_no
     client = server.client()
     body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 40, "temperature": 0, "stop": [stop]}
     resp = client.completions.create(**body, extra_body={"min_tokens": min_tokens})
-    assert (resp.choices[0].text, resp.usage.completion_tokens) == (cut, len(ids))
+    assert (resp.choices[0].text, resp.usage.completion_tokens, resp.choices[0].stop_reason) == (cut, len(ids), stop)
     assert client.completions.create(**body).choices[0].text == text[:text.find(stop)]  # without: the first one
-    stream = client.completions.create(**body, stream=True, extra_body={"min_tokens": min_tokens})
+    stream = list(client.completions.create(**body, stream=True, extra_body={"min_tokens": min_tokens}))
     assert "".join(c.choices[0].text for c in stream if c.choices) == cut
+    assert [c.choices[0].stop_reason for c in stream if c.choices[0].finish_reason] == [stop]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].stop_reason is None
 
 
 def test_a_huge_top_k_keeps_every_token_and_fails_no_bystander(server):
