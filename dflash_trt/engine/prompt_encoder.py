@@ -24,18 +24,19 @@ class PromptEncoder:
         """The same encoder over a tokenizer of its own (callable from another thread than this one's)."""
         return PromptEncoder(copy.deepcopy(self.tokenizer), self.max_model_len)
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode(self, prompt: str, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
         self.check_chars(prompt)
-        return self.tokenizer(prompt)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template (or `chat_template`), with the generation
         prompt, or continuing the last (assistant) message where asked; template_kwargs reach the template (Qwen3's
-        enable_thinking, ...)."""
+        enable_thinking, ...). add_special_tokens: the tokenizer's own special tokens too, as vLLM adds them to the
+        rendered text (a BOS the template wrote comes twice)."""
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")
@@ -49,6 +50,9 @@ class PromptEncoder:
             # likely too long: rendered first (a template need not render every message) to be sure before tokenizing
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
             self.check_chars(rendered if isinstance(rendered, str) else "")
+        if add_special_tokens:
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+            return self.tokenizer(rendered, add_special_tokens=True)["input_ids"]
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) for t in ids):  # a template's variables that reached the call's own options

@@ -132,7 +132,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         req = await _parse(request, p.CompletionRequest)
         _check_model(req.model)
         raw = req.prompts()
-        prompts = [await _encode_prompt(x) for x in raw]
+        prompts = [await _encode_prompt(x, req.add_special_tokens) for x in raw]
         # echo alone: the prompt's prefill scores it, and the one token generated with it is left out
         submitted = _submit(req, prompts, 1 if req.echo_only else req.max_tokens)
         if req.stream:
@@ -187,7 +187,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.messages is not None:
             ids = await _encode_chat(await _parse(request, p.ChatCompletionRequest))
         else:
-            ids = await _encode_prompt(req.prompt)
+            ids = await _encode_prompt(req.prompt, req.add_special_tokens is not False)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": None})
 
@@ -215,7 +215,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             return await tokenized(chat_chars(messages), "encode_chat", messages, req.add_generation_prompt,
-                                   req.continue_final_message, req.chat_template, req.chat_template_kwargs)
+                                   req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                                   req.add_special_tokens)
         except PromptTooLong as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
         except ValueError as e:
@@ -255,10 +256,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
-    async def _encode_prompt(prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             try:
-                return await tokenized(len(prompt), "encode", prompt)
+                return await tokenized(len(prompt), "encode", prompt, False, add_special_tokens)
             except PromptTooLong as e:
                 raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
         try:  # here too, not only at submit: every prompt of a request is checked before any is queued

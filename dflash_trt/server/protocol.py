@@ -229,6 +229,7 @@ class CompletionRequest(_SamplingRequest):
     top_logprobs: StrictInt | None = None  # chat's field: refused here, where logprobs holds the count
     best_of: WholeInt | None = None
     suffix: str | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's own (a BOS) before a text prompt
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -359,6 +360,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's chat template extensions
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # go on with the last (assistant) message instead of a new turn
+    add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's own too (the template writes its BOS itself)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
@@ -425,6 +427,7 @@ class TokenizeRequest(_NullIsUnset):
     model: str | None = None
     prompt: Text | None = None
     messages: list[Any] | None = None
+    add_special_tokens: StrictBool | None = None  # as the route the prompt or messages are for reads it by default
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":

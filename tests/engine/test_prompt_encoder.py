@@ -88,3 +88,22 @@ def test_a_copy_tokenizes_alike_on_a_tokenizer_of_its_own(tokenizer):
     messages = [{"role": "user", "content": "Hello there, how are you?"}]
     assert other.encode_chat(messages) == encoder.encode_chat(messages) == template(tokenizer, messages)
     assert other.encode("a b c") == tokenizer("a b c")["input_ids"]
+
+
+def test_add_special_tokens_is_the_tokenizers_own_bos_before_a_prompt_or_a_rendered_conversation(tmp_path):
+    """vLLM's add_special_tokens: on by default for text prompts, off for conversations (whose template writes the
+    BOS), where asked the tokenizer's own added to the rendered text, a BOS twice."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from tests.conftest import save_char_tokenizer
+
+    save_char_tokenizer(tmp_path, 128)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                             special_tokens=[("<s>", 1)])
+    encoder, bos, hi = PromptEncoder(tokenizer, 256), 1, tokenizer.convert_tokens_to_ids(["h", "i"])
+    assert encoder.encode("hi") == [bos, *hi] and encoder.encode("hi", add_special_tokens=False) == hi
+    chat = [{"role": "user", "content": "hi"}]
+    assert encoder.encode_chat(chat) == template(tokenizer, chat) == [bos, *hi, tokenizer.convert_tokens_to_ids(">")]
+    assert encoder.encode_chat(chat, add_special_tokens=True) == [bos, *template(tokenizer, chat)]

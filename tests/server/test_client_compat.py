@@ -163,6 +163,37 @@ def test_tokenize_counts_as_the_completion_routes_do_and_detokenize_reverses_it(
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
 
 
+def test_add_special_tokens_is_vllms_on_tokenize_completions_and_chat(tiny_dirs):
+    """A tokenizer that writes a BOS (as Llama's): text prompts get it unless add_special_tokens is false;
+    conversations (whose template writes it) get it a second time only where add_special_tokens is true."""
+    from tokenizers import processors
+
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+    from tests.server.conftest import start_server, tiny_engine
+
+    engine = tiny_engine(tiny_dirs, max_batch_size=2)
+    engine.tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    engine.prompt_encoder = PromptEncoder(engine.tokenizer, engine.max_model_len)
+    server = start_server(engine)
+    try:
+        def tokens(**body) -> list[int]:
+            return httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+        def used(route: str, **body) -> int:
+            r = httpx.post(f"{server.base_url}/{route}", json={**body, "max_tokens": 1}, timeout=60)
+            return r.json()["usage"]["prompt_tokens"]
+
+        text, chat = "the fox", [{"role": "user", "content": "hi"}]
+        assert tokens(prompt=text) == [1, *tokens(prompt=text, add_special_tokens=False)]
+        assert tokens(prompt=text)[1:] == engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert used("completions", prompt=text, add_special_tokens=False) == used("completions", prompt=text) - 1
+        assert tokens(messages=chat, add_special_tokens=True) == [1, *tokens(messages=chat)]
+        assert used("chat/completions", messages=chat, add_special_tokens=True) == len(tokens(messages=chat)) + 1
+    finally:
+        server.stop()
+
+
 def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
     closed = TestClient(create_app(server.loop, MODEL))
