@@ -32,11 +32,12 @@ class PromptEncoder:
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template (or `chat_template`), with the generation
         prompt, or continuing the last (assistant) message where asked; template_kwargs reach the template (Qwen3's
-        enable_thinking, ...). add_special_tokens: the tokenizer's own special tokens too, as vLLM adds them to the
-        rendered text (a BOS the template wrote comes twice)."""
+        enable_thinking, ...), and so do tools (OpenAI's shape). add_special_tokens: the tokenizer's own special
+        tokens too, as vLLM adds them to the rendered text (a BOS the template wrote comes twice)."""
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")
@@ -45,7 +46,7 @@ class PromptEncoder:
             # saw (SmolLM2's also adds its default system prompt before it)
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       chat_template=chat_template, **(template_kwargs or {}))
+                       chat_template=chat_template, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
         if chat_chars(messages) > self.max_prompt_chars:
             # likely too long: rendered first (a template need not render every message) to be sure before tokenizing
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)

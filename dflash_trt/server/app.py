@@ -5,6 +5,7 @@ OpenAI-style JSON error."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import dataclasses
 import json
@@ -77,13 +78,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     # second, so one that takes seconds holds only the big prompts queued behind it, not every request's.
     lanes = {False: (engine.prompt_encoder, ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize"))}
 
-    async def tokenized(chars: int, method: str, *args):
+    async def tokenized(chars: int, method: str, *args, **kwargs):
         big = chars > BIG_PROMPT_CHARS
         if big not in lanes:  # its tokenizer copied at the first big prompt: most servers never see one
             lanes[big] = (engine.prompt_encoder.copy(),
                           ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize-big"))
         encoder, thread = lanes[big]
-        return await asyncio.get_running_loop().run_in_executor(thread, getattr(encoder, method), *args)
+        return await asyncio.get_running_loop().run_in_executor(thread, functools.partial(getattr(encoder, method),
+                                                                                          *args, **kwargs))
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
@@ -214,9 +216,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                 "--trust-request-chat-template", param="chat_template")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return await tokenized(chat_chars(messages), "encode_chat", messages, req.add_generation_prompt,
-                                   req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                                   req.add_special_tokens)
+            return await tokenized(chat_chars(messages), "encode_chat", messages,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                                   template_kwargs=req.chat_template_kwargs, add_special_tokens=req.add_special_tokens,
+                                   tools=req.template_tools)
         except PromptTooLong as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
         except ValueError as e:
@@ -259,7 +263,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _encode_prompt(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             try:
-                return await tokenized(len(prompt), "encode", prompt, False, add_special_tokens)
+                return await tokenized(len(prompt), "encode", prompt, add_special_tokens=add_special_tokens)
             except PromptTooLong as e:
                 raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
         try:  # here too, not only at submit: every prompt of a request is checked before any is queued

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
@@ -94,6 +94,21 @@ class StreamOptions(_NullIsUnset):
     continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # what else a client says of it (strict, ...) reaches the template
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class _SamplingRequest(_NullIsUnset):
     # Unknown OpenAI fields (user, metadata ...) are accepted and ignored, as OpenAI servers do; those that would
     # change the answer's content or shape and are not implemented (tools, ...) are refused
@@ -114,10 +129,10 @@ class _SamplingRequest(_NullIsUnset):
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     # OpenAI features this server does not implement: refused unless off
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None  # the deprecated spelling of tools
-    function_call: Any = None
+    tool_choice: Any = None  # before tools, whose validator reads it
+    function_call: Any = None  # the deprecated spelling of tool_choice
+    tools: list[Tool] | None = None  # chat's: read by the chat template where tool_choice is "none"
+    functions: list[FunctionDefinition] | None = None  # the deprecated spelling of tools
     # extensions
     top_k: WholeInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
@@ -180,15 +195,23 @@ class _SamplingRequest(_NullIsUnset):
             raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
         return v
 
-    _no_tools = _refuse_set("tools", "functions",
-                            message="tool calling is not supported; send the request without tools or functions")
-
     @field_validator("tool_choice", "function_call")
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
         if v not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported; leave tool_choice and function_call unset")
+            raise ValueError('tool calling is not supported; leave tool_choice unset, or "none"')
         return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools_to_read_only(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        choice = "tool_choice" if info.field_name == "tools" else "function_call"
+        if v and (info.data.get(choice) != "none" or not cls.reads_tools):
+            where = f'with {choice} "none" (the chat template reads them; the answer is text)'
+            raise ValueError(f"tool calling is not supported; send {info.field_name} only on chat {where}, or not at all")
+        return v
+
+    reads_tools: ClassVar[bool] = False  # whether tools reach a chat template (tool_choice, read before them)
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
@@ -363,6 +386,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's own too (the template writes its BOS itself)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    reads_tools: ClassVar[bool] = True
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
     modalities: list[Any] | None = None
     audio: Any = None
@@ -417,6 +441,12 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape; functions become tools), or None."""
+        functions = [*(t.function for t in self.tools or ()), *(self.functions or ())]
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions] or None
 
 
 class TokenizeRequest(_NullIsUnset):

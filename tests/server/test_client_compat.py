@@ -194,6 +194,33 @@ def test_add_special_tokens_is_vllms_on_tokenize_completions_and_chat(tiny_dirs)
         server.stop()
 
 
+def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_text(tiny_dirs):
+    """vLLM's reading: the template renders the tools (as transformers' apply_chat_template(tools=...) does), and
+    nothing parses the answer for calls. The deprecated functions / function_call "none" say the same."""
+    from tests.server.conftest import start_server, tiny_engine
+
+    engine = tiny_engine(tiny_dirs, max_batch_size=2)
+    engine.tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.description }}]"
+                                      "{% endfor %}{% for m in messages %}<s>{{ m['content'] }}{% endfor %}>")
+    engine.prompt_encoder.tokenizer = engine.tokenizer
+    server = start_server(engine)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {}}}
+        want = engine.tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+        assert engine.tokenizer.decode(want).startswith("[get_time:now]")  # the premise: the template reads tools
+        for extra in ({"tools": [tool], "tool_choice": "none"},
+                      {"functions": [tool["function"]], "function_call": "none"}):
+            r = httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}, timeout=30).json()
+            assert r["tokens"] == list(want), extra
+            r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                           json={"messages": messages, "max_tokens": 3, **extra}).json()
+            assert r["usage"]["prompt_tokens"] == len(want) and isinstance(r["choices"][0]["message"]["content"], str)
+    finally:
+        server.stop()
+
+
 def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
     closed = TestClient(create_app(server.loop, MODEL))

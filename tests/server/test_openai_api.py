@@ -327,6 +327,9 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
     # OpenAI and vLLM: stream_options only with stream=true (a usage chunk asked for that never comes)
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # tools are for a chat template
+    ({"model": MODEL, "prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "none"}, 400, "tools"),
 ]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -334,7 +337,10 @@ BAD_CHAT = [
     ({**CHAT, "top_logprobs": 3}, "top_logprobs"),  # OpenAI: only with logprobs=true
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "logprobs": 1}, "logprobs"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # tool_choice "auto"
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ({**CHAT, "tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools.0.function.name"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),  # OpenAI would answer with an audio object too
@@ -345,6 +351,7 @@ BAD_CHAT = [
     ({**CHAT, "messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
     # the deprecated spelling of tools
     ({**CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({**CHAT, "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
     ({**CHAT, "function_call": {"name": "f"}}, "function_call"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
@@ -635,10 +642,10 @@ def test_a_big_prompt_being_tokenized_holds_no_small_request(tiny_dirs, monkeypa
     gate, entered = threading.Event(), threading.Event()
 
     class Held(PromptEncoder):
-        def encode(self, prompt, chat=False):
+        def encode(self, prompt, *args, **kwargs):
             entered.set()
             gate.wait(60)
-            return super().encode(prompt, chat)
+            return super().encode(prompt, *args, **kwargs)
 
     monkeypatch.setattr(PromptEncoder, "copy", lambda self: Held(self.tokenizer, self.max_model_len))
     running = start_server(tiny_engine(tiny_dirs))
