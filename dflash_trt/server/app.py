@@ -65,7 +65,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
     loops holds the tokenizer, so every request, for as long as it runs."""
     engine = loop.engine
-    metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len)
+    metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware

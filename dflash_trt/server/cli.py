@@ -188,7 +188,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         llm, name = loop.engine, served_model_name or names[0]
         if note := capped_note(max_model_len, llm.max_position_embeddings):
             click.echo(note, err=True)
-        metrics = ServerMetrics(llm.scheduler, llm.max_draft_len)
+        metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template)
         mode = mode_text(llm)

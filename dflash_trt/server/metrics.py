@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from dflash_trt.engine.llm_engine import RequestOutput, StepResult
 from dflash_trt.engine.scheduler import Scheduler
@@ -12,8 +13,24 @@ _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+# The same figures under vLLM's names (vllm/v1/metrics/loggers.py), labelled with the served model as vLLM's are,
+# so dashboards and tools built on vLLM's /metrics read this server too
+VLLM_NAMES = {
+    "dflash_running_requests": "vllm:num_requests_running",
+    "dflash_queue_depth": "vllm:num_requests_waiting",
+    "dflash_kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "dflash_prompt_tokens": "vllm:prompt_tokens",
+    "dflash_generation_tokens": "vllm:generation_tokens",
+    "dflash_requests": "vllm:request_success",
+    "dflash_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "dflash_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "dflash_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
 class ServerMetrics:
-    def __init__(self, scheduler: Scheduler, max_draft_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_draft_len: int, model_name: str = "") -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("dflash_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("dflash_request_errors", "Refused or failed requests by HTTP status", ["status"], registry=r)
@@ -48,6 +65,15 @@ class ServerMetrics:
                               "the first", buckets=_TIME_BUCKETS, registry=r)
         self.latency = Histogram("dflash_e2e_request_latency_seconds", "From a request's arrival to its last token",
                                  buckets=_REQUEST_BUCKETS, registry=r)
+        # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), counted as requests finish: a draft
+        # is one request's speculative step (a tree's nodes count as its draft tokens)
+        spec = dict(labelnames=["model_name"], registry=r)
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Speculative steps, one per request per step", **spec)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", **spec)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", **spec)
+        self.model_name = model_name
+        r.register(_VLLMNamed([self.running, self.queue_depth, self.kv_cache_usage, self.prompt_tokens,
+                               self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
 
     def observe_step(self, result: StepResult) -> None:
         if result.batch_size:
@@ -70,9 +96,32 @@ class ServerMetrics:
             self.tpot.observe(output.decode_time / (output.num_tokens - 1))
         if output.latency is not None:
             self.latency.observe(output.latency)
+        if output.acceptance_lengths:
+            steps = len(output.acceptance_lengths)
+            self.drafts.labels(self.model_name).inc(steps)
+            self.draft_tokens.labels(self.model_name).inc(output.total_draft_tokens)
+            self.accepted_tokens.labels(self.model_name).inc(sum(output.acceptance_lengths) - steps)  # less bonus
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VLLMNamed:
+    """A collector of `metrics` again, under their VLLM_NAMES, with vLLM's label names and the model_name label."""
+
+    def __init__(self, metrics: list, model_name: str) -> None:
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self):
+        for metric in self.metrics:
+            for family in metric.collect():
+                name = VLLM_NAMES[family.name]
+                renamed = Metric(name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                    renamed.add_sample(name + sample.name[len(family.name):], {"model_name": self.model_name, **labels},
+                                       sample.value, sample.timestamp, sample.exemplar)
+                yield renamed
 
 
 def _kv_cache_usage(scheduler: Scheduler) -> float:

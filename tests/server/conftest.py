@@ -65,7 +65,7 @@ def start_server(engine, model: str = MODEL) -> RunningServer:
     from dflash_trt.server.app import create_app
     from dflash_trt.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(engine.scheduler, engine.max_draft_len)
+    metrics = ServerMetrics(engine.scheduler, engine.max_draft_len, model)
     loop = EngineLoop(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished).start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(loop, model, metrics), host="127.0.0.1", port=port,

@@ -44,3 +44,33 @@ def test_request_latencies_are_observed_as_vllms_are():
     assert g["dflash_time_to_first_token_seconds_count"] == 1 and g["dflash_time_to_first_token_seconds_sum"] == 0.3
     assert g["dflash_time_per_output_token_seconds_sum"] == 0.2 / 4  # over the 4 tokens after the first
     assert g["dflash_e2e_request_latency_seconds_count"] == 1 and g["dflash_e2e_request_latency_seconds_sum"] == 0.55
+
+
+def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_built_on_vllm():
+    from dflash_trt.bench.endpoint_metrics import VLLM_ACCEPTED, VLLM_DRAFT_TOKENS, VLLM_DRAFTS, acceptance_delta
+    from dflash_trt.engine.llm_engine import RequestOutput
+    from dflash_trt.server.metrics import VLLM_NAMES
+
+    metrics = ServerMetrics(Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=50)), 3, model_name="m")
+    outs = [RequestOutput([1, 2], [5, 6, 7, 8], "", "stop", acceptance_lengths=[3, 1], draft_lens=[3, 3], tau=2.0,
+                          time_to_first_token=0.1, latency=0.4, decode_time=0.2),
+            RequestOutput([1], [5, 6], "", "length", acceptance_lengths=[2], draft_lens=[6], tau=2.0, latency=0.2)]
+    for out in outs:
+        metrics.observe_finished(out)
+    text = metrics.render().decode()
+    samples = [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+    ours = {(n, tuple(sorted(labels.items()))): v for n, labels, v in samples if n.startswith("dflash_")}
+    theirs = {(n, tuple(sorted(labels.items()))): v for n, labels, v in samples if n.startswith("vllm:")}
+    for (name, labels), value in ours.items():
+        family = next((f for f in VLLM_NAMES if name.startswith(f)), None)
+        if family is None or name.endswith("_created"):
+            continue
+        renamed = VLLM_NAMES[family] + name[len(family):]
+        vllm_labels = tuple(sorted({"model_name": "m", **{("finished_reason" if k == "finish_reason" else k): v
+                                                          for k, v in labels}}.items()))
+        assert theirs[(renamed, vllm_labels)] == value, renamed
+    assert theirs[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
+    # vLLM's spec-decode counters, read as a bench reads vLLM: 3 steps committing 3, 1 and 2 tokens over 12 drafted
+    totals = {name: theirs[(name, (("model_name", "m"),))] for name in (VLLM_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFT_TOKENS)}
+    read = acceptance_delta({}, totals)
+    assert read["tau"] == (3 + 1 + 2) / 3 and read["acceptance_rate"] == (2 + 0 + 1) / 12
