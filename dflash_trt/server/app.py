@@ -5,9 +5,9 @@ OpenAI-style JSON error."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
