@@ -158,7 +158,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                        f"(--max-model-len): at most {max(engine.max_model_len - len(ids), 0)} new tokens, not "
                        f"{max_new_tokens}", err=True)
         out = engine.generate([ids], params)[0]
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     result = {
         "text": out.text,

@@ -7,6 +7,7 @@ before loading anything.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -40,6 +41,18 @@ def _missing(f: Path) -> str:
         return (f"{f}: a link to {f.readlink()}, which no longer exists (the engine was built with target_weights: "
                 "link and the checkpoint moved); put the checkpoint back, or rebuild the engine")
     return f"{f}: listed in {MANIFEST} but missing; rebuild the engine"
+
+
+@contextlib.contextmanager
+def _read_from(path: Path):
+    """Reading keys of the JSON file at `path`: one missing or of the wrong type (a file edited by hand, or written by
+    another version, whose checksums still agree) is a ValueError naming the file, not a traceback."""
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"{path}: missing key {e.args[0]!r}; rebuild the engine") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not as this dflash-trt writes it ({e}); rebuild the engine") from None
 
 
 def read_manifest(path: Path) -> dict:
@@ -104,7 +117,9 @@ class EngineDir:
             f = self.path / rel
             if not f.is_file():
                 raise ValueError(_missing(f))
-            if f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
+            with _read_from(self.path / MANIFEST):
+                size, sha256 = entry["size"], entry["sha256"]
+            if f.stat().st_size != size or _sha256(f) != sha256:
                 raise ValueError(f"{f}: sha256 does not match {MANIFEST} (modified or corrupted); rebuild the engine")
 
     @property
@@ -122,11 +137,8 @@ class EngineDir:
     @property
     def layout(self) -> str:
         """The plan's runtime layout ("torch" or "trtllm"), ValueError naming plan.json where it has none."""
-        try:
+        with _read_from(self.path / "plan.json"):
             return self.plan["layout"]
-        except KeyError:
-            raise ValueError(f"{self.path / 'plan.json'}: no 'layout' key (edited, or written by another version); "
-                             "rebuild the engine") from None
 
     @property
     def plan(self) -> dict:
@@ -145,28 +157,12 @@ class EngineDir:
         from dflash_trt.draft_schedule import with_k
         from dflash_trt.engine.llm_engine import EngineConfig
 
-        cfg, plan = self.build_config, self.plan
-        spec = cfg.get("speculative_config") or {}
-        values = {
-            "max_batch_size": cfg["max_batch_size"],
-            "max_model_len": cfg["max_seq_len"],
-            "max_draft_len": self.manifest.get("max_draft_len") or None,
-            "speculative": self.drafter_dir is not None,
-            "dtype": plan["dtype"],
-            "device": "cuda" if plan["hardware"]["kind"] == "gpu" else "cpu",
-        }
+        with _read_from(self.path / "plan.json"):
+            plan = self.plan
+            values = {"dtype": plan["dtype"], "device": "cuda" if plan["hardware"]["kind"] == "gpu" else "cpu"}
+        with _read_from(self.path / MANIFEST):
+            values.update(self._build_settings())
         known = {f.name for f in dataclasses.fields(EngineConfig)}
-        if spec.get("draft_len_schedule"):
-            values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
-        for key in ("draft_len_schedule_without_amx", "draft_tree", "draft_tree_without_amx"):
-            if spec.get(key) is not None:
-                values[key] = {int(b): int(n) for b, n in spec[key].items()}
-        if spec.get("adaptive_draft_len"):
-            values["adaptive_draft_len"] = True
-        if spec.get("draft_vocab_size") is not None:
-            values["draft_vocab_size"] = int(spec["draft_vocab_size"])
-        if spec.get("lookup_nodes"):
-            values["lookup_nodes"] = int(spec["lookup_nodes"])
         k = overrides.get("max_draft_len")
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
             if k is not None and overrides.get("draft_len_schedule") is None and values.get(key):
@@ -180,6 +176,34 @@ class EngineDir:
             if value is not None:
                 values[key] = value
         return EngineConfig(**values)
+
+
+    def _build_settings(self) -> dict:
+        """The EngineConfig values the manifest's build config sets (ValueError for a table key that is no number)."""
+        cfg = self.build_config
+        spec = cfg.get("speculative_config") or {}
+        values = {
+            "max_batch_size": cfg["max_batch_size"],
+            "max_model_len": cfg["max_seq_len"],
+            "max_draft_len": self.manifest.get("max_draft_len") or None,
+            "speculative": self.drafter_dir is not None,
+        }
+        try:
+            if spec.get("draft_len_schedule"):
+                values["draft_len_schedule"] = {int(b): int(k) for b, k in spec["draft_len_schedule"].items()}
+            for key in ("draft_len_schedule_without_amx", "draft_tree", "draft_tree_without_amx"):
+                if spec.get(key) is not None:  # an empty table without AMX is one (no tree there), not absent
+                    values[key] = {int(b): int(n) for b, n in spec[key].items()}
+            if spec.get("draft_vocab_size") is not None:
+                values["draft_vocab_size"] = int(spec["draft_vocab_size"])
+            if spec.get("lookup_nodes"):
+                values["lookup_nodes"] = int(spec["lookup_nodes"])
+        except ValueError as e:
+            raise ValueError(f"{self.path / MANIFEST}: speculative_config holds what is no number ({e}); "
+                             "rebuild the engine") from None
+        if spec.get("adaptive_draft_len"):
+            values["adaptive_draft_len"] = True
+        return values
 
 
 def open_engine(path: str | Path, backend: str = "torch", **overrides):

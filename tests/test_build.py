@@ -2,6 +2,7 @@
 checkpoints generate, bad pairings fail with their message, killed builds leave nothing, and a
 checksum mismatch is refused."""
 
+import hashlib
 import json
 import logging
 import os
@@ -170,6 +171,50 @@ def test_a_plan_without_its_layout_is_named_not_a_traceback(tiny_engine, tmp_pat
     r = CliRunner().invoke(main, [*args[:where], str(bad), *args[where:]])
     assert r.exit_code == 1 and "plan.json" in r.output and "'layout'" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def _resealed(tiny_engine, tmp_path, name: str, edit) -> Path:
+    """A copy of the engine with one JSON file edited and its checksums written to match, as a version that writes
+    other keys under the same format_version would leave it."""
+    from dflash_trt.engine_dir import MANIFEST_DIGEST, manifest_digest
+
+    bad = _edited(tiny_engine, tmp_path, name, edit)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    if name != "manifest.json":
+        data = (bad / name).read_bytes()
+        manifest["files"][name] = {**manifest["files"][name], "size": len(data),
+                                   "sha256": hashlib.sha256(data).hexdigest()}
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    return bad
+
+
+@pytest.mark.parametrize("name, edit, words", [
+    ("plan.json", lambda plan: plan.pop("dtype"), "plan.json: missing key 'dtype'"),
+    ("plan.json", lambda plan: plan.update(hardware="cpu"), "plan.json: not as this dflash-trt writes it"),
+    ("manifest.json", lambda m: m["build_config"].pop("max_seq_len"), "manifest.json: missing key 'max_seq_len'"),
+    ("manifest.json", lambda m: m["build_config"]["speculative_config"].update(draft_len_schedule={"x": 3}),
+     "manifest.json: speculative_config holds what is no number"),
+    ("manifest.json", lambda m: m["files"]["plan.json"].pop("size"), "manifest.json: missing key 'size'"),
+])
+def test_an_engine_whose_checksums_agree_but_lacks_a_key_is_named_not_a_traceback(tiny_engine, tmp_path, name, edit,
+                                                                                 words):
+    bad = _resealed(tiny_engine, tmp_path, name, edit)
+    r = CliRunner().invoke(main, ["generate", str(bad), "-p", "hi", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and words in r.output and "rebuild the engine" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_an_engine_file_it_may_not_read_is_an_error_not_a_traceback(tiny_engine, monkeypatch):
+    import dflash_trt.engine_dir as engine_dir
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self.path / "plan.json"))
+
+    monkeypatch.setattr(engine_dir.EngineDir, "plan", property(unreadable))
+    r = CliRunner().invoke(main, ["generate", str(tiny_engine), "-p", "hi", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and "Permission denied" in r.output and "plan.json" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
 
 
 def test_an_engine_of_another_format_is_refused_before_it_runs_and_inspect_says_so(tiny_engine, tmp_path):

@@ -22,6 +22,8 @@ def open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except FileNotFoundError:
+        if Path(path).is_file():  # safetensors says "No such file" of a file it may not read
+            raise PermissionError(13, "permission denied (the file is there, but not readable)", str(path)) from None
         raise
     except Exception as e:  # safetensors raises its own SafetensorError for a bad header or a cut-short file
         raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated or corrupt") from e

@@ -183,7 +183,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     try:
         try:
             loop = EngineLoop.spawn(build)  # built and stepped on one thread (see EngineLoop.spawn)
-        except (ValueError, FileNotFoundError, RuntimeError) as e:
+        except (ValueError, OSError, RuntimeError) as e:
             raise click.ClickException(str(e)) from e
         llm, name = loop.engine, served_model_name or names[0]
         if note := capped_note(max_model_len, llm.max_position_embeddings):
@@ -284,7 +284,7 @@ def _exec_trtllm_serve(engine, host: str, port: int) -> None:
         built = EngineDir(engine)
         built.verify()
         cmd = serve_command(built, host, port)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     # trtllm-serve has no option for the served name: it is the path it loads, which clients must send as "model"
     click.echo(f"trtllm-serve serves the model as {cmd[1]!r} (clients send it as \"model\"; /v1/models lists it)",

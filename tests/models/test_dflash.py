@@ -300,3 +300,21 @@ def _packed_bf16_drafter(tmp_path, variant):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))).to(p.dtype))
     ours.pack_for_inference()
     return target, ours
+
+
+def test_a_weights_file_it_may_not_read_is_said_to_be_unreadable_not_missing(tmp_path, monkeypatch):
+    """safetensors reports a file it has no permission to read as "No such file" (root in CI reads any file, so the
+    refusal is what safetensors would raise)."""
+    import dflash_trt.models.weights as weights
+
+    t = make_target(tmp_path / "t")
+    d = make_drafter(tmp_path / "d", t)
+    config = load_target(t).config
+
+    def refused(path, framework):
+        raise FileNotFoundError(f"No such file or directory: {path}")
+
+    monkeypatch.setattr(weights, "safe_open", refused)
+    with pytest.raises(PermissionError, match="permission denied") as e:
+        load_drafter(d, config)
+    assert e.value.filename == str(d / "model.safetensors")
