@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -176,6 +177,11 @@ def _check_output(out: Path, force: bool) -> None:
     above = next((d for d in out.parents if d.exists()), None)
     if above is not None and not above.is_dir():
         raise FileExistsError(f"{above} is a file, not a directory: -o {out} cannot be made inside it")
+    if above is not None:
+        try:  # here, not after minutes of reading the checkpoint, and named as -o (not as the build's lock file)
+            os.rmdir(tempfile.mkdtemp(dir=above, prefix=f".{out.name}.probe-"))
+        except OSError as e:
+            raise OSError(f"-o {out}: cannot write in {above} ({e.strerror or e}); choose another -o") from None
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:

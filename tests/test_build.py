@@ -331,6 +331,19 @@ def test_an_output_path_below_a_file_and_a_target_path_that_does_not_exist_are_n
     assert r.exit_code != 0 and f"its drafter is {run / 'drafter'}" in " ".join(r.output.split()), r.output
 
 
+def test_an_output_it_cannot_write_is_named_before_the_checkpoint_is_read(tiny_dirs, tmp_path, monkeypatch):
+    import dflash_trt.build as build
+
+    def never(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before -o was found unwritable")
+
+    monkeypatch.setattr(build, "prepare_build", never)
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    for out in ("/proc/dflash-engine", "/sys/dflash-engine"):  # no file can be made there, not even by root
+        r = CliRunner().invoke(main, ["build", str(cfg), "-o", out])
+        assert r.exit_code == 1 and f"-o {out}: cannot write in /" in r.output, r.output
+
+
 def test_an_exception_midway_leaves_no_engine_and_no_temp(tiny_dirs, tmp_path, monkeypatch):
     import dflash_trt.build as build
 
