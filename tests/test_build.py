@@ -302,6 +302,15 @@ def test_a_model_that_is_not_on_disk_says_how_to_fetch_it(tiny_dirs, tmp_path):
         prepare_build(cfg)
 
 
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors"])
+def test_a_model_file_named_in_its_directorys_place_is_called_a_file(tiny_dirs, tmp_path, file):
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], None)
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"),
+                                  "--drafter", str(tiny_dirs["qwen3_drafter"] / file)])
+    assert r.exit_code == 1 and f"{tiny_dirs['qwen3_drafter'] / file} is a file; name the model directory" in \
+        " ".join(r.output.split()), r.output
+
+
 def test_build_without_drafter_and_existing_output(tiny_dirs, tmp_path):
     cfg = write_config(tmp_path, tiny_dirs["llama"], None)
     out = build_engine(cfg, tmp_path / "plain", progress=False)

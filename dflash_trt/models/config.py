@@ -40,6 +40,9 @@ class DecoderConfig:
 
 
 def read_config_json(model_dir: str | Path) -> dict:
+    if Path(model_dir).is_file():  # config.json or a .safetensors named in its directory's place
+        raise NotADirectoryError(f"{model_dir} is a file; name the model directory that holds it "
+                                 f"({Path(model_dir).parent})")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         hint = (f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
