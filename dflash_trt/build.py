@@ -335,24 +335,25 @@ def _summaries(p: PreparedBuild) -> dict:
 
 
 def _check_tensors(p: PreparedBuild) -> None:
-    """Every drafter tensor (and, for the torch runtime, every target tensor) must load with the shapes
-    config.json implies, floating point and finite; the models are built on the meta device, so nothing is kept in
-    memory."""
+    """Every drafter tensor and every target tensor must load with the shapes config.json implies, floating point
+    (or MXFP4's packed blocks and scales); the models are built on the meta device, so nothing is kept in memory. The
+    drafter's, and a CPU target's, are read to check they are finite; a GPU target's (up to hundreds of GB) only from
+    the files' headers, and only for the architectures this project's runtime knows (TensorRT-LLM serves more)."""
     import torch
 
     from dflash_trt.models.dflash import DFlashDrafter
+    from dflash_trt.models.registry import TARGET_ARCHITECTURES, runtime_class
     from dflash_trt.models.weights import WeightSet
 
     if p.drafter is not None:
         with torch.device("meta"):
             shell = DFlashDrafter(p.drafter_config)
         shell.load_weights(WeightSet(p.drafter.path, check_finite=True))
-    if p.hardware.kind == "cpu":
-        from dflash_trt.models.registry import runtime_class
-
+    cpu = p.hardware.kind == "cpu"
+    if cpu or p.target_config.architecture in TARGET_ARCHITECTURES:
         with torch.device("meta"):
             target = runtime_class(p.target_config, f"model={p.config.model!r} config.json")(p.target_config)
-        weights = WeightSet(p.target.path, check_finite=True)
+        weights = WeightSet(p.target.path, check_finite=cpu, headers_only=not cpu)
         target.load_weights(weights)
         weights.check_no_layers_beyond(p.target_config.num_hidden_layers)
 

@@ -1029,6 +1029,26 @@ def test_a_gpu_build_refuses_a_truncated_target_checkpoint(tiny_dirs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _transposed(name: str):
+    def edit(tensors: dict) -> None:
+        tensors[name] = tensors[name].T.contiguous()
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda tensors: tensors.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor 'model.layers.1.mlp.up_proj"),
+    (_transposed("model.layers.3.mlp.down_proj.weight"), r"'model.layers.3.mlp.down_proj.weight' has shape \(128, 64\)"),
+    (lambda tensors: tensors.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}), "the weights hold layer index 9"),
+])
+def test_a_gpu_build_checks_the_targets_tensors_from_their_headers_before_writing(tiny_dirs, tmp_path, edit, words):
+    """The GPU target is not read (hundreds of GB), but what its headers say must be what config.json implies."""
+    t = _broken_target(tmp_path, tiny_dirs, edit)
+    cfg = write_config(tmp_path, t, tiny_dirs["qwen3_drafter"], hardware="h200", dtype="bfloat16")
+    with pytest.raises(ValueError, match=words):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_the_target(tiny_dirs, tmp_path):
     t = tmp_path / "target"
     shutil.copytree(tiny_dirs["qwen3"], t)

@@ -54,13 +54,22 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("."))
 
 
+# safetensors' dtype names (its header's "dtype" strings)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class WeightSet:
     """check_finite: a floating tensor holding NaN or Inf is refused (a build reads each tensor once, to check it;
-    a corrupt weight otherwise runs, writing token 0 forever or drafting nothing)."""
+    a corrupt weight otherwise runs, writing token 0 forever or drafting nothing). headers_only: tensors are read
+    from the files' headers alone, as meta tensors of their shape and dtype (a build's check of a checkpoint too
+    large to read in full: names, shapes and dtypes, not values)."""
 
-    def __init__(self, model_dir: str | Path, check_finite: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, check_finite: bool = False, headers_only: bool = False) -> None:
         self.model_dir = Path(model_dir)
         self.check_finite = check_finite
+        self.headers_only = headers_only
         self._file_of: dict[str, Path] = {}
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -98,7 +107,9 @@ class WeightSet:
             raise CheckpointError(f"{self.model_dir / 'model.safetensors.index.json'}: names {path.name} for tensor "
                                   f"{name!r}, which that file does not hold")
         try:
-            t = self._handles[path].get_tensor(name)
+            t = self._header_tensor(path, name) if self.headers_only else self._handles[path].get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as e:  # safetensors' own error types: a file cut short after its header
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e}); the file may be truncated") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
@@ -112,6 +123,13 @@ class WeightSet:
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
         self.used.add(name)
         return t
+
+    def _header_tensor(self, path: Path, name: str) -> torch.Tensor:
+        piece = self._handles[path].get_slice(name)
+        dtype = _DTYPES.get(piece.get_dtype())
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} is {piece.get_dtype()}, which this runtime does not read")
+        return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
 
     def unused(self) -> list[str]:
         return sorted(set(self._file_of) - self.used)

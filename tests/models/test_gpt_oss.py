@@ -185,6 +185,30 @@ def mxfp4_dir(gpt_oss_dir, tmp_path_factory) -> Path:
     return _to_mxfp4_checkpoint(gpt_oss_dir, tmp_path_factory.mktemp("mxfp4") / "t")
 
 
+def test_an_mxfp4_checkpoints_headers_alone_load_into_the_meta_model_and_name_what_is_missing(mxfp4_dir, tmp_path):
+    """A GPU build's check of a checkpoint it does not read (dflash_trt/build.py _check_tensors)."""
+    import shutil
+
+    from dflash_trt.models.config import read_config_json
+    from dflash_trt.models.registry import runtime_class
+    from dflash_trt.models.weights import WeightSet
+
+    cfg = decoder_config_from_dict(read_config_json(mxfp4_dir))
+    with torch.device("meta"):
+        model = runtime_class(cfg, "config.json")(cfg)
+    model.load_weights(WeightSet(mxfp4_dir, headers_only=True))
+    broken = tmp_path / "t"
+    shutil.copytree(mxfp4_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("down_proj_blocks"))
+    del tensors[name]
+    save_file(tensors, broken / "model.safetensors")
+    with torch.device("meta"):
+        model = runtime_class(cfg, "config.json")(cfg)
+    with pytest.raises(CheckpointError, match=f"or '{name}' \\(MXFP4\\)"):
+        model.load_weights(WeightSet(broken, headers_only=True))
+
+
 def test_mxfp4_checkpoint_gives_transformers_logits(mxfp4_dir):
     # On a CPU, transformers dequantizes MXFP4 experts on load: that is the oracle.
     hf = GptOssForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
