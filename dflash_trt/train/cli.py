@@ -119,12 +119,22 @@ def target_fingerprint(target_dir: Path) -> dict:
     return {"config_sha256": config, "weights": files}
 
 
+# What the target writes in DATA: the record of which target it was is moot while none of them holds anything
+_DATA_MADE = ("responses.jsonl", "self_prompts.jsonl", "self_prompts.partial.jsonl", "features")
+
+
+def _holds_data(data_dir: Path) -> bool:
+    return any((data_dir / name).is_file() and (data_dir / name).stat().st_size
+               or (data_dir / name).is_dir() and any((data_dir / name).iterdir()) for name in _DATA_MADE)
+
+
 def check_data_target(data_dir: Path, target_dir: Path) -> None:
     """Fail unless DATA's responses and features were made by this target (its weights, not only its shape); DATA
-    made before this record existed is taken as it is, and gets the record."""
+    made before this record existed is taken as it is, and gets the record, as does DATA holding nothing yet (a run
+    that stopped before its first response: a target that failed to load, Ctrl-C)."""
     record = data_dir / TARGET_RECORD
     mine = target_fingerprint(target_dir)
-    if record.is_file():
+    if record.is_file() and _holds_data(data_dir):
         try:
             theirs = json.loads(record.read_bytes())
             if not isinstance(theirs, dict):
@@ -138,7 +148,7 @@ def check_data_target(data_dir: Path, target_dir: Path) -> None:
                                      "--target they were made with", param_hint="'--data'")
         return
     tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"target": str(target_dir), "fingerprint": mine}, indent=2) + "\n")
+    tmp.write_text(json.dumps({"target": str(target_dir.resolve()), "fingerprint": mine}, indent=2) + "\n")
     os.replace(tmp, record)
 
 

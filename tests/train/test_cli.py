@@ -379,6 +379,18 @@ def test_data_made_by_another_target_of_the_same_shape_is_refused(target, run, t
     assert not (tmp_path / "out").exists()  # nothing left behind
 
 
+def test_data_that_holds_no_response_yet_takes_the_record_of_the_target_now_given(target, run, tmp_path):
+    """A run stopped before its first response (a target that did not load, Ctrl-C) leaves the record alone: the
+    repaired or other target must not be refused for data that holds nothing."""
+    other = make_target(tmp_path / "other", seed=7)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(run / "data" / "target.json", data)
+    r = _train(other, tmp_path / "out", "--data", str(data))
+    assert r.exit_code == 0, r.output
+    assert json.loads((data / "target.json").read_text())["target"] == str(other.resolve())
+
+
 @pytest.mark.parametrize("damage", [b"", b"[]", b'{"target": "x\xe9"}'])
 def test_a_damaged_target_record_in_data_is_refused_naming_it(target, run, tmp_path, damage):
     data = tmp_path / "data"
