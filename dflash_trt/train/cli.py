@@ -199,6 +199,42 @@ def check_records(records: list[dict], path: Path, vocab_size: int) -> None:
                              "another --data")
 
 
+# Training settings a resumed run may change, with a warning: the checkpoint's run goes on as another one
+RESUMED_SETTINGS = {"lr": "--lr", "seqs_per_step": "--seqs-per-step", "anchors_per_seq": "--anchors",
+                    "max_seq_len": "--max-seq-len", "gamma": "--gamma", "distill": "--distill",
+                    "steer_anchors": "--steer-anchors", "seed": "--seed", "data_dir": "--data"}
+
+
+def checkpoint_data_dir(out_dir: Path) -> Path | None:
+    """The --data of OUT's checkpointed run, where it recorded one (a resumed run reads it there by default)."""
+    from dflash_trt.train.trainer import saved_run
+
+    saved = saved_run(out_dir)
+    data_dir = saved and saved["config"].get("data_dir")
+    if data_dir:
+        logger.info("--resume: the checkpoint's run read its data in %s: reading it there", data_dir)
+    return Path(data_dir) if data_dir else None
+
+
+def _resume_notes(saved: dict, old: dict, cfg: TrainConfig) -> list[str]:
+    """What a resumed run changes of the checkpoint's: its settings, and its learning rate where --steps moved."""
+    from dataclasses import replace
+
+    from dflash_trt.train.trainer import lr_at, warmup_share
+
+    notes = [f"{flag} {old[key]} in the checkpoint, {getattr(cfg, key)} now" for key, flag in RESUMED_SETTINGS.items()
+             if old.get(key) is not None and old[key] != getattr(cfg, key)]
+    step = saved["step"]
+    if cfg.time_budget_s is None and old["time_budget_s"] is None and old["steps"] != cfg.steps:
+        then, now = (lr_at(step / n, (step + 1) / n, warmup_share(c, n), c)
+                     for n, c in ((old["steps"], replace(cfg, lr=old["lr"], warmup_ratio=old["warmup_ratio"],
+                                                         min_lr_ratio=old["min_lr_ratio"])), (cfg.steps, cfg)))
+        notes.append(f"--steps {old['steps']} in the checkpoint, {cfg.steps} now: the learning-rate schedule "
+                     f"stretches to the new length, and step {step + 1} trains at {now:.3g} where it would have at "
+                     f"{then:.3g}")
+    return notes
+
+
 def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: DecoderConfig) -> None:
     """Refuse to overwrite OUT's checkpointed run, or to continue it as another drafter or for another target's shape;
     a resumed run keeps the checkpoint's mask token unless one is given (the one chosen from the data could change as
@@ -229,6 +265,8 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: 
             raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} holds a drafter for a target of another "
                                    f"shape ({'; '.join(shapes[:3])}{'; ...' if len(shapes) > 3 else ''}): pass the "
                                    "--target it was trained for, or choose another --out")
+    for note in _resume_notes(saved, old, cfg):
+        click.echo(f"warning: --resume: {note}", err=True)
     if saved["step"] >= cfg.steps:
         raise click.UsageError(f"--resume: {out_dir / 'checkpoint.pt'} is at step {saved['step']} already, and "
                                f"--steps {cfg.steps} counts the checkpoint's: pass a larger --steps to train on")
@@ -498,7 +536,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
     if init_from_target and init_drafter:  # the trainer would load one over the other
         raise click.UsageError("--init-from-target and --init-drafter are two warm starts: pass one")
     out_dir = Path(out)
-    data_dir = Path(data) if data else out_dir / "data"
+    data_dir = Path(data) if data else (resume and checkpoint_data_dir(out_dir)) or out_dir / "data"
     try:
         cfg = TrainConfig(num_layers=layers, block_size=block_size, target_layer_ids=target_layers, num_features=num_features,
                           steps=steps, lr=lr, seqs_per_step=seqs_per_step, micro_batch=micro_batch,
@@ -506,7 +544,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
                           seed=seed, eval_every=eval_every, mask_token_id=mask_token_id, init_from_target=init_from_target,
                           init_drafter=init_drafter, draft_vocab_loss=not full_vocab_loss,
                           draft_vocab_size=draft_vocab_size, distill=distill,
-                          steer_anchors=steer_anchors)
+                          steer_anchors=steer_anchors, data_dir=str(data_dir.resolve()))
         prompts = read_user_prompts(Path(prompts_file)) if prompts_file else all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]

@@ -124,6 +124,7 @@ class TrainConfig:
     # (hardware.native_bf16: GPUs from Ampere on, AMX, AVX512-BF16); elsewhere fp32, ~10x faster on an AVX2 CPU.
     bf16_autocast: bool | None = None
     seed: int = 0
+    data_dir: str | None = None  # the responses and features the run trains on (recorded: --resume finds them)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -98,6 +98,19 @@ def test_resuming_for_a_target_of_another_shape_is_refused_naming_a_tensor(run, 
     assert "fc.weight [64, 128] in the checkpoint, [48, 96] for this target" in r.output
 
 
+def test_a_resumed_run_reads_its_data_where_it_did_and_says_what_it_changes(target, tmp_path, monkeypatch):
+    out, data = tmp_path / "out", tmp_path / "shared"
+    assert _train(target, out, "--data", str(data)).exit_code == 0
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("the responses were made again"))
+    r = _train(target, out, "--resume", "--steps", "4", "--lr", "1e-3")
+    assert r.exit_code == 0, r.output
+    assert not (out / "data").exists() and _log_steps(out) == [1, 2, 3, 4]
+    said = " ".join(r.output.split())
+    assert "warning: --resume: --lr 0.0006 in the checkpoint, 0.001 now" in said, said
+    assert "warning: --resume: --steps 2 in the checkpoint, 4 now: the learning-rate schedule stretches" in said
+    assert "--data" not in said  # read where it was
+
+
 def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(target, run, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         r = _train(target, tmp_path / "new", "--resume", "--data", str(run / "data"))
