@@ -416,7 +416,13 @@ def interrupted_state(out_dir: Path, data_dir: Path) -> str:
         done = len(read_records(data_dir / "responses.jsonl"))
     except ValueError:
         return "Kept: what was done before, in --out and --data."
-    data = f"Kept: {done} responses in {data_dir / 'responses.jsonl'} (and their features cached so far)"
+    index = data_dir / "features" / "index.json"
+    try:
+        featured = sum(len(s["sequences"]) for s in json.loads(index.read_text())["shards"]) if index.is_file() else 0
+    except (ValueError, KeyError, TypeError):
+        featured = 0
+    cached = f", the features of {featured} sequences in {index.parent}" if featured else ""
+    data = f"Kept: {done} responses in {data_dir / 'responses.jsonl'}{cached}"
     partial = data_dir / "self_prompts.partial.jsonl"
     if not done and partial.is_file():  # interrupted while the target wrote its own prompts
         from dflash_trt.train.self_prompts import read_prompts

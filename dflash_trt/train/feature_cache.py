@@ -255,26 +255,38 @@ def build_feature_cache(
         tokens = np.empty(n_tok, dtype=np.int32)
         where, offset = {}, 0
         order = sorted(range(len(shard)), key=lambda j: len(shard[j][1]))
-        for start in range(0, len(order), batch_rows):
-            rows = [shard[j] for j in order[start : start + batch_rows]]
-            feats = _features(model, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
-            for (sid, ids), f in zip(rows, feats):
-                data[offset : offset + len(ids)] = f[: len(ids)]
-                tokens[offset : offset + len(ids)] = ids
-                where[sid] = [offset, len(ids)]
-                offset += len(ids)
-                bar.update(len(ids))
-        tokens_name = name.replace(".npy", ".tokens.npy")
-        for file, array in ((tokens_name, tokens), (name, data)):
-            tmp = root / f".{file}.tmp"
-            with open(tmp, "wb") as fh:
-                np.save(fh, array)
-            os.replace(tmp, root / file)
-        index["shards"].append({"file": name, "tokens": tokens_name, "sequences": where})
-        (root / "index.json.tmp").write_text(json.dumps(index))
-        os.replace(root / "index.json.tmp", root / "index.json")
+        try:
+            for start in range(0, len(order), batch_rows):
+                rows = [shard[j] for j in order[start : start + batch_rows]]
+                feats = _features(model, [ids for _, ids in rows], cache, layer_ids).to(torch.float16).cpu().numpy()
+                for (sid, ids), f in zip(rows, feats):
+                    data[offset : offset + len(ids)] = f[: len(ids)]
+                    tokens[offset : offset + len(ids)] = ids
+                    where[sid] = [offset, len(ids)]
+                    offset += len(ids)
+                    bar.update(len(ids))
+        except KeyboardInterrupt:  # minutes of prefill on a CPU (a big target's shard: hours): kept, as responses are
+            if where:
+                _write_shard(root, index, name, tokens[:offset], data[:offset], where)
+            bar.close()
+            raise
+        _write_shard(root, index, name, tokens, data, where)
     bar.close()
     return FeatureCache(root)
+
+
+def _write_shard(root: Path, index: dict, name: str, tokens: np.ndarray, data: np.ndarray,
+                 where: dict[str, list[int]]) -> None:
+    """Write a shard's arrays, then the index naming it (each replaced whole: a kill leaves the previous index)."""
+    tokens_name = name.replace(".npy", ".tokens.npy")
+    for file, array in ((tokens_name, tokens), (name, data)):
+        tmp = root / f".{file}.tmp"
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
+        os.replace(tmp, root / file)
+    index["shards"].append({"file": name, "tokens": tokens_name, "sequences": where})
+    (root / "index.json.tmp").write_text(json.dumps(index))
+    os.replace(root / "index.json.tmp", root / "index.json")
 
 
 def _features(target, id_lists: list[list[int]], cache, layer_ids) -> torch.Tensor:

@@ -267,7 +267,7 @@ def test_ctrl_c_or_sigterm_in_data_generation_keeps_the_finished_batches(target,
     monkeypatch.setattr(LLMEngine, "generate", interrupted_in_batch_2)
     r = _train(target, out, "--max-prompts", "40")
     assert r.exit_code == 130, r.output
-    assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'}" in r.output
+    assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'};" in r.output  # no features: none were made
     assert "no training checkpoint yet" in r.output
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
     monkeypatch.undo()
@@ -442,6 +442,24 @@ def test_an_interrupt_while_the_target_writes_its_prompts_says_which_it_kept(tmp
                                                         Prompt("Why is it blue?", "self/chat")])
     said = interrupted_state(tmp_path / "out", data)
     assert f"Kept: 2 self-written prompts of finished personas in {data / 'self_prompts.partial.jsonl'}" in said
+
+
+def test_an_interrupt_in_the_features_stage_says_how_many_sequences_it_kept(target, tmp_path, monkeypatch):
+    import dflash_trt.train.feature_cache as feature_cache
+
+    real, batches = feature_cache._features, []
+
+    def interrupted_at_the_second_batch(*args):
+        batches.append(1)
+        if len(batches) == 2:
+            _ctrl_c()
+        return real(*args)
+
+    monkeypatch.setattr(feature_cache, "_features", interrupted_at_the_second_batch)
+    out = tmp_path / "out"
+    r = _train(target, out, "--max-prompts", "16")  # two batches of eight
+    assert r.exit_code == 130, r.output
+    assert f"the features of 8 sequences in {out / 'data' / 'features'}" in " ".join(r.output.split()), r.output
 
 
 def test_resuming_a_finished_time_budgeted_run_says_how_to_train_its_drafter_further(target, tmp_path, monkeypatch):

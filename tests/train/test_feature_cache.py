@@ -43,6 +43,35 @@ def test_appended_sequences_are_added_without_touching_cached_shards(tmp_path):
     _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol=2e-3, rtol=2e-3)
 
 
+def test_ctrl_c_keeps_the_features_of_a_shard_computed_so_far_and_a_resume_computes_only_the_rest(tmp_path,
+                                                                                                    monkeypatch):
+    import dflash_trt.train.feature_cache as feature_cache
+
+    path = make_target(tmp_path / "target", layers=3, seed=4)
+    target = load_target(path)
+    seqs = _sequences(10)
+    real, batches = feature_cache._features, []
+
+    def interrupted_at_the_third_batch(model, id_lists, cache, layer_ids):
+        batches.append(len(id_lists))
+        if len(batches) == 3:
+            raise KeyboardInterrupt
+        return real(model, id_lists, cache, layer_ids)
+
+    monkeypatch.setattr(feature_cache, "_features", interrupted_at_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        build_feature_cache(target, seqs, tmp_path / "cache", [0, 1], shard_tokens=10_000, batch_rows=2)
+    kept = FeatureCache(tmp_path / "cache")
+    assert len(kept.ids()) == 4  # the first two batches' sequences, in one shard of their own
+    monkeypatch.setattr(feature_cache, "_features", real)
+    computed = []
+    monkeypatch.setattr(feature_cache, "_features",
+                        lambda model, id_lists, *a: computed.extend(id_lists) or real(model, id_lists, *a))
+    cache = build_feature_cache(target, seqs, tmp_path / "cache", [0, 1], shard_tokens=10_000, batch_rows=2)
+    assert len(computed) == 6 and sorted(cache.ids()) == sorted(sid for sid, _ in seqs)
+    _assert_layers_0_and_1_of_transformers(cache, seqs, path, atol=2e-3, rtol=2e-3)
+
+
 def test_a_sequence_cached_shorter_is_cached_again_in_full(tmp_path):
     path = make_target(tmp_path / "target", layers=2, seed=5)
     target = load_target(path)
