@@ -333,6 +333,11 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                                  "its template's user turn", param_hint="'--self-prompts'")
     if not chat:
         logger.warning("%s has no chat template: its prompts are answered as plain text", target_dir)
+    prompt_lens = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]] if prompts else []
+    if prompt_lens and min(prompt_lens) >= cfg.max_seq_len:  # else found after the data stages, hours on a real run
+        raise click.BadParameter(f"{cfg.max_seq_len} leaves no room for a response token after any prompt (the "
+                                 f"shortest has {min(prompt_lens)} tokens): training reads the first max_seq_len "
+                                 "tokens of prompt + response", param_hint="'--max-seq-len'")
     # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
     made = [(data_dir, "--data"), (out_dir, "--out")]
     for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
@@ -349,8 +354,7 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         check_index(data_dir / "features", feature_dim, cfg.target_layer_ids)
         # a bound on the tokens cached: each response at its longest (+ a chat template's tokens), cut to max_seq_len;
         # the target's own requests (five personas and the summaries) at max_seq_len
-        longest = [min(cfg.max_seq_len, len(ids) + 32 + max_new_tokens)
-                   for ids in tokenizer([p.text for p in prompts])["input_ids"]] if prompts else []
+        longest = [min(cfg.max_seq_len, n + 32 + max_new_tokens) for n in prompt_lens]
         bound = (sum(longest) + 6 * self_prompts * cfg.max_seq_len) * (1 + sampled_variants)
         if shortfall := space_shortfall(data_dir / "features", bound, feature_dim):
             click.echo(f"warning: {shortfall}", err=True)

@@ -444,6 +444,15 @@ def test_an_interrupt_while_the_target_writes_its_prompts_says_which_it_kept(tmp
     assert f"Kept: 2 self-written prompts of finished personas in {data / 'self_prompts.partial.jsonl'}" in said
 
 
+def test_a_max_seq_len_no_prompt_fits_under_is_refused_before_any_response(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("a response was generated"))
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"text": f"{i}: " + "tell me a long story " * 3}) + "\n" for i in range(4)))
+    r = _train(target, tmp_path / "out", "--max-seq-len", "16", "--prompts", str(prompts))
+    assert r.exit_code == 2 and "Invalid value for '--max-seq-len'" in r.output and "no room" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_interrupt_in_the_features_stage_says_how_many_sequences_it_kept(target, tmp_path, monkeypatch):
     import dflash_trt.train.feature_cache as feature_cache
 
