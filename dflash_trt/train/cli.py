@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -209,7 +210,10 @@ def checkpoint_data_dir(out_dir: Path) -> Path | None:
     """The --data of OUT's checkpointed run, where it recorded one (a resumed run reads it there by default)."""
     from dflash_trt.train.trainer import saved_run
 
-    saved = saved_run(out_dir)
+    try:
+        saved = saved_run(out_dir)
+    except ValueError:  # a damaged checkpoint: named where the run checks it (match_checkpoint)
+        return None
     data_dir = saved and saved["config"].get("data_dir")
     if data_dir:
         logger.info("--resume: the checkpoint's run read its data in %s: reading it there", data_dir)
@@ -278,6 +282,28 @@ def match_checkpoint(out_dir: Path, cfg: TrainConfig, resume: bool, target_cfg: 
                                f"further, start a new run from it (--init-drafter {out_dir / 'drafter'} --out NEW_DIR)")
 
 
+RUN_LOCK = ".dflash-train.lock"
+
+
+@contextlib.contextmanager
+def one_run_at_a_time(path: Path, flag: str):
+    """An flock on PATH/.dflash-train.lock for the block: a second run on the same --out or --data (both would append
+    to its logs and responses) is refused while this one holds it. Free again when the process ends, killed too."""
+    fd = os.open(path / RUN_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise click.BadParameter(f"{path} is in use by another training run (it holds {path / RUN_LOCK}): wait for "
+                                 "it to end, or pass another directory", param_hint=f"'{flag}'") from None
+    except OSError:  # a file system without locks (NFS without lockd): unguarded
+        pass
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """SIGTERM in the data stages ends the run as Ctrl-C does (what was kept is said, exit 130); the training stage
@@ -338,60 +364,62 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         raise click.BadParameter(f"{cfg.max_seq_len} leaves no room for a response token after any prompt (the "
                                  f"shortest has {min(prompt_lens)} tokens): training reads the first max_seq_len "
                                  "tokens of prompt + response", param_hint="'--max-seq-len'")
-    # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
-    made = [(data_dir, "--data"), (out_dir, "--out")]
-    for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            # writable now, not after the responses and features (hours on a real run): an existing read-only one
-            tempfile.TemporaryFile(dir=path).close()
-        except OSError as e:
-            raise click.BadParameter(f"cannot write in {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
-        if flag == "--data":
-            check_data_target(data_dir, target_dir)
-    if features == "cache":
-        feature_dim = target_cfg.hidden_size * len(cfg.target_layer_ids)
-        check_index(data_dir / "features", feature_dim, cfg.target_layer_ids)
-        # a bound on the tokens cached: each response at its longest (+ a chat template's tokens), cut to max_seq_len;
-        # the target's own requests (five personas and the summaries) at max_seq_len
-        longest = [min(cfg.max_seq_len, n + 32 + max_new_tokens) for n in prompt_lens]
-        bound = (sum(longest) + 6 * self_prompts * cfg.max_seq_len) * (1 + sampled_variants)
-        if shortfall := space_shortfall(data_dir / "features", bound, feature_dim):
-            click.echo(f"warning: {shortfall}", err=True)
-    target = load_target(target_dir, DTYPES[dtype], device)
-    rows = 16 if device == "cpu" else 128
-    # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse
-    # the packaged prompts.
-    engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
-                                                             max_model_len=max(cfg.max_seq_len, 1024) + max_new_tokens,
-                                                             device=device))
-    responses, prompts_path = data_dir / "responses.jsonl", data_dir / "self_prompts.jsonl"
-    own = []
-    if self_prompts:
-        # After the packaged prompts, so that their records keep their ids; the benchmark's prompts stay unseen.
-        bench = {p.text for p in load_dataset("cpu-small")}
-        own = cached_self_prompts(engine, prompts_path, self_prompts, bench)
-        prompts = list(prompts) + own
-    answer = dict(max_new_tokens=max_new_tokens, sampled_variants=sampled_variants, batch_size=rows, chat=chat)
-    if own and not any(p.source == SUMMARY_SOURCE for p in own):
-        # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
-        _, records = answer_with_summaries(engine, tokenizer, prompts, responses, bench,
-                                           store=lambda summaries: write_prompts(prompts_path, own + summaries),
-                                           **answer)
-    else:
-        records = generate_responses(engine, prompts, responses, **answer)
-    check_records(records, responses, target.config.vocab_size)
-    if cfg.mask_token_id is None:
-        cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
-    if features == "cache":
-        sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
-        source = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids,
-                                     compute_with=lambda: feature_target(target, target_dir))
-    else:
-        source = TargetFeatures(target, cfg.target_layer_ids)
-    trainer = Trainer(target, target_dir, tokenizer, records, source, out_dir, cfg, resume=resume)
-    trainer.train()
-    return out_dir / "drafter"
+    with contextlib.ExitStack() as held:  # the run's locks on --out and --data, until it ends
+        # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
+        made = [(data_dir, "--data"), (out_dir, "--out")]
+        for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                # writable now, not after the responses and features (hours on a real run): an existing read-only one
+                tempfile.TemporaryFile(dir=path).close()
+            except OSError as e:
+                raise click.BadParameter(f"cannot write in {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
+            held.enter_context(one_run_at_a_time(path, flag))
+            if flag == "--data":
+                check_data_target(data_dir, target_dir)
+        if features == "cache":
+            feature_dim = target_cfg.hidden_size * len(cfg.target_layer_ids)
+            check_index(data_dir / "features", feature_dim, cfg.target_layer_ids)
+            # a bound on the tokens cached: each response at its longest (+ a chat template's tokens), cut to
+            # max_seq_len; the target's own requests (five personas and the summaries) at max_seq_len
+            longest = [min(cfg.max_seq_len, n + 32 + max_new_tokens) for n in prompt_lens]
+            bound = (sum(longest) + 6 * self_prompts * cfg.max_seq_len) * (1 + sampled_variants)
+            if shortfall := space_shortfall(data_dir / "features", bound, feature_dim):
+                click.echo(f"warning: {shortfall}", err=True)
+        target = load_target(target_dir, DTYPES[dtype], device)
+        rows = 16 if device == "cpu" else 128
+        # Responses are generated whole and cut to max_seq_len only for training: a short max_seq_len must not refuse
+        # the packaged prompts.
+        context = max(cfg.max_seq_len, 1024) + max_new_tokens
+        engine = LLMEngine(target, tokenizer, None, EngineConfig(max_batch_size=rows, speculative=False, dtype=dtype,
+                                                                 max_model_len=context, device=device))
+        responses, prompts_path = data_dir / "responses.jsonl", data_dir / "self_prompts.jsonl"
+        own = []
+        if self_prompts:
+            # After the packaged prompts, so that their records keep their ids; the benchmark's prompts stay unseen.
+            bench = {p.text for p in load_dataset("cpu-small")}
+            own = cached_self_prompts(engine, prompts_path, self_prompts, bench)
+            prompts = list(prompts) + own
+        answer = dict(max_new_tokens=max_new_tokens, sampled_variants=sampled_variants, batch_size=rows, chat=chat)
+        if own and not any(p.source == SUMMARY_SOURCE for p in own):
+            # Summaries quote the qa answers just generated; stored before they are answered (ids are positions).
+            _, records = answer_with_summaries(engine, tokenizer, prompts, responses, bench,
+                                               store=lambda summaries: write_prompts(prompts_path, own + summaries),
+                                               **answer)
+        else:
+            records = generate_responses(engine, prompts, responses, **answer)
+        check_records(records, responses, target.config.vocab_size)
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = choose_mask_token(tokenizer, records, target.config.vocab_size)
+        if features == "cache":
+            sequences = [(r["id"], (r["prompt_ids"] + r["response_ids"])[: cfg.max_seq_len]) for r in records]
+            source = build_feature_cache(target, sequences, data_dir / "features", cfg.target_layer_ids,
+                                         compute_with=lambda: feature_target(target, target_dir))
+        else:
+            source = TargetFeatures(target, cfg.target_layer_ids)
+        trainer = Trainer(target, target_dir, tokenizer, records, source, out_dir, cfg, resume=resume)
+        trainer.train()
+        return out_dir / "drafter"
 
 
 def feature_target(target, target_dir: Path):

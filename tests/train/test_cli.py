@@ -554,3 +554,20 @@ def test_default_layer_spacing_over_a_small_target_names_ids_that_would_do():
         with pytest.raises(click.BadParameter, match=f"--num-features {features} over a {layers}-layer target\\): "
                                                      f"pass distinct ids of its layers, e.g. --target-layers {ids}"):
             check_against_target(cfg, SimpleNamespace(num_hidden_layers=layers, vocab_size=VOCAB))
+
+
+def test_a_second_run_on_an_out_in_use_is_refused(target, tmp_path):
+    from dflash_trt.train.cli import one_run_at_a_time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with one_run_at_a_time(out, "--out"):  # as a run in another process holds it
+        import subprocess
+        import sys
+
+        code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+                "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError: sys.exit(3)")
+        assert subprocess.run([sys.executable, "-c", code, str(out / ".dflash-train.lock")]).returncode == 3
+        r = _train(target, out)
+    assert r.exit_code == 2 and "Invalid value for '--out'" in r.output and "in use by another training run" in r.output
+    assert _train(target, out).exit_code == 0  # free once the other run ended
