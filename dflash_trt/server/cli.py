@@ -397,13 +397,19 @@ def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
     try:
         server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
         server.start()
-    except (RuntimeError, FileNotFoundError, FileExistsError) as e:
+    except (RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from e
+    readied = []
 
     def ready() -> None:
+        readied.append(True)
         click.echo(f"tritonserver on {host}: http {http_port}, grpc {grpc_port}, metrics {metrics_port}", err=True)
 
-    raise SystemExit(server.wait_forwarding_signals(on_ready=ready))
+    code = server.wait_forwarding_signals(on_ready=ready)
+    if code and not readied:
+        raise click.ClickException(f"tritonserver exited with code {code} before it was ready (its log above says "
+                                   "why)")
+    raise SystemExit(code)
 
 
 def mode_text(llm) -> str:

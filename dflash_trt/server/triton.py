@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -215,6 +216,10 @@ def remove_stale_exports(repo: Path) -> None:
     dir_swap.remove_stale(repo, WRITING, REPLACED, complete=lambda old: (old / "config.pbtxt").is_file())
 
 
+# The file `triton serve` creates before it stops tritonserver: the model ends its requests in flight (model.py)
+STOP_FILE_ENV = "DFLASH_TRT_TRITON_STOP_FILE"
+
+
 class TritonServer:
     """The pytriton-bundled tritonserver on a model repository, bound to one host (127.0.0.1 by default).
 
@@ -272,8 +277,21 @@ class TritonServer:
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")
 
+    def check_ports(self) -> None:
+        """OSError naming the flag of a port another process holds, which tritonserver would find only once the model
+        has loaded (and say in its log alone)."""
+        for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), self.ports):
+            with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, port))
+                except OSError as e:
+                    raise OSError(f"{flag} {port}: {self.host}:{port} is not free ({e.strerror or e}); pass another "
+                                  f"{flag}") from None
+
     def start(self) -> "TritonServer":
         self.check_repository()
+        self.check_ports()
         root = _pytriton_root()
         self._workdir = tempfile.TemporaryDirectory(prefix="dflash-triton-")
         work = Path(self._workdir.name)
@@ -296,6 +314,7 @@ class TritonServer:
         # The stub's embedded interpreter finds its prefix (this venv, with torch) through the python on PATH.
         env["PATH"] = os.pathsep.join([str(Path(sys.exec_prefix) / "bin"), env.get("PATH", "")])
         env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
+        env[STOP_FILE_ENV] = str(self._stop_file)
         # Logs to our stdout. Own session (the terminal's Ctrl-C reaches us, and we stop the server), but it dies
         # with us.
         self.process = subprocess.Popen(self.command(work / "backends"), env=env, stderr=subprocess.STDOUT,
@@ -329,7 +348,7 @@ class TritonServer:
         request in flight) is killed."""
         code = None
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self._signal_stop()
             try:
                 code = self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -342,6 +361,16 @@ class TritonServer:
             self._workdir.cleanup()
             self._workdir = None
         return code
+
+    @property
+    def _stop_file(self) -> Path:
+        return Path(self._workdir.name) / "stopping"
+
+    def _signal_stop(self) -> None:
+        """SIGTERM tritonserver, its model told first to end the requests in flight (STOP_FILE_ENV)."""
+        if self._workdir is not None:
+            self._stop_file.touch()
+        self.process.send_signal(signal.SIGTERM)
 
     def _kill_group(self) -> None:
         """SIGKILL tritonserver's process group (its own session: it and the stubs it started)."""
@@ -364,7 +393,7 @@ class TritonServer:
                 self._kill_group()
             else:
                 stopping.append(time.monotonic())
-                self.process.send_signal(signal.SIGTERM)
+                self._signal_stop()
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)

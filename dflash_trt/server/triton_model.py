@@ -8,14 +8,23 @@ engine's trtllm/config.yaml. Only Triton imports this file (triton_python_backen
 
 import asyncio
 import json
+import os
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt.server.triton import ModelSettings
+from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _text(value: bytes, name: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: not UTF-8 text ({e})") from None
 
 
 def _scalar(request, name, default):
@@ -23,14 +32,23 @@ def _scalar(request, name, default):
     if tensor is None:
         return default
     value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+    return _text(value, name) if isinstance(value, bytes) else value.item()
 
 
 def _strings(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return []
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
+    return [_text(v, name) if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
+
+
+def _refuse_parameters(request):
+    """Triton's generate endpoint passes JSON keys that name no input as request parameters (max_tokens, stop_words:
+    the names of TensorRT-LLM's ensemble): refused, where they would be ignored."""
+    given = json.loads(request.parameters() or "{}")
+    if given:
+        raise ValueError(f"unknown parameters {sorted(given)}: this model's inputs are text_input, streaming and "
+                         "sampling_param_* (max_tokens is sampling_param_max_tokens, stop words sampling_param_stop)")
 
 
 PENALTIES = ("frequency_penalty", "presence_penalty")
@@ -103,6 +121,17 @@ class TritonPythonModel:
 
         self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
         self.engine = self.loop.engine
+        marker = os.environ.get(STOP_FILE_ENV)
+        if marker:
+            threading.Thread(target=self._stop_when_marked, args=(marker,), daemon=True).start()
+
+    def _stop_when_marked(self, marker):
+        """`dflash-trt triton serve` marks a stop before it signals tritonserver, which waits for requests in flight
+        (finalize comes only after them): the loop stops now, so each ends with an error ("server shutting down"),
+        as `dflash-trt serve` ends them, and new ones are refused."""
+        while not os.path.exists(marker):
+            time.sleep(0.2)
+        self.loop.stop()
 
     def execute(self, requests):
         for request in requests:
@@ -125,6 +154,7 @@ class TritonPythonModel:
         from dflash_trt.engine.detokenizer import IncrementalDetokenizer
         from dflash_trt.sampling_params import SamplingParams
 
+        _refuse_parameters(request)
         texts = _strings(request, "text_input")
         if len(texts) != 1:  # TensorRT-LLM's llmapi model reads the first and drops the rest
             raise ValueError(f"text_input holds {len(texts)} strings: this model takes one prompt a request")

@@ -192,6 +192,12 @@ def test_triton_http_generate_extension(triton, tiny_dirs):
     status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
                          {"text_input": PROMPT, "sampling_param_max_tokens": 12, "sampling_param_presence_penalty": 2.5})
     assert status == 400 and "sampling_param_presence_penalty=2.5" in body
+    # TensorRT-LLM ensemble names are not this model's inputs: Triton passes them as parameters, which are refused
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate",
+                         {"text_input": PROMPT, "max_tokens": 12, "stop_words": "city"})
+    assert status == 400 and "unknown parameters ['max_tokens', 'stop_words']" in body, body
+    status, body = _post(triton["http"], f"/v2/models/{MODEL}/generate", {"text_input": "\udcff"})
+    assert status == 400, body
 
 
 def test_triton_serve_says_where_it_listens_once_ready(triton):
@@ -226,11 +232,41 @@ def test_triton_serve_stops_cleanly_on_sigterm_after_a_cancelled_stream(triton):
     _cancel_a_stream(triton["grpc"])
     (ok,) = _infer(triton["grpc"], PROMPT, 4, streaming=False)  # the model keeps serving
     assert ok["finish_reason"][0]
-    proc = triton["proc"]
+    # a request in flight at the stop ends with an error, as `dflash-trt serve` ends it, at once; its client gone,
+    # the server exits within tritonserver's own exit timeout (an open gRPC stream keeps its model live until then)
+    client, responses = _start_stream(triton["grpc"], [
+        ("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+        ("streaming", np.array([True]), "BOOL"),
+        ("sampling_param_max_tokens", np.array([230], dtype=np.int32), "INT32")])
+    first = responses.get(timeout=60)[1]
+    assert first is None, first.message()  # generating
+    proc, log = triton["proc"], triton["log"]
+    stopped = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    log = triton["log"]
+    error = None
+    while error is None:
+        _, error = responses.get(timeout=10)
+    assert "server shutting down" in error.message() and time.monotonic() - stopped < 3, error.message()
+    client.stop_stream()
+    client.close()
     assert proc.wait(60) == 0, log.read_text()[-2000:]
+    assert time.monotonic() - stopped < 10, log.read_text()[-3000:]  # not the 15 s grace
     assert "Exit timeout expired" not in log.read_text()
+
+
+def test_a_port_in_use_is_named_before_tritonserver_starts(tmp_path):
+    import socket
+
+    from dflash_trt.cli import main
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(main, ["triton", "serve", str(tmp_path), "--metrics-port", str(port)])
+    assert r.exit_code == 1 and f"--metrics-port {port}: 127.0.0.1:{port} is not free" in r.output, r.output
 
 
 def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tmp_path):
