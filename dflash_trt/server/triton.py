@@ -115,7 +115,29 @@ class ModelSettings:
         return LLMEngine.from_dirs(self.target_dir, self.drafter_dir or None, config)
 
 
-def config_pbtxt(model_name: str, settings: ModelSettings) -> str:
+PATHS = ("engine_dir", "target_dir", "drafter_dir")
+
+
+def relative_paths(settings: ModelSettings, model_dir: Path) -> dict[str, str]:
+    """`KEY_relative` parameters: each directory relative to the model's, so that a repository moved or mounted
+    (a container's /models) together with what it serves still finds it (located())."""
+    model_dir = Path(model_dir).resolve()
+    return {f"{key}_relative": os.path.relpath(Path(getattr(settings, key)).resolve(), model_dir)
+            for key in PATHS if getattr(settings, key)}
+
+
+def located(params: dict[str, str], model_dir: str | Path) -> dict[str, str]:
+    """params with each directory where it is now: its absolute path while that holds it, else its path relative to
+    the model directory (the repository moved with what it serves)."""
+    out = dict(params)
+    for key in PATHS:
+        moved = Path(model_dir) / params.get(f"{key}_relative", "")
+        if params.get(key) and not Path(params[key]).is_dir() and params.get(f"{key}_relative") and moved.is_dir():
+            out[key] = str(moved.resolve())
+    return out
+
+
+def config_pbtxt(model_name: str, settings: ModelSettings, model_dir: Path | None = None) -> str:
     lines = [f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0",
              "# Decoupled: a request may get many responses (streaming), the last one flagged final.",
              "model_transaction_policy { decoupled: true }",
@@ -125,7 +147,8 @@ def config_pbtxt(model_name: str, settings: ModelSettings) -> str:
     lines += ["]", "output ["]
     lines.append(",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: {d} }}' for n, t, d in OUTPUTS))
     lines.append("]")
-    for key, value in settings.to_parameters().items():
+    parameters = settings.to_parameters() | (relative_paths(settings, model_dir) if model_dir is not None else {})
+    for key, value in parameters.items():
         escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # protobuf text escapes
         lines.append(f'parameters {{ key: "{key}", value: {{ string_value: "{escaped}" }} }}')
     return "\n".join(lines) + "\n"
@@ -202,7 +225,7 @@ def export_repository(repo: str | Path, model_name: str, settings: ModelSettings
     with dir_swap.held(tmp):
         try:
             (tmp / "1").mkdir(parents=True)  # the umask's modes, as a plain mkdir: tritonserver may run as another user
-            (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings))
+            (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, settings, model_dir))
             shutil.copyfile(MODEL_TEMPLATE, tmp / "1" / "model.py")
             dir_swap.swap_in(tmp, model_dir, REPLACED, check=check_target)
         finally:
@@ -267,12 +290,12 @@ class TritonServer:
                                   "its export replaced)")
         for config in sorted(self.repo.glob("*/config.pbtxt")):
             # absolute paths written at export: found gone here, not 15 s into tritonserver's load of the model
-            params = pbtxt_parameters(config.read_text(errors="replace"))
-            gone = next(((k, params[k]) for k in ("engine_dir", "target_dir", "drafter_dir")
-                         if params.get(k) and not Path(params[k]).is_dir()), None)
+            params = located(pbtxt_parameters(config.read_text(errors="replace")), config.parent)
+            gone = next(((k, params[k]) for k in PATHS if params.get(k) and not Path(params[k]).is_dir()), None)
             if gone:
-                raise FileNotFoundError(f"{config}: its {gone[0]} {gone[1]} is gone (moved or deleted?): export the "
-                                        f"model again, with --force, from where it is now")
+                raise FileNotFoundError(f"{config}: its {gone[0]} {gone[1]} is gone (moved or deleted?), and not "
+                                        "where it was beside the repository either: export the model again, with "
+                                        "--force, from where it is now")
         if not any(self.repo.glob("*/config.pbtxt")):
             raise FileNotFoundError(f"{self.repo} is not a Triton model repository (no MODEL/config.pbtxt in it); "
                                     f"write one first: dflash-trt triton export ENGINE -o {self.repo}")

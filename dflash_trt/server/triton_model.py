@@ -15,7 +15,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings
+from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings, located
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -113,7 +113,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.settings = ModelSettings.from_parameters(params)
+        self.settings = ModelSettings.from_parameters(located(params, args["model_repository"]))
         if self.settings.backend == "trtllm":
             self._init_trtllm()
             return

@@ -225,6 +225,34 @@ def test_triton_export_overwrites_a_model_only_with_force(tmp_path, tiny_dirs):
     assert (repo / "other" / "config.pbtxt").is_file()
 
 
+def test_a_repository_moved_with_what_it_serves_finds_it_there_and_one_moved_alone_still_finds_it(tmp_path,
+                                                                                                   tiny_dirs):
+    """Its directories are written absolute and relative to the model's: a repository and its model mounted into a
+    container together (the absolute paths gone) resolve beside it; moved alone, they resolve where they were."""
+    from dflash_trt.server.triton import TritonServer, located, pbtxt_parameters
+
+    a = tmp_path / "a"
+    shutil.copytree(tiny_dirs["qwen3"], a / "target")
+    shutil.copytree(tiny_dirs["qwen3_drafter"], a / "drafter")
+    export = ["export", "-o", str(a / "repo"), "--target", str(a / "target"), "--drafter", str(a / "drafter")]
+    assert CliRunner().invoke(cli.triton, export).exit_code == 0
+    b = tmp_path / "b"
+    a.rename(b)
+    model = b / "repo" / "dflash"
+    TritonServer(b / "repo").check_repository()  # the absolute paths are gone; beside it they are not
+    params = located(pbtxt_parameters((model / "config.pbtxt").read_text()), model)
+    assert (params["target_dir"], params["drafter_dir"]) == (str(b / "target"), str(b / "drafter"))
+    shutil.copytree(b / "repo", tmp_path / "alone")  # the repository alone, its model where it was exported
+    b.rename(a)
+    params = located(pbtxt_parameters((tmp_path / "alone" / "dflash" / "config.pbtxt").read_text()),
+                     tmp_path / "alone" / "dflash")
+    assert params["target_dir"] == str(a / "target")
+    a.rename(b)
+    shutil.rmtree(b / "drafter")  # gone from both places
+    with pytest.raises(FileNotFoundError, match="its drafter_dir .* is gone"):
+        TritonServer(b / "repo").check_repository()
+
+
 def test_a_triton_export_that_fails_at_the_swap_keeps_the_previous_model(tmp_path, tiny_dirs, monkeypatch):
     repo = tmp_path / "repo"
     base = ["export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]), "--no-spec"]
