@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 import click
@@ -379,7 +381,9 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
     except OSError as e:  # a repository in a read-only directory, or under a file
         raise click.ClickException(f"cannot write the model repository {repo}: {e}") from e
     click.echo(str(path))
-    click.echo(f"serve it with: dflash-trt triton serve {shlex.quote(str(repo))}", err=True)
+    # as the user can run it: a venv's command is not on PATH until the venv is activated
+    command = "dflash-trt" if shutil.which("dflash-trt") else shlex.quote(str(Path(sys.executable).parent / "dflash-trt"))
+    click.echo(f"serve it with: {command} triton serve {shlex.quote(str(repo))}", err=True)
 
 
 @triton.command("serve")

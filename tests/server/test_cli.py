@@ -6,6 +6,7 @@ that is not a model repository."""
 import fcntl
 import shutil
 import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,7 +98,8 @@ def test_triton_export_checks_k_and_the_config_files_before_writing(tmp_path, ti
     assert not repo.exists()
 
 
-def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_not_planned_for(tmp_path, tiny_dirs):
+def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_not_planned_for(tmp_path, tiny_dirs,
+                                                                                             monkeypatch):
     from dflash_trt.build import build_engine
 
     config = tmp_path / "tiny.yaml"
@@ -111,9 +113,15 @@ def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_no
     result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--backend", "trtllm"])
     assert result.exit_code == 1 and "export it with --backend torch" in result.output
     assert not repo.exists()
-    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)])
+    with monkeypatch.context() as m:
+        m.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")
+        result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo)])
     assert result.exit_code == 0 and result.stdout.strip() == str(repo / "dflash")  # the model's folder, for scripts
     assert f"serve it with: dflash-trt triton serve {repo}" in result.stderr
+    # a venv not activated: the command as it runs from there
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--force"])
+    assert f"serve it with: {Path(sys.executable).parent / 'dflash-trt'} triton serve {repo}" in result.stderr
 
 
 def test_serve_on_a_taken_port_fails_before_loading_the_model(monkeypatch):
