@@ -165,7 +165,9 @@ def read_user_prompts(path: Path) -> list[Prompt]:
             raise ValueError(f"{path} line {n} is not JSON ({e})") from None
         if not isinstance(obj, dict):
             problem = f"a JSON {type(obj).__name__}, not an object"
-        elif not isinstance(obj.get("text"), str) or not obj["text"].strip():
+        elif isinstance(obj.get("text"), str) and not obj["text"].strip():
+            problem = 'a "text" that is empty (or only spaces): no prompt'
+        elif not isinstance(obj.get("text"), str):
             problem = f'no "text" string to use as a prompt (its keys: {", ".join(obj) or "none"})'
         elif set(obj) - {"text", "source"}:
             problem = f"unknown keys {', '.join(sorted(set(obj) - {'text', 'source'}))}"

@@ -501,6 +501,7 @@ def test_own_prompts_are_answered_by_the_target_in_their_order(target, tmp_path)
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "hi"}\n', 'line 1: no "text" string to use as a prompt (its keys: prompt)'),
+    ('{"text": "hi"}\n{"text": "  "}\n', 'line 2: a "text" that is empty (or only spaces): no prompt'),
     ('{"text": "hi"}\n{"text": "x", "source": "a", "lang": "en"}\n', "line 2: unknown keys lang"),
     ('{"text": "hi"\n', "line 1 is not JSON"),
     ('{"text": "hi", "source": "self/qa"}\n', 'line 1: sources "self/..." are those of the prompts the target writes'),
