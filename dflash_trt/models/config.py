@@ -51,6 +51,22 @@ def read_config_json(model_dir: str | Path) -> dict:
     return read_json_object(path, "of config keys")
 
 
+def eos_token_ids(cfg: dict, source: str) -> tuple[int, ...]:
+    """A config's eos_token_id (an id or a list of them) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        return tuple(as_int_list(eos, "eos_token_id", source))
+    return () if eos is None else (as_int(eos, "eos_token_id", source),)
+
+
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The eos ids of the model's generation_config.json (none without one): Qwen2.5-Instruct's ends its turns with
+    151645, which config.json names, and also stops at 151643, which only generation_config.json does; transformers'
+    generate and vLLM stop at both."""
+    path = Path(model_dir) / "generation_config.json"
+    return eos_token_ids(read_json_object(path), str(path)) if path.is_file() else ()
+
+
 def read_json_object(path: Path, holding: str = "") -> dict:
     """The JSON object in file `path`; ValueError naming it where it is not JSON, not UTF-8 or not an object."""
     try:
@@ -175,9 +191,7 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         raise ValueError(f"{source}: 'hidden_act' must be an activation's name, got {act!r}")
     heads = whole("num_attention_heads")
     hidden = whole("hidden_size")
-    eos = cfg.get("eos_token_id")
-    eos_ids = (tuple(as_int_list(eos, "eos_token_id", source)) if isinstance(eos, list)
-               else (() if eos is None else (as_int(eos, "eos_token_id", source),)))
+    eos_ids = eos_token_ids(cfg, source)
     model_type = cfg.get("model_type", "llama")
     layers = whole("num_hidden_layers")
     return DecoderConfig(

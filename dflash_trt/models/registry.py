@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dflash_trt.models.config import SILU_NAMES, DecoderConfig, decoder_config_from_dict, read_config_json
+from dflash_trt.models.config import (SILU_NAMES, DecoderConfig, decoder_config_from_dict, generation_eos_ids,
+                                     read_config_json)
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
 from dflash_trt.models.weights import WeightSet
@@ -40,6 +42,7 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     model_dir = Path(model_dir)
     cfg = decoder_config_from_dict(read_config_json(model_dir), str(model_dir / "config.json"))
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos_ids(model_dir))))
     cls = runtime_class(cfg, str(model_dir / "config.json"))
     with torch.device("meta"):
         model = cls(cfg)

@@ -110,3 +110,29 @@ def test_the_stop_reason_is_the_stop_token_id_a_request_sent_never_the_models_eo
     engine = SimpleNamespace(tokenizer=tokenizer, drafter=None, max_draft_len=0, eos_token_ids=(2,))
     out = LLMEngine.make_output(engine, seq)
     assert out.stop_reason == reason and out.finish_reason == ("stop" if reason or not ignore_eos else "length")
+
+
+def test_an_eos_only_generation_config_names_ends_the_answer_as_in_transformers(tiny_dirs, tmp_path):
+    """Qwen2.5-Instruct's config.json names one eos and its generation_config.json two; transformers' generate (the
+    oracle) stops at either."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_lossless import _prompts, hf_greedy
+
+    prompt = _prompts(3)[2]
+    free = hf_greedy(tiny_dirs["qwen3"], prompt, new=40)
+    extra = next(t for t in free[5:] if t not in free[:5])  # a token the answer reaches after a few
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], target)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra]}))
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert want.tolist()[-1] == extra and len(want) < 40  # the premise: transformers stops there
+    engine = LLMEngine.from_dirs(target, tiny_dirs["qwen3_drafter"], EngineConfig(max_batch_size=1, max_draft_len=3,
+                                                                                  max_model_len=256))
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=40))[0]
+    assert out.token_ids == want.tolist() and out.finish_reason == "stop" and out.stop_reason is None
