@@ -80,5 +80,5 @@ class PromptEncoder:
 
 
 def chat_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of a conversation's contents (what its rendering holds, templates aside)."""
-    return sum(len(str(m.get("content") or "")) for m in messages)
+    """The characters of a conversation's contents and tool calls (what its rendering holds, templates aside)."""
+    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in messages)

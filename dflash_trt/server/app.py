@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -187,7 +188,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         req = await _parse(request, p.TokenizeRequest)
         _check_model(req.model)
         if req.messages is not None:
-            ids = await _encode_chat(await _parse(request, p.ChatCompletionRequest))
+            ids = await _encode_chat(await _parse(request, p.ChatCompletionRequest, p.tokenize_chat_fields))
         else:
             ids = await _encode_prompt(req.prompt, req.add_special_tokens is not False)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
@@ -215,7 +216,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, "a request's own chat_template runs only on a server started with "
                                 "--trust-request-chat-template", param="chat_template")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.for_template() for m in req.messages]
             return await tokenized(chat_chars(messages), "encode_chat", messages,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message, chat_template=req.chat_template,
@@ -230,7 +231,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 raise APIError(400, f"the request's chat_template failed: {e}", param="chat_template") from e
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
 
-    async def _parse(request: Request, schema: type[BaseModel]):
+    async def _parse(request: Request, schema: type[BaseModel], fields: Callable[[dict], dict] | None = None):
+        """The body as `schema` (taking only what `fields` picks of it, where given), or the APIError naming what
+        in it is wrong."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json" and not kind.endswith("+json"):
             # text/plain, form bodies and bodies of no type (a Blob's) are what a web page may send any server without
@@ -245,7 +248,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if not isinstance(data, dict):
             raise APIError(400, "the JSON body must be an object")
         try:
-            return schema.model_validate(data)
+            return schema.model_validate(fields(data) if fields is not None else data)
         except ValidationError as e:
             # a union's branches each fail: the one whose validator ran on a value of its type says what is wrong
             # ("not valid Unicode text"), where the first may only say that a list is no string

@@ -9,6 +9,7 @@ responses. vLLM's other sampling extensions are refused unless neutral, as are O
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
@@ -199,7 +200,8 @@ class _SamplingRequest(_NullIsUnset):
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
         if v not in (None, "none", "auto"):
-            raise ValueError('tool calling is not supported; leave tool_choice unset, or "none"')
+            raise ValueError('tool calling is not supported: tool_choice may be "none" (tools are rendered by the '
+                             'chat template, the answer is text), or unset or "auto" without tools')
         return v
 
     @field_validator("tools", "functions")
@@ -332,12 +334,40 @@ def _as_text_part(part: Any) -> Any:
     return part
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's: a JSON string
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template gets the string as sent
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return {"id": self.id, **call} if self.id is not None else call
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[ContentPart] | None = Field(default=None, validate_default=True)  # checked when absent too
-    tool_calls: list[Any] | None = None
+    # a conversation's history of tool use (an assistant's calls, a tool's answer to one), rendered by the template
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -348,8 +378,6 @@ class ChatMessage(BaseModel):
             if kinds:
                 raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
         return v
-
-    _no_tool_calls = _refuse_set("tool_calls", message="tool calls are not supported")
 
     @field_validator("content")
     @classmethod
@@ -365,6 +393,15 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)  # vLLM's joint
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: its text, and its tool use where it has some (a call's arguments
+        as an object, as vLLM passes them: templates write them out as JSON)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        out |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
+        return out
 
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not pass to it
@@ -464,6 +501,18 @@ class TokenizeRequest(_NullIsUnset):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send a prompt or messages, one of them")
         return self
+
+
+# What vLLM's TokenizeChatRequest reads of a body: the conversation and how its template renders it
+TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                        "chat_template", "chat_template_kwargs", "tools")
+
+
+def tokenize_chat_fields(body: dict) -> dict:
+    """A /tokenize body as the chat completion whose prompt it counts: its sampling fields are not read, and its tools
+    are rendered, never called."""
+    picked = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+    return picked | {"tool_choice": "none"} if picked.get("tools") else picked
 
 
 class DetokenizeRequest(_NullIsUnset):

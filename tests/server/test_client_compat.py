@@ -147,7 +147,8 @@ def test_tokenize_counts_as_the_completion_routes_do_and_detokenize_reverses_it(
     assert r["tokens"] == tok(text)["input_ids"] and r["count"] == used == len(r["tokens"])
     assert r["max_model_len"] == 256
     messages = [{"role": "user", "content": "hi there"}]
-    r = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    # vLLM's TokenizeChatRequest reads no sampling field: one a chat completion would refuse is not read
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "temperature": 5}, timeout=30).json()
     used = httpx.post(server.base_url + "/chat/completions", json={"messages": messages, "max_tokens": 1},
                       timeout=60).json()["usage"]["prompt_tokens"]
     assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -201,7 +202,10 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
 
     engine = tiny_engine(tiny_dirs, max_batch_size=2)
     engine.tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.description }}]"
-                                      "{% endfor %}{% for m in messages %}<s>{{ m['content'] }}{% endfor %}>")
+                                      "{% endfor %}{% for m in messages %}<s>{{ m['content'] }}{% for c in "
+                                      "m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+                                      "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}"
+                                      "{% endfor %}>")
     engine.prompt_encoder.tokenizer = engine.tokenizer
     server = start_server(engine)
     try:
@@ -210,13 +214,28 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
         want = engine.tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True,
                                                     tokenize=True, return_dict=True)["input_ids"]
         assert engine.tokenizer.decode(want).startswith("[get_time:now]")  # the premise: the template reads tools
+        r = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": [tool]}, timeout=30).json()
+        assert r["tokens"] == list(want), r  # vLLM's /tokenize renders tools without a tool_choice
         for extra in ({"tools": [tool], "tool_choice": "none"},
                       {"functions": [tool["function"]], "function_call": "none"}):
-            r = httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}, timeout=30).json()
-            assert r["tokens"] == list(want), extra
             r = httpx.post(server.base_url + "/chat/completions", timeout=60,
                            json={"messages": messages, "max_tokens": 3, **extra}).json()
             assert r["usage"]["prompt_tokens"] == len(want) and isinstance(r["choices"][0]["message"]["content"], str)
+        # an agent's last turn: its history of calls and their results, answered in text
+        call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+        as_template_takes = [*messages, {"role": "assistant", "content": "", "tool_calls": [
+            {**call, "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+        want = engine.tokenizer.apply_chat_template(as_template_takes, tools=[tool], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+        assert "get_time(Oslo)" in engine.tokenizer.decode(want) and "#c1" in engine.tokenizer.decode(want)
+        r = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": [tool]}, timeout=30).json()
+        assert r["tokens"] == list(want), r
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                       json={"messages": history, "tools": [tool], "tool_choice": "none", "max_tokens": 3}).json()
+        assert r["usage"]["prompt_tokens"] == len(want), r
     finally:
         server.stop()
 

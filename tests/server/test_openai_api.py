@@ -356,7 +356,7 @@ BAD_CHAT = [
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
-     "messages.0.tool_calls"),
+     "messages.0.tool_calls.0.function"),  # a call names its function
     ({**CHAT, "messages": [{"role": "system", "content": "be brief"}, {"role": "user"}]}, "messages.1.content"),
     ({**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
 ]
