@@ -34,8 +34,9 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("dflash_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("dflash_request_errors", "Refused or failed requests by HTTP status", ["status"], registry=r)
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of requests that got a token", registry=r)
+        self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens, counted as steps make them",
+                                         registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a cache row", registry=r)
         self.queue_depth.set_function(lambda: scheduler.num_waiting)
         self.running = Gauge("dflash_running_requests", "Requests holding a cache row", registry=r)
@@ -72,6 +73,7 @@ class ServerMetrics:
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", **spec)
         self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", **spec)
         self.model_name = model_name
+        self._counted: dict[int, int] = {}  # request id -> its output tokens counted so far (running requests)
         r.register(_VLLMNamed([self.running, self.queue_depth, self.kv_cache_usage, self.prompt_tokens,
                                self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
 
@@ -83,11 +85,17 @@ class ServerMetrics:
                 self.draft_time.observe(result.draft_time)
         for n in result.acceptance_lengths:
             self.acceptance_length.observe(n)
+        # tokens as steps make them, as vLLM counts them: a long answer's rate shows while it streams
+        for seq in result.updated:
+            counted = self._counted.pop(seq.request_id, None)
+            if counted is None and seq.output_ids:  # its first token: its prompt is cached (not one aborted queued)
+                self.prompt_tokens.inc(len(seq.prompt_ids))
+            self.generation_tokens.inc(len(seq.output_ids) - (counted or 0))
+            if not seq.is_finished:
+                self._counted[seq.request_id] = len(seq.output_ids)
 
     def observe_finished(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(output.num_tokens)
         if output.acceptance_lengths:
             self.request_tau.observe(output.tau)
         if output.time_to_first_token is not None:

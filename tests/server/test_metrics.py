@@ -74,3 +74,27 @@ def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_buil
     totals = {name: theirs[(name, (("model_name", "m"),))] for name in (VLLM_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFT_TOKENS)}
     read = acceptance_delta({}, totals)
     assert read["tau"] == (3 + 1 + 2) / 3 and read["acceptance_rate"] == (2 + 0 + 1) / 12
+
+
+def test_tokens_are_counted_as_steps_make_them_not_when_the_request_ends():
+    """vLLM's counters move every step: a dashboard's token rate shows a long answer while it streams."""
+    from dflash_trt.engine.llm_engine import StepResult
+    from dflash_trt.engine.scheduler import ScheduledBatch
+
+    metrics = ServerMetrics(Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=50)), 3)
+    seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=8))
+    queued = Sequence([4, 5], SamplingParams(max_new_tokens=8))
+    queued.finish_reason = "abort"  # aborted before its prefill: no prompt was cached, no token made
+
+    def step(tokens: list[int], updated=(seq,)) -> dict[str, float]:
+        seq.output_ids += tokens
+        metrics.observe_step(StepResult(ScheduledBatch([], [seq], 3, []), list(updated)))
+        return gauges(metrics)
+
+    first = step([7])
+    assert (first["dflash_prompt_tokens_total"], first["dflash_generation_tokens_total"]) == (3, 1)
+    assert step([8, 9, 10])["dflash_generation_tokens_total"] == 4  # a step that accepted two drafts and a bonus
+    seq.finish_reason = "stop"
+    counted = step([11], updated=(seq, queued))
+    assert (counted["dflash_prompt_tokens_total"], counted["dflash_generation_tokens_total"]) == (3, 5)
+    assert counted["vllm:generation_tokens_total"] == 5
