@@ -377,15 +377,15 @@ def test_failures_are_counted(stub):
 
 def test_tok_s_per_user_is_one_over_the_median_tpot(stub):
     """Interactivity as InferenceMAX plots it against tokens/s/GPU: 1000 / median TPOT (ms). Three users decoding
-    at very different speeds: the mean of their 1 / TPOT (48 tok/s) is no user's experience; the median is 33."""
-    gaps = {"fast": 0.01, "mid": 0.03, "slow": 0.09}
+    at very different speeds: the mean of their 1 / TPOT (44 tok/s) is no user's experience; the median is 25."""
+    gaps = {"fast": 0.01, "mid": 0.04, "slow": 0.16}
     stub.reset(gaps=gaps)
     (pt,) = run_sweep(config(stub.url, [1], min_requests=3), prompts(*gaps))["points"]
-    # slack: a loaded 2-core machine's scheduling; 10 ms still tells 1 / the median TPOT (33 tok/s) from the mean of
-    # 1 / TPOT (48) and from 1 / the mean TPOT (23)
-    chunks, slack = 6, 0.010
+    # slack: a loaded 2-core machine's scheduling (10 ms was exceeded with other jobs running); 20 ms still tells
+    # 1 / the median TPOT (25 tok/s) from the mean of 1 / TPOT (44) and from 1 / the mean TPOT (14)
+    chunks, slack = 6, 0.020
     # one token per chunk and the usage chunk right after the last: TPOT_i = gap_i (plus scheduling slack)
-    assert 1 / (0.03 + slack) <= pt["tok_s_per_user"] <= 1 / 0.03
+    assert 1 / (0.04 + slack) <= pt["tok_s_per_user"] <= 1 / 0.04
     assert pt["tok_s_per_user"] == pytest.approx(1 / pt["tpot_s"]["p50"])
     # TensorRT-LLM benchmark_serving's tput_user beside it: mean of tokens / E2E, E2E_i = FIRST_DELAY + 5 gap_i
     e2e = [FIRST_DELAY + (chunks - 1) * g for g in gaps.values()]
