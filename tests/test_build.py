@@ -1058,9 +1058,12 @@ def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_t
     with pytest.raises(ValueError, match=f"{t}: the tokenizer does not load"):
         build_engine(cfg, tmp_path / "out" / "e", progress=False)
     (t / "tokenizer.json").write_text(good)
-    config = json.loads((t / "config.json").read_text())
-    (t / "config.json").write_text(json.dumps({**config, "vocab_size": 80}))  # 96 tokens for 80 embedding rows
-    with pytest.raises(ValueError, match=f"{t}: the tokenizer has 96 tokens but config.json's vocab_size is 80"):
+    from transformers import AutoTokenizer
+
+    grown = AutoTokenizer.from_pretrained(t)
+    grown.add_tokens(["<a>", "<b>", "<c>", "<d>"])  # 100 tokens for 96 embedding rows
+    grown.save_pretrained(t)
+    with pytest.raises(ValueError, match=f"{t}: the tokenizer has 100 tokens but config.json's vocab_size is 96"):
         build_engine(cfg, tmp_path / "out" / "e", progress=False)
     assert list((tmp_path / "out").iterdir()) == []
 

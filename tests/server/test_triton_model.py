@@ -71,11 +71,14 @@ class Sender:
 
 
 class Request:
-    def __init__(self, sender: Sender, **inputs):
-        self.sender, self.inputs = sender, inputs
+    def __init__(self, sender: Sender, parameters: str = "{}", **inputs):
+        self.sender, self.inputs, self._parameters = sender, inputs, parameters
 
     def get_response_sender(self):
         return self.sender
+
+    def parameters(self) -> str:  # pb_utils' InferenceRequest: the request's parameters as a JSON object
+        return self._parameters
 
 
 def _pb_utils() -> types.ModuleType:
