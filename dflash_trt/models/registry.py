@@ -42,7 +42,8 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     model_dir = Path(model_dir)
     cfg = decoder_config_from_dict(read_config_json(model_dir), str(model_dir / "config.json"))
-    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos_ids(model_dir))))
+    eos = tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos_ids(model_dir)))
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     cls = runtime_class(cfg, str(model_dir / "config.json"))
     with torch.device("meta"):
         model = cls(cfg)

@@ -382,7 +382,8 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
         raise click.ClickException(f"cannot write the model repository {repo}: {e}") from e
     click.echo(str(path))
     # as the user can run it: a venv's command is not on PATH until the venv is activated
-    command = "dflash-trt" if shutil.which("dflash-trt") else shlex.quote(str(Path(sys.executable).parent / "dflash-trt"))
+    command = "dflash-trt" if shutil.which("dflash-trt") else shlex.quote(str(Path(sys.executable).parent /
+                                                                               "dflash-trt"))
     click.echo(f"serve it with: {command} triton serve {shlex.quote(str(repo))}", err=True)
 
 

@@ -210,7 +210,8 @@ class _SamplingRequest(_NullIsUnset):
         choice = "tool_choice" if info.field_name == "tools" else "function_call"
         if v and (info.data.get(choice) != "none" or not cls.reads_tools):
             where = f'with {choice} "none" (the chat template reads them; the answer is text)'
-            raise ValueError(f"tool calling is not supported; send {info.field_name} only on chat {where}, or not at all")
+            raise ValueError(f"tool calling is not supported; send {info.field_name} only on chat {where}, or not "
+                             "at all")
         return v
 
     reads_tools: ClassVar[bool] = False  # whether tools reach a chat template (tool_choice, read before them)
