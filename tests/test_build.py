@@ -1037,8 +1037,10 @@ def _transposed(name: str):
 
 @pytest.mark.parametrize("edit, words", [
     (lambda tensors: tensors.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor 'model.layers.1.mlp.up_proj"),
-    (_transposed("model.layers.3.mlp.down_proj.weight"), r"'model.layers.3.mlp.down_proj.weight' has shape \(128, 64\)"),
-    (lambda tensors: tensors.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}), "the weights hold layer index 9"),
+    (_transposed("model.layers.3.mlp.down_proj.weight"),
+     r"'model.layers.3.mlp.down_proj.weight' has shape \(128, 64\)"),
+    (lambda tensors: tensors.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}),
+     "the weights hold layer index 9"),
 ])
 def test_a_gpu_build_checks_the_targets_tensors_from_their_headers_before_writing(tiny_dirs, tmp_path, edit, words):
     """The GPU target is not read (hundreds of GB), but what its headers say must be what config.json implies."""
