@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
 import click
 
 GB = 10**9
+
+
+class EnginePath(click.Path):
+    """An existing engine directory; where a build killed between its two renames left none, the error says where
+    the previous engine was set aside, and how to put it back."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, file_okay=False)
+
+    def convert(self, value, param, ctx):
+        path = Path(value)
+        if not path.exists():
+            aside = sorted(path.parent.glob(f".{glob.escape(path.name)}.old-*/manifest.json")) if path.name else []
+            if aside:
+                self.fail(f"{path} does not exist: a build killed while it replaced it left the previous engine at "
+                          f"{aside[0].parent}; the same build again puts it back (or move it back yourself)",
+                          param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def _table(rows: list[tuple[str, str]], title: str) -> str:
@@ -165,7 +184,7 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
 
 
 @click.command("inspect")
-@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", type=EnginePath())
 @click.option("--verify", is_flag=True, help="Also check the sha256 of every file.")
 def inspect(engine, verify) -> None:
     """Print an engine directory's manifest and memory plan as tables."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from dflash_trt import __version__
+from dflash_trt.build_cli import EnginePath
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, target_runtime
 from dflash_trt.sampling_params import SamplingParams
 
@@ -43,7 +44,7 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
 
 
 @main.command()
-@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", required=False, type=EnginePath())
 @click.option("--backend", type=click.Choice(["torch", "trtllm", "auto"]), default="auto", show_default=True,
               help="With ENGINE: this project's torch runtime, or TensorRT-LLM (auto: trtllm when importable on a GPU engine).")
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target directory (default: the embedded SmolLM2-135M-Instruct).")

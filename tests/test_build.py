@@ -205,6 +205,16 @@ def test_an_engine_whose_checksums_agree_but_lacks_a_key_is_named_not_a_tracebac
     assert r.exception is None or isinstance(r.exception, SystemExit)
 
 
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["inspect"], ["serve"]])
+def test_an_engine_a_killed_build_set_aside_is_pointed_to(tiny_engine, tmp_path, command):
+    """A build killed between its two renames (the old engine set aside, the new one not yet in place) leaves no
+    engine at its path: the commands that take one say where it is."""
+    aside = tmp_path / ".E1.old-4242-0123abcd"
+    shutil.copytree(tiny_engine, aside)
+    r = CliRunner().invoke(main, [command[0], str(tmp_path / "E1"), *command[1:]])
+    assert r.exit_code == 2 and f"left the previous engine at {aside}" in " ".join(r.output.split()), r.output
+
+
 def test_an_engine_file_it_may_not_read_is_an_error_not_a_traceback(tiny_engine, monkeypatch):
     import dflash_trt.engine_dir as engine_dir
 

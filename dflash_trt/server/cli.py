@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.build_cli import EnginePath
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP
 
 # EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
@@ -132,7 +133,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 
 
 @click.command()
-@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", required=False, type=EnginePath())
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (127.0.0.1: this machine only).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
@@ -311,7 +312,7 @@ def triton() -> None:
 
 
 @triton.command("export")
-@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", required=False, type=EnginePath())
 @click.option("-o", "--output", "repo", required=True, type=click.Path(file_okay=False), help="Model repository to write.")
 @click.option("--target", type=click.Path(exists=True, file_okay=False),
               help="HF-format target directory instead of ENGINE (default: the embedded SmolLM2-135M-Instruct).")
