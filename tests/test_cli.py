@@ -180,6 +180,25 @@ def test_generate_summary_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_pa
     assert f"DFlash K={k}:" in r.stderr
 
 
+@pytest.mark.parametrize("layout, k", [("tiles", 3), ("panels", 2)])
+def test_generate_json_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_path, monkeypatch, layout, k):
+    from dflash_trt.engine import llm_engine
+
+    engine, _ = _tiny_engine(tiny_dirs, tmp_path, draft_len_schedule={1: 3}, draft_len_schedule_without_amx={1: 2})
+    monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", "--max-new-tokens", "8", "--ignore-eos",
+                                  "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["max_draft_len"] == k, r.output
+
+
+@pytest.mark.parametrize("args, flag", [(["-p", "caf\udce9"], "--prompt"), (["-p", "x", "--stop", "\udcff"], "--stop")])
+def test_text_that_is_no_utf8_is_named_by_its_flag_before_the_model_loads(tmp_path, args, flag):
+    """A shell passes the bytes it is given; Python keeps those that are no UTF-8 as lone surrogates, which the
+    tokenizer refused with a TypeError traceback."""
+    r = CliRunner().invoke(main, ["generate", "--target", str(tmp_path), "--no-spec", *args])
+    assert r.exit_code == 2 and f"Invalid value for '{flag}': not UTF-8 text" in r.output, r.output
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--chat"], "--chat"), (["--stop", "."], "--stop"), (["--ignore-eos"], "--ignore-eos"), (["-k", "2"], "--max-draft-len"),
     (["--acceptance", "rejection"], "--acceptance"), (["--dtype", "bfloat16"], "--dtype"),
