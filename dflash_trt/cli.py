@@ -43,6 +43,17 @@ def _default_dirs(target: str | None, drafter: str | None, no_spec: bool) -> tup
     return target_dir, (Path(drafter) if drafter and not no_spec else None)
 
 
+# The engine's settings these flags set: its errors name the setting, which the user knows by the flag
+_FLAG_OF = {"max_draft_len": "--max-draft-len", "draft_tree": "--tree-nodes", "lookup_nodes": "--lookup-nodes",
+            "max_model_len": "--max-model-len"}
+
+
+def _as_flags(message: str) -> str:
+    """An engine error that begins with a setting's name, led by the flag that sets it."""
+    key = message.split("=", 1)[0]
+    return f"{_FLAG_OF[key]}: {message}" if key in _FLAG_OF else message
+
+
 @main.command()
 @click.argument("engine", required=False, type=EnginePath())
 @click.option("--backend", type=click.Choice(["torch", "trtllm", "auto"]), default="auto", show_default=True,
@@ -170,7 +181,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                        f"{max_new_tokens}", err=True)
         out = engine.generate([ids], params)[0]
     except (ValueError, OSError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from e
+        raise click.ClickException(_as_flags(str(e))) from e
     result = {
         "text": out.text,
         "token_ids": out.token_ids,

@@ -180,6 +180,13 @@ def test_generate_summary_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_pa
     assert f"DFlash K={k}:" in r.stderr
 
 
+@pytest.mark.parametrize("args, flag", [(["-k", "20"], "--max-draft-len"), (["--tree-nodes", "63"], "--tree-nodes")])
+def test_an_engine_setting_out_of_range_is_named_by_its_flag(tiny_engine_dir, args, flag):
+    engine, _ = tiny_engine_dir
+    r = CliRunner().invoke(main, ["generate", str(engine), "-p", "x", *args])
+    assert r.exit_code == 1 and f"Error: {flag}: " in r.output, r.output
+
+
 @pytest.mark.parametrize("layout, k", [("tiles", 3), ("panels", 2)])
 def test_generate_json_names_the_k_a_row_drafts_on_this_cpu(tiny_dirs, tmp_path, monkeypatch, layout, k):
     from dflash_trt.engine import llm_engine
