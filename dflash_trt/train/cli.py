@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -215,9 +216,14 @@ def checkpoint_data_dir(out_dir: Path) -> Path | None:
     except ValueError:  # a damaged checkpoint: named where the run checks it (match_checkpoint)
         return None
     data_dir = saved and saved["config"].get("data_dir")
-    if data_dir:
-        logger.info("--resume: the checkpoint's run read its data in %s: reading it there", data_dir)
-    return Path(data_dir) if data_dir else None
+    if not data_dir:
+        return None
+    if not Path(data_dir).is_dir():  # OUT moved, or its data: OUT/data, the default, rather than all of it again
+        click.echo(f"warning: --resume: the checkpoint's run read its data in {data_dir}, which is gone: reading "
+                   "OUT/data (pass --data where it is now)", err=True)
+        return None
+    logger.info("--resume: the checkpoint's run read its data in %s: reading it there", data_dir)
+    return Path(data_dir)
 
 
 def _resume_notes(saved: dict, old: dict, cfg: TrainConfig) -> list[str]:
@@ -286,7 +292,7 @@ RUN_LOCK = ".dflash-train.lock"
 
 
 @contextlib.contextmanager
-def one_run_at_a_time(path: Path, flag: str):
+def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
     """An flock on PATH/.dflash-train.lock for the block: a second run on the same --out or --data (both would append
     to its logs and responses) is refused while this one holds it. Free again when the process ends, killed too."""
     fd = os.open(path / RUN_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
@@ -374,7 +380,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                 tempfile.TemporaryFile(dir=path).close()
             except OSError as e:
                 raise click.BadParameter(f"cannot write in {path}: {e.strerror or e}", param_hint=f"'{flag}'") from e
-            held.enter_context(one_run_at_a_time(path, flag))
+            if flag == "--data" or path.resolve() != data_dir.resolve():  # --data OUT: one lock for both
+                held.enter_context(one_run_at_a_time(path, flag))
             if flag == "--data":
                 check_data_target(data_dir, target_dir)
         if features == "cache":

@@ -109,6 +109,12 @@ def test_a_resumed_run_reads_its_data_where_it_did_and_says_what_it_changes(targ
     assert "warning: --resume: --lr 0.0006 in the checkpoint, 0.001 now" in said, said
     assert "warning: --resume: --steps 2 in the checkpoint, 4 now: the learning-rate schedule stretches" in said
     assert "--data" not in said  # read where it was
+    moved = tmp_path / "moved"  # OUT moved with its data: the recorded --data is gone, OUT/data read, and said
+    shutil.copytree(out, moved)
+    shutil.copytree(data, moved / "data")
+    shutil.rmtree(data)
+    r = _train(target, moved, "--resume", "--steps", "6")
+    assert r.exit_code == 0 and f"{data}, which is gone: reading OUT/data" in " ".join(r.output.split()), r.output
 
 
 def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(target, run, tmp_path, caplog):
@@ -572,3 +578,5 @@ def test_a_second_run_on_an_out_in_use_is_refused(target, tmp_path):
         r = _train(target, out)
     assert r.exit_code == 2 and "Invalid value for '--out'" in r.output and "in use by another training run" in r.output
     assert _train(target, out).exit_code == 0  # free once the other run ended
+    same = tmp_path / "same"
+    assert _train(target, same, "--data", str(same)).exit_code == 0  # --data OUT: one directory, one lock
