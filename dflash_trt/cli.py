@@ -157,11 +157,12 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             if backend == "trtllm":
                 raise click.UsageError("--backend trtllm runs an engine directory: dflash-trt generate ENGINE ...")
             target_dir, drafter_dir = _default_dirs(target, drafter, no_spec)
-            if target is None and dtype is None and not no_spec and target_runtime(device, dtype)[0] == "cpu":
+            asked_dtype = dtype
+            device, dtype = target_runtime(device, dtype)
+            if target is None and asked_dtype is None and not no_spec and device == "cpu" and tree is None:
                 click.echo("note: without an ENGINE the embedded SmolLM2 runs float32 in a chain, exact and slow on a "
                            "CPU; the CPU default engine (`make demo`, or `dflash-trt build "
                            "build_configs/smollm2-135m-cpu.yaml -o DIR`) runs bfloat16 with its draft tree", err=True)
-            device, dtype = target_runtime(device, dtype)
             config = EngineConfig(max_batch_size=1, max_model_len=4096 if max_model_len is None else max_model_len,
                                   max_draft_len=max_draft_len, device=device,
                                   speculative=not no_spec, dtype=dtype, draft_tree=tree or {},
@@ -191,7 +192,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         "tokens_per_s": round(out.tokens_per_s, 3),
         "acceptance_histogram": out.acceptance_histogram,
         "acceptance_lengths": out.acceptance_lengths,
-        "max_draft_len": engine.scheduler.config.draft_len_for(1),  # what a one-row step drafts on this CPU
+        "max_draft_len": engine.scheduler.config.draft_len_for(1),  # what a one-row step drafts on this device
         "prefill_s": round(out.prefill_time, 4),
         "decode_s": round(out.decode_time, 4),
         "draft_s": round(out.draft_time, 4),

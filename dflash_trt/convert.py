@@ -48,8 +48,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
                 tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
                 model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             except (ValueError, EOFError, struct.error) as e:  # a cut-short or damaged file: in numpy's words
-                raise ValueError(f"{gguf_path}: not a readable GGUF checkpoint ({type(e).__name__}: {e}); it may be "
-                                 "truncated or corrupt") from e
+                raise ValueError(f"{gguf_path}: not a GGUF checkpoint transformers reads ({type(e).__name__}: {e}); "
+                                 "it may be truncated or corrupt, or of an architecture it does not support") from e
             # The GGUF quantizer marks the model unserializable; the weights are already dequantized.
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):

@@ -177,7 +177,6 @@ class EngineDir:
                 values[key] = value
         return EngineConfig(**values)
 
-
     def _build_settings(self) -> dict:
         """The EngineConfig values the manifest's build config sets (ValueError for a table key that is no number)."""
         cfg = self.build_config

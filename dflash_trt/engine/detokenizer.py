@@ -21,10 +21,11 @@ def client_text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
 
 
-def find_stop(text: str, stops: Sequence[str], after: int = 0) -> int:
-    """Where the answer's text ends: the start of the first stop string that ends past character `after`, or -1."""
-    cuts = [text.find(stop, max(after - len(stop) + 1, 0)) for stop in stops]
-    return min((c for c in cuts if c >= 0), default=-1)
+def find_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str | None]:
+    """Where the answer's text ends and the stop string that ends it: the first that ends past character `after`
+    (the first listed of those starting there); (-1, None) where none does."""
+    found = [(cut, stop) for stop in stops if (cut := text.find(stop, max(after - len(stop) + 1, 0))) >= 0]
+    return min(found, key=lambda x: x[0], default=(-1, None))
 
 
 def stop_search_start(tokenizer, ids: Sequence[int], min_tokens: int) -> int:
@@ -86,7 +87,7 @@ class IncrementalDetokenizer:
         """Length of the longest suffix of text that starts (or is) one of the stop strings (those that end past
         character `after`)."""
         best = 0
-        cut = find_stop(text, self.stop, after)
+        cut, _ = find_stop(text, self.stop, after)
         if cut >= 0:
             best = len(text) - cut
         for stop in self.stop:

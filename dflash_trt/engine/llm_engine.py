@@ -165,7 +165,7 @@ def _holds_stop(tokenizer, ids: list[int], stops: list[str], tail: int, min_toke
     checked as they came)."""
     start = max(len(ids) - tail, 0)
     text = client_text(tokenizer, ids[start:])
-    return find_stop(text, stops, stop_search_start(tokenizer, ids[start:], min_tokens - start)) >= 0
+    return find_stop(text, stops, stop_search_start(tokenizer, ids[start:], min_tokens - start))[0] >= 0
 
 
 def _prompt_list(prompts) -> list[str | list[int]]:
@@ -434,11 +434,9 @@ class LLMEngine:
                 stop_reason = s.output_ids[-1]
         text = client_text(self.tokenizer, ids) if self.tokenizer is not None else ""
         if s.params.stop:
-            after = stop_search_start(self.tokenizer, ids, s.params.min_tokens)
-            cut = find_stop(text, s.params.stop, after)
+            cut, stop = find_stop(text, s.params.stop, stop_search_start(self.tokenizer, ids, s.params.min_tokens))
             if cut >= 0:
-                stop_reason = next(x for x in s.params.stop if text.startswith(x, cut) and cut + len(x) > after)
-                text = text[:cut]
+                text, stop_reason = text[:cut], stop
         return RequestOutput(
             prompt_token_ids=s.prompt_ids,
             token_ids=list(s.output_ids),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -73,7 +75,9 @@ class ServerMetrics:
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", **spec)
         self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", **spec)
         self.model_name = model_name
-        self._counted: dict[int, int] = {}  # request id -> its output tokens counted so far (running requests)
+        # a running request -> its output tokens counted so far; weak, so a request that leaves without a last step
+        # (an engine error fails it) takes its entry with it
+        self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         r.register(_VLLMNamed([self.running, self.queue_depth, self.kv_cache_usage, self.prompt_tokens,
                                self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
 
@@ -86,13 +90,18 @@ class ServerMetrics:
         for n in result.acceptance_lengths:
             self.acceptance_length.observe(n)
         # tokens as steps make them, as vLLM counts them: a long answer's rate shows while it streams
+        prompt = generated = 0
         for seq in result.updated:
-            counted = self._counted.pop(seq.request_id, None)
+            counted = self._counted.pop(seq, None)
             if counted is None and seq.output_ids:  # its first token: its prompt is cached (not one aborted queued)
-                self.prompt_tokens.inc(len(seq.prompt_ids))
-            self.generation_tokens.inc(len(seq.output_ids) - (counted or 0))
+                prompt += len(seq.prompt_ids)
+            generated += len(seq.output_ids) - (counted or 0)
             if not seq.is_finished:
-                self._counted[seq.request_id] = len(seq.output_ids)
+                self._counted[seq] = len(seq.output_ids)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generation_tokens.inc(generated)
 
     def observe_finished(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()

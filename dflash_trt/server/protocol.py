@@ -513,7 +513,7 @@ def tokenize_chat_fields(body: dict) -> dict:
     """A /tokenize body as the chat completion whose prompt it counts: its sampling fields are not read, and its tools
     are rendered, never called."""
     picked = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
-    return picked | {"tool_choice": "none"} if picked.get("tools") else picked
+    return (picked | {"tool_choice": "none"}) if picked.get("tools") else picked
 
 
 class DetokenizeRequest(_NullIsUnset):

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import threading
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -121,6 +120,7 @@ class TritonPythonModel:
 
         self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
         self.engine = self.loop.engine
+        self._finalized = threading.Event()
         marker = os.environ.get(STOP_FILE_ENV)
         if marker:
             threading.Thread(target=self._stop_when_marked, args=(marker,), daemon=True).start()
@@ -130,7 +130,8 @@ class TritonPythonModel:
         (finalize comes only after them): the loop stops now, so each ends with an error ("server shutting down"),
         as `dflash-trt serve` ends them, and new ones are refused."""
         while not os.path.exists(marker):
-            time.sleep(0.2)
+            if self._finalized.wait(0.2):  # unloaded otherwise (tritonserver's own model control)
+                return
         self.loop.stop()
 
     def execute(self, requests):
@@ -146,6 +147,7 @@ class TritonPythonModel:
         if self.settings.backend == "trtllm":
             self._aio.call_soon_threadsafe(self._aio.stop)
             return
+        self._finalized.set()
         self.loop.stop()
 
     # --- torch backend: this project's runtime ------------------------------------------------------
