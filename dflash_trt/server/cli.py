@@ -12,6 +12,7 @@ import click
 
 from dflash_trt.build_cli import EnginePath
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP
+from dflash_trt.server.sockets import address, bound
 
 # EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
 # tests/test_cli.py checks they agree)
@@ -198,7 +199,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
         def started() -> None:
             click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
-                       f"{llm.max_model_len}) on http://{_address(host, port)}/v1", err=True)
+                       f"{llm.max_model_len}) on http://{address(host, port)}/v1", err=True)
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         try:
@@ -215,24 +216,14 @@ def _bind(host: str, port: int):
     """The server's socket, bound but not yet listening, so that clients are refused (not left waiting) while the
     model loads; uvicorn listens on it once the app is up."""
     import errno
-    import socket
 
-    # as uvicorn binds for its workers (Config.bind_socket): IPv6 for an address with a colon, else IPv4
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bound(host, port)
     except OSError as e:
-        sock.close()
-        where = _address(host, port)
+        where = address(host, port)
         if e.errno == errno.EADDRINUSE:
             raise click.ClickException(f"{where} is already in use (another server?); pass another --port") from e
         raise click.ClickException(f"cannot listen on {where}: {e.strerror or e}; check --host and --port") from e
-    return sock
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _uvicorn_server_class():

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import dir_swap
+from dflash_trt.server.sockets import address, bound
 
 logger = logging.getLogger(__name__)
 
@@ -304,13 +304,11 @@ class TritonServer:
         """OSError naming the flag of a port another process holds, which tritonserver would find only once the model
         has loaded (and say in its log alone)."""
         for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), self.ports):
-            with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((self.host, port))
-                except OSError as e:
-                    raise OSError(f"{flag} {port}: {self.host}:{port} is not free ({e.strerror or e}); pass another "
-                                  f"{flag}") from None
+            try:
+                bound(self.host, port).close()
+            except OSError as e:
+                raise OSError(f"{flag} {port}: {address(self.host, port)} is not free ({e.strerror or e}); pass "
+                              f"another {flag}") from None
 
     def start(self) -> "TritonServer":
         self.check_repository()
