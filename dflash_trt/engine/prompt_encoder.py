@@ -47,13 +47,13 @@ class PromptEncoder:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        chat_template=chat_template, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
-        if chat_chars(messages) > self.max_prompt_chars:
-            # likely too long: rendered first (a template need not render every message) to be sure before tokenizing
+        if add_special_tokens or chat_chars(messages) > self.max_prompt_chars:
+            # rendered once, as text: to tokenize with the tokenizer's own special tokens, or, likely too long, to be
+            # sure before tokenizing (a template need not render every message)
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
             self.check_chars(rendered if isinstance(rendered, str) else "")
-        if add_special_tokens:
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
-            return self.tokenizer(rendered, add_special_tokens=True)["input_ids"]
+            if add_special_tokens:
+                return self.tokenizer(rendered, add_special_tokens=True)["input_ids"]
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) for t in ids):  # a template's variables that reached the call's own options
