@@ -25,7 +25,8 @@ import yaml
 
 from dflash_trt import dir_swap
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
-from dflash_trt.engine_dir import FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST, manifest_digest, read_manifest
+from dflash_trt.engine_dir import (BUILD_REPLACED, BUILD_WRITING, FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST,
+                                   manifest_digest, read_manifest)
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_json_object
@@ -363,7 +364,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
     out = Path(out_dir).resolve()
     # first: a killed --force build may have left the previous engine aside
-    dir_swap.remove_stale(out.parent, "build", "old", complete=lambda old: (old / MANIFEST).is_file(), name=out.name,
+    dir_swap.remove_stale(out.parent, BUILD_WRITING, BUILD_REPLACED, complete=lambda old: (old / MANIFEST).is_file(), name=out.name,
                           unlocked_replaced=True)
     _check_output(out, force)
     p = prepare_build(config_path, overrides)
@@ -375,7 +376,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     _check_tensors(p)
     _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dir_swap.temp_beside(out, "build")
+    tmp = dir_swap.temp_beside(out, BUILD_WRITING)
     with _sigterm_unwinds(), dir_swap.held(tmp):
         tmp.mkdir()
         _write_files(p, out, tmp, weights, force, progress)
@@ -430,7 +431,7 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
         manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         # --force's check again: another process may have written `out` during this build
-        dir_swap.swap_in(tmp, out, "old", check=lambda: _check_output(out, force))
+        dir_swap.swap_in(tmp, out, BUILD_REPLACED, check=lambda: _check_output(out, force))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

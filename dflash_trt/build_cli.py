@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -19,13 +18,15 @@ class EnginePath(click.Path):
         super().__init__(exists=True, file_okay=False)
 
     def convert(self, value, param, ctx):
+        from dflash_trt import dir_swap
+        from dflash_trt.engine_dir import BUILD_REPLACED, MANIFEST
+
         path = Path(value)
-        if not path.exists():
-            aside = sorted(path.parent.glob(f".{glob.escape(path.name)}.old-*/manifest.json")) if path.name else []
+        if not path.exists() and path.name and path.parent.is_dir():
+            aside = [d for d in dir_swap.set_aside(path.parent, BUILD_REPLACED, path.name) if (d / MANIFEST).is_file()]
             if aside:
                 self.fail(f"{path} does not exist: a build killed while it replaced it left the previous engine at "
-                          f"{aside[0].parent}; the same build again puts it back (or move it back yourself)",
-                          param, ctx)
+                          f"{aside[0]}; the same build again puts it back (or move it back yourself)", param, ctx)
         return super().convert(value, param, ctx)
 
 

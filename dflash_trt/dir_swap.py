@@ -103,6 +103,12 @@ def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[t
             yield path, match[1]
 
 
+def set_aside(parent: Path, replaced: str, name: str) -> list[Path]:
+    """The previous NAMEs a writer set aside in `parent` (as `replaced`), left there where it was killed before the
+    new one took their place."""
+    return sorted(path for path, _ in _directories(parent, replaced, name))
+
+
 def live_writers(parent: Path, kind: str) -> list[Path]:
     """The directories of `kind` in `parent` that a live writer holds."""
     return sorted(path for path, _ in _directories(parent, kind) if lock_state(lock_of(path)) is False)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# dir_swap's kinds for a build: `.ENGINE.build-PID-HEX` being written, `.ENGINE.old-PID-HEX` the engine it replaces
+BUILD_WRITING, BUILD_REPLACED = "build", "old"
 # The manifest's own checksum: it holds the build config generate and serve run with, and cannot list itself.
 MANIFEST_DIGEST = "manifest_sha256"
 # Directories the runtimes read by globbing (*.safetensors, optional tokenizer files): a file added there after
