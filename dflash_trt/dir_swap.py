@@ -28,6 +28,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+# flock's errors on a file system without locks (NFS without lockd): there writers go unguarded, as before locks
+LOCKLESS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
 SWAP = "swap"  # `.OUT.swap.lock`: swaps into OUT take turns under it
 
 
@@ -51,7 +53,7 @@ def held(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:  # a file system without locks (NFS without lockd): write unguarded, as before locks
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+            if e.errno not in LOCKLESS:
                 os.close(fd)
                 raise
             logger.warning("%s: no lock on this file system (%s): what a killed writer leaves here stays",

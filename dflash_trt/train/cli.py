@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dflash_trt import dir_swap
 from dflash_trt.train.signals import signal_handlers
 
 if TYPE_CHECKING:
@@ -302,8 +303,12 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
         os.close(fd)
         raise click.BadParameter(f"{path} is in use by another training run (it holds {path / RUN_LOCK}): wait for "
                                  "it to end, or pass another directory", param_hint=f"'{flag}'") from None
-    except OSError:  # a file system without locks (NFS without lockd): unguarded
-        pass
+    except OSError as e:
+        if e.errno not in dir_swap.LOCKLESS:
+            os.close(fd)
+            raise
+        logger.warning("%s: no lock on this file system (%s): another run could use it at once", path / RUN_LOCK,
+                       e.strerror)
     try:
         yield
     finally:
