@@ -14,3 +14,17 @@ def target_runtime(device: str | None, dtype: str | None) -> tuple[str, str]:
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return device, dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
+THREADS_HELP = ("CPU threads of the runtime (default: torch's, one per core). On a machine busy with other work, give "
+                "no more than the cores it leaves free: each layer's threads wait for the slowest, and one the OS "
+                "has set aside stalls them all.")
+
+
+def use_threads(threads: int | None) -> None:
+    """Size the OpenMP team of the calling thread (torch's ops and the C kernels share one OpenMP runtime). OpenMP
+    keeps this setting per thread: call it on the thread that steps the engine."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -1,13 +1,20 @@
 """Where --target runs go without an engine to say: a GPU where torch sees one (in bf16), else the CPU (in fp32); a
-device torch cannot use is refused naming it, before any weight loads."""
+device torch cannot use is refused naming it, before any weight loads. --threads sizes the OpenMP team of the thread
+that steps the engine, in generate, serve and a Triton model."""
+
+import ctypes
+import threading
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
-from dflash_trt.engine.llm_engine import EngineConfig
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.runtime_device import target_runtime
+from dflash_trt.server import cli as server_cli
+from dflash_trt.server.triton import ModelSettings
+from tests.server.conftest import free_port
 
 
 @pytest.mark.parametrize("cuda, asked, want", [
@@ -42,3 +49,51 @@ def test_a_cuda_device_past_the_machines_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="device='cuda:7', but this machine has 1 CUDA device"):
         EngineConfig(device="cuda:7")
+
+
+def omp_team() -> int:
+    """The team size a parallel region opened on the calling thread gets: the C kernels' `#pragma omp parallel`
+    asks libgomp (the one torch loaded, which shares its soname) for nothing else."""
+    return ctypes.CDLL("libgomp.so.1").omp_get_max_threads()
+
+
+@pytest.fixture
+def one_core_machine():
+    """Threads are a process setting: the test's are given back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a machine where one thread is already the default")
+def test_generate_threads_size_the_team_its_steps_run_on(tiny_dirs, one_core_machine):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x",
+                                  "--max-new-tokens", "2", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert omp_team() == 1
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a machine where one thread is already the default")
+def test_serve_threads_size_the_team_of_the_engines_own_thread(monkeypatch, one_core_machine):
+    seen = {}
+
+    def load_engine(*args, **overrides):
+        seen["team"], seen["thread"] = omp_team(), threading.current_thread()
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(server_cli, "load_engine", load_engine)
+    r = CliRunner().invoke(server_cli.serve, ["--threads", "1", "--port", str(free_port())])
+    assert r.exit_code == 1 and "stop before serving" in r.output
+    assert seen["thread"] is not threading.main_thread() and seen["team"] == 1
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a machine where one thread is already the default")
+def test_a_triton_models_threads_reach_the_thread_that_opens_its_engine(monkeypatch, tmp_path, one_core_machine):
+    settings = ModelSettings.from_parameters(ModelSettings(target_dir=str(tmp_path), speculative=False,
+                                                           threads=1).to_parameters())
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_dirs", lambda *a: seen.append(omp_team()))
+    opened = threading.Thread(target=settings.open_engine)  # as EngineLoop.spawn opens it
+    opened.start()
+    opened.join()
+    assert seen == [1]

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.bench.datasets import PRESETS
+from dflash_trt.runtime_device import THREADS_HELP, use_threads
 
 
 MAX_SWEEP_REQUESTS = 1_000_000
@@ -73,7 +74,7 @@ def bench() -> None:
               "outputs equal AR's), rejection samples drafts and accepts by min(1, p/q).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
               help="Weights and activations of every system (default: the ENGINE's dtype, else bfloat16).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--zlab-peer", is_flag=True, help="Also time z-lab's dflash_generate on the same weights (first K). It "
               "drafts over the whole vocabulary: include 0 in --draft-vocab-sizes to compare like with like.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -122,8 +123,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
             raise click.ClickException(str(e)) from e
     if output:
         _make_output_folder(output)
-    if threads:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype if dtype or engine else "bfloat16",
                                 max_batch_size=1)

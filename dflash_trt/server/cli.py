@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.build_cli import EnginePath
-from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP
+from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, THREADS_HELP, use_threads
 from dflash_trt.server.sockets import address, bound
 
 # EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
@@ -144,13 +144,14 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Let requests bring their own chat_template (a template is a program the server runs; off by "
               "default, as vLLM's).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--allowed-origin", "allowed_origins", multiple=True,
               help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000; '*' "
               "for any; repeatable (default: none).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype,
           device, head_screen, int8_drafter, host, port, backend, served_model_name, trust_request_chat_template,
-          allowed_origins) -> None:
+          threads, allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -178,7 +179,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
                            adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype, device,
                            head_screen, int8_drafter)
 
-    def build():
+    def build():  # on the engine's thread
+        use_threads(threads)
         llm, name = load_engine(engine, target, drafter, no_spec, **overrides)
         names.append(name)
         return llm
@@ -321,9 +323,10 @@ def triton() -> None:
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), default=None,
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--force", is_flag=True, help="Overwrite the model if the repository already holds one of that name.")
 def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
-                  max_draft_len, dtype, force) -> None:
+                  max_draft_len, dtype, threads, force) -> None:
     """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
     from dflash_trt.server.triton import ModelSettings, export_repository
 
@@ -357,7 +360,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
             target_dir=str(Path(target).resolve()) if target else "",
             drafter_dir=str(Path(drafter).resolve()) if drafter and not no_spec else "", speculative=not no_spec,
             backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
-            max_draft_len=max_draft_len or 0, dtype=dtype or "",
+            max_draft_len=max_draft_len or 0, dtype=dtype or "", threads=threads or 0,
         )
         path = export_repository(repo, model_name, settings, force=force)
         if max_model_len:  # capped where the model loads, with only a log line there

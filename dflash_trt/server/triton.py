@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import dir_swap
+from dflash_trt.runtime_device import use_threads
 from dflash_trt.server.sockets import address, bound
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class ModelSettings:
     max_model_len: int = 0  # 0: the engine's default
     max_draft_len: int = 0  # 0: the engine's default
     dtype: str = ""  # "": the engine's default
+    threads: int = 0  # CPU threads; 0: torch's default
 
     def __post_init__(self) -> None:
         if not self.engine_dir and not self.target_dir:
@@ -97,7 +99,8 @@ class ModelSettings:
         return cls(**values)
 
     def open_engine(self):
-        """The torch runtime's LLMEngine for these settings."""
+        """The torch runtime's LLMEngine for these settings, on the thread that will step it."""
+        use_threads(self.threads)
         overrides = {"max_batch_size": self.max_batch_size, "max_model_len": self.max_model_len or None,
                      "max_draft_len": self.max_draft_len or None, "dtype": self.dtype or None}
         if self.engine_dir:
