@@ -12,7 +12,7 @@ import click
 
 from dflash_trt import __version__
 from dflash_trt.build_cli import EnginePath
-from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, target_runtime
+from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, THREADS_HELP, target_runtime, use_threads
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -100,10 +100,11 @@ def _as_flags(message: str) -> str:
               help="Subtracted from a token's logit per time the answer holds it (OpenAI's).")
 @click.option("--logprobs", default=None, type=click.IntRange(0, 20),
               help="With --json: each generated token's log-probability and its N likeliest alternatives.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
              seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, device, max_model_len,
-             repetition_penalty, presence_penalty, frequency_penalty, logprobs, as_json) -> None:
+             repetition_penalty, presence_penalty, frequency_penalty, logprobs, threads, as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
     from jinja2 import TemplateError
@@ -128,6 +129,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             raise click.BadParameter(f"not UTF-8 text (a byte at character {e.start}); pass text in the terminal's "
                                      "UTF-8", param_hint=f"'{flag}'") from None
     tree = None if tree_nodes is None else ({1: tree_nodes} if tree_nodes else {})
+    use_threads(threads)
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos, acceptance=acceptance,
@@ -180,7 +182,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "
                        f"(--max-model-len): at most {max(engine.max_model_len - len(ids), 0)} new tokens, not "
                        f"{max_new_tokens}", err=True)
-        out = engine.generate([ids], params)[0]
+        out = engine.generate([ids], params)[0] if as_json else _stream(engine, ids, params)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(_as_flags(str(e))) from e
     result = {
@@ -204,7 +206,6 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     if as_json:
         click.echo(json.dumps(result))
         return
-    click.echo(out.text)
     click.echo("---", err=True)
     # the K a one-row step drafts on this CPU (an engine's schedule may draft less than its max_draft_len there)
     mode = ("autoregressive" if no_spec
@@ -224,6 +225,25 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
+
+
+def _stream(engine, ids: list[int], params: SamplingParams):
+    """The answer, its text written to stdout as the steps make it; Ctrl-C ends it there, what came kept (exit 130)."""
+    from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+
+    seq = engine.add_request(ids, params)
+    detok = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens)
+    try:
+        while not seq.is_finished:
+            engine.step()
+            final = engine.make_output(seq).text if seq.is_finished else None  # cut at a stop string, whole
+            click.echo(detok.delta(seq.output_ids, final), nl=False)
+    except KeyboardInterrupt:
+        click.echo()
+        click.echo(f"--- interrupted after {_count(len(seq.output_ids), 'token')}", err=True)
+        sys.exit(130)
+    click.echo()
+    return engine.make_output(seq)
 
 
 def _count(n: int, noun: str) -> str:

@@ -2,6 +2,7 @@
 
 import json
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -328,3 +329,61 @@ def test_the_cli_tells_its_version_and_takes_h_for_help():
 
     assert CliRunner().invoke(main, ["--version"]).output.strip().endswith(__version__)
     assert "Usage:" in CliRunner().invoke(main, ["-h"]).output
+
+
+def hf_greedy_text(target_dir, prompt: str, n: int) -> str:
+    """transformers' greedy continuation of the prompt, decoded as a client reads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="float32")
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1]:]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_generate_writes_the_answer_as_the_steps_make_it(tiny_dirs, monkeypatch):
+    """Text on stdout before the answer is done, and all of it the target's own greedy answer."""
+    echo, pieces = click.echo, []
+
+    def spy(message=None, *args, **kwargs):
+        if message and not kwargs.get("err"):
+            pieces.append(message)
+        return echo(message, *args, **kwargs)
+
+    monkeypatch.setattr(click, "echo", spy)
+    r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-p", "x",
+             "--max-new-tokens", "24", "--ignore-eos", "-k", "3")
+    assert r.exit_code == 0, r.output
+    want = hf_greedy_text(tiny_dirs["qwen3"], "x", 24)
+    assert r.stdout == want + "\n"
+    assert len(pieces) > 3 and "".join(pieces) == want
+
+
+def test_a_streamed_answer_ends_before_its_stop_string_as_the_json_one_does(tiny_dirs):
+    want = hf_greedy_text(tiny_dirs["qwen3"], "x", 24)
+    stop = want[9:12]  # a string the answer holds: it ends just before it
+    r = _run("generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-p", "x",
+             "--max-new-tokens", "24", "--ignore-eos", "-k", "3", "--stop", stop)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == want[:want.find(stop)] + "\n"
+
+
+def test_ctrl_c_keeps_the_text_so_far_and_says_how_far_it_came(tiny_dirs, monkeypatch):
+    from dflash_trt.engine.llm_engine import LLMEngine
+
+    step, steps = LLMEngine.step, []
+
+    def interrupted_step(self):
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+        steps.append(1)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x",
+                                  "--max-new-tokens", "24", "--ignore-eos"])
+    assert r.exit_code == 130, r.output
+    want = hf_greedy_text(tiny_dirs["qwen3"], "x", 24)
+    assert r.stdout.strip() and want.startswith(r.stdout.rstrip("\n"))
+    assert "interrupted after 4 tokens" in r.stderr  # the prompt's forward gave one, three plain steps three more
