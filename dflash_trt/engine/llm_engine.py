@@ -401,6 +401,7 @@ class LLMEngine:
                 # waits for requests and prompt chunks are not a decode step's cost.
                 cycle = None if batch.prefills or self._busy_since is None else time.perf_counter() - self._busy_since
                 self.adaptive.observe(len(active), k, cycle, [len(t) for t in emitted], catch_up)
+            result.draft_tokens = (nodes or k) if k > 0 else 0
             for s, toks in zip(active, emitted):
                 n = s.append(toks, self.max_model_len)
                 if k > 0:
@@ -468,6 +469,7 @@ class StepResult:
     draft_time: float = 0.0
     verify_time: float = 0.0
     num_draft: int = 0  # the K this step ran (the schedule's, or 0 where adaptive_draft_len turned it off)
+    draft_tokens: int = 0  # drafts each decoding row verified (a tree's nodes, else K)
 
     @property
     def batch_size(self) -> int:

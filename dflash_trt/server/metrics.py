@@ -29,6 +29,9 @@ VLLM_NAMES = {
     "dflash_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
 }
 _VLLM_LABELS = {"finish_reason": "finished_reason"}
+# vLLM labels every metric with the model's name and its engine's index (vllm/v1/metrics/loggers.py); one engine here
+_VLLM_LABEL_NAMES = ["model_name", "engine"]
+VLLM_ENGINE = "0"
 
 
 class ServerMetrics:
@@ -68,13 +71,18 @@ class ServerMetrics:
                               "the first", buckets=_TIME_BUCKETS, registry=r)
         self.latency = Histogram("dflash_e2e_request_latency_seconds", "From a request's arrival to its last token",
                                  buckets=_REQUEST_BUCKETS, registry=r)
-        # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), counted as requests finish: a draft
-        # is one request's speculative step (a tree's nodes count as its draft tokens)
-        spec = dict(labelnames=["model_name"], registry=r)
+        # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), counted every step as vLLM's: a
+        # draft is one request's speculative step (a tree's nodes count as its draft tokens, the depths of its
+        # accepted path as the positions)
+        spec = dict(labelnames=_VLLM_LABEL_NAMES, registry=r)
         self.drafts = Counter("vllm:spec_decode_num_drafts", "Speculative steps, one per request per step", **spec)
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", **spec)
         self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", **spec)
-        self.model_name = model_name
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                        "each position", labelnames=[*_VLLM_LABEL_NAMES, "position"], registry=r)
+        self.vllm_labels = (model_name, VLLM_ENGINE)
+        for pos in range(max_draft_len):  # vLLM's are there, at zero, before the first step
+            self.accepted_per_pos.labels(*self.vllm_labels, str(pos))
         # a running request -> its output tokens counted so far; weak, so a request that leaves without a last step
         # (an engine error fails it) takes its entry with it
         self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,6 +97,12 @@ class ServerMetrics:
                 self.draft_time.observe(result.draft_time)
         for n in result.acceptance_lengths:
             self.acceptance_length.observe(n)
+            for pos in range(n - 1):  # less the bonus token
+                self.accepted_per_pos.labels(*self.vllm_labels, str(pos)).inc()
+        if drafts := len(result.acceptance_lengths):
+            self.drafts.labels(*self.vllm_labels).inc(drafts)
+            self.draft_tokens.labels(*self.vllm_labels).inc(drafts * result.draft_tokens)
+            self.accepted_tokens.labels(*self.vllm_labels).inc(sum(result.acceptance_lengths) - drafts)
         # tokens as steps make them, as vLLM counts them: a long answer's rate shows while it streams
         prompt = generated = 0
         for seq in result.updated:
@@ -113,18 +127,14 @@ class ServerMetrics:
             self.tpot.observe(output.decode_time / (output.num_tokens - 1))
         if output.latency is not None:
             self.latency.observe(output.latency)
-        if output.acceptance_lengths:
-            steps = len(output.acceptance_lengths)
-            self.drafts.labels(self.model_name).inc(steps)
-            self.draft_tokens.labels(self.model_name).inc(output.total_draft_tokens)
-            self.accepted_tokens.labels(self.model_name).inc(sum(output.acceptance_lengths) - steps)  # less bonus
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _VLLMNamed:
-    """A collector of `metrics` again, under their VLLM_NAMES, with vLLM's label names and the model_name label."""
+    """A collector of `metrics` again, under their VLLM_NAMES, with vLLM's label names and its model_name and engine
+    labels."""
 
     def __init__(self, metrics: list, model_name: str) -> None:
         self.metrics, self.model_name = metrics, model_name
@@ -135,9 +145,10 @@ class _VLLMNamed:
                 name = VLLM_NAMES[family.name]
                 renamed = Metric(name, family.documentation, family.type, family.unit)
                 for sample in family.samples:
-                    labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
-                    renamed.add_sample(name + sample.name[len(family.name):], {"model_name": self.model_name, **labels},
-                                       sample.value, sample.timestamp, sample.exemplar)
+                    labels = {"model_name": self.model_name, "engine": VLLM_ENGINE,
+                              **{_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}}
+                    renamed.add_sample(name + sample.name[len(family.name):], labels, sample.value, sample.timestamp,
+                                       sample.exemplar)
                 yield renamed
 
 

@@ -2,6 +2,8 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_trt.bench.endpoint_metrics import (VLLM_ACCEPTED, VLLM_ACCEPTED_PER_POS, VLLM_DRAFT_TOKENS, VLLM_DRAFTS,
+                                                acceptance_delta, parse_metrics)
 from dflash_trt.engine.scheduler import Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.sampling_params import SamplingParams
@@ -47,7 +49,6 @@ def test_request_latencies_are_observed_as_vllms_are():
 
 
 def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_built_on_vllm():
-    from dflash_trt.bench.endpoint_metrics import VLLM_ACCEPTED, VLLM_DRAFT_TOKENS, VLLM_DRAFTS, acceptance_delta
     from dflash_trt.engine.llm_engine import RequestOutput
     from dflash_trt.server.metrics import VLLM_NAMES
 
@@ -57,6 +58,7 @@ def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_buil
             RequestOutput([1], [5, 6], "", "length", acceptance_lengths=[2], draft_lens=[6], tau=2.0, latency=0.2)]
     for out in outs:
         metrics.observe_finished(out)
+    speculative_steps(metrics, [([3, 2], 3), ([1], 6)])  # the same steps: two rows drafting 3, then one tree of 6
     text = metrics.render().decode()
     samples = [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
     ours = {(n, tuple(sorted(labels.items()))): v for n, labels, v in samples if n.startswith("dflash_")}
@@ -66,19 +68,47 @@ def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_buil
         if family is None or name.endswith("_created"):
             continue
         renamed = VLLM_NAMES[family] + name[len(family):]
-        vllm_labels = tuple(sorted({"model_name": "m", **{("finished_reason" if k == "finish_reason" else k): v
-                                                          for k, v in labels}}.items()))
+        vllm_labels = tuple(sorted({"model_name": "m", "engine": "0",
+                                    **{("finished_reason" if k == "finish_reason" else k): v for k, v in labels}}.items()))
         assert theirs[(renamed, vllm_labels)] == value, renamed
-    assert theirs[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
+    assert theirs[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"),
+                                                  ("model_name", "m")))] == 1
     # the names as vllm/v1/metrics/loggers.py writes them (not this module's own table)
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_sum",
             "vllm:request_time_per_output_token_seconds_sum", "vllm:e2e_request_latency_seconds_sum"} <= {
         name for name, _ in theirs}
-    # vLLM's spec-decode counters, read as a bench reads vLLM: 3 steps committing 3, 1 and 2 tokens over 12 drafted
-    totals = {name: theirs[(name, (("model_name", "m"),))] for name in (VLLM_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFT_TOKENS)}
-    read = acceptance_delta({}, totals)
-    assert read["tau"] == (3 + 1 + 2) / 3 and read["acceptance_rate"] == (2 + 0 + 1) / 12
+    # vLLM's spec-decode counters, read as a bench reads vLLM: 3 steps committing 3, 2 and 1 tokens over 12 drafted
+    read = acceptance_delta({}, {k: v for k, v in parse_metrics(text).items() if k.startswith("vllm:")})
+    assert read["tau"] == (3 + 2 + 1) / 3 and read["acceptance_rate"] == (2 + 1 + 0) / 12
+    assert read["acceptance_per_position"] == [2 / 3, 1 / 3, 0]  # first drafts accepted twice, second once, none third
+
+
+def speculative_steps(metrics: ServerMetrics, steps: list[tuple[list[int], int]]) -> None:
+    """Steps of rows that committed the given tokens each (the bonus included), each row verifying `drafts`."""
+    from dflash_trt.engine.llm_engine import StepResult
+    from dflash_trt.engine.scheduler import ScheduledBatch
+
+    for committed, drafts in steps:
+        rows = [Sequence([1], SamplingParams()) for _ in committed]
+        metrics.observe_step(StepResult(ScheduledBatch([], rows, drafts, []), acceptance_lengths=committed,
+                                        num_draft=drafts, draft_tokens=drafts))
+
+
+def test_spec_decode_counters_move_every_step_not_when_requests_end():
+    """As vLLM's: a scrape while a long answer streams sees its drafts; a request that finishes adds nothing more."""
+    from dflash_trt.engine.llm_engine import RequestOutput
+
+    metrics = ServerMetrics(Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=50)), 4, model_name="m")
+    empty = parse_metrics(metrics.render().decode())
+    assert empty[f"{VLLM_ACCEPTED_PER_POS}:3"] == 0  # each position there from the start, as vLLM's
+    speculative_steps(metrics, [([5, 1], 4)])
+    first = parse_metrics(metrics.render().decode())
+    assert (first[VLLM_DRAFTS], first[VLLM_DRAFT_TOKENS], first[VLLM_ACCEPTED]) == (2, 8, 4)
+    assert [first[f"{VLLM_ACCEPTED_PER_POS}:{p}"] for p in range(4)] == [1, 1, 1, 1]
+    metrics.observe_finished(RequestOutput([1], [5] * 6, "", "length", acceptance_lengths=[5], draft_lens=[4],
+                                           tau=5.0))
+    assert parse_metrics(metrics.render().decode()) == first
 
 
 def test_tokens_are_counted_as_steps_make_them_not_when_the_request_ends():

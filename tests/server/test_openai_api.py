@@ -469,8 +469,13 @@ def test_models_health_and_metrics(server):
     reason = resp.choices[0].finish_reason
     key = f'dflash_requests_total{{finish_reason="{reason}"}}'
     assert after[key] - before.get(key, 0) == 1
-    steps = resp.choices[0].model_extra["acceptance"]["num_steps"]
+    acceptance = resp.choices[0].model_extra["acceptance"]
+    steps = acceptance["num_steps"]
     assert after["dflash_acceptance_length_count"] - before.get("dflash_acceptance_length_count", 0) == steps
+    for name, want in (("num_drafts", steps), ("num_draft_tokens", acceptance["total_draft_tokens"]),
+                       ("num_accepted_tokens", acceptance["total_accepted_draft_tokens"])):
+        key = f'vllm:spec_decode_{name}_total{{engine="0",model_name="{MODEL}"}}'
+        assert after[key] - before.get(key, 0) == want, name
     assert after["dflash_draft_seconds_count"] >= steps and after["dflash_batch_size_count"] >= steps
     assert after["dflash_queue_depth"] == 0 and after["dflash_running_requests"] == 0
 
