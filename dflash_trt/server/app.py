@@ -288,12 +288,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             max_tokens = limit - prompt_len
         if max_tokens <= 0:
             raise APIError(400, f"{max_param} must be > 0, got {max_tokens}", param=max_param)
-        if max_tokens > limit:
-            raise APIError(400, f"{max_param}={max_tokens} is past this model's maximum context length of {limit} "
-                                "tokens", param=max_param, code="context_length_exceeded")
-        # vLLM's rule (get_max_tokens): what the context leaves, so clients that send one large max_tokens for
-        # every prompt are answered up to the context, with finish_reason "length"
-        max_tokens = min(max_tokens, limit - prompt_len)
+        if prompt_len + max_tokens > limit:
+            # vLLM's words (its _validate_input), which clients parse to ask again for what the context leaves
+            raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                                f"maximum context length is {limit} tokens and your request has {prompt_len} input "
+                                f"tokens ({max_tokens} > {limit} - {prompt_len}).", param=max_param,
+                           code="context_length_exceeded")
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= {max_param} ({max_tokens})",
                            param="min_tokens")

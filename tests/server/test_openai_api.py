@@ -415,15 +415,21 @@ def scrape(server) -> dict[str, float]:
     return values
 
 
-def test_max_tokens_past_what_the_prompt_leaves_is_cut_to_the_context_as_vllm_cuts_it(server):
-    """vLLM's get_max_tokens: min(max_tokens, max_model_len - prompt); only a max_tokens past the context is refused."""
+def test_max_tokens_past_what_the_prompt_leaves_is_refused_in_vllms_words(server):
+    """vLLM's serve answers 400 where prompt + max_tokens passes max_model_len, in words clients parse to ask again
+    for what the context leaves (its _validate_input); what fits exactly is served."""
     body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
-    r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+    prompt = len(server.engine.encode(PROMPTS[4]))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 250. This model's maximum context length is 256 "
+        f"tokens and your request has {prompt} input tokens (250 > 256 - {prompt}).")
+    r = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 256 - prompt}, timeout=60)
     usage, choice = r.json()["usage"], r.json()["choices"][0]
     assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 256, r.text
     assert choice["finish_reason"] == "length"
-    r = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 257}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_null_fields_take_their_defaults(server):
