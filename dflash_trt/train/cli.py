@@ -585,6 +585,9 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         target = smollm2_dir()
     if init_from_target and init_drafter:  # the trainer would load one over the other
         raise click.UsageError("--init-from-target and --init-drafter are two warm starts: pass one")
+    if block_size > max_seq_len:  # TrainConfig's check, by the flags' names
+        raise click.BadParameter(f"{block_size} is longer than --max-seq-len ({max_seq_len}): a block's positions past "
+                                 "the sequences would never be labelled", param_hint="'--block-size'")
     out_dir = Path(out)
     data_dir = Path(data) if data else (resume and checkpoint_data_dir(out_dir)) or out_dir / "data"
     try:

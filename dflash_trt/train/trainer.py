@@ -130,6 +130,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.block_size > self.max_seq_len:  # a block's positions past the sequences would never be labelled
+            raise ValueError(f"block_size must be at most max_seq_len ({self.max_seq_len}), got {self.block_size}")
         if self.num_layers < 1 or self.steps < 1:
             raise ValueError("num_layers and steps must be >= 1")
         if self.gamma is not None and not self.gamma > 0:

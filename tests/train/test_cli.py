@@ -136,6 +136,7 @@ def test_resume_without_a_checkpoint_warns_that_training_starts_from_scratch(tar
     (["--seqs-per-step", "0"], "'--seqs-per-step'"),
     (["--lr", "0"], "'--lr'"),
     (["--block-size", "1"], "'--block-size': 1 is not in the range x>=2"),
+    (["--block-size", "65", "--max-seq-len", "64"], "'--block-size': 65 is longer than --max-seq-len (64)"),
     (["--init-from-target", "--layers", "5"],
      "'--layers': --init-from-target copies the target's last --layers layers; it has 4, not 5"),
 ])
