@@ -29,6 +29,7 @@ from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
 from dflash_trt.sampling_params import SamplingParams, TokenIdError, choice_seed
 from dflash_trt.server import protocol as p
+from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
 
@@ -60,14 +61,20 @@ def _is_union_tag(loc: str | int) -> bool:
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
-               allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False) -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
+               api_key: str | None = None) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
-    loops holds the tokenizer, so every request, for as long as it runs."""
+    loops holds the tokenizer, so every request, for as long as it runs. api_key: the /v1 routes answer only requests
+    that bring it (server/access.py)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
+    unauthorized = APIError(401, "this server needs its API key: send it as the header `Authorization: Bearer KEY`",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    # added before CORS, which so wraps it: a browser's call refused for its key still reads as a 401
+    app.add_middleware(Access, api_key=api_key, unauthorized=lambda: error_response(unauthorized))
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

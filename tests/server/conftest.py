@@ -58,7 +58,7 @@ class RunningServer:
         self.loop.stop()
 
 
-def start_server(engine, model: str = MODEL) -> RunningServer:
+def start_server(engine, model: str = MODEL, **app_options) -> RunningServer:
     import uvicorn
 
     from dflash_trt.engine.engine_loop import EngineLoop
@@ -68,7 +68,7 @@ def start_server(engine, model: str = MODEL) -> RunningServer:
     metrics = ServerMetrics(engine.scheduler, engine.max_draft_len, model)
     loop = EngineLoop(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished).start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(loop, model, metrics), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, model, metrics, **app_options), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -43,6 +43,23 @@ def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
     assert seen["max_batch_size"] == 2
 
 
+@pytest.mark.parametrize("flag, env, key", [([], {}, None), (["--api-key", "k1"], {}, "k1"),
+                                            ([], {"DFLASH_TRT_API_KEY": "k2"}, "k2")])
+def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, tiny_dirs, flag, env, key):
+    from dflash_trt.server import app
+
+    seen = []
+
+    def create_app(*args, **kwargs):
+        seen.append(args[-1])
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "64",
+                                            "--port", str(free_port()), *flag], env=env)
+    assert isinstance(result.exception, ValueError) and seen == [key]
+
+
 @pytest.mark.parametrize("args, option", [(["--draft-tree", "five"], "--draft-tree"),
                                           (["--draft-tree", "0:4"], "--draft-tree"),
                                           (["--draft-len-schedule", "1:-3"], "--draft-len-schedule")])

@@ -1,0 +1,55 @@
+"""An API key guards the /v1 routes as vLLM's --api-key does, read through the openai SDK's own error classes; every
+response carries an x-request-id, the client's where it sent one, as OpenAI's API does."""
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, start_server, tiny_engine
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_dirs):
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=1), api_key="sesame",
+                     allowed_origins=("http://app.example",))
+    yield s
+    s.stop()
+
+
+def test_the_v1_routes_answer_only_requests_with_the_key(keyed):
+    with pytest.raises(openai.AuthenticationError) as refused:
+        keyed.client().completions.create(model=MODEL, prompt="x", max_tokens=2)  # the key "none"
+    assert refused.value.code == "invalid_api_key" and "Authorization: Bearer" in refused.value.message
+    assert httpx.get(keyed.base_url + "/models").status_code == 401  # no Authorization at all
+    good = openai.OpenAI(base_url=keyed.base_url, api_key="sesame", max_retries=0, timeout=60)
+    assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert [m.id for m in good.models.list().data] == [MODEL]
+
+
+def test_probes_and_metrics_need_no_key(keyed):
+    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed.url + "/metrics").status_code == 200
+
+
+def test_a_browsers_preflight_passes_and_its_refusal_reads_as_a_401(keyed):
+    origin = {"Origin": "http://app.example"}
+    preflight = httpx.options(keyed.base_url + "/models", headers={**origin, "Access-Control-Request-Method": "GET",
+                                                                   "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200
+    refused = httpx.get(keyed.base_url + "/models", headers=origin)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "http://app.example"
+    assert refused.headers["www-authenticate"] == "Bearer"
+
+
+def test_every_response_carries_a_request_id_the_clients_own_where_it_sent_one(server):
+    raw = server.client().completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2)
+    assert raw.request_id and len(raw.request_id) == 32
+    again = server.client().completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2)
+    assert again.request_id != raw.request_id
+    mine = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                      headers={"X-Request-Id": "trace-42"})
+    assert mine.headers["x-request-id"] == "trace-42"
+    with httpx.stream("POST", server.base_url + "/completions", headers={"X-Request-Id": "trace-43"},
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-43" and "[DONE]" in streamed.read().decode()
+    assert httpx.get(server.url + "/health").headers["x-request-id"]
