@@ -164,12 +164,19 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     cfg = SpeedConfig(draft_lens=ks, rounds=rounds, draft_vocab_sizes=vocabs, tree_nodes=trees, lookup_nodes=lookups,
                       adaptive=adaptive, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                       acceptance=acceptance)
-    with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
-        result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)), zlab=zlab,
-                           progress=bar.update)
+    try:
+        with tqdm(total=rounds * len(prompts), desc="bench speed", unit="prompt", disable=as_json) as bar:
+            result = run_speed(eng, prompts, cfg, chat=bool(getattr(eng.tokenizer, "chat_template", None)),
+                               zlab=zlab, progress=bar.update)
+    except ValueError as e:  # a prompt the engine's context cannot hold: found before any system ran
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        click.echo("\nInterrupted before a round finished: nothing measured" + (f", {output} not written" if output
+                                                                                 else ""), err=True)
+        raise SystemExit(130) from None
     from datetime import datetime, timezone
 
-    from dflash_trt.bench.sweep import machine_info
+    from dflash_trt.bench.sweep import machine_info, replace_text
 
     result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
               "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
@@ -177,9 +184,13 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
         try:
-            Path(output).write_text(json.dumps(result, indent=2) + "\n")
+            replace_text(output, json.dumps(result, indent=2) + "\n")
         except OSError as e:
             raise click.ClickException(f"cannot write {output}: {e}") from e
+    if stopped := result.get("interrupted"):
+        click.echo(f"Interrupted: the figures are of the {stopped['rounds_done']} of {stopped['rounds']} rounds that "
+                   "finished" + (f" ({output} holds them)" if output else ""), err=True)
+        raise SystemExit(130)
 
 
 def parse_vocab_sizes(text: str) -> list[int | None]:

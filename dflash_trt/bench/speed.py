@@ -144,7 +144,8 @@ def zlab_runner(target_dir: str, drafter_dir: str, dtype, eos_ids: list[int]
 
 def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *, chat: bool = True,
               zlab: Callable[[list[int], int, int], tuple[list[int], list[int]]] | None = None, progress=None) -> dict:
-    """Measure every category; returns the JSON-ready result (see module doc)."""
+    """Measure every category; returns the JSON-ready result (see module doc). Ctrl-C after a whole round returns
+    the rounds done (the result's "interrupted" says how many); before one, the KeyboardInterrupt goes on."""
     if zlab is not None and cfg.temperature > 0:
         raise ValueError("z-lab's dflash_generate runs greedy only: drop the peer or the temperature")
     adaptive = engine.config.adaptive_draft_len if cfg.adaptive is None else cfg.adaptive
@@ -153,6 +154,11 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
     groups = by_category(prompts)
     ids = {p.id: ar.encode(p.text, chat=chat) for p in prompts}
     index = {p.id: i for i, p in enumerate(prompts)}
+    for p in prompts:  # before any system runs: a prompt the context cannot hold would fail the run midway
+        if len(ids[p.id]) >= ar.max_model_len:
+            raise ValueError(f"prompt {p.id} ({p.category}) has {len(ids[p.id])} tokens; the engine's context "
+                             f"(max_model_len {ar.max_model_len}) leaves no room to generate: shorter prompts "
+                             "(another --dataset or --category), or an engine built with a longer max_seq_len")
 
     def timed(e: LLMEngine, p: BenchPrompt):
         t = time.perf_counter()
@@ -169,6 +175,28 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
     systems = ["ar", *specs] + ([f"zlab K={cfg.draft_lens[0]}"] if zlab else [])
     vocab_sizes = {name: e.runner.draft_vocab_size for name, e in specs.items()}  # None: the whole vocabulary
     tallies = {c: {s: _Tally(wall=[0.0] * cfg.rounds) for s in systems} for c in groups}
+    finished: list[int] = []  # rounds run through
+    try:
+        _rounds(cfg, groups, tallies, timed, ar, specs, zlab, ids, progress, finished)
+        interrupted = None
+    except KeyboardInterrupt:
+        done = len(finished)
+        if done == 0:
+            raise
+        for t in tallies.values():
+            for tally in t.values():
+                del tally.wall[done:]
+        interrupted = {"rounds_done": done, "rounds": cfg.rounds}
+    result = _report(tallies, systems, cfg.compares_tokens) | {"draft_vocab_size": vocab_sizes,
+                                                                 "adaptive_draft_len": adaptive}
+    if interrupted:
+        result["interrupted"] = interrupted
+    return result | {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                  "seed": cfg.seed, "acceptance": cfg.acceptance} if cfg.temperature > 0 else None}
+
+
+def _rounds(cfg: SpeedConfig, groups: dict, tallies: dict, timed, ar: LLMEngine, specs: dict, zlab, ids: dict,
+            progress, finished: list[int]) -> None:
     for r in range(cfg.rounds):
         for cat, plist in groups.items():
             t = tallies[cat]
@@ -204,10 +232,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
                         s.add_hist([sum(1 for n in lengths if n == i + 1) for i in range(k0 + 1)])
                 if progress is not None:
                     progress()
-    result = _report(tallies, systems, cfg.compares_tokens) | {"draft_vocab_size": vocab_sizes,
-                                                                 "adaptive_draft_len": adaptive}
-    return result | {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                                  "seed": cfg.seed, "acceptance": cfg.acceptance} if cfg.temperature > 0 else None}
+        finished.append(r)
 
 
 def _summ(t: _Tally, ar: _Tally, compares_tokens: bool) -> dict:

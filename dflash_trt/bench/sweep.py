@@ -585,9 +585,7 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
     rows = [flatten(p) for p in result["points"]]
     # a key no sweep writes (a hand-edited point) is kept, after the fixed columns, rather than dropped
     columns = list(dict.fromkeys([*CSV_COLUMNS, *(k for row in rows for k in row)]))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(result, indent=2) + "\n")
     tmp = csv_path.with_name(csv_path.name + ".tmp")
     with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
@@ -595,3 +593,11 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
         writer.writerows(rows)
     os.replace(tmp, csv_path)
     return path, csv_path
+
+
+def replace_text(path: str | Path, text: str) -> None:
+    """`path` holds `text` whole or is left as it was: written beside it, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -342,3 +342,41 @@ def test_the_cli_samples_and_says_so(tiny_dirs, tmp_path):
     assert r.exit_code == 2 and "greedy only" in r.output
     r = CliRunner().invoke(main, [*base, "--top-p", "0"])
     assert r.exit_code == 2 and "--top-p" in r.output
+
+
+def test_a_prompt_the_engines_context_cannot_hold_is_named_before_any_system_runs(tiny_dirs, tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: ran.append(1))
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}) + "\n" +
+                    json.dumps({"prompt": "y" * 600, "category": "long"}) + "\n")
+    r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "1")
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "(long) has 6" in r.output and "the engine's context (max_model_len 512) leaves no room" in r.output
+    assert "--dataset" in r.output
+    assert ran == []
+
+
+def test_ctrl_c_keeps_the_rounds_that_finished_and_writes_them_whole(tiny_dirs, tmp_path, monkeypatch):
+    generate, calls = LLMEngine.generate, []
+
+    def interrupted(self, *args, **kwargs):  # AR and K=3 once each to warm up, then round 1, then round 2 cut short
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    out = tmp_path / "speed.json"
+    out.write_text("an earlier result")
+    monkeypatch.setattr(LLMEngine, "generate", interrupted)
+    r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "3", "-o", str(out))
+    assert r.exit_code == 130, r.output
+    assert "the 1 of 3 rounds that finished" in r.output and r.stdout.startswith("category")
+    written = json.loads(out.read_text())
+    assert written["interrupted"] == {"rounds_done": 1, "rounds": 3} and written["overall"]["ar"]["tokens"] > 0
+    calls.clear()
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "3", "-o", str(out))
+    assert r.exit_code == 130 and "nothing measured" in r.output and json.loads(out.read_text()) == written
