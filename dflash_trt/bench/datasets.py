@@ -104,6 +104,7 @@ def long_context_prompts(isl: int, osl: int, per_category: int = 8, tokenizer=No
 
 def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
     out = []
+    first_line: dict[str, int] = {}  # id -> the line that gave it
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line.strip():
             continue
@@ -125,7 +126,12 @@ def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
         category = str(r.get("category", "default"))
         # a given id names the prompt as written; lines without one (or with null) are named by category and line
         rid = r.get("id")
-        out.append(BenchPrompt(f"{category}/{n}" if rid is None else str(rid), category, text, tokens))
+        rid = f"{category}/{n}" if rid is None else str(rid)
+        # a sweep counts the prompts it sends again by id: two prompts under one id would count as one
+        if rid in first_line:
+            raise ValueError(f"{path}:{n}: id {rid!r} repeats that of line {first_line[rid]}")
+        first_line[rid] = n
+        out.append(BenchPrompt(rid, category, text, tokens))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

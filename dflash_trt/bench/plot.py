@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 from collections.abc import Sequence
 from itertools import groupby
@@ -46,8 +47,15 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
                 isinstance(p, dict) and {"concurrency", X_KEY, Y_KEY} <= p.keys() for p in points):
             raise ValueError(f"{path}: not a bench sweep result (expected 'points' with concurrency, {X_KEY} "
                              f"and {Y_KEY})")
-        run["label"] = run.get("label") or path.stem
+        label = run.get("label")
+        if isinstance(label, bool) or not isinstance(label, (str, int, float, type(None))):
+            raise ValueError(f"{path}: 'label' is {label!r}, not a string")
+        # a hand-edited label of digits may have lost its quotes: it names the run all the same
+        run["label"] = path.stem if label in (None, "") else str(label)
         for p in points:
+            concurrency = p["concurrency"]
+            if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+                raise ValueError(f"{path}: a point has concurrency={concurrency!r}, not a whole number")
             for key in (X_KEY, Y_KEY):  # None where a figure is undefined (a sweep writes that); else a number
                 if p[key] is not None and not (isinstance(p[key], (int, float)) and not isinstance(p[key], bool)
                                                and math.isfinite(p[key])):
@@ -58,6 +66,14 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
             tpot = p.get("tpot_s")
             if isinstance(tpot, dict) and isinstance(tpot.get("p50"), (int, float)) and tpot["p50"] > 0:
                 p[X_KEY] = 1.0 / tpot["p50"]
+            # caveats() reports failures as "N of M": a count of failures needs the count of requests beside it
+            failed, requests = p.get("num_failed"), p.get("num_requests")
+            if failed is not None and (isinstance(failed, bool) or not isinstance(failed, int)):
+                raise ValueError(f"{path}: the point at concurrency {concurrency} has num_failed={failed!r}, "
+                                 "not a whole number")
+            if failed and (isinstance(requests, bool) or not isinstance(requests, int)):
+                raise ValueError(f"{path}: the point at concurrency {concurrency} has num_failed {failed} but "
+                                 f"num_requests={requests!r}, not a whole number")
         runs.append(run)
     return runs
 
@@ -101,12 +117,26 @@ def mark_incomplete(runs: Sequence[dict]) -> None:
 
 
 def distinct_labels(runs: Sequence[dict], paths: Sequence[str | Path]) -> None:
-    """Runs sharing a label (two systems serving one model name, swept without --label) get their file's name
-    after it, so a legend or a comparison can tell them apart."""
+    """Runs sharing a label (two systems serving one model name, swept without --label) get after it the shortest
+    trailing piece of their file's path that no other of them has: the file's stem ("m (ar)"), else with as many of
+    its folders as it takes ("m (ar/run)" and "m (dflash/run)"), so a legend or a comparison can tell them apart."""
     labels = [r["label"] for r in runs]
-    for run, path in zip(runs, paths):
-        if labels.count(run["label"]) > 1:
-            run["label"] = f"{run['label']} ({Path(path).stem})"
+    # absolute, so that "run.json" and "../dflash/run.json" are told apart by folder names, not by ".."
+    parts = [Path(os.path.abspath(p)).parts[1:] for p in paths]
+
+    def piece(i: int, depth: int) -> str:
+        return "/".join([*parts[i][-depth:-1], Path(parts[i][-1]).stem])
+
+    for i, run in enumerate(runs):
+        if labels.count(labels[i]) < 2:
+            continue
+        # one file given twice cannot be told from itself: it is named alike
+        others = [j for j, label in enumerate(labels) if label == labels[i] and parts[j] != parts[i]]
+        depth = next((d for d in range(1, len(parts[i]) + 1) if all(piece(i, d) != piece(j, d) for j in others)),
+                     None)
+        # each run's own shortest piece: two runs' cannot be equal, as a folder name holds no "/", so the deeper
+        # run's piece at the shallower depth would be that same string, which that depth ruled out
+        run["label"] = f"{labels[i]} ({piece(i, depth) if depth else os.path.abspath(paths[i])})"
 
 
 def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
@@ -123,7 +153,9 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
                                 f"{', '.join(sorted(formats))}")
     fig = pareto_figure(runs, title)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, format=fmt)
+    tmp = out.with_name(out.name + ".tmp")  # an image whole or the previous one: never half a PNG
+    fig.savefig(tmp, dpi=120, format=fmt)
+    os.replace(tmp, out)
     return out
 
 

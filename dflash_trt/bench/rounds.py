@@ -9,6 +9,7 @@ with all its latencies, not an average of percentiles. `compare` pairs two merge
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 
@@ -34,6 +35,11 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
     if not runs:
         raise ValueError("no rounds to merge")
     names = list(names) if names is not None else [f"round {i + 1}" for i in range(len(runs))]
+    for run, name in zip(runs, names):
+        points = run.get("points") if isinstance(run.get("points"), list) else []
+        if "rounds" in run or any(isinstance(p, dict) and "rounds_output_tok_s" in p for p in points):
+            raise ValueError(f"{name}: already a merge of {run.get('rounds', 'several')} rounds, not a round: "
+                             "merge the round files it was made of instead")
     dates = [r.get("date") for r in runs]
     if all(isinstance(d, str) for d in dates):  # in the order they ran, which `compare` pairs by, whatever was passed
         order = sorted(range(len(runs)), key=lambda i: dates[i])
@@ -41,6 +47,16 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
     labels = {r.get("label") for r in runs}
     if len(labels) > 1:
         raise ValueError(f"rounds of different systems: labels {sorted(map(str, labels))}")
+    # A round is known by its start time and its measurements, so a copy under another name is the same round too.
+    # The date alone is only to the second and absent from hand-made or older files; every latency of every point
+    # alike as well is what two real rounds never record.
+    seen: dict[str, str] = {}
+    for run, name in zip(runs, names):
+        key = json.dumps([run.get("date"), run.get("points")], sort_keys=True, default=repr)
+        if key in seen:
+            raise ValueError(f"{name} is the same round as {seen[key]} (date {run.get('date')!r} and the same "
+                             "points): it would count twice")
+        seen[key] = name
     first = _sweep_identity(runs[0])
     for run, name in zip(runs[1:], names[1:]):
         this = _sweep_identity(run)

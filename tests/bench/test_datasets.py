@@ -90,3 +90,18 @@ def test_a_dataset_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
     binary.write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=f"{binary}:2: not UTF-8"):
         load_dataset(str(binary))
+
+
+def test_a_repeated_id_is_refused_naming_both_lines(tmp_path):
+    # a sweep counts the prompts it sends again (repeated_prompts) by id: two prompts under one id would be one
+    f = tmp_path / "dup.jsonl"
+    f.write_text('{"prompt": "a", "id": "q1"}\n\n{"prompt": "b", "id": "q2"}\n{"prompt": "c", "id": "q1"}\n')
+    with pytest.raises(ValueError, match=r"dup.jsonl:4: id 'q1' repeats that of line 1"):
+        load_dataset(str(f))
+    # a number and its digits are one id to a sweep, as is a given id and the one a line without one is named
+    f.write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": "7"}\n')
+    with pytest.raises(ValueError, match=r"dup.jsonl:2: id '7' repeats that of line 1"):
+        read_jsonl(f, 8)
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "id": "default/1"}\n')
+    with pytest.raises(ValueError, match=r"dup.jsonl:2: id 'default/1' repeats that of line 1"):
+        read_jsonl(f, 8)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.bench.plot import load_runs, pareto_figure, pareto_frontier, plot_pareto
+from dflash_trt.bench.plot import distinct_labels, load_runs, pareto_figure, pareto_frontier, plot_pareto
+from dflash_trt.cli import main
 
 
 def dominated(p, q) -> bool:
@@ -131,3 +134,68 @@ def test_plot_refuses_a_format_matplotlib_cannot_write(tmp_path):
     with pytest.raises(ValueError, match="p.xyz: .*'xyz'.*png"):
         plot_pareto([run("AR", [(1, 2)])], tmp_path / "p.xyz")
     assert not (tmp_path / "p.xyz").exists()
+
+
+def test_runs_of_one_label_are_named_by_the_shortest_trailing_piece_of_their_paths_that_tells_them_apart(tmp_path):
+    def labels(*paths: str) -> list[str]:
+        runs = [{"label": "m"} for _ in paths]
+        distinct_labels(runs, [tmp_path / p for p in paths])
+        return [r["label"] for r in runs]
+
+    assert labels("ar.json", "dflash.json") == ["m (ar)", "m (dflash)"]  # the stem where it suffices
+    assert labels("ar/run.json", "dflash/run.json") == ["m (ar/run)", "m (dflash/run)"]
+    assert labels("x/a/run.json", "y/a/run.json", "z.json") == ["m (x/a/run)", "m (y/a/run)", "m (z)"]
+    assert labels("run.json", "sub/run.json") == [f"m ({tmp_path.name}/run)", "m (sub/run)"]
+    runs = [{"label": "m"}, {"label": "n"}, {"label": "m"}]  # only runs sharing a label are renamed, by their group
+    distinct_labels(runs, [tmp_path / "a/run.json", tmp_path / "b/run.json", tmp_path / "c/run.json"])
+    assert [r["label"] for r in runs] == ["m (a/run)", "n", "m (c/run)"]
+
+
+def test_plot_and_compare_tell_apart_runs_whose_files_share_a_name(tmp_path):
+    for system, v in (("ar", 50.0), ("dflash", 75.0)):
+        (tmp_path / system).mkdir()
+        point = {"concurrency": 1, "output_tok_s": v, "tok_s_per_user": v, "tok_s_per_gpu": v}
+        (tmp_path / system / "run.json").write_text(json.dumps({"label": "fake-a", "points": [point]}))
+    files = [str(tmp_path / "dflash" / "run.json"), str(tmp_path / "ar" / "run.json")]
+    res = CliRunner().invoke(main, ["bench", "compare", *files])
+    assert res.exit_code == 0 and "fake-a (dflash/run) vs fake-a (ar/run)" in res.output, res.output
+    res = CliRunner().invoke(main, ["bench", "plot", *files, "-o", str(tmp_path / "p.png")])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("label, expected", [(5, "5"), (2.5, "2.5"), ("", "r"), (None, "r")])
+def test_a_label_written_as_a_number_names_the_run_as_text(tmp_path, label, expected):
+    (tmp_path / "r.json").write_text(json.dumps(run("x", [(1, 2)]) | {"label": label}))
+    (loaded,) = load_runs([tmp_path / "r.json"])
+    assert loaded["label"] == expected
+    res = CliRunner().invoke(main, ["bench", "plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "p.png")])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"label": ["a"]}, "'label' is \\['a'\\], not a string"),
+    ({"label": True}, "'label' is True, not a string"),
+    ({"points": [{"concurrency": [1], "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0}]},
+     "a point has concurrency=\\[1\\], not a whole number"),
+    ({"points": [{"concurrency": 4, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0, "num_failed": 1}]},
+     "the point at concurrency 4 has num_failed 1 but num_requests=None, not a whole number"),
+    ({"points": [{"concurrency": 4, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0, "num_failed": 1,
+                  "num_requests": "8"}]},
+     "the point at concurrency 4 has num_failed 1 but num_requests='8', not a whole number"),
+    ({"points": [{"concurrency": 4, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0, "num_failed": "1",
+                  "num_requests": 8}]},
+     "the point at concurrency 4 has num_failed='1', not a whole number"),
+])
+@pytest.mark.parametrize("command", ["plot", "merge", "compare"])
+def test_hand_edited_run_files_are_refused_naming_the_file_and_the_key(tmp_path, change, message, command):
+    odd, ok = run("x", [(1, 2)]) | change, run("y", [(1, 2)])
+    for p in [*odd["points"], *ok["points"]]:  # all a merge or a comparison needs, but for the odd key
+        p["output_tok_s"] = 2.0
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    (tmp_path / "ok.json").write_text(json.dumps(ok))
+    args = {"plot": ["-o", str(tmp_path / "p.png")], "merge": ["-o", str(tmp_path / "m.json")],
+            "compare": [str(tmp_path / "ok.json")]}[command]
+    res = CliRunner().invoke(main, ["bench", command, str(tmp_path / "odd.json"), *args])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output  # a clean error, no traceback
+    assert re.search(f"{re.escape(str(tmp_path / 'odd.json'))}: {message}", " ".join(res.output.split())), res.output
+    assert not (tmp_path / "p.png").exists() and not (tmp_path / "m.json").exists()

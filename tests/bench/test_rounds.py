@@ -170,3 +170,34 @@ def test_merge_refuses_a_csv_output_that_would_overwrite_its_own_json(tmp_path):
     res = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "r1.json"), "-o", str(tmp_path / "run.csv")])
     assert res.exit_code == 2 and "--output" in res.output and "RESULT.json" in res.output, res.output
     assert not (tmp_path / "run.csv").exists()
+
+
+def test_merge_refuses_a_round_given_twice_or_copied_naming_both_files(tmp_path):
+    r1 = sweep_run("ar", {1: 100.0, 2: 150.0}, date="2026-12-05T10:00:00+00:00")
+    r2 = sweep_run("ar", {1: 90.0, 2: 140.0}, date="2026-12-05T10:02:00+00:00")
+    (tmp_path / "r1.json").write_text(json.dumps(r1))
+    (tmp_path / "r2.json").write_text(json.dumps(r2))
+    (tmp_path / "copy.json").write_text(json.dumps(r1, indent=1))  # a copy of r1 is r1, whatever its name
+    for again in ("r1.json", "copy.json"):
+        res = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "r1.json"), str(tmp_path / "r2.json"),
+                                        str(tmp_path / again), "-o", str(tmp_path / "m.json")])
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert f"{tmp_path / again} is the same round as {tmp_path / 'r1.json'}" in res.output, res.output
+        assert "count twice" in res.output
+        assert not (tmp_path / "m.json").exists()
+    # rounds that only share a date (to the second), or only their numbers, are two rounds
+    same_date = sweep_run("ar", {1: 95.0, 2: 150.0}, date=r1["date"])
+    same_numbers = sweep_run("ar", {1: 100.0, 2: 150.0}, date="2026-12-05T10:04:00+00:00")
+    assert merge_rounds([r1, same_date, same_numbers])["rounds"] == 3
+
+
+def test_merge_refuses_an_already_merged_result_as_a_round(tmp_path):
+    merged = merge_rounds([sweep_run("ar", {1: v}, date=f"r{i}") for i, v in enumerate((100.0, 90.0, 95.0))])
+    (tmp_path / "ar.json").write_text(json.dumps(merged))
+    (tmp_path / "r4.json").write_text(json.dumps(sweep_run("ar", {1: 80.0}, date="r4")))
+    for rounds in (["ar.json", "r4.json"], ["r4.json", "ar.json"], ["ar.json"]):
+        res = CliRunner().invoke(main, ["bench", "merge", *(str(tmp_path / r) for r in rounds),
+                                        "-o", str(tmp_path / "m.json")])
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert f"{tmp_path / 'ar.json'}: already a merge of 3 rounds" in " ".join(res.output.split()), res.output
+        assert not (tmp_path / "m.json").exists()
