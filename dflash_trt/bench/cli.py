@@ -14,6 +14,8 @@ from dflash_trt.runtime_device import THREADS_HELP, use_threads
 
 
 MAX_SWEEP_REQUESTS = 1_000_000
+# what a --url given as a whole endpoint ends with
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/chat/completions", "/completions", "/models")
 
 
 def _ints(text: str, name: str, minimum: int = 0) -> list[int]:
@@ -256,9 +258,12 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds the endpoint may send nothing before a request fails.")
 @click.option("--label", default=None, help="The run's name in plots (default: the model name).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None,
+              help="Sent as `Authorization: Bearer KEY` to an endpoint that wants one (serve --api-key, vLLM's); "
+              "default: $OPENAI_API_KEY. Never written into the result.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
 def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
-          gpus, api, temperature, ignore_eos, extra_body, timeout, label, output) -> None:
+          gpus, api, temperature, ignore_eos, extra_body, timeout, label, api_key, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl
@@ -275,6 +280,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         from transformers import AutoTokenizer
 
         local = Path(tokenizer).expanduser()
+        if (local / "manifest.json").is_file() and (local / "tokenizer").is_dir():  # an engine: its target's
+            local = local / "tokenizer"
         if local.exists():  # recorded as an absolute path: rounds given ./tok and /abs/tok are one workload
             tokenizer = str(local.resolve())
         elif tokenizer.count("/") > 1 or tokenizer.startswith((".", "/", "~")):
@@ -284,7 +291,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
             tok = AutoTokenizer.from_pretrained(tokenizer)
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"cannot load a tokenizer from {tokenizer!r}: {e}", param_hint="--tokenizer") from e
-    model = check_served(url, model) if model else served_model(url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = check_served(url, model, headers) if model else served_model(url, headers)
     long_isl = prompt_isl(dataset, isl)  # None: the prompts as written, which no tokenizer cut
     try:
         cfg = SweepConfig(url=url, model=model, concurrencies=concurrencies,
@@ -311,15 +319,15 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
         kept.append(len(result["points"]))
 
     def held() -> str:
-        if not kept:
-            return ""
+        if not kept:  # a result an earlier run wrote there is not overwritten by one that measured nothing
+            return f" (no point was measured; {output} was not written)"
         points = "the point" if kept[-1] == 1 else f"the {kept[-1]} points"
-        return (f" ({output} holds {points} measured before it)" if kept[-1]
-                else f" ({output} records it; no point was measured)")
+        return f" ({output} holds {points} measured before it)"
 
     try:
         run_sweep(cfg, prompts, dataset=dataset_name(dataset, cfg.isl), on_point=show, on_result=keep,
-                  count_tokens=None if tok is None else lambda text: len(tok.encode(text, add_special_tokens=False)))
+                  count_tokens=None if tok is None else lambda text: len(tok.encode(text, add_special_tokens=False)),
+                  headers=headers)
     except SweepError as e:
         raise click.ClickException(f"{e}{held()}") from e
     except KeyboardInterrupt:
@@ -374,7 +382,7 @@ def plot(runs, output, title) -> None:
         distinct_labels(loaded, runs)
         for run, name in zip(loaded, runs):
             if not run["points"]:
-                stopped = run.get("stopped") or {}
+                stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}  # as plot.incomplete
                 why = f" (the sweep stopped: {stopped['error']})" if stopped.get("error") else ""
                 click.echo(f"warning: {name} ({run['label']}) has no points{why}: left out of the plot", err=True)
             elif not plottable(run):
@@ -471,6 +479,10 @@ def _endpoint_url(url: str) -> str:
         raise click.BadParameter(f"{url!r} is not a URL: {e}", param_hint="--url") from e
     if port is not None and not 0 < port < 65536:
         raise click.BadParameter(f"{url!r}: port {port} is not in 1..65535", param_hint="--url")
+    route = next((r for r in ROUTES if url.rstrip("/").endswith(r)), None)
+    if route:  # the sweep adds its route to the server's address: this one would be asked for .../v1/models/v1/...
+        raise click.BadParameter(f"{url!r} names the route {route}; pass the server's address, "
+                                 f"{url.rstrip('/').removesuffix(route) or 'http://HOST:PORT'}", param_hint="--url")
     return url
 
 
@@ -503,21 +515,25 @@ def _models_url(url: str) -> str:
     return server_root(url) + "/v1/models"
 
 
-def _listed_models(url: str) -> list[str]:
+def _listed_models(url: str, headers: dict[str, str]) -> list[str]:
     """The model ids the endpoint's /v1/models lists; httpx's errors, or KeyError / TypeError / ValueError for an
     answer that is no model list, propagate."""
     import httpx
 
-    return [m["id"] for m in httpx.get(_models_url(url), timeout=30).raise_for_status().json()["data"]]
+    answer = httpx.get(_models_url(url), headers=headers, timeout=30)
+    if answer.status_code == 401:
+        raise click.ClickException(f"{_models_url(url)}: the endpoint wants an API key (401): pass --api-key or set "
+                                   "OPENAI_API_KEY" + (", another than this one" if headers else ""))
+    return [m["id"] for m in answer.raise_for_status().json()["data"]]
 
 
-def check_served(url: str, model: str) -> str:
+def check_served(url: str, model: str, headers: dict[str, str]) -> str:
     """`model`, refused where the endpoint lists the models it serves and not this one (else every request of the
     sweep would fail on it); an endpoint that does not list them, or does not answer yet, is left to the sweep."""
     import httpx
 
     try:
-        ids = _listed_models(url)
+        ids = _listed_models(url, headers)
     except (httpx.HTTPError, KeyError, TypeError, ValueError):
         return model
     if ids and model not in ids:
@@ -526,13 +542,13 @@ def check_served(url: str, model: str) -> str:
     return model
 
 
-def served_model(url: str) -> str:
+def served_model(url: str, headers: dict[str, str]) -> str:
     """The first model id of an OpenAI-compatible endpoint's /v1/models."""
     import httpx
 
     models = _models_url(url)
     try:
-        ids = _listed_models(url)
+        ids = _listed_models(url, headers)
     except httpx.TransportError as e:  # nothing answered: --model would not help
         raise click.ClickException(f"{models}: cannot reach the endpoint ({e}); is a server running at {url}?") from e
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:

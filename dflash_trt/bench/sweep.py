@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 from dflash_trt.bench.endpoint_metrics import acceptance_delta, scrape
 
@@ -317,16 +318,20 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
 
 
 async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: list[BenchPrompt], concurrency: int,
-                       first_index: int = 0) -> list[RequestResult]:
-    """Closed loop: `concurrency` workers, each sending its next request as soon as its previous one ends."""
+                       first_index: int = 0, stage: str = "") -> list[RequestResult]:
+    """Closed loop: `concurrency` workers, each sending its next request as soon as its previous one ends. A
+    terminal shows the requests done (`stage` names them): a point of long answers runs for minutes."""
     results: list[RequestResult | None] = [None] * len(prompts)
     todo = iter(enumerate(prompts))  # shared by the workers; next() never yields to the event loop
+    # disable=None: no bar where stderr is no terminal (a log file, CI)
+    with tqdm(total=len(prompts), desc=stage, unit="req", leave=False, disable=None) as bar:
 
-    async def worker() -> None:
-        for i, prompt in todo:
-            results[i] = await send_request(client, cfg, prompt, first_index + i)
+        async def worker() -> None:
+            for i, prompt in todo:
+                results[i] = await send_request(client, cfg, prompt, first_index + i)
+                bar.update()
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
     return results  # type: ignore[return-value]
 
 
@@ -382,7 +387,8 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
                          f"({len(failed)} of {len(results)}); first error: {failed[0].error}")
     # the point lasts until its last request is over, failed ones included (vLLM's benchmark_duration): a request
     # that timed out at the end still held a slot that whole time
-    duration = max(r.finish if r.finish is not None else r.end for r in results) - min(r.start for r in results)
+    start = min(r.start for r in results)
+    duration = max(r.finish if r.finish is not None else r.end for r in results) - start
     out_tokens = sum(r.output_tokens for r in ok)
     tpots = [r.tpot for r in timed if r.tpot is not None]
     in_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
@@ -415,7 +421,19 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "tpot_s": tpot,
         "itl_s": summary([g for r in timed for g in r.itls]),
         "e2el_s": summary([r.e2el for r in ok]),
+        # each request's own figures, as vLLM's benchmark_serving --save-detailed keeps them: percentiles of any
+        # kind, outliers and failures are read from them (the CSV leaves them out)
+        "requests": [request_record(r, start) for r in results],
     }
+
+
+def request_record(r: RequestResult, point_start: float) -> dict:
+    timed = r.ok and bool(r.chunk_times)
+    record = {"prompt_id": r.prompt_id, "ok": r.ok, "start_s": round(r.start - point_start, 6),
+              "ttft_s": r.ttft if timed else None, "tpot_s": r.tpot if timed else None,
+              "e2el_s": r.e2el if r.ok else None, "output_tokens": r.output_tokens if r.ok else None,
+              "prompt_tokens": r.prompt_tokens, "finish_reason": r.finish_reason}
+    return {**record, "error": r.error} if not r.ok else record
 
 
 # Settings that change which instructions run, recorded with a machine (another CPU emulated: benchmarks/README.md,
@@ -441,10 +459,13 @@ def machine_info() -> dict:
 async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
                           on_point: Callable[[dict], None] | None = None,
                           on_result: Callable[[dict], None] | None = None,
-                          count_tokens: Callable[[str], int] | None = None) -> dict:
-    """on_point(point) after each point; on_result(result so far) after each point and where a point fails, so a
-    caller can keep what was measured ('complete' false until the last point, 'stopped' naming a failed one).
-    count_tokens(text) counts the output tokens of answers that came without usage (after each point, untimed)."""
+                          count_tokens: Callable[[str], int] | None = None,
+                          headers: dict[str, str] | None = None) -> dict:
+    """on_point(point) after each point; on_result(result so far) after each point and where a later point fails
+    or the run is interrupted, so a caller can keep what was measured ('complete' false until the last point,
+    'stopped' naming a failed one); never before a point was measured (a result written earlier stays as it was).
+    count_tokens(text) counts the output tokens of answers that came without usage (after each point, untimed).
+    headers: sent with every request (an API key), kept out of the result."""
     prompts = list(prompts)
     result = {
         "label": cfg.label,
@@ -458,35 +479,34 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
         "points": [],
         "complete": False,
     }
-    if on_result is not None:  # at once: the file is this run's from the start, not a stale one looking current
-        on_result(result)
+    def keep(result: dict) -> None:
+        if on_result is not None and result["points"]:
+            on_result(result)
+
     running: dict = {}  # the stage in flight, for an interrupt to name
     try:
-        return await _points(cfg, prompts, result, running, on_point, on_result, count_tokens)
+        return await _points(cfg, prompts, result, running, on_point, keep, count_tokens, headers or {})
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancels the sweep's task
         result.setdefault("stopped", {**running, "error": "interrupted"})
-        if on_result is not None:
-            on_result(result)
+        keep(result)
         raise
 
 
 async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, running: dict,
-                  on_point: Callable[[dict], None] | None, on_result: Callable[[dict], None] | None,
-                  count_tokens: Callable[[str], int] | None) -> dict:
+                  on_point: Callable[[dict], None] | None, keep: Callable[[dict], None],
+                  count_tokens: Callable[[str], int] | None, headers: dict[str, str]) -> dict:
     """The warm-up and every point of run_sweep_async, into `result`; `running` names the stage in flight."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(cfg.concurrencies))
     timeout = httpx.Timeout(cfg.timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         stream = PromptStream(prompts, cfg.seed)
         if cfg.num_warmup:
             running.update(warmup=cfg.num_warmup)
             warm = await run_requests(client, cfg, stream.take(cfg.num_warmup)[0], cfg.concurrencies[0],
-                                      first_index=-cfg.num_warmup)
+                                      first_index=-cfg.num_warmup, stage="warm-up")
             if not any(r.ok for r in warm):
                 error = f"{cfg.endpoint}: every warm-up request failed; first error: {warm[0].error}"
                 result["stopped"] = {"warmup": cfg.num_warmup, "error": error}
-                if on_result is not None:
-                    on_result(result)
                 raise SweepError(error)
             running.clear()
             await asyncio.sleep(cfg.metrics_settle_s)
@@ -496,7 +516,7 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
             running.update(concurrency=c)
             before = metrics
             sent, repeats = stream.take(cfg.requests_at(c))
-            results = await run_requests(client, cfg, sent, c)
+            results = await run_requests(client, cfg, sent, c, stage=f"c={c}")
             if before is not None:  # an endpoint without /metrics is not asked again
                 await asyncio.sleep(cfg.metrics_settle_s)
                 metrics = await scrape(client, cfg.metrics_url)
@@ -509,8 +529,7 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
                 point = point_stats(cfg, c, results)
             except SweepError as e:
                 result["stopped"] = {"concurrency": c, "error": str(e)}
-                if on_result is not None:
-                    on_result(result)
+                keep(result)
                 raise
             point["repeated_prompts"] = repeats  # requests a prefix cache may have answered in part
             from_metrics = acceptance_delta(before, after)
@@ -521,17 +540,16 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
             running.clear()
             if on_point is not None:
                 on_point(point)
-            if on_result is not None:
-                on_result(result)
+            keep(result)
     return result
 
 
 def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
               on_point: Callable[[dict], None] | None = None,
               on_result: Callable[[dict], None] | None = None,
-              count_tokens: Callable[[str], int] | None = None) -> dict:
+              count_tokens: Callable[[str], int] | None = None, headers: dict[str, str] | None = None) -> dict:
     """Run every concurrency point; returns the result dict (see write_results)."""
-    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result, count_tokens))
+    return asyncio.run(run_sweep_async(cfg, prompts, dataset, on_point, on_result, count_tokens, headers))
 
 
 _SUMMARY = ("mean", "p50", "p90", "p99")
@@ -582,7 +600,7 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
     path = Path(path)
     csv_path = csv_path_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [flatten(p) for p in result["points"]]
+    rows = [flatten({k: v for k, v in p.items() if k != "requests"}) for p in result["points"]]
     # a key no sweep writes (a hand-edited point) is kept, after the fixed columns, rather than dropped
     columns = list(dict.fromkeys([*CSV_COLUMNS, *(k for row in rows for k in row)]))
     replace_text(path, json.dumps(result, indent=2) + "\n")

@@ -53,13 +53,14 @@ def test_a_model_the_endpoint_does_not_list_is_refused_before_any_request(runnin
     assert "tiny-qwen3" in r.output and not out.exists()
 
 
-def test_a_sweep_that_measures_nothing_says_why_and_what_it_kept(running, tmp_path):
+def test_a_sweep_that_measures_nothing_says_why_and_leaves_an_earlier_result_as_it_was(running, tmp_path):
     out = tmp_path / "run.json"
+    out.write_text('{"points": "an earlier run\'s"}')
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--concurrency", "1", "--osl", "4",
                                   "--extra-body", '{"top_k": -5}', "-o", str(out)])  # every request a 400
     assert r.exit_code == 1 and "every warm-up request failed" in r.output and "HTTP 400" in r.output, r.output
-    assert f"{out} records it; no point was measured" in r.output.replace("\n", "")
-    assert json.loads(out.read_text())["points"] == []
+    assert f"no point was measured; {out} was not written" in r.output.replace("\n", "")
+    assert out.read_text() == '{"points": "an earlier run\'s"}' and not out.with_suffix(".csv").exists()
 
 
 def test_sweep_errors_name_what_is_wrong(tmp_path):
@@ -73,6 +74,9 @@ def test_sweep_errors_name_what_is_wrong(tmp_path):
     bare = dead.removeprefix("http://")
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", bare, "-o", str(tmp_path / "x.json")])
     assert r.exit_code == 2 and f"http://{bare}" in r.output and "--url" in r.output, r.output
+    for route in ("/v1/chat/completions", "/v1/completions/", "/completions", "/v1/models"):
+        r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead + route, "-o", str(tmp_path / "x.json")])
+        assert r.exit_code == 2 and "names the route" in r.output and f"pass the server's address, {dead}" in r.output
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     r = CliRunner().invoke(main, ["bench", "plot", str(bad), "-o", str(tmp_path / "p.png")])
@@ -193,6 +197,9 @@ def test_plot_of_runs_without_points_says_why_and_writes_nothing(tmp_path):
     r = CliRunner().invoke(main, ["bench", "plot", str(run), "-o", str(png)])
     assert r.exit_code == 1 and "has no points (the sweep stopped: every warm-up request failed)" in r.output, r.output
     assert "no run has a point to plot" in r.output and not png.exists()
+    run.write_text(json.dumps({"label": "ar", "points": [], "complete": False, "stopped": "hand-written"}))
+    r = CliRunner().invoke(main, ["bench", "plot", str(run), "-o", str(png)])
+    assert r.exit_code == 1 and "has no points: left out" in r.output and "Traceback" not in r.output, r.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -230,3 +237,35 @@ def test_plot_and_compare_say_which_runs_are_incomplete_sweeps(tmp_path):
     assert len(warnings) == 1 and str(cut) in warnings[0] and "incomplete" in warnings[0], r.stderr
     r = CliRunner().invoke(main, ["bench", "compare", str(whole), str(whole)])
     assert r.exit_code == 0 and r.stderr == "", r.output
+
+
+def test_a_sweep_sends_its_api_key_and_names_a_missing_one(tiny_dirs, tmp_path, monkeypatch):
+    """serve --api-key (or vLLM's) answers 401 without it: the sweep takes it from --api-key or OPENAI_API_KEY, and
+    never writes it into the result."""
+    keyed = start_server(tiny_engine(tiny_dirs, max_batch_size=2), api_key="sesame")
+    try:
+        out = tmp_path / "run.json"
+        args = ["bench", "sweep", "--url", keyed.url, "--concurrency", "1", "--osl", "3", "--warmup", "0",
+                "-o", str(out)]
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "wants an API key (401): pass --api-key" in r.output, r.output
+        r = CliRunner().invoke(main, [*args, "--api-key", "wrong"])
+        assert r.exit_code == 1 and "another than this one" in r.output
+        r = CliRunner().invoke(main, [*args, "--model", MODEL, "--api-key", "wrong"])  # checked against the listing
+        assert r.exit_code == 1 and "another than this one" in r.output
+        r = CliRunner().invoke(main, args, env={"OPENAI_API_KEY": "sesame"})
+        assert r.exit_code == 0, r.output
+        assert json.loads(out.read_text())["points"][0]["num_failed"] == 0 and "sesame" not in out.read_text()
+    finally:
+        keyed.stop()
+
+
+def test_an_engine_directory_given_as_tokenizer_is_read_through_its_tokenizer(running, tiny_dirs, tmp_path):
+    from tests.test_cli import _tiny_engine
+
+    engine, _ = _tiny_engine(tiny_dirs, tmp_path)
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", running.url, "--concurrency", "1", "--osl", "3",
+                                  "--warmup", "0", "--tokenizer", str(engine), "-o", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "r.json").read_text())["points"][0]["num_failed"] == 0

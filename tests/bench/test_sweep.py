@@ -277,6 +277,14 @@ def test_latencies_match_the_stub_delays(stub):
     assert pt["request_throughput"] == pytest.approx(n / pt["duration_s"])
     assert pt["tok_s_per_gpu"] == pytest.approx(pt["output_tok_s"] / 2)
     assert 1 / (GAP + slack / 2) <= pt["tok_s_per_user"] <= 1 / (GAP * 0.95)
+    # and each request's own figures, as vLLM's --save-detailed keeps them
+    assert sorted(r["prompt_id"] for r in pt["requests"]) == ["t/0", "t/0", "t/1", "t/1"]
+    for r in pt["requests"]:
+        assert r["ok"] and r["output_tokens"] == chunks and r["finish_reason"] == "length" and "error" not in r
+        assert FIRST_DELAY <= r["ttft_s"] <= FIRST_DELAY + 2 * slack and e2e <= r["e2el_s"] <= e2e + 2 * slack
+        assert GAP * 0.95 <= r["tpot_s"] <= GAP + slack
+    starts = [r["start_s"] for r in pt["requests"]]
+    assert starts[0] == 0 and all(b - a >= e2e for a, b in zip(starts, starts[1:]))  # one stream: one after another
 
 
 def test_tokens_come_from_usage_else_from_chunks(stub):
@@ -400,6 +408,8 @@ def test_duration_lasts_until_a_failed_request_ends(stub):
     (pt,) = run_sweep(config(stub.url, [2], min_requests=2), prompts("ok", "slowfail:x"))["points"]
     assert pt["num_failed"] == 1 and pt["output_tokens"] == 6
     assert pt["duration_s"] >= SLOW
+    failed = next(r for r in pt["requests"] if not r["ok"])  # which prompt failed, and why, kept with it
+    assert failed["prompt_id"] == "t/1" and "stub died" in failed["error"] and failed["ttft_s"] is None
     assert pt["output_tok_s"] <= 6 / SLOW and pt["request_throughput"] <= 1 / SLOW
 
 
@@ -449,12 +459,13 @@ def test_an_empty_answer_is_a_success_with_no_latency_to_time(stub):
     assert pt["num_failed"] == 0 and pt["empty_answers"] == 1 and pt["output_tokens"] == 7
 
 
-def test_a_sweep_whose_warm_up_fails_hands_over_why(stub):
+def test_a_sweep_whose_warm_up_fails_says_why_and_hands_over_nothing(stub):
+    """Nothing measured, nothing to keep: a result written before by another run stays as it was."""
     stub.reset()
     kept = []
     with pytest.raises(SweepError, match="every warm-up request failed.*stub failure for fail:"):
         run_sweep(config(stub.url, [1], warmup_requests=1), prompts("fail:a"), on_result=kept.append)
-    assert kept[-1]["points"] == [] and "every warm-up request failed" in kept[-1]["stopped"]["error"]
+    assert kept == []
 
 
 def test_a_point_where_everything_fails_raises(stub):
@@ -468,9 +479,8 @@ def test_the_points_before_a_failed_one_are_handed_over_as_measured(stub):
     kept = []
     with pytest.raises(SweepError, match="concurrency 2 failed"):
         run_sweep(config(stub.url, [1, 2, 4]), prompts("a", "b", "c"), on_result=lambda r: kept.append(json.dumps(r)))
-    start, first, last = (json.loads(kept[i]) for i in (0, 1, -1))
-    assert start["points"] == [] and start["complete"] is False and "stopped" not in start  # written at once
-    assert [p["concurrency"] for p in first["points"]] == [1] and first["complete"] is False
+    first, last = (json.loads(kept[i]) for i in (0, -1))
+    assert [p["concurrency"] for p in first["points"]] == [1] and first["complete"] is False  # none before
     assert [p["concurrency"] for p in last["points"]] == [1] and last["stopped"]["concurrency"] == 2
     stub.reset()
     done = run_sweep(config(stub.url, [1, 2]), prompts("a", "b"))
@@ -485,7 +495,7 @@ def test_an_interrupted_sweep_hands_over_the_points_before_it_and_names_the_one_
     async def interrupted():
         task = asyncio.ensure_future(run_sweep_async(config(stub.url, [1, 2]), prompts("a", "slowfail:b", "c", "d"),
                                                      on_result=lambda r: kept.append(json.loads(json.dumps(r)))))
-        while len(kept) < 2:  # the start and c=1's point
+        while len(kept) < 1:  # c=1's point
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)  # c=2 in flight (its slow request waits 0.4 s)
         task.cancel()
@@ -671,7 +681,8 @@ def csv_table(path) -> tuple[list[str], list[dict]]:
 
 
 def csv_cells(point: dict) -> dict[str, str]:
-    """The cells a JSON point's values make: nested keys joined with '_', lists as JSON (nulls have none)."""
+    """The cells a JSON point's values make: nested keys joined with '_', lists as JSON (nulls have none); its
+    requests' own figures stay in the JSON."""
     def cells(value, name: str):
         if isinstance(value, dict):
             for key, item in value.items():
@@ -679,7 +690,7 @@ def csv_cells(point: dict) -> dict[str, str]:
         elif value is not None:
             yield name, json.dumps(value) if isinstance(value, list) else str(value)
 
-    return {k: v for key, item in point.items() for k, v in cells(item, key)}
+    return {k: v for key, item in point.items() if key != "requests" for k, v in cells(item, key)}
 
 
 def test_csv_has_the_same_columns_whatever_the_endpoint_reports(stub, tmp_path):
@@ -696,7 +707,8 @@ def test_csv_has_the_same_columns_whatever_the_endpoint_reports(stub, tmp_path):
     runs["response and vllm"] = run_sweep(config(stub.url, [1, 2]), prompts("a"))
     stub.reset(metrics_format="trtllm", decoded_per_iter={"a": 2.0})
     runs["trtllm"] = run_sweep(config(stub.url, [1]), prompts("a"))
-    runs["merged"] = merge_rounds([runs["response and vllm"]] * 2)
+    stub.reset(acceptance={"a": (2.0, 3)})
+    runs["merged"] = merge_rounds([runs["response and vllm"], run_sweep(config(stub.url, [1, 2]), prompts("a"))])
     tables = {name: csv_table(write_results(r, tmp_path / f"{i}.json")[1]) for i, (name, r) in enumerate(runs.items())}
     headers = {name: header for name, (header, _) in tables.items()}
     first = headers["no acceptance"]
