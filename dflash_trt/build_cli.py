@@ -74,6 +74,13 @@ def format_plan(plan: dict) -> str:
         ("draft_len_schedule", _schedule(plan["draft_len_schedule"], plan["max_draft_len"])),
     ]
     gpu = hw.get("kind") == "gpu"
+    if not gpu and plan.get("draft_len_schedule_without_amx") is not None:  # the one this CPU runs marked
+        from dflash_trt.hardware import has_amx_tiles
+
+        amx = has_amx_tiles()
+        head[-1] = ("draft_len_schedule", head[-1][1] + (" (this CPU: AMX tiles)" if amx else ""))
+        head.append(("  without AMX tiles", _schedule(plan["draft_len_schedule_without_amx"], plan["max_draft_len"])
+                     + ("" if amx else " (this CPU)")))
     if gpu:  # the torch layout captures no CUDA graphs
         head.append(("CUDA-graph batch sizes", ", ".join(map(str, plan["cuda_graph_batch_sizes"])) or "-"))
     # a CPU's plan has no CUDA-graph pools: no row for them

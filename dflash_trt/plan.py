@@ -184,6 +184,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # Predicted step time and throughput by batch size and K (perf_model.plan_performance); None if not made.
     performance: dict | None = None
+    draft_len_schedule_without_amx: dict | None = None  # the torch runtime's on CPUs without AMX tiles
 
     @property
     def total_bytes(self) -> int:
@@ -287,6 +288,7 @@ def plan_build(
     comps, details = _components(target, drafter, cfg, hw, k, batch, seq, dtype, kvd)
     fits, budget = _fits(comps, hw, cfg)
     schedule = cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None
+    without_amx = cfg.speculative_config.draft_len_schedule_without_amx if cfg.speculative_config else None
     plan = MemoryPlan(
         hardware=hw.to_dict(), layout="trtllm" if hw.kind == "gpu" else "torch", dtype=dtype, kv_cache_dtype=kvd,
         world_size=cfg.world_size, attention_tp=attention_tp(cfg), moe_expert_parallel_size=cfg.moe_ep,
@@ -294,6 +296,7 @@ def plan_build(
         draft_len_schedule=dict(sorted(schedule.items())) if isinstance(schedule, dict) else None,
         cuda_graph_batch_sizes=cuda_graph_batch_sizes(cfg), components=comps, details=details,
         memory_bytes=hw.memory_bytes, kv_cache_budget_bytes=budget, fits=fits,
+        draft_len_schedule_without_amx=dict(sorted(without_amx.items())) if without_amx is not None else None,
     )
     if seq > target.max_position_embeddings:
         plan.problems.append(

@@ -1278,3 +1278,24 @@ def test_plan_only_shows_the_tensorrt_llm_options_and_the_keys_the_pinned_releas
     r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--json"])
     options = json.loads(r.stdout)["trtllm_options"]
     assert options["speculative_config"]["decoding_type"] == "DFlash" and options["tensor_parallel_size"] == 8
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_plan_shows_both_cpu_schedules_and_marks_the_one_this_cpu_runs(monkeypatch, amx):
+    from dflash_trt import hardware
+
+    cfg = REPO / "build_configs" / "smollm2-135m-cpu.yaml"
+    spec = yaml.safe_load(cfg.read_text())["speculative_config"]
+    with_amx = str(spec["draft_len_schedule"]).replace("'", "")
+    without = str(spec["draft_len_schedule_without_amx"]).replace("'", "")
+    monkeypatch.setattr(hardware, "has_amx_tiles", lambda: amx)
+    r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    main_row = next(line for line in lines if line.strip().startswith("draft_len_schedule"))
+    amx_row = next(line for line in lines if "without AMX tiles" in line)
+    assert with_amx in main_row and without in amx_row
+    assert ("(this CPU: AMX tiles)" in main_row) == amx and ("(this CPU)" in amx_row) == (not amx)
+    planned = json.loads(CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--json"]).stdout)
+    assert {int(b): k for b, k in planned["draft_len_schedule_without_amx"].items()} == \
+        spec["draft_len_schedule_without_amx"]
