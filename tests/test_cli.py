@@ -387,3 +387,29 @@ def test_ctrl_c_keeps_the_text_so_far_and_says_how_far_it_came(tiny_dirs, monkey
     want = hf_greedy_text(tiny_dirs["qwen3"], "x", 24)
     assert r.stdout.strip() and want.startswith(r.stdout.rstrip("\n"))
     assert "interrupted after 4 tokens" in r.stderr  # the prompt's forward gave one, three plain steps three more
+
+
+def option_names(*path: str) -> set[str]:
+    command = main
+    for name in path:
+        command = command.commands[name]
+    return {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+
+
+@pytest.mark.parametrize("flags, commands", [
+    (("--max-model-len",), [("generate",), ("serve",), ("build",), ("triton", "export")]),
+    (("--adaptive-draft-len", "--fixed-draft-len"), [("serve",), ("bench", "speed")]),
+    (("--threads",), [("generate",), ("serve",), ("triton", "export"), ("bench", "speed")]),
+    (("-o",), [("build",), ("train",), ("triton", "export"), ("bench", "speed"), ("bench", "sweep")]),
+])
+def test_one_concept_takes_one_flag_name_across_commands(flags, commands):
+    for path in commands:
+        assert set(flags) <= option_names(*path), path
+
+
+def test_builds_max_model_len_is_its_max_seq_len():
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parents[1] / "build_configs" / "smollm2-135m-cpu.yaml"
+    r = _run("build", str(cfg), "--plan-only", "--json", "--max-model-len", "1024")
+    assert json.loads(r.stdout)["max_seq_len"] == 1024

@@ -58,7 +58,7 @@ def bench() -> None:
 @click.option("--lookup-nodes", default=None,
               help="Context lookups to compare at each K and tree (spec/context_lookup.py; 0: none), e.g. 0,7 "
               "(default: the ENGINE's lookup_nodes, else none).")
-@click.option("--adaptive/--fixed-k", "adaptive", default=None,
+@click.option("--adaptive/--fixed-k", "--adaptive-draft-len/--fixed-draft-len", "adaptive", default=None,
               help="Let the DFlash systems run plain steps where those measure faster (their names end in "
               "'adaptive'; tau counts their speculative steps only), or draft every step (default: as the ENGINE "
               "does).")
