@@ -31,15 +31,23 @@ def tensorrt_llm_available() -> bool:
     return importlib.util.find_spec("tensorrt_llm") is not None
 
 
+def install_hint() -> str:
+    """What to do without TensorRT-LLM: install it where there is a GPU for it, else run the torch backend."""
+    import torch
+
+    install = (f"TensorRT-LLM {TENSORRT_LLM_VERSION} (NVIDIA's wheel index or the NGC release container; it is not on "
+               "PyPI)")
+    if not torch.cuda.is_available():  # an install would not help: TensorRT-LLM runs on NVIDIA GPUs only
+        return f"TensorRT-LLM runs on NVIDIA GPUs and torch sees none here: use --backend torch (on a GPU, {install})"
+    return f"install {install}, or use --backend torch"
+
+
 def require_tensorrt_llm():
     """Import tensorrt_llm, or RuntimeError saying what to install."""
     try:
         import tensorrt_llm
     except ImportError as e:
-        raise RuntimeError(
-            f"tensorrt_llm is not importable ({e}): install TensorRT-LLM {TENSORRT_LLM_VERSION} (NVIDIA's wheel "
-            "index or the NGC release container; it is not on PyPI), or use --backend torch"
-        ) from e
+        raise RuntimeError(f"tensorrt_llm is not importable ({e}): {install_hint()}") from e
     version = getattr(tensorrt_llm, "__version__", "unknown")
     if older_than_pin(version):  # a later release is what the keys past the pin need (check_release)
         logger.warning("tensorrt_llm %s is installed; this engine's config targets %s", version, TENSORRT_LLM_VERSION)
@@ -136,9 +144,7 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str
     (tensor_parallel_size, max_batch_size, ... come from it)."""
     exe = shutil.which("trtllm-serve")
     if exe is None:
-        raise RuntimeError(
-            f"trtllm-serve is not on PATH: install TensorRT-LLM {TENSORRT_LLM_VERSION}, or use --backend torch"
-        )
+        raise RuntimeError(f"trtllm-serve is not on PATH: {install_hint()}")
     try:  # trtllm-serve's release, where it shares this Python's packages
         check_release(load_options(engine.path), importlib.metadata.version("tensorrt_llm"))
     except importlib.metadata.PackageNotFoundError:

@@ -79,8 +79,14 @@ def test_llama_config_without_its_drafter_on_disk_says_how_to_fetch_it():
 
 
 @pytest.mark.skipif(launch.tensorrt_llm_available(), reason="tensorrt_llm is installed; this checks its absence")
-def test_without_tensorrt_llm_the_backend_says_what_to_install(tiny_dirs, tmp_path):
+def test_without_tensorrt_llm_the_backend_says_what_to_install(tiny_dirs, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="install TensorRT-LLM 1.3.0rc20 .* or use --backend torch"):
+        launch.require_tensorrt_llm()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # an install would not help without a GPU
+    with pytest.raises(RuntimeError, match="runs on NVIDIA GPUs and torch sees none here: use --backend torch"):
         launch.require_tensorrt_llm()
     from tests.test_build import write_config
     from dflash_trt.build import build_engine
