@@ -296,9 +296,15 @@ class LLMEngine:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return self.prompt_encoder.encode(prompt, chat)
 
-    def encode_chat(self, messages: list[dict[str, str]], **options) -> list[int]:
-        """PromptEncoder.encode_chat with this engine's tokenizer."""
-        return self.prompt_encoder.encode_chat(messages, **options)
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+        """PromptEncoder.encode_chat with this engine's tokenizer (the options are documented there)."""
+        return self.prompt_encoder.encode_chat(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, template_kwargs=template_kwargs, add_special_tokens=add_special_tokens,
+            tools=tools)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
         """ValueError unless every id is a token of the target: in a step, the embedding lookup would fail every
