@@ -327,10 +327,12 @@ def triton() -> None:
               help="K draft tokens per step (default: the engine's, else the drafter's block_size - 1).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--unary", is_flag=True, help="One response a request, for Triton's unary infer (tritonclient's "
+              "infer(), which Triton refuses for a decoupled model); no streaming (default: decoupled, streaming).")
 @click.option("--force", is_flag=True, help="Overwrite the model if the repository already holds one of that name.")
 def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, max_batch_size, max_model_len,
-                  max_draft_len, dtype, threads, force) -> None:
-    """Write a Triton model repository (python backend, decoupled for streaming) for ENGINE."""
+                  max_draft_len, dtype, threads, unary, force) -> None:
+    """Write a Triton model repository (python backend, decoupled for streaming unless --unary) for ENGINE."""
     from dflash_trt.server.triton import ModelSettings, export_repository
 
     if engine is not None and (target or drafter):
@@ -338,7 +340,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
     if backend == "trtllm" and engine is not None:
         # the model builds tensorrt_llm.LLM from the engine's trtllm/config.yaml alone (without an engine,
         # export_repository says that it needs one)
-        _refuse_unseen_by_trtllm({"repo", "model_name", "backend", "force"})
+        _refuse_unseen_by_trtllm({"repo", "model_name", "backend", "unary", "force"})
     if no_spec:
         from dflash_trt.cli import refuse_drafting_flags
 
@@ -363,7 +365,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
             target_dir=str(Path(target).resolve()) if target else "",
             drafter_dir=str(Path(drafter).resolve()) if drafter and not no_spec else "", speculative=not no_spec,
             backend=backend, max_batch_size=max_batch_size, max_model_len=max_model_len or 0,
-            max_draft_len=max_draft_len or 0, dtype=dtype or "", threads=threads or 0,
+            max_draft_len=max_draft_len or 0, dtype=dtype or "", threads=threads or 0, decoupled=not unary,
         )
         path = export_repository(repo, model_name, settings, force=force)
         if max_model_len:  # capped where the model loads, with only a log line there

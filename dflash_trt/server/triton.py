@@ -74,6 +74,9 @@ class ModelSettings:
     max_draft_len: int = 0  # 0: the engine's default
     dtype: str = ""  # "": the engine's default
     threads: int = 0  # CPU threads; 0: torch's default
+    # True: many responses a request (streaming); False: one, for Triton's unary infer, which Triton's HTTP endpoint
+    # refuses for a decoupled model (501)
+    decoupled: bool = True
 
     def __post_init__(self) -> None:
         if not self.engine_dir and not self.target_dir:
@@ -141,9 +144,11 @@ def located(params: dict[str, str], model_dir: str | Path) -> dict[str, str]:
 
 
 def config_pbtxt(model_name: str, settings: ModelSettings, model_dir: Path | None = None) -> str:
-    lines = [f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0",
-             "# Decoupled: a request may get many responses (streaming), the last one flagged final.",
-             "model_transaction_policy { decoupled: true }",
+    policy = (["# Decoupled: a request may get many responses (streaming), the last one flagged final.",
+               "model_transaction_policy { decoupled: true }"] if settings.decoupled else
+              ["# Not decoupled: one response a request (unary infer, /generate); no streaming.",
+               "model_transaction_policy { decoupled: false }"])
+    lines = [f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0", *policy,
              "instance_group [ { count: 1, kind: KIND_CPU } ]", "input ["]
     lines.append(",\n".join(
         f'  {{ name: "{n}", data_type: {t}, dims: {d}{", optional: true" if opt else ""} }}' for n, t, d, opt in INPUTS))

@@ -141,7 +141,7 @@ class TritonPythonModel:
                 self._start(request, sender)
             except Exception as e:  # bad input: answer this request, keep serving the others
                 sender.send(_error(str(e)), flags=FINAL)
-        return None  # decoupled: responses go through the senders
+        return None  # responses go through the senders (one each where the model is not decoupled)
 
     def finalize(self):
         if self.settings.backend == "trtllm":
@@ -162,6 +162,9 @@ class TritonPythonModel:
             raise ValueError(f"text_input holds {len(texts)} strings: this model takes one prompt a request")
         text = texts[0]
         streaming = bool(_scalar(request, "streaming", False))
+        if streaming and not self.settings.decoupled:  # Triton would fail the request at its second response
+            raise ValueError("streaming needs the decoupled model: this one was exported with --unary (one response "
+                             "a request); export another without it, or send streaming false")
         stop = _strings(request, "sampling_param_stop")
         max_tokens = int(_scalar(request, "sampling_param_max_tokens", 64))
         params = dict(max_new_tokens=max_tokens, temperature=float(_scalar(request, "sampling_param_temperature", 0.0)),

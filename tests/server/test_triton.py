@@ -19,6 +19,7 @@ from dflash_trt.sampling_params import SamplingParams
 from tests.server.conftest import free_port, tiny_engine
 
 MODEL = "dflash"
+UNARY = "dflash_unary"  # the same, exported --unary
 PROMPT = "the quick brown fox"
 
 
@@ -49,6 +50,10 @@ def triton(tiny_dirs, tmp_path_factory):
                                        "--drafter", str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256"])
     assert result.exit_code == 0, result.output
     assert (repo / MODEL / "config.pbtxt").is_file() and (repo / MODEL / "1" / "model.py").is_file()
+    result = CliRunner().invoke(main, ["triton", "export", "-o", str(repo), "--target", str(tiny_dirs["qwen3"]),
+                                       "--drafter", str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256",
+                                       "--unary", "--model-name", UNARY])
+    assert result.exit_code == 0, result.output
     http, grpc, metrics = free_port(), free_port(), free_port()
     log = repo / "server.log"
     with open(log, "wb") as out:
@@ -60,9 +65,12 @@ def triton(tiny_dirs, tmp_path_factory):
     deadline = time.monotonic() + 180
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{MODEL}/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
+            ready = []
+            for name in (MODEL, UNARY):
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{name}/ready", timeout=2) as r:
+                    ready.append(r.status == 200)
+            if all(ready):
+                break
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -130,6 +138,41 @@ def test_triton_non_streaming_and_streaming_equal_generate(triton, tiny_dirs):
     assert "".join(p["text_output"][0].decode() for p in parts) == want.text
     assert len(parts) > 1  # really streamed, one response per step
     assert parts[-1]["finish_reason"][0].decode() == want.finish_reason
+
+
+def test_a_unary_export_answers_triton_infer_and_generate_and_refuses_streaming(triton, tiny_dirs):
+    """tritonclient's infer(), which Triton's HTTP endpoint refuses for a decoupled model (501), and /generate."""
+    import json
+    import urllib.request
+
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    oracle = tiny_engine(tiny_dirs, max_batch_size=8)
+    want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=24))[0]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{triton['http']}")
+
+    def inputs(streaming: bool):
+        tensors = []
+        for name, value, dtype in (("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+                                   ("streaming", np.array([streaming]), "BOOL"),
+                                   ("sampling_param_max_tokens", np.array([24], dtype=np.int32), "INT32")):
+            tensor = httpclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            tensors.append(tensor)
+        return tensors
+
+    result = client.infer(UNARY, inputs(False))
+    assert result.as_numpy("text_output")[0].decode() == want.text
+    assert int(result.as_numpy("total_draft_tokens")[0]) == want.total_draft_tokens
+    with pytest.raises(InferenceServerException, match="streaming needs the decoupled model"):
+        client.infer(UNARY, inputs(True))
+    body = json.dumps({"text_input": PROMPT, "sampling_param_max_tokens": 24}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{triton['http']}/v2/models/{UNARY}/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert json.loads(r.read())["text_output"] == want.text
+    client.close()
 
 
 def test_triton_bad_request_gets_an_error_and_the_server_keeps_serving(triton):
