@@ -217,11 +217,11 @@ class TritonPythonModel:
 
     def _init_trtllm(self):
         from dflash_trt.engine_dir import EngineDir
-        from dflash_trt.trtllm.launch import new_llm, require_tensorrt_llm
+        from dflash_trt.trtllm.launch import load_options, new_llm, require_tensorrt_llm
 
-        trtllm = require_tensorrt_llm()
         engine = EngineDir(self.settings.engine_dir)
         engine.verify()
+        trtllm = require_tensorrt_llm(load_options(engine.path))
         self._trtllm = trtllm
         self._llm = new_llm(trtllm, engine)
         self._aio = asyncio.new_event_loop()

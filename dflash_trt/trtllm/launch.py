@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt.embedded import cache_dir
-from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from
+from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from, release_needed
 
 logger = logging.getLogger(__name__)
 CONFIG_PATH = Path("trtllm") / "config.yaml"
@@ -31,23 +31,26 @@ def tensorrt_llm_available() -> bool:
     return importlib.util.find_spec("tensorrt_llm") is not None
 
 
-def install_hint() -> str:
-    """What to do without TensorRT-LLM: install it where there is a GPU for it, else run the torch backend."""
+def install_hint(options: dict | None = None) -> str:
+    """What to do without TensorRT-LLM: install it (a release that takes the engine's `options`, where given) where
+    there is a GPU for it, else run the torch backend."""
     import torch
 
-    install = (f"TensorRT-LLM {TENSORRT_LLM_VERSION} (NVIDIA's wheel index or the NGC release container; it is not on "
-               "PyPI)")
+    release = release_needed(options or {})
+    which = (TENSORRT_LLM_VERSION if release == TENSORRT_LLM_VERSION
+             else f"{release} or later (this engine's config needs it)")
+    install = f"TensorRT-LLM {which} (NVIDIA's wheel index or the NGC release container; it is not on PyPI)"
     if not torch.cuda.is_available():  # an install would not help: TensorRT-LLM runs on NVIDIA GPUs only
         return f"TensorRT-LLM runs on NVIDIA GPUs and torch sees none here: use --backend torch (on a GPU, {install})"
     return f"install {install}, or use --backend torch"
 
 
-def require_tensorrt_llm():
-    """Import tensorrt_llm, or RuntimeError saying what to install."""
+def require_tensorrt_llm(options: dict | None = None):
+    """Import tensorrt_llm, or RuntimeError saying what to install (for an engine's `options`, where given)."""
     try:
         import tensorrt_llm
     except ImportError as e:
-        raise RuntimeError(f"tensorrt_llm is not importable ({e}): {install_hint()}") from e
+        raise RuntimeError(f"tensorrt_llm is not importable ({e}): {install_hint(options)}") from e
     version = getattr(tensorrt_llm, "__version__", "unknown")
     if older_than_pin(version):  # a later release is what the keys past the pin need (check_release)
         logger.warning("tensorrt_llm %s is installed; this engine's config targets %s", version, TENSORRT_LLM_VERSION)
@@ -128,7 +131,7 @@ def new_llm(trtllm, engine):
 def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None) -> list[dict]:
     """Generate with tensorrt_llm.LLM from a verified EngineDir; one dict (text, token_ids) per prompt."""
-    trtllm = require_tensorrt_llm()
+    trtllm = require_tensorrt_llm(load_options(engine.path))
     llm = new_llm(trtllm, engine)
     params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k or None, seed=seed)
@@ -144,7 +147,7 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str
     (tensor_parallel_size, max_batch_size, ... come from it)."""
     exe = shutil.which("trtllm-serve")
     if exe is None:
-        raise RuntimeError(f"trtllm-serve is not on PATH: {install_hint()}")
+        raise RuntimeError(f"trtllm-serve is not on PATH: {install_hint(load_options(engine.path))}")
     try:  # trtllm-serve's release, where it shares this Python's packages
         check_release(load_options(engine.path), importlib.metadata.version("tensorrt_llm"))
     except importlib.metadata.PackageNotFoundError:

@@ -47,6 +47,13 @@ def keys_missing_from(options: dict, version: str = TENSORRT_LLM_VERSION) -> lis
             for dotted, first, origin in _newer_keys(options) if installed < Version(first)]
 
 
+def release_needed(options: dict) -> str:
+    """The first release that takes every key of the options: the pin, or later where a key needs it."""
+    from packaging.version import Version
+
+    return max([TENSORRT_LLM_VERSION, *(first for _, first, _ in _newer_keys(options))], key=Version)
+
+
 def release_notes(options: dict) -> list[str]:
     """One sentence per key of the options that the pinned release refuses (the written config's header and
     `build --plan-only` say them alike)."""

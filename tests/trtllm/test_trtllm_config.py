@@ -88,6 +88,10 @@ def test_without_tensorrt_llm_the_backend_says_what_to_install(tiny_dirs, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # an install would not help without a GPU
     with pytest.raises(RuntimeError, match="runs on NVIDIA GPUs and torch sees none here: use --backend torch"):
         launch.require_tensorrt_llm()
+    # the B300 configs' keys need a later release than the pin: the advice names the one the engine needs
+    options = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-latency.yaml", allow_bundled=True).trtllm_options
+    with pytest.raises(RuntimeError, match=r"TensorRT-LLM 1\.3\.0rc25 or later \(this engine's config needs it\)"):
+        launch.require_tensorrt_llm(options)
     from tests.test_build import write_config
     from dflash_trt.build import build_engine
     from dflash_trt.cli import main
