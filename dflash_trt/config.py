@@ -327,6 +327,11 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
+def exact_int(x) -> bool:
+    """An int as YAML gives one, not a bool (True is an int to Python)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def build_config_from_dict(raw: dict, source: str = "build config", overrides: dict | None = None) -> BuildConfig:
     """Validate `raw` (+ dotted-key `overrides`, e.g. {"speculative_config.max_draft_len": 7})."""
     if not isinstance(raw, dict):
@@ -340,12 +345,20 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
         if not spec.get("speculative_model") and "speculative_config.speculative_model" not in overrides:
             raise ValueError(f"{source}: max_draft_len={k} was given but the config has no drafter "
                              "(speculative_config.speculative_model): add one, or drop the K override")
-        exact = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
             schedule = spec.get(key)
-            if isinstance(schedule, dict) and all(exact(b) and exact(n) for b, n in schedule.items()):
+            if isinstance(schedule, dict) and all(exact_int(b) and exact_int(n) for b, n in schedule.items()):
                 # a malformed table is left to the schema's error, which names the key
                 spec[key] = with_k(schedule, k)
+    graphs = raw.get("cuda_graph_config")
+    batch = overrides.get("max_batch_size")
+    if batch is not None and isinstance(graphs, dict) and not graphs.get("batch_sizes") and exact_int(
+            graphs.get("max_batch_size")) and (graphs["max_batch_size"] == raw.get("max_batch_size")
+                                               or graphs["max_batch_size"] > batch):
+        # CUDA graphs captured up to the file's batch size follow an overridden one: left as they were, a larger
+        # batch ran without graphs past the file's size (TensorRT-LLM runs those steps eagerly, unannounced) and a
+        # smaller one failed the check below
+        overrides = {**overrides, "cuda_graph_config.max_batch_size": batch}
     for key, value in overrides.items():
         _set_dotted(raw, key, value)
     try:

@@ -201,3 +201,21 @@ def test_a_build_config_that_is_not_utf8_is_named(tmp_path):
 def test_a_bad_draft_len_schedule_names_its_yaml_key_not_the_schemas_union_members(schedule, key, words):
     msg = _err({}, speculative_config={"speculative_model": "z/d", "draft_len_schedule": schedule})
     assert msg.splitlines() == [f"t.yaml: key '{key}': Input should be a {words}"], msg
+
+
+@pytest.mark.parametrize("name, batch, graphs", [
+    ("gpt-oss-120b-8xb300-latency.yaml", 384, 384),  # graphs up to the file's 16 follow the batch up
+    ("gpt-oss-120b-8xb300-throughput.yaml", 128, 128),  # and down (512 graphs over 128 rows were refused)
+])
+def test_cuda_graphs_tied_to_the_files_batch_size_follow_an_overridden_one(name, batch, graphs):
+    cfg, _ = load_build_config(Path(__file__).resolve().parents[1] / "build_configs" / name, {"max_batch_size": batch})
+    assert cfg.max_batch_size == batch and cfg.cuda_graph_config.max_batch_size == graphs
+
+
+def test_cuda_graphs_chosen_apart_from_the_batch_size_stay_as_written():
+    raw = {"name": "x", "model": "embedded:smollm2-135m-instruct", "hardware": "h200", "max_batch_size": 64,
+           "max_seq_len": 2048,
+           "cuda_graph_config": {"max_batch_size": 8}}
+    assert build_config_from_dict(raw, overrides={"max_batch_size": 128}).cuda_graph_config.max_batch_size == 8
+    listed = {**raw, "cuda_graph_config": {"batch_sizes": [1, 2, 4]}}
+    assert build_config_from_dict(listed, overrides={"max_batch_size": 128}).cuda_graph_config.batch_sizes == [1, 2, 4]
