@@ -1,7 +1,8 @@
 """Triton python-backend model (copied as REPO/NAME/1/model.py by `dflash-trt triton export`).
 
 Decoupled: each request gets its text as deltas (streaming=true) or in one response, the last one
-flagged final; inputs and outputs follow TensorRT-LLM's llmapi Triton model. The torch backend runs
+flagged final; exported --unary, one response a request. Inputs and outputs follow TensorRT-LLM's llmapi Triton
+model; generation counters join Triton's own on its metrics endpoint. The torch backend runs
 this project's EngineLoop (continuous batching); the trtllm backend runs tensorrt_llm.LLM with the
 engine's trtllm/config.yaml. Only Triton imports this file (triton_python_backend_utils exists there).
 """
@@ -51,6 +52,38 @@ def _refuse_parameters(request):
 
 
 PENALTIES = ("frequency_penalty", "presence_penalty")
+
+
+class Counters:
+    """What the model generated, as counters on Triton's metrics endpoint (the python backend's custom metrics),
+    labelled by model and version like Triton's nv_inference_* ones: `dflash-trt serve`'s /metrics and vLLM's
+    spec-decode counters, counted as requests finish."""
+
+    KINDS = {
+        "dflash_requests": "Requests finished, failed ones included",
+        "dflash_generation_tokens": "Tokens generated",
+        "dflash_spec_decode_num_drafts": "Speculative steps, one per request per step",
+        "dflash_spec_decode_num_draft_tokens": "Draft tokens verified",
+        "dflash_spec_decode_num_accepted_tokens": "Draft tokens accepted",
+    }
+
+    def __init__(self, model: str, version: str) -> None:
+        labels = {"model": model, "version": version}
+        # the families are kept: one that is collected takes its metrics with it (an increment then raises)
+        self.families = {name: pb_utils.MetricFamily(name=name, description=doc, kind=pb_utils.MetricFamily.COUNTER)
+                         for name, doc in self.KINDS.items()}
+        self.metrics = {name: family.Metric(labels=labels) for name, family in self.families.items()}
+
+    def finished(self, tokens: int = 0, steps: int = 0, drafted: int = 0, accepted: int = 0) -> None:
+        """Counted after the request's last response went out: a metric that fails costs no answer."""
+        try:
+            for name, n in (("dflash_requests", 1), ("dflash_generation_tokens", tokens),
+                            ("dflash_spec_decode_num_drafts", steps), ("dflash_spec_decode_num_draft_tokens", drafted),
+                            ("dflash_spec_decode_num_accepted_tokens", accepted)):
+                if n:
+                    self.metrics[name].increment(n)
+        except Exception as e:  # Triton's metrics are a report, not the service
+            pb_utils.Logger.log_warn(f"dflash metrics: {e}")
 
 
 def _refuse_unhonoured(request, penalties):
@@ -113,6 +146,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.settings = ModelSettings.from_parameters(located(params, args["model_repository"]))
+        self.counters = Counters(args["model_name"], args["model_version"])
         if self.settings.backend == "trtllm":
             self._init_trtllm()
             return
@@ -194,9 +228,11 @@ class TritonPythonModel:
                 if not update.finished:
                     self.loop.abort(update.request_id)
                 sender.send(_cancelled(), flags=FINAL)
+                self.counters.finished()
                 return
             if update.error is not None:
                 sender.send(_error(update.error), flags=FINAL)
+                self.counters.finished()
                 return
             out = update.output
             if streaming:
@@ -210,6 +246,9 @@ class TritonPythonModel:
             elif out is not None:
                 sender.send(_response(out.text, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
                             flags=FINAL)
+            if out is not None:
+                self.counters.finished(out.num_tokens, len(out.acceptance_lengths), out.total_draft_tokens,
+                                       out.total_accepted_draft_tokens)
 
         self.loop.submit(prompt, sampling, on_update)
 
@@ -245,6 +284,7 @@ class TritonPythonModel:
                     if sender.is_cancelled():
                         generation.abort()
                         sender.send(_cancelled(), flags=FINAL)
+                        self.counters.finished()
                         return
                     seq = out.outputs[0]
                     if not out.finished and not streaming:
@@ -254,10 +294,12 @@ class TritonPythonModel:
                     if out.finished:
                         accepted, drafted = _trtllm_acceptance(seq)
                         sender.send(_response(delta, str(seq.finish_reason or ""), accepted, drafted), flags=FINAL)
+                        self.counters.finished(len(seq.token_ids), 0, drafted, accepted)
                     elif delta:
                         sender.send(_response(delta))
             except Exception as e:
                 sender.send(_error(str(e)), flags=FINAL)
+                self.counters.finished()
 
         asyncio.run_coroutine_threadsafe(run(), self._aio)
 

@@ -78,7 +78,7 @@ def triton(tiny_dirs, tmp_path_factory):
             proc.wait(60)
             pytest.fail(f"tritonserver did not load the model:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
-    yield {"proc": proc, "grpc": f"127.0.0.1:{grpc}", "http": http, "log": log}
+    yield {"proc": proc, "grpc": f"127.0.0.1:{grpc}", "http": http, "metrics": metrics, "log": log}
     if proc.poll() is None:
         proc.terminate()
         proc.wait(60)
@@ -173,6 +173,33 @@ def test_a_unary_export_answers_triton_infer_and_generate_and_refuses_streaming(
     with urllib.request.urlopen(request, timeout=60) as r:
         assert json.loads(r.read())["text_output"] == want.text
     client.close()
+
+
+def _counters(triton) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{triton['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name.removesuffix("_total"): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("dflash_") and s.labels.get("model") == MODEL}
+
+
+def test_triton_metrics_count_what_the_model_generated(triton, tiny_dirs):
+    oracle = tiny_engine(tiny_dirs, max_batch_size=8)
+    want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=24))[0]
+    before = _counters(triton)
+    (single,) = _infer(triton["grpc"], PROMPT, 24, streaming=False)
+    after = _counters(triton)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("dflash_requests") == 1 and grew("dflash_generation_tokens") == want.num_tokens
+    assert grew("dflash_spec_decode_num_drafts") == len(want.acceptance_lengths)
+    assert grew("dflash_spec_decode_num_draft_tokens") == int(single["total_draft_tokens"][0]) > 0
+    assert grew("dflash_spec_decode_num_accepted_tokens") == int(single["total_accepted_draft_tokens"][0])
 
 
 def test_triton_bad_request_gets_an_error_and_the_server_keeps_serving(triton):
