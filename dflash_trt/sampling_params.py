@@ -80,6 +80,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
             self.stop = [self.stop]
+        # types first: a float count reached the engine as a draft length of 0.5, a string failed a comparison
+        for name in ("max_new_tokens", "top_k", *(n for n in ("seed", "logprobs", "prompt_logprobs")
+                                                 if getattr(self, n) is not None)):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not _is_real(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN compares False both ways

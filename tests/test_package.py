@@ -48,3 +48,10 @@ def test_a_stop_string_alone_is_one_stop_string_not_one_per_character():
 
     assert SamplingParams(stop="Haven").stop == ["Haven"]
     assert SamplingParams(stop=["Haven", "end"]).stop == ["Haven", "end"]
+
+
+def test_every_name_the_package_exports_is_there():
+    import dflash_trt
+
+    for name in dflash_trt.__all__:
+        assert getattr(dflash_trt, name).__name__ == name

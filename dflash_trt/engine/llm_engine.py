@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import torch
 
 from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
-from dflash_trt.engine.detokenizer import client_text, find_stop, stop_search_start
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer, client_text, find_stop, stop_search_start
 from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.prompt_encoder import PromptEncoder
@@ -193,9 +196,27 @@ def _is_id(token) -> bool:
     return isinstance(token, numbers.Integral) and not isinstance(token, bool)
 
 
+@dataclass
+class StreamChunk:
+    """What one step added to a streamed answer: its new text (held back while it may start a stop string or a
+    character), the tokens generated so far, and, on the last chunk, the request's whole output."""
+
+    text: str
+    num_tokens: int
+    output: RequestOutput | None = None
+
+
 class LLMEngine:
+    """The target, its drafter and a scheduler of requests: `generate` answers prompts with continuous batching,
+    `stream` one prompt as its steps make the text; `add_request` / `step` drive the engine by hand (EngineLoop
+    does, for the servers). Threads may share an engine: its steps and its tokenizer take turns."""
+
     def __init__(self, target: torch.nn.Module, tokenizer, drafter: DFlashDrafter | None, config: EngineConfig) -> None:
         self.config = config
+        # a step holds the runner's buffers and the KV cache: two threads stepping at once wrote over each other's
+        # rows (garbled text, once a heap corruption); the tokenizer raises when called from two threads at once
+        self._step_lock = threading.Lock()
+        self._encode_lock = threading.Lock()
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter if config.speculative else None
@@ -273,6 +294,8 @@ class LLMEngine:
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, config: EngineConfig) -> "LLMEngine":
+        """An engine over a Hugging Face-format target directory and a z-lab-format drafter directory (None without
+        speculation)."""
         from transformers import AutoTokenizer
 
         target = load_target(target_dir, config.torch_dtype, config.device)
@@ -294,17 +317,20 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        return self.prompt_encoder.encode(prompt, chat)
+        """The prompt's token ids: as written, or as a user turn of the tokenizer's chat template (chat=True)."""
+        with self._encode_lock:
+            return self.prompt_encoder.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
                     template_kwargs: dict | None = None, add_special_tokens: bool = False,
                     tools: list[dict] | None = None) -> list[int]:
         """PromptEncoder.encode_chat with this engine's tokenizer (the options are documented there)."""
-        return self.prompt_encoder.encode_chat(
+        with self._encode_lock:
+            return self.prompt_encoder.encode_chat(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, template_kwargs=template_kwargs, add_special_tokens=add_special_tokens,
-            tools=tools)
+                tools=tools)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
         """ValueError unless every id is a token of the target: in a step, the embedding lookup would fail every
@@ -315,6 +341,10 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}, got {bad[:5]}")
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A request, checked against this engine (ValueError for a prompt the context cannot hold, a token id
+        past the vocabulary, ...), not yet queued."""
+        if not isinstance(params, SamplingParams):  # a dict failed later with an AttributeError
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
@@ -343,6 +373,7 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether a request is queued, running, or aborted and not yet answered by a step."""
         return self.scheduler.has_work()
 
     def generate(
@@ -358,21 +389,51 @@ class LLMEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: pass one, or one per prompt")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         pending = list(reversed(seqs))
-        while pending or self.has_unfinished():
-            while pending and self.scheduler.can_add():
-                self.scheduler.add(pending.pop())
-            self.step()
+        with self._aborted_unless_done(seqs):
+            while pending or self.has_unfinished():
+                while pending and self.scheduler.can_add():
+                    self.scheduler.add(pending.pop())
+                self.step()
         return [self.make_output(s) for s in seqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """One prompt's answer as its steps make it (requests queued beside it step along): text deltas, the last
+        chunk carrying the whole output. Leaving the loop early (break, an exception, Ctrl-C) aborts the request."""
+        params = params or SamplingParams()
+        seq = self.make_sequence(self.encode(prompt) if isinstance(prompt, str) else prompt, params)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
+        self.scheduler.add(seq)
+        with self._aborted_unless_done([seq]):
+            while not seq.is_finished:
+                self.step()
+                if seq.is_finished:
+                    out = self.make_output(seq)
+                    yield StreamChunk(detok.delta(seq.output_ids, out.text), out.num_tokens, out)
+                elif text := detok.delta(seq.output_ids):
+                    yield StreamChunk(text, len(seq.output_ids))
+
+    @contextlib.contextmanager
+    def _aborted_unless_done(self, seqs: list[Sequence]):
+        """Requests a call queued are aborted where it ends before they finish (an error in a step, Ctrl-C, a
+        stream left early): else they ran on, and a later call stepped them or failed on them again."""
+        try:
+            yield
+        finally:
+            for s in seqs:
+                if not s.is_finished:
+                    self.abort(s.request_id)
 
     def step(self) -> "StepResult":
         """One engine iteration: prefill chunks, then one draft-verify step for every decoding request."""
-        batch = self.scheduler.schedule()
-        try:
-            return self._run_batch(batch)
-        except BaseException:
-            # The batch's aborted requests already left the scheduler: the next step answers them, or nothing would.
-            self.scheduler.return_aborted(batch.aborted)
-            raise
+        with self._step_lock:
+            batch = self.scheduler.schedule()
+            try:
+                return self._run_batch(batch)
+            except BaseException:
+                # The batch's aborted requests already left the scheduler: the next step answers them, or nothing
+                # would.
+                self.scheduler.return_aborted(batch.aborted)
+                raise
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)

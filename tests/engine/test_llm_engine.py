@@ -1,0 +1,82 @@
+"""LLMEngine as a Python user drives it: from several threads at once, through a failure or a Ctrl-C midway, and
+streamed; every answer transformers' own greedy one."""
+
+import threading
+
+import pytest
+
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.sampling_params import SamplingParams
+from tests.engine.test_lossless import hf_greedy
+
+PROMPTS = ["the quick brown fox", "hello there", "x y z", "abcabc abc"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    return LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
+                               EngineConfig(max_batch_size=4, max_draft_len=3, max_model_len=256))
+
+
+def want(tiny_dirs, llm, prompt: str) -> list[int]:
+    return hf_greedy(tiny_dirs["qwen3"], llm.encode(prompt), NEW)
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+
+
+def test_threads_sharing_an_engine_each_get_their_own_answer(tiny_dirs, llm):
+    got: dict[str, list[int]] = {}
+
+    def ask(prompt: str) -> None:
+        for _ in range(3):  # calls that overlap in every way: one thread's steps run the others' requests too
+            got[prompt] = llm.generate(prompt, params())[0].token_ids
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {p: want(tiny_dirs, llm, p) for p in PROMPTS}
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_a_call_that_stops_midway_leaves_nothing_running_for_the_next(tiny_dirs, llm, monkeypatch, failure):
+    """Its requests are aborted: the next call runs its own alone, not the stopped one's rows beside it."""
+    rows: list[int] = []
+    step = LLMEngine.step
+
+    def stopped(self):
+        result = step(self)
+        rows.append(result.batch_size)
+        if len(rows) == 3:
+            raise failure("stopped midway")
+        return result
+
+    monkeypatch.setattr(LLMEngine, "step", stopped)
+    with pytest.raises(failure):
+        llm.generate(PROMPTS[:2], params())
+    rows[:] = [0] * 3  # counted on past the third step: no more failures
+    out = llm.generate(PROMPTS[2], params())[0]
+    assert out.token_ids == want(tiny_dirs, llm, PROMPTS[2])
+    assert max(rows[3:]) == 1 and not llm.has_unfinished()
+
+
+def test_a_stream_gives_the_answer_as_steps_make_it_and_aborts_where_left(tiny_dirs, llm):
+    chunks = list(llm.stream(PROMPTS[0], params()))
+    assert len(chunks) > 2 and all(c.output is None for c in chunks[:-1])
+    out = chunks[-1].output
+    assert out.token_ids == want(tiny_dirs, llm, PROMPTS[0]) and "".join(c.text for c in chunks) == out.text
+    assert [c.num_tokens for c in chunks] == sorted(c.num_tokens for c in chunks) and chunks[-1].num_tokens == NEW
+    for chunk in llm.stream(PROMPTS[1], params()):
+        break  # a reader that has seen enough
+    assert llm.generate(PROMPTS[3], params())[0].token_ids == want(tiny_dirs, llm, PROMPTS[3])
+    assert not llm.has_unfinished()
+
+
+def test_parameters_that_are_no_sampling_params_are_refused_by_type(llm):
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        llm.generate("x", {"max_new_tokens": 4})
