@@ -49,9 +49,9 @@ _FLAG_OF = {"max_draft_len": "--max-draft-len", "draft_tree": "--tree-nodes", "l
 
 
 def _as_flags(message: str) -> str:
-    """An engine error that begins with a setting's name, led by the flag that sets it."""
-    key = message.split("=", 1)[0]
-    return f"{_FLAG_OF[key]}: {message}" if key in _FLAG_OF else message
+    """An engine error that names a setting (`max_model_len=128`), led by the flag that sets it."""
+    key = next((k for k in _FLAG_OF if f"{k}=" in message), None)
+    return f"{_FLAG_OF[key]}: {message}" if key else message
 
 
 @main.command()
@@ -62,7 +62,7 @@ def _as_flags(message: str) -> str:
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False),
               help="z-lab-format DFlash drafter directory (default without --target: the embedded SmolLM2's shipped "
               "drafter, drafters/smollm2-135m-dflash).")
-@click.option("-p", "--prompt", required=True, help="Prompt text.")
+@click.option("-p", "--prompt", required=True, help="Prompt text; - reads it from stdin.")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template (with the generation prompt).")
 @click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", default=128, show_default=True,
               type=click.IntRange(min=1), help="Tokens to generate at most.")
@@ -122,6 +122,12 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                                "--acceptance rejection drafts chains")
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs come in the --json output: add --json")
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read().removesuffix("\n")  # the newline `echo` ends it with
+    if temperature > 0 and seed is None:  # drawn here, to be reported: a sample worth keeping can be had again
+        import random
+
+        seed = random.SystemRandom().randrange(2**31)
     for flag, text in (("--prompt", prompt), *(("--stop", x) for x in stop)):
         try:
             text.encode("utf-8")
@@ -185,6 +191,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         out = engine.generate([ids], params)[0] if as_json else _stream(engine, ids, params)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(_as_flags(str(e))) from e
+    except KeyboardInterrupt:  # loading, or a --json run (a streamed answer keeps its text: _stream)
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
     result = {
         "text": out.text,
         "token_ids": out.token_ids,
@@ -195,6 +204,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         "acceptance_histogram": out.acceptance_histogram,
         "acceptance_lengths": out.acceptance_lengths,
         "max_draft_len": engine.scheduler.config.draft_len_for(1),  # what a one-row step drafts on this device
+        "seed": seed,  # given, or drawn for a sampled run; null for greedy
         "prefill_s": round(out.prefill_time, 4),
         "decode_s": round(out.decode_time, 4),
         "draft_s": round(out.draft_time, 4),
@@ -220,7 +230,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         tau = ran + (f", {_count(plain, 'token')} from plain steps" if plain else "")
     click.echo(f"{mode}: {_count(out.num_tokens, 'token')} ({out.finish_reason}){tau}, "
                f"{out.tokens_per_s:.1f} tok/s decode, "
-               f"prefill {out.prefill_time * 1000:.0f} ms", err=True)
+               f"prefill {out.prefill_time * 1000:.0f} ms" + (f", seed {seed}" if temperature > 0 else ""), err=True)
     if not no_spec:
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
@@ -228,22 +238,23 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
 
 
 def _stream(engine, ids: list[int], params: SamplingParams):
-    """The answer, its text written to stdout as the steps make it; Ctrl-C ends it there, what came kept (exit 130)."""
-    from dflash_trt.engine.detokenizer import IncrementalDetokenizer
-
-    seq = engine.add_request(ids, params)
-    detok = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens)
+    """The answer, its text written to stdout as the steps make it; Ctrl-C ends it there, what came kept (exit 130).
+    A reader that goes away (`| head`) ends it quietly, as it would a Unix tool."""
+    tokens = 0
     try:
-        while not seq.is_finished:
-            engine.step()
-            final = engine.make_output(seq).text if seq.is_finished else None  # cut at a stop string, whole
-            click.echo(detok.delta(seq.output_ids, final), nl=False)
+        for chunk in engine.stream(ids, params):
+            click.echo(chunk.text, nl=False)
+            tokens = chunk.num_tokens
+            if chunk.output is not None:
+                click.echo()
+                return chunk.output
     except KeyboardInterrupt:
         click.echo()
-        click.echo(f"--- interrupted after {_count(len(seq.output_ids), 'token')}", err=True)
+        click.echo(f"--- interrupted after {_count(tokens, 'token')}", err=True)
         sys.exit(130)
-    click.echo()
-    return engine.make_output(seq)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails on it again
+        sys.exit(141)  # a shell's status for a program SIGPIPE ended
 
 
 def _count(n: int, noun: str) -> str:

@@ -413,3 +413,48 @@ def test_builds_max_model_len_is_its_max_seq_len():
     cfg = Path(__file__).resolve().parents[1] / "build_configs" / "smollm2-135m-cpu.yaml"
     r = _run("build", str(cfg), "--plan-only", "--json", "--max-model-len", "1024")
     assert json.loads(r.stdout)["max_seq_len"] == 1024
+
+
+def test_a_prompt_of_dash_is_read_from_stdin(tiny_dirs):
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-new-tokens", "6", "--ignore-eos",
+            "--json"]
+    piped = CliRunner().invoke(main, [*args, "-p", "-"], input="hello there\n")
+    typed = CliRunner().invoke(main, [*args, "-p", "hello there"])
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.stdout)["token_ids"] == json.loads(typed.stdout)["token_ids"]
+
+
+def test_a_sampled_run_reports_its_seed_and_that_seed_gives_the_sample_again(tiny_dirs):
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--max-new-tokens", "12",
+            "--ignore-eos", "--temperature", "1.0", "--json"]
+    first = json.loads(_run(*args).stdout)
+    assert isinstance(first["seed"], int)
+    again = json.loads(_run(*args, "--seed", str(first["seed"])).stdout)
+    assert again["token_ids"] == first["token_ids"] and again["seed"] == first["seed"]
+    r = _run(*args[:-1])
+    assert ", seed " in r.stderr
+
+
+def test_a_prompt_the_context_cannot_hold_names_the_flag(tiny_dirs):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x" * 40,
+                                  "--max-model-len", "16"])
+    assert r.exit_code == 1 and "--max-model-len: prompt has" in r.output, r.output
+
+
+def test_ctrl_c_while_the_model_loads_exits_as_interrupted(tiny_dirs, monkeypatch):
+    from dflash_trt.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_dirs", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x"])
+    assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output, r.output
+
+
+def test_a_reader_that_goes_away_ends_the_answer_quietly(tiny_dirs):
+    """`generate ... | head -c 5`: no error on stderr, the status a SIGPIPE gives."""
+    import subprocess
+    import sys
+
+    cmd = (f"{sys.executable} -m dflash_trt generate --target {tiny_dirs['qwen3']} --no-spec -p x --ignore-eos "
+           "--max-new-tokens 400 | head -c 5; echo \" ${PIPESTATUS[0]}\"")
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert r.stdout.endswith(" 141\n") and "Error" not in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)

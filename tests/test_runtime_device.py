@@ -97,3 +97,16 @@ def test_a_triton_models_threads_reach_the_thread_that_opens_its_engine(monkeypa
     opened.start()
     opened.join()
     assert seen == [1]
+
+
+def test_more_threads_than_cores_is_warned_of(monkeypatch, caplog, one_core_machine):
+    import os
+
+    from dflash_trt.runtime_device import use_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("WARNING", logger="dflash_trt.runtime_device"):
+        use_threads(2)
+        assert not caplog.records
+        use_threads(8)
+    assert "8 threads on 2 cores" in caplog.text and "give at most 2" in caplog.text
