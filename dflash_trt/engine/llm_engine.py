@@ -328,8 +328,8 @@ class LLMEngine:
         """PromptEncoder.encode_chat with this engine's tokenizer (the options are documented there)."""
         with self._encode_lock:
             return self.prompt_encoder.encode_chat(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            chat_template=chat_template, template_kwargs=template_kwargs, add_special_tokens=add_special_tokens,
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, template_kwargs=template_kwargs, add_special_tokens=add_special_tokens,
                 tools=tools)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
