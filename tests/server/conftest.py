@@ -89,5 +89,6 @@ def server(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_dirs):
-    """A separate engine whose generate() gives the expected greedy answers."""
-    return tiny_engine(tiny_dirs, max_batch_size=8)
+    """A separate engine, decoding plainly, whose generate() gives the expected answers: every server test that
+    compares with it checks the speculative server against the target's own decoding (its samples too, by seed)."""
+    return tiny_engine(tiny_dirs, max_batch_size=8, speculative=False)

@@ -66,3 +66,27 @@ def test_best_of_equal_to_n_is_n_and_more_is_refused(server):
     assert [c["text"] for c in same["choices"]] == [c["text"] for c in plain["choices"]]
     more = httpx.post(server.base_url + "/completions", json={**body, "best_of": 3}, timeout=60)
     assert more.status_code == 400 and more.json()["error"]["param"] == "best_of"
+
+
+def test_every_sampling_field_reaches_the_engine_as_the_targets_own_sample(server, oracle):
+    """A seeded answer under top_k, top_p, min_p or a penalty is the plain-decoding target's sample with that field,
+    which is another answer than without it: each field really reaches the sampler, unchanged."""
+    ids = oracle.encode(PROMPTS[1])
+    base = {"max_new_tokens": 16, "temperature": 1.3, "seed": 11, "ignore_eos": True}
+
+    def target(**field) -> str:
+        return oracle.generate([ids], SamplingParams(**base, **field))[0].text
+
+    def served(**field) -> str:
+        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 1.3, "seed": 11,
+                "ignore_eos": True, **field}
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    plain = target()
+    for name, value in {"top_k": 8, "top_p": 0.6, "min_p": 0.1, "presence_penalty": 1.0, "frequency_penalty": 1.0,
+                        "repetition_penalty": 1.5}.items():
+        want = target(**{name: value})
+        assert want != plain, name  # the field changes this answer: the check below can tell it was dropped
+        assert served(**{name: value}) == want, name

@@ -24,8 +24,10 @@ def expected(oracle, prompts, max_tokens, chat=False):
     return oracle.generate(ids, SamplingParams(max_new_tokens=max_tokens))
 
 
-def test_completion_equals_generate_with_usage_and_acceptance(server, oracle):
+def test_completion_equals_generate_with_usage_and_acceptance(server, oracle, tiny_dirs):
     want = expected(oracle, PROMPTS[:1], 24)[0]
+    drafted = expected(tiny_engine(tiny_dirs, max_batch_size=8), PROMPTS[:1], 24)[0]  # the server's own engine's twin
+    assert drafted.token_ids == want.token_ids
     resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
     choice = resp.choices[0]
     assert choice.text == want.text and choice.finish_reason == want.finish_reason
@@ -34,8 +36,8 @@ def test_completion_equals_generate_with_usage_and_acceptance(server, oracle):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     acc = choice.model_extra["acceptance"]
     # alone on the server, the request runs exactly the steps generate() ran
-    assert acc["num_steps"] == len(want.acceptance_lengths) and acc["tau"] == pytest.approx(want.tau)
-    assert acc["total_draft_tokens"] == sum(want.draft_lens)
+    assert acc["num_steps"] == len(drafted.acceptance_lengths) and acc["tau"] == pytest.approx(drafted.tau)
+    assert acc["total_draft_tokens"] == sum(drafted.draft_lens)
     assert 0 <= acc["acceptance_rate"] <= 1
 
 
