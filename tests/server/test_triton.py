@@ -100,13 +100,15 @@ def _start_stream(url: str, inputs: list[tuple[str, np.ndarray, str]]):
     return client, responses
 
 
-def _infer(url: str, prompt: str, max_tokens: int, streaming: bool) -> list[dict]:
-    """One request over a gRPC stream; every response's outputs, up to the one with a finish_reason."""
+def _infer(url: str, prompt: str, max_tokens: int, streaming: bool, temperature: float = 0.0,
+           more: tuple = ()) -> list[dict]:
+    """One request over a gRPC stream (`more`: other (name, value, dtype) inputs); every response's outputs, up to
+    the one with a finish_reason."""
     client, responses = _start_stream(url, [
         ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         ("streaming", np.array([streaming]), "BOOL"),
         ("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
-        ("sampling_param_temperature", np.array([0.0], dtype=np.float32), "FP32")])
+        ("sampling_param_temperature", np.array([temperature], dtype=np.float32), "FP32"), *more])
     got = []
     try:
         while True:
@@ -173,6 +175,24 @@ def test_a_unary_export_answers_triton_infer_and_generate_and_refuses_streaming(
     with urllib.request.urlopen(request, timeout=60) as r:
         assert json.loads(r.read())["text_output"] == want.text
     client.close()
+
+
+def test_triton_sampling_inputs_give_the_targets_own_seeded_sample(triton, tiny_dirs):
+    """A seeded answer under top_k, top_p or a penalty is the plain-decoding target's sample with the same values,
+    another one than without them: each input really reaches the sampler."""
+    plain = tiny_engine(tiny_dirs, max_batch_size=8, speculative=False)
+    ids = plain.encode(PROMPT)
+    base = {"max_new_tokens": 16, "temperature": 1.3, "seed": 7}
+    seed = ("sampling_param_seed", np.array([7], dtype=np.uint64), "UINT64")
+    unbiased = plain.generate([ids], SamplingParams(**base))[0].text
+    for name, value, dtype in (("top_k", 8, np.int32), ("top_p", 0.6, np.float32),
+                               ("presence_penalty", 1.0, np.float32), ("frequency_penalty", 1.0, np.float32)):
+        want = plain.generate([ids], SamplingParams(**base, **{name: value}))[0].text
+        assert want != unbiased, name
+        kind = "INT32" if dtype is np.int32 else "FP32"
+        (got,) = _infer(triton["grpc"], PROMPT, 16, streaming=False, temperature=1.3,
+                        more=(seed, (f"sampling_param_{name}", np.array([value], dtype=dtype), kind)))
+        assert got["text_output"][0].decode() == want, name
 
 
 def _counters(triton) -> dict[str, float]:
