@@ -5,10 +5,13 @@ experts against transformers' own dequantization; DFlash on top stays lossless."
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from dflash_trt import SamplingParams
@@ -20,8 +23,9 @@ from dflash_trt.models.gpt_oss import GptOssParams
 from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxfp4
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
+from dflash_trt.spec.context_lookup import ContextLookup
 from tests.conftest import EOS, VOCAB, make_drafter, save_char_tokenizer
-from tests.forced_drafts import force_drafts, force_tree_drafts
+from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
 WINDOW = 8
@@ -276,9 +280,15 @@ def _prompts(n, seed=5):
     return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
 
 
+_oracle: dict = {}  # transformers' continuations, computed once per test module (one hf_model)
+
+
 def _hf_greedy(hf, prompt):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    if (key := tuple(prompt)) not in _oracle:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+        _oracle[key] = out[0, len(prompt):].tolist()
+    return _oracle[key]
 
 
 def _engine(target_dir, drafter_dir, k, rows, **cfg):
@@ -313,6 +323,110 @@ def test_greedy_draft_trees_equal_target_greedy_across_window_boundaries(gpt_oss
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     assert max(max(o.acceptance_lengths) for o in outs) >= 4
+
+
+class _PositionalInverseCdf(LogitsProcessor):
+    """transformers' scores shaped by its own temperature / top-k / top-p warpers and sampled by inverse CDF, the
+    token at output position p with the p-th float32 draw of PCG64(SeedSequence(2 * seed)) (layers/sampler.py
+    PositionalUniforms' documented stream; tests/engine/test_lossless.py hf_sample, with truncation). It leaves
+    only its sample for greedy generate to pick, so the oracle decodes with transformers' KV cache."""
+
+    def __init__(self, prompt_len, seed, temperature, top_k, top_p):
+        self.prompt_len = prompt_len
+        self.u = np.random.Generator(np.random.PCG64(np.random.SeedSequence(2 * seed))).random(NEW, dtype=np.float32)
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+        self.warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        cdf = torch.softmax(scores.float(), -1)[0].cumsum(-1)
+        u = float(self.u[input_ids.shape[1] - self.prompt_len])
+        token = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(cdf) - 1)
+        return torch.full_like(scores, float("-inf")).index_fill_(-1, torch.tensor([token]), 0.0)
+
+
+def _hf_sample(hf, prompt, seed, temperature, top_k=0, top_p=1.0):
+    """transformers' own seeded sample of NEW tokens (the oracle)."""
+    key = (tuple(prompt), seed, temperature, top_k, top_p)
+    if key not in _oracle:
+        sampler = _PositionalInverseCdf(len(prompt), seed, temperature, top_k, top_p)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, logits_processor=LogitsProcessorList([sampler]))
+        _oracle[key] = out[0, len(prompt):].tolist()
+    return _oracle[key]
+
+
+@pytest.mark.parametrize("drafts, temperature, top_k, top_p", [
+    ("chain", 1.0, 0, 1.0), ("tree with lookups", 1.0, 0, 1.0), ("tree with lookups", 0.8, 12, 0.9)])
+def test_a_seeded_match_sample_is_transformers_own_sample(gpt_oss_dir, gpt_oss_drafter, hf_model, monkeypatch,
+                                                          drafts, temperature, top_k, top_p):
+    """Under the "match" rule a seeded request's tokens are the target's own samples with the seed's positional
+    uniforms, whatever each step drafted: through chains that are mostly right and trees with context lookup
+    branches, whose accepted and rejected blocks cross window boundaries. Drafts are forced to the oracle's tokens
+    (with errors), so most are accepted: the engine's target sampled what transformers sampled."""
+    prompts, seeds = _prompts(2), [7, 2**40 + 3]
+    refs = [_hf_sample(hf_model, p, s, temperature, top_k, top_p) for p, s in zip(prompts, seeds)]
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    lookups = []
+    if drafts == "chain":
+        engine = _engine(gpt_oss_dir, gpt_oss_drafter, 4, 2)
+        force_drafts(engine, truth, error_rate=0.2)
+    else:
+        engine = _engine(gpt_oss_dir, gpt_oss_drafter, 4, 2, draft_tree={2: 9}, lookup_nodes=4)
+        force_tree_drafts(engine, truth)
+        force_lookup_drafts(engine, truth)
+        lookups = _recorded_lookups(monkeypatch)
+    params = [SamplingParams(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
+                             ignore_eos=True) for s in seeds]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    assert min(o.tau for o in outs) > 1.5  # speculation ran: most forced drafts were the target's samples
+    assert drafts == "chain" or max(a for _, a in lookups) >= 2
+
+
+def _recorded_lookups(monkeypatch) -> list:
+    """Every (verified, accepted) depth the engine reports to a request's context lookup."""
+    seen, real = [], ContextLookup.observe
+
+    def observe(self, verified, accepted):
+        seen.append((verified, accepted))
+        real(self, verified, accepted)
+
+    monkeypatch.setattr(ContextLookup, "observe", observe)
+    return seen
+
+
+class _EveryOtherStep:
+    """A stand-in for AdaptiveDraftLen that drafts on every other step and runs plain K=0 steps in between."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def choose(self, batch_size, k):
+        self.steps.append(k if len(self.steps) % 2 == 0 else 0)
+        return self.steps[-1]
+
+    def observe(self, batch_size, k, step_s, tokens, catch_up=False):
+        pass
+
+
+def test_greedy_with_context_lookups_and_plain_steps_between_equals_target_greedy(gpt_oss_dir, gpt_oss_drafter,
+                                                                                   hf_model, monkeypatch):
+    """Trees with context lookup branches, and plain steps between them as adaptive_draft_len would choose by
+    timing (their features queued for the next speculative step): transformers' greedy tokens."""
+    prompts = _prompts(2)
+    refs = [_hf_greedy(hf_model, p) for p in prompts]
+    engine = _engine(gpt_oss_dir, gpt_oss_drafter, 4, 2, draft_tree={2: 9}, lookup_nodes=4, adaptive_draft_len=True)
+    engine.adaptive = schedule = _EveryOtherStep()
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    force_tree_drafts(engine, truth)
+    force_lookup_drafts(engine, truth)
+    lookups = _recorded_lookups(monkeypatch)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert 0 in schedule.steps and min(o.tau for o in outs) > 1.5
+    assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
 def test_a_gpt_oss_drafter_that_is_not_qwen3_style_fails_clearly(gpt_oss_dir, gpt_oss_drafter, tmp_path):
