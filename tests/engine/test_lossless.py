@@ -15,6 +15,7 @@ from dflash_trt.kernels import cpu_ops
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.spec.context_lookup import ContextLookup
+from dflash_trt.spec.draft_vocab import rank_tokens
 from tests.conftest import make_drafter, make_target
 from tests.engine.conftest import V
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
@@ -337,6 +338,50 @@ def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, lookup,
     assert all(o.tau > 1.5 for o in outs) and moves
 
 
+def _bf16_plain_and_speculative(tiny_dirs, params: list[SamplingParams], shape: str) -> tuple[list, list]:
+    """The same bf16 weights decoding `params`' requests plainly (their tokens), and speculatively (the outputs) with
+    drafts forced from the plain tokens: chains (20% corrupted), or 5-node trees with context lookups."""
+    prompts = _prompts(len(params))
+    plain = _engine(tiny_dirs, "qwen3", 3, rows=len(prompts), dtype="bfloat16", speculative=False).generate(
+        prompts, params)
+    tree = {"draft_tree": {len(prompts): 5}, "lookup_nodes": 3} if shape == "tree" else {}
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=len(prompts), dtype="bfloat16", **tree)
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    if tree:
+        force_tree_drafts(engine, truth)
+        force_lookup_drafts(engine, truth)
+    else:
+        force_drafts(engine, truth, error_rate=0.2)
+    outs = engine.generate(prompts, params)
+    assert max(n for o in outs for n in o.draft_lens) == (5 if tree else 3)
+    return [o.token_ids for o in plain], outs
+
+
+@pytest.mark.skipif(not _batch_invariant_bf16(),
+                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_seeded_bf16_match_sample_is_the_same_speculative_as_plain(tiny_dirs, shape):
+    """Under the "match" rule the target samples every token with the seed's positional uniform, in verify steps
+    as in one-token ones; in bf16 the same weights' plain decoding is the oracle."""
+    params = [SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=s, ignore_eos=True) for s in (3, 4)]
+    plain, spec = _bf16_plain_and_speculative(tiny_dirs, params, shape)
+    assert [o.token_ids for o in spec] == plain
+    assert all(o.tau > 1.5 for o in spec)  # most forced drafts accepted: the target sampled their tokens
+
+
+@pytest.mark.skipif(not _batch_invariant_bf16(),
+                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_bf16_greedy_under_penalties_and_logit_bias_is_the_same_speculative_as_plain(tiny_dirs, shape):
+    """Repetition, presence and frequency penalties and a logit bias shape each verified position's logits as if
+    the drafts before it were the output (in a tree, each node's path)."""
+    shaped = dict(max_new_tokens=NEW, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
+                  frequency_penalty=0.3, logit_bias={40: 2.0, 7: -1.0})
+    plain, spec = _bf16_plain_and_speculative(tiny_dirs, [SamplingParams(**shaped)] * 2, shape)
+    assert [o.token_ids for o in spec] == plain
+    assert all(o.tau > 1.5 for o in spec)
+
+
 @pytest.fixture(scope="module")
 def screenable_dirs(tmp_path_factory) -> dict:
     """A target whose vocabulary is whole 64-feature groups (128), which the head's int8 screen serves."""
@@ -369,6 +414,69 @@ def test_bf16_greedy_tokens_are_the_same_through_the_heads_int8_screen(screenabl
     assert [o.token_ids for o in outs] == ref
     if k:
         assert all(o.tau > 1.5 for o in outs)
+
+
+def _ranked_vocab(answers: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Every token, ranked as a draft_vocab.json ranks them: by how often `answers` use it, then unused ids."""
+    ranked = rank_tokens(answers)[0].tolist()
+    return torch.tensor(ranked + [t for t in range(vocab_size) if t not in ranked])
+
+
+def _every_cpu_option_engine(dirs, dtype, rows, answers, **cfg) -> LLMEngine:
+    """The CPU engine as users run it: a draft tree (3 nodes, K=3), context lookups, adaptive K (forced to run
+    speculative and plain steps by turns), and half the vocabulary to draft among (ranked by all answers but the
+    last, cut by draft_vocab_size); drafts forced from `answers` (tests/forced_drafts.py)."""
+    torch_dtype = EngineConfig(dtype=dtype).torch_dtype
+    target = load_target(dirs["qwen3"], torch_dtype)
+    drafter = load_drafter(dirs["qwen3_drafter"], target.config, torch_dtype)
+    vocab_size = target.config.vocab_size
+    drafter.draft_vocab = _ranked_vocab(answers[:-1], vocab_size)
+    engine = LLMEngine(target, None, drafter, EngineConfig(
+        max_batch_size=rows, max_draft_len=3, dtype=dtype, draft_tree={rows: 3}, lookup_nodes=3,
+        adaptive_draft_len=True, draft_vocab_size=vocab_size // 2, **cfg))
+    assert engine.runner.draft_vocab_size == vocab_size // 2
+    truth = {i: p + a for i, (p, a) in enumerate(zip(_prompts(len(answers)), answers))}
+    force_tree_drafts(engine, truth)
+    force_lookup_drafts(engine, truth)
+    engine.adaptive = _Alternate(2)
+    return engine
+
+
+@pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI, or AVX2")
+def test_bf16_greedy_through_every_cpu_option_at_once_equals_bf16_plain_decoding(screenable_dirs):
+    """bf16 with every CPU option users turn on at once: a draft tree with context lookups, plain steps between
+    speculative ones, a draft vocabulary, the drafter's int8 tables and the head's int8 screen (which serves the
+    plain steps and, once two rows are left, the trees' 8-row verify steps). Every token is plain bf16 decoding's
+    through the full head."""
+    prompts = _prompts(4)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (NEW, 12, NEW, 12)]
+    full = _engine(screenable_dirs, "qwen3", None, rows=4, dtype="bfloat16", speculative=False, screen_head=False)
+    assert full.target.greedy_head is None
+    ref = [o.token_ids for o in full.generate(prompts, params)]
+    engine = _every_cpu_option_engine(screenable_dirs, "bfloat16", 4, ref, int8_drafter=True)
+    assert engine.drafter.kernel_table.int8
+    screened = []  # the screen's verdict per call: the rows it served, None where the full head ran
+    head = engine.target.greedy_head
+    real = head.argmax
+    head.argmax = lambda hidden: (screened.append(None if (t := real(hidden)) is None else tuple(t.shape)), t)[1]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.tau > 1.5 for o in outs)
+    assert {n for o in outs for n in o.draft_lens} == {3}  # trees (plain steps draft nothing)
+    assert {(4,), (2,), (2, 4)} <= set(screened) and None in screened  # plain steps, 8-row trees; 16 rows: full head
+
+
+def test_greedy_through_every_cpu_option_at_once_in_fp32_equals_target_greedy(tiny_dirs):
+    """The same combination in fp32 (no int8 screen or drafter tables there): transformers' greedy tokens."""
+    prompts = _prompts(4)
+    lengths = (NEW, 12, NEW, 12)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p)[:n] for p, n in zip(prompts, lengths)]
+    engine = _every_cpu_option_engine(tiny_dirs, "float32", 4, refs)
+    assert engine.target.greedy_head is None and engine.drafter.kernel_table is None
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths])
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.tau > 1.5 for o in outs)
+    assert {n for o in outs for n in o.draft_lens} == {3}
 
 
 def test_stops_at_eos_like_the_target(tiny_dirs):
@@ -691,14 +799,25 @@ def test_adaptive_draft_len_turns_a_useless_drafter_off_and_keeps_a_good_one_on(
 
 
 def test_greedy_is_lossless_with_a_draft_vocabulary_missing_half_the_tokens(tiny_dirs):
+    """A draft vocabulary of half the tokens, ranked as draft_vocab.json ranks them (by how often three of the four
+    answers use them, then unused ids): the drafter's logits cover it alone and its drafts map back to the target's
+    ids; the fourth answer's tokens outside it are never drafted, the target's own token carries them. Drafts forced
+    to rank the true token first in the vocabulary (55% of slots, tests/forced_drafts.py) are accepted deep, and
+    every token is transformers' greedy token."""
     prompts = _prompts(4)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
     target = load_target(tiny_dirs["qwen3"])
     drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
-    drafter.draft_vocab = torch.arange(0, target.config.vocab_size, 2)
+    vocab_size = target.config.vocab_size
+    drafter.draft_vocab = _ranked_vocab(refs[:3], vocab_size)[: vocab_size // 2]
+    assert sum(t not in drafter.draft_vocab for t in refs[3]) > 5  # truths the drafter cannot draft
     engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=4, max_draft_len=7))
+    assert engine.runner.draft_vocab_size == vocab_size // 2
+    force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})  # chains: each slot's top
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(tiny_dirs["qwen3"], p)
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.tau > 1.5
 
 
 @pytest.mark.parametrize("rule", ["match", "rejection"])
