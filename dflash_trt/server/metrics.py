@@ -74,15 +74,20 @@ class ServerMetrics:
         # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), counted every step as vLLM's: a
         # draft is one request's speculative step (a tree's nodes count as its draft tokens, the depths of its
         # accepted path as the positions)
+        # (the labelled children are looked up once: observe_step runs on the engine's thread, between its steps)
         spec = dict(labelnames=_VLLM_LABEL_NAMES, registry=r)
-        self.drafts = Counter("vllm:spec_decode_num_drafts", "Speculative steps, one per request per step", **spec)
-        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", **spec)
-        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", **spec)
-        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
-                                        "each position", labelnames=[*_VLLM_LABEL_NAMES, "position"], registry=r)
-        self.vllm_labels = (model_name, VLLM_ENGINE)
-        for pos in range(max_draft_len):  # vLLM's are there, at zero, before the first step
-            self.accepted_per_pos.labels(*self.vllm_labels, str(pos))
+        labels = (model_name, VLLM_ENGINE)
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Speculative steps, one per request per step",
+                              **spec).labels(*labels)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                    **spec).labels(*labels)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       **spec).labels(*labels)
+        self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                "position", labelnames=[*_VLLM_LABEL_NAMES, "position"], registry=r)
+        self._labels = labels
+        # K's positions there at zero before the first step, as vLLM's; a context lookup may go deeper (accepted_at)
+        self._at = [self._per_pos.labels(*labels, str(pos)) for pos in range(max_draft_len)]
         # a running request -> its output tokens counted so far; weak, so a request that leaves without a last step
         # (an engine error fails it) takes its entry with it
         self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -97,12 +102,12 @@ class ServerMetrics:
                 self.draft_time.observe(result.draft_time)
         for n in result.acceptance_lengths:
             self.acceptance_length.observe(n)
-            for pos in range(n - 1):  # less the bonus token
-                self.accepted_per_pos.labels(*self.vllm_labels, str(pos)).inc()
+            for counter in self.accepted_at(n - 1):  # less the bonus token
+                counter.inc()
         if drafts := len(result.acceptance_lengths):
-            self.drafts.labels(*self.vllm_labels).inc(drafts)
-            self.draft_tokens.labels(*self.vllm_labels).inc(drafts * result.draft_tokens)
-            self.accepted_tokens.labels(*self.vllm_labels).inc(sum(result.acceptance_lengths) - drafts)
+            self.drafts.inc(drafts)
+            self.draft_tokens.inc(drafts * result.draft_tokens)
+            self.accepted_tokens.inc(sum(result.acceptance_lengths) - drafts)
         # tokens as steps make them, as vLLM counts them: a long answer's rate shows while it streams
         prompt = generated = 0
         for seq in result.updated:
@@ -116,6 +121,12 @@ class ServerMetrics:
             self.prompt_tokens.inc(prompt)
         if generated:
             self.generation_tokens.inc(generated)
+
+    def accepted_at(self, positions: int) -> list:
+        """The per-position counters of the first `positions` positions."""
+        while len(self._at) < positions:
+            self._at.append(self._per_pos.labels(*self._labels, str(len(self._at))))
+        return self._at[:positions]
 
     def observe_finished(self, output: RequestOutput) -> None:
         self.requests.labels(output.finish_reason).inc()

@@ -109,6 +109,9 @@ def test_spec_decode_counters_move_every_step_not_when_requests_end():
     metrics.observe_finished(RequestOutput([1], [5] * 6, "", "length", acceptance_lengths=[5], draft_lens=[4],
                                            tau=5.0))
     assert parse_metrics(metrics.render().decode()) == first
+    speculative_steps(metrics, [([7], 6)])  # a context lookup's branch may run deeper than K
+    deeper = parse_metrics(metrics.render().decode())
+    assert [deeper[f"{VLLM_ACCEPTED_PER_POS}:{p}"] for p in range(6)] == [2, 2, 2, 2, 1, 1]
 
 
 def test_tokens_are_counted_as_steps_make_them_not_when_the_request_ends():
