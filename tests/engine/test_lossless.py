@@ -35,7 +35,8 @@ def hf_greedy(target_dir, prompt, new=NEW, eos=None):
     key = (str(target_dir), tuple(prompt), new, eos)
     if key not in _refs:
         hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
         _refs[key] = out[0, len(prompt):].tolist()
     return _refs[key]
 
