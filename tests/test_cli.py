@@ -455,6 +455,6 @@ def test_a_reader_that_goes_away_ends_the_answer_quietly(tiny_dirs):
     import sys
 
     cmd = (f"{sys.executable} -m dflash_trt generate --target {tiny_dirs['qwen3']} --no-spec -p x --ignore-eos "
-           "--max-new-tokens 400 | head -c 5; echo \" ${PIPESTATUS[0]}\"")
+           "--max-new-tokens 120 | head -c 5; echo \" ${PIPESTATUS[0]}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert r.stdout.endswith(" 141\n") and "Error" not in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)

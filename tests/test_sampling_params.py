@@ -10,7 +10,8 @@ from dflash_trt.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field, value, kind", [
-    ("max_new_tokens", 1.5, "an integer"), ("max_new_tokens", "64", "an integer"), ("max_new_tokens", True, "an integer"),
+    ("max_new_tokens", 1.5, "an integer"), ("max_new_tokens", "64", "an integer"),
+    ("max_new_tokens", True, "an integer"),
     ("top_k", 2.0, "an integer"), ("seed", "7", "an integer"), ("logprobs", 1.0, "an integer"),
     ("prompt_logprobs", "2", "an integer"), ("temperature", "0.7", "a number"), ("top_p", None, "a number"),
     ("presence_penalty", "1", "a number"), ("repetition_penalty", [1.1], "a number"),

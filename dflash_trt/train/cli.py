@@ -515,7 +515,8 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 @click.command("train")
 @click.option("--target", type=click.Path(exists=True, file_okay=False), help="HF-format target (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory (checkpoint.pt, train_log.jsonl, drafter/).")
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False),
+              help="Output directory (checkpoint.pt, train_log.jsonl, drafter/).")
 @click.option("--data", type=click.Path(file_okay=False), help="Data directory (responses + feature cache; default OUT/data).")
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1), help="Drafter decoder layers.")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=2),

@@ -68,8 +68,8 @@ def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_buil
         if family is None or name.endswith("_created"):
             continue
         renamed = VLLM_NAMES[family] + name[len(family):]
-        vllm_labels = tuple(sorted({"model_name": "m", "engine": "0",
-                                    **{("finished_reason" if k == "finish_reason" else k): v for k, v in labels}}.items()))
+        renamed_labels = {("finished_reason" if k == "finish_reason" else k): v for k, v in labels}
+        vllm_labels = tuple(sorted({"model_name": "m", "engine": "0", **renamed_labels}.items()))
         assert theirs[(renamed, vllm_labels)] == value, renamed
     assert theirs[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"),
                                                   ("model_name", "m")))] == 1
