@@ -105,6 +105,18 @@ def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[t
             yield path, match[1]
 
 
+def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
+    """The file at `path` made whole, or left as it was: `write` fills a file beside it, which is then renamed over
+    it (and removed where writing fails)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def set_aside(parent: Path, replaced: str, name: str) -> list[Path]:
     """The previous NAMEs a writer set aside in `parent` (as `replaced`), left there where it was killed before the
     new one took their place."""

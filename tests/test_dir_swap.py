@@ -91,3 +91,18 @@ def test_remove_stale_goes_by_locks_not_by_names_or_pids(tmp_path):
     other = _lock(_dir(tmp_path / ".f.replaced-5-00000000", "done"))
     dir_swap.remove_stale(tmp_path, "write", "replaced", complete=_whole, name="g", unlocked_replaced=True)
     assert other.is_dir() and (tmp_path / "g" / "done").is_file() and not unlocked_old.exists()
+
+
+def test_a_file_replaced_whole_is_left_as_it_was_where_writing_fails(tmp_path):
+    target = tmp_path / "result.json"
+    target.write_text("before")
+    dir_swap.replace_file(target, lambda tmp: tmp.write_text("after"))
+    assert target.read_text() == "after"
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        dir_swap.replace_file(target, half_then_fail)
+    assert target.read_text() == "after" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]

@@ -178,7 +178,8 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise SystemExit(130) from None
     from datetime import datetime, timezone
 
-    from dflash_trt.bench.sweep import machine_info, replace_text
+    from dflash_trt import dir_swap
+    from dflash_trt.bench.sweep import machine_info
 
     result = {"model": name, "dataset": dataset, "dtype": eng.config.dtype, "draft_lens": ks, "tree_nodes": trees,
               "lookup_nodes": lookups, "rounds": rounds, "prompts": len(prompts), "threads": torch.get_num_threads(),
@@ -186,7 +187,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
         try:
-            replace_text(output, json.dumps(result, indent=2) + "\n")
+            dir_swap.replace_file(output, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
         except OSError as e:
             raise click.ClickException(f"cannot write {output}: {e}") from e
     if stopped := result.get("interrupted"):

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from itertools import groupby
 from pathlib import Path
 
+from dflash_trt import dir_swap
+
 X_KEY, Y_KEY = "tok_s_per_user", "tok_s_per_gpu"
 LABEL_WIDTH, TITLE_WIDTH = 100, 75  # characters a legend label / the title runs to before wrapping
 
@@ -153,9 +155,8 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
                                 f"{', '.join(sorted(formats))}")
     fig = pareto_figure(runs, title)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # an image whole or the previous one: never half a PNG
-    fig.savefig(tmp, dpi=120, format=fmt)
-    os.replace(tmp, out)
+    # an image whole or the previous one: never half a PNG
+    dir_swap.replace_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
     return out
 
 

@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from dflash_trt import dir_swap
 from dflash_trt.bench.endpoint_metrics import acceptance_delta, scrape
 
 if TYPE_CHECKING:
@@ -603,19 +604,14 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
     rows = [flatten({k: v for k, v in p.items() if k != "requests"}) for p in result["points"]]
     # a key no sweep writes (a hand-edited point) is kept, after the fixed columns, rather than dropped
     columns = list(dict.fromkeys([*CSV_COLUMNS, *(k for row in rows for k in row)]))
-    replace_text(path, json.dumps(result, indent=2) + "\n")
-    tmp = csv_path.with_name(csv_path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, csv_path)
+    dir_swap.replace_file(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+
+    def write_csv(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+
+    dir_swap.replace_file(csv_path, write_csv)
     return path, csv_path
 
-
-def replace_text(path: str | Path, text: str) -> None:
-    """`path` holds `text` whole or is left as it was: written beside it, then renamed over it."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
