@@ -364,8 +364,8 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     """Validate, plan and write the engine for `config_path` at `out_dir`; returns `out_dir`."""
     out = Path(out_dir).resolve()
     # first: a killed --force build may have left the previous engine aside
-    dir_swap.remove_stale(out.parent, BUILD_WRITING, BUILD_REPLACED, complete=lambda old: (old / MANIFEST).is_file(), name=out.name,
-                          unlocked_replaced=True)
+    dir_swap.remove_stale(out.parent, BUILD_WRITING, BUILD_REPLACED, complete=lambda old: (old / MANIFEST).is_file(),
+                          name=out.name, unlocked_replaced=True)
     _check_output(out, force)
     p = prepare_build(config_path, overrides)
     if p.target.path is None or (p.drafter is not None and p.drafter.path is None):
