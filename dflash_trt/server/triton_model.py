@@ -260,9 +260,10 @@ class TritonPythonModel:
 
         engine = EngineDir(self.settings.engine_dir)
         engine.verify()
-        trtllm = require_tensorrt_llm(load_options(engine.path))
+        options = load_options(engine.path)
+        trtllm = require_tensorrt_llm(options)
         self._trtllm = trtllm
-        self._llm = new_llm(trtllm, engine)
+        self._llm = new_llm(trtllm, engine, options)
         self._aio = asyncio.new_event_loop()
         threading.Thread(target=self._aio.run_forever, daemon=True).start()
 

@@ -120,10 +120,10 @@ def runtime_config(engine) -> Path:
     return out
 
 
-def new_llm(trtllm, engine):
-    """tensorrt_llm.LLM for a verified EngineDir, its options' paths absolute (no working directory to depend on) and
-    refused up front on a release that predates one of them."""
-    options = load_options(engine.path)
+def new_llm(trtllm, engine, options: dict | None = None):
+    """tensorrt_llm.LLM for a verified EngineDir, its options' paths absolute (no working directory to depend on:
+    load_options, or the ones the caller loaded) and refused up front on a release that predates one of them."""
+    options = load_options(engine.path) if options is None else options
     check_release(options, getattr(trtllm, "__version__", "unknown"))
     return trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
 
@@ -131,8 +131,9 @@ def new_llm(trtllm, engine):
 def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None) -> list[dict]:
     """Generate with tensorrt_llm.LLM from a verified EngineDir; one dict (text, token_ids) per prompt."""
-    trtllm = require_tensorrt_llm(load_options(engine.path))
-    llm = new_llm(trtllm, engine)
+    options = load_options(engine.path)
+    trtllm = require_tensorrt_llm(options)
+    llm = new_llm(trtllm, engine, options)
     params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k or None, seed=seed)
     outs = llm.generate(prompts, params)
