@@ -363,10 +363,12 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # "function": OpenAI's deprecated form of "tool" (a function's answer, named by `name`), still sent by clients
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Text | list[ContentPart] | None = Field(default=None, validate_default=True)  # checked when absent too
     # a conversation's history of tool use (an assistant's calls, a tool's answer to one), rendered by the template
     tool_calls: list[ToolCall] | None = None
+    function_call: CalledFunction | None = None  # the deprecated form of one tool call
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -388,6 +390,12 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {info.data['role']} message needs content")
         return v
 
+    @model_validator(mode="after")
+    def _function_answer_named(self) -> "ChatMessage":
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function that answered")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -399,8 +407,10 @@ class ChatMessage(BaseModel):
         """The message as chat templates take it: its text, and its tool use where it has some (a call's arguments
         as an object, as vLLM passes them: templates write them out as JSON)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        calls = self.tool_calls or ([ToolCall(function=self.function_call)] if self.function_call else [])
+        if calls:
+            # templates know tool calls only: a deprecated function_call is rendered as the one call it is
+            out["tool_calls"] = [call.for_template() for call in calls]
         out |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
         return out
 

@@ -202,7 +202,7 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
 
     engine = tiny_engine(tiny_dirs, max_batch_size=2)
     engine.tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.description }}]"
-                                      "{% endfor %}{% for m in messages %}<s>{{ m['content'] }}{% for c in "
+                                      "{% endfor %}{% for m in messages %}<{{ m.role }}>{{ m['content'] }}{% for c in "
                                       "m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
                                       "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}"
                                       "{% endfor %}>")
@@ -236,6 +236,21 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
         r = httpx.post(server.base_url + "/chat/completions", timeout=60,
                        json={"messages": history, "tools": [tool], "tool_choice": "none", "max_tokens": 3}).json()
         assert r["usage"]["prompt_tokens"] == len(want), r
+        # the deprecated forms of that history: an assistant's function_call and a function's named answer
+        deprecated = [*messages, {"role": "assistant", "content": None, "function_call": call["function"]},
+                      {"role": "function", "name": "get_time", "content": "12:00"}]
+        as_template_takes = [*messages, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}]},
+            {"role": "function", "name": "get_time", "content": "12:00"}]
+        want = engine.tokenizer.apply_chat_template(as_template_takes, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]
+        assert "get_time(Oslo)" in engine.tokenizer.decode(want) and "<function>" in engine.tokenizer.decode(want)
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                       json={"messages": deprecated, "function_call": "none", "max_tokens": 3}).json()
+        assert r["usage"]["prompt_tokens"] == len(want), r
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                       json={"messages": [*messages, {"role": "function", "content": "12:00"}], "max_tokens": 3})
+        assert r.status_code == 400 and "name of the function" in r.json()["error"]["message"], r.text
     finally:
         server.stop()
 
