@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.dir_swap import replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -280,13 +280,14 @@ def _write_shard(root: Path, index: dict, name: str, tokens: np.ndarray, data: n
     """Write a shard's arrays, then the index naming it (each replaced whole: a kill leaves the previous index)."""
     tokens_name = name.replace(".npy", ".tokens.npy")
     for file, array in ((tokens_name, tokens), (name, data)):
-        tmp = root / f".{file}.tmp"
-        with open(tmp, "wb") as fh:
-            np.save(fh, array)
-        os.replace(tmp, root / file)
+        replace_file(root / file, lambda tmp, array=array: _save_array(tmp, array))
     index["shards"].append({"file": name, "tokens": tokens_name, "sequences": where})
-    (root / "index.json.tmp").write_text(json.dumps(index))
-    os.replace(root / "index.json.tmp", root / "index.json")
+    replace_file(root / "index.json", lambda tmp: tmp.write_text(json.dumps(index)))
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as fh:  # a file object: np.save would append .npy to a path's name
+        np.save(fh, array)
 
 
 def _features(target, id_lists: list[list[int]], cache, layer_ids) -> torch.Tensor:

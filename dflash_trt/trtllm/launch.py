@@ -13,15 +13,14 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from dflash_trt.embedded import cache_dir
 from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from, release_needed
+from dflash_trt.dir_swap import replace_file
 
 logger = logging.getLogger(__name__)
 CONFIG_PATH = Path("trtllm") / "config.yaml"
@@ -108,15 +107,9 @@ def runtime_config(engine) -> Path:
     key = hashlib.sha256(str(engine_path).encode()).hexdigest()[:12]
     out = cache_dir() / "trtllm" / f"{engine_path.name}-{key}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"# {engine_path / CONFIG_PATH} with absolute paths, written by dflash-trt serve\n")
-            yaml.safe_dump(load_options(engine_path), f, sort_keys=False)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = (f"# {engine_path / CONFIG_PATH} with absolute paths, written by dflash-trt serve\n"
+            + yaml.safe_dump(load_options(engine_path), sort_keys=False))
+    replace_file(out, lambda tmp: tmp.write_text(text))
     return out
 
 
