@@ -138,7 +138,9 @@ class SpeculativeConfig(_Strict):
 
 
 class KvCacheConfig(_Strict):
-    dtype: Literal["auto", "fp8", "bfloat16", "float16", "float32"] = "auto"  # auto: the model dtype
+    # auto: the checkpoint's quantized KV cache where it declares one, else the model dtype. nvfp4: FP4 values with
+    # an FP8 scale per 16 (Blackwell only; TensorRT-LLM documents it for checkpoints ModelOpt quantized offline).
+    dtype: Literal["auto", "fp8", "nvfp4", "bfloat16", "float16", "float32"] = "auto"
     free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     enable_block_reuse: bool | None = None
     tokens_per_block: int = Field(default=32, ge=1)
@@ -219,8 +221,12 @@ class BuildConfig(_Strict):
             gpu_only = [k for k in ("cuda_graph_config", "moe_config", "attention_dp_config") if getattr(self, k)]
             if gpu_only:
                 raise ValueError(f"{gpu_only[0]} needs a GPU hardware profile; hardware is {self.hardware}")
-            if self.kv_cache_config.dtype == "fp8":
-                raise ValueError("kv_cache_config.dtype=fp8 needs a GPU; the torch CPU runtime keeps K/V in the model dtype")
+            if self.kv_cache_config.dtype in ("fp8", "nvfp4"):
+                raise ValueError(f"kv_cache_config.dtype={self.kv_cache_config.dtype} needs a GPU; the torch CPU "
+                                 "runtime keeps K/V in the model dtype")
+        elif self.kv_cache_config.dtype == "nvfp4" and not hw.supports_nvfp4:
+            raise ValueError(f"kv_cache_config.dtype=nvfp4 needs FP4 tensor cores (Blackwell: b300); hardware "
+                             f"{self.hardware} takes fp8")
         spec = self.speculative_config
         if spec is not None and spec.attention_backend == "TRTLLM" and not hw.supports_trtllm_dflash_attention:
             raise ValueError(

@@ -51,6 +51,8 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0  # fixed cost of one decoder layer's forward (kernel floors, dispatch)
     draft_overhead_s: float = 0.0  # fixed cost a speculative step adds besides the drafter's layers (acceptance, bookkeeping)
     perf_source: str = ""  # where the figures above come from
+    # FP4 tensor cores (Blackwell): TensorRT-LLM's NVFP4 KV cache (kv_cache_config.dtype nvfp4) needs them
+    supports_nvfp4: bool = False
 
     @property
     def device(self) -> str:
@@ -183,7 +185,7 @@ def profile(name: str) -> HardwareProfile:
     if name == "b300":
         return HardwareProfile("b300", memory_bytes=288 * GB, supports_trtllm_dflash_attention=True,
                                description="NVIDIA B300 (DGX B300: 8 per node)", mem_bandwidth_bytes_s=8e12,
-                               dense_flops=2.25e15, interconnect_bytes_s=0.9e12, **gpu)
+                               dense_flops=2.25e15, interconnect_bytes_s=0.9e12, supports_nvfp4=True, **gpu)
     if name == "h200":
         return HardwareProfile("h200", memory_bytes=141 * GB, supports_trtllm_dflash_attention=False,
                                description="NVIDIA H200 (HGX H200: 8 per node)", mem_bandwidth_bytes_s=4.8e12,

@@ -28,7 +28,8 @@ from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import HardwareProfile, has_amx_tiles
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.plan import DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype, target_weight_parts
+from dflash_trt.plan import (DTYPE_BYTES, KV_DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype,
+                             target_weight_parts)
 from dflash_trt.spec.acceptance_model import tau_from_acceptance
 from dflash_trt.validate import attention_tp
 
@@ -142,7 +143,7 @@ class PerfModel:
         full = t.num_hidden_layers - sliding
         attended = full * ctx + sliding * min(ctx, int(window or 0))  # context tokens over all layers
         kv_heads = max(1, t.num_key_value_heads // tp)
-        kv_b = DTYPE_BYTES[kv_dtype(cfg, model_dtype(cfg, t.extra))]
+        kv_b = KV_DTYPE_BYTES[kv_dtype(cfg, model_dtype(cfg, t.extra), t.extra)]
         kv_bytes = batch * attended * 2 * kv_heads * t.head_dim * kv_b
         flops += 4 * (t.num_attention_heads // tp) * t.head_dim * attended * tokens
         overhead = self.hw.step_overhead_s + self.hw.layer_overhead_s * t.num_hidden_layers

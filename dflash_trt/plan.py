@@ -13,6 +13,7 @@ tokens for every layer of both models. Activation sizes are estimates and are la
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
@@ -22,6 +23,13 @@ from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.validate import attention_tp
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# TensorRT-LLM's NVFP4 KV cache: a 4-bit value and, in a pool beside it, an FP8 scale per 16 values (its KV cache
+# managers: kQuantBlockSizeNVFP4 = 16 and kScaleDtypeNVFP4 = FP8 in kvCacheManager.cpp; ceil(n / 2) + ceil(n / 16)
+# bytes in kv_cache_manager_v2.py)
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "nvfp4": 9 / 16}
+# a checkpoint's quantization_config.kv_cache_quant_algo (ModelOpt's), which TensorRT-LLM takes where the build's
+# kv_cache_config.dtype is auto
+_CHECKPOINT_KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 MXFP4_BYTES_PER_VALUE = 17 / 32  # 4-bit values plus one 8-bit (E8M0) scale per 32-value block
 # TRT-LLM's cuda_graph_config field description: "each CUDA graph can use up to 200 MB of extra memory"
 # (tensorrt_llm/llmapi/llm_args.py @0004396720054fd8e205cbf616f21f0b57c6b412). The plan takes the bound.
@@ -35,8 +43,12 @@ def model_dtype(cfg: BuildConfig, target_raw: dict) -> str:
     return raw if raw in DTYPE_BYTES else "bfloat16"
 
 
-def kv_dtype(cfg: BuildConfig, dtype: str) -> str:
-    return dtype if cfg.kv_cache_config.dtype == "auto" else cfg.kv_cache_config.dtype
+def kv_dtype(cfg: BuildConfig, dtype: str, target_raw: dict) -> str:
+    """The KV cache's dtype: the build's, else (auto) the quantized cache the checkpoint declares, else `dtype`."""
+    if cfg.kv_cache_config.dtype != "auto":
+        return cfg.kv_cache_config.dtype
+    algo = (target_raw.get("quantization_config") or {}).get("kv_cache_quant_algo")
+    return _CHECKPOINT_KV_ALGOS.get(str(algo).upper(), dtype) if cfg.hardware != "cpu" else dtype
 
 
 def cuda_graph_batch_sizes(cfg: BuildConfig) -> list[int]:
@@ -197,11 +209,11 @@ class MemoryPlan:
 
 
 def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int], dict]:
-    dtype_b, kv_b = DTYPE_BYTES[dtype], DTYPE_BYTES[kvd]
+    dtype_b, kv_b = DTYPE_BYTES[dtype], KV_DTYPE_BYTES[kvd]
     tp = attention_tp(cfg)
     trtllm = hw.kind == "gpu"
     kv_heads = _kv_heads_per_rank(t.num_key_value_heads, tp)
-    per_token_layer = 2 * kv_heads * t.head_dim * kv_b  # K and V of one token in one layer
+    per_token_layer = math.ceil(2 * kv_heads * t.head_dim * kv_b)  # K and V of one token in one layer
     full, sliding, window = _layer_kinds(t)
     details: dict = {"target_kv_bytes_per_token_per_layer": per_token_layer}
     if trtllm:
@@ -283,7 +295,7 @@ def plan_build(
     target: DecoderConfig, drafter: DFlashConfig | None, cfg: BuildConfig, hw: HardwareProfile, max_draft_len: int
 ) -> MemoryPlan:
     dtype = model_dtype(cfg, target.extra)
-    kvd = kv_dtype(cfg, dtype)
+    kvd = kv_dtype(cfg, dtype, target.extra)
     batch, seq, k = cfg.max_batch_size, cfg.max_seq_len, max_draft_len
     comps, details = _components(target, drafter, cfg, hw, k, batch, seq, dtype, kvd)
     fits, budget = _fits(comps, hw, cfg)
@@ -309,6 +321,8 @@ def plan_build(
             f"max_seq_len={seq} exceeds the drafter's max_position_embeddings={drafter.max_position_embeddings}: "
             "TensorRT-LLM drafts nothing for requests past it"
         )
+    if kvd == "nvfp4":
+        _check_nvfp4_kv(plan, target)
     if cfg.enable_attention_dp and isinstance(schedule, dict) and len(set(schedule.values())) > 1:
         plan.notes.append(
             f"draft_len_schedule={dict(sorted(schedule.items()))} under attention data parallelism: TensorRT-LLM "
@@ -325,6 +339,20 @@ def plan_build(
     if not fits:
         plan.problems.append(_explain(plan, target, drafter, cfg, hw, dtype, kvd))
     return plan
+
+
+def _check_nvfp4_kv(plan: MemoryPlan, target: DecoderConfig) -> None:
+    if target.head_dim & (target.head_dim - 1):
+        # TensorRT-LLM's K/V preprocessing: "Head size needs to be power of 2 for nvfp4 kv cache"
+        plan.problems.append(f"kv_cache_config.dtype=nvfp4 needs a power-of-two head_dim (TensorRT-LLM's FP4 K/V "
+                             f"kernels); the target's is {target.head_dim}: use fp8")
+        plan.fits = False
+    algo = (target.extra.get("quantization_config") or {}).get("kv_cache_quant_algo")
+    if str(algo).upper() != "NVFP4":
+        plan.notes.append("kv_cache_config.dtype=nvfp4 on a checkpoint that declares no NVFP4 KV cache "
+                          "(quantization_config.kv_cache_quant_algo): TensorRT-LLM documents the NVFP4 KV cache for "
+                          "checkpoints ModelOpt quantized offline, whose KV scales it reads; check the answers' "
+                          "accuracy, or use fp8")
 
 
 def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
@@ -374,7 +402,8 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
         "target_weights": "tensor_parallel_size / moe_expert_parallel_size (more ranks) or a smaller dtype",
         "drafter_context_cache": "max_seq_len or max_batch_size (the drafter arena is dense: "
                                  "slots x max_seq_len, TRT-LLM issue #16005), or tensor_parallel_size",
-        "target_kv_cache": ("" if kvd == "fp8" else "kv_cache_config.dtype (fp8), ") + "max_seq_len or max_batch_size",
+        "target_kv_cache": ("" if kvd in ("fp8", "nvfp4") else "kv_cache_config.dtype (fp8), ")
+                           + "max_seq_len or max_batch_size",
         "activations_estimate": activations,
         "cuda_graph_pools": "cuda_graph_config.max_batch_size",
         "drafter_weights": "tensor_parallel_size",

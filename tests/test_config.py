@@ -64,6 +64,8 @@ def test_schema_errors_name_the_offending_key(top, key, words):
         ({"speculative_config": {"speculative_model": "z/d", "attention_backend": "TRTLLM"}},
          "attention_backend=TRTLLM needs SM100/SM103"),
         ({"hardware": "cpu", "kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config.dtype=fp8 needs a GPU"),
+        ({"hardware": "cpu", "kv_cache_config": {"dtype": "nvfp4"}}, "kv_cache_config.dtype=nvfp4 needs a GPU"),
+        ({"kv_cache_config": {"dtype": "nvfp4"}}, "nvfp4 needs FP4 tensor cores (Blackwell: b300); hardware h200"),
         ({"hardware": "cpu", "cuda_graph_config": {"max_batch_size": 4}}, "cuda_graph_config needs a GPU"),
         ({"speculative_config": {"speculative_model": "z/d", "max_draft_len": 7, "draft_len_schedule": {1: 5, 4: 5}}},
          "draft_len_schedule[1]=5 must equal max_draft_len=7"),

@@ -50,6 +50,34 @@ def test_gpt_oss_120b_at_tp8_ep8_matches_hand_arithmetic():
     assert plan.fits
 
 
+def test_an_nvfp4_kv_cache_holds_nine_sixteenths_of_a_byte_a_value():
+    """TensorRT-LLM's NVFP4 KV cache: 4-bit values and an FP8 scale per 16 in a pool beside them."""
+    cfg = _cfg(tensor_parallel_size=8, moe_expert_parallel_size=8, max_batch_size=16, max_seq_len=8192,
+               kv_cache_config={"dtype": "nvfp4"})
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    # 1 kv head x 64 per rank: 2 x 64 x (0.5 + 1/16) B = 72 B per token per layer (fp8's 128 above);
+    #   16 rows x 72 x (18 x 8192 + 18 x 138) = 16 x 72 x 149,940 = 172,730,880
+    assert plan.kv_cache_dtype == "nvfp4" and plan.components["target_kv_cache"] == 172_730_880
+    assert plan.fits and any("ModelOpt" in n for n in plan.notes)  # gpt-oss declares no NVFP4 KV scales
+    declared = decoder_config_from_dict({**bundled_config("openai/gpt-oss-120b"), "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4"}})
+    assert not any("ModelOpt" in n for n in plan_build(declared, GPT_OSS_DRAFTER, cfg, profile("b300"), 9).notes)
+    odd = decoder_config_from_dict({**bundled_config("openai/gpt-oss-120b"), "head_dim": 80})
+    plan = plan_build(odd, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    assert not plan.fits and any("power-of-two head_dim" in p and "80" in p for p in plan.problems)
+
+
+def test_an_auto_kv_cache_is_the_quantized_one_the_checkpoint_declares():
+    cfg = _cfg(tensor_parallel_size=8, moe_expert_parallel_size=8, max_batch_size=16, max_seq_len=8192,
+               kv_cache_config={"dtype": "auto"})
+    assert plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), 9).kv_cache_dtype == "bfloat16"
+    for algo, dtype, per_token in (("FP8", "fp8", 128), ("NVFP4", "nvfp4", 72)):
+        declared = decoder_config_from_dict({**bundled_config("openai/gpt-oss-120b"), "quantization_config": {
+            "quant_method": "modelopt", "kv_cache_quant_algo": algo}})
+        plan = plan_build(declared, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+        assert plan.kv_cache_dtype == dtype and plan.details["target_kv_bytes_per_token_per_layer"] == per_token
+
+
 def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
     # TP1, gpt-oss drafter: 2 (K,V) x 8 layers x 8 kv heads x 64 x 2 B = 16,384 B per token.
     # TRT-LLM's dense arena: (64 + 1) slots x (131,072 + 9 + 1) tokens x 16,384 B

@@ -102,7 +102,7 @@ NESTED_KEYS: dict[str, frozenset[str]] = {
 ALLOWED_VALUES: dict[str, frozenset] = {
     "speculative_config.decoding_type": frozenset({"DFlash"}),
     "speculative_config.attention_backend": frozenset({"VANILLA", "TRTLLM"}),
-    "kv_cache_config.dtype": frozenset({"auto", "fp8", "bfloat16", "float16", "float32"}),
+    "kv_cache_config.dtype": frozenset({"auto", "fp8", "nvfp4", "bfloat16", "float16", "float32"}),
     "moe_config.backend": frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA",
                                      "TRITON", "MARLIN", "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"}),
     "dtype": frozenset({"auto", "float16", "bfloat16", "float32"}),
