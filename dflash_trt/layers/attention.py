@@ -247,17 +247,29 @@ def attend(
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
+    elif _masked_gqa_falls_to_math(q, k, mask):
+        out = _attend_folded(q, k, v, mask, scale)
     else:
-        if _masked_gqa_falls_to_math(q, k, mask):
-            # CUDA's flash kernel takes GQA but no mask and its efficient kernel a mask but no GQA, so SDPA ran every
-            # masked step (prefill chunks, chain verify, mixed-length decodes, training) in its math kernel, fp32
-            # scores of every query and key; K/V repeated per query head keep it efficient, as transformers'
-            # sdpa_attention does (use_gqa_in_sdpa)
-            k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _attend_folded(q, k, v, mask, scale):
+    """Masked GQA as attention without groups: each KV head's query heads folded onto the query axis.
+
+    CUDA's flash kernel takes GQA but no mask and its efficient kernel a mask but no GQA, so SDPA ran every masked
+    step (prefill chunks, verify, mixed-length decodes, training) in its math kernel. K/V repeated per query head (as
+    transformers' sdpa_attention does) read and copy the whole cache once per query head of a group every step; the
+    fold copies only the mask."""
+    b, h, n, d = q.shape
+    kvh, t = k.shape[1], k.shape[2]
+    g = h // kvh
+    folded = mask.expand(b, 1, n, t)[:, :, None].expand(b, 1, g, n, t).reshape(b, 1, g * n, t)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q.reshape(b, kvh, g * n, d), k, v, attn_mask=folded, scale=scale)
+    return out.view(b, h, n, d)
 
 
 def _masked_gqa_falls_to_math(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -30,25 +30,24 @@ def test_grouped_attention_equals_sdpa(b, n, t, mask_q):
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want.transpose(1, 2).reshape(b_, n_, h * d), atol=1e-5, rtol=1e-5)
 
 
-def test_masked_gqa_on_cuda_repeats_kv_so_sdpa_keeps_an_efficient_kernel(monkeypatch):
-    """CUDA's SDPA serves a mask with GQA only in its math kernel, so masked steps there repeat K/V per query head
-    first. Taken here on the CPU: query head h must still read KV head h // groups (SDPA's own GQA, the oracle)."""
+@pytest.mark.parametrize("mask_shape", [(2, 1, 4, 11), (1, 1, 4, 11), (2, 1, 1, 11), (1, 1, 1, 11)])
+def test_masked_gqa_on_cuda_folds_query_heads_so_sdpa_keeps_an_efficient_kernel(monkeypatch, mask_shape):
+    """CUDA's SDPA serves a mask with GQA only in its math kernel, so masked steps there fold each KV head's query
+    heads onto the query axis. Taken here on the CPU, with masks broadcast over rows or queries as steps pass them:
+    query head h must still read KV head h // groups (SDPA's own GQA, the oracle), and K/V are not repeated."""
     from dflash_trt.layers import attention
 
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 6, 4, 8, generator=g)
     k, v = torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
-    mask = torch.rand(2, 1, 4, 11, generator=g) > 0.3
+    mask = torch.rand(*mask_shape, generator=g) > 0.3
     mask[..., 0] = True
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     want = want.transpose(1, 2).reshape(2, 4, 48)
     assert not attention._masked_gqa_falls_to_math(q, k, mask)  # the CPU's SDPA takes masked GQA as it is
-    taken = []
-    real = attention.repeat_kv
-    monkeypatch.setattr(attention, "repeat_kv", lambda x, groups: taken.append(groups) or real(x, groups))
     monkeypatch.setattr(attention, "_masked_gqa_falls_to_math", lambda *a: True)
+    monkeypatch.setattr(attention, "repeat_kv", lambda *a: pytest.fail("K/V repeated"))
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
-    assert taken == [3, 3]
 
 
 @pytest.mark.parametrize("rows, lengths", [((0, 1, 2, 3), (5, 70, 64, 1)), ((6, 2, 4, 0, 1), (9, 9, 130, 3, 64))])
