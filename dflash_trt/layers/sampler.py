@@ -116,7 +116,9 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Zero-probability tokens are never chosen: the CDF does not rise at them.
     """
-    cdf = probs.cumsum(-1)
+    # torch's CPU cumsum adds float32 in double; its CUDA one in float32. Summed in double everywhere, as the Triton
+    # verify kernel does, every kind of step draws a seeded request's tokens from the same CDF on either device.
+    cdf = probs.cumsum(-1) if probs.device.type == "cpu" else probs.cumsum(-1, dtype=torch.float64).float()
     target = (u * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
     return idx.clamp_max(probs.shape[-1] - 1)

@@ -82,3 +82,14 @@ def test_a_top_p_below_float32s_least_value_keeps_the_most_likely_token():
     logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0))
     probs = sampling_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1e-46, 1e-46]))
     torch.testing.assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+def test_the_cdf_summed_in_double_as_off_the_cpu_is_the_cpus_own():
+    """sample_from sums a CDF in double off the CPU (torch's CUDA cumsum adds float32 in float32) so that a seeded
+    request draws the same tokens from plain, tree and Triton-verified steps; that is the CPU's float32 cumsum only
+    while torch's CPU kernel adds in double, as here: a 152k-token vocabulary, where float32 sums drift."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(4, 151_936, generator=g) * 3, dim=-1)
+    assert torch.equal(probs.cumsum(-1), probs.cumsum(-1, dtype=torch.float64).float())
+    in_float32 = torch.from_numpy(np.cumsum(probs.numpy(), axis=-1, dtype=np.float32))  # sequential float32 sums
+    assert not torch.equal(in_float32, probs.cumsum(-1))  # the check's power: those do drift from it
