@@ -11,6 +11,7 @@ A speculative step (arXiv 2602.06036 §3) for rows b with anchor a_b at position
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -229,9 +230,10 @@ class ModelRunner:
             # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or shape their logits.
             result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
         else:
-            drafts = proposal.draft_tokens  # position j's penalties count the drafts before it as output
-            logits = self._shaped(seqs, self.target.compute_logits(hidden),
-                                  lambda i: _prefixes(drafts[i].tolist()))
+            # position j's penalties count the drafts before it as output; read once for every row that asks (on a
+            # GPU each read waits for the step's kernels)
+            drafts = functools.cache(proposal.draft_tokens.tolist)
+            logits = self._shaped(seqs, self.target.compute_logits(hidden), lambda i: _prefixes(drafts()[i]))
             result = self._verify(seqs, proposal, sampling, logits)
         emitted = result.emitted(proposal.draft_tokens)
         self._note_logprobs(seqs, hidden, emitted, [range(len(e)) for e in emitted])

@@ -18,3 +18,13 @@ def require_triton():
             "version torch 2.13.0's CUDA wheel pins)"
         ) from error
     return triton
+
+
+def on_device_of(tensor):
+    """A context in which Triton launches on `tensor`'s GPU: Triton launches on the current CUDA device, not the
+    arguments', so a kernel given cuda:1's tensors would run on cuda:0's stream with pointers it cannot read."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()

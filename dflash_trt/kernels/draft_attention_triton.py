@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from dflash_trt.kernels import require_triton
+from dflash_trt.kernels import on_device_of, require_triton
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402
@@ -226,22 +226,24 @@ def draft_attention_triton(
         acc, ml = out, out
     block_m = _pow2(groups * n)
     big = block_m * block_d >= 8192
-    draft_attention_kernel[(b * kvh, splits)](
-        q, k_block, v_block, k_cache, v_cache, cache_rows, ctx_lens, sinks if sinks is not None else q,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_block.stride(0), k_block.stride(1), k_block.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        scale * _LOG2E, window, n, splits,
-        acc, ml,
-        KVH=kvh, GROUPS=groups, HEAD_DIM=d,
-        BLOCK_M=block_m, BLOCK_N=block_n or (64 if q.is_cuda else 16), BLOCK_Q=_pow2(n), BLOCK_D=block_d,
-        CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, DOT_FP32=q.dtype == torch.float32,
-        num_warps=8 if big else 4,
-    )
-    if splits > 1:
-        _combine_kernel[(b * h,)](
-            acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1), out.stride(2), n, splits,
-            H=h, HEAD_DIM=d, BLOCK_Q=_pow2(n), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
+    with on_device_of(q):
+        draft_attention_kernel[(b * kvh, splits)](
+            q, k_block, v_block, k_cache, v_cache, cache_rows, ctx_lens, sinks if sinks is not None else q,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_block.stride(0), k_block.stride(1), k_block.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            scale * _LOG2E, window, n, splits,
+            acc, ml,
+            KVH=kvh, GROUPS=groups, HEAD_DIM=d,
+            BLOCK_M=block_m, BLOCK_N=block_n or (64 if q.is_cuda else 16), BLOCK_Q=_pow2(n), BLOCK_D=block_d,
+            CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, DOT_FP32=q.dtype == torch.float32,
+            num_warps=8 if big else 4,
         )
+        if splits > 1:
+            _combine_kernel[(b * h,)](
+                acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1), out.stride(2), n,
+                splits,
+                H=h, HEAD_DIM=d, BLOCK_Q=_pow2(n), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
+            )
     return out

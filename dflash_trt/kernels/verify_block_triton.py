@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.kernels import require_triton
+from dflash_trt.kernels import on_device_of, require_triton
 from dflash_trt.kernels.verify_block import GREEDY, MATCH, REJECTION, target_probs
 
 triton = require_triton()
@@ -75,7 +75,9 @@ def _inverse_cdf(ptr, sub_ptr, denom, u, V, HAS_SUB: tl.constexpr, BLOCK_V: tl.c
     return tl.minimum(count, V - 1)
 
 
-@triton.jit
+# K and K + 1 change with the draft-length schedule: specialised (on 1 and multiples of 16), a new value would
+# compile again in the middle of serving
+@triton.jit(do_not_specialize=["K1"])
 def choice_kernel(
     LOGITS, PROBS, U, MODES,  # inputs: logits / probs [B, K + 1, V] contiguous, uniforms [B, K + 1], modes [B]
     V, K1,
@@ -95,7 +97,7 @@ def choice_kernel(
     tl.store(CHOICE + b * K1 + i, choice.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def accept_kernel(
     DRAFT, CHOICE, PROBS, DPROBS, U, MODES,  # inputs: drafts [B, K], choices [B, K + 1], probs, draft probs [B, K, V]
     V, K,
@@ -160,12 +162,13 @@ def verify_block_triton(
     num_accepted = torch.empty(b, dtype=torch.int64, device=logits.device)
     bonus = torch.empty(b, dtype=torch.int64, device=logits.device)
     # REJECTION rows need no per-position choice: their programs store 0 (no read to skip an all-REJECTION batch)
-    choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv,
-                              num_warps=8 if logits.is_cuda else 4)
-    accept_kernel[(b,)](
-        drafts, choice, probs, dprobs, u, modes, vocab, k, num_accepted, bonus,
-        BLOCK_K=max(16, triton.next_power_of_2(k)), BLOCK_V=bv,
-    )
+    with on_device_of(logits):
+        choice_kernel[(b, k + 1)](logits, probs, u, modes, vocab, k + 1, choice, BLOCK_V=bv,
+                                  num_warps=8 if logits.is_cuda else 4)
+        accept_kernel[(b,)](
+            drafts, choice, probs, dprobs, u, modes, vocab, k, num_accepted, bonus,
+            BLOCK_K=max(16, triton.next_power_of_2(k)), BLOCK_V=bv,
+        )
     return num_accepted, bonus
 
 

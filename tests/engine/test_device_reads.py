@@ -128,3 +128,12 @@ def test_a_tree_step_reads_the_drafters_choices_and_the_targets(tiny_dirs, reads
     counts, kind = _reads_per_step(tiny_dirs, reads, 1, sampling, draft_tree={1: 5})
     assert kind == "tree_step" and set(counts) == {2}
 
+
+
+@pytest.mark.parametrize("sampling", [{"repetition_penalty": 1.3}, {**MATCH, "presence_penalty": 0.5}])
+def test_a_penalised_chain_step_reads_its_drafts_once_for_every_row(tiny_dirs, reads, sampling):
+    """Position j's penalties count the drafts before it as output: the drafts are read back once a step, not once
+    for each row that shapes its logits."""
+    one, kind = _reads_per_step(tiny_dirs, reads, 1, sampling)
+    three, _ = _reads_per_step(tiny_dirs, reads, 3, sampling)
+    assert kind == "spec_step" and set(one) == set(three) and len(set(three)) == 1
