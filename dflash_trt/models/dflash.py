@@ -400,7 +400,7 @@ class DFlashDrafter(nn.Module):
         in int8 (cpu_ops.Int8Weight, one scale per output feature; half the bytes each step streams) where the CPU
         has the kernel; None: only where it beats bf16 at a block's rows (AVX512-VNNI's VPDPBUSD; AVX2's VPMADDWD
         ties, cpu_ops.int8_dot). The layers' own torch path (long contexts) keeps bf16."""
-        if self.fc.weight.device.type != "cpu":
+        if self.norm.weight.device.type != "cpu":
             return  # nothing to pack off the CPU (the C kernels would be compiled for nothing)
         pack_linears(self)
         ops = cpu_ops.load()
