@@ -98,3 +98,25 @@ def training_mask(context_len: int, anchors: torch.Tensor, block_size: int) -> t
     ctx = torch.arange(context_len)[None, :] < anchors[block_of_query][:, None]
     same_block = block_of_query[:, None] == block_of_query[None, :]
     return torch.cat([ctx, same_block], dim=1)
+
+
+def batch_training_mask(anchors: list[torch.Tensor], block_size: int,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """Each sequence's training_mask for its anchors, padded into one boolean [n, 1, M, S + M] on
+    `device`: S the longest context (the largest anchor), M the most block queries (anchors times block_size).
+
+    Sequence i keeps its context columns at 0.. and its block columns at S..; a padding query (past its sequence's
+    blocks) sees only its own key, so that its softmax stays finite, and nothing else sees it.
+    """
+    padded = torch.nn.utils.rnn.pad_sequence(list(anchors), batch_first=True)  # anchor 0 pads: no context
+    s, m = int(padded.max()), padded.shape[1] * block_size
+    counts = torch.tensor([a.numel() for a in anchors]).to(device)
+    padded = padded.to(device)
+    block = torch.arange(m, device=device) // block_size  # [M] each query's (and key's) block
+    real = block < counts[:, None]  # [n, M]
+    # Both parts written into the mask in place: concatenating them copies the whole mask once more.
+    mask = torch.empty(len(anchors), m, s + m, dtype=torch.bool, device=device)
+    torch.lt(torch.arange(s, device=device), padded[:, block][:, :, None], out=mask[:, :, :s])
+    own = torch.eye(m, dtype=torch.bool, device=device)
+    torch.logical_and(block[:, None] == block, real[:, :, None] | own, out=mask[:, :, s:])
+    return mask[:, None]

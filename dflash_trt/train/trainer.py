@@ -42,7 +42,8 @@ from dflash_trt.models.dflash import (
 )
 from dflash_trt.models.weights import WeightSet
 from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
-from dflash_trt.train.blocks import IGNORE, TrainBlocks, blocks_at, next_step_anchors, sample_blocks, training_mask
+from dflash_trt.train.blocks import (IGNORE, TrainBlocks, batch_training_mask, blocks_at, next_step_anchors,
+                                     sample_blocks)
 from dflash_trt.train.feature_cache import FeatureSource
 from dflash_trt.train.signals import signal_handlers
 from dflash_trt.train.teacher import Teacher, distill_loss
@@ -364,24 +365,20 @@ class Trainer:
         (context columns 0.., block columns S..); padding queries see only themselves and carry no label.
         """
         cfg, dev = self.cfg, self.device
-        n, bsz = len(items), cfg.block_size
-        ctx_lens = [int(b.anchors.max()) for _, b in items]
-        s, m = max(ctx_lens), max(b.block_ids.numel() for _, b in items)
+        n = len(items)
+        s, m = max(int(b.anchors.max()) for _, b in items), max(b.block_ids.numel() for _, b in items)
         block_ids = torch.full((n, m), self.drafter.config.mask_token_id, dtype=torch.long)
         positions = torch.zeros(n, m, dtype=torch.long)
         labels = torch.full((n, m), IGNORE, dtype=torch.long)
         weights = torch.zeros(n, m)
-        mask = torch.zeros(n, 1, m, s + m, dtype=torch.bool)
-        for i, ((_, b), c) in enumerate(zip(items, ctx_lens)):
+        for i, (_, b) in enumerate(items):
             q = b.block_ids.numel()
             block_ids[i, :q], positions[i, :q] = b.block_ids, b.block_positions
             labels[i, :q], weights[i, :q] = self._rows_of(b.labels), b.weights
-            own = training_mask(c, b.anchors, bsz)
-            mask[i, 0, :q, :c], mask[i, 0, :q, s : s + q] = own[:, :c], own[:, c:]
-            pad = torch.arange(q, m)
-            mask[i, 0, pad, s + pad] = True
         feats = full[:, :s].to(dev, torch.float32)  # context columns past a sequence's own are masked
-        block_ids, positions, labels, weights, mask = (t.to(dev) for t in (block_ids, positions, labels, weights, mask))
+        block_ids, positions, labels, weights = (t.to(dev) for t in (block_ids, positions, labels, weights))
+        # Built where the drafter runs: a per-sequence loop on the host cost a GPU step more than its math did.
+        mask = batch_training_mask([b.anchors for _, b in items], cfg.block_size, dev)
         embeds = F.embedding(block_ids, self.embed).float()
         hidden = self.drafter.forward_train(feats, torch.arange(s, device=dev).expand(n, s), embeds, positions, mask)
         return hidden, labels, weights, positions
@@ -431,12 +428,13 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden, labels, _, _ = self._forward(probes, full[probed])
             drafts = F.linear(hidden, self.head).argmax(-1)
+        # Every probe's slots compared where they were drafted and read back at once: a host read per row
+        # synchronises with the device each time.
+        correct = (drafts == labels).view(len(probed), -1, bsz)[:, :, 1:].cpu()
         out = list(items)
         for row, i in enumerate(probed):
-            k = moved[i].numel()
-            correct = (drafts[row, : k * bsz] == labels[row, : k * bsz]).view(k, bsz)[:, 1:].cpu()
             anchors = items[i][1].anchors.clone()
-            nxt = next_step_anchors(anchors[moved[i]], correct)
+            nxt = next_step_anchors(anchors[moved[i]], correct[row, : moved[i].numel()])
             inside = nxt <= ids[i].numel() - 2
             anchors[moved[i][inside]] = nxt[inside]
             out[i] = (items[i][0], blocks_at(ids[i], torch.unique(anchors), bsz, mask_id, cfg.gamma))
