@@ -1,5 +1,6 @@
 """A decoding step reads back from the device once, and copies host data there only through device_copy: on a GPU
-every read (`int(t)`, `bool(t)`, `t.tolist()`, `t.cpu()`, ...) and every copy from pageable host memory
+every read (`int(t)`, `bool(t)`, `t.tolist()`, `t.cpu()`, ...; an op whose output's size its values decide:
+`nonzero`, `unique`, a boolean mask) and every copy from pageable host memory
 (`torch.tensor(x, device=...)`, `t.to(device)`) waits for every kernel queued before it, so the host cannot run ahead
 of the GPU.
 
@@ -21,6 +22,18 @@ from dflash_trt.models.registry import load_target
 from dflash_trt.sampling_params import SamplingParams
 
 READS = {"__int__", "__index__", "__float__", "__bool__", "item", "tolist", "numpy", "cpu"}
+# Ops whose output's size depends on the values: the host must read how many there are before it goes on
+SIZED_BY_VALUES = {"nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"}
+
+
+def _sized_by_values(name: str, args: tuple) -> bool:
+    if name == "where":
+        return len(args) == 1  # where(cond) is nonzero(cond)
+    if name == "__getitem__":  # a boolean mask picks a number of elements only its values say
+        key = args[1]
+        return any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in (key if isinstance(key, tuple)
+                                                                                    else (key,)))
+    return name in SIZED_BY_VALUES
 
 
 class DeviceReads(TorchFunctionMode):
@@ -40,6 +53,8 @@ class DeviceReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in READS and id(args[0]) not in self._host:
             self.count += 1
+        elif _sized_by_values(name, args) and traceback.extract_stack(limit=2)[0].name != "verify_block_ref":
+            self.count += 1  # (the reference's own grouping of rows by rule is not what the Triton kernel runs)
         elif _copies(name, args, kwargs) and not any(f.filename.endswith("device_copy.py")
                                                     for f in traceback.extract_stack(limit=6)):
             self.copies += 1
@@ -68,13 +83,13 @@ def reads(monkeypatch) -> DeviceReads:
     return DeviceReads()
 
 
-def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, sampling: dict | None = None,
+def _reads_per_step(tiny_dirs, reads: DeviceReads, rows: int, sampling: dict | None = None, target_dir=None,
                     **cfg) -> tuple[list[int], str]:
     """Each step's reads while `rows` requests decode together (after their prompts and a first step), greedy or
     sampled by `sampling` (SamplingParams fields), and the runner's step that ran."""
     config = EngineConfig(max_batch_size=rows, max_draft_len=3, pack_weights=False, screen_head=False, **cfg)
-    target = load_target(tiny_dirs["qwen3"], config.torch_dtype)
-    drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config, config.torch_dtype)
+    target = load_target(target_dir or tiny_dirs["qwen3"], config.torch_dtype)
+    drafter = None if target_dir else load_drafter(tiny_dirs["qwen3_drafter"], target.config, config.torch_dtype)
     engine = LLMEngine(target, None, drafter, config)
     kinds = []
     for kind in ("decode_step", "spec_step", "tree_step"):
@@ -137,3 +152,13 @@ def test_a_penalised_chain_step_reads_its_drafts_once_for_every_row(tiny_dirs, r
     one, kind = _reads_per_step(tiny_dirs, reads, 1, sampling)
     three, _ = _reads_per_step(tiny_dirs, reads, 3, sampling)
     assert kind == "spec_step" and set(one) == set(three) and len(set(three)) == 1
+
+
+def test_a_gpt_oss_step_reads_its_expert_routes_once_a_layer(tiny_dirs, reads, tmp_path):
+    """The MoE layers group their tokens by expert on the host: one read of a layer's routes (it read them once, then
+    once more for every expert a token was routed to)."""
+    from tests.models.test_gpt_oss import make_gpt_oss
+
+    target_dir = make_gpt_oss(tmp_path / "gpt_oss", layers=4)
+    counts, kind = _reads_per_step(tiny_dirs, reads, 3, target_dir=target_dir, speculative=False)
+    assert kind == "decode_step" and set(counts) == {4 + 1}  # each layer's routes, then the step's tokens
