@@ -140,9 +140,16 @@ class SamplingParams:
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise TokenIdError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")
-        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= self.stop_ids(eos_token_ids):
+        if not self.min_tokens:
+            return
+        stops = self.stop_ids(eos_token_ids)
+        if self.allowed_token_ids and set(self.allowed_token_ids) <= stops:
             raise TokenIdError("allowed_token_ids", "allowed_token_ids are all stop tokens, which min_tokens masks "
                                f"until the answer holds {self.min_tokens}: no token could be chosen")
+        if sum(0 <= t < vocab_size for t in stops) == vocab_size:
+            raise TokenIdError("stop_token_ids", f"stop_token_ids hold every token of the vocabulary ({vocab_size}), "
+                               f"which min_tokens masks until the answer holds {self.min_tokens}: no token could be "
+                               "chosen")
 
     @property
     def greedy(self) -> bool:

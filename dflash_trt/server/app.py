@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dflash_trt import __version__
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # Prompts of more characters than this are tokenized on a lane of their own (SmolLM2's tokenizer: ~0.1 s at this size)
 BIG_PROMPT_CHARS = 64_000
+# The largest request body (serve --max-request-mb): a 1M-token prompt sent as ids is about 7 MB
+MAX_REQUEST_BYTES = 32 * 2**20
 
 
 class APIError(Exception):
@@ -62,12 +65,13 @@ def _is_union_tag(loc: str | int) -> bool:
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
                allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
     loops holds the tokenizer, so every request, for as long as it runs. api_key: the /v1 routes answer only requests
-    that bring it (server/access.py)."""
+    that bring it (server/access.py). max_request_bytes: a larger body is refused (413) before it is read: its JSON is
+    parsed on the event loop, which every stream waits on (a 57 MB body held /health for 4 s)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
@@ -119,7 +123,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return error_response(APIError(503, "the engine loop is not running", "server_error"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -128,11 +132,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     token_text = TokenText(engine.tokenizer)
     card = p.ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         return JSONResponse(p.ModelList(data=[card]).model_dump())
 
-    @app.get("/v1/models/{name:path}")
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
     async def model(name: str) -> JSONResponse:
         _check_model(name)
         return JSONResponse(card.model_dump())
@@ -209,9 +213,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens must be in 0..{vocab - 1}, got {bad[:5]}", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+        # off the event loop, on the tokenizer's lane (a body's worth of ids takes seconds)
+        encoder, thread = lanes[False]
+        text = await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, req.tokens)
+        return JSONResponse({"prompt": text})
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
@@ -238,6 +245,27 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 raise APIError(400, f"the request's chat_template failed: {e}", param="chat_template") from e
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
 
+    async def _body(request: Request) -> bytes:
+        if (read := getattr(request.state, "body", None)) is not None:  # a route that parses it twice (/tokenize)
+            return read
+        too_big = APIError(413, f"the body is larger than this server takes ({max_request_bytes:,} bytes: serve "
+                                "--max-request-mb)")
+        try:
+            if int(request.headers.get("content-length") or 0) > max_request_bytes:
+                raise too_big
+            chunks, size = [], 0
+            async for chunk in request.stream():  # a chunked body declares no length: counted as it comes
+                size += len(chunk)
+                if size > max_request_bytes:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect as e:  # not a server error: counted and answered (to no one) as the other 499s
+            raise APIError(499, "client disconnected while sending its body") from e
+        except ValueError as e:  # a Content-Length that is no number
+            raise APIError(400, f"invalid Content-Length: {e}") from e
+        request.state.body = b"".join(chunks)
+        return request.state.body
+
     async def _parse(request: Request, schema: type[BaseModel], fields: Callable[[dict], dict] | None = None):
         """The body as `schema` (taking only what `fields` picks of it, where given), or the APIError naming what
         in it is wrong."""
@@ -247,10 +275,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             # asking (no CORS preflight): run, they would let any page the user opens make this server generate
             sent = f"not {kind!r}" if kind else "and this request had no Content-Type"
             raise APIError(415, f"the body must be JSON sent as Content-Type: application/json, {sent}")
-        raw = await request.body()
+        raw = await _body(request)
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        # ValueError: a JSONDecodeError, or an integer of more digits than Python converts; RecursionError: too deep
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"invalid JSON body: {e}") from e
         if not isinstance(data, dict):
             raise APIError(400, "the JSON body must be an object")

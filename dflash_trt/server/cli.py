@@ -148,13 +148,15 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
 @click.option("--api-key", envvar="DFLASH_TRT_API_KEY", default=None,
               help="The /v1 routes answer 401 to a request without `Authorization: Bearer KEY` (vLLM's --api-key); "
               "default: $DFLASH_TRT_API_KEY, else open to whoever reaches --host.")
+@click.option("--max-request-mb", default=32, show_default=True, type=click.IntRange(min=1),
+              help="The largest request body in MiB; a larger one is refused (413) before it is read.")
 @click.option("--allowed-origin", "allowed_origins", multiple=True,
               help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000; '*' "
               "for any; repeatable (default: none).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, dtype,
           device, head_screen, int8_drafter, host, port, backend, served_model_name, trust_request_chat_template,
-          threads, api_key, allowed_origins) -> None:
+          threads, api_key, max_request_mb, allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
@@ -199,7 +201,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             click.echo(note, err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
-        app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key)
+        app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,
+                         max_request_bytes=max_request_mb * 2**20)
         mode = mode_text(llm)
 
         def started() -> None:

@@ -9,6 +9,8 @@ responses. vLLM's other sampling extensions are refused unless neutral, as are O
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
 import uuid
@@ -143,7 +145,7 @@ class _SamplingRequest(_NullIsUnset):
     acceptance: Literal["match", "rejection"] = "match"
     # vLLM extensions clients send (benchmark tools' --extra-body) that would change the answer: refused unless
     # neutral, rather than ignored as unknown fields are
-    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)  # vLLM's
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     use_beam_search: StrictBool = False
@@ -153,7 +155,7 @@ class _SamplingRequest(_NullIsUnset):
     guided_grammar: Any = None
     structured_outputs: Any = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[WholeInt] | None = Field(None, min_length=1)
+    allowed_token_ids: list[Annotated[WholeInt, Field(ge=0)]] | None = Field(None, min_length=1)
     logits_processors: list[Any] | None = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
@@ -415,11 +417,13 @@ class ChatMessage(BaseModel):
         return out
 
 
-# apply_chat_template's own parameters, which chat_template_kwargs may not pass to it
-TEMPLATE_CALL_PARAMETERS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "kwargs"})
+@functools.cache
+def template_call_parameters() -> frozenset[str]:
+    """apply_chat_template's own parameters, which chat_template_kwargs may not pass to it: read from the installed
+    transformers (a list written here missed those a release added, such as sanitize_control_tokens)."""
+    from transformers import PreTrainedTokenizerBase
+
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -453,7 +457,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         # apply_chat_template's own parameters would change what it returns, or override the request's fields
-        taken = sorted(set(v or ()) & TEMPLATE_CALL_PARAMETERS)
+        taken = sorted(set(v or ()) & template_call_parameters())
         if taken:
             raise ValueError(f"{', '.join(taken)} are not template variables (the server sets them)")
         return v

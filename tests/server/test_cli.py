@@ -51,7 +51,7 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, t
     seen = []
 
     def create_app(*args, **kwargs):
-        seen.append(args[-1])
+        seen.append(kwargs["api_key"])
         raise ValueError("stop before serving")
 
     monkeypatch.setattr(app, "create_app", create_app)

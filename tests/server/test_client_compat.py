@@ -109,6 +109,8 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM's 0 is the prompt's own logprobs, not "off"
     ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs"),  # the call's own options
+    ({"chat_template_kwargs": {"sanitize_control_tokens": True}}, "chat_template_kwargs"),  # of later releases too
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
 ])
 def test_what_would_change_the_answer_unseen_is_refused(server, body, param):
     r = httpx.post(server.base_url + "/chat/completions", timeout=60,

@@ -315,6 +315,9 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [1000000]}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [5, -1]}, 400, "allowed_token_ids.1"),
+    # min_tokens masks the stop tokens: with every token one, nothing could be chosen (it stopped at once)
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 5, "stop_token_ids": list(range(96))}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     # vLLM's sampling extensions that benchmark tools pass through, unless neutral
@@ -377,6 +380,14 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
     r = httpx.post(server.base_url + "/completions", content=b"[" * 100_000 + b"]" * 100_000, timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    # an integer of more digits than Python converts: JSON all the same, refused as the body's fault
+    r = httpx.post(server.base_url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1%s}' % (b"0" * 5000),
+                   timeout=30, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"], r.text
+    # Python's parser takes JavaScript's Infinity; no penalty may be infinite
+    r = httpx.post(server.base_url + "/completions", content=b'{"prompt": "hi", "repetition_penalty": Infinity}',
+                   timeout=30, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
     # JSON's \ud800 escape is valid JSON and decodes to a lone surrogate, which is no text a tokenizer takes: the
     # field is named, and the connection stays open for the next request
     with httpx.Client(base_url=server.base_url, timeout=30) as kept_alive:
@@ -675,3 +686,36 @@ def test_a_big_prompt_being_tokenized_holds_no_small_request(tiny_dirs, monkeypa
     finally:
         gate.set()
         running.stop()
+
+
+def test_a_body_past_the_limit_or_cut_short_is_the_clients_doing_and_the_server_keeps_serving(tiny_dirs):
+    """A larger body than max_request_bytes is refused (413) unread, whether it declares its length or comes in
+    chunks; a client that goes away while sending one is counted as the other disconnects are (499), not as a
+    server error, and leaves no traceback."""
+    import socket
+
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=2), max_request_bytes=1000)
+    try:
+        small = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        big = {**small, "prompt": "x" * 2000}
+        assert httpx.post(server.base_url + "/completions", json=small, timeout=30).status_code == 200
+        r = httpx.post(server.base_url + "/completions", json=big, timeout=30)
+        assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"], r.text
+        chunked = httpx.post(server.base_url + "/completions", content=iter([json.dumps(big).encode()]), timeout=30,
+                             headers={"content-type": "application/json"})  # an iterator: sent chunked, no length
+        assert chunked.status_code == 413, chunked.text
+        host, port = server.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"pro")
+        deadline = time.monotonic() + 10
+        while scrape(server).get('dflash_request_errors_total{status="499"}', 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        errors = scrape(server)
+        assert errors.get('dflash_request_errors_total{status="499"}') == 3
+        assert 'dflash_request_errors_total{status="500"}' not in errors
+        assert httpx.post(server.base_url + "/completions", json=small, timeout=30).status_code == 200
+        assert httpx.head(server.base_url + "/models", timeout=30).status_code == 200
+    finally:
+        server.stop()
