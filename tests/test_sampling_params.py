@@ -25,3 +25,13 @@ def test_numbers_of_any_numeric_type_are_taken():
     p = SamplingParams(max_new_tokens=np.int64(4), top_k=np.int32(2), seed=np.int64(3), temperature=np.float32(0.5),
                        top_p=1, logprobs=np.int8(1))
     assert p.max_new_tokens == 4 and p.top_k == 2
+
+
+def test_more_stop_strings_than_a_request_may_send_are_refused_and_one_long_one_is_not():
+    """Each stop string is looked for at every step of the engine every request shares."""
+    from dflash_trt.sampling_params import MAX_STOP_STRINGS
+
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop) == MAX_STOP_STRINGS
+    assert SamplingParams(stop="x" * 5000).stop == ["x" * 5000]
+    with pytest.raises(ValueError, match=f"stop holds {MAX_STOP_STRINGS + 1} strings, more than the"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
-from dflash_trt.sampling_params import MAX_TOP_LOGPROBS
+from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 def _whole(v: Any) -> Any:
@@ -124,7 +124,7 @@ class _SamplingRequest(_NullIsUnset):
     n: WholeInt = Field(1, ge=1)  # answers per prompt (the server's rows plus queue bound them)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: WholeInt | None = None
     echo: StrictBool = False  # completions: the prompt before the answer (and its logprobs); refused on chat
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)

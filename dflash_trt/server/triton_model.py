@@ -169,11 +169,20 @@ class TritonPythonModel:
         self.loop.stop()
 
     def execute(self, requests):
+        from dflash_trt.engine.engine_loop import LoopStopped
+        from dflash_trt.engine.scheduler import QueueFullError
+
         for request in requests:
             sender = request.get_response_sender()
             try:
                 self._start(request, sender)
-            except Exception as e:  # bad input: answer this request, keep serving the others
+            # answer this request, keep serving the others; the code tells clients whose fault it is (Triton answers
+            # INVALID_ARG with HTTP 400, UNAVAILABLE with 503; no code is INTERNAL, a 500)
+            except ValueError as e:  # bad input
+                sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            except (QueueFullError, LoopStopped) as e:  # retry later, or elsewhere
+                sender.send(_error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            except Exception as e:
                 sender.send(_error(str(e)), flags=FINAL)
         return None  # responses go through the senders (one each where the model is not decoupled)
 

@@ -297,6 +297,7 @@ BAD = [
     ({"model": MODEL, "prompt": ["a", 1]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),  # would match before any text
     ({"model": MODEL, "prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(257)]}, 400, "stop"),  # each is looked for
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),  # strict: no truthy strings
     ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),

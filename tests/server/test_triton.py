@@ -167,8 +167,9 @@ def test_a_unary_export_answers_triton_infer_and_generate_and_refuses_streaming(
     result = client.infer(UNARY, inputs(False))
     assert result.as_numpy("text_output")[0].decode() == want.text
     assert int(result.as_numpy("total_draft_tokens")[0]) == want.total_draft_tokens
-    with pytest.raises(InferenceServerException, match="streaming needs the decoupled model"):
+    with pytest.raises(InferenceServerException, match="streaming needs the decoupled model") as refused:
         client.infer(UNARY, inputs(True))
+    assert refused.value.status() == "400"  # the client's doing (INVALID_ARG), not a server error
     body = json.dumps({"text_input": PROMPT, "sampling_param_max_tokens": 24}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{triton['http']}/v2/models/{UNARY}/generate", data=body,
                                      headers={"Content-Type": "application/json"})

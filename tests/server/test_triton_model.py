@@ -2,6 +2,7 @@
 Triton's triton_python_backend_utils and for tensorrt_llm's LLM.generate_async, both shaped after the real ones.
 
 - pb_utils: InferenceResponse(output_tensors, error), TritonError(message, code) with TritonError.CANCELLED,
+  INVALID_ARG and UNAVAILABLE,
   InferenceResponseSender.send(response, flags) / is_cancelled() (python_backend README, "Decoupled mode" and
   "Request Cancellation Handling").
 - tensorrt_llm: generate_async(...) returns a RequestOutput that is async-iterable and has abort(); each item has
@@ -28,7 +29,7 @@ FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonError:
-    INTERNAL, CANCELLED = 1, 9
+    INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = 1, 3, 4, 9
 
     def __init__(self, message, code=INTERNAL):
         self.message, self.code = message, code
@@ -203,6 +204,8 @@ def test_trtllm_backend_passes_penalties_to_tensorrt_llm(trtllm_model):
     ("sampling_param_top_k", np.array([-1], dtype=np.int32), "sampling_param_top_k must be >= 0, got -1"),
     ("sampling_param_temperature", np.array([-1.0], dtype=np.float32), "sampling_param_temperature must be a"),
     ("sampling_param_stop", np.array([b""], dtype=np.object_), "sampling_param_stop strings must not be empty"),
+    ("sampling_param_stop", np.array([b"s%d" % i for i in range(300)], dtype=np.object_),
+     "sampling_param_stop holds 300 strings, more than the 256"),
     # one prompt a request: TensorRT-LLM's llmapi model silently drops all but the first
     ("text_input", np.array([b"one", b"two"], dtype=np.object_), "text_input holds 2 strings: this model takes one"),
     ("text_input", np.array([], dtype=np.object_), "text_input holds 0 strings"),
@@ -215,3 +218,4 @@ def test_inputs_it_cannot_honour_are_refused_naming_them(trtllm_model, name, val
     model.execute([request])
     (response, flags), = sender.wait_final()
     assert flags == FINAL and message in response.error.message and not sampling_calls
+    assert response.error.code == TritonError.INVALID_ARG  # the client's doing: Triton answers 400, not 500
