@@ -248,7 +248,7 @@ def attend(
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
         out = _attend_grouped(q, k.contiguous(), v.contiguous(), mask, scale)
     elif _masked_gqa_falls_to_math(q, k, mask):
-        out = _attend_folded(q, k, v, mask, scale)
+        return _attend_folded(q, k, v, mask, scale)
     else:
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -257,19 +257,22 @@ def attend(
 
 
 def _attend_folded(q, k, v, mask, scale):
-    """Masked GQA as attention without groups: each KV head's query heads folded onto the query axis.
+    """Masked GQA as attention without groups, each KV head's query heads folded onto the query axis -> [B, Q, H * D].
 
     CUDA's flash kernel takes GQA but no mask and its efficient kernel a mask but no GQA, so SDPA ran every masked
     step (prefill chunks, verify, mixed-length decodes, training) in its math kernel. K/V repeated per query head (as
-    transformers' sdpa_attention does) read and copy the whole cache once per query head of a group every step; the
-    fold copies only the mask."""
+    transformers' sdpa_attention does) copy the whole cache G times every step; the fold copies the mask G times
+    instead (and SDPA its float bias): less where the keys outnumber a step's queries, as in decoding and verifying,
+    about as much in training, where they are alike."""
     b, h, n, d = q.shape
     kvh, t = k.shape[1], k.shape[2]
     g = h // kvh
     folded = mask.expand(b, 1, n, t)[:, :, None].expand(b, 1, g, n, t).reshape(b, 1, g * n, t)
     with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q.reshape(b, kvh, g * n, d), k, v, attn_mask=folded, scale=scale)
-    return out.view(b, h, n, d)
+    # [B, KVH, G * Q, D] (CUDA's efficient kernel returns it strided, not contiguous) -> [B, Q, KVH * G * D]:
+    # query head h = kv_head * G + group, as SDPA's GQA orders them
+    return out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4).reshape(b, n, h * d)
 
 
 def _masked_gqa_falls_to_math(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:

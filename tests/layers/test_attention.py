@@ -48,6 +48,11 @@ def test_masked_gqa_on_cuda_folds_query_heads_so_sdpa_keeps_an_efficient_kernel(
     monkeypatch.setattr(attention, "_masked_gqa_falls_to_math", lambda *a: True)
     monkeypatch.setattr(attention, "repeat_kv", lambda *a: pytest.fail("K/V repeated"))
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
+    # CUDA's efficient kernel returns its output strided as [B, Q, H, D] transposed, not contiguous: the same values
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    torch.testing.assert_close(attend(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows, lengths", [((0, 1, 2, 3), (5, 70, 64, 1)), ((6, 2, 4, 0, 1), (9, 9, 130, 3, 64))])
