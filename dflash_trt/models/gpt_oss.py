@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.device_copy import to_device
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, attend
 from dflash_trt.layers.linear import PackedLinear, can_pack
@@ -166,21 +165,23 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids/expert_weights [T, k] (global ids) -> this rank's share of the output [T, H]."""
         out = torch.zeros_like(x)
-        # The routes read back once, grouped on the host: on a GPU every read waits for the layer's kernels, and a
-        # read per routed expert made a verify step wait hundreds of times.
-        routed: dict[int, tuple[list[int], list[int]]] = {}
-        first, count = self.experts.start, len(self.experts)
-        for token, ids in enumerate(expert_ids.tolist()):
-            for slot, e in enumerate(ids):
-                if 0 <= e - first < count:
-                    tokens, slots = routed.setdefault(e - first, ([], []))
-                    tokens.append(token)
-                    slots.append(slot)
-        # Ascending expert order, tokens ascending within one, as transformers accumulates (its float summation order)
-        for e in sorted(routed):
-            token, slot = (to_device(ix, torch.long, x.device) for ix in routed[e])
-            y = self._expert(e, x[token]) * expert_weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
+        count, k = len(self.experts), expert_ids.shape[1]
+        local = (expert_ids - self.experts.start).flatten()  # [T * k], entry t * k + s: token t's slot s
+        local = torch.where((local >= 0) & (local < count), local, count)  # another rank's experts: past the last
+        # Grouped on the device, read back once (how many each expert has): on a GPU every read waits for the
+        # layer's kernels, and a read per routed expert made a verify step wait hundreds of times. A stable sort
+        # keeps ascending expert order and tokens ascending within one, as transformers accumulates (its float
+        # summation order).
+        order = torch.argsort(local, stable=True)
+        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
+        start = 0
+        for e, n in enumerate(routed[:count].tolist()):
+            if n:
+                entries = order[start : start + n]
+                token, slot = entries // k, entries % k
+                y = self._expert(e, x[token]) * expert_weights[token, slot, None]
+                out.index_add_(0, token, y.to(x.dtype))
+            start += n
         return out
 
 
