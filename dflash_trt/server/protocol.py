@@ -408,10 +408,11 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it: its text, and its tool use where it has some (a call's arguments
         as an object, as vLLM passes them: templates write them out as JSON)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        # templates know tool calls and tool answers only: the deprecated forms are rendered as what they are (a
+        # function's answer as a tool's, which a Llama or Mistral template would refuse, and a Qwen one drop)
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role, "content": self.text()}
         calls = self.tool_calls or ([ToolCall(function=self.function_call)] if self.function_call else [])
         if calls:
-            # templates know tool calls only: a deprecated function_call is rendered as the one call it is
             out["tool_calls"] = [call.for_template() for call in calls]
         out |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
         return out

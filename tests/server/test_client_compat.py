@@ -243,10 +243,10 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
                       {"role": "function", "name": "get_time", "content": "12:00"}]
         as_template_takes = [*messages, {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}]},
-            {"role": "function", "name": "get_time", "content": "12:00"}]
+            {"role": "tool", "name": "get_time", "content": "12:00"}]  # templates know tools' answers, not functions'
         want = engine.tokenizer.apply_chat_template(as_template_takes, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"]
-        assert "get_time(Oslo)" in engine.tokenizer.decode(want) and "<function>" in engine.tokenizer.decode(want)
+        assert "get_time(Oslo)" in engine.tokenizer.decode(want) and "<tool>12:00" in engine.tokenizer.decode(want)
         r = httpx.post(server.base_url + "/chat/completions", timeout=60,
                        json={"messages": deprecated, "function_call": "none", "max_tokens": 3}).json()
         assert r["usage"]["prompt_tokens"] == len(want), r
