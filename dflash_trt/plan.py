@@ -322,7 +322,7 @@ def plan_build(
             "TensorRT-LLM drafts nothing for requests past it"
         )
     if kvd == "nvfp4":
-        _check_nvfp4_kv(plan, target)
+        _check_nvfp4_kv(plan, target, hw)
     if cfg.enable_attention_dp and isinstance(schedule, dict) and len(set(schedule.values())) > 1:
         plan.notes.append(
             f"draft_len_schedule={dict(sorted(schedule.items()))} under attention data parallelism: TensorRT-LLM "
@@ -341,7 +341,12 @@ def plan_build(
     return plan
 
 
-def _check_nvfp4_kv(plan: MemoryPlan, target: DecoderConfig) -> None:
+def _check_nvfp4_kv(plan: MemoryPlan, target: DecoderConfig, hw: HardwareProfile) -> None:
+    if not hw.supports_nvfp4:  # auto on a checkpoint that declares an NVFP4 KV cache (an explicit nvfp4 is refused)
+        plan.problems.append(f"the checkpoint declares an NVFP4 KV cache (quantization_config.kv_cache_quant_algo), "
+                             f"which needs FP4 tensor cores (Blackwell: b300); hardware {hw.name}: set "
+                             "kv_cache_config.dtype to fp8")
+        plan.fits = False
     if target.head_dim & (target.head_dim - 1):
         # TensorRT-LLM's K/V preprocessing: "Head size needs to be power of 2 for nvfp4 kv cache"
         plan.problems.append(f"kv_cache_config.dtype=nvfp4 needs a power-of-two head_dim (TensorRT-LLM's FP4 K/V "

@@ -76,6 +76,8 @@ def test_an_auto_kv_cache_is_the_quantized_one_the_checkpoint_declares():
             "quant_method": "modelopt", "kv_cache_quant_algo": algo}})
         plan = plan_build(declared, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
         assert plan.kv_cache_dtype == dtype and plan.details["target_kv_bytes_per_token_per_layer"] == per_token
+    plan = plan_build(declared, GPT_OSS_DRAFTER, _cfg(**{**cfg.model_dump(), "hardware": "h200"}), profile("h200"), 9)
+    assert not plan.fits and any("NVFP4 KV cache" in p and "fp8" in p for p in plan.problems)  # no FP4 on Hopper
 
 
 def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
