@@ -47,7 +47,7 @@ from dflash_trt.train.batch_generation import BatchGenerator  # noqa: E402
 from dflash_trt.train.feature_cache import TargetFeatures  # noqa: E402
 from dflash_trt.train.prompts import Prompt  # noqa: E402
 from dflash_trt.train.responses import generate_responses, read_records  # noqa: E402
-from dflash_trt.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_trt.train.trainer import TrainConfig, Trainer, held_out_score  # noqa: E402
 
 MAX_SEQ_LEN = {True: 96, False: 640}  # by --smoke
 MAX_NEW = {True: 24, False: 256}
@@ -225,7 +225,7 @@ def main() -> None:
     t0 = time.monotonic()
     start = trainer.evaluate()  # the warm start's score on the same held-out prompts, for comparison
     if "val_loss" in start:  # the bar to beat: a run that only gets worse exports the warm start, not its least bad
-        trainer.best_score = start["val_tau"] if "val_tau" in start else -start["val_loss"]  # trainer's _score
+        trainer.best_score = held_out_score(start)
         trainer.best_loss = start["val_loss"]
         trainer.export(work / "out" / "drafter", start)
     print(f"before training: {json.dumps(start)}; training budget {budget:.0f} s", flush=True)

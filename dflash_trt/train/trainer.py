@@ -527,7 +527,7 @@ class Trainer:
                 if "val_loss" not in entry:  # nothing held out to choose by
                     self.export(self.out_dir / "drafter", entry)
                 elif self._improves(entry):
-                    self.best_score, self.best_loss = _score(entry), entry["val_loss"]
+                    self.best_score, self.best_loss = held_out_score(entry), entry["val_loss"]
                     self.export(self.out_dir / "drafter", entry)
                 self.drafter.train()
             with self.log_path.open("a") as f:
@@ -546,7 +546,7 @@ class Trainer:
     def _improves(self, metrics: dict) -> bool:
         """Whether an evaluation's drafter is the best so far: by held-out tau (or loss without evaluation prompts),
         at an equal tau by the lower held-out loss."""
-        score = _score(metrics)
+        score = held_out_score(metrics)
         return score > self.best_score or (score == self.best_score and metrics["val_loss"] < self.best_loss)
 
     def _fit_to_budget(self, elapsed: float) -> None:
@@ -693,7 +693,7 @@ def _describing(bar: tqdm, desc: str):
         bar.set_description_str(before, refresh=False)
 
 
-def _score(metrics: dict) -> float:
+def held_out_score(metrics: dict) -> float:
     """An evaluation's held-out score: its tau, or minus its loss without evaluation prompts."""
     return metrics["val_tau"] if "val_tau" in metrics else -metrics["val_loss"]
 
