@@ -212,7 +212,11 @@ def test_triton_metrics_count_what_the_model_generated(triton, tiny_dirs):
     want = oracle.generate([oracle.encode(PROMPT)], SamplingParams(max_new_tokens=24))[0]
     before = _counters(triton)
     (single,) = _infer(triton["grpc"], PROMPT, 24, streaming=False)
-    after = _counters(triton)
+    # counted after the answer went out (a failing metric costs no answer): the client may read them first
+    deadline = time.monotonic() + 10
+    while (after := _counters(triton)).get("dflash_requests", 0) == before.get("dflash_requests", 0):
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.05)
 
     def grew(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
