@@ -265,14 +265,11 @@ class TritonPythonModel:
 
     def _init_trtllm(self):
         from dflash_trt.engine_dir import EngineDir
-        from dflash_trt.trtllm.launch import load_options, new_llm, require_tensorrt_llm
+        from dflash_trt.trtllm.launch import open_llm
 
         engine = EngineDir(self.settings.engine_dir)
         engine.verify()
-        options = load_options(engine.path)
-        trtllm = require_tensorrt_llm(options)
-        self._trtllm = trtllm
-        self._llm = new_llm(trtllm, engine, options)
+        self._trtllm, self._llm = open_llm(engine)
         self._aio = asyncio.new_event_loop()
         threading.Thread(target=self._aio.run_forever, daemon=True).start()
 

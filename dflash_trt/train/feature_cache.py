@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.dir_swap import replace_file
+from dflash_trt.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

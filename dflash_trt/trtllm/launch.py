@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from dflash_trt.dir_swap import replace_file
 from dflash_trt.embedded import cache_dir
 from dflash_trt.trtllm.llm_api_keys import TENSORRT_LLM_VERSION, keys_missing_from, release_needed
-from dflash_trt.dir_swap import replace_file
 
 logger = logging.getLogger(__name__)
 CONFIG_PATH = Path("trtllm") / "config.yaml"
@@ -121,12 +121,18 @@ def new_llm(trtllm, engine, options: dict | None = None):
     return trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
 
 
+def open_llm(engine):
+    """(tensorrt_llm, its LLM) for a verified EngineDir: its options read once, for the install advice (the release
+    they need) and for the LLM."""
+    options = load_options(engine.path)
+    trtllm = require_tensorrt_llm(options)
+    return trtllm, new_llm(trtllm, engine, options)
+
+
 def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None) -> list[dict]:
     """Generate with tensorrt_llm.LLM from a verified EngineDir; one dict (text, token_ids) per prompt."""
-    options = load_options(engine.path)
-    trtllm = require_tensorrt_llm(options)
-    llm = new_llm(trtllm, engine, options)
+    trtllm, llm = open_llm(engine)
     params = trtllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k or None, seed=seed)
     outs = llm.generate(prompts, params)
