@@ -480,6 +480,7 @@ async def run_sweep_async(cfg: SweepConfig, prompts: Sequence[BenchPrompt], data
         "points": [],
         "complete": False,
     }
+
     def keep(result: dict) -> None:
         if on_result is not None and result["points"]:
             on_result(result)
@@ -614,4 +615,3 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
 
     dir_swap.replace_file(csv_path, write_csv)
     return path, csv_path
-
