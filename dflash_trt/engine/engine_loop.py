@@ -110,20 +110,27 @@ class EngineLoop:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
         """Queue a request; raises ValueError (bad input), QueueFullError, or LoopStopped once stop() was called."""
-        seq = self.engine.make_sequence(prompt_ids, params)
+        (request_id,) = self.submit_all([(prompt_ids, params, callback)])
+        return request_id
+
+    def submit_all(self, requests: list[tuple[list[int], SamplingParams, Callback]]) -> list[int]:
+        """Queue requests all or none (one that is refused queues none), in one go: a request's n answers share
+        their prompt's prefill. Raises as submit does."""
+        seqs = [self.engine.make_sequence(prompt_ids, params) for prompt_ids, params, _ in requests]
         with self._intake:
             if self._stop.is_set():
                 raise LoopStopped("the engine loop is stopped")
             with self._lock:
-                self._callbacks[seq.request_id] = callback
+                self._callbacks.update((s.request_id, cb) for s, (_, _, cb) in zip(seqs, requests))
             try:
-                self.engine.scheduler.add(seq)
+                self.engine.scheduler.add(*seqs)
             except Exception:
                 with self._lock:
-                    self._callbacks.pop(seq.request_id, None)
+                    for s in seqs:
+                        self._callbacks.pop(s.request_id, None)
                 raise
         self._wake.set()
-        return seq.request_id
+        return [s.request_id for s in seqs]
 
     def abort(self, request_id: int) -> bool:
         """Cancel a request: it is answered with finish_reason "abort" and its row is freed at the next step."""

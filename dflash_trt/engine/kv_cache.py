@@ -83,6 +83,11 @@ class KVCache:
             for cache in (self.k, self.v):
                 cache[:, row, :, dst] = cache[:, row, :, src]
 
+    def copy_rows(self, src: int, dst: torch.Tensor, start: int, end: int) -> None:
+        """Row src's K/V at positions [start, end) to rows dst, in every layer."""
+        for cache in (self.k, self.v):
+            cache[:, dst, :, start:end] = cache[:, src, None, :, start:end]
+
     def _flat_index(self, meta: AttentionMetadata) -> torch.Tensor:
         """Row-major offsets of (row, head, position) in a [rows, kv_heads, max_len] layer -> [B * Q * kv_heads]."""
         cached = meta.flat_index.get(id(self))

@@ -437,16 +437,24 @@ class LLMEngine:
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)
+        copies: dict[int, list[Sequence]] = {}  # request id -> the requests taking a copy of its chunk
         for c in batch.prefills:
+            if c.source is not None:
+                copies.setdefault(c.source.request_id, []).append(c.seq)
+        for c in batch.prefills:
+            if c.source is not None:
+                continue
             # one forward per chunk: batched, a chunk's rows would be padded to its neighbours' and its sums shaped by
             # them (the scheduler's grid: a prompt's K/V must not depend on what arrived with it)
-            (t,) = self.runner.prefill([c.seq], [c.start], [c.end])
-            c.seq.num_prefilled = c.end
-            if t is not None:
-                c.seq.decode_start = time.perf_counter()
-                c.seq.stats.time_to_first_token = c.seq.decode_start - c.seq.arrival
-                c.seq.append([t], self.max_model_len)
-                result.updated.append(c.seq)
+            group = copies.get(c.seq.request_id, [])
+            firsts = self.runner.prefill([c.seq], [c.start], [c.end], [group])
+            for seq, t in zip([c.seq, *group], firsts):
+                seq.num_prefilled = c.end
+                if t is not None:
+                    seq.decode_start = time.perf_counter()
+                    seq.stats.time_to_first_token = seq.decode_start - seq.arrival
+                    seq.append([t], self.max_model_len)
+                    result.updated.append(seq)
         if batch.decodes:
             active, k = batch.decodes, batch.num_draft
             if self.adaptive is not None:

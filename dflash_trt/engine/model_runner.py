@@ -138,16 +138,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, seqs: list[Sequence], starts: list[int] | None = None, ends: list[int] | None = None
+        self, seqs: list[Sequence], starts: list[int] | None = None, ends: list[int] | None = None,
+        copies: list[list[Sequence]] | None = None,
     ) -> list[int | None]:
         """Run prompt chunks [start, end) (right-padded into one batch) at their absolute positions.
 
         Returns each row's first token when its chunk ends the prompt, else None (chunked prefill:
         an earlier chunk's K/V are already cached and the chunk attends to them).
+
+        copies[i]: requests whose prompts hold row i's tokens up to its chunk's end and whose next chunk is the same
+        [start, end) (so their K/V before `start` equal row i's): they take row i's K/V and features instead of a
+        forward of their own, and each samples its first token as it would have alone. The result lists each row's
+        first token, then its copies'.
         """
         start_time = time.perf_counter()
         starts = starts or [0] * len(seqs)
         ends = ends or [len(s.prompt_ids) for s in seqs]
+        copies = copies or [[] for _ in seqs]
         lens = [e - b for b, e in zip(starts, ends)]
         n = round_up(max(lens), TOKEN_BUCKET)
         ids = to_device([s.prompt_ids[b:e] + [0] * (n - e + b) for s, b, e in zip(seqs, starts, ends)], torch.long,
@@ -159,7 +166,10 @@ class ModelRunner:
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions,
                                              self._host(seqs, starts, self.target_cache.max_len))
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
-        for i, s in enumerate(seqs):
+        self._copy_rows(seqs, starts, ends, copies)
+        # each request after its row: a row's copies sit with it
+        owners = [(i, s) for i, s in enumerate(seqs) for s in [s, *copies[i]]]
+        for i, s in owners:
             if s.params.prompt_logprobs is not None:
                 # positions start .. end - 1 choose the prompt's tokens start + 1 .. end (the last one's: the output's)
                 scored = s.prompt_ids[starts[i] + 1: ends[i] + 1]
@@ -167,23 +177,38 @@ class ModelRunner:
                     b = min(a + PROMPT_LOGPROB_SLICE, len(scored))
                     s.prompt_logprobs += token_logprobs(self.target.compute_logits(hidden[i, a:b]), scored[a:b],
                                                         s.params.prompt_logprobs)
-        done = [i for i, s in enumerate(seqs) if ends[i] == len(s.prompt_ids)]
-        tokens: list[int | None] = [None] * len(seqs)
-        if done:
+        done = [(j, i, s) for j, (i, s) in enumerate(owners) if ends[i] == len(s.prompt_ids)]
+        tokens: list[int | None] = [None] * len(owners)
+        if not any(copies):
+            done_rows = [i for _, i, _ in done]
+            groups = [(done_rows, [s for _, _, s in done])] if done else []
+        else:
+            # A copy samples from its row's hidden state one request at a time, as it would have alone: a head over
+            # several rows may sum in another order than over one.
+            groups = [([i], [s]) for _, i, s in done]
+        firsts: list[int] = []
+        for rows, group in groups:
             # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
-            last = to_device([lens[i] - 1 for i in done], torch.long, self.device)
-            last_hidden = hidden[to_device(done, torch.long, self.device), last]
-            done_seqs = [seqs[i] for i in done]
-            firsts = self._next_tokens(done_seqs, last_hidden)
-            self._note_logprobs(done_seqs, last_hidden[:, None], [[t] for t in firsts], [[0]] * len(done))
-            for i, t in zip(done, firsts):
-                tokens[i] = t
+            last = to_device([lens[i] - 1 for i in rows], torch.long, self.device)
+            last_hidden = hidden[to_device(rows, torch.long, self.device), last]
+            group_firsts = self._next_tokens(group, last_hidden)
+            self._note_logprobs(group, last_hidden[:, None], [[t] for t in group_firsts], [[0]] * len(group))
+            firsts += group_firsts
+        for (j, _, _), t in zip(done, firsts):
+            tokens[j] = t
         elapsed = time.perf_counter() - start_time
-        for i, s in enumerate(seqs):
+        for i, s in owners:
             s.stats.prefill_time += elapsed
             if features is not None:
                 s.pending_features.append(features[i, : lens[i]])
         return tokens
+
+    def _copy_rows(self, seqs: list[Sequence], starts: list[int], ends: list[int],
+                   copies: list[list[Sequence]]) -> None:
+        """Each row's chunk K/V, [start, end), to its copies' rows (their K/V before `start` already equal it)."""
+        for i, s in enumerate(seqs):
+            if copies[i]:
+                self.target_cache.copy_rows(s.slot, self._rows(copies[i]), starts[i], ends[i])
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> list[list[int]]:

@@ -11,7 +11,8 @@ A prompt's chunks lie on a grid of its own positions (max_prefill_tokens each, t
 else runs, and a chunk waits for a step with room for all of it. Cut where a neighbour's chunk left room, a chunk
 would be computed another way (past 256 tokens or 128 rows the CPU's attention and linears are SDPA's and
 oneDNN's, whose bf16 sums depend on the shapes), and a prompt's K/V, and so its greedy answer, would depend on the
-requests that arrived with it (the engine also prefills each chunk in a forward of its own).
+requests that arrived with it (the engine also prefills each chunk in a forward of its own). Requests whose prompts
+hold the same tokens up to a chunk's end, at the same span, run it once in a step (PrefillChunk.source).
 
 Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
 Step 1: prefill A[0:5] (B's first chunk, 8 tokens, does not fit the 3 left). Step 2: decode A; prefill
@@ -73,6 +74,10 @@ class PrefillChunk:
     seq: Sequence
     start: int  # first prompt position of the chunk
     end: int  # one past the last; end == len(prompt) samples the first token
+    # Another request of this step whose prompt holds the same tokens up to `end` and whose chunk is the same span: it
+    # computes the chunk and this one copies its K/V (a chunk's K/V are a function of the tokens up to its end, on
+    # the grid). Such a chunk costs no budget: a request's n choices, or a batch of one prompt, prefill once.
+    source: Sequence | None = None
 
     @property
     def is_last(self) -> bool:
@@ -128,17 +133,18 @@ class Scheduler:
         with self._lock:
             return self._has_room()
 
-    def _has_room(self) -> bool:
+    def _has_room(self, n: int = 1) -> bool:
         # A request is admitted when a row will be free for it, or the queue has room.
-        return len(self.waiting) < self.slots.num_free + self.config.max_queue_len
+        return len(self.waiting) + n <= self.slots.num_free + self.config.max_queue_len
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, *seqs: Sequence) -> None:
+        """Queue requests, all or none, in one go: a request's n answers reach the same step and share its chunks."""
         with self._lock:
-            if not self._has_room():
-                raise QueueFullError(
-                    f"{len(self.waiting)} requests are waiting (max_queue_len={self.config.max_queue_len}); retry later"
-                )
-            self.waiting.append(seq)
+            if not self._has_room(len(seqs)):
+                more = f"; {len(seqs)} more do not fit" if len(seqs) > 1 else ""
+                raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queue_len="
+                                     f"{self.config.max_queue_len}){more}; retry later")
+            self.waiting.extend(seqs)
 
     def abort(self, request_id: int, reason: str = "abort") -> bool:
         """Cancel a request; its row is freed at the next step boundary. False if it is unknown or done."""
@@ -163,19 +169,29 @@ class Scheduler:
             budget = self.config.max_prefill_tokens
             prefills: list[PrefillChunk] = []
             decodes: list[Sequence] = []
+            computed: dict[tuple[int, int], list[Sequence]] = {}  # (start, end) -> requests computing such a chunk
+
+            def admit(chunk: PrefillChunk) -> bool:
+                nonlocal budget
+                cost = 0 if chunk.source is not None else len(chunk)
+                if cost > budget:
+                    return False
+                prefills.append(chunk)
+                budget -= cost
+                if chunk.source is None:
+                    computed.setdefault((chunk.start, chunk.end), []).append(chunk.seq)
+                return True
+
             for seq in self._running.values():  # oldest first
                 if seq.is_prefilled:
                     decodes.append(seq)
-                elif len(chunk := self._chunk(seq)) <= budget:
-                    prefills.append(chunk)
-                    budget -= len(chunk)
+                else:
+                    admit(self._chunk(seq, computed))
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
-            while self.waiting and self.slots.num_free and len(chunk := self._chunk(self.waiting[0])) <= budget:
+            while self.waiting and self.slots.num_free and admit(self._chunk(self.waiting[0], computed)):
                 seq = self.waiting.popleft()
                 seq.slot = self.slots.allocate()
                 self._running[seq.request_id] = seq
-                prefills.append(chunk)
-                budget -= len(chunk)
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
 
@@ -217,10 +233,13 @@ class Scheduler:
             self.slots.free(seq.slot)
         self._abort_ids.discard(seq.request_id)
 
-    def _chunk(self, seq: Sequence) -> PrefillChunk:
-        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks)."""
+    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]]) -> PrefillChunk:
+        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks), with the request that
+        computes the same chunk in this step, if one does: the same span after the same tokens."""
         start = seq.num_prefilled
-        return PrefillChunk(seq, start, min(len(seq.prompt_ids), start + self.config.max_prefill_tokens))
+        end = min(len(seq.prompt_ids), start + self.config.max_prefill_tokens)
+        source = next((s for s in computed.get((start, end), ()) if s.prompt_ids[:end] == seq.prompt_ids[:end]), None)
+        return PrefillChunk(seq, start, end, source)
 
     def _draft_len(self, decodes: list[Sequence]) -> int:
         """K for this step: the schedule's K for the load (the most requests running over the last load_window

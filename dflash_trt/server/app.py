@@ -376,26 +376,21 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         prompts = [ids for ids in prompts for _ in range(req.n)]
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        ids: list[int] = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            def callback(update: RequestUpdate, i: int = i) -> None:
-                with contextlib.suppress(RuntimeError):  # the event loop closed: no one is left to answer
-                    aio.call_soon_threadsafe(queue.put_nowait, (i, update))
-            try:
-                ids.append(loop.submit(prompt, sp, callback))
-            except QueueFullError as e:
-                for rid in ids:
-                    loop.abort(rid)
-                raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
-                               headers={"Retry-After": "1"}) from e
-            except LoopStopped as e:  # a kept-alive connection's request during shutdown
-                for rid in ids:
-                    loop.abort(rid)
-                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from e
-            except ValueError as e:
-                for rid in ids:
-                    loop.abort(rid)
-                raise APIError(400, str(e), param=prompt_param) from e
+
+        def callback(update: RequestUpdate, i: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: no one is left to answer
+                aio.call_soon_threadsafe(queue.put_nowait, (i, update))
+
+        try:  # all at once: the n answers of a prompt share its prefill
+            ids = loop.submit_all([(prompt, sp, functools.partial(callback, i=i))
+                                   for i, (prompt, sp) in enumerate(zip(prompts, params))])
+        except QueueFullError as e:
+            raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
+                           headers={"Retry-After": "1"}) from e
+        except LoopStopped as e:  # a kept-alive connection's request during shutdown
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list, req.min_tokens) for _ in prompts]
         return _Submitted(ids, [len(x) for x in prompts], queue, detoks, req.n)
 

@@ -19,7 +19,10 @@ def engine(smollm2_dir):
 
 
 def served(engine: LLMEngine, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-    """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it."""
+    """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it (into a
+    cleared cache: K/V a row kept from an earlier request must not stand in for its own)."""
+    engine.runner.target_cache.k.zero_()
+    engine.runner.target_cache.v.zero_()
     seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
     for s in seqs:
         engine.scheduler.add(s)
@@ -39,3 +42,13 @@ def test_a_prompt_prefilled_beside_another_long_one_gets_the_same_kv_and_answer(
     kv_alone, answer_alone = served(engine, [mine])
     kv_beside, answer_beside = served(engine, [other, mine])
     assert torch.equal(kv_beside, kv_alone) and answer_beside == answer_alone
+
+
+@pytest.mark.parametrize("first", ["the same prompt", "its first chunk"])
+def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer(engine, first):
+    """Sent with its own copy (a request's n choices) or with a prompt of its first 512 tokens, a prompt takes the
+    chunk's K/V from the other's forward: bit for bit what it computes alone."""
+    mine = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
+    kv_alone, answer_alone = served(engine, [mine])
+    kv_copied, answer_copied = served(engine, [mine if first == "the same prompt" else mine[:512], mine])
+    assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone

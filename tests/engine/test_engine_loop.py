@@ -8,6 +8,7 @@ import pytest
 from dflash_trt import SamplingParams
 from dflash_trt.engine.engine_loop import EngineLoop
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.engine.scheduler import QueueFullError
 
 
 def test_spawn_builds_and_steps_on_one_thread_and_serves_requests(tiny_dirs):
@@ -90,6 +91,47 @@ def test_a_prompt_with_an_out_of_range_token_id_is_refused_and_never_fails_the_o
         assert done.wait(30)
     assert finals[good].error is None
     assert list(finals[good].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompt, new=12)
+
+
+def test_requests_submitted_together_to_a_waiting_loop_share_one_prefill(tiny_dirs, monkeypatch):
+    """A request's n answers are queued in one go, so the loop, woken by the first, cannot take it alone into a step:
+    their prompt is prefilled once (one forward of its 16-token chunk), and each answers as the target does."""
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=4)
+    prompt, params = _prompts(2)[1][:16], SamplingParams(max_new_tokens=12, ignore_eos=True)
+    widths, forward = [], engine.target.forward
+
+    def counted(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", counted)
+    finals, done, callback = _collector(4)
+    with EngineLoop(engine) as loop:
+        time.sleep(0.05)  # waiting for work
+        ids = loop.submit_all([(prompt, params, callback)] * 4)
+        assert done.wait(30)
+    assert widths.count(16) == 1
+    assert all(list(finals[i].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompt, new=12) for i in ids)
+
+
+def test_requests_submitted_together_are_queued_all_or_none(tiny_dirs):
+    from tests.engine.test_lossless import _engine
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_queue_len=1)
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(QueueFullError, match="4 more do not fit"):
+        loop.submit_all([([5, 6, 7], params, lambda u: None)] * 4)  # 2 rows and 1 queue place
+    with pytest.raises(ValueError, match="token ids"):
+        loop.submit_all([([5, 6, 7], params, lambda u: None), ([-1], params, lambda u: None)])
+    assert engine.scheduler.num_waiting == 0 and not loop._callbacks
+    finals, done, callback = _collector(3)
+    ids = loop.submit_all([([5, 6, 7], params, callback)] * 3)
+    with loop:
+        assert done.wait(30)
+    assert sorted(finals) == sorted(ids)
 
 
 def test_a_request_aborted_before_a_failing_step_is_still_answered_and_the_loop_serves_on(tiny_dirs):

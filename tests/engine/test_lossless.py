@@ -689,6 +689,36 @@ def test_a_seeded_match_sample_is_the_targets_own_sample_whatever_each_step_draf
         assert variant == "plain" or o.tau > 1.5  # the forced drafts were accepted: the target sampled the same
 
 
+def test_a_prompts_copies_sent_together_prefill_once_and_each_answers_as_if_alone(tiny_dirs, monkeypatch):
+    """Requests whose prompts hold the same tokens up to a chunk's end (a request's n choices, a batch of one prompt,
+    a prompt and its own first chunk) share that chunk's forward; each still answers as the target does: greedy
+    ones with transformers' greedy text, a seeded one with its sample, and logprobs those of the prompt alone."""
+    prompt = _prompts(2)[1]  # 17 tokens: chunks [0, 16) and [16, 17) at 16 tokens a step
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=4, max_prefill_tokens=16)
+    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+              SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+              SamplingParams(max_new_tokens=NEW, ignore_eos=True)]
+    prompts = [prompt] * 3 + [prompt[:16]]
+    alone = engine.generate([prompt], params[2])[0]
+    widths, forward = [], engine.runner.target.forward
+
+    def counted(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.target, "forward", counted)
+    outs = engine.generate(prompts, params)
+    assert widths.count(16) == 2  # one forward per chunk (a verify block is 4 wide, a prefill chunk 16)
+    assert outs[0].token_ids == outs[2].token_ids == hf_greedy(tiny_dirs["qwen3"], prompt)
+    assert outs[1].token_ids == hf_sample(tiny_dirs["qwen3"], prompt, 7, 1.0)
+    assert outs[3].token_ids == hf_greedy(tiny_dirs["qwen3"], prompt[:16])
+    assert outs[2].prompt_logprobs == alone.prompt_logprobs
+    assert outs[2].logprobs[0] == alone.logprobs[0]  # the first token's, from the shared prefill
+    torch.testing.assert_close(torch.tensor([x.logprob for x in outs[2].logprobs]),
+                               torch.tensor([x.logprob for x in alone.logprobs]), atol=1e-5, rtol=0)
+
+
 class _Alternate:
     """A stand-in for AdaptiveDraftLen that runs the schedule's K once every `period` steps, K=0 in between."""
 

@@ -79,6 +79,30 @@ def test_a_long_prompt_at_the_head_of_the_queue_is_not_passed_by_shorter_ones():
     assert [c.seq for c in sched.schedule().prefills] == [long]
 
 
+def test_a_chunk_another_request_computes_in_the_same_step_is_copied_and_costs_no_budget():
+    """Requests whose prompts hold the same tokens up to a chunk's end, at the same span, run it once: the others
+    take a copy (a request's n choices, a batch of one prompt, a prompt and a longer one's first chunk)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=5, max_model_len=64, max_prefill_tokens=8))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    a, twin, longer, other = _seq(8), _seq(8), _seq(20), Sequence(list(range(40, 48)), params)
+    for s in (a, twin, longer, other):
+        sched.add(s)
+
+    def step():
+        batch = sched.schedule()
+        _run(sched, batch)
+        return [(c.seq, c.start, c.end, c.source) for c in batch.prefills]
+
+    # a's 8 tokens take the budget; twin and longer's first chunk copy them; other's 8 tokens of its own wait
+    assert step() == [(a, 0, 8, None), (twin, 0, 8, a), (longer, 0, 8, a)]
+    late = _seq(8)  # a's tokens, a step later: a computes nothing now, so late computes its own
+    sched.add(late)
+    assert step() == [(longer, 8, 16, None)]
+    assert step() == [(longer, 16, 20, None)]  # other's 8 do not fit the 4 left
+    assert step() == [(other, 0, 8, None)]
+    assert step() == [(late, 0, 8, None)]
+
+
 def test_queue_is_bounded_beyond_the_free_rows():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_queue_len=3))
     for _ in range(5):  # 2 free rows + 3 queue places
