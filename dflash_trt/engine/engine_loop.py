@@ -116,6 +116,7 @@ class EngineLoop:
     def submit_all(self, requests: list[tuple[list[int], SamplingParams, Callback]]) -> list[int]:
         """Queue requests all or none (one that is refused queues none), in one go: a request's n answers share
         their prompt's prefill. Raises as submit does."""
+        requests = list(requests)
         seqs = [self.engine.make_sequence(prompt_ids, params) for prompt_ids, params, _ in requests]
         with self._intake:
             if self._stop.is_set():

@@ -238,7 +238,9 @@ class Scheduler:
         computes the same chunk in this step, if one does: the same span after the same tokens."""
         start = seq.num_prefilled
         end = min(len(seq.prompt_ids), start + self.config.max_prefill_tokens)
-        source = next((s for s in computed.get((start, end), ()) if s.prompt_ids[:end] == seq.prompt_ids[:end]), None)
+        ids = seq.prompt_ids
+        source = next((s for s in computed.get((start, end), ())  # the chunk's own tokens first: most differ there
+                       if s.prompt_ids[start:end] == ids[start:end] and s.prompt_ids[:start] == ids[:start]), None)
         return PrefillChunk(seq, start, end, source)
 
     def _draft_len(self, decodes: list[Sequence]) -> int:

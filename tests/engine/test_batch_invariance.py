@@ -45,10 +45,19 @@ def test_a_prompt_prefilled_beside_another_long_one_gets_the_same_kv_and_answer(
 
 
 @pytest.mark.parametrize("first", ["the same prompt", "its first chunk"])
-def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer(engine, first):
+def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer(engine, first, monkeypatch):
     """Sent with its own copy (a request's n choices) or with a prompt of its first 512 tokens, a prompt takes the
     chunk's K/V from the other's forward: bit for bit what it computes alone."""
     mine = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
     kv_alone, answer_alone = served(engine, [mine])
+    chunks, forward = [], engine.target.forward
+
+    def counted(ids, *args, **kwargs):
+        if ids.shape[1] > 1:  # prefill chunks, not plain decode steps
+            chunks.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", counted)
     kv_copied, answer_copied = served(engine, [mine if first == "the same prompt" else mine[:512], mine])
+    assert len(chunks) == 2  # [0, 512) once for both prompts, then the rest of mine (or of both)
     assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone

@@ -518,6 +518,28 @@ def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
         s.stop()
 
 
+def test_answers_that_do_not_all_fit_are_refused_with_none_of_them_queued(tiny_dirs):
+    """n answers are queued all or none: with one row free and no queue, n=2 is a 503 that started nothing (it used
+    to queue the first answer, then abort it)."""
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=2, max_queue_len=0))
+    try:
+        client = s.client()
+        busy = iter(client.completions.create(model=MODEL, prompt="busy", max_tokens=200, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+        next(busy)  # one of the two rows is taken
+        before = scrape(s)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="late", max_tokens=4, n=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        for _ in range(5):  # steps go by: an aborted answer would be counted in one of them
+            next(busy)
+        key = 'dflash_requests_total{finish_reason="abort"}'
+        assert scrape(s).get(key, 0) == before.get(key, 0)
+        assert s.engine.scheduler.num_running == 1 and s.engine.scheduler.num_waiting == 0
+    finally:
+        s.stop()
+
+
 def test_an_engine_failure_fails_its_requests_not_the_server(tiny_dirs):
     engine = tiny_engine(tiny_dirs, max_batch_size=2)
     real = engine.runner.spec_step
