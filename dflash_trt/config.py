@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from dflash_trt.draft_schedule import check_table, with_k
 from dflash_trt.hardware import PROFILE_NAMES, profile
+from dflash_trt.sampling_params import is_int
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -333,11 +334,6 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def exact_int(x) -> bool:
-    """An int as YAML gives one, not a bool (True is an int to Python)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def build_config_from_dict(raw: dict, source: str = "build config", overrides: dict | None = None) -> BuildConfig:
     """Validate `raw` (+ dotted-key `overrides`, e.g. {"speculative_config.max_draft_len": 7})."""
     if not isinstance(raw, dict):
@@ -353,12 +349,12 @@ def build_config_from_dict(raw: dict, source: str = "build config", overrides: d
                              "(speculative_config.speculative_model): add one, or drop the K override")
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):
             schedule = spec.get(key)
-            if isinstance(schedule, dict) and all(exact_int(b) and exact_int(n) for b, n in schedule.items()):
+            if isinstance(schedule, dict) and all(is_int(b) and is_int(n) for b, n in schedule.items()):
                 # a malformed table is left to the schema's error, which names the key
                 spec[key] = with_k(schedule, k)
     graphs = raw.get("cuda_graph_config")
     batch = overrides.get("max_batch_size")
-    if batch is not None and isinstance(graphs, dict) and not graphs.get("batch_sizes") and exact_int(
+    if batch is not None and isinstance(graphs, dict) and not graphs.get("batch_sizes") and is_int(
             graphs.get("max_batch_size")) and (graphs["max_batch_size"] == raw.get("max_batch_size")
                                                or graphs["max_batch_size"] > batch):
         # CUDA graphs captured up to the file's batch size follow an overridden one: left as they were, a larger

@@ -30,7 +30,7 @@ def choice_seed(seed: int, choice: int) -> int:
     return int(state[0]) >> 1
 
 
-def _is_int(x: object) -> bool:  # numpy's integers too; not a bool, which would read as token 0 or 1
+def is_int(x: object) -> bool:  # numpy's integers too; not a bool, which would read as token 0 or 1
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -86,7 +86,7 @@ class SamplingParams:
         # types first: a float count reached the engine as a draft length of 0.5, a string failed a comparison
         for name in ("max_new_tokens", "top_k", *(n for n in ("seed", "logprobs", "prompt_logprobs")
                                                  if getattr(self, n) is not None)):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_real(getattr(self, name)):
@@ -117,7 +117,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        if not _is_int(self.min_tokens):  # before the range, which a string or None would fail with a TypeError
+        if not is_int(self.min_tokens):  # before the range, which a string or None would fail with a TypeError
             raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
@@ -128,7 +128,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty (no token could be chosen)")
         for name in ("logit_bias", "allowed_token_ids"):
-            if not all(_is_int(t) and t >= 0 for t in getattr(self, name) or ()):
+            if not all(is_int(t) and t >= 0 for t in getattr(self, name) or ()):
                 raise ValueError(f"{name} token ids must be integers >= 0")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")

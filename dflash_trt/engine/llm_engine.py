@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from dflash_trt.layers.linear import kernel_layout
 from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
-from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.sampling_params import SamplingParams, is_int
 from dflash_trt.spec.draft_tree import check_tree_nodes
 from dflash_trt.spec.draft_vocab import cut_draft_vocab
 
@@ -175,14 +174,14 @@ def _prompt_list(prompts) -> list[str | list[int]]:
     """The prompts as a list of prompts: a string or a sequence of token ids alone is one prompt (iterating it would
     make a prompt of each character or id); ids as Python ints (numpy's integers taken); TypeError naming
     the first prompt that is neither text nor ids."""
-    if isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) and all(map(_is_id, prompts))):
+    if isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) and all(map(is_int, prompts))):
         prompts = [prompts]
     if not _is_sequence(prompts):
         raise TypeError("prompts must be a string, a list of token ids or a list of those, got "
                         f"{type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
-        if not (isinstance(p, str) or (_is_sequence(p) and all(map(_is_id, p)))):
+        if not (isinstance(p, str) or (_is_sequence(p) and all(map(is_int, p)))):
             raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {p!r:.60}")
         out.append(p if isinstance(p, str) else [int(t) for t in p])
     return out
@@ -190,10 +189,6 @@ def _prompt_list(prompts) -> list[str | list[int]]:
 
 def _is_sequence(value) -> bool:
     return isinstance(value, (list, tuple))
-
-
-def _is_id(token) -> bool:
-    return isinstance(token, numbers.Integral) and not isinstance(token, bool)
 
 
 @dataclass

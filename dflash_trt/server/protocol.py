@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
-from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, is_int
 
 
 def _whole(v: Any) -> Any:
@@ -245,10 +245,6 @@ class _SamplingRequest(_NullIsUnset):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-def _is_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: WholeInt | None = 16
@@ -265,8 +261,8 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
         ok = isinstance(v, str) or isinstance(v, list) and (
-            all(isinstance(x, str) for x in v) or all(_is_id(x) for x in v)
-            or all(isinstance(x, list) and all(_is_id(t) for t in x) for x in v))
+            all(isinstance(x, str) for x in v) or all(is_int(x) for x in v)
+            or all(isinstance(x, list) and all(is_int(t) for t in x) for x in v))
         if not ok:
             raise ValueError("the prompt must be a string, a list of strings, a list of token ids or a list of lists "
                              "of token ids")
