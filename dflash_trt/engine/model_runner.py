@@ -243,6 +243,7 @@ class ModelRunner:
         proposal = self.proposer.propose(rows, features, context, anchors, anchor_pos, num_draft, sampling,
                                          with_logprobs=bool(lookups), host=host)
         lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
+        self._context_written(seqs)
         clock.drafted()
 
         block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # [B, K + 1]
@@ -301,6 +302,7 @@ class ModelRunner:
         branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
         tree = self.proposer.propose_tree(rows, features, context, anchors, anchor_pos, depth, nodes, branches,
                                           host=host)
+        self._context_written(seqs)
         clock.drafted()
 
         meta = AttentionMetadata.tree_step(rows, anchor_pos, tree.depths, tree.ancestors, host)
@@ -436,6 +438,12 @@ class ModelRunner:
         positions = (first[:, None] + torch.arange(n, device=anchor_pos.device)).clamp_max(limit - 1)
         context = HostRows(host.slots, [a - c for a, c in zip(host.starts, counts)], limit)
         return features, AttentionMetadata.causal_step(rows, positions, context)
+
+    @staticmethod
+    def _context_written(seqs: list[Sequence]) -> None:
+        """After a step's drafter pass: each row's drafter cache holds its context up to its anchor."""
+        for s in seqs:
+            s.drafter_context = s.num_cached
 
     def _draft_sampling(self, seqs: list[Sequence]) -> DraftSampling | None:
         idx = [i for i, s in enumerate(seqs) if s.params.samples_drafts]

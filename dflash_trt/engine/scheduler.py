@@ -12,7 +12,10 @@ else runs, and a chunk waits for a step with room for all of it. Cut where a nei
 would be computed another way (past 256 tokens or 128 rows the CPU's attention and linears are SDPA's and
 oneDNN's, whose bf16 sums depend on the shapes), and a prompt's K/V, and so its greedy answer, would depend on the
 requests that arrived with it (the engine also prefills each chunk in a forward of its own). Requests whose prompts
-hold the same tokens up to a chunk's end, at the same span, run it once in a step (PrefillChunk.source).
+hold the same tokens up to a chunk's end, at the same span, run it once in a step (PrefillChunk.source). And a freed
+row keeps its last prompt's whole chunks: a request whose prompt starts with them (the next turn of a chat, the same
+long prompt again) takes that row and skips them, since computed again on the same grid they would come out the same
+bit for bit (`_Resident`).
 
 Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
 Step 1: prefill A[0:5] (B's first chunk, 8 tokens, does not fit the 3 left). Step 2: decode A; prefill
@@ -88,6 +91,16 @@ class PrefillChunk:
 
 
 @dataclass
+class _Resident:
+    """What a free row still holds of its last request: the target's K/V of prompt_ids[:kv_len], chunk by chunk on
+    the grid (later positions held its answer), and the drafter's context at positions [0, drafter_len)."""
+
+    prompt_ids: list[int]
+    kv_len: int
+    drafter_len: int
+
+
+@dataclass
 class ScheduledBatch:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]  # prompts fully cached: one draft-verify (or plain decode) step each
@@ -105,6 +118,7 @@ class Scheduler:
         self._aborted: list[Sequence] = []
         self._lock = threading.Lock()
         self._recent_load: deque[int] = deque(maxlen=config.load_window)  # requests running, one entry per step
+        self._resident: dict[int, _Resident] = {}  # free rows holding at least one whole prompt chunk
 
     # --- any thread -------------------------------------------------------------------------------
 
@@ -188,9 +202,14 @@ class Scheduler:
                 else:
                     admit(self._chunk(seq, computed))
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
-            while self.waiting and self.slots.num_free and admit(self._chunk(self.waiting[0], computed)):
+            while self.waiting and self.slots.num_free:
+                slot, reused = self._row_for(self.waiting[0])
+                if not admit(self._chunk(self.waiting[0], computed, reused)):
+                    break
                 seq = self.waiting.popleft()
-                seq.slot = self.slots.allocate()
+                seq.slot = self.slots.allocate(slot)
+                self._resident.pop(seq.slot, None)
+                seq.num_prefilled = seq.num_reused = seq.drafter_context = reused
                 self._running[seq.request_id] = seq
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
@@ -200,13 +219,19 @@ class Scheduler:
         with self._lock:
             self._release(seq)
 
+    def forget_resident(self) -> None:
+        """Free rows forget the prompt chunks they hold: the next requests prefill from the start (cold measurements,
+        or a cache written behind the scheduler's back)."""
+        with self._lock:
+            self._resident.clear()
+
     def fail_running(self, reason: str = "error") -> list[Sequence]:
         """Finish every running request with `reason` (after an engine error); returns them."""
         with self._lock:
             failed = list(self._running.values())
             for seq in failed:
                 seq.finish_reason = reason
-                self._release(seq)
+                self._release(seq, keep=False)  # a failed step may have left its rows half written
             return failed
 
     def return_aborted(self, seqs: list[Sequence]) -> None:
@@ -228,15 +253,45 @@ class Scheduler:
         self._abort_ids.clear()
         return aborted
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, keep: bool = True) -> None:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
+            if keep and seq.num_prefilled >= self.config.max_prefill_tokens:
+                self._resident[seq.slot] = _Resident(seq.prompt_ids, seq.num_prefilled, seq.drafter_context)
         self._abort_ids.discard(seq.request_id)
 
-    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]]) -> PrefillChunk:
-        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks), with the request that
-        computes the same chunk in this step, if one does: the same span after the same tokens."""
-        start = seq.num_prefilled
+    def _row_for(self, seq: Sequence) -> tuple[int | None, int]:
+        """The free row to give a request (None: the lowest) and how many of its prompt tokens that row holds."""
+        if seq.params.prompt_logprobs is not None:  # it needs every prompt position's hidden state
+            return None, 0
+        best: tuple[int | None, int] = (None, 0)
+        for slot, resident in sorted(self._resident.items()):
+            reused = self._reusable(resident, seq.prompt_ids)
+            if reused > best[1]:
+                best = (slot, reused)
+        return best
+
+    def _reusable(self, resident: _Resident, prompt_ids: list[int]) -> int:
+        """The prompt's tokens, in whole chunks of the grid, whose K/V (and drafter context) the row holds: chunks
+        where both prompts have all of them and hold the same tokens up to their end. The prompt's last chunk is
+        always computed: it samples the first token."""
+        size = self.config.max_prefill_tokens
+        limit = min(resident.kv_len, len(prompt_ids) - 1)
+        if self.config.max_draft_len:  # a drafter needs its context for the positions skipped
+            limit = min(limit, resident.drafter_len)
+        reused = 0
+        for end in range(size, limit + 1, size):
+            if resident.prompt_ids[end - size: end] != prompt_ids[end - size: end]:
+                break
+            reused = end
+        return reused
+
+    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]],
+               start: int | None = None) -> PrefillChunk:
+        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks), from `start` (default
+        num_prefilled), with the request that computes the same chunk in this step, if one does: the same span after
+        the same tokens."""
+        start = seq.num_prefilled if start is None else start
         end = min(len(seq.prompt_ids), start + self.config.max_prefill_tokens)
         ids = seq.prompt_ids
         source = next((s for s in computed.get((start, end), ())  # the chunk's own tokens first: most differ there

@@ -55,6 +55,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.slot: int = -1
         self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
+        self.num_reused = 0  # of those, the ones its row held from an earlier request (the scheduler's reuse)
+        self.drafter_context = 0  # positions [0, n) of its row's drafter cache hold its context
         self.decode_start: float | None = None  # perf_counter when the first token was sampled
         self.uniforms: Any = None  # layers.sampler.PositionalUniforms: the target's sampling uniforms
         self.generator: Any = None  # torch.Generator: the drafter's samples and the rejection rule's uniforms

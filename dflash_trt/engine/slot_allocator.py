@@ -2,7 +2,8 @@
 
 The caches are static: each request owns one row of the target cache and the same row of the
 drafter cache for its whole life. A freed row keeps its stale K/V; the next owner writes from
-position 0 and the position-derived masks hide anything beyond what it has written.
+position 0 (or past the prompt chunks it takes over: the scheduler's reuse) and the position-derived masks hide
+anything beyond what it has written.
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ class SlotAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
-    def allocate(self) -> int:
+    def allocate(self, slot: int | None = None) -> int:
+        """The lowest free row, or `slot` (a free one)."""
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} cache rows are in use")
-        slot = heapq.heappop(self._free)
+        if slot is None:
+            slot = heapq.heappop(self._free)
+        else:
+            self._free.remove(slot)
+            heapq.heapify(self._free)
         self._used.add(slot)
         return slot
 

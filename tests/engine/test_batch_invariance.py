@@ -18,11 +18,13 @@ def engine(smollm2_dir):
                                                                dtype="bfloat16", max_model_len=2048))
 
 
-def served(engine: LLMEngine, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-    """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it (into a
-    cleared cache: K/V a row kept from an earlier request must not stand in for its own)."""
-    engine.runner.target_cache.k.zero_()
-    engine.runner.target_cache.v.zero_()
+def served(engine: LLMEngine, prompts: list[list[int]], cold: bool = True) -> tuple[torch.Tensor, list[int]]:
+    """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it (cold: into a
+    cleared cache, where no K/V a row kept from an earlier request can stand in for its own)."""
+    if cold:
+        engine.runner.target_cache.k.zero_()
+        engine.runner.target_cache.v.zero_()
+        engine.scheduler.forget_resident()
     seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
     for s in seqs:
         engine.scheduler.add(s)
@@ -61,3 +63,24 @@ def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer
     kv_copied, answer_copied = served(engine, [mine if first == "the same prompt" else mine[:512], mine])
     assert len(chunks) == 2  # [0, 512) once for both prompts, then the rest of mine (or of both)
     assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone
+
+
+def test_a_prompt_that_takes_over_a_freed_rows_chunks_gets_the_same_kv_and_answer(engine, monkeypatch):
+    """The next turn of a chat starts with the last turn's prompt: its first 512-token chunk is taken over from the
+    row that prompt left, bit for bit what it computes alone."""
+    turn = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
+    _, answer = served(engine, [turn])
+    following = turn + answer + engine.encode(" And the heaviest entry?")
+    kv_alone, answer_alone = served(engine, [following])
+    served(engine, [turn])
+    chunks, forward = [], engine.target.forward
+
+    def counted(ids, *args, **kwargs):
+        if ids.shape[1] > 1:  # prefill chunks, not plain decode steps
+            chunks.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", counted)
+    kv_taken, answer_taken = served(engine, [following], cold=False)
+    assert len(chunks) == 1  # [512, end) alone
+    assert torch.equal(kv_taken, kv_alone) and answer_taken == answer_alone

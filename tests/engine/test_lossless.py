@@ -700,7 +700,7 @@ def test_a_prompts_copies_sent_together_prefill_once_and_each_answers_as_if_alon
               SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=2),
               SamplingParams(max_new_tokens=NEW, ignore_eos=True)]
     prompts = [prompt] * 3 + [prompt[:16]]
-    alone = engine.generate([prompt], params[2])[0]
+    alone = _engine(tiny_dirs, "qwen3", 3, rows=4, max_prefill_tokens=16).generate([prompt], params[2])[0]
     widths, forward = [], engine.runner.target.forward
 
     def counted(ids, *args, **kwargs):
@@ -717,6 +717,35 @@ def test_a_prompts_copies_sent_together_prefill_once_and_each_answers_as_if_alon
     assert outs[2].logprobs[0] == alone.logprobs[0]  # the first token's, from the shared prefill
     torch.testing.assert_close(torch.tensor([x.logprob for x in outs[2].logprobs]),
                                torch.tensor([x.logprob for x in alone.logprobs]), atol=1e-5, rtol=0)
+
+
+def test_the_next_turn_of_a_chat_skips_the_chunks_its_row_holds_and_answers_as_the_target_does(tiny_dirs,
+                                                                                                 monkeypatch):
+    """A freed row keeps its prompt's K/V: a later prompt that starts with that prompt's whole chunks (the next turn
+    of a chat: the history, the answer, a new message) is prefilled from past them, and answers with transformers'
+    greedy text, or its seeded sample."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16)
+    g = torch.Generator().manual_seed(9)
+    first = torch.randint(3, 90, (40,), generator=g).tolist()  # chunks [0, 16), [16, 32), [32, 40)
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    answer = engine.generate([first], greedy)[0].token_ids
+    assert answer == hf_greedy(tiny_dirs["qwen3"], first)
+    widths, forward = [], engine.runner.target.forward
+
+    def counted(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.target, "forward", counted)
+    second = first + answer + torch.randint(3, 90, (5,), generator=g).tolist()  # 85 tokens
+    (out,) = engine.generate([second], greedy)
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], second)
+    assert widths.count(16) == 4  # [32, 48) .. [80, 85): the first two chunks were the first prompt's
+    third = second[:64] + torch.randint(3, 90, (6,), generator=g).tolist()
+    widths.clear()
+    (out,) = engine.generate([third], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True))
+    assert out.token_ids == hf_sample(tiny_dirs["qwen3"], third, 3, 1.0)
+    assert widths.count(16) == 1  # [64, 70): the second prompt's four chunks before it
 
 
 class _Alternate:

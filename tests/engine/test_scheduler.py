@@ -103,6 +103,68 @@ def test_a_chunk_another_request_computes_in_the_same_step_is_copied_and_costs_n
     assert step() == [(late, 0, 8, None)]
 
 
+def _finish(sched: Scheduler, *seqs: Sequence) -> None:
+    while not all(s.is_finished for s in seqs):
+        _run(sched, sched.schedule())
+
+
+def test_a_freed_row_gives_its_prompts_whole_chunks_to_a_request_that_starts_with_them():
+    """The next turn of a chat, or a long prompt again: a freed row holds its last prompt's K/V, and a request whose
+    prompt starts with that prompt's whole chunks (8 tokens each here) takes the row and starts past them."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=8))
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    other, a = Sequence(list(range(50, 70)), SamplingParams(max_new_tokens=50)), _seq(20, new=1)
+    sched.add(other, a)  # a: chunks [0, 8), [8, 16), [16, 20)
+    _finish(sched, a)
+    sched.abort(other.request_id)
+    sched.schedule()
+    assert (other.slot, a.slot) == (0, 1)
+
+    def first_chunk(seq):
+        sched.add(seq)
+        batch = sched.schedule()
+        _run(sched, batch)
+        _finish(sched, seq)
+        (chunk,) = [c for c in batch.prefills if c.seq is seq]
+        return seq.slot, chunk.start, chunk.end, seq.num_reused
+
+    # a's two whole chunks; its last one, 4 tokens, was another span than the longer prompt's [16, 24)
+    assert first_chunk(_seq(30, new=1)) == (1, 16, 24, 16)
+    # the prompt's own last chunk is always computed (it samples the first token): of 16 tokens, 8 are reused
+    assert first_chunk(_seq(16, new=1)) == (1, 8, 16, 8)
+    # a request that asks for its prompt's logprobs needs every position: the lowest row, from the start
+    logprobs = Sequence(list(range(3, 33)), SamplingParams(max_new_tokens=1, prompt_logprobs=1, ignore_eos=True))
+    assert first_chunk(logprobs) == (0, 0, 8, 0)
+    # other tokens: nothing to take over
+    assert first_chunk(Sequence(list(range(90, 120)), params)) == (0, 0, 8, 0)
+
+
+def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_failed_step():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=128, max_draft_len=3, max_prefill_tokens=8))
+
+    def serve(drafted_to=None):
+        """A 30-token prompt; once prefilled, its drafter context reaches `drafted_to` (as a drafter pass up to that
+        position leaves it: model_runner._context_written) -> the tokens it took over."""
+        seq = _seq(30, new=2)
+        sched.add(seq)
+        while not seq.is_prefilled:
+            _run(sched, sched.schedule())
+        if drafted_to is not None:
+            seq.drafter_context = drafted_to
+        _finish(sched, seq)
+        return seq.num_reused
+
+    assert serve() == 0
+    assert serve(drafted_to=12) == 0  # the first never drafted: the drafter holds none of its context
+    assert serve(drafted_to=30) == 8  # the second's drafter context reached 12
+    assert serve() == 24
+    seq = _seq(30, new=2)
+    sched.add(seq)
+    _run(sched, sched.schedule())
+    sched.fail_running()  # its step failed: the row may be half written
+    assert serve() == 0
+
+
 def test_queue_is_bounded_beyond_the_free_rows():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_queue_len=3))
     for _ in range(5):  # 2 free rows + 3 queue places
