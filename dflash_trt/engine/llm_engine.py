@@ -120,6 +120,7 @@ class RequestOutput:
     draft_time: float = 0.0
     verify_time: float = 0.0
     prefill_time: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens its cache row held from an earlier request (vLLM's name)
     decode_time: float = 0.0
     time_to_first_token: float | None = None  # seconds from arrival (queueing included); None: no token came
     latency: float | None = None  # seconds from arrival to the last token; None: it did not finish with one
@@ -521,6 +522,7 @@ class LLMEngine:
             draft_time=s.stats.draft_time,
             verify_time=s.stats.verify_time,
             prefill_time=s.stats.prefill_time,
+            num_cached_tokens=s.num_reused,
             decode_time=s.stats.decode_time,
             time_to_first_token=s.stats.time_to_first_token,
             latency=s.stats.latency,

@@ -156,7 +156,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                    for i, (o, prompt) in enumerate(zip(outputs, [x for x in raw for _ in range(req.n)]))]
         usage = _usage(outputs, submitted)
         if req.echo_only:
-            usage = p.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+            usage = usage.model_copy(update={"completion_tokens": 0, "total_tokens": usage.prompt_tokens})
         body = p.CompletionResponse(model=model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -534,6 +534,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _usage(outputs: list[RequestOutput], s: _Submitted) -> p.Usage:
         prompt = sum(s.prompt_lens[:: s.n])  # each prompt once, however many answers it got (OpenAI's count)
         completion = sum(o.num_tokens for o in outputs)
-        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs[:: s.n]))
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=cached)
 
     return app

@@ -547,10 +547,15 @@ class AcceptanceStats(BaseModel):
     verify_time_s: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V a freed cache row held from an earlier request (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # OpenAI's; on a request's final usage
 
 
 class TopLogprob(BaseModel):

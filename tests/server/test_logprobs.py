@@ -140,7 +140,7 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, oracle, tiny_dirs):
     assert only["text"] == PROMPT and only["finish_reason"] == "length"
     assert only["logprobs"] == {key: value[:len(prompt_ids)] for key, value in lp.items()}
     assert alone["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
-                              "total_tokens": len(prompt_ids)}
+                              "total_tokens": len(prompt_ids), "prompt_tokens_details": {"cached_tokens": 0}}
     refused = httpx.post(server.base_url + "/completions", json={**body, "max_tokens": 0, "echo": False}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 

@@ -500,6 +500,24 @@ def test_models_health_and_metrics(server):
     assert after["dflash_queue_depth"] == 0 and after["dflash_running_requests"] == 0
 
 
+def test_usage_counts_the_prompt_tokens_a_freed_row_held_as_cached(tiny_dirs):
+    """The next turn of a chat starts with the last one's prompt: the whole 16-token chunks that prompt left in its
+    row are not computed again, and usage says how many (OpenAI's prompt_tokens_details.cached_tokens)."""
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_prefill_tokens=16))
+    try:
+        client = s.client()
+        first = list(range(5, 45))  # chunks [0, 16), [16, 32), [32, 40)
+        resp = client.completions.create(model=MODEL, prompt=first, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert resp.usage.prompt_tokens_details.cached_tokens == 0
+        following = first + [7] * 10
+        resp = client.completions.create(model=MODEL, prompt=following, max_tokens=6, temperature=0, n=2,
+                                          extra_body={"ignore_eos": True})
+        assert resp.usage.prompt_tokens == 50 and resp.usage.prompt_tokens_details.cached_tokens == 32
+    finally:
+        s.stop()
+
+
 def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
     s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=0))
     try:
