@@ -10,6 +10,7 @@ import torch
 
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.sampling_params import SamplingParams
+from tests.forward_widths import record_forward_widths
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +53,10 @@ def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer
     chunk's K/V from the other's forward: bit for bit what it computes alone."""
     mine = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
     kv_alone, answer_alone = served(engine, [mine])
-    chunks, forward = [], engine.target.forward
-
-    def counted(ids, *args, **kwargs):
-        if ids.shape[1] > 1:  # prefill chunks, not plain decode steps
-            chunks.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.target, "forward", counted)
+    widths = record_forward_widths(engine.target, monkeypatch)
     kv_copied, answer_copied = served(engine, [mine if first == "the same prompt" else mine[:512], mine])
-    assert len(chunks) == 2  # [0, 512) once for both prompts, then the rest of mine (or of both)
+    # prefill chunks (not plain decode steps): [0, 512) once for both prompts, then the rest of mine (or of both)
+    assert sum(w > 1 for w in widths) == 2
     assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone
 
 
@@ -73,14 +68,7 @@ def test_a_prompt_that_takes_over_a_freed_rows_chunks_gets_the_same_kv_and_answe
     following = turn + answer + engine.encode(" And the heaviest entry?")
     kv_alone, answer_alone = served(engine, [following])
     served(engine, [turn])
-    chunks, forward = [], engine.target.forward
-
-    def counted(ids, *args, **kwargs):
-        if ids.shape[1] > 1:  # prefill chunks, not plain decode steps
-            chunks.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.target, "forward", counted)
+    widths = record_forward_widths(engine.target, monkeypatch)
     kv_taken, answer_taken = served(engine, [following], cold=False)
-    assert len(chunks) == 1  # [512, end) alone
+    assert sum(w > 1 for w in widths) == 1  # prefill chunks (not plain decode steps): [512, end) alone
     assert torch.equal(kv_taken, kv_alone) and answer_taken == answer_alone

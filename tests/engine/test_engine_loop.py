@@ -9,6 +9,7 @@ from dflash_trt import SamplingParams
 from dflash_trt.engine.engine_loop import EngineLoop
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.engine.scheduler import QueueFullError
+from tests.forward_widths import record_forward_widths
 
 
 def test_spawn_builds_and_steps_on_one_thread_and_serves_requests(tiny_dirs):
@@ -100,13 +101,7 @@ def test_requests_submitted_together_to_a_waiting_loop_share_one_prefill(tiny_di
 
     engine = _engine(tiny_dirs, "qwen3", 3, rows=4)
     prompt, params = _prompts(2)[1][:16], SamplingParams(max_new_tokens=12, ignore_eos=True)
-    widths, forward = [], engine.target.forward
-
-    def counted(ids, *args, **kwargs):
-        widths.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.target, "forward", counted)
+    widths = record_forward_widths(engine.target, monkeypatch)
     finals, done, callback = _collector(4)
     with EngineLoop(engine) as loop:
         time.sleep(0.05)  # waiting for work

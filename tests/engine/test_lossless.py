@@ -19,6 +19,7 @@ from dflash_trt.spec.draft_vocab import rank_tokens
 from tests.conftest import make_drafter, make_target
 from tests.engine.conftest import V
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
+from tests.forward_widths import record_forward_widths
 from tests.stats import assert_matches
 
 NEW = 40
@@ -701,13 +702,7 @@ def test_a_prompts_copies_sent_together_prefill_once_and_each_answers_as_if_alon
               SamplingParams(max_new_tokens=NEW, ignore_eos=True)]
     prompts = [prompt] * 3 + [prompt[:16]]
     alone = _engine(tiny_dirs, "qwen3", 3, rows=4, max_prefill_tokens=16).generate([prompt], params[2])[0]
-    widths, forward = [], engine.runner.target.forward
-
-    def counted(ids, *args, **kwargs):
-        widths.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.runner.target, "forward", counted)
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
     outs = engine.generate(prompts, params)
     assert widths.count(16) == 2  # one forward per chunk (a verify block is 4 wide, a prefill chunk 16)
     assert outs[0].token_ids == outs[2].token_ids == hf_greedy(tiny_dirs["qwen3"], prompt)
@@ -730,13 +725,7 @@ def test_the_next_turn_of_a_chat_skips_the_chunks_its_row_holds_and_answers_as_t
     greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     answer = engine.generate([first], greedy)[0].token_ids
     assert answer == hf_greedy(tiny_dirs["qwen3"], first)
-    widths, forward = [], engine.runner.target.forward
-
-    def counted(ids, *args, **kwargs):
-        widths.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.runner.target, "forward", counted)
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
     second = first + answer + torch.randint(3, 90, (5,), generator=g).tolist()  # 85 tokens
     (out,) = engine.generate([second], greedy)
     assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], second)
