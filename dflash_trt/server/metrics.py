@@ -22,6 +22,7 @@ VLLM_NAMES = {
     "dflash_queue_depth": "vllm:num_requests_waiting",
     "dflash_kv_cache_usage": "vllm:kv_cache_usage_perc",
     "dflash_prompt_tokens": "vllm:prompt_tokens",
+    "dflash_cached_prompt_tokens": "vllm:prefix_cache_hits",
     "dflash_generation_tokens": "vllm:generation_tokens",
     "dflash_requests": "vllm:request_success",
     "dflash_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
@@ -40,6 +41,8 @@ class ServerMetrics:
         self.requests = Counter("dflash_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("dflash_request_errors", "Refused or failed requests by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of requests that got a token", registry=r)
+        self.cached_tokens = Counter("dflash_cached_prompt_tokens", "Of those, the ones a freed cache row held from an "
+                                     "earlier request (not prefilled again)", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens, counted as steps make them",
                                          registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a cache row", registry=r)
@@ -92,7 +95,7 @@ class ServerMetrics:
         # (an engine error fails it) takes its entry with it
         self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         r.register(_VLLMNamed([self.running, self.queue_depth, self.kv_cache_usage, self.prompt_tokens,
-                               self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
+                               self.cached_tokens, self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
 
     def observe_step(self, result: StepResult) -> None:
         if result.batch_size:
@@ -109,16 +112,18 @@ class ServerMetrics:
             self.draft_tokens.inc(drafts * result.draft_tokens)
             self.accepted_tokens.inc(sum(result.acceptance_lengths) - drafts)
         # tokens as steps make them, as vLLM counts them: a long answer's rate shows while it streams
-        prompt = generated = 0
+        prompt = generated = cached = 0
         for seq in result.updated:
             counted = self._counted.pop(seq, None)
             if counted is None and seq.output_ids:  # its first token: its prompt is cached (not one aborted queued)
                 prompt += len(seq.prompt_ids)
+                cached += seq.num_reused
             generated += len(seq.output_ids) - (counted or 0)
             if not seq.is_finished:
                 self._counted[seq] = len(seq.output_ids)
         if prompt:
             self.prompt_tokens.inc(prompt)
+            self.cached_tokens.inc(cached)
         if generated:
             self.generation_tokens.inc(generated)
 

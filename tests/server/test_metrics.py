@@ -75,7 +75,8 @@ def test_vllms_metric_names_carry_the_same_figures_for_dashboards_and_tools_buil
                                                   ("model_name", "m")))] == 1
     # the names as vllm/v1/metrics/loggers.py writes them (not this module's own table)
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-            "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_sum",
+            "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total",
+            "vllm:time_to_first_token_seconds_sum",
             "vllm:request_time_per_output_token_seconds_sum", "vllm:e2e_request_latency_seconds_sum"} <= {
         name for name, _ in theirs}
     # vLLM's spec-decode counters, read as a bench reads vLLM: 3 steps committing 3, 2 and 1 tokens over 12 drafted

@@ -511,9 +511,15 @@ def test_usage_counts_the_prompt_tokens_a_freed_row_held_as_cached(tiny_dirs):
                                           extra_body={"ignore_eos": True})
         assert resp.usage.prompt_tokens_details.cached_tokens == 0
         following = first + [7] * 10
+        before = scrape(s)
         resp = client.completions.create(model=MODEL, prompt=following, max_tokens=6, temperature=0, n=2,
                                           extra_body={"ignore_eos": True})
         assert resp.usage.prompt_tokens == 50 and resp.usage.prompt_tokens_details.cached_tokens == 32
+        # /metrics counts every answer's prompt: the second answer ran in the row the first left, 48 of its 50 held
+        after, key = scrape(s), "dflash_cached_prompt_tokens_total"
+        assert after[key] - before[key] == 32 + 48
+        hits = f'vllm:prefix_cache_hits_total{{engine="0",model_name="{MODEL}"}}'
+        assert after[hits] == after[key]
     finally:
         s.stop()
 
