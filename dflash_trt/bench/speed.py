@@ -169,6 +169,7 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
         first = prompts[0]
         for e in [ar, *specs.values()]:
             timed(e, first)
+            e.scheduler.forget_resident()  # or the first round's first prompt would take over the warm-up's chunks
         if zlab is not None:
             zlab(ids[first.id], 8, cfg.draft_lens[0])
 

@@ -98,6 +98,7 @@ class _Resident:
     prompt_ids: list[int]
     kv_len: int
     drafter_len: int
+    freed: int  # when: a count of the rows freed before it
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._recent_load: deque[int] = deque(maxlen=config.load_window)  # requests running, one entry per step
         self._resident: dict[int, _Resident] = {}  # free rows holding at least one whole prompt chunk
+        self._frees = 0
 
     # --- any thread -------------------------------------------------------------------------------
 
@@ -257,19 +259,28 @@ class Scheduler:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
             if keep and seq.num_prefilled >= self.config.max_prefill_tokens:
-                self._resident[seq.slot] = _Resident(seq.prompt_ids, seq.num_prefilled, seq.drafter_context)
+                self._resident[seq.slot] = _Resident(seq.prompt_ids, seq.num_prefilled, seq.drafter_context,
+                                                     self._frees)
+                self._frees += 1
         self._abort_ids.discard(seq.request_id)
 
     def _row_for(self, seq: Sequence) -> tuple[int | None, int]:
-        """The free row to give a request (None: the lowest) and how many of its prompt tokens that row holds."""
-        if seq.params.prompt_logprobs is not None:  # it needs every prompt position's hidden state
+        """The free row to give a request (None: the lowest) and how many of its prompt tokens that row holds. A
+        request that takes nothing over takes a row that holds nothing, or else the one freed longest ago: the lowest
+        would wipe out the prompt a chat's next turn is about to take over."""
+        if not self._resident:
             return None, 0
         best: tuple[int | None, int] = (None, 0)
-        for slot, resident in sorted(self._resident.items()):
-            reused = self._reusable(resident, seq.prompt_ids)
-            if reused > best[1]:
-                best = (slot, reused)
-        return best
+        if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
+            for slot, resident in sorted(self._resident.items()):
+                reused = self._reusable(resident, seq.prompt_ids)
+                if reused > best[1]:
+                    best = (slot, reused)
+        if best[1]:
+            return best
+        if len(self._resident) < self.slots.num_free:
+            return min(r for r in self.slots.free_rows() if r not in self._resident), 0
+        return min(self._resident, key=lambda r: self._resident[r].freed), 0
 
     def _reusable(self, resident: _Resident, prompt_ids: list[int]) -> int:
         """The prompt's tokens, in whole chunks of the grid, whose K/V (and drafter context) the row holds: chunks

@@ -28,6 +28,9 @@ class SlotAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
+    def free_rows(self) -> list[int]:
+        return list(self._free)
+
     def allocate(self, slot: int | None = None) -> int:
         """The lowest free row, or `slot` (a free one)."""
         if not self._free:

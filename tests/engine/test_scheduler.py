@@ -132,11 +132,26 @@ def test_a_freed_row_gives_its_prompts_whole_chunks_to_a_request_that_starts_wit
     assert first_chunk(_seq(30, new=1)) == (1, 16, 24, 16)
     # the prompt's own last chunk is always computed (it samples the first token): of 16 tokens, 8 are reused
     assert first_chunk(_seq(16, new=1)) == (1, 8, 16, 8)
-    # a request that asks for its prompt's logprobs needs every position: the lowest row, from the start
+    # a request that asks for its prompt's logprobs needs every position: from the start, in the row freed longest
+    # ago (other's)
     logprobs = Sequence(list(range(3, 33)), SamplingParams(max_new_tokens=1, prompt_logprobs=1, ignore_eos=True))
     assert first_chunk(logprobs) == (0, 0, 8, 0)
-    # other tokens: nothing to take over
-    assert first_chunk(Sequence(list(range(90, 120)), params)) == (0, 0, 8, 0)
+    # other tokens: nothing to take over, and now row 1 was freed longest ago
+    assert first_chunk(Sequence(list(range(90, 120)), params)) == (1, 0, 8, 0)
+
+
+def test_a_request_that_takes_nothing_over_leaves_the_rows_that_hold_prompts_alone():
+    """Between a chat's two turns another request comes: it takes a row that holds nothing (the lowest free row would
+    have been the one the chat's next turn takes over)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=128, max_prefill_tokens=8))
+    turn, unrelated = _seq(20, new=1), Sequence(list(range(90, 110)), SamplingParams(max_new_tokens=1))
+    for seq in (turn, unrelated):
+        sched.add(seq)
+        _finish(sched, seq)
+    following = _seq(30, new=1)
+    sched.add(following)
+    _finish(sched, following)
+    assert (turn.slot, unrelated.slot, following.slot, following.num_reused) == (0, 1, 0, 16)
 
 
 def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_failed_step():
