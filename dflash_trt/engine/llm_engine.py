@@ -437,6 +437,9 @@ class LLMEngine:
         for c in batch.prefills:
             if c.source is not None:
                 copies.setdefault(c.source.request_id, []).append(c.seq)
+            if c.takes is not None:  # before any forward writes the row it copies from
+                row, end = c.takes
+                self.runner.copy_prompt(row, c.seq.slot, end)
         for c in batch.prefills:
             if c.source is not None:
                 continue

@@ -203,6 +203,13 @@ class ModelRunner:
                 s.pending_features.append(features[i, : lens[i]])
         return tokens
 
+    def copy_prompt(self, src: int, dst: int, end: int) -> None:
+        """Row src's target K/V and drafter context at positions [0, end) to row dst."""
+        rows = to_device([dst], torch.long, self.device)
+        self.target_cache.copy_rows(src, rows, 0, end)
+        if self.proposer is not None:
+            self.proposer.cache.copy_rows(src, rows, 0, end)
+
     def _copy_rows(self, seqs: list[Sequence], starts: list[int], ends: list[int],
                    copies: list[list[Sequence]]) -> None:
         """Each row's chunk K/V, [start, end), to its copies' rows (their K/V before `start` already equal it)."""

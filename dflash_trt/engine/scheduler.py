@@ -81,6 +81,9 @@ class PrefillChunk:
     # computes the chunk and this one copies its K/V (a chunk's K/V are a function of the tokens up to its end, on
     # the grid). Such a chunk costs no budget: a request's n choices, or a batch of one prompt, prefill once.
     source: Sequence | None = None
+    # (row, end): a request's first chunk past the prompt tokens another request of this step took over in its row;
+    # before the step's forwards, that row's K/V and drafter context at [0, end) are copied to this one's
+    takes: tuple[int, int] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -203,15 +206,20 @@ class Scheduler:
                     decodes.append(seq)
                 else:
                     admit(self._chunk(seq, computed))
+            took: list[Sequence] = []  # requests of this step that took prompt tokens over
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
             while self.waiting and self.slots.num_free:
-                slot, reused = self._row_for(self.waiting[0])
-                if not admit(self._chunk(self.waiting[0], computed, reused)):
+                slot, reused, holder = self._row_for(self.waiting[0], took)
+                if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
                     break
                 seq = self.waiting.popleft()
                 seq.slot = self.slots.allocate(slot)
                 self._resident.pop(seq.slot, None)
+                if holder is not None:
+                    chunk.takes = (holder.slot, reused)
                 seq.num_prefilled = seq.num_reused = seq.drafter_context = reused
+                if reused:
+                    took.append(seq)
                 self._running[seq.request_id] = seq
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
@@ -264,23 +272,34 @@ class Scheduler:
                 self._frees += 1
         self._abort_ids.discard(seq.request_id)
 
-    def _row_for(self, seq: Sequence) -> tuple[int | None, int]:
-        """The free row to give a request (None: the lowest) and how many of its prompt tokens that row holds. A
-        request that takes nothing over takes a row that holds nothing, or else the one freed longest ago: the lowest
-        would wipe out the prompt a chat's next turn is about to take over."""
-        if not self._resident:
-            return None, 0
-        best: tuple[int | None, int] = (None, 0)
+    def _row_for(self, seq: Sequence, took: list[Sequence]) -> tuple[int | None, int, Sequence | None]:
+        """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and the
+        request of this step whose row holds them where that is another row (a request's n answers: the first takes
+        the row over, the others a copy of it)."""
+        if not self._resident and not took:
+            return None, 0, None
+        best: tuple[int | None, int, Sequence | None] = (None, 0, None)
         if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
             for slot, resident in sorted(self._resident.items()):
-                reused = self._reusable(resident, seq.prompt_ids)
-                if reused > best[1]:
-                    best = (slot, reused)
-        if best[1]:
+                if (reused := self._reusable(resident, seq.prompt_ids)) > best[1]:
+                    best = (slot, reused, None)
+            for other in took:
+                held = _Resident(other.prompt_ids, other.num_reused, other.num_reused, freed=-1)
+                if (reused := self._reusable(held, seq.prompt_ids)) > best[1]:
+                    best = (None, reused, other)
+        if best[0] is not None:
             return best
+        return self._spare_row(), best[1], best[2]
+
+    def _spare_row(self) -> int | None:
+        """A row for a request that takes nothing over in it: one that holds nothing (None: the lowest, when none
+        does), or else the one freed longest ago; the lowest would wipe out the prompt a chat's next turn is about
+        to take over."""
+        if not self._resident:
+            return None
         if len(self._resident) < self.slots.num_free:
-            return min(r for r in self.slots.free_rows() if r not in self._resident), 0
-        return min(self._resident, key=lambda r: self._resident[r].freed), 0
+            return min(r for r in self.slots.free_rows() if r not in self._resident)
+        return min(self._resident, key=lambda r: self._resident[r].freed)
 
     def _reusable(self, resident: _Resident, prompt_ids: list[int]) -> int:
         """The prompt's tokens, in whole chunks of the grid, whose K/V (and drafter context) the row holds: chunks

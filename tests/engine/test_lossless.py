@@ -719,7 +719,7 @@ def test_the_next_turn_of_a_chat_skips_the_chunks_its_row_holds_and_answers_as_t
     """A freed row keeps its prompt's K/V: a later prompt that starts with that prompt's whole chunks (the next turn
     of a chat: the history, the answer, a new message) is prefilled from past them, and answers with transformers'
     greedy text, or its seeded sample."""
-    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16)
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, max_prefill_tokens=16)
     g = torch.Generator().manual_seed(9)
     first = torch.randint(3, 90, (40,), generator=g).tolist()  # chunks [0, 16), [16, 32), [32, 40)
     greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -732,9 +732,15 @@ def test_the_next_turn_of_a_chat_skips_the_chunks_its_row_holds_and_answers_as_t
     assert widths.count(16) == 4  # [32, 48) .. [80, 85): the first two chunks were the first prompt's
     third = second[:64] + torch.randint(3, 90, (6,), generator=g).tolist()
     widths.clear()
-    (out,) = engine.generate([third], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True))
-    assert out.token_ids == hf_sample(tiny_dirs["qwen3"], third, 3, 1.0)
-    assert widths.count(16) == 1  # [64, 70): the second prompt's four chunks before it
+    # three answers: the first takes row 0 over, the others a copy of it in rows 1 and 2, and they share [64, 70)
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True)
+    outs = engine.generate([third] * 3, [greedy, greedy, sampled])
+    assert outs[0].token_ids == outs[1].token_ids == hf_greedy(tiny_dirs["qwen3"], third)
+    assert outs[2].token_ids == hf_sample(tiny_dirs["qwen3"], third, 3, 1.0)
+    assert widths.count(16) == 1 and [o.num_cached_tokens for o in outs] == [64] * 3
+    for cache in (engine.runner.target_cache, engine.runner.proposer.cache):  # the drafter's context copied too
+        for kv in (cache.k, cache.v):
+            assert torch.equal(kv[:, 1:3, :, :64], kv[:, :1, :, :64].expand(-1, 2, -1, -1, -1))
 
 
 class _Alternate:

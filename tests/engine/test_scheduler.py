@@ -154,6 +154,22 @@ def test_a_request_that_takes_nothing_over_leaves_the_rows_that_hold_prompts_alo
     assert (turn.slot, unrelated.slot, following.slot, following.num_reused) == (0, 1, 0, 16)
 
 
+def test_a_requests_answers_all_take_over_the_row_their_prompt_left():
+    """n answers to a chat's next turn: the first takes the row over, the others a copy of its prompt tokens (and so
+    they share their next chunk too)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_model_len=128, max_prefill_tokens=8))
+    turn = _seq(20, new=1)
+    sched.add(turn)
+    _finish(sched, turn)
+    answers = [_seq(24, new=1) for _ in range(3)]
+    sched.add(*answers)
+    batch = sched.schedule()
+    first, *others = answers
+    assert [(c.seq, c.start, c.end, c.source, c.takes) for c in batch.prefills] == [
+        (first, 16, 24, None, None), *((s, 16, 24, first, (first.slot, 16)) for s in others)]
+    assert first.slot == turn.slot and [s.num_reused for s in answers] == [16] * 3
+
+
 def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_failed_step():
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=128, max_draft_len=3, max_prefill_tokens=8))
 
