@@ -95,7 +95,8 @@ class ServerMetrics:
         # (an engine error fails it) takes its entry with it
         self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         r.register(_VLLMNamed([self.running, self.queue_depth, self.kv_cache_usage, self.prompt_tokens,
-                               self.cached_tokens, self.generation_tokens, self.requests, self.ttft, self.tpot, self.latency], model_name))
+                               self.cached_tokens, self.generation_tokens, self.requests, self.ttft, self.tpot,
+                               self.latency], model_name))
 
     def observe_step(self, result: StepResult) -> None:
         if result.batch_size:
