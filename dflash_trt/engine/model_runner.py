@@ -166,7 +166,9 @@ class ModelRunner:
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions,
                                              self._host(seqs, starts, self.target_cache.max_len))
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
-        self._copy_rows(seqs, starts, ends, copies)
+        for i, s in enumerate(seqs):  # the chunk's K/V (their K/V before `start` already equal it)
+            if copies[i]:
+                self.target_cache.copy_rows(s.slot, self._rows(copies[i]), starts[i], ends[i])
         # each request after its row: a row's copies sit with it
         owners = [(i, s) for i, s in enumerate(seqs) for s in [s, *copies[i]]]
         for i, s in owners:
@@ -177,25 +179,14 @@ class ModelRunner:
                     b = min(a + PROMPT_LOGPROB_SLICE, len(scored))
                     s.prompt_logprobs += token_logprobs(self.target.compute_logits(hidden[i, a:b]), scored[a:b],
                                                         s.params.prompt_logprobs)
-        done = [(j, i, s) for j, (i, s) in enumerate(owners) if ends[i] == len(s.prompt_ids)]
         tokens: list[int | None] = [None] * len(owners)
-        if not any(copies):
-            done_rows = [i for _, i, _ in done]
-            groups = [(done_rows, [s for _, _, s in done])] if done else []
-        else:
-            # A copy samples from its row's hidden state one request at a time, as it would have alone: a head over
-            # several rows may sum in another order than over one.
-            groups = [([i], [s]) for _, i, s in done]
-        firsts: list[int] = []
-        for rows, group in groups:
-            # Only rows that finish their prompt sample, so a seeded row draws the same numbers however it is chunked.
-            last = to_device([lens[i] - 1 for i in rows], torch.long, self.device)
-            last_hidden = hidden[to_device(rows, torch.long, self.device), last]
-            group_firsts = self._next_tokens(group, last_hidden)
-            self._note_logprobs(group, last_hidden[:, None], [[t] for t in group_firsts], [[0]] * len(group))
-            firsts += group_firsts
-        for (j, _, _), t in zip(done, firsts):
-            tokens[j] = t
+        for j, (i, s) in enumerate(owners):
+            # Only requests that finish their prompt sample, so a seeded one draws the same numbers however it is
+            # chunked; one at a time, as each would alone (a head over several rows may sum in another order).
+            if ends[i] == len(s.prompt_ids):
+                last_hidden = hidden[i, lens[i] - 1][None]
+                (tokens[j],) = self._next_tokens([s], last_hidden)
+                self._note_logprobs([s], last_hidden[:, None], [[tokens[j]]], [[0]])
         elapsed = time.perf_counter() - start_time
         for i, s in owners:
             s.stats.prefill_time += elapsed
@@ -209,13 +200,6 @@ class ModelRunner:
         self.target_cache.copy_rows(src, rows, 0, end)
         if self.proposer is not None:
             self.proposer.cache.copy_rows(src, rows, 0, end)
-
-    def _copy_rows(self, seqs: list[Sequence], starts: list[int], ends: list[int],
-                   copies: list[list[Sequence]]) -> None:
-        """Each row's chunk K/V, [start, end), to its copies' rows (their K/V before `start` already equal it)."""
-        for i, s in enumerate(seqs):
-            if copies[i]:
-                self.target_cache.copy_rows(s.slot, self._rows(copies[i]), starts[i], ends[i])
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> list[list[int]]:

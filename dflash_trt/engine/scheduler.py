@@ -276,8 +276,6 @@ class Scheduler:
         """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and the
         request of this step whose row holds them where that is another row (a request's n answers: the first takes
         the row over, the others a copy of it)."""
-        if not self._resident and not took:
-            return None, 0, None
         best: tuple[int | None, int, Sequence | None] = (None, 0, None)
         if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
             for slot, resident in sorted(self._resident.items()):
