@@ -120,7 +120,7 @@ class RequestOutput:
     draft_time: float = 0.0
     verify_time: float = 0.0
     prefill_time: float = 0.0
-    num_cached_tokens: int = 0  # prompt tokens its cache row held from an earlier request (vLLM's name)
+    num_cached_tokens: int = 0  # prompt tokens another request's cache row held (vLLM's name)
     decode_time: float = 0.0
     time_to_first_token: float | None = None  # seconds from arrival (queueing included); None: no token came
     latency: float | None = None  # seconds from arrival to the last token; None: it did not finish with one

@@ -15,7 +15,8 @@ requests that arrived with it (the engine also prefills each chunk in a forward 
 hold the same tokens up to a chunk's end, at the same span, run it once in a step (PrefillChunk.source). And a freed
 row keeps its last prompt's whole chunks: a request whose prompt starts with them (the next turn of a chat, the same
 long prompt again) takes that row and skips them, since computed again on the same grid they would come out the same
-bit for bit (`_Resident`).
+bit for bit (`_Resident`). A running request's row gives a copy of its prompt's whole chunks the same way (a system
+prompt that many users' requests start with, or the same prompt while the first one still runs).
 
 Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
 Step 1: prefill A[0:5] (B's first chunk, 8 tokens, does not fit the 3 left). Step 2: decode A; prefill
@@ -81,8 +82,9 @@ class PrefillChunk:
     # computes the chunk and this one copies its K/V (a chunk's K/V are a function of the tokens up to its end, on
     # the grid). Such a chunk costs no budget: a request's n choices, or a batch of one prompt, prefill once.
     source: Sequence | None = None
-    # (row, end): a request's first chunk past the prompt tokens another request of this step took over in its row;
-    # before the step's forwards, that row's K/V and drafter context at [0, end) are copied to this one's
+    # (row, end): a request's first chunk past the prompt tokens a running request's row holds (that request took them
+    # over in this step, or computed them); before the step's forwards, that row's K/V and drafter context at [0, end)
+    # are copied to this one's
     takes: tuple[int, int] | None = None
 
     @property
@@ -206,10 +208,9 @@ class Scheduler:
                     decodes.append(seq)
                 else:
                     admit(self._chunk(seq, computed))
-            took: list[Sequence] = []  # requests of this step that took prompt tokens over
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
             while self.waiting and self.slots.num_free:
-                slot, reused, holder = self._row_for(self.waiting[0], took)
+                slot, reused, holder = self._row_for(self.waiting[0])
                 if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
                     break
                 seq = self.waiting.popleft()
@@ -218,8 +219,6 @@ class Scheduler:
                 if holder is not None:
                     chunk.takes = (holder.slot, reused)
                 seq.num_prefilled = seq.num_reused = seq.drafter_context = reused
-                if reused:
-                    took.append(seq)
                 self._running[seq.request_id] = seq
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
@@ -272,17 +271,19 @@ class Scheduler:
                 self._frees += 1
         self._abort_ids.discard(seq.request_id)
 
-    def _row_for(self, seq: Sequence, took: list[Sequence]) -> tuple[int | None, int, Sequence | None]:
+    def _row_for(self, seq: Sequence) -> tuple[int | None, int, Sequence | None]:
         """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and the
-        request of this step whose row holds them where that is another row (a request's n answers: the first takes
-        the row over, the others a copy of it)."""
+        running request whose row holds them where that is another row: the request copies them (a system prompt
+        many users share, a request's n answers, a prompt sent again while the first one runs)."""
         best: tuple[int | None, int, Sequence | None] = (None, 0, None)
         if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
             for slot, resident in sorted(self._resident.items()):
                 if (reused := self._reusable(resident, seq.prompt_ids)) > best[1]:
                     best = (slot, reused, None)
-            for other in took:
-                held = _Resident(other.prompt_ids, other.num_reused, other.num_reused, freed=-1)
+            # A running row's prompt positions are not written again (its answer goes after them, and this step's
+            # forwards come after the copy); those of this step's chunks are not written yet, so they do not count.
+            for other in self._running.values():
+                held = _Resident(other.prompt_ids, other.num_prefilled, other.drafter_context, freed=-1)
                 if (reused := self._reusable(held, seq.prompt_ids)) > best[1]:
                     best = (None, reused, other)
         if best[0] is not None:

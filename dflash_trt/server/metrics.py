@@ -41,8 +41,8 @@ class ServerMetrics:
         self.requests = Counter("dflash_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("dflash_request_errors", "Refused or failed requests by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of requests that got a token", registry=r)
-        self.cached_tokens = Counter("dflash_cached_prompt_tokens", "Of those, the ones a freed cache row held from an "
-                                     "earlier request (not prefilled again)", registry=r)
+        self.cached_tokens = Counter("dflash_cached_prompt_tokens", "Of those, the ones another request's cache row held "
+                                     "(freed or running; not prefilled again)", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens, counted as steps make them",
                                          registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a cache row", registry=r)

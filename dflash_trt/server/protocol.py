@@ -548,7 +548,7 @@ class AcceptanceStats(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose K/V a freed cache row held from an earlier request (not computed again)
+    cached_tokens: int  # prompt tokens whose K/V another request's cache row held (not computed again)
 
 
 class Usage(BaseModel):

@@ -19,16 +19,23 @@ def engine(smollm2_dir):
                                                                dtype="bfloat16", max_model_len=2048))
 
 
-def served(engine: LLMEngine, prompts: list[list[int]], cold: bool = True) -> tuple[torch.Tensor, list[int]]:
+def served(engine: LLMEngine, prompts: list[list[int]], cold: bool = True, later: bool = False,
+           widths: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """The last prompt's K/V once prefilled, and its greedy answer, with the others sent just before it (cold: into a
-    cleared cache, where no K/V a row kept from an earlier request can stand in for its own)."""
+    cleared cache, where no K/V a row kept from an earlier request can stand in for its own; later: once the others
+    are prefilled, and the widths of the forwards from then on recorded in `widths`)."""
     if cold:
         engine.runner.target_cache.k.zero_()
         engine.runner.target_cache.v.zero_()
         engine.scheduler.forget_resident()
     seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
-    for s in seqs:
+    for s in seqs[:-1]:
         engine.scheduler.add(s)
+    while later and not all(s.is_prefilled for s in seqs[:-1]):
+        engine.step()
+    if widths is not None:
+        widths.clear()
+    engine.scheduler.add(seqs[-1])
     mine, kv = seqs[-1], None
     while engine.has_unfinished():
         engine.step()
@@ -72,3 +79,16 @@ def test_a_prompt_that_takes_over_a_freed_rows_chunks_gets_the_same_kv_and_answe
     kv_taken, answer_taken = served(engine, [following], cold=False)
     assert sum(w > 1 for w in widths) == 1  # prefill chunks (not plain decode steps): [512, end) alone
     assert torch.equal(kv_taken, kv_alone) and answer_taken == answer_alone
+
+
+def test_a_prompt_that_copies_a_running_requests_chunk_gets_the_same_kv_and_answer(engine, monkeypatch):
+    """Two users' prompts start with one system prompt of more than 512 tokens: the one that arrives while the other
+    runs copies the first chunk from that request's row, bit for bit what it computes alone."""
+    system = engine.encode(" ".join(f"Rule {i}: answer item {i} in {i % 4 + 1} words." for i in range(50)))
+    assert len(system) > 512
+    mine, other = (system + engine.encode(question) for question in (" Which rule covers item 7?", " Summarize."))
+    kv_alone, answer_alone = served(engine, [mine])
+    widths = record_forward_widths(engine.target, monkeypatch)
+    kv_copied, answer_copied = served(engine, [other, mine], later=True, widths=widths)
+    assert sum(w > 1 for w in widths) == 1  # prefill chunks (not plain decode steps): [512, end) alone
+    assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone

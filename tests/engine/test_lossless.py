@@ -743,6 +743,36 @@ def test_the_next_turn_of_a_chat_skips_the_chunks_its_row_holds_and_answers_as_t
             assert torch.equal(kv[:, 1:3, :, :64], kv[:, :1, :, :64].expand(-1, 2, -1, -1, -1))
 
 
+def test_a_prompt_that_starts_with_a_running_requests_chunks_copies_them_and_answers_as_the_target_does(
+        tiny_dirs, monkeypatch):
+    """Users' requests that start with one long system prompt: one that arrives while another runs copies that
+    request's whole prompt chunks (its target K/V and drafter context) from its row, is prefilled from past them, and
+    answers with transformers' greedy text, or its seeded sample."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, max_prefill_tokens=16)
+    g = torch.Generator().manual_seed(13)
+    system = torch.randint(3, 90, (36,), generator=g).tolist()  # whole chunks [0, 16) and [16, 32)
+    prompts = [system + torch.randint(3, 90, (n,), generator=g).tolist() for n in (4, 9, 7)]
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    first = engine.add_request(prompts[0], greedy)
+    while first.drafter_context < 32:  # prefilled, and drafted from
+        engine.step()
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
+    second = engine.add_request(prompts[1], greedy)
+    third = engine.add_request(prompts[2], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=5,
+                                                          ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    for cache in (engine.runner.target_cache, engine.runner.proposer.cache):  # a row's prompt positions stay put
+        for kv in (cache.k, cache.v):
+            for s in (second, third):
+                assert torch.equal(kv[:, s.slot, :, :32], kv[:, first.slot, :, :32])
+    assert first.output_ids == hf_greedy(tiny_dirs["qwen3"], prompts[0])
+    assert second.output_ids == hf_greedy(tiny_dirs["qwen3"], prompts[1])
+    assert third.output_ids == hf_sample(tiny_dirs["qwen3"], prompts[2], 5, 1.0)
+    # prefill chunks [32, 45) and [32, 39) alone, bucketed to 16 wide (the other forwards: verify blocks)
+    assert widths.count(16) == 2 and (second.num_reused, third.num_reused) == (32, 32)
+
+
 class _Alternate:
     """A stand-in for AdaptiveDraftLen that runs the schedule's K once every `period` steps, K=0 in between."""
 

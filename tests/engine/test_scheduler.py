@@ -55,8 +55,8 @@ def test_a_prompts_chunks_lie_on_its_own_grid_whatever_arrives_with_it():
             if step == arrive_at:
                 sched.add(target)
             if step == 0:
-                for n in others:
-                    sched.add(_seq(n, new=6))
+                for n in others:  # other tokens than the target's: it takes none of their chunks
+                    sched.add(Sequence(list(range(200, 200 + n)), SamplingParams(max_new_tokens=6)))
             batch = sched.schedule()
             spans += [(c.start, c.end) for c in batch.prefills if c.seq is target]
             _run(sched, batch)
@@ -168,6 +168,44 @@ def test_a_requests_answers_all_take_over_the_row_their_prompt_left():
     assert [(c.seq, c.start, c.end, c.source, c.takes) for c in batch.prefills] == [
         (first, 16, 24, None, None), *((s, 16, 24, first, (first.slot, 16)) for s in others)]
     assert first.slot == turn.slot and [s.num_reused for s in answers] == [16] * 3
+
+
+def test_a_running_requests_row_gives_a_copy_of_the_prompt_chunks_it_has_computed():
+    """Many users' requests start with one long system prompt: a request whose prompt starts with a running
+    request's whole chunks copies them from that row before the step's forwards, and starts past them. Only the
+    chunks that request has prefilled count, and no more than its drafter holds."""
+    system = list(range(3, 23))  # 20 tokens: whole chunks [0, 8) and [8, 16)
+
+    def request(*tail: int) -> Sequence:
+        return Sequence(system + list(tail), SamplingParams(max_new_tokens=20, ignore_eos=True))
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=128, max_prefill_tokens=8))
+    first, second, third = request(70, 71), request(80), request(*range(90, 100))
+    sched.add(first)
+    _run(sched, sched.schedule())  # first: [0, 8)
+    sched.add(second)
+    batch = sched.schedule()
+    # second copies first's [0, 8), and its [8, 16) from first's forward of this step
+    assert [(c.seq, c.start, c.end, c.source, c.takes) for c in batch.prefills] == [
+        (first, 8, 16, None, None), (second, 8, 16, first, (first.slot, 8))]
+    while not second.is_prefilled:
+        _run(sched, sched.schedule())
+    sched.add(third)  # 30 tokens: both whole chunks are the system prompt's; [16, 24) holds its own tokens
+    assert [(c.seq, c.start, c.end, c.takes) for c in sched.schedule().prefills] == [(third, 16, 24, (first.slot, 16))]
+    assert (second.num_reused, third.num_reused) == (8, 16) and len({first.slot, second.slot, third.slot}) == 3
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=128, max_draft_len=3, max_prefill_tokens=8))
+    first, second, third = request(70), request(80), request(90)
+    sched.add(first)
+    while not first.is_prefilled:
+        _run(sched, sched.schedule())
+    sched.add(second)  # first has not drafted yet: its drafter holds none of its context
+    _run(sched, batch := sched.schedule())
+    assert [(c.seq, c.start, c.takes) for c in batch.prefills] == [(second, 0, None)]
+    first.drafter_context = 12  # as a drafter pass up to position 12 leaves it (model_runner._context_written)
+    sched.add(third)  # and second computes its [8, 16) in this step: third takes a copy of that too
+    assert [(c.seq, c.start, c.source, c.takes) for c in sched.schedule().prefills] == [
+        (second, 8, None, None), (third, 8, second, (first.slot, 8))]
 
 
 def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_failed_step():
