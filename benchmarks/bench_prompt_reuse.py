@@ -12,6 +12,11 @@ turn (that prompt, its answer and a short new message) is sent: its row holds th
 takes them over, against the same next turn after `Scheduler.forget_resident()` (prefilled from the start). Timed:
 the next turn's first token.
 
+--case shared-system: users' requests that start with one system prompt. Two rows; a request (a --prompt-len-token
+system prompt and a question) runs, and once it has drafted, another user's request arrives: the same system prompt
+and another question (it copies the running row's whole chunks), against a system prompt of other tokens, as long
+(prefilled from the start). Timed: the second request's first token.
+
 Per round, each arm once, in alternation after one warm-up each; the record holds every round and the medians.
 
     .venv/bin/python benchmarks/bench_prompt_reuse.py [--case n-answers] [--n 8] [--prompt-len 480]
@@ -73,7 +78,30 @@ def next_turn(engine: LLMEngine, text: list[int], args) -> dict:
     return {"taken over": lambda: run(False), "from the start": lambda: run(True)}
 
 
-CASES = {"n-answers": (n_answers, 8), "next-turn": (next_turn, 1)}  # -> (arms, rows)
+def shared_system(engine: LLMEngine, text: list[int], args) -> dict:
+    """Arms -> a run each: a request arriving while another with its system prompt runs, and with another one."""
+    if len(text) - args.prompt_len < engine.scheduler.config.max_prefill_tokens:
+        raise SystemExit(f"the prompt text holds {len(text)} tokens: too few for two system prompts of --prompt-len "
+                         "that differ in their first chunk")
+    system, other = text[: args.prompt_len], text[-args.prompt_len:]
+    first_prompt = system + engine.encode("\nUser: Which of these comes first?")
+    question = engine.encode("\nUser: Sum these up in a line.")
+
+    def run(second_system: list[int]) -> dict:
+        engine.scheduler.forget_resident()
+        first = engine.add_request(first_prompt, SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True))
+        while first.drafter_context < len(first_prompt):  # prefilled, and drafted from: its row holds its chunks
+            engine.step()
+        second = engine.add_request(second_system + question, SamplingParams(max_new_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.make_output(second)
+        return {"first_token_s": out.time_to_first_token, "cached_tokens": out.num_cached_tokens}
+
+    return {"copied from the running row": lambda: run(system), "another system prompt": lambda: run(other)}
+
+
+CASES = {"n-answers": (n_answers, 8), "next-turn": (next_turn, 1), "shared-system": (shared_system, 2)}  # (arms, rows)
 
 
 def main() -> None:
