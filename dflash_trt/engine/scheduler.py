@@ -97,13 +97,36 @@ class PrefillChunk:
 
 @dataclass
 class _Resident:
-    """What a free row still holds of its last request: the target's K/V of prompt_ids[:kv_len], chunk by chunk on
-    the grid (later positions held its answer), and the drafter's context at positions [0, drafter_len)."""
+    """What a row holds of a request's prompt (a running request's, or a freed row's last): the target's K/V of
+    prompt_ids[:kv_len], chunk by chunk on the grid (later positions hold its answer), the drafter's context at
+    positions [0, drafter_len), and the target features of the positions after it that the drafter has not taken in
+    (`Sequence.pending_features`: under a load that drafts nothing, a whole prompt's; a freed row keeps them, no
+    more than its running request held)."""
 
+    row: int
     prompt_ids: list[int]
     kv_len: int
     drafter_len: int
-    freed: int  # when: a count of the rows freed before it
+    features: list
+    freed: int = -1  # when: a count of the rows freed before it (-1: running)
+
+    @classmethod
+    def of(cls, seq: Sequence, freed: int = -1) -> _Resident:
+        return cls(seq.slot, seq.prompt_ids, seq.num_prefilled, seq.drafter_context, seq.pending_features, freed)
+
+    def drafter_reach(self) -> int:
+        """Positions [0, n) whose drafter context a request taking them over can have: held, or pending."""
+        return self.drafter_len + sum(f.shape[0] for f in self.features)
+
+    def features_up_to(self, end: int) -> list:
+        """The pending features of positions [drafter_len, end)."""
+        out, left = [], end - self.drafter_len
+        for f in self.features:
+            if left <= 0:
+                break
+            out.append(f[:left])
+            left -= f.shape[0]
+        return out
 
 
 @dataclass
@@ -210,15 +233,18 @@ class Scheduler:
                     admit(self._chunk(seq, computed))
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
             while self.waiting and self.slots.num_free:
-                slot, reused, holder = self._row_for(self.waiting[0])
+                slot, reused, held = self._row_for(self.waiting[0])
                 if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
                     break
                 seq = self.waiting.popleft()
                 seq.slot = self.slots.allocate(slot)
                 self._resident.pop(seq.slot, None)
-                if holder is not None:
-                    chunk.takes = (holder.slot, reused)
-                seq.num_prefilled = seq.num_reused = seq.drafter_context = reused
+                seq.num_prefilled = seq.num_reused = reused
+                if held is not None:
+                    if held.row != seq.slot:
+                        chunk.takes = (held.row, reused)
+                    seq.drafter_context = min(held.drafter_len, reused)
+                    seq.pending_features = held.features_up_to(reused)
                 self._running[seq.request_id] = seq
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
@@ -266,26 +292,24 @@ class Scheduler:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
             if keep and seq.num_prefilled >= self.config.max_prefill_tokens:
-                self._resident[seq.slot] = _Resident(seq.prompt_ids, seq.num_prefilled, seq.drafter_context,
-                                                     self._frees)
+                self._resident[seq.slot] = _Resident.of(seq, self._frees)
                 self._frees += 1
         self._abort_ids.discard(seq.request_id)
 
-    def _row_for(self, seq: Sequence) -> tuple[int | None, int, Sequence | None]:
-        """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and the
-        running request whose row holds them where that is another row: the request copies them (a system prompt
-        many users share, a request's n answers, a prompt sent again while the first one runs)."""
-        best: tuple[int | None, int, Sequence | None] = (None, 0, None)
+    def _row_for(self, seq: Sequence) -> tuple[int | None, int, _Resident | None]:
+        """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and what
+        holds them: a freed row's last prompt (the row given), or a running request's, whose row they are copied from
+        (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs)."""
+        best: tuple[int | None, int, _Resident | None] = (None, 0, None)
         if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
             for slot, resident in sorted(self._resident.items()):
                 if (reused := self._reusable(resident, seq.prompt_ids)) > best[1]:
-                    best = (slot, reused, None)
+                    best = (slot, reused, resident)
             # A running row's prompt positions are not written again (its answer goes after them, and this step's
             # forwards come after the copy); those of this step's chunks are not written yet, so they do not count.
-            for other in self._running.values():
-                held = _Resident(other.prompt_ids, other.num_prefilled, other.drafter_context, freed=-1)
+            for held in map(_Resident.of, self._running.values()):
                 if (reused := self._reusable(held, seq.prompt_ids)) > best[1]:
-                    best = (None, reused, other)
+                    best = (None, reused, held)
         if best[0] is not None:
             return best
         return self._spare_row(), best[1], best[2]
@@ -307,7 +331,7 @@ class Scheduler:
         size = self.config.max_prefill_tokens
         limit = min(resident.kv_len, len(prompt_ids) - 1)
         if self.config.max_draft_len:  # a drafter needs its context for the positions skipped
-            limit = min(limit, resident.drafter_len)
+            limit = min(limit, resident.drafter_reach())
         reused = 0
         for end in range(size, limit + 1, size):
             if resident.prompt_ids[end - size: end] != prompt_ids[end - size: end]:

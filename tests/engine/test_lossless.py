@@ -773,6 +773,30 @@ def test_a_prompt_that_starts_with_a_running_requests_chunks_copies_them_and_ans
     assert widths.count(16) == 2 and (second.num_reused, third.num_reused) == (32, 32)
 
 
+def test_a_prompt_that_copies_chunks_its_holders_drafter_has_not_taken_in_drafts_from_their_features(tiny_dirs,
+                                                                                                    monkeypatch):
+    """Mid-prefill (or under a load that drafts nothing) a row's drafter context lags its K/V: a request that copies
+    the row's chunks takes the target features of those positions along, and its drafter takes them in as the
+    holder's does; both answer with transformers' greedy text."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16)
+    g = torch.Generator().manual_seed(17)
+    system = torch.randint(3, 90, (36,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 90, (n,), generator=g).tolist() for n in (4, 9)]
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    first = engine.add_request(prompts[0], greedy)
+    engine.step()  # first: [0, 16), not yet drafted from
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
+    second = engine.add_request(prompts[1], greedy)
+    while engine.has_unfinished():
+        engine.step()
+    assert (first.output_ids, second.output_ids) == tuple(hf_greedy(tiny_dirs["qwen3"], p) for p in prompts)
+    # second copied [0, 16), shared first's [16, 32), computed [32, 45): [16, 32) is first's forward
+    assert widths.count(16) == 3 and second.num_reused == 16
+    cache = engine.runner.proposer.cache  # each row's drafter took in [0, 32) from the same features
+    for kv in (cache.k, cache.v):
+        torch.testing.assert_close(kv[:, second.slot, :, :32], kv[:, first.slot, :, :32])
+
+
 class _Alternate:
     """A stand-in for AdaptiveDraftLen that runs the schedule's K once every `period` steps, K=0 in between."""
 

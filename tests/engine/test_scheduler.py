@@ -2,6 +2,7 @@
 engine on top of it (chunked prefill and requests joining mid-flight stay lossless)."""
 
 import pytest
+import torch
 
 from dflash_trt.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
@@ -232,6 +233,33 @@ def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_faile
     _run(sched, sched.schedule())
     sched.fail_running()  # its step failed: the row may be half written
     assert serve() == 0
+
+
+def test_a_row_whose_drafter_lags_gives_the_pending_features_of_the_positions_taken_over():
+    """Mid-prefill, or under a load that drafts nothing (the schedule's K=0 above some batch size), a row's drafter
+    context lags its K/V: the target features of the positions after it wait for the drafter's next pass. A request
+    that takes the row's chunks over (its row freed, or copied while it runs) gets the drafter context where the
+    row's ends, and the pending features of the positions it takes."""
+    def prefilled(sched: Scheduler) -> Sequence:
+        seq = _seq(30, new=3)
+        sched.add(seq)
+        while not seq.is_prefilled:
+            _run(sched, sched.schedule())
+        # each feature holds its position; the drafter took in [0, 4) before its last plain steps
+        seq.drafter_context, seq.pending_features = 4, [torch.arange(4, 20)[:, None], torch.arange(20, 30)[:, None]]
+        return seq
+
+    for running in (True, False):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=128, max_draft_len=3, max_prefill_tokens=8))
+        holder = prefilled(sched)
+        if not running:
+            _finish(sched, holder)
+        seq = _seq(30, new=2)
+        sched.add(seq)
+        (chunk,) = sched.schedule().prefills
+        assert (chunk.start, seq.num_reused, seq.drafter_context) == (24, 24, 4)
+        assert chunk.takes == ((holder.slot, 24) if running else None) and (seq.slot == holder.slot) != running
+        assert torch.cat(seq.pending_features)[:, 0].tolist() == list(range(4, 24))
 
 
 def test_queue_is_bounded_beyond_the_free_rows():
