@@ -240,8 +240,11 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--isl", type=click.IntRange(min=1), default=None, help="Input tokens per prompt (long-context prompts of real text).")
 @click.option("--osl", type=click.IntRange(min=1), default=None, help="Output tokens per request (default: the dataset's; a cap with --stop-at-eos).")
-@click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts exactly (default ~4 "
-              "chars/token) and to count the output tokens of an endpoint that sends no usage (default: its chunks).")
+@click.option("--prefix-len", type=click.IntRange(min=1), default=None,
+              help="Every request starts with one system prompt of about this many tokens of real text (vLLM's "
+              "--random-prefix-len): a server's prefix reuse shows in TTFT and in cached_input_tokens.")
+@click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts and --prefix-len "
+              "exactly (default ~4 chars/token) and to count the output tokens of an endpoint that sends no usage (default: its chunks).")
 @click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="Warm-up requests before the first point (default: its concurrency).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the order of the prompts.")
@@ -263,11 +266,11 @@ def _json_object(text: str | None, option: str) -> dict:
               help="Sent as `Authorization: Bearer KEY` to an endpoint that wants one (serve --api-key, vLLM's); "
               "default: $OPENAI_API_KEY. Never written into the result.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
-def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, requests_per_concurrency, warmup, seed,
-          gpus, api, temperature, ignore_eos, extra_body, timeout, label, api_key, output) -> None:
+def sweep(url, model, concurrencies, dataset, categories, isl, osl, prefix_len, tokenizer, requests_per_concurrency,
+          warmup, seed, gpus, api, temperature, ignore_eos, extra_body, timeout, label, api_key, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
-    from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl
+    from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl, shared_prefix
     from dflash_trt.bench.sweep import SweepConfig, SweepError, csv_path_of, run_sweep, write_results
 
     concurrencies = _ints(concurrencies, "--concurrency", minimum=1)
@@ -300,7 +303,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, tokenizer, r
                           requests_per_concurrency=requests_per_concurrency, warmup_requests=warmup, seed=seed,
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
                           label=label or model, extra_body=extra_body, timeout_s=timeout, isl=long_isl,
-                          tokenizer=tokenizer if long_isl else None)
+                          tokenizer=tokenizer if long_isl or prefix_len else None,
+                          prefix=shared_prefix(prefix_len, tok) if prefix_len else "", prefix_len=prefix_len)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)
@@ -347,6 +351,8 @@ def point_line(p: dict) -> str:
 
     acc = p["acceptance"]
     tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
+    if p.get("cached_input_tokens") and p.get("input_tokens"):
+        tau += f"  {p['cached_input_tokens'] / p['input_tokens']:.0%} of prompt tokens cached"
     failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
     # what the figures rest on where it is not what they seem to: tokens counted from stream chunks (an endpoint that
     # sends no usage; a speculative one sends several tokens a chunk), prompts sent again (a prefix cache's hits)

@@ -10,6 +10,7 @@ Built-in datasets:
   real context that every Python installation ships: stdlib module sources (code) and the language reference's
   prose (pydoc_data.topics) for writing, qa and summarization. Context is cut to the ISL with the
   tokenizer when one is given, else at about 4 characters per token.
+- `shared_prefix`: one system prompt of real text that every request of a sweep may start with (`--prefix-len`).
 - any `.jsonl` file: one object per line with `prompt` or `text` (or `turns`: a list whose first item is used, the
   SPEED-Bench layout), optional `category`, `id` and `max_tokens`.
 """
@@ -100,6 +101,17 @@ def long_context_prompts(isl: int, osl: int, per_category: int = 8, tokenizer=No
             body = window if isinstance(window, str) else tokenizer.decode(window)
             out.append(BenchPrompt(f"{category}/long{i}", category, f"{task}\n\n{body}", osl))
     return out
+
+
+def shared_prefix(tokens: int, tokenizer=None) -> str:
+    """One system prompt of about `tokens` tokens of real text (the language reference's prose, always the same), for
+    every request of a sweep to start with, as many users' requests share one (vLLM's `--random-prefix-len`, in real
+    text): what a server's prefix reuse saves shows in the time to first token. Cut in tokens with a tokenizer, else
+    at about 4 characters per token."""
+    context = "\n\n".join(_long_contexts("qa"))
+    if tokenizer is None:
+        return context[: tokens * _CHARS_PER_TOKEN]
+    return tokenizer.decode(tokenizer(context, add_special_tokens=False)["input_ids"][:tokens])
 
 
 def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:

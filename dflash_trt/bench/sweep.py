@@ -78,6 +78,10 @@ class SweepConfig:
     # tokenizer that cut them (None: about 4 characters per token).
     isl: int | None = None
     tokenizer: str | None = None
+    # One system prompt every request starts with (the system message, or the text before a completions prompt),
+    # and its tokens as asked for (--prefix-len): many users' requests share one, and a server may reuse its prefill.
+    prefix: str = ""
+    prefix_len: int | None = None
     # more request fields for every request (top_p, top_k, penalties, a server's own extensions); never the ones above
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0  # per connect / read of the stream: seconds without a byte before a request fails
@@ -104,7 +108,7 @@ class SweepConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.metrics_settle_s < 0:
             raise ValueError(f"metrics_settle_s must be >= 0, got {self.metrics_settle_s}")
-        for name in ("osl", "isl"):
+        for name in ("osl", "isl", "prefix_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.url.startswith(("http://", "https://")):
@@ -172,6 +176,7 @@ class RequestResult:
     text: list[str] = field(default_factory=list)  # the content chunks, for a tokenizer to count without usage
     counted_tokens: int | None = None  # that count
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of those, the ones the server did not prefill again (usage, where it says)
     finish_reason: str | None = None  # the choice's, once the endpoint sends one
     acceptance: dict | None = None  # this project's per-choice extension
     avg_decoded_tokens_per_iter: float | None = None  # trtllm-serve's per-choice acceptance length
@@ -209,9 +214,10 @@ def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
         "stream_options": {"include_usage": True},
     }
     if cfg.api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+        system = [{"role": "system", "content": cfg.prefix}] if cfg.prefix else []
+        body["messages"] = [*system, {"role": "user", "content": prompt.text}]
     else:
-        body["prompt"] = prompt.text
+        body["prompt"] = f"{cfg.prefix}\n\n{prompt.text}" if cfg.prefix else prompt.text
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.temperature > 0:
@@ -297,6 +303,9 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
     if usage:
         res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
         res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            res.cached_tokens = details["cached_tokens"]
     for choice in event.get("choices") or []:
         if choice.get("index", 0) != 0:  # the sweep asks for one; another choice's chunks are not its tokens
             continue
@@ -393,6 +402,7 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
     out_tokens = sum(r.output_tokens for r in ok)
     tpots = [r.tpot for r in timed if r.tpot is not None]
     in_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     output_tok_s = out_tokens / duration
     tpot = summary(tpots)
     per_user = [r.output_tokens / r.e2el for r in timed if r.e2el > 0]  # TensorRT-LLM benchmark_serving's tput_user
@@ -411,6 +421,9 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "duration_s": duration,
         "output_tokens": out_tokens,
         "input_tokens": sum(in_tokens) if in_tokens else None,
+        # prompt tokens the server reused rather than prefilled (usage's prompt_tokens_details.cached_tokens; None
+        # where no answer reported it)
+        "cached_input_tokens": sum(cached) if cached else None,
         "output_tok_s": output_tok_s,
         "request_throughput": len(ok) / duration,
         # 1 / median TPOT, not the mean of per-request 1 / TPOT: that mean is pulled up by the fastest requests
@@ -433,7 +446,7 @@ def request_record(r: RequestResult, point_start: float) -> dict:
     record = {"prompt_id": r.prompt_id, "ok": r.ok, "start_s": round(r.start - point_start, 6),
               "ttft_s": r.ttft if timed else None, "tpot_s": r.tpot if timed else None,
               "e2el_s": r.e2el if r.ok else None, "output_tokens": r.output_tokens if r.ok else None,
-              "prompt_tokens": r.prompt_tokens, "finish_reason": r.finish_reason}
+              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason}
     return {**record, "error": r.error} if not r.ok else record
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_trt.bench.datasets import CATEGORIES, load_dataset, read_jsonl
+from dflash_trt.bench.datasets import CATEGORIES, load_dataset, read_jsonl, shared_prefix
 from dflash_trt.train.prompts import all_prompts
 
 
@@ -40,6 +40,16 @@ def test_long_context_presets_hit_the_input_length_in_tokens(smollm2_dir):
     assert all(900 <= n <= 1100 for n in lengths), lengths
     assert all(p.max_tokens == 1024 for p in prompts)
     assert load_dataset("gpu-1k1k", tokenizer=tok) == prompts  # reproducible
+
+
+def test_the_shared_prefix_is_real_text_of_the_length_asked_for_every_time(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prefix = shared_prefix(1000, tok)
+    assert 990 <= len(tok(prefix, add_special_tokens=False)["input_ids"]) <= 1010  # decoded, then encoded again
+    assert prefix == shared_prefix(1000, tok) and shared_prefix(1200, tok).startswith(prefix[:-20])
+    assert len(shared_prefix(100)) == 400 and " the " in prefix  # about 4 characters a token without a tokenizer
 
 
 def test_jsonl_files_speed_bench_layout_and_errors_name_the_line(tmp_path):

@@ -65,6 +65,7 @@ class StubState:
     finished: int = 0
     iteration_stats: list = field(default_factory=list)  # trtllm-serve's queue, drained by each GET /metrics
     fail_after: int | None = None  # requests after this many arrivals fail (a server that goes down mid-sweep)
+    cached_tokens: int | None = None  # usage's prompt_tokens_details.cached_tokens, where set
 
     def metrics_text(self) -> str:
         # Two engines, as vLLM labels its counters, so the parser must sum label sets.
@@ -86,7 +87,7 @@ def stub_app(state: StubState, n_chunks: int = 6):
     async def generate(request: Request):
         body = await request.json()
         chat = "messages" in body
-        text = body["messages"][0]["content"] if chat else body["prompt"]
+        text = body["messages"][-1]["content"] if chat else body["prompt"]
         state.inflight += 1
         state.arrivals.append((body, state.inflight))
         if text.startswith("fail:") or (state.fail_after is not None and len(state.arrivals) > state.fail_after):
@@ -152,6 +153,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                                               "numRequestsWithDraftTokens": 1, "acceptanceLength": 1.0 + got,
                                               "iterLatencyMS": 2.0, "draftOverhead": 0.1}})
                 usage = {"prompt_tokens": len(text), "completion_tokens": chunks * state.tokens_per_chunk}
+                if state.cached_tokens is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": state.cached_tokens}
                 final = chunk(None, "length", **extra)
                 if state.usage:
                     final["usage"] = usage
@@ -762,6 +765,39 @@ def test_a_sweep_records_the_input_length_and_tokenizer_of_its_prompts(stub, tin
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "preset.json").read_text())
     assert res["config"]["isl"] == 1024 and res["dataset"]["name"] == "gpu-1k1k"
+
+
+def test_a_shared_prefix_starts_every_request_and_the_tokens_a_server_cached_are_summed(stub, tiny_dirs, tmp_path):
+    """--prefix-len: one system prompt of real text, cut with the tokenizer, before every request's own (the system
+    message, or the text before a completions prompt); the result records its length, and each point the prompt
+    tokens the endpoint reported cached."""
+    from transformers import AutoTokenizer
+
+    from dflash_trt.bench.datasets import shared_prefix
+
+    tokenizer = str(tiny_dirs["qwen3"])
+    prefix = shared_prefix(40, AutoTokenizer.from_pretrained(tokenizer))
+    state = stub.reset(cached_tokens=16)
+    r = cli_sweep(stub, tmp_path / "chat.json", "--dataset", "cpu-small", "--osl", "3", "--prefix-len", "40",
+                  "--tokenizer", tokenizer, "--requests-per-concurrency", "5")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "chat.json").read_text())
+    (point,) = res["points"]
+    systems = [b["messages"][0] for b, _ in state.arrivals]
+    assert systems == [{"role": "system", "content": prefix}] * 5
+    assert len({b["messages"][1]["content"] for b, _ in state.arrivals}) == 5  # each its own question after it
+    assert res["config"]["prefix_len"] == 40 and res["config"]["tokenizer"] == tokenizer
+    assert point["cached_input_tokens"] == 5 * 16 and [q["cached_tokens"] for q in point["requests"]] == [16] * 5
+    share = 5 * 16 / point["input_tokens"]
+    assert f"{share:.0%} of prompt tokens cached" in r.stderr, r.stderr
+    state = stub.reset()  # completions: the prefix, then the prompt; an endpoint that reports no cache: None
+    r = cli_sweep(stub, tmp_path / "raw.json", "--dataset", "cpu-small", "--osl", "3", "--prefix-len", "40",
+                  "--tokenizer", tokenizer, "--api", "completions")
+    assert r.exit_code == 0, r.output
+    assert all(b["prompt"].startswith(prefix + "\n\n") and len(b["prompt"]) > len(prefix) + 2
+               for b, _ in state.arrivals)
+    (point,) = json.loads((tmp_path / "raw.json").read_text())["points"]
+    assert point["cached_input_tokens"] is None and "cached" not in r.stderr
 
 
 def test_without_usage_a_given_tokenizer_counts_the_answers_text(stub, tiny_dirs, tmp_path):
