@@ -100,8 +100,8 @@ class _Resident:
     """What a row holds of a request's prompt (a running request's, or a freed row's last): the target's K/V of
     prompt_ids[:kv_len], chunk by chunk on the grid (later positions hold its answer), the drafter's context at
     positions [0, drafter_len), and the target features of the positions after it that the drafter has not taken in
-    (`Sequence.pending_features`: under a load that drafts nothing, a whole prompt's; a freed row keeps them, no
-    more than its running request held)."""
+    (`Sequence.pending_features`: under a load that drafts nothing, a whole prompt's; a freed row keeps those of its
+    prompt positions only, views of its prefill's outputs)."""
 
     row: int
     prompt_ids: list[int]
@@ -114,9 +114,15 @@ class _Resident:
     def of(cls, seq: Sequence, freed: int = -1) -> _Resident:
         return cls(seq.slot, seq.prompt_ids, seq.num_prefilled, seq.drafter_context, seq.pending_features, freed)
 
-    def drafter_reach(self) -> int:
-        """Positions [0, n) whose drafter context a request taking them over can have: held, or pending."""
-        return self.drafter_len + sum(f.shape[0] for f in self.features)
+    def drafter_reach(self, limit: int) -> int:
+        """Positions [0, n) whose drafter context a request taking them over can have, held or pending, counted as
+        far as `limit` (a plain stretch adds a pending entry a step)."""
+        reach = self.drafter_len
+        for f in self.features:
+            if reach >= limit:
+                break
+            reach += f.shape[0]
+        return reach
 
     def features_up_to(self, end: int) -> list:
         """The pending features of positions [drafter_len, end)."""
@@ -292,7 +298,10 @@ class Scheduler:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
             if keep and seq.num_prefilled >= self.config.max_prefill_tokens:
-                self._resident[seq.slot] = _Resident.of(seq, self._frees)
+                resident = _Resident.of(seq, self._frees)
+                # its prompt positions' only: the answer's plain steps add an entry each, a view of a whole batch
+                resident.features = resident.features_up_to(resident.kv_len)
+                self._resident[seq.slot] = resident
                 self._frees += 1
         self._abort_ids.discard(seq.request_id)
 
@@ -329,14 +338,13 @@ class Scheduler:
         where both prompts have all of them and hold the same tokens up to their end. The prompt's last chunk is
         always computed: it samples the first token."""
         size = self.config.max_prefill_tokens
-        limit = min(resident.kv_len, len(prompt_ids) - 1)
-        if self.config.max_draft_len:  # a drafter needs its context for the positions skipped
-            limit = min(limit, resident.drafter_reach())
         reused = 0
-        for end in range(size, limit + 1, size):
+        for end in range(size, min(resident.kv_len, len(prompt_ids) - 1) + 1, size):
             if resident.prompt_ids[end - size: end] != prompt_ids[end - size: end]:
                 break
             reused = end
+        if self.config.max_draft_len and reused > resident.drafter_len:  # the drafter needs context for them
+            reused = min(reused, resident.drafter_reach(reused) // size * size)
         return reused
 
     def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]],

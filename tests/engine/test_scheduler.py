@@ -245,8 +245,11 @@ def test_a_row_whose_drafter_lags_gives_the_pending_features_of_the_positions_ta
         sched.add(seq)
         while not seq.is_prefilled:
             _run(sched, sched.schedule())
-        # each feature holds its position; the drafter took in [0, 4) before its last plain steps
-        seq.drafter_context, seq.pending_features = 4, [torch.arange(4, 20)[:, None], torch.arange(20, 30)[:, None]]
+        # each feature holds its position; the drafter took in [0, 4) before the prefill's last chunks, and two plain
+        # steps followed
+        seq.drafter_context = 4
+        seq.pending_features = [torch.arange(4, 20)[:, None], torch.arange(20, 30)[:, None],
+                                torch.tensor([[30]]), torch.tensor([[31]])]
         return seq
 
     for running in (True, False):
@@ -254,6 +257,8 @@ def test_a_row_whose_drafter_lags_gives_the_pending_features_of_the_positions_ta
         holder = prefilled(sched)
         if not running:
             _finish(sched, holder)
+            # the freed row keeps the features of its prompt positions only
+            assert torch.cat(sched._resident[holder.slot].features)[:, 0].tolist() == list(range(4, 30))
         seq = _seq(30, new=2)
         sched.add(seq)
         (chunk,) = sched.schedule().prefills
