@@ -73,6 +73,7 @@ class EngineConfig:
     draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
+    prefix_reuse: bool = True  # rows give the prompt chunks they hold to later requests (scheduler.py, reuse_rows)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -261,7 +262,7 @@ class LLMEngine:
             max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
             draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
-            load_window=config.load_window,
+            load_window=config.load_window, reuse_rows=config.prefix_reuse,
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "

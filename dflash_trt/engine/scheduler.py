@@ -54,6 +54,10 @@ class SchedulerConfig:
     # between would draft with the one-row K (measured: the CPU default 11% below AR at concurrency 2). 1: the
     # requests running in this step, decoding or prefilling (TensorRT-LLM applies the schedule to each step's batch).
     load_window: int = 8
+    # Rows give the whole prompt chunks they hold (a freed row its last request's, a running one its request's) to
+    # the requests whose prompts start with them. False: every request prefills its own prompt, bar a chunk another
+    # request computes in the same step (vLLM's --no-enable-prefix-caching).
+    reuse_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -297,7 +301,7 @@ class Scheduler:
     def _release(self, seq: Sequence, keep: bool = True) -> None:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
-            if keep and seq.num_prefilled >= self.config.max_prefill_tokens:
+            if keep and self.config.reuse_rows and seq.num_prefilled >= self.config.max_prefill_tokens:
                 resident = _Resident.of(seq, self._frees)
                 # its prompt positions' only: the answer's plain steps add an entry each, a view of a whole batch
                 resident.features = resident.features_up_to(resident.kv_len)
@@ -310,7 +314,8 @@ class Scheduler:
         holds them: a freed row's last prompt (the row given), or a running request's, whose row they are copied from
         (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs)."""
         best: tuple[int | None, int, _Resident | None] = (None, 0, None)
-        if seq.params.prompt_logprobs is None:  # one that asks for them needs every prompt position's hidden state
+        # one that asks for its prompt's logprobs needs every prompt position's hidden state
+        if self.config.reuse_rows and seq.params.prompt_logprobs is None:
             for slot, resident in sorted(self._resident.items()):
                 if (reused := self._reusable(resident, seq.prompt_ids)) > best[1]:
                     best = (slot, reused, resident)

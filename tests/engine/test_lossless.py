@@ -797,6 +797,18 @@ def test_a_prompt_that_copies_chunks_its_holders_drafter_has_not_taken_in_drafts
         torch.testing.assert_close(kv[:, second.slot, :, :32], kv[:, first.slot, :, :32])
 
 
+def test_without_prefix_reuse_a_chats_next_turn_is_prefilled_from_the_start(tiny_dirs, monkeypatch):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16, prefix_reuse=False)
+    first = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    answer = engine.generate([first], greedy)[0].token_ids
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
+    second = first + answer + [5, 6, 7]
+    (out,) = engine.generate([second], greedy)
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], second)
+    assert widths.count(16) == 6 and out.num_cached_tokens == 0  # [0, 16) .. [80, 83)
+
+
 class _Alternate:
     """A stand-in for AdaptiveDraftLen that runs the schedule's K once every `period` steps, K=0 in between."""
 

@@ -235,6 +235,18 @@ def test_a_row_gives_no_more_than_its_drafter_context_nor_anything_after_a_faile
     assert serve() == 0
 
 
+def test_without_row_reuse_every_request_prefills_its_own_prompt_bar_a_chunk_computed_in_its_step():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=128, max_prefill_tokens=8, reuse_rows=False))
+    first, twin = _seq(20, new=30), _seq(20, new=1)
+    sched.add(first, twin)
+    assert [(c.seq, c.start, c.source) for c in sched.schedule().prefills] == [(first, 0, None), (twin, 0, first)]
+    _finish(sched, twin)  # its row holds [0, 16) of the prompt first still runs with
+    again = _seq(20, new=1)
+    sched.add(again)
+    assert [(c.seq, c.start, c.takes) for c in sched.schedule().prefills] == [(again, 0, None)]
+    assert again.num_reused == 0 and not sched._resident
+
+
 def test_a_row_whose_drafter_lags_gives_the_pending_features_of_the_positions_taken_over():
     """Mid-prefill, or under a load that drafts nothing (the schedule's K=0 above some batch size), a row's drafter
     context lags its K/V: the target features of the positions after it wait for the drafter's next pass. A request

@@ -27,6 +27,8 @@ from tests.server.conftest import free_port
     (["--lookup-nodes", "5"], {"lookup_nodes": 5}),
     (["--full-head", "--bf16-drafter"], {"screen_head": False, "int8_drafter": False}),
     (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
+    ([], {"prefix_reuse": None}),
+    (["--no-prefix-reuse"], {"prefix_reuse": False}),
 ])
 def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
     seen = {}
