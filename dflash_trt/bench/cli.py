@@ -244,7 +244,8 @@ def _json_object(text: str | None, option: str) -> dict:
               help="Every request starts with one system prompt of about this many tokens of real text (vLLM's "
               "--random-prefix-len): a server's prefix reuse shows in TTFT and in cached_input_tokens.")
 @click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts and --prefix-len "
-              "exactly (default ~4 chars/token) and to count the output tokens of an endpoint that sends no usage (default: its chunks).")
+              "exactly (default ~4 chars/token) and to count the output tokens of an endpoint that sends no usage "
+              "(default: its chunks).")
 @click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="Warm-up requests before the first point (default: its concurrency).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the order of the prompts.")
@@ -351,8 +352,8 @@ def point_line(p: dict) -> str:
 
     acc = p["acceptance"]
     tau = f"  tau {acc['tau']:.2f}" if acc and acc.get("tau") else ""
-    if p.get("cached_input_tokens") and p.get("input_tokens"):
-        tau += f"  {p['cached_input_tokens'] / p['input_tokens']:.0%} of prompt tokens cached"
+    cached = (f"  {p['cached_input_tokens'] / p['input_tokens']:.0%} of prompt tokens cached"
+              if p.get("cached_input_tokens") and p.get("input_tokens") else "")
     failed = f"  FAILED {p['num_failed']}" if p["num_failed"] else ""
     # what the figures rest on where it is not what they seem to: tokens counted from stream chunks (an endpoint that
     # sends no usage; a speculative one sends several tokens a chunk), prompts sent again (a prefix cache's hits)
@@ -362,7 +363,7 @@ def point_line(p: dict) -> str:
         [f"{p['repeated_prompts']} repeated prompts"] if p.get("repeated_prompts") else [])
     return (f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {fig(p['tok_s_per_user'], 7, 1)} tok/s/user  "
             f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {fig(p['ttft_s']['p50'], 7, 0, 1000)} ms  "
-            f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{failed}"
+            f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{cached}{failed}"
             + (f"  ({'; '.join(notes)})" if notes else ""))
 
 
