@@ -1,5 +1,6 @@
-"""Continuous batching: the scheduler's bookkeeping (torch-free, hand-computed expectations) and the
-engine on top of it (chunked prefill and requests joining mid-flight stay lossless)."""
+"""Continuous batching: the scheduler's bookkeeping (hand-computed expectations; tensors only stand in for a
+request's target features) and the engine on top of it (chunked prefill and requests joining mid-flight stay
+lossless)."""
 
 import pytest
 import torch
