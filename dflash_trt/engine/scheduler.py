@@ -313,20 +313,20 @@ class Scheduler:
         """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and what
         holds them: a freed row's last prompt (the row given), or a running request's, whose row they are copied from
         (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs)."""
-        best: tuple[int | None, int, _Resident | None] = (None, 0, None)
+        reused, held = 0, None
         # one that asks for its prompt's logprobs needs every prompt position's hidden state
         if self.config.reuse_rows and seq.params.prompt_logprobs is None:
-            for slot, resident in sorted(self._resident.items()):
-                if (reused := self._reusable(resident, seq.prompt_ids)) > best[1]:
-                    best = (slot, reused, resident)
             # A running row's prompt positions are not written again (its answer goes after them, and this step's
             # forwards come after the copy); those of this step's chunks are not written yet, so they do not count.
-            for held in map(_Resident.of, self._running.values()):
-                if (reused := self._reusable(held, seq.prompt_ids)) > best[1]:
-                    best = (None, reused, held)
-        if best[0] is not None:
-            return best
-        return self._spare_row(), best[1], best[2]
+            # On a tie a freed row wins: it is taken over, not copied.
+            candidates = [*sorted(self._resident.values(), key=lambda r: r.row),
+                          *map(_Resident.of, self._running.values())]
+            for candidate in candidates:
+                if (n := self._reusable(candidate, seq.prompt_ids)) > reused:
+                    reused, held = n, candidate
+        if held is not None and held.freed >= 0:
+            return held.row, reused, held
+        return self._spare_row(), reused, held
 
     def _spare_row(self) -> int | None:
         """A row for a request that takes nothing over in it: one that holds nothing (None: the lowest, when none
