@@ -73,6 +73,10 @@ class EngineConfig:
     draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
+    # Tokens a prompt chunk holds, the grid prompt reuse works in (scheduler.py). None: the most the target runs in one
+    # call of this CPU's layer kernel (32 rows, or 256 with AMX tiles: about as fast a token as 512-token chunks,
+    # benchmarks/README.md "A finer prefill grid"), else max_prefill_tokens.
+    prefill_chunk: int | None = None
     prefix_reuse: bool = True  # rows give the prompt chunks they hold to later requests (scheduler.py, reuse_rows)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,9 @@ class EngineConfig:
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.lookup_nodes < 0:
             raise ValueError(f"lookup_nodes must be >= 0, got {self.lookup_nodes}")
+        if self.prefill_chunk is not None and not 1 <= self.prefill_chunk <= self.max_prefill_tokens:
+            raise ValueError(f"prefill_chunk must be in 1..max_prefill_tokens ({self.max_prefill_tokens}), got "
+                             f"{self.prefill_chunk}")
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
@@ -160,6 +167,15 @@ def capped_note(asked: int | None, positions: int) -> str | None:
         return None
     return (f"warning: --max-model-len {asked} is past the target's max_position_embeddings ({positions}, its "
             f"config.json): requests get at most {positions} tokens")
+
+
+def _prefill_chunk(config: EngineConfig, target) -> int:
+    """The prefill grid config asks for, or by default the most tokens the target runs in one call of its CPU layer
+    kernel (where a chunk costs little more than its share of a long one's forward) within the budget."""
+    if config.prefill_chunk is not None:
+        return config.prefill_chunk
+    one_call = getattr(target, "one_call_max_tokens", 0)
+    return min(one_call, config.max_prefill_tokens) if one_call else config.max_prefill_tokens
 
 
 def _holds_stop(tokenizer, ids: list[int], stops: list[str], tail: int, min_tokens: int = 0) -> bool:
@@ -262,7 +278,8 @@ class LLMEngine:
             max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
             draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
-            load_window=config.load_window, reuse_rows=config.prefix_reuse,
+            prefill_chunk=_prefill_chunk(config, target), load_window=config.load_window,
+            reuse_rows=config.prefix_reuse,
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "
@@ -434,10 +451,11 @@ class LLMEngine:
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)
-        copies: dict[int, list[Sequence]] = {}  # request id -> the requests taking a copy of its chunk
+        # (request id, chunk start) -> the requests taking a copy of that chunk (a step may carry several of a prompt's)
+        copies: dict[tuple[int, int], list[Sequence]] = {}
         for c in batch.prefills:
             if c.source is not None:
-                copies.setdefault(c.source.request_id, []).append(c.seq)
+                copies.setdefault((c.source.request_id, c.start), []).append(c.seq)
             if c.takes is not None:  # before any forward writes the row it copies from
                 row, end = c.takes
                 self.runner.copy_prompt(row, c.seq.slot, end)
@@ -446,7 +464,7 @@ class LLMEngine:
                 continue
             # one forward per chunk: batched, a chunk's rows would be padded to its neighbours' and its sums shaped by
             # them (the scheduler's grid: a prompt's K/V must not depend on what arrived with it)
-            group = copies.get(c.seq.request_id, [])
+            group = copies.get((c.seq.request_id, c.start), [])
             firsts = self.runner.prefill([c.seq], [c.start], [c.end], [group])
             for seq, t in zip([c.seq, *group], firsts):
                 seq.num_prefilled = c.end

@@ -2,13 +2,13 @@
 
 Requests wait in a bounded FIFO queue and join the running set between steps, each taking one cache
 row. A step carries prefill chunks (new or partly prefilled prompts, within a token budget, so a long
-prompt never stalls the running requests for more than one chunk) and one decode step for every
+prompt never stalls the running requests for more than max_prefill_tokens) and one decode step for every
 request whose prompt is fully cached. A request leaves when it finishes, fails or is aborted, and
 its row is free for the next step. Methods are thread-safe: requests and aborts may arrive from any
 thread while one engine thread calls `schedule` and `finish`.
 
-A prompt's chunks lie on a grid of its own positions (max_prefill_tokens each, the last one shorter), whatever
-else runs, and a chunk waits for a step with room for all of it. Cut where a neighbour's chunk left room, a chunk
+A prompt's chunks lie on a grid of its own positions (prefill_chunk each, the last one shorter), whatever else
+runs, and a chunk waits for a step with room for all of it. Cut where a neighbour's chunk left room, a chunk
 would be computed another way (past 256 tokens or 128 rows the CPU's attention and linears are SDPA's and
 oneDNN's, whose bf16 sums depend on the shapes), and a prompt's K/V, and so its greedy answer, would depend on the
 requests that arrived with it (the engine also prefills each chunk in a forward of its own). Requests whose prompts
@@ -18,10 +18,10 @@ long prompt again) takes that row and skips them, since computed again on the sa
 bit for bit (`_Resident`). A running request's row gives a copy of its prompt's whole chunks the same way (a system
 prompt that many users' requests start with, or the same prompt while the first one still runs).
 
-Worked example (max_num_seqs=2, max_prefill_tokens=8): A (prompt 5) and B (prompt 20) arrive.
-Step 1: prefill A[0:5] (B's first chunk, 8 tokens, does not fit the 3 left). Step 2: decode A; prefill
-B[0:8]. Step 3: decode A; prefill B[8:16]. Step 4: decode A; prefill B[16:20] (B samples its first
-token). Step 5: decode A and B together.
+Worked example (max_num_seqs=2, max_prefill_tokens=8, prefill_chunk=4): A (prompt 5) and B (prompt 20) arrive.
+Step 1: prefill A[0:4] and A[4:5] (B's first chunk, 4 tokens, does not fit the 3 left). Step 2: decode A; prefill
+B[0:4] and B[4:8]. Step 3: decode A; prefill B[8:12], B[12:16]. Step 4: decode A; prefill B[16:20] (B samples its
+first token). Step 5: decode A and B together.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class SchedulerConfig:
     draft_len_schedule: dict[int, int] = field(default_factory=dict)
     max_queue_len: int = 256  # waiting requests beyond the running ones; more are refused
     max_prefill_tokens: int = 512  # prompt tokens per step, over all prefill chunks
+    # The grid a prompt's chunks lie on, in tokens (0: max_prefill_tokens). A step carries as many of a prompt's chunks
+    # as the budget holds, each in a forward of its own; rows give later prompts whole chunks, so a finer grid reuses
+    # shorter prefixes (a chat's turns under 512 tokens), at the cost of more forwards a prompt.
+    prefill_chunk: int = 0
     # K follows the most requests running in any of the last this many steps, not the instantaneous batch: under
     # a closed-loop load a finished request's replacement arrives some steps later, and the one-row steps in
     # between would draft with the one-row K (measured: the CPU default 11% below AR at concurrency 2). 1: the
@@ -68,7 +72,15 @@ class SchedulerConfig:
             raise ValueError(f"load_window must be >= 1, got {self.load_window}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0 <= self.prefill_chunk <= self.max_prefill_tokens:  # a chunk past the budget would never be run
+            raise ValueError(f"prefill_chunk must be in 0..max_prefill_tokens ({self.max_prefill_tokens}), got "
+                             f"{self.prefill_chunk}")
         check_table(self.draft_len_schedule, "draft_len_schedule", "K", ("max_draft_len", self.max_draft_len))
+
+    @property
+    def grid(self) -> int:
+        """Tokens a prompt chunk holds (its last one fewer)."""
+        return self.prefill_chunk or self.max_prefill_tokens
 
     def draft_len_for(self, batch_size: int) -> int:
         """K for a batch: TensorRT-LLM's rule over the schedule (0 above its largest key); max_draft_len without one."""
@@ -236,11 +248,16 @@ class Scheduler:
                     computed.setdefault((chunk.start, chunk.end), []).append(chunk.seq)
                 return True
 
+            def admit_rest(seq: Sequence, start: int) -> None:
+                """The prompt's chunks from `start` on, in order, as many as the budget holds."""
+                while start < len(seq.prompt_ids) and admit(chunk := self._chunk(seq, computed, start)):
+                    start = chunk.end
+
             for seq in self._running.values():  # oldest first
                 if seq.is_prefilled:
                     decodes.append(seq)
                 else:
-                    admit(self._chunk(seq, computed))
+                    admit_rest(seq, seq.num_prefilled)
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
             while self.waiting and self.slots.num_free:
                 slot, reused, held = self._row_for(self.waiting[0])
@@ -256,6 +273,7 @@ class Scheduler:
                     seq.drafter_context = min(held.drafter_len, reused)
                     seq.pending_features = held.features_up_to(reused)
                 self._running[seq.request_id] = seq
+                admit_rest(seq, chunk.end)
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
 
@@ -301,7 +319,7 @@ class Scheduler:
     def _release(self, seq: Sequence, keep: bool = True) -> None:
         if self._running.pop(seq.request_id, None) is not None:
             self.slots.free(seq.slot)
-            if keep and self.config.reuse_rows and seq.num_prefilled >= self.config.max_prefill_tokens:
+            if keep and self.config.reuse_rows and seq.num_prefilled >= self.config.grid:
                 resident = _Resident.of(seq, self._frees)
                 # its prompt positions' only: the answer's plain steps add an entry each, a view of a whole batch
                 resident.features = resident.features_up_to(resident.kv_len)
@@ -342,7 +360,7 @@ class Scheduler:
         """The prompt's tokens, in whole chunks of the grid, whose K/V (and drafter context) the row holds: chunks
         where both prompts have all of them and hold the same tokens up to their end. The prompt's last chunk is
         always computed: it samples the first token."""
-        size = self.config.max_prefill_tokens
+        size = self.config.grid
         reused = 0
         for end in range(size, min(resident.kv_len, len(prompt_ids) - 1) + 1, size):
             if resident.prompt_ids[end - size: end] != prompt_ids[end - size: end]:
@@ -354,11 +372,11 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]],
                start: int | None = None) -> PrefillChunk:
-        """The prompt's next chunk on its grid (num_prefilled only ever moves by whole chunks), from `start` (default
-        num_prefilled), with the request that computes the same chunk in this step, if one does: the same span after
-        the same tokens."""
+        """The prompt's chunk on its grid from `start` (default num_prefilled, which only ever moves by whole chunks),
+        with the request that computes the same chunk in this step, if one does: the same span after the same
+        tokens."""
         start = seq.num_prefilled if start is None else start
-        end = min(len(seq.prompt_ids), start + self.config.max_prefill_tokens)
+        end = min(len(seq.prompt_ids), start + self.config.grid)
         ids = seq.prompt_ids
         source = next((s for s in computed.get((start, end), ())  # the chunk's own tokens first: most differ there
                        if s.prompt_ids[start:end] == ids[start:end] and s.prompt_ids[:start] == ids[:start]), None)

@@ -105,6 +105,10 @@ def _engine_options(f):
         click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=None,
                      help=f"Prompt tokens per step; longer prompts are chunked, each on a grid of its own positions "
                           f"(default: {DEFAULT_MAX_PREFILL_TOKENS})."),
+        click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+                     help="Tokens a prompt chunk holds, each prefilled in a forward of its own, several a step within "
+                     "--max-prefill-tokens; prompt reuse takes whole chunks (default: what the target's CPU layer "
+                     "kernel runs in one call, 32 or 256 tokens with AMX; else --max-prefill-tokens)."),
         click.option("--prefix-reuse/--no-prefix-reuse", default=None,
                      help="A request whose prompt starts with the whole chunks another request's row holds (a freed "
                      "row's last prompt, a running request's) takes them over instead of prefilling them, bit for bit "
@@ -124,8 +128,8 @@ def _engine_options(f):
 
 
 def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, prefix_reuse, dtype, device,
-               head_screen, int8_drafter):
+               adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, prefill_chunk, prefix_reuse,
+               dtype, device, head_screen, int8_drafter):
     schedule = parse_schedule(draft_len_schedule)
     tree = None
     if draft_tree is not None:
@@ -134,7 +138,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
                 draft_len_schedule=schedule or None, draft_tree=tree, lookup_nodes=lookup_nodes,
                 adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
-                prefix_reuse=prefix_reuse, dtype=dtype, device=device, screen_head=head_screen,
+                prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse, dtype=dtype, device=device, screen_head=head_screen,
                 int8_drafter=int8_drafter)
 
 
@@ -160,7 +164,7 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "for any; repeatable (default: none).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
-          prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
+          prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
           trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
@@ -186,8 +190,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     names = []
     overrides = _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule, draft_tree, lookup_nodes,
-                           adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, prefix_reuse,
-                           dtype, device, head_screen, int8_drafter)
+                           adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens, prefill_chunk,
+                           prefix_reuse, dtype, device, head_screen, int8_drafter)
 
     def build():  # on the engine's thread
         use_threads(threads)

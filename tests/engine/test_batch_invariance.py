@@ -13,10 +13,17 @@ from dflash_trt.sampling_params import SamplingParams
 from tests.forward_widths import record_forward_widths
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_dir):
-    return LLMEngine.from_dirs(smollm2_dir, None, EngineConfig(max_batch_size=2, speculative=False,
-                                                               dtype="bfloat16", max_model_len=2048))
+# 512: the budget's grid, as on a GPU; None: this CPU's default, a chunk for each call of its layer kernel (32 tokens
+# with AVX-512, 256 with AMX tiles), where a prompt's chunks share steps
+@pytest.fixture(scope="module", params=[512, None], ids=["grid 512", "default grid"])
+def engine(smollm2_dir, request):
+    return LLMEngine.from_dirs(smollm2_dir, None, EngineConfig(max_batch_size=2, speculative=False, dtype="bfloat16",
+                                                               max_model_len=2048, prefill_chunk=request.param))
+
+
+def chunks(start: int, end: int, grid: int) -> int:
+    """Forwards that prefill prompt positions [start, end) on the grid (start on it)."""
+    return -(-end // grid) - start // grid
 
 
 def served(engine: LLMEngine, prompts: list[list[int]], cold: bool = True, later: bool = False,
@@ -63,13 +70,13 @@ def test_a_prompt_whose_chunk_is_copied_from_another_gets_the_same_kv_and_answer
     widths = record_forward_widths(engine.target, monkeypatch)
     kv_copied, answer_copied = served(engine, [mine if first == "the same prompt" else mine[:512], mine])
     # prefill chunks (not plain decode steps): [0, 512) once for both prompts, then the rest of mine (or of both)
-    assert sum(w > 1 for w in widths) == 2
+    assert sum(w > 1 for w in widths) == chunks(0, len(mine), engine.scheduler.config.grid)
     assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone
 
 
 def test_a_prompt_that_takes_over_a_freed_rows_chunks_gets_the_same_kv_and_answer(engine, monkeypatch):
-    """The next turn of a chat starts with the last turn's prompt: its first 512-token chunk is taken over from the
-    row that prompt left, bit for bit what it computes alone."""
+    """The next turn of a chat starts with the last turn's prompt: its whole chunks are taken over from the row that
+    prompt left, bit for bit what it computes alone."""
     turn = engine.encode(" ".join(f"Entry {i} has weight {i * 5 % 11}." for i in range(70)) + " Total:")
     _, answer = served(engine, [turn])
     following = turn + answer + engine.encode(" And the heaviest entry?")
@@ -77,18 +84,22 @@ def test_a_prompt_that_takes_over_a_freed_rows_chunks_gets_the_same_kv_and_answe
     served(engine, [turn])
     widths = record_forward_widths(engine.target, monkeypatch)
     kv_taken, answer_taken = served(engine, [following], cold=False)
-    assert sum(w > 1 for w in widths) == 1  # prefill chunks (not plain decode steps): [512, end) alone
+    grid = engine.scheduler.config.grid
+    # prefill chunks (not plain decode steps): those past the turn's whole ones alone
+    assert sum(w > 1 for w in widths) == chunks(len(turn) // grid * grid, len(following), grid)
     assert torch.equal(kv_taken, kv_alone) and answer_taken == answer_alone
 
 
 def test_a_prompt_that_copies_a_running_requests_chunk_gets_the_same_kv_and_answer(engine, monkeypatch):
     """Two users' prompts start with one system prompt of more than 512 tokens: the one that arrives while the other
-    runs copies the first chunk from that request's row, bit for bit what it computes alone."""
+    runs copies the system prompt's whole chunks from that request's row, bit for bit what it computes alone."""
     system = engine.encode(" ".join(f"Rule {i}: answer item {i} in {i % 4 + 1} words." for i in range(50)))
     assert len(system) > 512
     mine, other = (system + engine.encode(question) for question in (" Which rule covers item 7?", " Summarize."))
     kv_alone, answer_alone = served(engine, [mine])
     widths = record_forward_widths(engine.target, monkeypatch)
     kv_copied, answer_copied = served(engine, [other, mine], later=True, widths=widths)
-    assert sum(w > 1 for w in widths) == 1  # prefill chunks (not plain decode steps): [512, end) alone
+    grid = engine.scheduler.config.grid
+    # prefill chunks (not plain decode steps): those past the system prompt's whole ones alone
+    assert sum(w > 1 for w in widths) == chunks(len(system) // grid * grid, len(mine), grid)
     assert torch.equal(kv_copied, kv_alone) and answer_copied == answer_alone

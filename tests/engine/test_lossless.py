@@ -797,6 +797,31 @@ def test_a_prompt_that_copies_chunks_its_holders_drafter_has_not_taken_in_drafts
         torch.testing.assert_close(kv[:, second.slot, :, :32], kv[:, first.slot, :, :32])
 
 
+def test_on_a_grid_finer_than_the_budget_chunks_share_steps_and_reuse_and_answer_as_the_target_does(tiny_dirs,
+                                                                                                      monkeypatch):
+    """8-token chunks, 32 tokens a step: a prompt's chunks run in one step (a forward each), its twin sent with it
+    copies every one of them, and the next turn of the chat takes over the whole 8-token chunks its row holds; each
+    answers with transformers' greedy text, or its seeded sample."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=32, prefill_chunk=8)
+    g = torch.Generator().manual_seed(21)
+    first = torch.randint(3, 90, (21,), generator=g).tolist()  # chunks [0, 8), [8, 16), [16, 21)
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    widths = record_forward_widths(engine.runner.target, monkeypatch)
+    a = engine.add_request(first, greedy)
+    b = engine.add_request(first, SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=4, ignore_eos=True))
+    engine.step()
+    assert widths == [16] * 3 and a.is_prefilled and b.is_prefilled  # each chunk bucketed to 16 wide, once for both
+    while engine.has_unfinished():
+        engine.step()
+    assert a.output_ids == hf_greedy(tiny_dirs["qwen3"], first)
+    assert b.output_ids == hf_sample(tiny_dirs["qwen3"], first, 4, 1.0)
+    second = first + a.output_ids + torch.randint(3, 90, (11,), generator=g).tolist()
+    widths.clear()
+    (out,) = engine.generate([second], greedy)
+    assert out.token_ids == hf_greedy(tiny_dirs["qwen3"], second)
+    assert out.num_cached_tokens == 16 and widths.count(16) == -(-(len(second) - 16) // 8)
+
+
 def test_without_prefix_reuse_a_chats_next_turn_is_prefilled_from_the_start(tiny_dirs, monkeypatch):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16, prefix_reuse=False)
     first = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(9)).tolist()

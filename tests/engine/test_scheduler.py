@@ -29,6 +29,26 @@ def _run(sched: Scheduler, batch, token: int = 50, max_model_len: int = 2048) ->
 
 
 def test_worked_example_of_the_docstring_chunks_and_interleaves():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8, prefill_chunk=4))
+    # other tokens than a's: b's first chunk would be a copy of a's
+    a, b = _seq(5, new=10), Sequence(list(range(100, 120)), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    spans = []
+    for _ in range(4):
+        batch = sched.schedule()
+        spans.append(([(c.seq is a, c.start, c.end) for c in batch.prefills], [s is a for s in batch.decodes]))
+        _run(sched, batch)
+    assert spans == [
+        ([(True, 0, 4), (True, 4, 5)], []),  # B's first chunk (4) does not fit the 3 tokens left: it waits, queued
+        ([(False, 0, 4), (False, 4, 8)], [True]),
+        ([(False, 8, 12), (False, 12, 16)], [True]),
+        ([(False, 16, 20)], [True]),  # B's last chunk samples its first token
+    ]
+    assert sched.schedule().decodes == [a, b]
+
+
+def test_without_a_prefill_chunk_the_grid_is_the_budget_one_chunk_a_step():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8))
     a, b = _seq(5, new=10), _seq(20, new=10)
     sched.add(a)
@@ -103,6 +123,32 @@ def test_a_chunk_another_request_computes_in_the_same_step_is_copied_and_costs_n
     assert step() == [(longer, 16, 20, None)]  # other's 8 do not fit the 4 left
     assert step() == [(other, 0, 8, None)]
     assert step() == [(late, 0, 8, None)]
+
+
+def test_on_a_grid_finer_than_the_budget_copies_share_each_chunk_and_rows_give_whole_chunks():
+    """4-token chunks, 8 tokens a step: a prompt's chunks share steps, a twin copies each of them, and the next turn
+    takes over the freed row's whole 4-token chunks (its 10-token prompt: 8)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8, prefill_chunk=4))
+    a, twin = _seq(10, new=2), _seq(10, new=2)
+    sched.add(a, twin)
+
+    def step():
+        batch = sched.schedule()
+        _run(sched, batch)
+        return [(c.seq, c.start, c.end, c.source) for c in batch.prefills]
+
+    assert step() == [(a, 0, 4, None), (a, 4, 8, None), (twin, 0, 4, a), (twin, 4, 8, a)]
+    assert step() == [(a, 8, 10, None), (twin, 8, 10, a)]
+    _finish(sched, a, twin)
+    turn = _seq(23, new=1)  # a's prompt, its answer's positions, and more
+    sched.add(turn)
+    assert step() == [(turn, 8, 12, None), (turn, 12, 16, None)] and turn.num_reused == 8
+    assert step() == [(turn, 16, 20, None), (turn, 20, 23, None)]
+
+
+def test_a_prefill_chunk_past_the_budget_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"prefill_chunk must be in 0\.\.max_prefill_tokens \(8\), got 16"):
+        SchedulerConfig(max_num_seqs=1, max_model_len=64, max_prefill_tokens=8, prefill_chunk=16)
 
 
 def _finish(sched: Scheduler, *seqs: Sequence) -> None:
@@ -456,6 +502,27 @@ def test_k_follows_the_load_of_the_last_steps_not_a_momentary_one_row_batch():
     assert solo_ks == [0, 3, 3]  # the prefill step, then K=3 straight away
     with pytest.raises(ValueError, match="load_window must be >= 1"):
         SchedulerConfig(max_num_seqs=1, max_model_len=8, load_window=0)
+
+
+def test_the_default_prefill_grid_is_one_call_of_the_cpu_layer_kernel_within_the_budget(tiny_dirs):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+    from dflash_trt.kernels import cpu_ops
+    from dflash_trt.models.registry import load_target
+
+    def grid(dtype, **cfg):
+        target = load_target(tiny_dirs["qwen3"], getattr(torch, dtype))
+        engine = LLMEngine(target, None, None, EngineConfig(dtype=dtype, speculative=False, **cfg))
+        return engine.scheduler.config.grid, target.one_call_max_tokens
+
+    assert grid("float32") == (512, 0)  # no layer kernel in fp32: the budget's grid
+    assert grid("float32", prefill_chunk=48) == (48, 0)
+    if cpu_ops.load() is None:
+        pytest.skip("no C compiler: the bf16 layer kernel is not built here")
+    chunk, one_call = grid("bfloat16")
+    assert one_call in (32, 256) and chunk == one_call  # 32 rows of dot products, or 256 tokens on AMX tiles
+    assert grid("bfloat16", max_prefill_tokens=16) == (16, one_call)
+    with pytest.raises(ValueError, match=r"prefill_chunk must be in 1\.\.max_prefill_tokens \(512\), got 600"):
+        EngineConfig(prefill_chunk=600)
 
 
 def test_generate_refuses_a_params_list_that_does_not_match_the_prompts(tiny_dirs):

@@ -29,6 +29,8 @@ from tests.server.conftest import free_port
     (["--head-screen", "--int8-drafter"], {"screen_head": True, "int8_drafter": True}),
     ([], {"prefix_reuse": None}),
     (["--no-prefix-reuse"], {"prefix_reuse": False}),
+    ([], {"prefill_chunk": None}),
+    (["--prefill-chunk", "64"], {"prefill_chunk": 64}),
 ])
 def test_engine_switches_reach_load_engine(monkeypatch, args, expected):
     seen = {}
