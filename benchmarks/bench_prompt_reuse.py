@@ -80,7 +80,7 @@ def next_turn(engine: LLMEngine, text: list[int], args) -> dict:
 
 def shared_system(engine: LLMEngine, text: list[int], args) -> dict:
     """Arms -> a run each: a request arriving while another with its system prompt runs, and with another one."""
-    if len(text) - args.prompt_len < engine.scheduler.config.max_prefill_tokens:
+    if len(text) - args.prompt_len < engine.scheduler.config.grid:
         raise SystemExit(f"the prompt text holds {len(text)} tokens: too few for two system prompts of --prompt-len "
                          "that differ in their first chunk")
     system, other = text[: args.prompt_len], text[-args.prompt_len:]

@@ -110,7 +110,7 @@ def time_steps(target, drafter, device: str, dtype: torch.dtype, batch: int, ste
     params = SamplingParams(max_new_tokens=longest - prompt_len, ignore_eos=True)
     seqs = [engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
             for _ in range(batch)]
-    while not all(s.output_ids for s in seqs):  # prompts (one chunk of max_prefill_tokens a step)
+    while not all(s.output_ids for s in seqs):  # prompts (max_prefill_tokens of chunks a step)
         engine.step()
     for _ in range(3):  # warm steps: kernels compiled, caches grown
         engine.step()
