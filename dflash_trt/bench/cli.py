@@ -243,6 +243,10 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--prefix-len", type=click.IntRange(min=1), default=None,
               help="Every request starts with one system prompt of about this many tokens of real text (vLLM's "
               "--random-prefix-len): a server's prefix reuse shows in TTFT and in cached_input_tokens.")
+@click.option("--turns", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Turns a conversation holds: each stream sends the prompts in conversations, a request the next "
+              "user message after the earlier ones and their answers (vLLM's multi-turn benchmark): a server's "
+              "prefix reuse shows in TTFT and in cached_input_tokens.")
 @click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts and --prefix-len "
               "exactly (default ~4 chars/token) and to count the output tokens of an endpoint that sends no usage "
               "(default: its chunks).")
@@ -267,8 +271,9 @@ def _json_object(text: str | None, option: str) -> dict:
               help="Sent as `Authorization: Bearer KEY` to an endpoint that wants one (serve --api-key, vLLM's); "
               "default: $OPENAI_API_KEY. Never written into the result.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="RESULT.json (a .csv is written beside it).")
-def sweep(url, model, concurrencies, dataset, categories, isl, osl, prefix_len, tokenizer, requests_per_concurrency,
-          warmup, seed, gpus, api, temperature, ignore_eos, extra_body, timeout, label, api_key, output) -> None:
+def sweep(url, model, concurrencies, dataset, categories, isl, osl, prefix_len, turns, tokenizer,
+          requests_per_concurrency, warmup, seed, gpus, api, temperature, ignore_eos, extra_body, timeout, label,
+          api_key, output) -> None:
     """Drive an endpoint at each concurrency with bounded, reproducible load; per point TTFT, TPOT, ITL and
     end-to-end latency (p50/p90/p99), output tok/s, tok/s/user, tok/s/GPU and acceptance where reported."""
     from dflash_trt.bench.datasets import dataset_name, load_dataset, prompt_isl, shared_prefix
@@ -305,7 +310,8 @@ def sweep(url, model, concurrencies, dataset, categories, isl, osl, prefix_len, 
                           gpus=gpus, api=api, temperature=temperature, ignore_eos=ignore_eos, osl=osl,
                           label=label or model, extra_body=extra_body, timeout_s=timeout, isl=long_isl,
                           tokenizer=tokenizer if long_isl or prefix_len else None,
-                          prefix=shared_prefix(prefix_len, tok) if prefix_len else "", prefix_len=prefix_len)
+                          prefix=shared_prefix(prefix_len, tok) if prefix_len else "", prefix_len=prefix_len,
+                          turns=turns)
         needed = cfg.num_warmup + sum(cfg.requests_at(c) for c in concurrencies)
         prompts = load_dataset(dataset, isl=isl, osl=osl, tokenizer=tok, categories=list(categories) or None,
                                min_prompts=needed)

@@ -91,10 +91,10 @@ def _sweep_identity(run: dict) -> dict:
 
 
 # What two systems compared on one workload share: the prompts (dataset, input length, the tokenizer that cut them,
-# the system prompt they share), the output length and how requests ask for it. Endpoints, models and extra request
-# fields are the systems' own.
-WORKLOAD = ("dataset", "config.isl", "config.tokenizer", "config.prefix_len", "config.osl", "config.api",
-            "config.temperature", "config.ignore_eos")
+# the system prompt they share, the turns a conversation holds), the output length and how requests ask for it.
+# Endpoints, models and extra request fields are the systems' own.
+WORKLOAD = ("dataset", "config.isl", "config.tokenizer", "config.prefix_len", "config.turns", "config.osl",
+            "config.api", "config.temperature", "config.ignore_eos")
 
 
 def workload_differences(run: dict, base: dict, names: Sequence[str] = ("run", "base")) -> list[str]:

@@ -82,6 +82,10 @@ class SweepConfig:
     # and its tokens as asked for (--prefix-len): many users' requests share one, and a server may reuse its prefill.
     prefix: str = ""
     prefix_len: int | None = None
+    # Turns a conversation holds: a stream sends its prompts in conversations, each request the next user message
+    # after the earlier turns and their answers (a chat's history grows, and a server may reuse its prefill). 1: every
+    # request stands alone.
+    turns: int = 1
     # more request fields for every request (top_p, top_k, penalties, a server's own extensions); never the ones above
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0  # per connect / read of the stream: seconds without a byte before a request fails
@@ -95,7 +99,7 @@ class SweepConfig:
             raise ValueError(f"concurrencies must be a non-empty list of integers >= 1, got {self.concurrencies}")
         if self.api not in ("chat", "completions"):
             raise ValueError(f"api must be 'chat' or 'completions', got {self.api!r}")
-        for name in ("requests_per_concurrency", "min_requests", "gpus"):
+        for name in ("requests_per_concurrency", "min_requests", "gpus", "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_requests is not None and self.warmup_requests < 0:
@@ -205,7 +209,8 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
+def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int, history: Sequence[tuple[str, str]] = ()) -> dict:
+    """history: the conversation's earlier turns, (user message, answer) each, which the request repeats first."""
     body: dict = {
         "model": cfg.model,
         "max_tokens": cfg.osl if cfg.osl is not None else prompt.max_tokens,
@@ -215,9 +220,11 @@ def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
     }
     if cfg.api == "chat":
         system = [{"role": "system", "content": cfg.prefix}] if cfg.prefix else []
-        body["messages"] = [*system, {"role": "user", "content": prompt.text}]
+        earlier = [{"role": role, "content": text} for turn in history for role, text in zip(("user", "assistant"), turn)]
+        body["messages"] = [*system, *earlier, {"role": "user", "content": prompt.text}]
     else:
-        body["prompt"] = f"{cfg.prefix}\n\n{prompt.text}" if cfg.prefix else prompt.text
+        text = "".join(f"{user}{answer}\n\n" for user, answer in history) + prompt.text
+        body["prompt"] = f"{cfg.prefix}\n\n{text}" if cfg.prefix else text
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.temperature > 0:
@@ -225,9 +232,10 @@ def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int) -> dict:
     return {**body, **cfg.extra_body}
 
 
-async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: BenchPrompt, index: int) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, cfg: SweepConfig, prompt: BenchPrompt, index: int,
+                       history: Sequence[tuple[str, str]] = ()) -> RequestResult:
     """One streaming request, timed chunk by chunk; failures come back as results with ok=False."""
-    body = request_body(cfg, prompt, index)
+    body = request_body(cfg, prompt, index, history)
     res = RequestResult(prompt.id, time.perf_counter())
     try:
         await _stream(client, cfg, body, res)
@@ -329,19 +337,31 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
 
 async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: list[BenchPrompt], concurrency: int,
                        first_index: int = 0, stage: str = "") -> list[RequestResult]:
-    """Closed loop: `concurrency` workers, each sending its next request as soon as its previous one ends. A
-    terminal shows the requests done (`stage` names them): a point of long answers runs for minutes."""
+    """Closed loop: `concurrency` workers, each sending its next request as soon as its previous one ends; with
+    cfg.turns > 1 a worker holds one conversation at a time, cfg.turns consecutive prompts (the last one may be
+    shorter), each sent after the earlier ones and their answers; a failed turn ends its conversation, and the turns
+    left fail unsent. A terminal shows the requests done (`stage` names them): a point of long answers runs for
+    minutes."""
     results: list[RequestResult | None] = [None] * len(prompts)
-    todo = iter(enumerate(prompts))  # shared by the workers; next() never yields to the event loop
+    firsts = range(0, len(prompts), cfg.turns)
+    todo = iter(firsts)  # each conversation's first request, shared by the workers; next() never yields to the loop
     # disable=None: no bar where stderr is no terminal (a log file, CI)
     with tqdm(total=len(prompts), desc=stage, unit="req", leave=False, disable=None) as bar:
 
         async def worker() -> None:
-            for i, prompt in todo:
-                results[i] = await send_request(client, cfg, prompt, first_index + i)
-                bar.update()
+            for first in todo:
+                history: list[tuple[str, str]] | None = []
+                for i in range(first, min(first + cfg.turns, len(prompts))):
+                    if history is None:
+                        now = time.perf_counter()
+                        results[i] = RequestResult(prompts[i].id, now, error="an earlier turn of its conversation "
+                                                   "failed: not sent", finish=now)
+                    else:
+                        results[i] = res = await send_request(client, cfg, prompts[i], first_index + i, history)
+                        history = [*history, (prompts[i].text, "".join(res.text))] if res.ok else None
+                    bar.update()
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(firsts)))))
     return results  # type: ignore[return-value]
 
 

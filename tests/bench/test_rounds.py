@@ -128,7 +128,7 @@ def test_a_round_that_lacks_a_setting_the_other_records_is_refused_in_either_ord
 
 @pytest.mark.parametrize("setting, mine, theirs", [
     ("config.isl", 1024, 8192), ("config.tokenizer", "Qwen/Qwen3-8B", None), ("config.osl", 64, 128),
-    ("dataset", "cpu-small", "gpu-1k1k"),
+    ("dataset", "cpu-small", "gpu-1k1k"), ("config.turns", 1, 4),
 ])
 def test_compare_warns_naming_the_files_where_the_workloads_differ(tmp_path, setting, mine, theirs):
     def with_setting(run: dict, value) -> dict:

@@ -800,6 +800,70 @@ def test_a_shared_prefix_starts_every_request_and_the_tokens_a_server_cached_are
     assert point["cached_input_tokens"] is None and "cached" not in r.stderr
 
 
+def conversation(stub, cfg: SweepConfig, sent: list[Prompt], concurrency: int) -> list:
+    """run_requests over `sent` in order (no shuffle, no warm-up): the results, in the prompts' order."""
+    import httpx
+
+    from dflash_trt.bench.sweep import run_requests
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await run_requests(client, cfg, sent, concurrency)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_turns_of_a_conversation_each_follow_the_earlier_ones_and_their_answers(stub, api):
+    """--turns 3: seven prompts are conversations [0, 1, 2], [3, 4, 5] and [6], two at a time; a turn repeats the
+    earlier user messages and the answers the endpoint streamed (the stub's: six chunks of "a"), then its own."""
+    state = stub.reset()
+    sent = prompts(*(f"q{i}" for i in range(7)))
+    results = conversation(stub, config(stub.url, [2], api=api, turns=3), sent, 2)
+    assert all(r.ok for r in results) and max(n for _, n in state.arrivals) == 2
+    answer = "a" * 6
+
+    def sent_before(body: dict) -> tuple[str, list]:
+        """A request's own message, and what it sends before it."""
+        if api == "chat":
+            return body["messages"][-1]["content"], body["messages"][:-1]
+        *before, last = body["prompt"].split("\n\n")
+        return last, before
+
+    def history(*earlier: str) -> list:
+        """What a turn after these user messages and their answers sends before its own."""
+        if api == "completions":
+            return [f"{q}{answer}" for q in earlier]
+        return [m for q in earlier for m in ({"role": "user", "content": q}, {"role": "assistant", "content": answer})]
+
+    seen = dict(sent_before(b) for b, _ in state.arrivals)  # in the order they arrived
+    assert seen == {"q0": history(), "q1": history("q0"), "q2": history("q0", "q1"), "q3": history(),
+                    "q4": history("q3"), "q5": history("q3", "q4"), "q6": history()}
+    order = list(seen)
+    assert order.index("q0") < order.index("q1") < order.index("q2") and order.index("q3") < order.index("q4")
+
+
+def test_a_failed_turn_ends_its_conversation_and_the_turns_left_fail_unsent(stub):
+    state = stub.reset()
+    sent = prompts("q0", "fail:q1", "q2", "q3", "q4")
+    results = conversation(stub, config(stub.url, [1], turns=3), sent, 1)
+    assert [r.ok for r in results] == [True, False, False, True, True]
+    assert "not sent" in results[2].error and "stub failure" in results[1].error
+    assert [b["messages"][-1]["content"] for b, _ in state.arrivals] == ["q0", "fail:q1", "q3", "q4"]
+    assert len(state.arrivals[3][0]["messages"]) == 3  # q4 after q3 and its answer: a conversation of its own
+
+
+def test_a_sweep_records_its_turns_and_refuses_none(stub, tmp_path):
+    stub.reset()
+    r = cli_sweep(stub, tmp_path / "turns.json", "--dataset", "cpu-small", "--osl", "2", "--turns", "2",
+                  "--requests-per-concurrency", "4")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "turns.json").read_text())["config"]["turns"] == 2
+    assert cli_sweep(stub, tmp_path / "none.json", "--turns", "0").exit_code == 2
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        config(stub.url, [1], turns=0)
+
+
 def test_without_usage_a_given_tokenizer_counts_the_answers_text(stub, tiny_dirs, tmp_path):
     # the stub sends "ab" a chunk, 6 chunks; the tiny tokenizer has a token per character
     for args, tokens, source, said in (([], 6, "chunks", "--tokenizer counts its text"),
