@@ -15,6 +15,7 @@
 #   ENGINE_ARGS="--draft-len-schedule 1:7" ...                          # serve options for ours-engine
 #   TEMPERATURE=0.7 ...                                                  # sampled requests (default greedy)
 #   WARMUP=32 ...                                                        # warm-up requests (default: first concurrency)
+#   SWEEP_ARGS="--turns 4" ...                                           # more `bench sweep` options, every system
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
@@ -27,6 +28,7 @@ ROUNDS=${ROUNDS:-1}                  # >1: every system swept ROUNDS times in al
 DATASET=${DATASET:-cpu-small}
 TEMPERATURE=${TEMPERATURE:-0}        # every request's; above 0 the servers sample (this project's by the "match" rule)
 WARMUP=${WARMUP:-}                   # warm-up requests before the first point (default: its concurrency)
+SWEEP_ARGS=${SWEEP_ARGS:-}           # more `bench sweep` options for every system (a workload: --turns, --prefix-len)
 OUT=${OUT:-$ROOT/benchmarks/results/peers}
 SYSTEMS=${SYSTEMS:-"ours-ar ours-dflash ours-engine vllm-ar vllm-dflash"}
 PORT=${PORT:-18765}
@@ -97,7 +99,7 @@ print("K by batch " + table(s) + (" (" + table(sw) + " without AMX)" if sw is no
   [[ $TEMPERATURE == 0 ]] || label="$label, temperature $TEMPERATURE"
   "$PY" -m dflash_trt bench sweep --url "http://127.0.0.1:$PORT" --model smollm2 --concurrency "$CONC" \
       --dataset "$DATASET" --osl "$OSL" --requests-per-concurrency "$REQS" --temperature "$TEMPERATURE" \
-      ${WARMUP:+--warmup "$WARMUP"} --label "$label" -o "$result"
+      ${WARMUP:+--warmup "$WARMUP"} $SWEEP_ARGS --label "$label" -o "$result"
   stop
 }
 

@@ -72,10 +72,10 @@ class EngineConfig:
     # draft_vocab.json lists (the whole vocabulary when it ships none); 0: the whole vocabulary.
     draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
-    max_prefill_tokens: int = 512  # prompt tokens per step; longer prompts are prefilled in chunks
+    max_prefill_tokens: int = 512  # prompt tokens per step, over all prefill chunks
     # Tokens a prompt chunk holds, the grid prompt reuse works in (scheduler.py). None: the most the target runs in one
     # call of this CPU's layer kernel (32 rows, or 256 with AMX tiles: about as fast a token as 512-token chunks,
-    # benchmarks/README.md "A finer prefill grid"), else max_prefill_tokens.
+    # benchmarks/README.md "A finer prefill grid") up to max_prefill_tokens, else max_prefill_tokens.
     prefill_chunk: int | None = None
     prefix_reuse: bool = True  # rows give the prompt chunks they hold to later requests (scheduler.py, reuse_rows)
 

@@ -248,16 +248,23 @@ class Scheduler:
                     computed.setdefault((chunk.start, chunk.end), []).append(chunk.seq)
                 return True
 
-            def admit_rest(seq: Sequence, start: int) -> None:
-                """The prompt's chunks from `start` on, in order, as many as the budget holds."""
-                while start < len(seq.prompt_ids) and admit(chunk := self._chunk(seq, computed, start)):
+            def admit_rest(seq: Sequence, chunk: PrefillChunk | None = None) -> None:
+                """The prompt's chunks after `chunk` (this step's first of it; None: from num_prefilled), in order,
+                as many as the budget holds. They must take effect in order too (a copy lands when its source's
+                forward runs, and with it the request's features, its progress and, on its last chunk, its first
+                token): the chunks it copies all come from the request it copies the first one from, whose chunks
+                run in order, and once it computes a chunk itself it copies none after it."""
+                start = seq.num_prefilled if chunk is None else chunk.end
+                sources = None if chunk is None else (chunk.source,) if chunk.source is not None else ()
+                while start < len(seq.prompt_ids) and admit(chunk := self._chunk(seq, computed, start, sources)):
                     start = chunk.end
+                    sources = (chunk.source,) if chunk.source is not None else ()
 
             for seq in self._running.values():  # oldest first
                 if seq.is_prefilled:
                     decodes.append(seq)
                 else:
-                    admit_rest(seq, seq.num_prefilled)
+                    admit_rest(seq)
             # in order: a long prompt at the head is not passed by shorter ones, which would starve it
             while self.waiting and self.slots.num_free:
                 slot, reused, held = self._row_for(self.waiting[0])
@@ -273,7 +280,7 @@ class Scheduler:
                     seq.drafter_context = min(held.drafter_len, reused)
                     seq.pending_features = held.features_up_to(reused)
                 self._running[seq.request_id] = seq
-                admit_rest(seq, chunk.end)
+                admit_rest(seq, chunk)
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
 
@@ -370,15 +377,16 @@ class Scheduler:
             reused = min(reused, resident.drafter_reach(reused) // size * size)
         return reused
 
-    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]],
-               start: int | None = None) -> PrefillChunk:
+    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]], start: int | None = None,
+               sources: tuple[Sequence, ...] | None = None) -> PrefillChunk:
         """The prompt's chunk on its grid from `start` (default num_prefilled, which only ever moves by whole chunks),
-        with the request that computes the same chunk in this step, if one does: the same span after the same
-        tokens."""
+        with the request that computes the same chunk in this step, if one does (among `sources`, where given): the
+        same span after the same tokens."""
         start = seq.num_prefilled if start is None else start
         end = min(len(seq.prompt_ids), start + self.config.grid)
         ids = seq.prompt_ids
-        source = next((s for s in computed.get((start, end), ())  # the chunk's own tokens first: most differ there
+        candidates = [s for s in computed.get((start, end), ()) if sources is None or any(s is x for x in sources)]
+        source = next((s for s in candidates  # the chunk's own tokens first: most differ there
                        if s.prompt_ids[start:end] == ids[start:end] and s.prompt_ids[:start] == ids[:start]), None)
         return PrefillChunk(seq, start, end, source)
 

@@ -822,6 +822,28 @@ def test_on_a_grid_finer_than_the_budget_chunks_share_steps_and_reuse_and_answer
     assert out.num_cached_tokens == 16 and widths.count(16) == -(-(len(second) - 16) // 8)
 
 
+def test_a_prompt_a_chunk_behind_its_twin_answers_as_the_target_does_with_its_prompts_logprobs(tiny_dirs):
+    """4-token chunks, 8 tokens a step: b arrives as its twin a computes its second chunk; asking for its prompt's
+    logprobs, b takes no row's chunks over and computes its first chunk itself, so it must not copy a's second one in
+    that step (the copy would land first, and b sample its first token twice)."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, max_prefill_tokens=8, prefill_chunk=4)
+    g = torch.Generator().manual_seed(3)
+    other, prompt = (torch.randint(3, 90, (n,), generator=g).tolist() for n in (4, 8))
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    with_logprobs = SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request(other, greedy)
+    a = engine.add_request(prompt, greedy)
+    engine.step()  # other's chunk and a's [0, 4)
+    b = engine.add_request(prompt, with_logprobs)
+    while engine.has_unfinished():
+        engine.step()
+    alone = _engine(tiny_dirs, "qwen3", 3, rows=1).generate([prompt], with_logprobs)[0]
+    assert a.output_ids == b.output_ids == hf_greedy(tiny_dirs["qwen3"], prompt)
+    assert len(b.prompt_logprobs) == len(prompt) - 1
+    torch.testing.assert_close(torch.tensor([x.logprob for x in b.prompt_logprobs]),
+                               torch.tensor([x.logprob for x in alone.prompt_logprobs]), atol=1e-5, rtol=0)
+
+
 def test_without_prefix_reuse_a_chats_next_turn_is_prefilled_from_the_start(tiny_dirs, monkeypatch):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=2, max_prefill_tokens=16, prefix_reuse=False)
     first = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(9)).tolist()

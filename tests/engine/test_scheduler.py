@@ -146,6 +146,25 @@ def test_on_a_grid_finer_than_the_budget_copies_share_each_chunk_and_rows_give_w
     assert step() == [(turn, 16, 20, None), (turn, 20, 23, None)]
 
 
+def test_a_request_copies_its_chunks_in_order_and_none_after_one_it_computes():
+    """A copy lands when its source's forward runs, and with it the request's progress and, on its last chunk, its
+    first token: b, a chunk behind its twin a, computes [0, 4) itself and so may not copy a's [4, 8), which a computes
+    earlier in the step (b would sample before its own first chunk ran)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_model_len=64, max_prefill_tokens=12, prefill_chunk=4,
+                                      reuse_rows=False))
+    other, a, b = Sequence(list(range(100, 108)), SamplingParams(max_new_tokens=4)), _seq(8), _seq(8)
+    sched.add(other, a)
+
+    def step():
+        batch = sched.schedule()
+        _run(sched, batch)
+        return [(c.seq, c.start, c.end, c.source) for c in batch.prefills]
+
+    assert step() == [(other, 0, 4, None), (other, 4, 8, None), (a, 0, 4, None)]
+    sched.add(b)
+    assert step() == [(a, 4, 8, None), (b, 0, 4, None), (b, 4, 8, None)]
+
+
 def test_a_prefill_chunk_past_the_budget_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"prefill_chunk must be in 0\.\.max_prefill_tokens \(8\), got 16"):
         SchedulerConfig(max_num_seqs=1, max_model_len=64, max_prefill_tokens=8, prefill_chunk=16)
