@@ -149,8 +149,7 @@ class ModelRunner:
         copies[i]: requests whose prompts hold row i's tokens up to its chunk's end and whose next chunk is the same
         [start, end) (so their K/V before `start` equal row i's; the scheduler orders a request's chunks so that
         those before it have run): they take row i's K/V and features instead of a forward of their own, and each
-        samples its first token as it would have alone. The result lists each row's
-        first token, then its copies'.
+        samples its first token as it would have alone. The result lists each row's first token, then its copies'.
         """
         start_time = time.perf_counter()
         starts = starts or [0] * len(seqs)
