@@ -10,18 +10,15 @@ from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from dflash_trt import SamplingParams
 from tests.engine.conftest import V
-from tests.engine.test_lossless import _engine, _prompts
+from tests.engine.test_lossless import _engine, _prompts, hf_model
 from tests.forced_drafts import force_drafts, force_tree_drafts
 
 NEW = 30
 PENALTIES = [dict(repetition_penalty=1.5), dict(frequency_penalty=0.8, presence_penalty=0.4),
              dict(repetition_penalty=1.2, presence_penalty=-0.5)]
-_hf: dict = {}
-
-
 def hf_penalized_greedy(target_dir, prompt: list[int], penalties: dict, new: int = NEW) -> list[int]:
     """One token at a time through transformers' model, penalties applied to each step's logits by the reference."""
-    hf = _hf.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+    hf = hf_model(target_dir)
     rep = RepetitionPenaltyLogitsProcessor(penalties.get("repetition_penalty", 1.0))
     ids = list(prompt)
     with torch.no_grad():
@@ -98,7 +95,7 @@ def test_greedy_under_min_tokens_equals_transformers_generate_with_min_new_token
     prompts, minimum = _prompts(3), 12
     free = [hf_penalized_greedy(tiny_dirs["qwen3"], p, {}) for p in prompts]
     stops = sorted({f[1] for f in free} | {f[3] for f in free})
-    hf = _hf.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    hf = hf_model(tiny_dirs["qwen3"])
     refs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=minimum, do_sample=False,
                         eos_token_id=stops, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(r) > minimum for r in refs) and any(len(r) < NEW for r in refs)  # min_tokens held, then a stop
@@ -133,7 +130,7 @@ def test_min_tokens_out_of_range_is_refused():
 @pytest.mark.parametrize("path", ["plain", "chain", "tree"])
 def test_greedy_under_logit_bias_and_allowed_tokens_equals_transformers_generate(tiny_dirs, path):
     prompts = _prompts(3)
-    hf = _hf.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    hf = hf_model(tiny_dirs["qwen3"])
     free = [hf_penalized_greedy(tiny_dirs["qwen3"], p, {}) for p in prompts]
     # push away the tokens the target chose first and second, and pull one it did not choose
     bias = {**{f[0]: -100.0 for f in free}, **{f[1]: -3.0 for f in free}, 40: 4.0}

@@ -4,18 +4,15 @@ oracle, in fp32."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from dflash_trt import SamplingParams
-from tests.engine.test_lossless import NEW, _engine, _prompts, hf_greedy
+from tests.engine.test_lossless import NEW, _engine, _prompts, hf_greedy, hf_model
 from tests.forced_drafts import force_drafts, force_tree_drafts
-
-_models: dict = {}
 
 
 def hf_logprobs(target_dir, prompt: list[int], output: list[int]) -> torch.Tensor:
     """[len(output), V]: transformers' log-softmax at the positions that chose each output token."""
-    hf = _models.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+    hf = hf_model(target_dir)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + output])).logits[0].float()
     return torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(output) - 1], dim=-1)
@@ -104,7 +101,7 @@ def test_prompt_tokens_carry_the_targets_log_probability_however_the_prompt_is_c
     prompt = _prompts(4)[3]  # 30 tokens: four chunks of 8
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1, max_prefill_tokens=chunk)
     (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=4, prompt_logprobs=2))
-    hf = _models.setdefault(str(tiny_dirs["qwen3"]), AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).eval())
+    hf = hf_model(tiny_dirs["qwen3"])
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
     assert [x.token_id for x in out.prompt_logprobs] == prompt[1:]

@@ -31,11 +31,18 @@ def _prompts(n, seed=5):
     return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
 
 
+def hf_model(target_dir):
+    """transformers' model of the target (the oracle), loaded once."""
+    if str(target_dir) not in _refs:
+        _refs[str(target_dir)] = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    return _refs[str(target_dir)]
+
+
 def hf_greedy(target_dir, prompt, new=NEW, eos=None):
     """transformers' own greedy continuation (the oracle)."""
     key = (str(target_dir), tuple(prompt), new, eos)
     if key not in _refs:
-        hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+        hf = hf_model(target_dir)
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
         _refs[key] = out[0, len(prompt):].tolist()
@@ -653,7 +660,7 @@ def hf_sample(target_dir, prompt, seed, temperature, new=NEW):
     oracle)."""
     key = ("sample", str(target_dir), tuple(prompt), seed, temperature, new)
     if key not in _refs:
-        hf = _refs.setdefault(str(target_dir), AutoModelForCausalLM.from_pretrained(target_dir).eval())
+        hf = hf_model(target_dir)
         u = np.random.Generator(np.random.PCG64(np.random.SeedSequence(2 * seed))).random(new, dtype=np.float32)
         ids = list(prompt)
         with torch.no_grad():
