@@ -132,7 +132,10 @@ class SweepConfig:
         return f"{self.root_url}/metrics"
 
     def requests_at(self, concurrency: int) -> int:
-        return max(self.min_requests, self.requests_per_concurrency * concurrency)
+        n = max(self.min_requests, self.requests_per_concurrency * concurrency)
+        if self.turns > 1:  # whole conversations, at least one a stream (else fewer streams would run)
+            n = max(-(-n // self.turns), concurrency) * self.turns
+        return n
 
     @property
     def num_warmup(self) -> int:

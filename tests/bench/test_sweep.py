@@ -843,6 +843,14 @@ def test_turns_of_a_conversation_each_follow_the_earlier_ones_and_their_answers(
     assert order.index("q0") < order.index("q1") < order.index("q2") and order.index("q3") < order.index("q4")
 
 
+def test_a_point_of_conversations_sends_whole_ones_at_least_one_a_stream():
+    cfg = config("http://127.0.0.1:1", [1, 4], requests_per_concurrency=4, turns=8)
+    assert (cfg.requests_at(1), cfg.requests_at(4)) == (8, 32)  # 4 and 16 requests: one and two conversations
+    cfg = config("http://127.0.0.1:1", [2], requests_per_concurrency=5, turns=3)
+    assert cfg.requests_at(2) == 12  # 10 requests: four conversations of three
+    assert config("http://127.0.0.1:1", [2], requests_per_concurrency=5).requests_at(2) == 10
+
+
 def test_a_failed_turn_ends_its_conversation_and_the_turns_left_fail_unsent(stub):
     state = stub.reset()
     sent = prompts("q0", "fail:q1", "q2", "q3", "q4")
