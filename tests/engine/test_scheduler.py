@@ -28,9 +28,11 @@ def _run(sched: Scheduler, batch, token: int = 50, max_model_len: int = 2048) ->
             sched.finish(s)
 
 
-def test_worked_example_of_the_docstring_chunks_and_interleaves():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8, prefill_chunk=4))
-    # other tokens than a's: b's first chunk would be a copy of a's
+def _interleaved(prefill_chunk: int) -> list:
+    """A (prompt 5) and B (prompt 20, other tokens: none of its chunks is a copy of A's) under an 8-token budget:
+    each of 4 steps' prefill chunks (A's?, start, end) and decodes (A's?), then the fifth step's decodes."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8,
+                                      prefill_chunk=prefill_chunk))
     a, b = _seq(5, new=10), Sequence(list(range(100, 120)), SamplingParams(max_new_tokens=10, ignore_eos=True))
     sched.add(a)
     sched.add(b)
@@ -39,32 +41,27 @@ def test_worked_example_of_the_docstring_chunks_and_interleaves():
         batch = sched.schedule()
         spans.append(([(c.seq is a, c.start, c.end) for c in batch.prefills], [s is a for s in batch.decodes]))
         _run(sched, batch)
-    assert spans == [
+    return spans + [[s is a for s in sched.schedule().decodes]]
+
+
+def test_worked_example_of_the_docstring_chunks_and_interleaves():
+    assert _interleaved(prefill_chunk=4) == [
         ([(True, 0, 4), (True, 4, 5)], []),  # B's first chunk (4) does not fit the 3 tokens left: it waits, queued
         ([(False, 0, 4), (False, 4, 8)], [True]),
         ([(False, 8, 12), (False, 12, 16)], [True]),
         ([(False, 16, 20)], [True]),  # B's last chunk samples its first token
+        [True, False],  # A and B decode together
     ]
-    assert sched.schedule().decodes == [a, b]
 
 
 def test_without_a_prefill_chunk_the_grid_is_the_budget_one_chunk_a_step():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_prefill_tokens=8))
-    a, b = _seq(5, new=10), _seq(20, new=10)
-    sched.add(a)
-    sched.add(b)
-    spans = []
-    for _ in range(4):
-        batch = sched.schedule()
-        spans.append(([(c.seq is a, c.start, c.end) for c in batch.prefills], [s is a for s in batch.decodes]))
-        _run(sched, batch)
-    assert spans == [
+    assert _interleaved(prefill_chunk=0) == [
         ([(True, 0, 5)], []),  # B's first chunk (8) does not fit the 3 tokens left: it waits, in the queue
         ([(False, 0, 8)], [True]),
         ([(False, 8, 16)], [True]),
-        ([(False, 16, 20)], [True]),  # B's last chunk samples its first token
+        ([(False, 16, 20)], [True]),
+        [True, False],
     ]
-    assert sched.schedule().decodes == [a, b]
 
 
 def test_a_prompts_chunks_lie_on_its_own_grid_whatever_arrives_with_it():
