@@ -223,7 +223,8 @@ def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int, history: Seq
     }
     if cfg.api == "chat":
         system = [{"role": "system", "content": cfg.prefix}] if cfg.prefix else []
-        earlier = [{"role": role, "content": text} for turn in history for role, text in zip(("user", "assistant"), turn)]
+        earlier = [{"role": role, "content": text}
+                   for turn in history for role, text in zip(("user", "assistant"), turn)]
         body["messages"] = [*system, *earlier, {"role": "user", "content": prompt.text}]
     else:
         text = "".join(f"{user}{answer}\n\n" for user, answer in history) + prompt.text

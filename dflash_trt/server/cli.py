@@ -138,8 +138,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
                 draft_len_schedule=schedule or None, draft_tree=tree, lookup_nodes=lookup_nodes,
                 adaptive_draft_len=adaptive_draft_len,
                 draft_vocab_size=draft_vocab_size, max_queue_len=max_queue_len, max_prefill_tokens=max_prefill_tokens,
-                prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse, dtype=dtype, device=device, screen_head=head_screen,
-                int8_drafter=int8_drafter)
+                prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse, dtype=dtype, device=device,
+                screen_head=head_screen, int8_drafter=int8_drafter)
 
 
 @click.command()
