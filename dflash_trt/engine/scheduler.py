@@ -339,13 +339,15 @@ class Scheduler:
         holds them: a freed row's last prompt (the row given), or a running request's, whose row they are copied from
         (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs)."""
         reused, held = 0, None
-        # one that asks for its prompt's logprobs needs every prompt position's hidden state
-        if self.config.reuse_rows and seq.params.prompt_logprobs is None:
+        grid = self.config.grid
+        # one that asks for its prompt's logprobs needs every prompt position's hidden state; one whose prompt is no
+        # longer than a chunk computes its only chunk (a cheap answer for a server of many rows and short prompts)
+        if self.config.reuse_rows and seq.params.prompt_logprobs is None and len(seq.prompt_ids) > grid:
             # A running row's prompt positions are not written again (its answer goes after them, and this step's
             # forwards come after the copy); those of this step's chunks are not written yet, so they do not count.
             # On a tie a freed row wins: it is taken over, not copied.
             candidates = [*sorted(self._resident.values(), key=lambda r: r.row),
-                          *map(_Resident.of, self._running.values())]
+                          *(_Resident.of(s) for s in self._running.values() if s.num_prefilled >= grid)]
             for candidate in candidates:
                 if (n := self._reusable(candidate, seq.prompt_ids)) > reused:
                     reused, held = n, candidate
