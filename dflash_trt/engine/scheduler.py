@@ -379,12 +379,11 @@ class Scheduler:
             reused = min(reused, resident.drafter_reach(reused) // size * size)
         return reused
 
-    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]], start: int | None = None,
+    def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]], start: int,
                sources: tuple[Sequence, ...] | None = None) -> PrefillChunk:
-        """The prompt's chunk on its grid from `start` (default num_prefilled, which only ever moves by whole chunks),
+        """The prompt's chunk on its grid from `start` (on the grid: num_prefilled only ever moves by whole chunks),
         with the request that computes the same chunk in this step, if one does (among `sources`, where given): the
         same span after the same tokens."""
-        start = seq.num_prefilled if start is None else start
         end = min(len(seq.prompt_ids), start + self.config.grid)
         ids = seq.prompt_ids
         candidates = [s for s in computed.get((start, end), ()) if sources is None or any(s is x for x in sources)]
