@@ -250,7 +250,8 @@ def _json_object(text: str | None, option: str) -> dict:
 @click.option("--tokenizer", default=None, help="Tokenizer (dir or HF id) to cut --isl prompts and --prefix-len "
               "exactly (default ~4 chars/token) and to count the output tokens of an endpoint that sends no usage "
               "(default: its chunks).")
-@click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests.")
+@click.option("--requests-per-concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="A point sends max(4, this x concurrency) requests (with --turns, whole conversations, at least one a "
+              "stream).")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="Warm-up requests before the first point (default: its concurrency).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the order of the prompts.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,

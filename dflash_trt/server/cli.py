@@ -103,8 +103,8 @@ def _engine_options(f):
                      help=f"Requests waiting for a row beyond which the server answers 503 (default: "
                      f"{DEFAULT_MAX_QUEUE_LEN})."),
         click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=None,
-                     help=f"Prompt tokens per step; longer prompts are chunked, each on a grid of its own positions "
-                          f"(default: {DEFAULT_MAX_PREFILL_TOKENS})."),
+                     help=f"Prompt tokens per step, over all prefill chunks (--prefill-chunk) (default: "
+                          f"{DEFAULT_MAX_PREFILL_TOKENS})."),
         click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
                      help="Tokens a prompt chunk holds, each prefilled in a forward of its own, several a step within "
                      "--max-prefill-tokens; prompt reuse takes whole chunks (default: what the target's CPU layer "
