@@ -1,8 +1,9 @@
 """Where a model named in a build config lives: the embedded default, a local directory, the Hugging
-Face cache, or (for planning only) a bundled copy of its public config.json."""
+Face cache, or (for planning only) a bundled copy of its public config.json, else that file alone from the Hub."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,12 +12,13 @@ from dflash_trt.model_configs import bundled_config
 from dflash_trt.models.config import read_config_json
 
 EMBEDDED_MODELS = ("smollm2-135m-instruct",)
+_HUB_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
 class ModelSource:
     ref: str  # as written in the build config
-    kind: str  # "embedded" | "local" | "hf_cache" | "bundled"
+    kind: str  # "embedded" | "local" | "hf_cache" | "bundled" | "hub_config"
     path: Path | None  # the model directory; None when only bundled config values are known
     config: dict  # its config.json
 
@@ -35,6 +37,31 @@ def _hf_cache_dir(repo_id: str) -> Path | None:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError):
         return None
+
+
+def _hub_config(repo_id: str) -> tuple[dict | None, str]:
+    """The repo's config.json alone, fetched from the Hub (a plan needs no weights), or None and why not.
+
+    One request, no retries (offline, hf_hub_download retries for 23 s), and not into the HF cache, where a snapshot
+    of one file would read as the model downloaded and a build would look there for weights."""
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    if constants.HF_HUB_OFFLINE:
+        return None, "HF_HUB_OFFLINE is set"
+    url = hf_hub_url(repo_id, "config.json")
+    try:
+        response = get_session().get(url, headers=build_hf_headers(), timeout=_HUB_TIMEOUT_S, follow_redirects=True)
+        hf_raise_for_status(response)
+    except Exception as e:  # noqa: BLE001 - no route, timeout, 401/403 gated, 404: each means no config here
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}"
+    try:
+        config = json.loads(response.text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{url}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{url}: a JSON {type(config).__name__}, not an object of config keys")
+    return config, ""
 
 
 def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = False) -> ModelSource:
@@ -66,7 +93,12 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
     bundled = bundled_config(ref) if allow_bundled else None
     if bundled is not None:
         return ModelSource(ref, "bundled", None, bundled)
-    hint = "" if allow_bundled else " (`--plan-only` can plan with bundled config values where they exist)"
+    hint = " (`--plan-only` plans with bundled config values, or with the config.json alone from the Hub)"
+    if allow_bundled:
+        fetched, why = _hub_config(ref)
+        if fetched is not None:
+            return ModelSource(ref, "hub_config", None, fetched)
+        hint = f" (nor could its config.json alone be fetched for the plan: {why})"
     raise FileNotFoundError(
         f"{key}={ref!r} is not on disk: fetch it with `hf download {ref}` (huggingface_hub) on a machine with "
         f"network access, or set {key} to a local directory (written ./{ref} if that is what you meant){hint}"

@@ -1,0 +1,101 @@
+"""Where a build config's models come from: a plan needs only a model's config.json, which `--plan-only` takes from
+the Hub (one request, nothing cached) when neither the disk nor the bundled copies hold the model."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dflash_trt.build import build_engine, prepare_build
+from dflash_trt.cli import main
+
+REPO = "some-org/tiny-dflash"
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A local stand-in for the Hub: serves `files[path]` (bytes) and records every requested path."""
+    from huggingface_hub import constants
+
+    files: dict[str, bytes] = {}
+    requested: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            requested.append(self.path)
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    yield files, requested
+    server.shutdown()
+
+
+def _config(tmp_path: Path, target: Path, drafter: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"name": "tiny", "model": str(target), "hardware": "cpu", "dtype": "float32",
+                                    "max_batch_size": 2, "max_seq_len": 256,
+                                    "speculative_config": {"speculative_model": drafter, "max_draft_len": 7}}))
+    return path
+
+
+def test_plan_only_plans_with_the_drafters_config_json_from_the_hub_as_with_the_drafter_on_disk(
+        tiny_dirs, tmp_path, hub):
+    files, requested = hub
+    drafter = tiny_dirs["qwen3_drafter"]
+    files[f"/{REPO}/resolve/main/config.json"] = (drafter / "config.json").read_bytes()
+    on_disk = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], str(drafter)), allow_bundled=True)
+    fetched = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+    assert fetched.drafter.kind == "hub_config" and fetched.drafter.path is None
+    assert fetched.plan.to_dict() == on_disk.plan.to_dict()
+    assert requested == [f"/{REPO}/resolve/main/config.json"]  # one file, no weights
+
+
+def test_a_build_does_not_fetch_configs_and_says_how_to_download_the_model(tiny_dirs, tmp_path, hub):
+    files, requested = hub
+    files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
+    with pytest.raises(FileNotFoundError, match=f"is not on disk: fetch it with `hf download {REPO}`"):
+        build_engine(_config(tmp_path, tiny_dirs["qwen3"], REPO), tmp_path / "e", progress=False)
+    assert requested == [] and not (tmp_path / "e").exists()
+
+
+def test_a_repo_the_hub_does_not_have_is_an_error_that_says_why_the_plan_could_not_fetch_it(tiny_dirs, tmp_path, hub):
+    r = CliRunner().invoke(main, ["build", str(_config(tmp_path, tiny_dirs["qwen3"], REPO)), "--plan-only"])
+    assert r.exit_code != 0
+    assert f"hf download {REPO}" in r.output and "nor could its config.json alone be fetched" in r.output
+    assert "404" in r.output
+
+
+def test_a_hub_answer_that_is_not_a_config_names_the_url(tiny_dirs, tmp_path, hub):
+    files, _ = hub
+    url_path = f"/{REPO}/resolve/main/config.json"
+    for body, problem in ((b"<html>login</html>", "not JSON"), (b"[1, 2]", "a JSON list, not an object")):
+        files[url_path] = body
+        with pytest.raises(ValueError, match=f"{url_path}: {problem}"):
+            prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+
+
+def test_offline_the_plan_asks_nothing_of_the_hub(tiny_dirs, tmp_path, hub, monkeypatch):
+    from huggingface_hub import constants
+
+    files, requested = hub
+    files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
+        prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+    assert requested == []
