@@ -181,6 +181,7 @@ class RequestResult:
     finish: float | None = None  # when the request was over, failed or not: it held its slot until then
     completion_tokens: int | None = None  # usage, when the endpoint sends it
     text: list[str] = field(default_factory=list)  # the content chunks, for a tokenizer to count without usage
+    answer: list[str] = field(default_factory=list)  # of those, the answer's (not reasoning): a chat's next turn
     counted_tokens: int | None = None  # that count
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # of those, the ones the server did not prefill again (usage, where it says)
@@ -272,7 +273,7 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                     res.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
                     return
                 try:
-                    _read_event(event, cfg.api, now, res)
+                    _read_event(event, cfg.api, now, res, _max_tokens(body))
                 except (AttributeError, TypeError, ValueError) as e:
                     # a malformed event fails its request, not the whole sweep and every point measured so far
                     res.error = f"malformed event {payload[:200]!r}: {e}"
@@ -309,12 +310,29 @@ async def _drain(lines) -> None:
         pass
 
 
-def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
+def _max_tokens(body: dict) -> int | None:
+    limits = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if isinstance(v, int)]
+    return max(limits) if limits else None
+
+
+def _token_count(usage: dict, key: str, default: int | None) -> int | None:
+    value = usage.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"usage.{key} is {value!r}, not a count of tokens")
+    return value
+
+
+def _read_event(event: dict, api: str, now: float, res: RequestResult, max_tokens: int | None = None) -> None:
+    """Raises ValueError (or TypeError, AttributeError) on an event no endpoint should send."""
     res.end = now
     usage = event.get("usage")
     if usage:
-        res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
-        res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+        res.completion_tokens = _token_count(usage, "completion_tokens", res.completion_tokens)
+        res.prompt_tokens = _token_count(usage, "prompt_tokens", res.prompt_tokens)
+        if max_tokens is not None and res.completion_tokens is not None and res.completion_tokens > max_tokens:
+            # figures on it would be off by that factor (tok/s up, TPOT down)
+            raise ValueError(f"usage.completion_tokens {res.completion_tokens} is more than the request's "
+                             f"max_tokens {max_tokens}")
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             res.cached_tokens = details["cached_tokens"]
@@ -324,19 +342,40 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult) -> None:
         if api == "chat":
             delta = choice.get("delta") or {}
             # Reasoning models (gpt-oss through harmony) stream their analysis channel in a separate field:
-            # those are generated tokens too, for TTFT and ITL alike.
-            content = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+            # those are generated tokens too, for TTFT and ITL alike, but not the answer a chat's next turn repeats
+            # (chat templates drop earlier turns' reasoning, and clients do not send it back).
+            answer = delta.get("content")
+            content = answer or delta.get("reasoning_content") or delta.get("reasoning")
         else:
-            content = choice.get("text")
+            content = answer = choice.get("text")
         if content:
             res.chunk_times.append(now)
             res.text.append(content)
+            if answer:
+                res.answer.append(answer)
         if choice.get("finish_reason"):
             res.finish_reason = choice["finish_reason"]
         if isinstance(choice.get("acceptance"), dict):
-            res.acceptance = choice["acceptance"]
+            res.acceptance = _acceptance(choice["acceptance"])
         if choice.get("avg_decoded_tokens_per_iter"):
             res.avg_decoded_tokens_per_iter = float(choice["avg_decoded_tokens_per_iter"])
+
+
+def _acceptance(record: dict) -> dict:
+    """This project's per-choice acceptance record, checked for what response_acceptance reads."""
+    steps, tau = record.get("num_steps"), record.get("tau")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"acceptance.num_steps is {steps!r}, not a count of steps")
+    if steps and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
+        raise ValueError(f"acceptance.tau is {tau!r}, not a number")
+    counts = {key: record.get(key, 0) for key in ("total_draft_tokens", "total_accepted_draft_tokens")}
+    histogram = record.get("acceptance_histogram") or []
+    counts.update({f"acceptance_histogram[{i}]": n for i, n in enumerate(histogram if isinstance(histogram, list)
+                                                                         else [histogram])})
+    for key, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"acceptance.{key} is {n!r}, not a count")
+    return record
 
 
 async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: list[BenchPrompt], concurrency: int,
@@ -362,7 +401,7 @@ async def run_requests(client: httpx.AsyncClient, cfg: SweepConfig, prompts: lis
                                                    "failed: not sent", finish=now)
                     else:
                         results[i] = res = await send_request(client, cfg, prompts[i], first_index + i, history)
-                        history = [*history, (prompts[i].text, "".join(res.text))] if res.ok else None
+                        history = [*history, (prompts[i].text, "".join(res.answer))] if res.ok else None
                     bar.update()
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(firsts)))))
@@ -600,7 +639,7 @@ _ACCEPTANCE = ("source", "field", "metrics", "tau", "num_steps", "acceptance_rat
 # different runs concatenate; a merged run's rounds last.
 CSV_COLUMNS: tuple[str, ...] = (
     "concurrency", "tokens_from", "num_requests", "num_failed", "empty_answers", "errors", "duration_s",
-    "output_tokens", "input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user", "user_throughput_tok_s",
+    "output_tokens", "input_tokens", "cached_input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user", "user_throughput_tok_s",
     "tok_s_per_gpu",
     *(f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2el_s") for s in _SUMMARY),
     "repeated_prompts",

@@ -66,6 +66,8 @@ class StubState:
     iteration_stats: list = field(default_factory=list)  # trtllm-serve's queue, drained by each GET /metrics
     fail_after: int | None = None  # requests after this many arrivals fail (a server that goes down mid-sweep)
     cached_tokens: int | None = None  # usage's prompt_tokens_details.cached_tokens, where set
+    usage_patch: dict = field(default_factory=dict)  # prompt text -> entries that replace its usage's
+    acceptance_record: dict = field(default_factory=dict)  # prompt text -> its acceptance record as sent
 
     def metrics_text(self) -> str:
         # Two engines, as vLLM labels its counters, so the parser must sum label sets.
@@ -94,10 +96,10 @@ def stub_app(state: StubState, n_chunks: int = 6):
             state.inflight -= 1
             return JSONResponse({"error": {"message": f"stub failure for {text}"}}, status_code=500)
 
-        def chunk(content: str | None, finish: str | None = None, **extra) -> dict:
+        def chunk(content: str | None, finish: str | None = None, field: str = "content", **extra) -> dict:
             choice = {"index": 0, "finish_reason": finish, **extra}
             if chat:
-                choice["delta"] = {"content": content}
+                choice["delta"] = {field: content}
             else:
                 choice["text"] = content or ""
             return {"choices": [choice]}
@@ -116,7 +118,10 @@ def stub_app(state: StubState, n_chunks: int = 6):
                 for i in range(chunks):
                     if i:
                         await asyncio.sleep(state.gaps.get(text, GAP))
-                    yield event(chunk("ab"[: state.tokens_per_chunk]))
+                    # "think:": a reasoning model's first two chunks, its analysis channel
+                    field = "reasoning_content" if text.startswith("think:") and i < 2 else "content"
+                    yield event(chunk("rb"[: state.tokens_per_chunk] if field != "content" else
+                                      "ab"[: state.tokens_per_chunk], field=field))
                     if text.startswith("twochoices:"):  # another choice's chunk, which is not this answer's
                         yield event({"choices": [{**chunk("zz"), "index": 1}]})
                     if text.startswith("stall:"):  # a server that stops sending mid-answer
@@ -136,6 +141,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                     tau, steps = state.acceptance[text]
                     extra["acceptance"] = {"tau": tau, "num_steps": steps, "acceptance_histogram": [1, steps - 1],
                                            "total_draft_tokens": steps * K, "total_accepted_draft_tokens": steps}
+                if text in state.acceptance_record:
+                    extra["acceptance"] = state.acceptance_record[text]
                 if text in state.decoded_per_iter:
                     extra["avg_decoded_tokens_per_iter"] = state.decoded_per_iter[text]
                 state.finished += 1
@@ -152,7 +159,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                         "specDecodingStats": {"numDraftTokens": K, "numAcceptedTokens": got,
                                               "numRequestsWithDraftTokens": 1, "acceptanceLength": 1.0 + got,
                                               "iterLatencyMS": 2.0, "draftOverhead": 0.1}})
-                usage = {"prompt_tokens": len(text), "completion_tokens": chunks * state.tokens_per_chunk}
+                usage = {"prompt_tokens": len(text), "completion_tokens": chunks * state.tokens_per_chunk,
+                         **state.usage_patch.get(text, {})}
                 if state.cached_tokens is not None:
                     usage["prompt_tokens_details"] = {"cached_tokens": state.cached_tokens}
                 final = chunk(None, "length", **extra)
@@ -293,7 +301,7 @@ def test_latencies_match_the_stub_delays(stub):
 def test_tokens_come_from_usage_else_from_chunks(stub):
     # Two tokens per chunk (as a speculative step sends): usage says 12 tokens over 6 chunks.
     stub.reset(tokens_per_chunk=2)
-    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("x"))["points"]
+    (pt,) = run_sweep(config(stub.url, [1], osl=12, min_requests=2), prompts("x"))["points"]
     assert pt["output_tokens"] == 2 * 12
     span = 5 * GAP  # from the first chunk to the last
     assert span / 11 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 11
@@ -524,6 +532,26 @@ def test_acceptance_fields_of_the_wrong_type_fail_their_request_only(stub):
     assert pt["num_failed"] == 1 and "malformed event" in pt["errors"][0]
 
 
+@pytest.mark.parametrize("patch, error", [
+    ({"usage_patch": {"bad": {"completion_tokens": "6"}}}, "usage.completion_tokens is '6', not a count"),
+    ({"usage_patch": {"bad": {"prompt_tokens": "3"}}}, "usage.prompt_tokens is '3', not a count"),
+    ({"usage_patch": {"bad": {"completion_tokens": -1}}}, "usage.completion_tokens is -1, not a count"),
+    # the stub streams 6 chunks of an answer of at most 6 tokens: 60 would make tok/s ten times what was served
+    ({"usage_patch": {"bad": {"completion_tokens": 60}}}, "usage.completion_tokens 60 is more than the request's "
+                                                          "max_tokens 6"),
+    ({"acceptance_record": {"bad": {"num_steps": 3}}}, "acceptance.tau is None, not a number"),
+    ({"acceptance_record": {"bad": {"tau": 2.0, "num_steps": "3"}}}, "acceptance.num_steps is '3', not a count"),
+    ({"acceptance_record": {"bad": {"tau": 2.0, "num_steps": 3, "acceptance_histogram": [1, "2"]}}},
+     r"acceptance.acceptance_histogram\[1\] is '2', not a count"),
+])
+def test_counts_an_endpoint_gets_wrong_fail_their_request_not_the_sweep_or_its_figures(stub, patch, error):
+    stub.reset(**patch)
+    (pt,) = run_sweep(config(stub.url, [1], osl=6, min_requests=2), prompts("ok", "bad"))["points"]
+    assert pt["num_failed"] == 1 and "malformed event" in pt["errors"][0]
+    assert re.search(error, pt["errors"][0]), pt["errors"][0]
+    assert pt["output_tokens"] == 6  # the good request's alone
+
+
 # --- acceptance -----------------------------------------------------------------------------------
 
 def test_acceptance_from_response_fields(stub):
@@ -710,6 +738,8 @@ def test_csv_has_the_same_columns_whatever_the_endpoint_reports(stub, tmp_path):
     runs["response and vllm"] = run_sweep(config(stub.url, [1, 2]), prompts("a"))
     stub.reset(metrics_format="trtllm", decoded_per_iter={"a": 2.0})
     runs["trtllm"] = run_sweep(config(stub.url, [1]), prompts("a"))
+    stub.reset(cached_tokens=3)
+    runs["cached prompt tokens"] = run_sweep(config(stub.url, [1]), prompts("a"))
     stub.reset(acceptance={"a": (2.0, 3)})
     runs["merged"] = merge_rounds([runs["response and vllm"], run_sweep(config(stub.url, [1, 2]), prompts("a"))])
     tables = {name: csv_table(write_results(r, tmp_path / f"{i}.json")[1]) for i, (name, r) in enumerate(runs.items())}
@@ -841,6 +871,15 @@ def test_turns_of_a_conversation_each_follow_the_earlier_ones_and_their_answers(
                     "q4": history("q3"), "q5": history("q3", "q4"), "q6": history()}
     order = list(seen)
     assert order.index("q0") < order.index("q1") < order.index("q2") and order.index("q3") < order.index("q4")
+
+
+def test_a_turn_repeats_the_answer_of_a_reasoning_model_without_its_reasoning(stub):
+    """Reasoning streams count as generated tokens, but a chat's next turn sends back the answer alone, as chat
+    clients do (and as gpt-oss's template would drop it anyway)."""
+    state = stub.reset()
+    results = conversation(stub, config(stub.url, [1], turns=2), prompts("think:q0", "q1"), 1)
+    assert all(r.ok for r in results) and len(results[0].chunk_times) == 6
+    assert state.arrivals[1][0]["messages"][1] == {"role": "assistant", "content": "aaaa"}
 
 
 def test_a_point_of_conversations_sends_whole_ones_at_least_one_a_stream():
