@@ -457,10 +457,17 @@ def compare(run, base, as_json) -> None:
     try:
         a, b = load_runs([run, base])
         distinct_labels([a, b], [run, base])
-        rows = compare_runs(a, b)
+        rows = compare_runs(a, b, names=(run, base))
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     # warnings, not refusals: a comparison across workloads may be meant, but must not pass for a like-for-like one
+    compared = {r["concurrency"] for r in rows}
+    for (loaded, name), other in (((a, run), (b, base)), ((b, base), (a, run))):
+        if incomplete(other[0]) is None:  # an incomplete sweep's missing points are named below
+            left_out = sorted({int(p["concurrency"]) for p in loaded["points"]} - compared)
+            if left_out:
+                click.echo(f"warning: {name} measured concurrency {', '.join(map(str, left_out))}, which "
+                           f"{other[1]} did not: left out", err=True)
     for loaded, name in ((a, run), (b, base)):
         if incomplete(loaded) is not None:
             click.echo(f"warning: {name} is an incomplete sweep ({incomplete(loaded)}): compared at the "

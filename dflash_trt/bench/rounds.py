@@ -105,15 +105,15 @@ def workload_differences(run: dict, base: dict, names: Sequence[str] = ("run", "
             for k in WORKLOAD if k in mine and k in theirs and mine[k] != theirs[k]]
 
 
-def compare_runs(run: dict, base: dict) -> list[dict]:
-    """Per concurrency: run over base by the merged (median-round) points, and round by round, where both were
-    swept in the same number of alternating rounds."""
-    mine, theirs = _points_by_concurrency(run, "run"), _points_by_concurrency(base, "base")
+def compare_runs(run: dict, base: dict, names: tuple[str, str] = ("run", "base")) -> list[dict]:
+    """Per concurrency both measured: run over base by the merged (median-round) points, and round by round, where
+    both were swept in the same number of alternating rounds. `names` (their files) name them in errors."""
+    mine, theirs = _points_by_concurrency(run, names[0]), _points_by_concurrency(base, names[1])
     rows = []
     for c in sorted(mine.keys() & theirs.keys()):
         a, b = mine[c], theirs[c]
         if not b[METRIC] or 0 in (b.get("rounds_output_tok_s") or []):
-            raise ValueError(f"base: {METRIC} 0 at concurrency {c} (every request failed?): no ratio to take")
+            raise ValueError(f"{names[1]}: {METRIC} 0 at concurrency {c} (every request failed?): no ratio to take")
         row = {"concurrency": c, METRIC: a[METRIC], f"base_{METRIC}": b[METRIC], "ratio": a[METRIC] / b[METRIC]}
         ra, rb = a.get("rounds_output_tok_s"), b.get("rounds_output_tok_s")
         if ra and rb and len(ra) == len(rb):
@@ -122,5 +122,5 @@ def compare_runs(run: dict, base: dict) -> list[dict]:
                        paired_min=min(paired), paired_max=max(paired))
         rows.append(row)
     if not rows:
-        raise ValueError("the two runs share no concurrency")
+        raise ValueError(f"{names[0]} and {names[1]} share no concurrency")
     return rows

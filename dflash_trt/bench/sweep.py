@@ -257,6 +257,11 @@ async def _stream(client: httpx.AsyncClient, cfg: SweepConfig, body: dict, res: 
                 text = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {text[:500]}"
                 return
+            if resp.headers.get("content-type", "").startswith("application/json"):
+                # a server that answers an error (or ignores "stream") with one JSON body: its message is the news
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP 200 with a JSON body, not an event stream: {text[:500]}"
+                return
             done = False
             lines = resp.aiter_lines()
             async for line in lines:

@@ -239,6 +239,25 @@ def test_plot_and_compare_say_which_runs_are_incomplete_sweeps(tmp_path):
     assert r.exit_code == 0 and r.stderr == "", r.output
 
 
+def test_compare_names_the_concurrencies_only_one_run_measured_and_the_file_it_cannot_read(tmp_path):
+    def run(path, label, concurrencies):
+        points = [{"concurrency": c, "output_tok_s": 10.0 * c, "tok_s_per_user": 10.0 / c, "tok_s_per_gpu": 10.0 * c}
+                  for c in concurrencies]
+        path.write_text(json.dumps({"label": label, "points": points, "complete": True}))
+        return str(path)
+
+    wide, narrow = run(tmp_path / "wide.json", "ar", (1, 2, 4, 8)), run(tmp_path / "narrow.json", "dflash", (1, 2))
+    r = CliRunner().invoke(main, ["bench", "compare", narrow, wide])
+    assert r.exit_code == 0 and "c=2" in r.stdout and "c=4" not in r.stdout, r.output
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert warnings == [f"warning: {wide} measured concurrency 4, 8, which {narrow} did not: left out"], r.stderr
+    (tmp_path / "empty.json").write_text(json.dumps({"label": "x", "points": []}))
+    r = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "empty.json"), wide])
+    assert r.exit_code == 1 and f"{tmp_path / 'empty.json'}: no 'points'" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", "compare", run(tmp_path / "far.json", "far", (16,)), wide])
+    assert r.exit_code == 1 and f"{tmp_path / 'far.json'} and {wide} share no concurrency" in r.output, r.output
+
+
 def test_a_sweep_sends_its_api_key_and_names_a_missing_one(tiny_dirs, tmp_path, monkeypatch):
     """serve --api-key (or vLLM's) answers 401 without it: the sweep takes it from --api-key or OPENAI_API_KEY, and
     never writes it into the result."""

@@ -95,6 +95,9 @@ def stub_app(state: StubState, n_chunks: int = 6):
         if text.startswith("fail:") or (state.fail_after is not None and len(state.arrivals) > state.fail_after):
             state.inflight -= 1
             return JSONResponse({"error": {"message": f"stub failure for {text}"}}, status_code=500)
+        if text.startswith("json200:"):  # an error as one JSON body, status 200 (no stream)
+            state.inflight -= 1
+            return JSONResponse({"error": {"message": "stub refuses this prompt"}})
 
         def chunk(content: str | None, finish: str | None = None, field: str = "content", **extra) -> dict:
             choice = {"index": 0, "finish_reason": finish, **extra}
@@ -434,6 +437,12 @@ def test_cut_dropped_and_malformed_streams_fail_their_request_only(stub):
     assert pt["output_tokens"] == 6 and pt["tokens_from"] == "usage"  # the one complete answer's
     joined = " ".join(pt["errors"])
     assert "before [DONE]" in joined and "RemoteProtocolError" in joined and "malformed event" in joined
+
+
+def test_an_error_sent_as_one_json_body_with_status_200_fails_its_request_with_the_servers_message(stub):
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("ok", "json200:x"))["points"]
+    assert pt["num_failed"] == 1 and "stub refuses this prompt" in pt["errors"][0], pt["errors"]
 
 
 def test_an_answer_complete_at_done_succeeds_though_the_server_holds_the_body_open(stub):
