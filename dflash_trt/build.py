@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,9 +30,11 @@ from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_json_object
 from dflash_trt.models.dflash import DFlashConfig
+from dflash_trt.models.tokenizer import TOKENIZER_MARKERS, load_tokenizer
 from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
+from dflash_trt.signals import signal_handlers
 from dflash_trt.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE, cut_draft_vocab, load_draft_vocab
 from dflash_trt.trtllm.config_writer import llm_api_options
 from dflash_trt.trtllm.llm_api_keys import (
@@ -269,8 +270,8 @@ def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: l
 
 def _tokenizer_files(src: Path) -> list[str]:
     found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not any(n in found for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{src}: no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model)")
+    if not any(n in found for n in TOKENIZER_MARKERS):
+        raise FileNotFoundError(f"{src}: no tokenizer files ({' / '.join(TOKENIZER_MARKERS)})")
     return found
 
 
@@ -281,24 +282,7 @@ def _write_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
         shutil.copy2(src / n, dst / n)
     # Loaded from the copy, as generate and serve will load it: a damaged file, or one the copy left behind,
     # fails the build instead of the first request.
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(dst))
-    except Exception as e:  # tokenizers and transformers raise many types for a file they cannot read
-        raise ValueError(f"{src}: the tokenizer does not load ({type(e).__name__}: {e})") from e
-    if len(tokenizer) > vocab_size:
-        raise ValueError(
-            f"{src}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is {vocab_size}; "
-            "it is another model's tokenizer, or the checkpoint is"
-        )
-    if tokenizer.chat_template:
-        try:  # one user message: what any chat template must render, else every chat request fails
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                          add_generation_prompt=True)
-        except Exception as e:  # jinja2's syntax and undefined errors, a template's own raise_exception
-            raise ValueError(f"{src}: the chat template does not render a user message "
-                             f"({type(e).__name__}: {e})") from e
+    load_tokenizer(dst, vocab_size, named=src)
     return copied
 
 
@@ -377,7 +361,7 @@ def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict |
     _tokenizer_files(p.target.path)  # before gigabytes of weights are copied
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = dir_swap.temp_beside(out, BUILD_WRITING)
-    with _sigterm_unwinds(), dir_swap.held(tmp):
+    with _termination_unwinds(), dir_swap.held(tmp):
         tmp.mkdir()
         _write_files(p, out, tmp, weights, force, progress)
     return out
@@ -438,19 +422,13 @@ def _write_files(p: PreparedBuild, out: Path, tmp: Path, weights: dict[str, list
 
 
 @contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM (a stopped job, `timeout`, a scheduler) unwinds like Ctrl-C, so a half-written engine is removed
-    at once rather than by the next build to the same place. SIGKILL cannot be caught: that case stays the next
-    build's (dir_swap.remove_stale)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
+def _termination_unwinds() -> Iterator[None]:
+    """SIGTERM (a stopped job, `timeout`, a scheduler) and SIGHUP (the terminal or SSH session closed) unwind like
+    Ctrl-C, so a half-written engine (hundreds of GB for a large target) is removed at once rather than by the next
+    build to the same place; a build under nohup, which ignores SIGHUP, goes on. SIGKILL cannot be caught: that case
+    stays the next build's (dir_swap.remove_stale)."""
     def unwind(signum: int, frame) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, unwind)
-    try:
+    with signal_handlers(unwind, signal.SIGTERM, signal.SIGHUP):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -179,7 +179,7 @@ def _unlink_if_free(lock: Path) -> None:
 def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | None = None) -> None:
     """Rename the finished `tmp` to `out`, setting a previous `out` aside as `replaced` and deleting it after; the
     previous one goes back where the second rename fails. `check` runs first, in the same block: another process
-    may have written `out` meanwhile. SIGTERM and SIGINT wait for the block, which would otherwise leave neither.
+    may have written `out` meanwhile. SIGTERM, SIGINT and SIGHUP wait for the block, which would otherwise leave neither.
     Swaps into one `out` take turns (a lock named for it): two at once could each set aside what the other had just
     renamed in, and the slower one's rename then failed with a bare ENOTEMPTY."""
     with held(out.parent / f".{out.name}.{SWAP}"), signals_held():  # Ctrl-C still ends the wait for another swap
@@ -201,11 +201,11 @@ def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | Non
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGTERM and SIGINT wait until the block ends (then unwind as usual)."""
+    """SIGTERM, SIGINT and SIGHUP wait until the block ends (then unwind as usual)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    blocked = {signal.SIGTERM, signal.SIGINT}
+    blocked = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         yield

@@ -214,11 +214,10 @@ def open_engine(path: str | Path, backend: str = "torch", **overrides):
             f"open_engine(backend={backend!r}) loads the torch runtime only; TensorRT-LLM runs through "
             "dflash_trt.trtllm.launch"
         )
-    from transformers import AutoTokenizer
-
     from dflash_trt.engine.llm_engine import LLMEngine
     from dflash_trt.models.dflash import load_drafter
     from dflash_trt.models.registry import load_target
+    from dflash_trt.models.tokenizer import load_tokenizer
 
     engine = EngineDir(path)
     engine.verify()
@@ -229,5 +228,5 @@ def open_engine(path: str | Path, backend: str = "torch", **overrides):
         if engine.drafter_dir is None:
             raise ValueError(f"{engine.path}: built without a drafter; pass speculative=False (--no-spec)")
         drafter = load_drafter(engine.drafter_dir, target.config, config.torch_dtype, config.device)
-    tokenizer = AutoTokenizer.from_pretrained(str(engine.tokenizer_dir))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, target.config.vocab_size)
     return LLMEngine(target, tokenizer, drafter, config)

@@ -166,3 +166,12 @@ def ctrl_c_reaches_python():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def hangup_not_ignored():
+    """SIGHUP as in a terminal session: a test run under nohup inherits it ignored, and code that keeps an ignored
+    SIGHUP ignored (as it must: that is what nohup asks) would never see the one a test sends."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)

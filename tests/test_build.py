@@ -494,12 +494,18 @@ def test_a_target_weight_that_is_not_a_finite_float_fails_the_build_naming_it(ti
     with pytest.raises(ValueError, match=words):
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
     assert not (tmp_path / "out" / "e").exists()
+    # nor does generate (or serve) run a directory no build checked
+    r = CliRunner().invoke(main, ["generate", "--target", str(t), "--no-spec", "-p", "hi", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and str(t) in r.output and words in r.output, r.output
 
 
 def test_a_drafter_weight_holding_inf_fails_the_build_naming_it(tiny_dirs, tmp_path):
     d = _broken_drafter(tmp_path, tiny_dirs, lambda t, c: _poison("fc.weight", float("inf"))(t))
     with pytest.raises(ValueError, match="'fc.weight' holds NaN or Inf"):  # it built, and drafted nothing
         build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(d), "-p", "hi",
+                                  "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and str(d) in r.output and "'fc.weight' holds NaN or Inf" in r.output, r.output
 
 
 def _shard(checkpoint: Path, placement: dict[str, str]) -> None:
@@ -584,7 +590,8 @@ def test_a_chat_template_that_does_not_render_fails_the_build(tiny_dirs, tmp_pat
     with pytest.raises(ValueError, match="the chat template does not render a user message.*TemplateSyntaxError"):
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
     r = CliRunner().invoke(main, ["generate", "--target", str(t), "--no-spec", "--chat", "-p", "hi"])
-    assert r.exit_code == 1 and "chat template does not render: TemplateSyntaxError" in r.output, r.output
+    assert r.exit_code == 1 and f"{t}: the chat template does not render a user message (TemplateSyntaxError" in \
+        " ".join(r.output.split()), r.output
 
 
 def test_a_target_config_that_undercounts_its_layers_fails_naming_them(tiny_dirs, tmp_path):
@@ -622,22 +629,42 @@ def test_a_target_without_a_tokenizer_fails_before_any_file_is_written(tiny_dirs
     assert not (tmp_path / "out").exists()
 
 
-def test_a_build_stopped_by_sigterm_removes_its_own_temporary_directory(tiny_dirs, tmp_path):
-    cfg = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup (terminal closed)"])
+def test_a_build_stopped_by_sigterm_or_sighup_removes_its_own_temporary_directory(tiny_dirs, tmp_path, sig):
     out = tmp_path / "engines" / "e"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "build", str(cfg), "-o", str(out)],
-                            env={**os.environ, STALL_ENV: "files"}, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = _stalled_build(tiny_dirs, tmp_path, out, hangup=signal.SIG_DFL)
     try:
-        deadline = time.time() + 60
-        while not list(out.parent.glob(".e.build-*/trtllm/config.yaml")) and time.time() < deadline:
-            assert proc.poll() is None, "the build exited before it could be stopped"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) != 0
+        proc.send_signal(sig)
+        assert proc.wait(30) == 128 + sig
     finally:
         proc.kill()
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_build_under_nohup_goes_on_after_sighup(tiny_dirs, tmp_path):
+    out = tmp_path / "engines" / "e"
+    proc = _stalled_build(tiny_dirs, tmp_path, out, hangup=signal.SIG_IGN)
+    try:
+        proc.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+
+
+def _stalled_build(tiny_dirs, tmp_path: Path, out: Path, hangup) -> subprocess.Popen:
+    """A build started with SIGHUP's disposition `hangup`, stalled once its files are written."""
+    cfg = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "build", str(cfg), "-o", str(out)],
+                            env={**os.environ, STALL_ENV: "files"}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
+    deadline = time.time() + 60
+    while not list(out.parent.glob(".e.build-*/trtllm/config.yaml")) and time.time() < deadline:
+        assert proc.poll() is None, "the build exited before it could be stopped"
+        time.sleep(0.05)
+    return proc
 
 
 def _auto_config(tmp_path: Path, tiny_dirs, acceptance: dict) -> Path:
@@ -1069,6 +1096,9 @@ def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_t
     cfg = write_config(tmp_path, t, None, hardware="h200", dtype="bfloat16")
     with pytest.raises(ValueError, match=f"{t}: the tokenizer does not load"):
         build_engine(cfg, tmp_path / "out" / "e", progress=False)
+    generate = ["generate", "--target", str(t), "--no-spec", "-p", "hi", "--max-new-tokens", "2"]
+    r = CliRunner().invoke(main, generate)  # a directory no build checked
+    assert r.exit_code == 1 and f"{t}: the tokenizer does not load" in " ".join(r.output.split()), r.output
     (t / "tokenizer.json").write_text(good)
     from transformers import AutoTokenizer
 
@@ -1078,6 +1108,8 @@ def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_t
     with pytest.raises(ValueError, match=f"{t}: the tokenizer has 100 tokens but config.json's vocab_size is 96"):
         build_engine(cfg, tmp_path / "out" / "e", progress=False)
     assert list((tmp_path / "out").iterdir()) == []
+    r = CliRunner().invoke(main, generate)
+    assert r.exit_code == 1 and "the tokenizer has 100 tokens" in r.output, r.output
 
 
 def test_a_manifest_edited_or_a_file_added_after_the_build_is_refused_naming_it(tiny_engine, tmp_path):

@@ -24,6 +24,7 @@ from dflash_trt.layers.linear import kernel_layout
 from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
 from dflash_trt.models.registry import load_target
+from dflash_trt.models.tokenizer import load_tokenizer
 from dflash_trt.sampling_params import SamplingParams, is_int
 from dflash_trt.spec.draft_tree import check_tree_nodes
 from dflash_trt.spec.draft_vocab import cut_draft_vocab
@@ -309,18 +310,15 @@ class LLMEngine:
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, config: EngineConfig) -> "LLMEngine":
         """An engine over a Hugging Face-format target directory and a z-lab-format drafter directory (None without
-        speculation)."""
-        from transformers import AutoTokenizer
-
-        target = load_target(target_dir, config.torch_dtype, config.device)
+        speculation). No build checked them: their weights are checked finite as they load (a NaN would run, writing
+        token 0 forever), and the tokenizer as a build checks it."""
+        target = load_target(target_dir, config.torch_dtype, config.device, check_finite=True)
         drafter = None
         if config.speculative:
             if drafter_dir is None:
                 raise ValueError("speculative decoding needs --drafter DIR (or pass --no-spec)")
-            drafter = load_drafter(drafter_dir, target.config, config.torch_dtype, config.device)
-        if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise FileNotFoundError(f"{target_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+            drafter = load_drafter(drafter_dir, target.config, config.torch_dtype, config.device, check_finite=True)
+        tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
         return cls(target, tokenizer, drafter, config)
 
     @property

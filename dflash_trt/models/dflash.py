@@ -535,8 +535,10 @@ class DFlashDrafter(nn.Module):
 
 
 def load_drafter(
-    drafter_dir: str | Path, target: DecoderConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    drafter_dir: str | Path, target: DecoderConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    check_finite: bool = False,
 ) -> DFlashDrafter:
+    """check_finite: refuse a tensor holding NaN or Inf (for directories no build checked)."""
     drafter_dir = Path(drafter_dir)
     source = str(drafter_dir / "config.json")
     cfg = DFlashConfig.from_dict(read_config_json(drafter_dir), source)
@@ -545,7 +547,7 @@ def load_drafter(
         model = DFlashDrafter(cfg)
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak
     with torch.no_grad():
-        model.load_weights(WeightSet(drafter_dir))
+        model.load_weights(WeightSet(drafter_dir, check_finite=check_finite))
     model.draft_vocab = load_draft_vocab(drafter_dir, target.vocab_size)
     return model.eval()
 

@@ -39,7 +39,9 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
     return cls
 
 
-def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                check_finite: bool = False) -> nn.Module:
+    """check_finite: refuse a tensor holding NaN or Inf (for directories no build checked)."""
     model_dir = Path(model_dir)
     cfg = decoder_config_from_dict(read_config_json(model_dir), str(model_dir / "config.json"))
     eos = tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos_ids(model_dir)))
@@ -48,7 +50,7 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak
-    weights = WeightSet(model_dir)
+    weights = WeightSet(model_dir, check_finite=check_finite)
     with torch.no_grad():
         model.load_weights(weights)
     weights.check_no_layers_beyond(cfg.num_hidden_layers)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dflash_trt import dir_swap
-from dflash_trt.train.signals import signal_handlers
+from dflash_trt.signals import signal_handlers
 
 if TYPE_CHECKING:
     from dflash_trt.models.config import DecoderConfig
@@ -316,13 +316,13 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM in the data stages ends the run as Ctrl-C does (what was kept is said, exit 130); the training stage
-    sets its own handler over this one, which finishes and saves the step first."""
+def _termination_as_interrupt():
+    """SIGTERM or SIGHUP in the data stages ends the run as Ctrl-C does (what was kept is said, exit 130); the
+    training stage sets its own handler over this one, which finishes and saves the step first."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    with signal_handlers(interrupt, signal.SIGTERM):
+    with signal_handlers(interrupt, signal.SIGTERM, signal.SIGHUP):
         yield
 
 
@@ -336,13 +336,12 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     cache would not fit the disk); None: cache on the CPU, live on a GPU.
     """
     features = features or ("cache" if device == "cpu" else "live")
-    from transformers import AutoTokenizer
-
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
     from dflash_trt.models.config import decoder_config_from_dict, read_config_json
     from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
+    from dflash_trt.models.tokenizer import load_tokenizer
     from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache, check_index, space_shortfall
     from dflash_trt.train.responses import generate_responses
     from dflash_trt.train.self_prompts import (
@@ -362,7 +361,10 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    try:
+        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--target'") from None
     # a base model (no chat template) answers its prompts as plain text, as it is served (/v1/completions)
     chat = bool(getattr(tokenizer, "chat_template", None))
     if not chat and self_prompts:
@@ -602,7 +604,7 @@ def train(target, out, data, layers, block_size, target_layers, num_features, st
         prompts = read_user_prompts(Path(prompts_file)) if prompts_file else all_prompts()
         if max_prompts:
             prompts = prompts[:max_prompts]
-        with _sigterm_as_interrupt():
+        with _termination_as_interrupt():
             drafter = prepare_and_train(Path(target), out_dir, data_dir, cfg, prompts, resume,
                                         max_new_tokens=response_tokens, sampled_variants=sampled_variants,
                                         device=device, self_prompts=self_prompts, features=features)

@@ -45,7 +45,7 @@ from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
 from dflash_trt.train.blocks import (IGNORE, TrainBlocks, batch_training_mask, blocks_at, next_step_anchors,
                                      sample_blocks)
 from dflash_trt.train.feature_cache import FeatureSource
-from dflash_trt.train.signals import signal_handlers
+from dflash_trt.signals import signal_handlers
 from dflash_trt.train.teacher import Teacher, distill_loss
 
 logger = logging.getLogger(__name__)
@@ -728,11 +728,11 @@ def _settle_export(path: Path) -> tuple[Path, Path]:
 
 
 class _FinishStepOnInterrupt:
-    """While training: a first SIGINT (Ctrl-C) or SIGTERM (`timeout`, `docker stop`, a scheduler's preemption) asks
-    the loop to stop after the step in flight (interrupted midway, the drafter and optimizer would be half updated, so
+    """While training: a first SIGINT (Ctrl-C), SIGTERM (`timeout`, `docker stop`, a scheduler's preemption) or SIGHUP
+    (the terminal closed; not under nohup, which ignores it) asks the loop to stop after the step in flight (interrupted midway, the drafter and optimizer would be half updated, so
     not worth saving); a second raises KeyboardInterrupt at once."""
 
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint, self.requested = checkpoint, False

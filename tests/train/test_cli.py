@@ -229,10 +229,9 @@ def test_responses_of_another_target_are_refused_naming_the_file(target, run, tm
             "target's vocabulary") in " ".join(r.output.split())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(target, run, tmp_path,
-                                                                                          monkeypatch, sig,
-                                                                                          ctrl_c_reaches_python):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_sigterm_or_sighup_in_training_saves_the_step_in_flight_and_resume_goes_on_from_it(
+        target, run, tmp_path, monkeypatch, sig, ctrl_c_reaches_python, hangup_not_ignored):
     out, calls = tmp_path / "out", []
     loss = Trainer._batch_loss
 
@@ -248,7 +247,7 @@ def test_ctrl_c_or_sigterm_in_training_saves_the_step_in_flight_and_resume_goes_
     assert f"training at step 3 in {out / 'checkpoint.pt'}. Run the same command with --resume" in r.output
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3 and _log_steps(out) == [1, 2, 3]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     monkeypatch.undo()
     r = _train(target, out, "--data", str(run / "data"), "--steps", "6", "--eval-every", "100", "--resume")
     assert r.exit_code == 0, r.output
@@ -260,8 +259,10 @@ def _ctrl_c() -> None:
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("interrupt", [_ctrl_c, lambda: signal.raise_signal(signal.SIGTERM)], ids=["ctrl_c", "sigterm"])
-def test_ctrl_c_or_sigterm_in_data_generation_keeps_the_finished_batches(target, tmp_path, monkeypatch, interrupt):
+@pytest.mark.parametrize("interrupt", [_ctrl_c, lambda: signal.raise_signal(signal.SIGTERM),
+                                       lambda: signal.raise_signal(signal.SIGHUP)], ids=["ctrl_c", "sigterm", "sighup"])
+def test_ctrl_c_sigterm_or_sighup_in_data_generation_keeps_the_finished_batches(target, tmp_path, monkeypatch,
+                                                                                interrupt, hangup_not_ignored):
     out, calls = tmp_path / "out", []
     generate = LLMEngine.generate
 
@@ -276,7 +277,7 @@ def test_ctrl_c_or_sigterm_in_data_generation_keeps_the_finished_batches(target,
     assert r.exit_code == 130, r.output
     assert f"Kept: 16 responses in {out / 'data' / 'responses.jsonl'};" in r.output  # no features: none were made
     assert "no training checkpoint yet" in r.output
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
     monkeypatch.undo()
     kept = (out / "data" / "responses.jsonl").read_text()
     r = _train(target, out, "--max-prompts", "40", "--resume")

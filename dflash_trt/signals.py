@@ -1,4 +1,4 @@
-"""Signal handlers set for a block of a training run and put back after it."""
+"""Signal handlers set for a block (a build, a training run's stages) and put back after it."""
 
 from __future__ import annotations
 
