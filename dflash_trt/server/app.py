@@ -452,7 +452,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _stream_completion(req: p.CompletionRequest, s: _Submitted):
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         usage, no_usage, continuous = _include_usage(req)
-        outputs = []
+        outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         offsets = [TextOffsets(token_text) for _ in s.request_ids]  # where each choice's next token starts
         async for i, text, out, new, tokens in _updates(s):
             logprobs = completion_logprobs(new, token_text, offsets[i]) if req.num_logprobs is not None else None
@@ -462,7 +462,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.CompletionResponse(id=rid, created=created, model=model_name, choices=[choice],
                                          usage=_choice_usage(s, i, tokens) if continuous else None)
             if out is not None:
-                outputs.append(out)
+                outputs[i] = out
             yield chunk.model_dump(exclude=no_usage)
         if usage:
             yield p.CompletionResponse(id=rid, created=created, model=model_name, choices=[],
@@ -471,7 +471,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _stream_chat(req: p.ChatCompletionRequest, s: _Submitted):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage, no_usage, continuous = _include_usage(req)
-        outputs, started = [], set()
+        outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
+        started = set()
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -489,7 +490,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             chunk = p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice],
                                           usage=_choice_usage(s, i, tokens) if continuous else None)
             if out is not None:
-                outputs.append(out)
+                outputs[i] = out
             yield chunk.model_dump(exclude=no_usage)
         if usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
@@ -532,6 +533,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         )
 
     def _usage(outputs: list[RequestOutput], s: _Submitted) -> p.Usage:
+        """outputs: in choice order, n answers a prompt (the first of each reports the prompt's reuse)."""
         prompt = sum(s.prompt_lens[:: s.n])  # each prompt once, however many answers it got (OpenAI's count)
         completion = sum(o.num_tokens for o in outputs)
         cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs[:: s.n]))

@@ -524,6 +524,30 @@ def test_usage_counts_the_prompt_tokens_a_freed_row_held_as_cached(tiny_dirs):
         s.stop()
 
 
+def test_a_streams_usage_counts_each_prompts_reuse_whichever_answer_finishes_first(tiny_dirs):
+    """Two prompts, two answers each, streamed: usage's cached_tokens is what the first answer of each prompt
+    reused (as without streaming), not what the answers that happened to finish first did. Sampled answers that stop
+    at random tokens finish in an order each seed sets."""
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=4, max_prefill_tokens=16))
+    try:
+        client, orders = s.client(), set()
+        for seed in range(6):
+            reused = [1 + seed, *range(10, 50)]  # its own per seed: 40 tokens, two whole chunks to reuse
+            fresh = [60 + seed, *range(50, 70)]  # a whole chunk, which its second answer copies from the first
+            client.completions.create(model=MODEL, prompt=reused, max_tokens=1, temperature=0)
+            alone = client.completions.create(model=MODEL, prompt=reused, max_tokens=1, temperature=0)
+            assert alone.usage.prompt_tokens_details.cached_tokens == 32
+            stream = client.completions.create(model=MODEL, prompt=[reused, fresh], n=2, max_tokens=12, temperature=1,
+                                               seed=seed, stream=True, stream_options={"include_usage": True},
+                                               extra_body={"stop_token_ids": list(range(0, 96, 3))})
+            chunks = list(stream)
+            orders.add(tuple(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason))
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32, (seed, orders)
+        assert len(orders) > 1  # the answers finished in more than one order
+    finally:
+        s.stop()
+
+
 def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
     s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=0))
     try:
