@@ -164,14 +164,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                            echo_only: bool = False) -> p.CompletionChoice:
         """A whole completions choice; with echo, the prompt as sent (token ids decoded) comes before the answer (or
         alone, with echo_only), and with logprobs its tokens are scored before the answer's."""
+        echoed = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) if echo else ""
         logprobs = None
         if o.logprobs is not None:
             answer = [] if echo_only else o.logprobs
             entries = [*(o.prompt_logprobs or []), *answer] if echo else answer
-            logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if echo else None)
-        text = "" if echo_only else o.text
-        if echo:
-            text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + text
+            logprobs = completion_logprobs(entries, token_text, echoed=o.prompt_token_ids if echo else None,
+                                           echoed_text=echoed)
+        text = echoed + ("" if echo_only else o.text)
         if echo_only:
             return p.CompletionChoice(index=index, text=text, finish_reason="length", logprobs=logprobs)
         return p.CompletionChoice(index=index, text=text, finish_reason=o.finish_reason, stop_reason=o.stop_reason,

@@ -78,27 +78,32 @@ def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: 
 
 class TextOffsets:
     """Where each token starts in a completion's text: the characters its bytes completed before it (a character
-    split across tokens counts once, at the token that ends it; special tokens, which the text leaves out, count
-    none). One per choice, carried across a stream's chunks."""
+    split across tokens counts once, at the token that ends it; special tokens, which an answer's text leaves out,
+    count none, but an echoed prompt's text holds those it was written with). One per choice, carried across a
+    stream's chunks."""
 
     def __init__(self, text: "TokenText") -> None:
         self._text = text
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.offset = 0
 
-    def take(self, token_id: int) -> int:
-        """The token's offset; moves past it."""
+    def take(self, token_id: int, echoed: str | None = None) -> int:
+        """The token's offset; moves past it. echoed: the text of an echoed prompt the token is one of, where a special
+        token counts its characters if the text holds it there (a BOS the tokenizer added, not written, does not)."""
         at = self.offset
         if token_id not in self._text.special_ids:
             self.offset += len(self._decoder.decode(bytes(self._text.bytes(token_id))))
+        elif echoed is not None and echoed.startswith(special := self._text.text(token_id), at):
+            self.offset += len(special)
         return at
 
 
 def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], text: TokenText,
-                        offsets: TextOffsets | None = None, echoed: list[int] | None = None) -> p.CompletionLogprobs:
+                        offsets: TextOffsets | None = None, echoed: list[int] | None = None,
+                        echoed_text: str = "") -> p.CompletionLogprobs:
     """offsets: the choice's TextOffsets (a stream's, carried across its chunks; a new one by default). echoed: the
     prompt's ids, whose first token comes first with no logprob (OpenAI's echo; `entries` then holds the prompt's
-    others, then the output's). Tokens are named as OpenAI's legacy API names them: their text, or `bytes:\\xNN...` where
+    others, then the output's), and echoed_text the prompt as the choice's text repeats it. Tokens are named as OpenAI's legacy API names them: their text, or `bytes:\\xNN...` where
     they hold part of a character (whose text alone would be U+FFFD, the same for every such token)."""
     offsets = offsets or TextOffsets(text)
     out = p.CompletionLogprobs()
@@ -106,12 +111,13 @@ def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], 
         out.tokens.append(text.name(echoed[0]))
         out.token_logprobs.append(None)
         out.top_logprobs.append(None)
-        out.text_offset.append(offsets.take(echoed[0]))
-    for e in entries:
+        out.text_offset.append(offsets.take(echoed[0], echoed_text))
+    prompt_entries = len(echoed) - 1 if echoed else 0
+    for i, e in enumerate(entries):
         token = text.name(e.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(_lp(e.logprob))
         # OpenAI's legacy shape: the top tokens, and the chosen one even where it is not among them
         out.top_logprobs.append({**{text.name(t): _lp(lp) for t, lp in e.top}, token: _lp(e.logprob)})
-        out.text_offset.append(offsets.take(e.token_id))
+        out.text_offset.append(offsets.take(e.token_id, echoed_text if i < prompt_entries else None))
     return out

@@ -145,6 +145,29 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, oracle, tiny_dirs):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_an_echoed_prompts_special_tokens_take_their_place_in_the_text_an_answers_do_not(smollm2_dir):
+    """Offsets index the choice's text: an echoed prompt holds the special tokens it was written with (a chat
+    template's markers), and not one the tokenizer added unwritten (a BOS); an answer's text leaves its specials out
+    (an EOS)."""
+    from dflash_trt.engine.logprobs import TokenLogprob
+    from dflash_trt.server.logprobs import completion_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompt = "<|im_start|>user\nHi there<|im_end|>\n"
+    answer, eos = tokenizer.encode("Hello!"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    unwritten = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for prompt_ids in (tokenizer.encode(prompt), [unwritten, *tokenizer.encode(prompt)]):
+        ids = [*prompt_ids, *answer, eos]
+        entries = [TokenLogprob(t, -1.0, ()) for t in ids[1:]]
+        lp = completion_logprobs(entries, TokenText(tokenizer), echoed=prompt_ids, echoed_text=prompt)
+        text = prompt + tokenizer.decode(answer)  # the choice's text
+        names = [tokenizer.decode([t]) for t in ids]
+        starts = [o for o, t in zip(lp.text_offset, ids) if t != unwritten]
+        assert all(text.startswith(name, o) for o, name, t in zip(lp.text_offset, names, ids[:-1]) if t != unwritten)
+        assert starts == sorted(starts) and lp.text_offset[-1] == len(text)  # the EOS: past the answer's text
+        assert text[lp.text_offset[len(prompt_ids)]:] == "Hello!"
+
+
 def test_completion_offsets_and_names_hold_where_characters_split_across_tokens(smollm2_dir):
     """Each token's text_offset is where it starts in the text (the tokenizer's own decoding of the tokens before it,
     less a character they leave unfinished); a piece of a character is named by its bytes, as OpenAI's legacy API
