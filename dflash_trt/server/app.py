@@ -63,6 +63,15 @@ def _is_union_tag(loc: str | int) -> bool:
     return isinstance(loc, str) and (loc in {"str", "int", "float", "bool", "list", "dict"} or "[" in loc)
 
 
+def _telling(err: dict) -> tuple[bool, int, bool]:
+    """How much a validation error says. A union's branches each fail, and the first (a string's) may only say that
+    a list is no string: the branch that took the value's type says what is wrong with it, by its validator ("not
+    valid Unicode text"), by looking inside it (a content part's missing "text"), or by its own bound (too many stop
+    strings). max() keeps the first of equals."""
+    depth = sum(1 for part in err["loc"] if not _is_union_tag(part))
+    return err["type"] == "value_error", depth, not err["type"].endswith("_type")
+
+
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
                allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
                api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
@@ -286,9 +295,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             return schema.model_validate(fields(data) if fields is not None else data)
         except ValidationError as e:
-            # a union's branches each fail: the one whose validator ran on a value of its type says what is wrong
-            # ("not valid Unicode text"), where the first may only say that a list is no string
-            err = next((x for x in e.errors() if x["type"] == "value_error"), e.errors()[0])
+            err = max(e.errors(), key=_telling)
             # a union's failed branch adds its type to the location ("prompt.str"): name the field alone
             param = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) or None
             msg = err["msg"].removeprefix("Value error, ")

@@ -118,6 +118,19 @@ def test_what_would_change_the_answer_unseen_is_refused(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("body, param, words", [
+    # a list where a string or a list goes: the list's own fault, not that it is no string
+    ({"stop": ["a"] * 257}, "stop", "at most 256 items"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", ""),
+    ({"stop": 5}, "stop", "valid string"),  # neither branch's type: the first branch's word
+])
+def test_a_field_of_either_type_is_refused_for_what_is_wrong_with_the_value_sent(server, body, param, words):
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={**CHAT, "messages": [{"role": "user", "content": "hi"}], **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+
+
 def test_neutral_vllm_extensions_pass(server):
     body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "bad_words": [], "allowed_token_ids": None,
             "echo": False, "add_generation_prompt": True, "stream_options": None, "n": 2,
