@@ -163,7 +163,8 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
     from dflash_trt.engine_dir import EngineDir
     from dflash_trt.model_source import is_local_ref
 
-    if drafter is not None and (is_local_ref(drafter) or Path(drafter).expanduser().is_dir()):
+    # anything on disk is a path (a file too: resolving it names it as a file, not as an HF id to download)
+    if drafter is not None and (is_local_ref(drafter) or Path(drafter).expanduser().exists()):
         drafter = str(Path(drafter).expanduser().resolve())  # a path on the command line is the shell's, not the YAML's
     elif drafter is not None and drafter.count("/") != 1:
         raise click.BadParameter(f"{drafter!r} is neither a directory nor an HF id (org/name)", param_hint="--drafter")
@@ -215,7 +216,7 @@ def inspect(engine, verify) -> None:
     click.echo()
     click.echo(plan)
     # shown, as inspect shows any engine, but not to be taken for one this version runs as it stands
-    for check in (e.check_format, e.check_digest):
+    for check in (e.check_format, e.check_digest, e.check_sizes):
         try:
             check()
         except ValueError as err:

@@ -90,7 +90,8 @@ class EngineDir:
         version = self.manifest["format_version"]
         if version != FORMAT_VERSION:
             raise ValueError(
-                f"{self.path / MANIFEST}: format_version={version}, this dflash-trt reads {FORMAT_VERSION}; rebuild the engine"
+                f"{self.path / MANIFEST}: format_version={version!r}, this dflash-trt reads {FORMAT_VERSION}; "
+                "rebuild the engine"
             )
 
     def check_digest(self) -> None:
@@ -101,6 +102,16 @@ class EngineDir:
                 f"{self.path / MANIFEST}: its content does not match its {MANIFEST_DIGEST} (edited after the build); "
                 "rebuild the engine"
             )
+
+    def check_sizes(self) -> None:
+        """ValueError naming the first file whose size is not the manifest's (cheap: a truncated copy or download,
+        found without reading a byte; verify() reads them all)."""
+        for rel, entry in self.manifest["files"].items():
+            with _read_from(self.path / MANIFEST):
+                size = entry["size"]
+            if (self.path / rel).stat().st_size != size:
+                raise ValueError(f"{self.path / rel}: {(self.path / rel).stat().st_size} bytes, {MANIFEST} says {size} "
+                                 "(cut short or modified); rebuild the engine")
 
     def verify(self) -> None:
         """ValueError naming the file when the format version or any checksum does not match, or a file was added."""

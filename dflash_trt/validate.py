@@ -21,11 +21,6 @@ def check_pairing(target: DecoderConfig, drafter: DFlashConfig, cfg: BuildConfig
         drafter.check_pairing(target, drafter_source)
     except CheckpointError as e:
         raise ValueError(f"bad target-drafter pairing: {e}") from None
-    if drafter.num_target_layers is not None and int(drafter.num_target_layers) != target.num_hidden_layers:
-        raise ValueError(
-            f"bad target-drafter pairing: {drafter_source}: num_target_layers={drafter.num_target_layers} but the "
-            f"target has {target.num_hidden_layers} layers (the drafter was trained for another target)"
-        )
     rope = drafter.rope.get("rope_type", "default")
     if rope not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{drafter_source}: rope_type={rope!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")

@@ -244,6 +244,25 @@ def test_inspect_shows_a_hand_edited_manifest_with_a_note_that_it_was_edited(tin
     assert "edited after the build" not in CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
 
 
+def test_inspect_notes_weights_cut_short_without_reading_them(tiny_engine, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    weights = bad / "target" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)  # a copy or download cut short
+    shown = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert shown.exit_code == 0, shown.output
+    assert f"note: {weights}: {size // 2} bytes, manifest.json says {size} (cut short" in shown.output
+    assert "note:" not in CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
+
+
+def test_a_format_version_of_another_type_is_shown_as_it_is_written(tiny_engine, tmp_path):
+    bad = _edited(tiny_engine, tmp_path, "manifest.json", lambda m: m.update(format_version=str(m["format_version"])))
+    r = CliRunner().invoke(main, ["generate", str(bad), "-p", "hi"])
+    assert r.exit_code == 1 and "format_version='1', this dflash-trt reads 1" in r.output, r.output
+
+
 def test_triton_serve_given_an_engine_says_to_export_it_first(tiny_engine):
     r = CliRunner().invoke(main, ["triton", "serve", str(tiny_engine)])
     assert r.exit_code == 1 and "is an engine directory" in r.output and "triton export" in r.output, r.output
@@ -760,6 +779,10 @@ def test_a_drafter_path_on_the_command_line_is_relative_to_the_current_directory
         assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--drafter", "./missing"])
     assert r.exit_code != 0 and str(tmp_path / "missing") in r.output
+    # a file named without ./ is a path too, not an HF id to download
+    r = CliRunner().invoke(main, ["build", str(cfg), "--plan-only", "--drafter", "mine/model.safetensors"])
+    assert r.exit_code != 0 and f"{tmp_path / 'mine' / 'model.safetensors'} is a file" in r.output, r.output
+    assert "hf download" not in r.output
 
 
 def test_a_draft_tree_reaches_the_torch_runtime_and_not_trtllm(tiny_dirs, tmp_path):

@@ -223,6 +223,9 @@ class DFlashConfig:
             )
         if self.block_size < 2:
             raise CheckpointError(f"{source}: block_size={self.block_size} must be >= 2")
+        if self.num_target_layers is not None and int(self.num_target_layers) != target.num_hidden_layers:
+            raise CheckpointError(f"{source}: num_target_layers={self.num_target_layers} but the target has "
+                                  f"{target.num_hidden_layers} layers (the drafter was trained for another target)")
 
 
 class DFlashAttention(nn.Module):

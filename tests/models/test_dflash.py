@@ -147,6 +147,7 @@ def test_config_keys_come_from_dflash_config_before_the_top_level():
         ({"vocab_size": 1000}, "vocab_size=1000"),
         ({"mask_token_id": 96}, "mask_token_id=96"),
         ({"target_layer_ids": [1, 4]}, "target_layer_ids"),
+        ({"num_target_layers": 24}, "num_target_layers=24 but the target has 4 layers"),  # trained for another
         ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
         # loaded, a DFlash 2 drafter's convolutions and selector were dropped as unused tensors and its drafts were
         # plain DFlash's; an unknown layer type ran as full attention
