@@ -518,6 +518,15 @@ def test_a_target_weight_that_is_not_a_finite_float_fails_the_build_naming_it(ti
     assert r.exit_code == 1 and str(t) in r.output and words in r.output, r.output
 
 
+def test_tensors_of_another_variant_the_runtime_would_drop_are_warned_of_at_build(tiny_dirs, tmp_path, caplog):
+    t = _broken_target(tmp_path, tiny_dirs, lambda t: t.update({"model.extra_adapter.weight": torch.ones(3)}))
+    d = _broken_drafter(tmp_path, tiny_dirs, lambda t, c: t.update({"extra_gate.weight": torch.ones(3)}))
+    with caplog.at_level(logging.WARNING):
+        build_engine(write_config(tmp_path, t, d), tmp_path / "e", progress=False)
+    assert f"{t}: 1 tensors not used by" in caplog.text and "model.extra_adapter.weight" in caplog.text
+    assert f"{d}: 1 tensors not used by DFlashDrafter" in caplog.text and "extra_gate.weight" in caplog.text
+
+
 def test_a_drafter_weight_holding_inf_fails_the_build_naming_it(tiny_dirs, tmp_path):
     d = _broken_drafter(tmp_path, tiny_dirs, lambda t, c: _poison("fc.weight", float("inf"))(t))
     with pytest.raises(ValueError, match="'fc.weight' holds NaN or Inf"):  # it built, and drafted nothing

@@ -513,9 +513,7 @@ class DFlashDrafter(nn.Module):
             put(m + "gate_up_proj.weight", torch.cat([gate, up]))
             put(m + "down_proj.weight", weights.get(m + "down_proj.weight", (h, c.intermediate_size)))
         weights.check_no_layers_beyond(c.num_hidden_layers)  # else it would draft with some of them
-        unused = weights.unused()
-        if unused:
-            logger.warning("%s: %d drafter tensors not used, e.g. %s", weights.model_dir, len(unused), unused[:3])
+        weights.warn_unused(type(self).__name__)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under z-lab's unprefixed names, k/v and gate/up split back."""

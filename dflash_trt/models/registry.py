@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 import torch
@@ -15,7 +14,6 @@ from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
 from dflash_trt.models.weights import WeightSet
 
-logger = logging.getLogger(__name__)
 
 TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -54,7 +52,5 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     with torch.no_grad():
         model.load_weights(weights)
     weights.check_no_layers_beyond(cfg.num_hidden_layers)
-    skipped = [n for n in weights.unused() if not n.endswith("rotary_emb.inv_freq")]
-    if skipped:
-        logger.warning("%s: %d tensors not used by %s, e.g. %s", model_dir, len(skipped), cls.__name__, skipped[:3])
+    weights.warn_unused(cls.__name__)
     return model.eval()

@@ -7,11 +7,14 @@ reported before any generation starts.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -133,6 +136,13 @@ class WeightSet:
 
     def unused(self) -> list[str]:
         return sorted(set(self._file_of) - self.used)
+
+    def warn_unused(self, reader: str) -> None:
+        """Log the tensors `reader` (a model class) left unread: a checkpoint of another variant whose extra
+        weights would be dropped silently (HF's rotary inv_freq buffers are derived, not weights)."""
+        skipped = [n for n in self.unused() if not n.endswith("rotary_emb.inv_freq")]
+        if skipped:
+            logger.warning("%s: %d tensors not used by %s, e.g. %s", self.model_dir, len(skipped), reader, skipped[:3])
 
     def check_no_layers_beyond(self, num_layers: int) -> None:
         """CheckpointError where unused tensors belong to layers past num_hidden_layers: a config.json that
