@@ -179,9 +179,9 @@ def _unlink_if_free(lock: Path) -> None:
 def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | None = None) -> None:
     """Rename the finished `tmp` to `out`, setting a previous `out` aside as `replaced` and deleting it after; the
     previous one goes back where the second rename fails. `check` runs first, in the same block: another process
-    may have written `out` meanwhile. SIGTERM, SIGINT and SIGHUP wait for the block, which would otherwise leave neither.
-    Swaps into one `out` take turns (a lock named for it): two at once could each set aside what the other had just
-    renamed in, and the slower one's rename then failed with a bare ENOTEMPTY."""
+    may have written `out` meanwhile. SIGTERM, SIGINT and SIGHUP wait for the block, which would otherwise leave
+    neither. Swaps into one `out` take turns (a lock named for it): two at once could each set aside what the other
+    had just renamed in, and the slower one's rename then failed with a bare ENOTEMPTY."""
     with held(out.parent / f".{out.name}.{SWAP}"), signals_held():  # Ctrl-C still ends the wait for another swap
         if check is not None:
             check()

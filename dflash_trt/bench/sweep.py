@@ -644,7 +644,8 @@ _ACCEPTANCE = ("source", "field", "metrics", "tau", "num_steps", "acceptance_rat
 # different runs concatenate; a merged run's rounds last.
 CSV_COLUMNS: tuple[str, ...] = (
     "concurrency", "tokens_from", "num_requests", "num_failed", "empty_answers", "errors", "duration_s",
-    "output_tokens", "input_tokens", "cached_input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user", "user_throughput_tok_s",
+    "output_tokens", "input_tokens", "cached_input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user",
+    "user_throughput_tok_s",
     "tok_s_per_gpu",
     *(f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2el_s") for s in _SUMMARY),
     "repeated_prompts",

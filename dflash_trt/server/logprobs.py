@@ -103,8 +103,9 @@ def completion_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...], 
                         echoed_text: str = "") -> p.CompletionLogprobs:
     """offsets: the choice's TextOffsets (a stream's, carried across its chunks; a new one by default). echoed: the
     prompt's ids, whose first token comes first with no logprob (OpenAI's echo; `entries` then holds the prompt's
-    others, then the output's), and echoed_text the prompt as the choice's text repeats it. Tokens are named as OpenAI's legacy API names them: their text, or `bytes:\\xNN...` where
-    they hold part of a character (whose text alone would be U+FFFD, the same for every such token)."""
+    others, then the output's), and echoed_text the prompt as the choice's text repeats it. Tokens are named as
+    OpenAI's legacy API names them: their text, or `bytes:\\xNN...` where they hold part of a character (whose text
+    alone would be U+FFFD, the same for every such token)."""
     offsets = offsets or TextOffsets(text)
     out = p.CompletionLogprobs()
     if echoed:

@@ -729,8 +729,9 @@ def _settle_export(path: Path) -> tuple[Path, Path]:
 
 class _FinishStepOnInterrupt:
     """While training: a first SIGINT (Ctrl-C), SIGTERM (`timeout`, `docker stop`, a scheduler's preemption) or SIGHUP
-    (the terminal closed; not under nohup, which ignores it) asks the loop to stop after the step in flight (interrupted midway, the drafter and optimizer would be half updated, so
-    not worth saving); a second raises KeyboardInterrupt at once."""
+    (the terminal closed; not under nohup, which ignores it) asks the loop to stop after the step in flight
+    (interrupted midway, the drafter and optimizer would be half updated, so not worth saving); a second raises
+    KeyboardInterrupt at once."""
 
     SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
