@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dflash_trt.dir_swap import signals_held
 from dflash_trt.hardware import native_bf16
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.models.dflash import (
@@ -41,11 +42,11 @@ from dflash_trt.models.dflash import (
     save_drafter,
 )
 from dflash_trt.models.weights import WeightSet
+from dflash_trt.signals import signal_handlers
 from dflash_trt.spec.draft_vocab import rank_tokens, save_draft_vocab
 from dflash_trt.train.blocks import (IGNORE, TrainBlocks, batch_training_mask, blocks_at, next_step_anchors,
                                      sample_blocks)
 from dflash_trt.train.feature_cache import FeatureSource
-from dflash_trt.signals import signal_handlers
 from dflash_trt.train.teacher import Teacher, distill_loss
 
 logger = logging.getLogger(__name__)
@@ -61,18 +62,24 @@ def _written(tmp: Path) -> Iterator[None]:
     removed: a full disk read as safetensors' or torch.save's own errors ("unexpected pos 3550784 vs 3550736")."""
     from safetensors import SafetensorError
 
-    try:
-        yield
-    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save's are RuntimeErrors
+    def remove() -> None:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save's are RuntimeErrors
+        remove()
         try:
             free = f"; {shutil.disk_usage(tmp.parent).free / 2**20:.0f} MiB free there"
         except OSError:
             free = ""
         raise OSError(f"cannot write {tmp}: {e}{free}") from e
+    except BaseException:  # a signal off the main thread, where signals_held cannot hold it
+        remove()
+        raise
 
 
 class TrainingDiverged(RuntimeError):
@@ -632,17 +639,19 @@ class Trainer:
 
     # -- persistence ----------------------------------------------------------------------------------
     def export(self, path: Path, metrics: dict) -> None:
-        """Write the drafter to path whole or not at all: built beside it, then swapped in by renames."""
+        """Write the drafter to path whole or not at all: built beside it, then swapped in by renames. Ctrl-C,
+        SIGTERM and SIGHUP wait for it (a second Ctrl-C inside torch.save or safetensors came out as a failed write)."""
         tmp, old = _settle_export(path)
-        with _written(tmp):
-            save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
-            if self.vocab_ids.numel():
-                save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
-            (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
-                                                           "config": asdict(self.cfg)}, indent=2) + "\n")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
+        with signals_held():
+            with _written(tmp):
+                save_drafter(copy.deepcopy(self.drafter).to(torch.bfloat16), tmp, dtype=torch.bfloat16)
+                if self.vocab_ids.numel():
+                    save_draft_vocab(tmp, self.vocab_ids, self.vocab_counts)
+                (tmp / "training.json").write_text(json.dumps({"step": self.step, "metrics": metrics,
+                                                               "config": asdict(self.cfg)}, indent=2) + "\n")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
         if old.exists():
             shutil.rmtree(old)
 
@@ -653,12 +662,13 @@ class Trainer:
                  "config": asdict(self.cfg),
                  "progress": self._progress, "trained_s": trained_s}
         tmp = self.out_dir / "checkpoint.pt.tmp"
-        with _written(tmp), tmp.open("wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # else a power cut after the rename can leave checkpoint.pt empty
-        os.replace(tmp, self.out_dir / "checkpoint.pt")
-        self._saved_step = self.step
+        with signals_held():  # as in export: a signal inside torch.save reads as a failed write
+            with _written(tmp), tmp.open("wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())  # else a power cut after the rename can leave checkpoint.pt empty
+            os.replace(tmp, self.out_dir / "checkpoint.pt")
+            self._saved_step = self.step
 
     def _load_checkpoint(self) -> None:
         state = torch.load(self.out_dir / "checkpoint.pt", weights_only=False, map_location="cpu")

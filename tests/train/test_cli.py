@@ -255,6 +255,35 @@ def test_ctrl_c_sigterm_or_sighup_in_training_saves_the_step_in_flight_and_resum
     assert f"drafter: {out / 'drafter'} (step 6)" in r.output and f"log: {out / 'train_log.jsonl'}" in r.output
 
 
+def test_a_second_ctrl_c_while_the_checkpoint_is_written_waits_for_it(target, run, tmp_path, monkeypatch,
+                                                                      ctrl_c_reaches_python):
+    """The first Ctrl-C asks for the step's checkpoint; a second one pressed while torch.save writes it used to come
+    out of torch as a failed write ("cannot write checkpoint.pt.tmp", exit 1) or leave the .tmp file: it waits for
+    the checkpoint, whole, and the run ends as interrupted."""
+    import dflash_trt.train.trainer as trainer
+
+    out, calls, save = tmp_path / "out", [], trainer.torch.save
+    loss = Trainer._batch_loss
+
+    def pressed_in_step_3(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return loss(self, *args, **kwargs)
+
+    def pressed_again_while_saving(obj, f, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_batch_loss", pressed_in_step_3)
+    monkeypatch.setattr(trainer.torch, "save", pressed_again_while_saving)
+    r = _train(target, out, "--data", str(run / "data"), "--steps", "6", "--eval-every", "100")
+    assert r.exit_code == 130, r.output
+    assert "cannot write" not in r.output and "Run the same command with --resume" in r.output
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert not (out / "checkpoint.pt.tmp").exists()
+
+
 def _ctrl_c() -> None:
     raise KeyboardInterrupt
 
