@@ -43,9 +43,11 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
-    """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later)."""
+def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig, spaced_by_num_features: bool = False) -> None:
+    """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later).
+    spaced_by_num_features: the ids are --num-features' spacing, not --target-layers (the flag an error names)."""
     n = target_cfg.num_hidden_layers
+    flag = "'--num-features'" if spaced_by_num_features else "'--target-layers'"
     # z-lab's spacing (2nd to third-to-last layer) repeats layers below 8 target layers, and leaves 0..n-1 below 4
     k = min(len(cfg.target_layer_ids), n)
     spaced = ",".join(str(round(i * (n - 1) / (k - 1))) if k > 1 else str(n // 2) for i in range(k))
@@ -53,22 +55,21 @@ def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:
             f"its layers, e.g. --target-layers {spaced}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
     if bad:
-        raise click.BadParameter(f"{bad} not among the target's {n} layers 0..{n - 1} ({hint}",
-                                 param_hint="'--target-layers'")
+        raise click.BadParameter(f"{bad} not among the target's {n} layers 0..{n - 1} ({hint}", param_hint=flag)
     if len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):
-        raise click.BadParameter(f"{cfg.target_layer_ids} repeats a layer ({hint}", param_hint="'--target-layers'")
+        raise click.BadParameter(f"{cfg.target_layer_ids} repeats a layer ({hint}", param_hint=flag)
     vocab = target_cfg.vocab_size
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
         raise click.BadParameter(f"{cfg.mask_token_id} is not a token of the target (vocabulary 0..{vocab - 1})",
                                  param_hint="'--mask-token-id'")
 
 
-# What a run writes in OUT (the data stages' files too: --data may be OUT itself); the .tmp/.old names are an
-# interrupted write's leftovers.
+# What the data stages write in DATA, and a run in OUT (the data stages' files too: --data may be OUT itself); the
+# .tmp/.old names are an interrupted write's leftovers.
+DATA_FILES = {"responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp", "features", "target.json", "target.tmp",
+              "self_prompts.meta.json", "self_prompts.partial.jsonl", "self_prompts.partial.tmp"}
 RUN_FILES = {"checkpoint.pt", "checkpoint.pt.tmp", "train_log.jsonl", "train_log.jsonl.tmp", "drafter",
-             "drafter.tmp", "drafter.old", "data", "responses.jsonl", "self_prompts.jsonl", "self_prompts.tmp",
-             "features", "target.json", "target.tmp", "self_prompts.meta.json", "self_prompts.partial.jsonl",
-             "self_prompts.partial.tmp"}
+             "drafter.tmp", "drafter.old", "data", *DATA_FILES}
 
 
 # What an export writes in OUT/drafter (trainer.py Trainer.export).
@@ -99,6 +100,21 @@ def check_out_dir(out_dir: Path, data_dir: Path) -> None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise click.BadParameter(f"{out_dir} holds what no training run wrote ({shown}): choose a new or empty "
                                  "directory", param_hint="'--out'")
+
+
+def check_data_dir(data_dir: Path, out_dir: Path) -> None:
+    """Refuse a DATA (other than OUT) that holds anything the data stages did not write: they add their responses,
+    features and target record to it, and would mix them into a model directory or replace a file of the user's."""
+    if not data_dir.is_dir() or data_dir.resolve() == out_dir.resolve():  # OUT's own: check_out_dir's
+        return
+    ours = set(DATA_FILES)
+    if out_dir.resolve().is_relative_to(data_dir.resolve()):  # --out DATA/NAME
+        ours.add(out_dir.resolve().relative_to(data_dir.resolve()).parts[0])
+    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in ours and not p.name.startswith("."))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise click.BadParameter(f"{data_dir} holds what no training run wrote ({shown}): choose a new or empty "
+                                 "directory, or one an earlier run's --data wrote", param_hint="'--data'")
 
 
 TARGET_RECORD = "target.json"
@@ -137,19 +153,20 @@ def check_data_target(data_dir: Path, target_dir: Path) -> None:
     that stopped before its first response: a target that failed to load, Ctrl-C)."""
     record = data_dir / TARGET_RECORD
     mine = target_fingerprint(target_dir)
-    if record.is_file() and _holds_data(data_dir):
+    if record.is_file():
         try:
             theirs = json.loads(record.read_bytes())
-            if not isinstance(theirs, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:  # not JSON, not UTF-8, or not the record
+            if not isinstance(theirs, dict) or "fingerprint" not in theirs:
+                raise ValueError("not a JSON object with a fingerprint")
+        except ValueError as e:  # not JSON, not UTF-8, or not the record: a file of the user's, never replaced
             raise click.BadParameter(f"{record} is not the record of the target DATA was made with ({e}): restore "
                                      "it, or pass another --data", param_hint="'--data'") from None
-        if theirs.get("fingerprint") != mine:
-            raise click.BadParameter(f"{data_dir} holds the responses and features of another target "
-                                     f"({theirs.get('target', 'unknown')}, by {record}): pass another --data, or the "
-                                     "--target they were made with", param_hint="'--data'")
-        return
+        if _holds_data(data_dir):
+            if theirs["fingerprint"] != mine:
+                raise click.BadParameter(f"{data_dir} holds the responses and features of another target "
+                                         f"({theirs.get('target', 'unknown')}, by {record}): pass another --data, or "
+                                         "the --target they were made with", param_hint="'--data'")
+            return
     tmp = record.with_suffix(".tmp")
     tmp.write_text(json.dumps({"target": str(target_dir.resolve()), "fingerprint": mine}, indent=2) + "\n")
     os.replace(tmp, record)
@@ -235,14 +252,18 @@ def _resume_notes(saved: dict, old: dict, cfg: TrainConfig) -> list[str]:
 
     notes = [f"{flag} {old[key]} in the checkpoint, {getattr(cfg, key)} now" for key, flag in RESUMED_SETTINGS.items()
              if old.get(key) is not None and old[key] != getattr(cfg, key)]
+    if old.get("draft_vocab_loss") is not None and old["draft_vocab_loss"] != cfg.draft_vocab_loss:
+        notes.append(f"--full-vocab-loss {'not ' if cfg.draft_vocab_loss else ''}given now, the checkpoint's run "
+                     f"trained {'without' if old['draft_vocab_loss'] else 'with'} it: the loss is taken over another "
+                     "vocabulary from here on")
     step = saved["step"]
     if cfg.time_budget_s is None and old["time_budget_s"] is None and old["steps"] != cfg.steps:
         then, now = (lr_at(step / n, (step + 1) / n, warmup_share(c, n), c)
                      for n, c in ((old["steps"], replace(cfg, lr=old["lr"], warmup_ratio=old["warmup_ratio"],
                                                          min_lr_ratio=old["min_lr_ratio"])), (cfg.steps, cfg)))
-        notes.append(f"--steps {old['steps']} in the checkpoint, {cfg.steps} now: the learning-rate schedule "
-                     f"stretches to the new length, and step {step + 1} trains at {now:.3g} where it would have at "
-                     f"{then:.3g}")
+        moves = "stretches" if cfg.steps > old["steps"] else "shrinks"
+        notes.append(f"--steps {old['steps']} in the checkpoint, {cfg.steps} now: the learning-rate schedule {moves} "
+                     f"to the new length, and step {step + 1} trains at {now:.3g} where it would have at {then:.3g}")
     return notes
 
 
@@ -326,6 +347,21 @@ def _termination_as_interrupt():
         yield
 
 
+def shortest_prompt(tokenizer, prompts, lens: list[int], chat: bool, candidates: int = 8) -> int | None:
+    """Tokens of the shortest prompt as the target is asked it (through its chat template where it has one), or None
+    without prompts; `lens`: their tokens as written. The template adds about the same to every prompt: only the few
+    shortest as written are rendered (thousands would take a while)."""
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+
+    if not prompts:
+        return None
+    if not chat:
+        return min(lens)
+    encoder = PromptEncoder(tokenizer, max_model_len=10**9)
+    shortest = sorted(range(len(prompts)), key=lens.__getitem__)[:candidates]
+    return min(len(encoder.encode(prompts[i].text, chat=True)) for i in shortest)
+
+
 def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prompts, resume: bool,
                       max_new_tokens: int = 256, sampled_variants: int = 1, dtype: str = "bfloat16",
                       device: str = "cpu", self_prompts: int = 0, features: str | None = None) -> Path:
@@ -355,11 +391,13 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     # Everything checkable is checked before the data stages, which can take hours.
     target_cfg = decoder_config_from_dict(read_config_json(target_dir), str(target_dir / "config.json"))
     check_target_dir(target_dir)
+    spaced = not cfg.target_layer_ids
     cfg.target_layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers,
                                                                                  cfg.num_features))
-    check_against_target(cfg, target_cfg)
+    check_against_target(cfg, target_cfg, spaced_by_num_features=spaced)
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
+    check_data_dir(data_dir, out_dir)
     match_checkpoint(out_dir, cfg, resume, target_cfg)
     try:
         tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)
@@ -373,10 +411,12 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     if not chat:
         logger.warning("%s has no chat template: its prompts are answered as plain text", target_dir)
     prompt_lens = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]] if prompts else []
-    if prompt_lens and min(prompt_lens) >= cfg.max_seq_len:  # else found after the data stages, hours on a real run
+    shortest = shortest_prompt(tokenizer, prompts, prompt_lens, chat)
+    if shortest is not None and shortest >= cfg.max_seq_len:  # else found after the data stages, hours on a real run
         raise click.BadParameter(f"{cfg.max_seq_len} leaves no room for a response token after any prompt (the "
-                                 f"shortest has {min(prompt_lens)} tokens): training reads the first max_seq_len "
-                                 "tokens of prompt + response", param_hint="'--max-seq-len'")
+                                 f"shortest has {shortest} tokens{' in the chat template' if chat else ''}): training "
+                                 "reads the first max_seq_len tokens of prompt + response",
+                                 param_hint="'--max-seq-len'")
     with contextlib.ExitStack() as held:  # the run's locks on --out and --data, until it ends
         # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
         made = [(data_dir, "--data"), (out_dir, "--out")]

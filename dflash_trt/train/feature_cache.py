@@ -183,6 +183,14 @@ def _read_index(root: Path, feature_dim: int, layer_ids: list[int]) -> dict:
     return index
 
 
+def _size(n: int) -> str:
+    """Bytes in the largest unit a tenth of which they reach (a small disk read "0.0 GB needed, 0.0 GB free")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def space_shortfall(root: Path, token_bound: int, feature_dim: int) -> str | None:
     """Before the responses are generated (hours on the CPU): why caching the features of up to token_bound tokens
     may not fit root's disk (counting what root's shards hold already), or None where it fits."""
@@ -192,8 +200,8 @@ def space_shortfall(root: Path, token_bound: int, feature_dim: int) -> str | Non
     free = shutil.disk_usage(probe).free
     if need <= free:
         return None
-    return (f"{root}: caching the features may need up to {need / 1e9:.1f} GB (every response at its longest), and "
-            f"{free / 1e9:.1f} GB is free: the run would stop there after generating the responses; pass "
+    return (f"{root}: caching the features may need up to {_size(need)} (every response at its longest), and "
+            f"{_size(free)} is free: the run would stop there after generating the responses; pass "
             "--features live (computed per step), fewer --max-prompts, or a --data directory on a larger disk")
 
 
@@ -242,8 +250,8 @@ def build_feature_cache(
     free = shutil.disk_usage(root).free
     if need > free:
         bar.close()
-        raise OSError(f"{root}: caching the features of {len(missing):,} sequences needs {need / 1e9:.1f} GB, "
-                      f"{free / 1e9:.1f} GB is free; compute them per step instead (dflash-trt train --features live), "
+        raise OSError(f"{root}: caching the features of {len(missing):,} sequences needs {_size(need)}, "
+                      f"{_size(free)} is free; compute them per step instead (dflash-trt train --features live), "
                       "or free the space")
     model = target if compute_with is None else compute_with()
     cache = model.make_cache(batch_rows, max(len(ids) for _, ids in missing))

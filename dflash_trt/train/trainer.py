@@ -291,7 +291,8 @@ class Trainer:
                            "evaluations score nothing, and %s holds the latest step's drafter", len(self.heldout),
                            cfg.max_seq_len, self.out_dir / "drafter")
         if not self.train_records:
-            raise ValueError("no training sequences with cached features and a response token within max_seq_len")
+            raise ValueError(f"no training sequences with cached features and a response token within "
+                             f"--max-seq-len {cfg.max_seq_len} (their prompt first, as the chat template writes it)")
         if not self.heldout:
             logger.warning("no held-out records: evaluations score nothing, and %s holds the latest step's drafter",
                            self.out_dir / "drafter")

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import re
 import logging
 import shutil
 import signal
@@ -102,11 +103,12 @@ def test_a_resumed_run_reads_its_data_where_it_did_and_says_what_it_changes(targ
     out, data = tmp_path / "out", tmp_path / "shared"
     assert _train(target, out, "--data", str(data)).exit_code == 0
     monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("the responses were made again"))
-    r = _train(target, out, "--resume", "--steps", "4", "--lr", "1e-3")
+    r = _train(target, out, "--resume", "--steps", "4", "--lr", "1e-3", "--full-vocab-loss")
     assert r.exit_code == 0, r.output
     assert not (out / "data").exists() and _log_steps(out) == [1, 2, 3, 4]
     said = " ".join(r.output.split())
     assert "warning: --resume: --lr 0.0006 in the checkpoint, 0.001 now" in said, said
+    assert "--full-vocab-loss given now, the checkpoint's run trained without it" in said
     assert "warning: --resume: --steps 2 in the checkpoint, 4 now: the learning-rate schedule stretches" in said
     assert "--data" not in said  # read where it was
     moved = tmp_path / "moved"  # OUT moved with its data: the recorded --data is gone, OUT/data read, and said
@@ -329,7 +331,9 @@ def test_a_feature_cache_past_the_free_disk_is_refused_before_it_is_computed(tar
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     r = _train(target, tmp_path / "out", "--data", str(data))
     assert r.exit_code == 1, r.output
-    assert "GB is free; compute them per step instead (dflash-trt train --features live)" in r.output
+    # 1,000 bytes free reads as such, not as "0.0 GB"
+    assert "1.0 kB is free; compute them per step instead (dflash-trt train --features live)" in r.output
+    assert re.search(r"needs \d+\.\d (MB|kB), ", r.output), r.output
     assert not list((data / "features").glob("shard_*"))
 
 
@@ -451,6 +455,25 @@ def test_a_damaged_target_record_in_data_is_refused_naming_it(target, run, tmp_p
     assert (data / "target.json").read_bytes() == damage
 
 
+def test_a_data_that_holds_what_no_run_wrote_is_refused_and_left_alone(target, tmp_path):
+    """The data stages write their responses, features and target record into --data: a model directory, or a
+    folder of the user's whose target.json is theirs, is refused before anything is written."""
+    for holds in ({"notes.txt": "mine"}, {"target.json": '{"my": 1}'}):
+        data = tmp_path / "data"
+        shutil.rmtree(data, ignore_errors=True)
+        data.mkdir()
+        for name, text in holds.items():
+            (data / name).write_text(text)
+        r = _train(target, tmp_path / "out", "--data", str(data))
+        assert r.exit_code == 2 and "Invalid value for '--data'" in r.output, r.output
+        assert sorted(p.name for p in data.iterdir() if not p.name.startswith(".")) == sorted(holds)
+        assert all((data / name).read_text() == text for name, text in holds.items())
+    r = _train(target, tmp_path / "out", "--data", str(target))  # the target's own directory
+    assert r.exit_code == 2 and f"{target} holds what no training run wrote (" in r.output, r.output
+    assert "config.json" in r.output
+    assert not (target / "responses.jsonl").exists()
+
+
 def test_records_at_other_prompts_positions_are_refused_naming_them(target, run, tmp_path):
     # Record ids are positions in the prompt list: with another --max-prompts a stored record would answer another
     # prompt than the one now at its position.
@@ -488,6 +511,23 @@ def test_a_max_seq_len_no_prompt_fits_under_is_refused_before_any_response(targe
     r = _train(target, tmp_path / "out", "--max-seq-len", "16", "--prompts", str(prompts))
     assert r.exit_code == 2 and "Invalid value for '--max-seq-len'" in r.output and "no room" in r.output, r.output
     assert not (tmp_path / "out").exists()
+    # short as written, but the target is asked them through its chat template, which adds its own tokens
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+
+    def tokens(text: str, chat: bool) -> int:
+        if not chat:
+            return len(tokenizer(text)["input_ids"])
+        return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"])
+
+    # a prompt under --max-seq-len 16 as written (room for a response: the check used to pass it), not as asked
+    text = next(t for t in (" ".join(["hi"] * n) for n in range(1, 16)) if tokens(t, False) < 16 <= tokens(t, True))
+    prompts.write_text(json.dumps({"text": text}) + "\n")
+    r = _train(target, tmp_path / "out", "--max-seq-len", "16", "--prompts", str(prompts))
+    assert r.exit_code == 2, r.output
+    assert f"the shortest has {tokens(text, True)} tokens in the chat template" in " ".join(r.output.split())
 
 
 def test_an_interrupt_in_the_features_stage_says_how_many_sequences_it_kept(target, tmp_path, monkeypatch):
@@ -592,6 +632,13 @@ def test_default_layer_spacing_over_a_small_target_names_ids_that_would_do():
         with pytest.raises(click.BadParameter, match=f"--num-features {features} over a {layers}-layer target\\): "
                                                      f"pass distinct ids of its layers, e.g. --target-layers {ids}"):
             check_against_target(cfg, SimpleNamespace(num_hidden_layers=layers, vocab_size=VOCAB))
+
+
+def test_layers_spaced_by_num_features_that_repeat_name_that_flag(target, tmp_path):
+    i = TINY.index("--target-layers")
+    flags = [*TINY[:i], *TINY[i + 2:], "--num-features", "6"]  # spaced over a 4-layer target: layer 1, six times
+    r = CliRunner().invoke(main, ["train", "--target", str(target), "--out", str(tmp_path / "out"), *flags])
+    assert r.exit_code == 2 and "Invalid value for '--num-features'" in r.output and "repeats a layer" in r.output
 
 
 def test_a_second_run_on_an_out_in_use_is_refused(target, tmp_path):
