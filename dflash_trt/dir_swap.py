@@ -19,11 +19,12 @@ import os
 import re
 import shutil
 import signal
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from dflash_trt.signals import signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -201,13 +202,17 @@ def swap_in(tmp: Path, out: Path, replaced: str, check: Callable[[], None] | Non
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP wait until the block ends (then unwind as usual)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    blocked = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    """SIGTERM, SIGINT and SIGHUP wait until the block ends, then act as they would have (one ignored, under nohup,
+    stays ignored). Their handlers are swapped for ones that note them, not masked: a mask holds them on this thread
+    alone, and the kernel gives a process's signal to any thread that takes it (torch's, once it has run)."""
+    caught: list[int] = []
+
+    def note(signum: int, frame) -> None:
+        caught.append(signum)
+
     try:
-        yield
+        with signal_handlers(note, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # off the main thread: none set
+            yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)

@@ -53,6 +53,8 @@ def _hub_config(repo_id: str) -> tuple[dict | None, str]:
     try:
         response = get_session().get(url, headers=build_hf_headers(), timeout=_HUB_TIMEOUT_S, follow_redirects=True)
         hf_raise_for_status(response)
+    except (TypeError, AttributeError):  # a call this huggingface_hub does not take: a bug to see, not a reason
+        raise
     except Exception as e:  # noqa: BLE001 - no route, timeout, 401/403 gated, 404: each means no config here
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}"
     try:
@@ -95,10 +97,12 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
         return ModelSource(ref, "bundled", None, bundled)
     hint = " (`--plan-only` plans with bundled config values, or with the config.json alone from the Hub)"
     if allow_bundled:
-        fetched, why = _hub_config(ref)
-        if fetched is not None:
-            return ModelSource(ref, "hub_config", None, fetched)
-        hint = f" (nor could its config.json alone be fetched for the plan: {why})"
+        hint = ""
+        if not (base_dir / ref.split("/")[0]).is_dir():  # else a path written without ./: the hint below says so
+            fetched, why = _hub_config(ref)
+            if fetched is not None:
+                return ModelSource(ref, "hub_config", None, fetched)
+            hint = f" (nor could its config.json alone be fetched for the plan: {why})"
     raise FileNotFoundError(
         f"{key}={ref!r} is not on disk: fetch it with `hf download {ref}` (huggingface_hub) on a machine with "
         f"network access, or set {key} to a local directory (written ./{ref} if that is what you meant){hint}"

@@ -106,3 +106,23 @@ def test_a_file_replaced_whole_is_left_as_it_was_where_writing_fails(tmp_path):
     with pytest.raises(OSError, match="No space"):
         dir_swap.replace_file(target, half_then_fail)
     assert target.read_text() == "after" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+def test_signals_sent_to_the_process_wait_for_the_held_block_then_act(ctrl_c_reaches_python):
+    """A terminal's Ctrl-C goes to the process, and the kernel may hand it to any thread (torch's threads exist once
+    it has run): held signals must wait whichever thread took them, and act once the block ends."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    torch.ones(256, 256) @ torch.ones(256, 256)  # torch's worker threads
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with dir_swap.signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # its Python handler has run by now
+            done.append("the block went on")
+    assert done == ["the block went on"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back

@@ -99,3 +99,12 @@ def test_offline_the_plan_asks_nothing_of_the_hub(tiny_dirs, tmp_path, hub, monk
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
         prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
     assert requested == []
+
+
+def test_a_path_written_without_dot_slash_is_not_asked_of_the_hub(tiny_dirs, tmp_path, hub):
+    files, requested = hub
+    files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
+    (tmp_path / REPO.split("/")[0]).mkdir()  # beside the config: the user meant ./some-org/tiny-dflash
+    with pytest.raises(FileNotFoundError, match=f"written ./{REPO} if that is what you meant"):
+        prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+    assert requested == []

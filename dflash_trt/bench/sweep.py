@@ -375,8 +375,9 @@ def _acceptance(record: dict) -> dict:
         raise ValueError(f"acceptance.tau is {tau!r}, not a number")
     counts = {key: record.get(key, 0) for key in ("total_draft_tokens", "total_accepted_draft_tokens")}
     histogram = record.get("acceptance_histogram") or []
-    counts.update({f"acceptance_histogram[{i}]": n for i, n in enumerate(histogram if isinstance(histogram, list)
-                                                                         else [histogram])})
+    if not isinstance(histogram, list):
+        raise ValueError(f"acceptance.acceptance_histogram is {histogram!r}, not a list of counts")
+    counts.update({f"acceptance_histogram[{i}]": n for i, n in enumerate(histogram)})
     for key, n in counts.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"acceptance.{key} is {n!r}, not a count")

@@ -102,15 +102,23 @@ def check_out_dir(out_dir: Path, data_dir: Path) -> None:
                                  "directory", param_hint="'--out'")
 
 
+def _is_run_out(path: Path) -> bool:
+    """Whether `path` is a training run's OUT (its checkpoint, log or exported drafter)."""
+    return path.is_dir() and any((path / name).is_file() for name in ("checkpoint.pt", "train_log.jsonl",
+                                                                       "drafter/training.json"))
+
+
 def check_data_dir(data_dir: Path, out_dir: Path) -> None:
-    """Refuse a DATA (other than OUT) that holds anything the data stages did not write: they add their responses,
-    features and target record to it, and would mix them into a model directory or replace a file of the user's."""
+    """Refuse a DATA (other than OUT) that holds anything training did not write: the data stages add their
+    responses, features and target record to it, and would mix them into a model directory or replace a file of the
+    user's. An earlier run's OUT (--data OUT) is training's, and so are the runs' OUTs inside it (--out DATA/NAME)."""
     if not data_dir.is_dir() or data_dir.resolve() == out_dir.resolve():  # OUT's own: check_out_dir's
         return
-    ours = set(DATA_FILES)
-    if out_dir.resolve().is_relative_to(data_dir.resolve()):  # --out DATA/NAME
+    ours = set(RUN_FILES)
+    if out_dir.resolve().is_relative_to(data_dir.resolve()):  # --out DATA/NAME, before its run made it one
         ours.add(out_dir.resolve().relative_to(data_dir.resolve()).parts[0])
-    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in ours and not p.name.startswith("."))
+    foreign = sorted(p.name for p in data_dir.iterdir()
+                     if p.name not in ours and not p.name.startswith(".") and not _is_run_out(p))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise click.BadParameter(f"{data_dir} holds what no training run wrote ({shown}): choose a new or empty "

@@ -2,11 +2,13 @@
 
 import errno
 import json
-import re
 import logging
+import os
+import re
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -274,7 +276,9 @@ def test_a_second_ctrl_c_while_the_checkpoint_is_written_waits_for_it(target, ru
         return loss(self, *args, **kwargs)
 
     def pressed_again_while_saving(obj, f, *args, **kwargs):
-        signal.raise_signal(signal.SIGINT)
+        # to the process, as a terminal sends it: the kernel may give it to any thread (torch's have started)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # delivered, and its Python handler run, before the write goes on
         return save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "_batch_loss", pressed_in_step_3)
@@ -472,6 +476,24 @@ def test_a_data_that_holds_what_no_run_wrote_is_refused_and_left_alone(target, t
     assert r.exit_code == 2 and f"{target} holds what no training run wrote (" in r.output, r.output
     assert "config.json" in r.output
     assert not (target / "responses.jsonl").exists()
+
+
+
+def test_a_data_other_runs_wrote_is_taken(target, run, tmp_path, monkeypatch):
+    """Training's own layouts: one DATA shared by runs under it (--data DATA --out DATA/NAME), and an earlier run's
+    OUT that held its data (--data OUT, the default OUT/data's parent) given as a later run's --data."""
+    monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: pytest.fail("the responses were made again"))
+    shared = tmp_path / "shared"
+    shutil.copytree(run / "data", shared)
+    for name in ("a", "b"):
+        r = _train(target, shared / name, "--data", str(shared))
+        assert r.exit_code == 0, r.output
+    earlier = tmp_path / "earlier"
+    shutil.copytree(shared / "a", earlier)
+    for item in (run / "data").iterdir():  # an OUT that was its own --data
+        (shutil.copytree if item.is_dir() else shutil.copy)(item, earlier / item.name)
+    r = _train(target, tmp_path / "later", "--data", str(earlier))
+    assert r.exit_code == 0, r.output
 
 
 def test_records_at_other_prompts_positions_are_refused_naming_them(target, run, tmp_path):
