@@ -241,6 +241,8 @@ def test_inspect_shows_a_hand_edited_manifest_with_a_note_that_it_was_edited(tin
     bad = _edited(tiny_engine, tmp_path, "manifest.json", lambda m: m.update(max_draft_len=5))
     shown = CliRunner().invoke(main, ["inspect", str(bad)])
     assert shown.exit_code == 0 and "note:" in shown.output and "edited after the build" in shown.output
+    r = CliRunner().invoke(main, ["triton", "export", str(bad), "-o", str(tmp_path / "repo")])
+    assert r.exit_code == 1 and "edited after the build" in r.output and not (tmp_path / "repo").exists()
     assert "edited after the build" not in CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
 
 
@@ -255,6 +257,9 @@ def test_inspect_notes_weights_cut_short_without_reading_them(tiny_engine, tmp_p
     assert shown.exit_code == 0, shown.output
     assert f"note: {weights}: {size // 2} bytes, manifest.json says {size} (cut short" in shown.output
     assert "note:" not in CliRunner().invoke(main, ["inspect", str(tiny_engine)]).output
+    # nor is it exported for tritonserver to fail on, its reason in the server's log
+    r = CliRunner().invoke(main, ["triton", "export", str(bad), "-o", str(tmp_path / "repo")])
+    assert r.exit_code == 1 and f"{weights}: {size // 2} bytes" in r.output and not (tmp_path / "repo").exists()
 
 
 def test_a_format_version_of_another_type_is_shown_as_it_is_written(tiny_engine, tmp_path):

@@ -182,7 +182,11 @@ def check_sources(settings: ModelSettings) -> None:
         from dflash_trt.engine_dir import EngineDir
 
         engine = EngineDir(settings.engine_dir)
-        engine.check_format()  # else tritonserver fails to load it, its reason buried in the server's log
+        # else tritonserver fails to load it, its reason buried in the server's log (cheap: no file is read whole;
+        # the checksums are verified as the model loads)
+        engine.check_format()
+        engine.check_digest()
+        engine.check_sizes()
         if settings.backend == "trtllm" and engine.layout != "trtllm":
             raise ValueError(f"{engine.path} was planned for this project's runtime (layout "
                              f"{engine.layout!r}), not TensorRT-LLM: export it with --backend torch")
@@ -311,7 +315,11 @@ class TritonServer:
     def check_ports(self) -> None:
         """OSError naming the flag of a port another process holds, which tritonserver would find only once the model
         has loaded (and say in its log alone)."""
-        for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), self.ports):
+        flags = ("--http-port", "--grpc-port", "--metrics-port")
+        for i, j in ((0, 1), (0, 2), (1, 2)):
+            if self.ports[i] == self.ports[j]:  # tritonserver would print its whole usage text, then refuse
+                raise OSError(f"{flags[i]} and {flags[j]} are both {self.ports[i]}: give each its own port")
+        for flag, port in zip(flags, self.ports):
             try:
                 bound(self.host, port).close()
             except OSError as e:

@@ -372,6 +372,15 @@ def test_a_port_in_use_is_named_before_tritonserver_starts(tmp_path):
     assert r.exit_code == 1 and f"--metrics-port {port}: 127.0.0.1:{port} is not free" in r.output, r.output
 
 
+def test_one_port_given_to_two_flags_is_named_before_tritonserver_starts(tmp_path):
+    from dflash_trt.cli import main
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\n')
+    r = CliRunner().invoke(main, ["triton", "serve", str(tmp_path), "--http-port", "8154", "--grpc-port", "8154"])
+    assert r.exit_code == 1 and "--http-port and --grpc-port are both 8154" in r.output, r.output
+
+
 def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tmp_path):
     """A request still generating kept tritonserver from exiting on SIGTERM for minutes, and when it gave up, its
     python backend stub (same process group) was left running. Here a stand-in that ignores SIGTERM and holds a
