@@ -606,7 +606,7 @@ def test_records_whose_prompt_fills_max_seq_len_are_never_drawn(trained, caplog)
     tr.train()
     log = [json.loads(x) for x in (root / "short_window" / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 3 and all(e["loss"] > 0 for e in log)
-    with pytest.raises(ValueError, match="a response token within max_seq_len"):
+    with pytest.raises(ValueError, match="a response token within --max-seq-len"):
         _trainer(t, root, root / "no_window", records, max_seq_len=min(len(r["prompt_ids"]) for r in train))
 
 
