@@ -109,9 +109,9 @@ class EngineDir:
         for rel, entry in self.manifest["files"].items():
             with _read_from(self.path / MANIFEST):
                 size = entry["size"]
-            if (self.path / rel).stat().st_size != size:
-                raise ValueError(f"{self.path / rel}: {(self.path / rel).stat().st_size} bytes, {MANIFEST} says {size} "
-                                 "(cut short or modified); rebuild the engine")
+            if (found := (self.path / rel).stat().st_size) != size:
+                raise ValueError(f"{self.path / rel}: {found} bytes, {MANIFEST} says {size} (cut short or modified); "
+                                 "rebuild the engine")
 
     def verify(self) -> None:
         """ValueError naming the file when the format version or any checksum does not match, or a file was added."""

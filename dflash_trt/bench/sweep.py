@@ -320,11 +320,16 @@ def _max_tokens(body: dict) -> int | None:
     return max(limits) if limits else None
 
 
+def _count(value, name: str, of: str = "") -> int:
+    """`value` where it is a count (an int >= 0, not a bool), else ValueError naming the field `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} is {value!r}, not a count{of}")
+    return value
+
+
 def _token_count(usage: dict, key: str, default: int | None) -> int | None:
     value = usage.get(key, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"usage.{key} is {value!r}, not a count of tokens")
-    return value
+    return None if value is None else _count(value, f"usage.{key}", " of tokens")
 
 
 def _read_event(event: dict, api: str, now: float, res: RequestResult, max_tokens: int | None = None) -> None:
@@ -368,9 +373,7 @@ def _read_event(event: dict, api: str, now: float, res: RequestResult, max_token
 
 def _acceptance(record: dict) -> dict:
     """This project's per-choice acceptance record, checked for what response_acceptance reads."""
-    steps, tau = record.get("num_steps"), record.get("tau")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"acceptance.num_steps is {steps!r}, not a count of steps")
+    steps, tau = _count(record.get("num_steps"), "acceptance.num_steps", " of steps"), record.get("tau")
     if steps and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
         raise ValueError(f"acceptance.tau is {tau!r}, not a number")
     counts = {key: record.get(key, 0) for key in ("total_draft_tokens", "total_accepted_draft_tokens")}
@@ -379,8 +382,7 @@ def _acceptance(record: dict) -> dict:
         raise ValueError(f"acceptance.acceptance_histogram is {histogram!r}, not a list of counts")
     counts.update({f"acceptance_histogram[{i}]": n for i, n in enumerate(histogram)})
     for key, n in counts.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"acceptance.{key} is {n!r}, not a count")
+        _count(n, f"acceptance.{key}")
     return record
 
 

@@ -363,10 +363,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
             from dflash_trt.engine_dir import EngineDir
 
             try:
-                found = EngineDir(engine)
-                found.check_format()  # the one an engine of another version fails first
-                found.check_digest()  # an edited manifest's value would be written into config.pbtxt
-                max_batch_size = int(found.build_config["max_batch_size"])
+                max_batch_size = int(EngineDir(engine).build_config["max_batch_size"])
             except (ValueError, FileNotFoundError) as e:
                 raise click.ClickException(str(e)) from e
     if engine is None:  # generate's resolution: the embedded defaults, and a usage error naming the flags

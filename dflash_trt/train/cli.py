@@ -183,7 +183,9 @@ def check_data_target(data_dir: Path, target_dir: Path) -> None:
 def check_target_dir(target_dir: Path) -> None:
     """Fail unless target_dir has the tokenizer files: transformers would otherwise make up an empty tokenizer, and
     the run fail at the first prompt with 'empty prompt'."""
-    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    from dflash_trt.models.tokenizer import TOKENIZER_MARKERS
+
+    if not any((target_dir / f).is_file() for f in TOKENIZER_MARKERS):
         raise click.BadParameter(f"{target_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
                                  "tokenizer.model): pass the model's whole HF directory", param_hint="'--target'")
 
