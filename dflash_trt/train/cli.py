@@ -346,6 +346,25 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _unmade_on_failure(made: list[Path]):
+    """An ExitStack exit callback: on an exception, removes the directories of MADE (deepest first) that hold nothing
+    but the run's lock and target record. Pushed before the locks are taken, so that it runs after they are released."""
+
+    def exit_(exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            for path in sorted(made, key=lambda p: len(p.resolve().parts), reverse=True):
+                try:
+                    if {entry.name for entry in path.iterdir()} <= {RUN_LOCK, TARGET_RECORD}:
+                        (path / RUN_LOCK).unlink(missing_ok=True)
+                        (path / TARGET_RECORD).unlink(missing_ok=True)
+                        path.rmdir()
+                except OSError:  # not made after all, or written meanwhile by another process: left as it is
+                    pass
+        return False
+
+    return exit_
+
+
 @contextlib.contextmanager
 def _termination_as_interrupt():
     """SIGTERM or SIGHUP in the data stages ends the run as Ctrl-C does (what was kept is said, exit 130); the
@@ -428,6 +447,8 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                                  "reads the first max_seq_len tokens of prompt + response",
                                  param_hint="'--max-seq-len'")
     with contextlib.ExitStack() as held:  # the run's locks on --out and --data, until it ends
+        # a run refused (or failing) before it wrote anything leaves no directory it made, as if never started
+        held.push(_unmade_on_failure([path for path in (data_dir, out_dir) if not path.exists()]))
         # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
         made = [(data_dir, "--data"), (out_dir, "--out")]
         for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:

@@ -339,6 +339,17 @@ def test_a_feature_cache_past_the_free_disk_is_refused_before_it_is_computed(tar
     assert "1.0 kB is free; compute them per step instead (dflash-trt train --features live)" in r.output
     assert re.search(r"needs \d+\.\d (MB|kB), ", r.output), r.output
     assert not list((data / "features").glob("shard_*"))
+    assert not (tmp_path / "out").exists()  # made for the run, and nothing written in it
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_no_directory_it_made(target, tmp_path):
+    broken = tmp_path / "target"
+    shutil.copytree(target, broken)
+    (broken / "model.safetensors").unlink()  # fails as the target loads, once --out and --data are made
+    out = tmp_path / "runs" / "out"
+    r = _train(broken, out)
+    assert r.exit_code == 1 and "no *.safetensors files" in r.output, r.output
+    assert not out.exists() and (tmp_path / "runs").is_dir()  # a parent made on the way is not the run's to remove
 
 
 def test_a_feature_cache_that_may_not_fit_is_warned_of_before_the_responses_are_generated(target, tmp_path,
