@@ -74,11 +74,15 @@ class PreparedBuild:
     trtllm_options: dict
 
 
-def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_bundled: bool = False) -> PreparedBuild:
-    """Validate and plan without writing anything; raises ValueError / FileNotFoundError / PlanError."""
+def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_bundled: bool = False,
+                  fetch_configs: bool = False) -> PreparedBuild:
+    """Validate and plan without writing anything; raises ValueError / FileNotFoundError / PlanError.
+
+    allow_bundled: plan a model not on disk from bundled config values, and with fetch_configs from its config.json
+    alone, fetched from the Hub (one request)."""
     cfg, base_dir = load_build_config(config_path, overrides)
     hw = profile(cfg.hardware)
-    target = resolve_model(cfg.model, base_dir, "model", allow_bundled)
+    target = resolve_model(cfg.model, base_dir, "model", allow_bundled, fetch_configs)
     tcfg = decoder_config_from_dict(target.config, f"{cfg.model} config.json")
     if target.path is not None:
         _check_generation_config(target.path / "generation_config.json")
@@ -90,7 +94,7 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     auto = cfg.speculative_config is not None and cfg.speculative_config.draft_len_schedule == "auto"
     if cfg.drafter is not None:
         key = "speculative_config.speculative_model"
-        drafter = resolve_model(cfg.drafter, base_dir, key, allow_bundled)
+        drafter = resolve_model(cfg.drafter, base_dir, key, allow_bundled, fetch_configs)
         source = f"{key}={cfg.drafter!r} config.json"
         dcfg = DFlashConfig.from_dict(drafter.config, source)
         # With auto, the pairing check sees no schedule yet; the chooser is capped at the K it resolves.

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
 
 GB = 10**9
+# click's ctx.meta key for the user's own choice, read before the CLI sets its default HF_HUB_OFFLINE=1
+HUB_OFFLINE_ASKED = "dflash_trt.hub_offline_asked"
+
+
+def hub_offline_asked(environ: Mapping[str, str]) -> bool:
+    """Whether ENVIRON asks for no Hub access, as huggingface_hub reads its variables."""
+    value = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in {"1", "ON", "YES", "TRUE"}
 
 
 class EnginePath(click.Path):
@@ -174,7 +184,8 @@ def build(config, output, plan_only, drafter, max_batch_size, max_seq_len, max_d
         if plan_only:
             if output is not None:
                 raise click.UsageError("--plan-only writes nothing: drop -o/--output (or --plan-only to build)")
-            prepared = prepare_build(config, overrides, allow_bundled=True)
+            asked = click.get_current_context().meta.get(HUB_OFFLINE_ASKED, hub_offline_asked(os.environ))
+            prepared = prepare_build(config, overrides, allow_bundled=True, fetch_configs=not asked)
             plan, options = prepared.plan.to_dict(), prepared.trtllm_options
         else:
             if output is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dflash_trt import __version__
-from dflash_trt.build_cli import EnginePath
+from dflash_trt.build_cli import HUB_OFFLINE_ASKED, EnginePath, hub_offline_asked
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, THREADS_HELP, target_runtime, use_threads
 from dflash_trt.sampling_params import SamplingParams
 
@@ -19,9 +19,12 @@ from dflash_trt.sampling_params import SamplingParams
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__)
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details (INFO).")
-def main(verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """Build, serve and benchmark DFlash speculative decoding."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # libraries stay off the network unless the user says otherwise; build --plan-only asks only if the user did not
+    ctx.meta[HUB_OFFLINE_ASKED] = hub_offline_asked(os.environ)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -43,15 +43,15 @@ def _hub_config(repo_id: str) -> tuple[dict | None, str]:
     """The repo's config.json alone, fetched from the Hub (a plan needs no weights), or None and why not.
 
     One request, no retries (offline, hf_hub_download retries for 23 s), and not into the HF cache, where a snapshot
-    of one file would read as the model downloaded and a build would look there for weights."""
-    from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    of one file would read as the model downloaded and a build would look there for weights. Not through
+    huggingface_hub's session: it refuses every request under the HF_HUB_OFFLINE=1 that the CLI sets by default."""
+    import httpx
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    if constants.HF_HUB_OFFLINE:
-        return None, "HF_HUB_OFFLINE is set"
     url = hf_hub_url(repo_id, "config.json")
     try:
-        response = get_session().get(url, headers=build_hf_headers(), timeout=_HUB_TIMEOUT_S, follow_redirects=True)
+        response = httpx.get(url, headers=build_hf_headers(), timeout=_HUB_TIMEOUT_S, follow_redirects=True)
         hf_raise_for_status(response)
     except (TypeError, AttributeError):  # a call this huggingface_hub does not take: a bug to see, not a reason
         raise
@@ -66,8 +66,12 @@ def _hub_config(repo_id: str) -> tuple[dict | None, str]:
     return config, ""
 
 
-def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = False) -> ModelSource:
-    """Resolve `ref` (the value of build-config key `key`); `base_dir` anchors relative paths."""
+def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = False,
+                  fetch_configs: bool = False) -> ModelSource:
+    """Resolve `ref` (the value of build-config key `key`); `base_dir` anchors relative paths.
+
+    allow_bundled: a plan's resolution, which takes config values alone (bundled ones, or with fetch_configs, the
+    config.json fetched from the Hub) for a model that is not on disk."""
     if ref.startswith(EMBEDDED_PREFIX):
         name = ref.removeprefix(EMBEDDED_PREFIX)
         if name not in EMBEDDED_MODELS:
@@ -99,7 +103,7 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
     if allow_bundled:
         hint = ""
         if not (base_dir / ref.split("/")[0]).is_dir():  # else a path written without ./: the hint below says so
-            fetched, why = _hub_config(ref)
+            fetched, why = _hub_config(ref) if fetch_configs else (None, "HF_HUB_OFFLINE is set")
             if fetched is not None:
                 return ModelSource(ref, "hub_config", None, fetched)
             hint = f" (nor could its config.json alone be fetched for the plan: {why})"

@@ -19,7 +19,8 @@ REPO = "some-org/tiny-dflash"
 
 @pytest.fixture
 def hub(monkeypatch):
-    """A local stand-in for the Hub: serves `files[path]` (bytes) and records every requested path."""
+    """A local stand-in for the Hub: serves `files[path]` (bytes) and records every requested path. The user's
+    environment asks nothing of HF_HUB_OFFLINE; huggingface_hub runs offline, as under the CLI's default."""
     from huggingface_hub import constants
 
     files: dict[str, bytes] = {}
@@ -40,7 +41,9 @@ def hub(monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{server.server_port}"
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     yield files, requested
     server.shutdown()
@@ -59,8 +62,8 @@ def test_plan_only_plans_with_the_drafters_config_json_from_the_hub_as_with_the_
     files, requested = hub
     drafter = tiny_dirs["qwen3_drafter"]
     files[f"/{REPO}/resolve/main/config.json"] = (drafter / "config.json").read_bytes()
-    on_disk = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], str(drafter)), allow_bundled=True)
-    fetched = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+    on_disk = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], str(drafter)), allow_bundled=True, fetch_configs=True)
+    fetched = prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True, fetch_configs=True)
     assert fetched.drafter.kind == "hub_config" and fetched.drafter.path is None
     assert fetched.plan.to_dict() == on_disk.plan.to_dict()
     assert requested == [f"/{REPO}/resolve/main/config.json"]  # one file, no weights
@@ -87,15 +90,30 @@ def test_a_hub_answer_that_is_not_a_config_names_the_url(tiny_dirs, tmp_path, hu
     for body, problem in ((b"<html>login</html>", "not JSON"), (b"[1, 2]", "a JSON list, not an object")):
         files[url_path] = body
         with pytest.raises(ValueError, match=f"{url_path}: {problem}"):
-            prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+            prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True, fetch_configs=True)
 
 
-def test_offline_the_plan_asks_nothing_of_the_hub(tiny_dirs, tmp_path, hub, monkeypatch):
-    from huggingface_hub import constants
-
+def test_build_plan_only_fetches_the_config_unless_the_user_set_hf_hub_offline(tiny_dirs, tmp_path, hub,
+                                                                               monkeypatch):
     files, requested = hub
     files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    config = str(_config(tmp_path, tiny_dirs["qwen3"], REPO))
+    r = CliRunner().invoke(main, ["build", config, "--plan-only"])  # the CLI sets HF_HUB_OFFLINE=1 for libraries
+    assert r.exit_code == 0, r.output
+    assert requested == [f"/{REPO}/resolve/main/config.json"]
+    for value in ("1", "true", "ON"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        r = CliRunner().invoke(main, ["build", config, "--plan-only"])
+        assert r.exit_code == 1 and "HF_HUB_OFFLINE is set" in r.output, r.output
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # huggingface_hub reads it only where HF_HUB_OFFLINE is unset
+    assert CliRunner().invoke(main, ["build", config, "--plan-only"]).exit_code == 0
+    assert len(requested) == 2
+
+
+def test_offline_the_plan_asks_nothing_of_the_hub(tiny_dirs, tmp_path, hub):
+    files, requested = hub
+    files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
         prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
     assert requested == []
@@ -106,5 +124,5 @@ def test_a_path_written_without_dot_slash_is_not_asked_of_the_hub(tiny_dirs, tmp
     files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
     (tmp_path / REPO.split("/")[0]).mkdir()  # beside the config: the user meant ./some-org/tiny-dflash
     with pytest.raises(FileNotFoundError, match=f"written ./{REPO} if that is what you meant"):
-        prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
+        prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True, fetch_configs=True)
     assert requested == []
