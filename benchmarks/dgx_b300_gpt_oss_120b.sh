@@ -64,6 +64,16 @@ yaml.safe_dump(o, open(sys.argv[2], "w"), sort_keys=False)
 PY
 }
 
+build_once() {  # config, engine, build flags: builds unless ENGINE was built from this config with these flags (an
+  # earlier run's engine for another preset, concurrency or edited config is rebuilt, not reused); ENGINE.key says which
+  local key
+  key="$(sha256sum <"$1" | cut -c1-16) ${*:3}"
+  if [[ ! -f "$2/manifest.json" || "$(cat "$2.key" 2>/dev/null)" != "$key" ]]; then
+    dflash-trt build "$1" -o "$2" "${@:3}" --force
+    echo "$key" >"$2.key"
+  fi
+}
+
 build_layout() {  # layout, config: one fixed-K DFlash engine per K and the config as written (auto schedule), each
   # validated and planned for B300 at MAX_SEQ (the build refuses what does not fit); then the AR and EAGLE-3 configs
   local L=$1 W=$WORK/$1
@@ -80,11 +90,9 @@ build_layout() {  # layout, config: one fixed-K DFlash engine per K and the conf
     '[o["speculative_config"].pop(key, None) for key in ("draft_len_schedule", "max_concurrency")]'
   # relative paths in the configs (none in the shipped ones) would now be read from $W
   for k in $KS; do
-    [[ -f "$W/dflash_k$k/manifest.json" ]] ||
-      dflash-trt build "$W/fixed_k.yaml" -o "$W/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ" --force
+    build_once "$W/fixed_k.yaml" "$W/dflash_k$k" -k "$k" --max-seq-len "$MAX_SEQ"
   done
-  [[ -f "$W/dflash_auto/manifest.json" ]] ||
-    dflash-trt build "$W/config.yaml" -o "$W/dflash_auto" --max-seq-len "$MAX_SEQ" --force
+  build_once "$W/config.yaml" "$W/dflash_auto" --max-seq-len "$MAX_SEQ"
   # AR and EAGLE-3 use the same engine's target, mapping and runtime settings with the speculative section replaced.
   local e0=$W/dflash_k${KS%% *}
   edit_yaml "$e0/trtllm/config.yaml" "$W/ar.yaml" 'o.pop("speculative_config", None)'
