@@ -218,12 +218,28 @@ def test_generate_on_trtllm_refuses_the_flags_it_would_drop(tiny_engine_dir, arg
     assert r.exit_code == 2 and flag in r.output and "--backend torch" in r.output, r.output
 
 
-def test_generate_on_trtllm_takes_what_it_passes_on_and_defaults_given_again(tiny_engine_dir):
-    engine, _ = tiny_engine_dir
+def test_generate_on_trtllm_takes_what_it_passes_on_and_defaults_given_again(tiny_dirs, tmp_path):
+    from dflash_trt.build import build_engine
+    from tests.test_build import write_config
+
+    config = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], hardware="h200", dtype="bfloat16")
+    engine = build_engine(config, tmp_path / "e", progress=False)
     r = CliRunner().invoke(main, ["generate", str(engine), "--backend", "trtllm", "-p", "x", "--temperature", "0.5",
                                   "--top-k", "3", "--seed", "1", "--max-new-tokens", "4", "--acceptance", "match",
                                   "--repetition-penalty", "1.0", "--json"])
-    assert r.exit_code == 1 and "does not take" not in r.output and "tensorrt_llm" in r.output, r.output
+    assert r.exit_code == 1 and "does not take" not in r.output and "tensorrt_llm is not importable" in r.output, \
+        r.output
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "x"], ["serve"]])
+def test_an_engine_planned_for_the_cpu_is_not_run_on_tensorrt_llm(tiny_engine_dir, command, monkeypatch):
+    from dflash_trt.trtllm import launch
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")  # as if trtllm-serve were installed
+    engine, _ = tiny_engine_dir
+    r = CliRunner().invoke(main, [command[0], str(engine), "--backend", "trtllm", *command[1:]])
+    assert r.exit_code == 1 and "planned for this project's runtime (plan.json layout 'torch')" in r.output, r.output
+    assert "--backend torch" in r.output
 
 
 def test_build_plan_only_with_an_output_is_a_usage_error_not_an_ignored_flag(tiny_engine_dir, tmp_path):

@@ -187,9 +187,10 @@ def check_sources(settings: ModelSettings) -> None:
         engine.check_format()
         engine.check_digest()
         engine.check_sizes()
-        if settings.backend == "trtllm" and engine.layout != "trtllm":
-            raise ValueError(f"{engine.path} was planned for this project's runtime (layout "
-                             f"{engine.layout!r}), not TensorRT-LLM: export it with --backend torch")
+        if settings.backend == "trtllm":
+            from dflash_trt.trtllm.launch import check_planned_for_trtllm
+
+            check_planned_for_trtllm(engine)
         if settings.speculative and engine.manifest.get("drafter"):
             block = engine.manifest["drafter"]["block_size"]
     else:

@@ -76,6 +76,14 @@ def check_release(options: dict, version: str) -> None:
                            "flash-attn)")
 
 
+def check_planned_for_trtllm(engine) -> None:
+    """ValueError unless an EngineDir was planned for TensorRT-LLM (a GPU hardware profile): a CPU profile's plan
+    (rows, memory, no CUDA graphs) is this project's runtime's, and its trtllm/config.yaml not one to run."""
+    if engine.layout != "trtllm":
+        raise ValueError(f"{engine.path} was planned for this project's runtime (plan.json layout {engine.layout!r}), "
+                         "not TensorRT-LLM: run it with --backend torch, or build it from a config for a GPU")
+
+
 def load_options(engine_path: Path) -> dict:
     """The engine's LLM-API options with the paths in them absolute (the drafter directory of this engine)."""
     engine_path = Path(engine_path).resolve()
@@ -124,6 +132,7 @@ def new_llm(trtllm, engine, options: dict | None = None):
 def open_llm(engine):
     """(tensorrt_llm, its LLM) for a verified EngineDir: its options read once, for the install advice (the release
     they need) and for the LLM."""
+    check_planned_for_trtllm(engine)
     options = load_options(engine.path)
     trtllm = require_tensorrt_llm(options)
     return trtllm, new_llm(trtllm, engine, options)
@@ -145,6 +154,7 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str
     Options as `trtllm-serve serve` defines them (tensorrt_llm/commands/serve.py): MODEL, --tokenizer, --host,
     --port, and the YAML as --config (alias of --extra_llm_api_options), whose keys override the CLI defaults
     (tensor_parallel_size, max_batch_size, ... come from it)."""
+    check_planned_for_trtllm(engine)
     exe = shutil.which("trtllm-serve")
     if exe is None:
         raise RuntimeError(f"trtllm-serve is not on PATH: {install_hint(load_options(engine.path))}")

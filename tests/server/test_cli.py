@@ -132,7 +132,7 @@ def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_no
     result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--target", str(tiny_dirs["qwen3"])])
     assert result.exit_code == 2 and "not both" in result.output
     result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--backend", "trtllm"])
-    assert result.exit_code == 1 and "export it with --backend torch" in result.output
+    assert result.exit_code == 1 and "run it with --backend torch" in result.output
     assert not repo.exists()
     with monkeypatch.context() as m:
         m.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")

@@ -96,7 +96,8 @@ def test_without_tensorrt_llm_the_backend_says_what_to_install(tiny_dirs, tmp_pa
     from dflash_trt.build import build_engine
     from dflash_trt.cli import main
 
-    out = build_engine(write_config(tmp_path, tiny_dirs["qwen3"], None), tmp_path / "e", progress=False)
+    config = write_config(tmp_path, tiny_dirs["qwen3"], None, hardware="h200", dtype="bfloat16")
+    out = build_engine(config, tmp_path / "e", progress=False)
     r = CliRunner().invoke(main, ["generate", str(out), "-p", "x", "--backend", "trtllm"])
     assert r.exit_code == 1 and "tensorrt_llm is not importable" in r.output
 

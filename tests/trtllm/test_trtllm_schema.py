@@ -79,8 +79,9 @@ def tiny_trtllm_engine(tiny_dirs, tmp_path_factory):
     from tests.test_build import write_config
 
     root = tmp_path_factory.mktemp("trtllm_engine")
-    return build_engine(write_config(root, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]), root / "e",
-                        progress=False)
+    # planned for TensorRT-LLM (a GPU profile); its weights are the tiny CPU ones
+    config = write_config(root, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], hardware="h200", dtype="bfloat16")
+    return build_engine(config, root / "e", progress=False)
 
 
 def test_engine_config_reaches_trtllm_with_the_drafter_as_an_absolute_path(tiny_trtllm_engine, tmp_path,
