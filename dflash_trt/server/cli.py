@@ -169,6 +169,12 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
     if backend == "trtllm":
+        if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
+            source = click.get_current_context().get_parameter_source("api_key")
+            given = "$DFLASH_TRT_API_KEY" if source is click.core.ParameterSource.ENVIRONMENT else "--api-key"
+            raise click.UsageError(f"{given} is set, and --backend trtllm passes no API key to trtllm-serve, which "
+                                   "would answer whoever reaches --host: unset it to serve the engine open, or serve "
+                                   "it with --backend torch")
         _refuse_unseen_by_trtllm({"backend", "host", "port"})  # trtllm-serve takes the config, host and port
         _exec_trtllm_serve(engine, host, port)
         return

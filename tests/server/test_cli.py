@@ -454,3 +454,12 @@ def test_serve_on_trtllm_refuses_what_trtllm_serve_would_not_be_told(tmp_path, a
     """trtllm-serve runs the engine's trtllm/config.yaml: a --no-spec baseline would draft, a model name go unused."""
     result = CliRunner().invoke(cli.serve, [str(tmp_path), "--backend", "trtllm", *args])
     assert result.exit_code == 2 and "does not take " + args[0] in result.output, result.output
+
+
+@pytest.mark.parametrize("args, env, named", [(["--api-key", "k"], {}, "--api-key"),
+                                              ([], {"DFLASH_TRT_API_KEY": "k"}, "$DFLASH_TRT_API_KEY")])
+def test_serve_on_trtllm_refuses_an_api_key_it_cannot_enforce_naming_where_it_came_from(tmp_path, args, env, named):
+    result = CliRunner().invoke(cli.serve, [str(tmp_path), "--backend", "trtllm", *args], env=env)
+    assert result.exit_code == 2, result.output
+    assert f"{named} is set, and --backend trtllm passes no API key" in result.output, result.output
+    assert "rebuild" not in result.output
