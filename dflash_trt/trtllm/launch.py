@@ -84,6 +84,19 @@ def check_planned_for_trtllm(engine) -> None:
                          "not TensorRT-LLM: run it with --backend torch, or build it from a config for a GPU")
 
 
+def check_flash_attn(options: dict) -> None:
+    """RuntimeError where the options' DFlash drafter runs TensorRT-LLM's VANILLA attention (the default) and flash-attn
+    is not installed: TensorRT-LLM would fail as it builds the drafter (dflash_attention.py,
+    get_dflash_flash_attention), after loading the target."""
+    spec = options.get("speculative_config")
+    if not isinstance(spec, dict) or str(spec.get("decoding_type", "")).lower() != "dflash":
+        return
+    if spec.get("attention_backend", "VANILLA") == "VANILLA" and importlib.util.find_spec("flash_attn") is None:
+        raise RuntimeError("this engine's drafter attention is TensorRT-LLM's VANILLA backend, which needs flash-attn, "
+                           "not installed here: pip install flash-attn (a build for this torch and CUDA), or on "
+                           "B200/B300 build the engine with speculative_config.attention_backend: TRTLLM")
+
+
 def load_options(engine_path: Path) -> dict:
     """The engine's LLM-API options with the paths in them absolute (the drafter directory of this engine)."""
     engine_path = Path(engine_path).resolve()
@@ -126,6 +139,7 @@ def new_llm(trtllm, engine, options: dict | None = None):
     load_options, or the ones the caller loaded) and refused up front on a release that predates one of them."""
     options = load_options(engine.path) if options is None else options
     check_release(options, getattr(trtllm, "__version__", "unknown"))
+    check_flash_attn(options)
     return trtllm.LLM(model=str(engine.target_dir), tokenizer=str(engine.tokenizer_dir), **options)
 
 
@@ -158,8 +172,10 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000) -> list[str
     exe = shutil.which("trtllm-serve")
     if exe is None:
         raise RuntimeError(f"trtllm-serve is not on PATH: {install_hint(load_options(engine.path))}")
-    try:  # trtllm-serve's release, where it shares this Python's packages
-        check_release(load_options(engine.path), importlib.metadata.version("tensorrt_llm"))
+    try:  # trtllm-serve's release and flash-attn, where it shares this Python's packages
+        options = load_options(engine.path)
+        check_release(options, importlib.metadata.version("tensorrt_llm"))
+        check_flash_attn(options)
     except importlib.metadata.PackageNotFoundError:
         pass
     return [exe, str(engine.target_dir), "--tokenizer", str(engine.tokenizer_dir), "--host", host, "--port", str(port),

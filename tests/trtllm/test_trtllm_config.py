@@ -160,6 +160,31 @@ def test_every_llm_api_launch_refuses_a_release_older_than_its_options_before_bu
     assert built[0]["model"] == str(tmp_path / "target")
 
 
+def test_a_vanilla_drafter_without_flash_attn_is_refused_before_tensorrt_llm_loads_the_target(tmp_path, monkeypatch):
+    # TensorRT-LLM's VANILLA DFlash attention imports flash_attn as it builds the drafter, after the target has loaded
+    import types
+
+    import yaml
+
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "trtllm").mkdir()
+    engine = types.SimpleNamespace(path=tmp_path, target_dir=tmp_path / "target", tokenizer_dir=tmp_path / "tokenizer")
+    release = types.SimpleNamespace(__version__="1.3.0rc25", LLM=lambda **kw: "llm")
+    find_spec = launch.importlib.util.find_spec
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None if name == "flash_attn" else find_spec(name))
+    for backend, refused in ((None, True), ("VANILLA", True), ("TRTLLM", False)):
+        spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "drafter",
+                **({"attention_backend": backend} if backend else {})}
+        (tmp_path / "trtllm" / "config.yaml").write_text(yaml.safe_dump({"speculative_config": spec}))
+        if refused:
+            with pytest.raises(RuntimeError, match="VANILLA backend, which needs flash-attn, not installed here"):
+                launch.new_llm(release, engine)
+        else:
+            assert launch.new_llm(release, engine) == "llm"
+    (tmp_path / "trtllm" / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 4}))  # autoregressive
+    assert launch.new_llm(release, engine) == "llm"
+
+
 def test_dflash_engines_turn_kv_block_reuse_off_unless_the_config_asks(tmp_path):
     # TensorRT-LLM's DFlash drafter keeps only the context it prefills itself: a prompt prefix from reused blocks would
     # be missing from it, at shifted positions
