@@ -193,7 +193,8 @@ class BuildConfig(_Strict):
     # copy: target weights copied into the engine; link: symlinked (large checkpoints; same machine).
     target_weights: Literal["copy", "link"] = "copy"
     # Further TensorRT-LLM LLM-API keys written verbatim into trtllm/config.yaml (checked against the
-    # pinned version's accepted keys), e.g. stream_interval, num_postprocess_workers, env_overrides.
+    # pinned version's accepted keys), e.g. stream_interval, num_postprocess_workers, env_overrides; keys of a
+    # section the build config writes join it (kv_cache_config: {host_cache_size: ...}), unless it sets them.
     trtllm_options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -76,12 +76,19 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
     if launcher_owned:
         raise ValueError(f"trtllm_options.{launcher_owned[0]}: set by the launcher from the engine directory (the "
                          "target and its tokenizer are the build's --target); remove it")
-    clash = sorted(set(cfg.trtllm_options) & set(opts))
-    if clash:
-        raise ValueError(
-            f"trtllm_options.{clash[0]}: set by the build config itself; set the build-config key {clash[0]!r} instead"
-        )
-    opts.update(cfg.trtllm_options)
+    for key, value in cfg.trtllm_options.items():
+        ours = opts.get(key)
+        if key not in opts:
+            opts[key] = value
+        elif isinstance(ours, dict) and isinstance(value, dict):  # a section's keys the build config leaves unset
+            clash = sorted(set(value) & set(ours))
+            if clash:
+                raise ValueError(f"trtllm_options.{key}.{clash[0]}: set by the build config itself; set the "
+                                 f"build-config key '{key}.{clash[0]}' instead")
+            opts[key] = {**ours, **value}
+        else:
+            raise ValueError(f"trtllm_options.{key}: set by the build config itself; set the build-config key "
+                             f"{key!r} instead")
     bad = unknown_keys(opts)
     if bad:
         raise ValueError(

@@ -66,11 +66,32 @@ def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
     path.write_text(raw + "trtllm_options:\n  max_seq_len: 100\n")
     with pytest.raises(ValueError, match="trtllm_options.max_seq_len: set by the build config itself"):
         prepare_build(path, allow_bundled=True)
+    path.write_text(raw + "trtllm_options:\n  kv_cache_config:\n    tokens_per_block: 64\n")
+    with pytest.raises(ValueError, match="trtllm_options.kv_cache_config.tokens_per_block: set by the build config "
+                                         "itself; set the build-config key 'kv_cache_config.tokens_per_block'"):
+        prepare_build(path, allow_bundled=True)
+    path.write_text(raw + "trtllm_options:\n  kv_cache_config:\n    bogus: 1\n")
+    with pytest.raises(ValueError, match="kv_cache_config.bogus not accepted by the pinned TensorRT-LLM"):
+        prepare_build(path, allow_bundled=True)
     # LLM(model=..., tokenizer=..., **options) would get them twice; trtllm-serve would serve another model
     for key in ("model", "tokenizer"):
         path.write_text(raw + f"trtllm_options:\n  {key}: /elsewhere\n")
         with pytest.raises(ValueError, match=f"trtllm_options.{key}: set by the launcher from the engine directory"):
             prepare_build(path, allow_bundled=True)
+
+
+def test_passthrough_keys_of_a_section_the_build_config_writes_join_that_section(tmp_path):
+    # llm_api_keys accepts kv_cache_config.host_cache_size and the like, which no build-config key sets
+    import yaml
+
+    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b-8xb300-latency.yaml").read_text())  # HF ids, no relative paths
+    written = prepare_build(CONFIGS / "gpt-oss-120b-8xb300-latency.yaml", allow_bundled=True).trtllm_options
+    raw["trtllm_options"] = {"kv_cache_config": {"host_cache_size": 10**9}, "moe_config": {"max_num_tokens": 8192}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    o = prepare_build(path, allow_bundled=True).trtllm_options
+    assert o["kv_cache_config"] == {**written["kv_cache_config"], "host_cache_size": 10**9}
+    assert o["moe_config"] == {**written["moe_config"], "max_num_tokens": 8192}
 
 
 def test_llama_config_without_its_drafter_on_disk_says_how_to_fetch_it():
