@@ -108,8 +108,12 @@ def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[t
 
 def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
     """The file at `path` made whole, or left as it was: `write` fills a file beside it, which is then renamed over
-    it (and removed where writing fails)."""
-    path = Path(path)
+    it (and removed where writing fails). A symbolic link's target is the file replaced; a path that is no regular
+    file (a device such as /dev/null or /dev/stdout, a FIFO) is written to in place, never renamed over."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        write(path)
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)

@@ -108,6 +108,28 @@ def test_a_file_replaced_whole_is_left_as_it_was_where_writing_fails(tmp_path):
     assert target.read_text() == "after" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
 
 
+def test_a_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_path):
+    """`bench speed -o /dev/stdout` as root replaced the device with a regular file; `-o link.json` the link."""
+    import os
+    import stat
+    import threading
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("before")
+    link.symlink_to(real)
+    dir_swap.replace_file(link, lambda tmp: tmp.write_text("after"))
+    assert link.is_symlink() and real.read_text() == "after"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_text()), daemon=True)
+    reader.start()
+    dir_swap.replace_file(fifo, lambda tmp: tmp.write_text("streamed"))
+    reader.join(timeout=10)
+    assert read == ["streamed"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]
+
+
 def test_signals_sent_to_the_process_wait_for_the_held_block_then_act(ctrl_c_reaches_python):
     """A terminal's Ctrl-C goes to the process, and the kernel may hand it to any thread (torch's threads exist once
     it has run): held signals must wait whichever thread took them, and act once the block ends."""
