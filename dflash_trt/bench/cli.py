@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -102,6 +101,14 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         raise click.UsageError("--target needs --drafter DIR: bench speed compares plain decoding with DFlash")
     if zlab_peer and temperature > 0:
         raise click.UsageError("--zlab-peer runs z-lab's dflash_generate, which is greedy only: drop --temperature")
+    if zlab_peer:
+        import importlib
+
+        try:  # z-lab's package, not a dependency of this one: found missing before the model loads
+            importlib.import_module("dflash.model")
+        except ImportError as e:
+            raise click.UsageError(f"--zlab-peer needs z-lab's dflash package ({e}): pip install --no-deps "
+                                   "dflash==0.1.0") from None
     # every value is checked before the model loads and the run starts: a mistake must not cost a benchmark
     vocabs = parse_vocab_sizes(draft_vocab_sizes)
     ks = _ints(draft_lens, "--draft-lens", minimum=1) if draft_lens is not None else None
@@ -124,7 +131,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
         except ValueError as e:
             raise click.ClickException(str(e)) from e
     if output:
-        _make_output_folder(output)
+        _check_output_folder(output)
     use_threads(threads)
     try:
         eng, name = load_engine(engine, target, drafter, False, dtype=dtype if dtype or engine else "bfloat16",
@@ -133,6 +140,10 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
             prompts = load_dataset(dataset, tokenizer=eng.tokenizer, **dataset_args)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        click.echo("\nInterrupted while the model loaded: nothing measured" + (f", {output} not written" if output
+                                                                                 else ""), err=True)
+        raise SystemExit(130) from None
     if eng.drafter is None:
         raise click.UsageError(f"{name} has no drafter: bench speed compares plain decoding with DFlash")
     for size in vocabs:  # the drafter's list bounds them: its sibling engines would refuse more with a traceback
@@ -187,6 +198,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     click.echo(json.dumps(result) if as_json else format_table(result))  # first: a failed write keeps the table
     if output:
         try:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
             dir_swap.replace_file(output, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
         except OSError as e:
             raise click.ClickException(f"cannot write {output}: {e}") from e
@@ -516,19 +528,23 @@ def _check_output(output: str) -> None:
         csv_path_of(output)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
-    folder = _make_output_folder(output)
-    if not os.access(folder, os.W_OK):
-        raise click.BadParameter(f"{folder} is not writable", param_hint="--output")
+    _check_output_folder(output)
 
 
-def _make_output_folder(output: str) -> Path:
-    """Create the folder of a result path before any work, or refuse it naming --output; -> the folder."""
-    folder = Path(output).parent
+def _check_output_folder(output: str) -> None:
+    """Refuse, naming --output, a result path whose folder could not be made or written (a file is made and removed in
+    its nearest existing folder: os.access answers yes to root even in /proc). Nothing is left behind: the folder is
+    made as the result is written."""
+    import tempfile
+
+    folder = Path(output).absolute().parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise click.BadParameter(f"{existing} is not a folder", param_hint="--output")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
-        raise click.BadParameter(f"cannot create its folder: {e}", param_hint="--output") from e
-    return folder
+        raise click.BadParameter(f"cannot write in {existing}: {e.strerror or e}", param_hint="--output") from e
 
 
 def _models_url(url: str) -> str:

@@ -135,7 +135,8 @@ def read_jsonl(path: Path, max_tokens: int) -> list[BenchPrompt]:
         tokens = r.get("max_tokens", max_tokens)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"{path}:{n}: 'max_tokens' must be a whole number >= 1, got {tokens!r}")
-        category = str(r.get("category", "default"))
+        category = r.get("category")
+        category = "default" if category is None else str(category)  # as an id: null is no category
         # a given id names the prompt as written; lines without one (or with null) are named by category and line
         rid = r.get("id")
         rid = f"{category}/{n}" if rid is None else str(rid)

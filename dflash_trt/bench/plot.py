@@ -66,8 +66,13 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
             # Older sweeps recorded the mean of per-request 1 / TPOT, up to 30% above 1 / median TPOT where TPOT
             # varies (more with speculative decoding than without): every run, old or new, on one axis.
             tpot = p.get("tpot_s")
-            if isinstance(tpot, dict) and isinstance(tpot.get("p50"), (int, float)) and tpot["p50"] > 0:
-                p[X_KEY] = 1.0 / tpot["p50"]
+            p50 = tpot.get("p50") if isinstance(tpot, dict) else None
+            if p50 is not None and (isinstance(p50, bool) or not isinstance(p50, (int, float))
+                                    or not math.isfinite(p50)):
+                raise ValueError(f"{path}: the point at concurrency {concurrency} has tpot_s.p50={p50!r}, not a "
+                                 "number")
+            if p50 is not None and p50 > 0:
+                p[X_KEY] = 1.0 / p50
             # caveats() reports failures as "N of M": a count of failures needs the count of requests beside it
             failed, requests = p.get("num_failed"), p.get("num_requests")
             if failed is not None and (isinstance(failed, bool) or not isinstance(failed, int)):

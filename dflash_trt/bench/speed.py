@@ -163,13 +163,16 @@ def run_speed(engine: LLMEngine, prompts: list[BenchPrompt], cfg: SpeedConfig, *
     def timed(e: LLMEngine, p: BenchPrompt):
         t = time.perf_counter()
         out = e.generate([ids[p.id]], cfg.params(index[p.id], p.max_tokens))[0]
-        return time.perf_counter() - t, out
+        elapsed = time.perf_counter() - t
+        # every prompt prefilled whole: a prompt run again (the warm-up's, or one prompt over several rounds) would
+        # take over its earlier run's chunks, and its wall clock leave out the prefill the others include
+        e.scheduler.forget_resident()
+        return elapsed, out
 
     if cfg.warmup:
         first = prompts[0]
         for e in [ar, *specs.values()]:
             timed(e, first)
-            e.scheduler.forget_resident()  # or the first round's first prompt would take over the warm-up's chunks
         if zlab is not None:
             zlab(ids[first.id], 8, cfg.draft_lens[0])
 

@@ -164,7 +164,7 @@ def test_bench_speed_dtype_defaults_to_the_engines_own(monkeypatch, tmp_path, en
 
 @pytest.mark.parametrize("output, message", [
     ("run.csv", "the CSV is written beside it"),
-    ("afile/run.json", "cannot create its folder"),
+    ("afile/run.json", "is not a folder"),
 ])
 def test_sweep_refuses_an_output_it_cannot_keep_before_sending_a_request(tmp_path, output, message):
     (tmp_path / "afile").write_text("")

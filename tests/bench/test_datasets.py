@@ -55,10 +55,12 @@ def test_the_shared_prefix_is_real_text_of_the_length_asked_for_every_time(smoll
 def test_jsonl_files_speed_bench_layout_and_errors_name_the_line(tmp_path):
     good = tmp_path / "d.jsonl"
     good.write_text(json.dumps({"turns": ["Write a sort in C."], "category": "coding"}) + "\n"
-                    + json.dumps({"prompt": "Hi", "max_tokens": 5}) + "\n")
-    a, b = load_dataset(str(good), osl=None)
+                    + json.dumps({"prompt": "Hi", "max_tokens": 5}) + "\n"
+                    + json.dumps({"prompt": "Yo", "category": None}) + "\n")
+    a, b, c = load_dataset(str(good), osl=None)
     assert (a.category, a.text, a.max_tokens) == ("coding", "Write a sort in C.", 128)
     assert (b.category, b.max_tokens) == ("default", 5)
+    assert (c.category, c.id) == ("default", "default/3")  # null is no category, as a null id is no id
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: needs a non-empty"):

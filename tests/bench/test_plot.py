@@ -185,6 +185,8 @@ def test_a_label_written_as_a_number_names_the_run_as_text(tmp_path, label, expe
     ({"points": [{"concurrency": 4, "tok_s_per_user": 1.0, "tok_s_per_gpu": 2.0, "num_failed": "1",
                   "num_requests": 8}]},
      "the point at concurrency 4 has num_failed='1', not a whole number"),
+    ({"points": [{"concurrency": 4, "tok_s_per_user": 50.0, "tok_s_per_gpu": 2.0, "tpot_s": {"p50": True}}]},
+     "the point at concurrency 4 has tpot_s.p50=True, not a number"),  # was read as 1.0 s
 ])
 @pytest.mark.parametrize("command", ["plot", "merge", "compare"])
 def test_hand_edited_run_files_are_refused_naming_the_file_and_the_key(tmp_path, change, message, command):

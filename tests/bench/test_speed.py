@@ -380,3 +380,53 @@ def test_ctrl_c_keeps_the_rounds_that_finished_and_writes_them_whole(tiny_dirs, 
     monkeypatch.setattr(LLMEngine, "generate", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "3", "-o", str(out))
     assert r.exit_code == 130 and "nothing measured" in r.output and json.loads(out.read_text()) == written
+
+
+def test_a_failed_run_leaves_no_folder_of_its_output_behind(tiny_dirs, tmp_path, monkeypatch):
+    from dflash_trt.server import cli as server_cli
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    for failure, code in ((ValueError("weights do not load"), 1), (KeyboardInterrupt(), 130)):
+        monkeypatch.setattr(server_cli, "load_engine", lambda *a, _e=failure, **k: (_ for _ in ()).throw(_e))
+        r = speed_cli(tiny_dirs, data, "-o", str(tmp_path / "new" / "speed.json"))
+        assert r.exit_code == code and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "new").exists()
+    assert "Interrupted while the model loaded: nothing measured" in r.output
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_model_loads(tiny_dirs, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    r = speed_cli(tiny_dirs, data, "-o", "/proc/dflash-trt-test/speed.json")  # root may write anywhere but there
+    assert r.exit_code == 2 and "Invalid value for --output" in r.output and "cannot write in /proc" in r.output, \
+        r.output
+
+
+def test_without_zlabs_package_the_peer_is_refused_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dflash.model", None)  # as where the package is not installed
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    r = speed_cli(tiny_dirs, data, "--zlab-peer")
+    assert r.exit_code == 2 and "pip install --no-deps dflash==0.1.0" in r.output and "Traceback" not in r.output, \
+        r.output
+
+
+def test_a_prompt_timed_again_is_prefilled_again(tiny_dirs, monkeypatch):
+    """One prompt over several rounds (and the warm-up's prompt in the first) took over its earlier run's cached
+    chunks: rounds after the first timed no prefill."""
+    engine = LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"],
+                                 EngineConfig(dtype="float32", prefill_chunk=32))
+    cached, generate = [], LLMEngine.generate
+
+    def noting(self, *args, **kwargs):
+        outs = generate(self, *args, **kwargs)
+        cached.extend(o.num_cached_tokens for o in outs)
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "generate", noting)
+    long = BenchPrompt("a/0", "a", "the quick brown fox " * 12, 4)  # 240 tokens: whole chunks of 32 to keep
+    run_speed(engine, [long], SpeedConfig(draft_lens=[3], rounds=3), chat=False)
+    assert len(cached) == 8 and set(cached) == {0}, cached  # AR and K=3: a warm-up and three rounds each
