@@ -16,7 +16,19 @@ from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, THREADS_HELP, tar
 from dflash_trt.sampling_params import SamplingParams
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The command group: Ctrl-C where a command does not say more itself (loading torch, reading stdin) ends it
+    with "interrupted" and a shell's status for SIGINT, not click's "Aborted!" and status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__)
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details (INFO).")
 @click.pass_context
@@ -126,7 +138,11 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs come in the --json output: add --json")
     if prompt == "-":
-        prompt = click.get_text_stream("stdin").read().removesuffix("\n")  # the newline `echo` ends it with
+        try:  # bytes, decoded here: the text stream's UnicodeDecodeError would end in a traceback
+            prompt = click.get_binary_stream("stdin").read().decode("utf-8").removesuffix("\n")  # `echo`'s newline
+        except UnicodeDecodeError as e:
+            raise click.BadParameter(f"stdin is not UTF-8 text (a byte at position {e.start})",
+                                     param_hint="'--prompt'") from None
     if temperature > 0 and seed is None:  # drawn here, to be reported: a sample worth keeping can be had again
         import random
 
@@ -188,9 +204,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
             raise click.ClickException(f"the tokenizer's chat template does not render: {type(e).__name__}: {e}") from e
         # else a "length" finish would not say which limit (a prompt that fills the context is the engine's error)
         if len(ids) < engine.max_model_len < len(ids) + max_new_tokens:
-            click.echo(f"note: the prompt has {len(ids)} tokens and the context {engine.max_model_len} "
-                       f"(--max-model-len): at most {max(engine.max_model_len - len(ids), 0)} new tokens, not "
-                       f"{max_new_tokens}", err=True)
+            click.echo(f"note: the prompt has {_count(len(ids), 'token')} and the context {engine.max_model_len} "
+                       f"(--max-model-len): at most {_count(max(engine.max_model_len - len(ids), 0), 'new token')}, "
+                       f"not {max_new_tokens}", err=True)
         out = engine.generate([ids], params)[0] if as_json else _stream(engine, ids, params)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(_as_flags(str(e))) from e
@@ -217,7 +233,10 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         result["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob, "top": [list(t) for t in e.top]}
                               for e in out.logprobs]
     if as_json:
-        click.echo(json.dumps(result))
+        try:
+            click.echo(json.dumps(result))
+        except BrokenPipeError:
+            _reader_gone()
         return
     click.echo("---", err=True)
     # the K a one-row step drafts on this CPU (an engine's schedule may draft less than its max_draft_len there)
@@ -234,7 +253,7 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     click.echo(f"{mode}: {_count(out.num_tokens, 'token')} ({out.finish_reason}){tau}, "
                f"{out.tokens_per_s:.1f} tok/s decode, "
                f"prefill {out.prefill_time * 1000:.0f} ms" + (f", seed {seed}" if temperature > 0 else ""), err=True)
-    if not no_spec:
+    if not no_spec and out.acceptance_lengths:  # no speculative step ran: nothing to tally
         hist = " ".join(f"{i + 1}:{c}" for i, c in enumerate(out.acceptance_histogram) if c)
         click.echo(f"acceptance histogram (tokens per step: steps): {hist}", err=True)
         click.echo(f"draft {out.draft_time * 1000:.0f} ms, verify {out.verify_time * 1000:.0f} ms", err=True)
@@ -256,8 +275,13 @@ def _stream(engine, ids: list[int], params: SamplingParams):
         click.echo(f"--- interrupted after {_count(tokens, 'token')}", err=True)
         sys.exit(130)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails on it again
-        sys.exit(141)  # a shell's status for a program SIGPIPE ended
+        _reader_gone()
+
+
+def _reader_gone() -> None:
+    """Exit as a Unix tool whose reader went away (`| head`): quietly, with a shell's status for SIGPIPE."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails on it again
+    sys.exit(141)
 
 
 def _count(n: int, noun: str) -> str:

@@ -444,6 +444,9 @@ def test_a_prompt_of_dash_is_read_from_stdin(tiny_dirs):
     typed = CliRunner().invoke(main, [*args, "-p", "hello there"])
     assert piped.exit_code == 0, piped.output
     assert json.loads(piped.stdout)["token_ids"] == json.loads(typed.stdout)["token_ids"]
+    latin1 = CliRunner().invoke(main, [*args, "-p", "-"], input=b"caf\xe9 au lait")  # as -p with those bytes
+    assert latin1.exit_code == 2 and "Invalid value for '--prompt': stdin is not UTF-8 text (a byte at position 3)" \
+        in latin1.output and latin1.exc_info[0] is SystemExit, latin1.output
 
 
 def test_a_sampled_run_reports_its_seed_and_that_seed_gives_the_sample_again(tiny_dirs):
@@ -471,12 +474,21 @@ def test_ctrl_c_while_the_model_loads_exits_as_interrupted(tiny_dirs, monkeypatc
     assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output, r.output
 
 
-def test_a_reader_that_goes_away_ends_the_answer_quietly(tiny_dirs):
-    """`generate ... | head -c 5`: no error on stderr, the status a SIGPIPE gives."""
+def test_ctrl_c_before_a_command_says_more_itself_exits_as_interrupted(tiny_dirs, monkeypatch):
+    from dflash_trt import cli
+
+    monkeypatch.setattr(cli, "use_threads", lambda threads: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x"])
+    assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output, r.output
+
+
+@pytest.mark.parametrize("flag, reader", [("", "head -c 5"), ("--json", "true")])  # true: gone before the write
+def test_a_reader_that_goes_away_ends_the_answer_quietly(tiny_dirs, flag, reader):
+    """`generate ... | head -c 5`: no error on stderr, the status a SIGPIPE gives, streamed or as one JSON object."""
     import subprocess
     import sys
 
     cmd = (f"{sys.executable} -m dflash_trt generate --target {tiny_dirs['qwen3']} --no-spec -p x --ignore-eos "
-           "--max-new-tokens 120 | head -c 5; echo \" ${PIPESTATUS[0]}\"")
+           f"--max-new-tokens 120 {flag} | {reader}; echo \" ${{PIPESTATUS[0]}}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert r.stdout.endswith(" 141\n") and "Error" not in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
