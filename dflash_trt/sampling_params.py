@@ -83,6 +83,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
             self.stop = [self.stop]
+        self.stop = [] if self.stop is None else self.stop
+        # containers and flags by type: bytes read as a list of ints, 'no' as a true ignore_eos, and an int failed
+        # deep in a step with a TypeError
+        if not (isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r:.80}")
+        self.stop = list(self.stop)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (list, tuple, set)):
+                raise ValueError(f"{name} must be a list of token ids, got {getattr(self, name)!r:.80}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         # types first: a float count reached the engine as a draft length of 0.5, a string failed a comparison
         for name in ("max_new_tokens", "top_k", *(n for n in ("seed", "logprobs", "prompt_logprobs")
                                                  if getattr(self, n) is not None)):
@@ -127,7 +138,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {list(self.logit_bias.values())}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty (no token could be chosen)")
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             if not all(is_int(t) and t >= 0 for t in getattr(self, name) or ()):
                 raise ValueError(f"{name} token ids must be integers >= 0")
         if self.acceptance not in ("match", "rejection"):
@@ -141,8 +152,9 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         """TokenIdError where logit_bias or allowed_token_ids name a token past the vocabulary (in a step the index
-        would fail every request batched with this one), or min_tokens would mask every allowed token."""
-        for name in ("logit_bias", "allowed_token_ids"):
+        would fail every request batched with this one), stop_token_ids one (it would never stop the answer), or
+        min_tokens would mask every allowed token."""
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise TokenIdError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")

@@ -15,10 +15,24 @@ from dflash_trt.sampling_params import SamplingParams
     ("top_k", 2.0, "an integer"), ("seed", "7", "an integer"), ("logprobs", 1.0, "an integer"),
     ("prompt_logprobs", "2", "an integer"), ("temperature", "0.7", "a number"), ("top_p", None, "a number"),
     ("presence_penalty", "1", "a number"), ("repetition_penalty", [1.1], "a number"),
+    ("stop", [1], "a string or a list of strings"), ("stop", b"x", "a string or a list of strings"),
+    ("stop_token_ids", 2, "a list of token ids"), ("allowed_token_ids", 5, "a list of token ids"),
+    ("ignore_eos", "no", "True or False"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field, value, kind):
     with pytest.raises(ValueError, match=re.escape(f"{field} must be {kind}, got {value!r}")):
         SamplingParams(**{field: value})
+
+
+def test_stop_token_ids_are_token_ids_within_the_vocabulary():
+    from dflash_trt.sampling_params import TokenIdError
+
+    for bad in (["a"], [-1], [True]):
+        with pytest.raises(ValueError, match="stop_token_ids token ids must be integers >= 0"):
+            SamplingParams(stop_token_ids=bad)
+    with pytest.raises(TokenIdError, match=re.escape("stop_token_ids token ids must be in 0..99, got [100]")):
+        SamplingParams(stop_token_ids=[3, 100]).check_token_ids(100, [0])  # it would never stop the answer
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
 
 
 def test_numbers_of_any_numeric_type_are_taken():

@@ -81,6 +81,17 @@ class EngineConfig:
     prefix_reuse: bool = True  # rows give the prompt chunks they hold to later requests (scheduler.py, reuse_rows)
 
     def __post_init__(self) -> None:
+        # types first, naming the field: a float row count failed deep in torch after every weight had loaded, and
+        # speculative='no' drafted
+        for name in ("max_batch_size", "max_model_len", "lookup_nodes", "load_window", "max_queue_len",
+                     "max_prefill_tokens", *(n for n in ("max_draft_len", "draft_vocab_size", "prefill_chunk")
+                                             if getattr(self, n) is not None)):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("speculative", "pack_weights", "screen_head", "adaptive_draft_len", "prefix_reuse",
+                     *(("int8_drafter",) if self.int8_drafter is not None else ())):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.max_batch_size < 1:
@@ -395,7 +406,7 @@ class LLMEngine:
         """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
         with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""
         prompts = [self.encode(p) if isinstance(p, str) else p for p in _prompt_list(prompts)]
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params  # an empty list is one SamplingParams too few
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: pass one, or one per prompt")
@@ -411,8 +422,11 @@ class LLMEngine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """One prompt's answer as its steps make it (requests queued beside it step along): text deltas, the last
         chunk carrying the whole output. Leaving the loop early (break, an exception, Ctrl-C) aborts the request."""
-        params = params or SamplingParams()
-        seq = self.make_sequence(self.encode(prompt) if isinstance(prompt, str) else prompt, params)
+        prompts = _prompt_list(prompt)  # checked as generate's: bools or floats are no token ids
+        if len(prompts) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(prompts)}")
+        params = SamplingParams() if params is None else params
+        seq = self.make_sequence(self.encode(prompts[0]) if isinstance(prompts[0], str) else prompts[0], params)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self.scheduler.add(seq)
         with self._aborted_unless_done([seq]):

@@ -80,3 +80,26 @@ def test_a_stream_gives_the_answer_as_steps_make_it_and_aborts_where_left(tiny_d
 def test_parameters_that_are_no_sampling_params_are_refused_by_type(llm):
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         llm.generate("x", {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match="2 prompts but 0 SamplingParams"):  # not the defaults for both
+        llm.generate(["x", "y"], [])
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    (["a", "b"], ValueError, "stream takes one prompt, got 2"),
+    (None, TypeError, "prompts must be a string, a list of token ids"),
+    ([True, False], TypeError, "must be a string or a list of token ids"),  # a bool would read as token 0 or 1
+    ([1.0, 2.0], TypeError, "must be a string or a list of token ids"),
+])
+def test_a_streamed_prompt_is_checked_as_a_generated_one(llm, prompt, error, message):
+    with pytest.raises(error, match=message):
+        next(llm.stream(prompt, params()))
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("max_batch_size", "4", "an integer"), ("max_batch_size", 2.5, "an integer"), ("lookup_nodes", 1.5, "an integer"),
+    ("max_model_len", None, "an integer"), ("speculative", "no", "True or False"),
+])
+def test_engine_settings_of_the_wrong_type_are_refused_naming_the_field(field, value, kind):
+    with pytest.raises(ValueError, match=f"{field} must be {kind}, got {value!r}"):
+        EngineConfig(**{field: value})
