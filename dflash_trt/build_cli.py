@@ -216,11 +216,14 @@ def inspect(engine, verify) -> None:
         e = EngineDir(engine)
         if verify:
             e.verify()
-        rows = _manifest_rows(e.manifest, verify)
-        where = e.path / "plan.json"
-        plan = format_plan(e.plan)
-    except KeyError as err:  # a manifest or plan edited by hand, or written by another version
-        raise click.ClickException(f"{where}: missing key {err.args[0]!r}; rebuild the engine") from err
+        try:
+            rows = _manifest_rows(e.manifest, verify)
+            where = e.path / "plan.json"
+            plan = format_plan(e.plan)
+        except (KeyError, TypeError, AttributeError, IndexError) as err:  # edited by hand, or by another version
+            e.check_format()  # another format version: that is the reason
+            what = f"missing key {err.args[0]!r}" if isinstance(err, KeyError) else f"not as dflash-trt writes it ({err})"
+            raise click.ClickException(f"{where}: {what}; rebuild the engine") from err
     except (ValueError, OSError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(_table(rows, f"Engine {Path(engine)}"))

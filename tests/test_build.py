@@ -144,6 +144,24 @@ def test_inspect_names_the_manifest_key_it_lacks(tiny_engine, tmp_path, key, inn
     assert "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("name, edited, message", [
+    ("plan.json", lambda plan: [], "plan.json: not as dflash-trt writes it"),
+    ("manifest.json", lambda m: {**m, "target": None}, "manifest.json: not as dflash-trt writes it"),
+    ("manifest.json", lambda m: {**m, "target": [], "format_version": m["format_version"] + 1},
+     "format_version=2"),  # of another version: that is what to say
+])
+def test_inspect_names_json_values_of_the_wrong_type_without_a_traceback(tiny_engine, tmp_path, name, edited,
+                                                                         message):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    (bad / name).write_text(json.dumps(edited(json.loads((bad / name).read_text()))))
+    for flags in ([], ["--verify"]):
+        r = CliRunner().invoke(main, ["inspect", str(bad), *flags])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert "rebuild" in r.output or "format_version" in r.output, r.output
+    assert message in CliRunner().invoke(main, ["inspect", str(bad)]).output
+
+
 def test_inspect_names_an_unreadable_plan(tiny_engine, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_engine, bad)
