@@ -126,6 +126,9 @@ def test_a_file_missing_from_an_engine_is_named_by_every_command(tiny_engine, tm
     (bad / "plan.json").unlink()
     r = CliRunner().invoke(main, [command[0], str(bad), *command[1:]])
     assert r.exit_code == 1 and "plan.json: listed in manifest.json but missing" in r.output, r.output
+    (bad / "plan.json").mkdir()
+    r = CliRunner().invoke(main, [command[0], str(bad), *command[1:]])
+    assert r.exit_code == 1 and "plan.json: listed in manifest.json as a file, but not one" in r.output, r.output
 
 
 @pytest.mark.parametrize("key, inner", [("sources", None), ("tokenizer", "chat_template")])
