@@ -215,7 +215,7 @@ def inspect(engine, verify) -> None:
     try:
         e = EngineDir(engine)
         if verify:
-            e.verify()
+            e.verify(rehash=True)
         try:
             rows = _manifest_rows(e.manifest, verify)
             where = e.path / "plan.json"

@@ -2,7 +2,9 @@
 
 `verify()` checks the format version, the manifest's own checksum, the sha256 of every file the manifest lists,
 and that no file was added where the runtimes read by glob; serve and generate call it (through `open_engine`)
-before loading anything.
+before loading anything. A file it hashed is not hashed again while its inode, size, mtime and ctime stay those it
+had (the record is in the cache directory): a 65 GB engine is not read twice at every start; `inspect --verify`
+hashes every file.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -36,6 +41,38 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _stat_key(f: Path) -> list[int]:
+    s = f.stat()
+    return [s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns]
+
+
+class _VerifiedRecord:
+    """The files of an engine directory a verification hashed, each as [sha256, *_stat_key], in the cache directory
+    (the engine's own files are what the manifest checksums)."""
+
+    def __init__(self, engine_path: Path) -> None:
+        from dflash_trt.embedded import cache_dir
+
+        key = hashlib.sha256(str(engine_path).encode()).hexdigest()[:16]
+        self.path = cache_dir() / "verified" / f"{engine_path.name}-{key}.json"
+
+    def read(self) -> dict:
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: every file is hashed
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def write(self, record: dict) -> None:
+        from dflash_trt.dir_swap import replace_file
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            replace_file(self.path, lambda tmp: tmp.write_text(json.dumps(record)))
+        except OSError as e:  # a read-only cache costs the next start its hashing, nothing else
+            logger.info("could not record the verified files in %s: %s", self.path, e)
 
 
 def _missing(f: Path) -> str:
@@ -115,8 +152,11 @@ class EngineDir:
                 raise ValueError(f"{self.path / rel}: {found} bytes, {MANIFEST} says {size} (cut short or modified); "
                                  "rebuild the engine")
 
-    def verify(self) -> None:
-        """ValueError naming the file when the format version or any checksum does not match, or a file was added."""
+    def verify(self, rehash: bool = False) -> None:
+        """ValueError naming the file when the format version or any checksum does not match, or a file was added.
+
+        rehash: hash every file, also those unchanged since a verification hashed them (their inode, size, mtime and
+        ctime the same: a write changes the ctime, which no tool sets back)."""
         self.check_format()
         self.check_digest()
         listed = set(self.manifest["files"])
@@ -128,14 +168,21 @@ class EngineDir:
                         f"{f}: not listed in {MANIFEST} (added after the build; the runtime may read it): "
                         "remove it or rebuild the engine"
                     )
+        record = _VerifiedRecord(self.path)
+        hashed = {} if rehash else record.read()
         for rel, entry in self.manifest["files"].items():
             f = self.path / rel
             if not f.is_file():
                 raise ValueError(_missing(f))
             with _read_from(self.path / MANIFEST):
                 size, sha256 = entry["size"], entry["sha256"]
+            stamp = [sha256, *_stat_key(f)]
+            if hashed.get(rel) == stamp:
+                continue
             if f.stat().st_size != size or _sha256(f) != sha256:
                 raise ValueError(f"{f}: sha256 does not match {MANIFEST} (modified or corrupted); rebuild the engine")
+            hashed[rel] = stamp
+        record.write({rel: hashed[rel] for rel in self.manifest["files"]})
 
     @property
     def target_dir(self) -> Path:

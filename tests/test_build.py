@@ -103,6 +103,35 @@ def test_inspect_prints_manifest_and_plan_tables(tiny_engine):
         assert words in r.output
 
 
+def test_a_file_verified_before_is_hashed_again_only_once_it_changed(tiny_engine, tmp_path, monkeypatch):
+    """A 65 GB engine is not read whole at every start; a write changes the ctime, which no tool sets back."""
+    from dflash_trt import engine_dir
+
+    engine = tmp_path / "e"
+    shutil.copytree(tiny_engine, engine)
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    hashed, sha256 = [], engine_dir._sha256
+    monkeypatch.setattr(engine_dir, "_sha256", lambda f: hashed.append(f.relative_to(engine)) or sha256(f))
+    EngineDir(engine).verify()
+    assert len(hashed) == len(EngineDir(engine).manifest["files"])
+    hashed.clear()
+    EngineDir(engine).verify()
+    assert hashed == []
+    weights = engine / "drafter" / "model.safetensors"
+    before, data = weights.stat(), bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, and the mtime set back as `cp -p` or `touch -r` would
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ValueError, match=r"drafter/model.safetensors: sha256 does not match manifest.json"):
+        EngineDir(engine).verify()
+    assert hashed == [Path("drafter/model.safetensors")]
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    hashed.clear()
+    r = CliRunner().invoke(main, ["inspect", str(engine), "--verify"])  # every file, recorded or not
+    assert r.exit_code == 0 and len(hashed) == len(EngineDir(engine).manifest["files"]), r.output
+
+
 def test_checksum_mismatch_is_refused_by_generate_and_open_engine(tiny_engine, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_engine, bad)
