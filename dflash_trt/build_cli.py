@@ -222,7 +222,8 @@ def inspect(engine, verify) -> None:
             plan = format_plan(e.plan)
         except (KeyError, TypeError, AttributeError, IndexError) as err:  # edited by hand, or by another version
             e.check_format()  # another format version: that is the reason
-            what = f"missing key {err.args[0]!r}" if isinstance(err, KeyError) else f"not as dflash-trt writes it ({err})"
+            what = (f"missing key {err.args[0]!r}" if isinstance(err, KeyError)
+                    else f"not as dflash-trt writes it ({err})")
             raise click.ClickException(f"{where}: {what}; rebuild the engine") from err
     except (ValueError, OSError) as err:
         raise click.ClickException(str(err)) from err

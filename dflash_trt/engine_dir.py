@@ -169,7 +169,8 @@ class EngineDir:
                         "remove it or rebuild the engine"
                     )
         record = _VerifiedRecord(self.path)
-        hashed = {} if rehash else record.read()
+        recorded = record.read()
+        hashed = {} if rehash else dict(recorded)
         for rel, entry in self.manifest["files"].items():
             f = self.path / rel
             if not f.is_file():
@@ -182,7 +183,8 @@ class EngineDir:
             if f.stat().st_size != size or _sha256(f) != sha256:
                 raise ValueError(f"{f}: sha256 does not match {MANIFEST} (modified or corrupted); rebuild the engine")
             hashed[rel] = stamp
-        record.write({rel: hashed[rel] for rel in self.manifest["files"]})
+        if (now := {rel: hashed[rel] for rel in self.manifest["files"]}) != recorded:
+            record.write(now)
 
     @property
     def target_dir(self) -> Path:

@@ -192,7 +192,8 @@ def test_a_vanilla_drafter_without_flash_attn_is_refused_before_tensorrt_llm_loa
     engine = types.SimpleNamespace(path=tmp_path, target_dir=tmp_path / "target", tokenizer_dir=tmp_path / "tokenizer")
     release = types.SimpleNamespace(__version__="1.3.0rc25", LLM=lambda **kw: "llm")
     find_spec = launch.importlib.util.find_spec
-    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None if name == "flash_attn" else find_spec(name))
+    monkeypatch.setattr(launch.importlib.util, "find_spec",
+                        lambda name: None if name == "flash_attn" else find_spec(name))
     for backend, refused in ((None, True), ("VANILLA", True), ("TRTLLM", False)):
         spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "drafter",
                 **({"attention_backend": backend} if backend else {})}
