@@ -31,6 +31,10 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "nvfp4": 9 / 16}
 # kv_cache_config.dtype is auto
 _CHECKPOINT_KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 MXFP4_BYTES_PER_VALUE = 17 / 32  # 4-bit values plus one 8-bit (E8M0) scale per 32-value block
+# TensorRT-LLM's TRTLLM-gen MXFP4 MoE pads an expert's shapes and keeps its biases in fp32
+# (_torch/modules/fused_moe/quantization.py@002366a4, MXFP4WeightTRTLLMGenFusedMoEMethod: weight_alignment 128,
+# input_hidden_alignment 512, bias_dtype float32)
+MXFP4_WEIGHT_ALIGNMENT, MXFP4_INPUT_HIDDEN_ALIGNMENT, MXFP4_BIAS_BYTES = 128, 512, 4
 # TRT-LLM's cuda_graph_config field description: "each CUDA graph can use up to 200 MB of extra memory"
 # (tensorrt_llm/llmapi/llm_args.py @0004396720054fd8e205cbf616f21f0b57c6b412). The plan takes the bound.
 CUDA_GRAPH_BYTES = 200 * 10**6
@@ -140,10 +144,12 @@ def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
         e, i = int(experts), t.intermediate_size
         dense += h * e + e  # router, replicated
         per_rank = e // cfg.moe_ep
-        values = 3 * h * i / cfg.moe_tp  # gate_up [h, 2i] and down [i, h] of one expert, this rank's share
         quant = (t.extra.get("quantization_config") or {}).get("quant_method")
-        one_expert = values * (MXFP4_BYTES_PER_VALUE if quant == "mxfp4" and keep_mxfp4 else dtype_b)
-        one_expert += (2 * i // cfg.moe_tp + h) * dtype_b  # its biases
+        if quant == "mxfp4" and keep_mxfp4:
+            one_expert = mxfp4_expert_bytes(h, i // cfg.moe_tp)
+        else:
+            one_expert = 3 * h * i / cfg.moe_tp * dtype_b  # gate_up [h, 2i] and down [i, h], this rank's share
+            one_expert += (2 * i // cfg.moe_tp + h) * dtype_b  # its biases
     else:
         dense += 3 * h * t.intermediate_size // tp
     vocab = t.vocab_size * h // tp * dtype_b
@@ -152,6 +158,16 @@ def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
         expert_bytes=one_expert, embedding_bytes=vocab, lm_head_bytes=0 if t.tie_word_embeddings else vocab,
         final_norm_bytes=h * dtype_b,
     )
+
+
+def mxfp4_expert_bytes(h: int, i: int) -> int:
+    """One MXFP4 expert of hidden size h and (this rank's) intermediate size i as TensorRT-LLM holds it: gate_up
+    [2i, h] and down [h, i], padded (MXFP4_*_ALIGNMENT), their scales, and fp32 biases."""
+    pad = lambda n, to: -(-n // to) * to  # noqa: E731
+    i_p, h_out = pad(i, MXFP4_WEIGHT_ALIGNMENT), pad(h, MXFP4_WEIGHT_ALIGNMENT)
+    h_in = pad(h, MXFP4_INPUT_HIDDEN_ALIGNMENT)
+    values = 2 * i_p * h_in + h_out * i_p
+    return int(values * MXFP4_BYTES_PER_VALUE) + (2 * i_p + h_out) * MXFP4_BIAS_BYTES
 
 
 def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> int:
@@ -217,7 +233,10 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     full, sliding, window = _layer_kinds(t)
     details: dict = {"target_kv_bytes_per_token_per_layer": per_token_layer}
     if trtllm:
-        sliding_tokens = min(seq, window + k + 1) if window else 0  # the window plus the in-flight block
+        # TensorRT-LLM through the targeted release puts every layer of a model with mixed layer_types in one pool of
+        # full-context blocks (NVIDIA/TensorRT-LLM PR #18767, merged 2026-09-06, derives per-layer windows; before it
+        # only a hand-set kv_cache_config.max_attention_window did): a sliding layer holds max_seq_len tokens too
+        sliding_tokens = seq if window else 0
         target_kv = batch * per_token_layer * (full * seq + sliding * sliding_tokens)
         details.update(full_attention_layers=full, sliding_layers=sliding, sliding_tokens_per_seq=sliding_tokens)
     else:
@@ -241,6 +260,12 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
             slots, tokens = batch, seq + d.block_size + 1
         comps["drafter_context_cache"] = slots * tokens * d_token
         details.update(drafter_ctx_bytes_per_token=d_token, drafter_ctx_slots=slots, drafter_ctx_tokens_per_slot=tokens)
+        if trtllm and not cfg.enable_attention_dp:
+            # one-model DFlash without attention DP gets a KV cache manager of its own, which takes a share of the KV
+            # budget by bytes per token (_torch/pyexecutor/_util.py: _should_create_separate_draft_kv_cache,
+            # _compute_draft_budget_shares), in the drafter's dtype
+            details.update(target_kv_bytes_per_token=per_token_layer * t.num_hidden_layers,
+                           draft_kv_bytes_per_token=d_token)
     # Activations (estimate): per token in flight, the residual streams, q/k/v, MLP intermediates
     # (top-k experts for MoE), plus fp32 logits for every verified and drafted position.
     i_rank = t.intermediate_size // (cfg.moe_tp if t.extra.get("num_local_experts") else tp)
@@ -265,7 +290,8 @@ def _free_for_kv(comps: dict[str, int], hw: HardwareProfile) -> int:
     return hw.memory_bytes - sum(v for key, v in comps.items() if key not in _AFTER_THE_REST)
 
 
-def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple[bool, int]:
+def _fits(comps: dict[str, int], details: dict, hw: HardwareProfile, cfg: BuildConfig) -> tuple[bool, int]:
+    """Whether it fits, and what the target's KV cache may use."""
     if hw.kind != "gpu":
         free = hw.memory_bytes - sum(v for key, v in comps.items() if key != "target_kv_cache")
         return free > 0 and comps["target_kv_cache"] <= free, free
@@ -276,7 +302,15 @@ def _fits(comps: dict[str, int], hw: HardwareProfile, cfg: BuildConfig) -> tuple
     arena = comps.get("drafter_context_cache", 0)
     free = _free_for_kv(comps, hw)
     budget = int(free * cfg.kv_cache_config.free_gpu_memory_fraction)
-    return free > 0 and comps["target_kv_cache"] <= budget and arena <= free - budget, budget
+    target_budget = budget * target_kv_share(details)
+    return free > 0 and comps["target_kv_cache"] <= target_budget and arena <= free - budget, int(target_budget)
+
+
+def target_kv_share(details: dict) -> float:
+    """The target's share of TensorRT-LLM's KV budget: all of it, unless the drafter's KV cache manager takes its
+    share by bytes per token."""
+    draft = details.get("draft_kv_bytes_per_token", 0)
+    return 1.0 if not draft else details["target_kv_bytes_per_token"] / (details["target_kv_bytes_per_token"] + draft)
 
 
 def _largest_fitting(lo: int, hi: int, ok) -> int:
@@ -298,7 +332,7 @@ def plan_build(
     kvd = kv_dtype(cfg, dtype, target.extra)
     batch, seq, k = cfg.max_batch_size, cfg.max_seq_len, max_draft_len
     comps, details = _components(target, drafter, cfg, hw, k, batch, seq, dtype, kvd)
-    fits, budget = _fits(comps, hw, cfg)
+    fits, budget = _fits(comps, details, hw, cfg)
     schedule = cfg.speculative_config.draft_len_schedule if cfg.speculative_config else None
     without_amx = cfg.speculative_config.draft_len_schedule_without_amx if cfg.speculative_config else None
     plan = MemoryPlan(
@@ -321,6 +355,10 @@ def plan_build(
             f"max_seq_len={seq} exceeds the drafter's max_position_embeddings={drafter.max_position_embeddings}: "
             "TensorRT-LLM drafts nothing for requests past it"
         )
+    if (share := target_kv_share(details)) < 1:
+        plan.notes.append(f"TensorRT-LLM gives the drafter a KV cache manager of its own (one-model DFlash without "
+                          f"attention data parallelism), with {1 - share:.0%} of the KV budget by bytes per token: "
+                          f"the target's KV cache may use {budget / GB:.2f} GB")
     if kvd == "nvfp4":
         _check_nvfp4_kv(plan, target, hw)
     if cfg.enable_attention_dp and isinstance(schedule, dict) and len(set(schedule.values())) > 1:
@@ -370,8 +408,8 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     )
 
     def fits_with(batch: int, seq: int) -> bool:
-        c, _ = _components(target, drafter, cfg, hw, plan.max_draft_len, batch, seq, dtype, kvd)
-        return _fits(c, hw, cfg)[0]
+        c, d = _components(target, drafter, cfg, hw, plan.max_draft_len, batch, seq, dtype, kvd)
+        return _fits(c, d, hw, cfg)[0]
 
     hints = []
     # never past the target's positions, which max_seq_len may not exceed anyway (a problem of its own)
@@ -382,7 +420,8 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     best_seq = _largest_fitting(2, longest, lambda s: fits_with(cfg.max_batch_size, s))
     if best_seq >= 2:
         hints.append(f"max_seq_len <= {best_seq} fits at max_batch_size={cfg.max_batch_size}")
-    fixed = [key for key in comps if key not in ("runtime_reserve", "target_kv_cache")]
+    after = _AFTER_THE_REST if plan.layout == "trtllm" else ("target_kv_cache",)  # the arena: TensorRT-LLM's, after
+    fixed = [key for key in comps if key != "runtime_reserve" and key not in after]
     arena = comps.get("drafter_context_cache", 0)
     fraction = cfg.kv_cache_config.free_gpu_memory_fraction
     left = _free_for_kv(comps, hw) - plan.kv_cache_budget_bytes  # what the KV cache's carve leaves for the arena

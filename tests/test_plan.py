@@ -30,15 +30,17 @@ def test_gpt_oss_120b_at_tp8_ep8_matches_hand_arithmetic():
     #   biases     q 512 + k,v 2x64 + o 2880 (replicated)        =     3,520
     #   sinks 64/8 = 8; norms 2x2880 = 5,760; router 2880x128+128 = 368,768
     #   -> 3,695,816 bf16 values = 7,391,632 B per layer
-    #   experts    128 x 3 x 2880 x 2880 / 8 = 398,131,200 values x 17/32 B (MXFP4) = 211,507,200 B
-    #   expert biases (128/8) x (2x2880 + 2880) = 138,240 values = 276,480 B
-    #   per layer 219,175,312 B x 36 layers = 7,890,311,232 B
+    #   experts, as TensorRT-LLM's TRTLLM-gen MoE pads them (intermediate 2880 -> 2944 by 128, gate_up's input hidden
+    #   2880 -> 3072 by 512, down's output hidden 2880 -> 2944): gate_up 5888 x 3072 + down 2944 x 2944
+    #   = 26,755,072 values x 17/32 B (MXFP4 and its scales) = 14,213,632 B, + fp32 biases (5888 + 2944) x 4
+    #   = 35,328 B -> 14,248,960 B an expert, x 16 = 227,983,360 B
+    #   per layer 235,374,992 B x 36 layers = 8,473,499,712 B
     #   embedding + lm_head 2 x 201,088 x 2880 / 8 = 144,783,360 values; final norm 2880 -> 289,572,480 B
-    assert c["target_weights"] == 7_890_311_232 + 289_572_480 == 8_179_883_712
-    # Target KV, fp8, 1 kv head x 64 per rank: 2 x 64 x 1 B = 128 B per token per layer.
-    #   18 full layers hold 8192 tokens; 18 sliding layers hold 128 + (K=9) + 1 = 138 tokens.
-    #   16 rows x 128 x (18 x 8192 + 18 x 138) = 16 x 128 x 149,940 = 307,077,120
-    assert c["target_kv_cache"] == 307_077_120
+    assert c["target_weights"] == 8_473_499_712 + 289_572_480 == 8_763_072_192
+    # Target KV, fp8, 1 kv head x 64 per rank: 2 x 64 x 1 B = 128 B per token per layer. TensorRT-LLM (before
+    #   PR #18767) puts the sliding layers in the full-context pool too: all 36 layers hold 8192 tokens.
+    #   16 rows x 128 x 36 x 8192 = 603,979,776
+    assert c["target_kv_cache"] == 603_979_776
     # Drafter arena: 2 x 8 layers x 1 kv head x 64 x 2 B = 2,048 B per token;
     #   (16 + 1 dummy) slots x (8192 + 9 + 1) tokens x 2,048 = 285,560,832
     assert c["drafter_context_cache"] == 17 * 8202 * 2048 == 285_560_832
@@ -50,14 +52,33 @@ def test_gpt_oss_120b_at_tp8_ep8_matches_hand_arithmetic():
     assert plan.fits
 
 
+def test_the_drafters_own_kv_cache_takes_its_share_of_the_budget_unless_attention_is_data_parallel():
+    """TensorRT-LLM gives one-model DFlash a draft KV cache manager without attention DP, and splits the KV budget
+    between the two by bytes per token (_util.py: _compute_draft_budget_shares)."""
+    def free_and_plan(**extra):
+        cfg = _cfg(tensor_parallel_size=8, moe_expert_parallel_size=8, max_batch_size=16, max_seq_len=8192, **extra)
+        plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+        c = plan.components
+        before = sum(v for k, v in c.items() if k not in ("target_kv_cache", "drafter_context_cache"))
+        return profile("b300").memory_bytes - before, plan
+
+    free, plan = free_and_plan()
+    # the target's 128 B x 36 layers = 4,608 B a token (TP8, fp8) against the drafter's 2 x 8 layers x 64 x 2 B
+    # = 2,048 B: the target keeps 4,608 / 6,656 = 69% of the budget
+    assert abs(plan.kv_cache_budget_bytes - int(free * 0.9) * 4608 / 6656) <= 1
+    assert any("with 31% of the KV budget" in n for n in plan.notes)
+    free, plan = free_and_plan(enable_attention_dp=True, max_num_tokens=20000)
+    assert plan.kv_cache_budget_bytes == int(free * 0.9) and not any("KV budget" in n for n in plan.notes)
+
+
 def test_an_nvfp4_kv_cache_holds_nine_sixteenths_of_a_byte_a_value():
     """TensorRT-LLM's NVFP4 KV cache: 4-bit values and an FP8 scale per 16 in a pool beside them."""
     cfg = _cfg(tensor_parallel_size=8, moe_expert_parallel_size=8, max_batch_size=16, max_seq_len=8192,
                kv_cache_config={"dtype": "nvfp4"})
     plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
     # 1 kv head x 64 per rank: 2 x 64 x (0.5 + 1/16) B = 72 B per token per layer (fp8's 128 above);
-    #   16 rows x 72 x (18 x 8192 + 18 x 138) = 16 x 72 x 149,940 = 172,730,880
-    assert plan.kv_cache_dtype == "nvfp4" and plan.components["target_kv_cache"] == 172_730_880
+    #   16 rows x 72 x 36 layers x 8192 = 339,738,624
+    assert plan.kv_cache_dtype == "nvfp4" and plan.components["target_kv_cache"] == 339_738_624
     assert plan.fits and any("ModelOpt" in n for n in plan.notes)  # gpt-oss declares no NVFP4 KV scales
     declared = decoder_config_from_dict({**bundled_config("openai/gpt-oss-120b"), "quantization_config": {
         "quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4"}})
@@ -90,8 +111,9 @@ def test_drafter_arena_at_64_x_131072_is_the_trtllm_16005_trap():
     assert not plan.fits
     msg = plan.problems[0]
     assert "does not fit h200" in msg and "drafter_context_cache 139.60 GB" in msg
-    assert ("Before the KV cache, the rest alone overflows the device, most of it drafter_context_cache: change "
-            "max_seq_len or max_batch_size") in msg
+    # allocated after the KV cache (its first forward), so not "before the KV cache" as this test once read
+    assert ("The drafter's context arena (139.60 GB) is allocated after the KV cache took free_gpu_memory_fraction=0.9 "
+            "of free memory") in msg and "change max_seq_len or max_batch_size" in msg and "Before the KV" not in msg
     # The same arena at TP8 on a B300 is an eighth (one kv head per rank): 17.45 GB, and fits.
     cfg8 = _cfg(max_batch_size=64, max_seq_len=131072, tensor_parallel_size=8, moe_expert_parallel_size=8)
     plan8 = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg8, profile("b300"), max_draft_len=9)
@@ -150,14 +172,15 @@ def test_cuda_graph_batch_sizes(graph, schedule, expected):
 
 
 def test_the_cpu_runtime_plans_mxfp4_experts_dequantized():
-    # The torch runtime dequantizes experts on load: 128 x 3 x 2880 x 2880 values x 36 layers at 2 B (bf16)
-    # instead of 17/32 B: 229,323,571,200 - 60,914,073,600 = 168,409,497,600 B more than the packed plan.
+    # The torch runtime dequantizes experts on load: an expert's 3 x 2880 x 2880 values and 8,640 biases at 2 B
+    # (bf16) = 49,783,680 B, where TensorRT-LLM holds 14,248,960 B (padded MXFP4, fp32 biases; see the TP8 test):
+    # 35,534,720 B more an expert, x 128 experts x 36 layers = 163,743,989,760 B more than the packed plan.
     gpu = _cfg(max_batch_size=1, max_seq_len=1024, moe_expert_parallel_size=1)
     cpu = build_config_from_dict({"name": "t", "model": "openai/gpt-oss-120b", "hardware": "cpu", "dtype": "bfloat16",
                                   "max_batch_size": 1, "max_seq_len": 1024})
     packed = plan_build(GPT_OSS, None, gpu, profile("h200"), 0).components["target_weights"]
     unpacked = plan_build(GPT_OSS, None, cpu, profile("cpu"), 0).components["target_weights"]
-    assert unpacked - packed == 114_661_785_600 * 2 - 114_661_785_600 * 17 // 32 == 168_409_497_600
+    assert unpacked - packed == (49_783_680 - 14_248_960) * 128 * 36 == 163_743_989_760
 
 
 def test_gpt_oss_throughput_plan_chooses_a_schedule_whose_k_falls_with_the_batch():
@@ -267,6 +290,11 @@ def test_the_drafter_arena_must_fit_in_what_the_kv_caches_carve_leaves():
     fits = lambda b: plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(**{**cfg.model_dump(), "max_batch_size": b}),  # noqa
                                 profile("b300"), 7).fits
     assert 1 <= n < 512 and fits(n) and not fits(n + 1)
-    # with 40% left to it, the same arena fits
-    roomy = _cfg(**{**cfg.model_dump(), "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.6}})
+    # an arena past the whole device is still named as allocated after the KV cache, not as what comes before it
+    huge = plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(**{**cfg.model_dump(), "max_seq_len": 131072}), profile("b300"), 7)
+    assert not huge.fits and "Before the KV cache" not in huge.problems[0], huge.problems[0]
+    assert "drafter's context arena" in huge.problems[0]
+    # with 31% left to it, the same arena fits (79.7 of 262.1 GB free), and so does the KV cache (178.8 GB: all 36
+    # layers at 9,472 tokens, the sliding ones too)
+    roomy = _cfg(**{**cfg.model_dump(), "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.69}})
     assert plan_build(GPT_OSS, GPT_OSS_DRAFTER, roomy, profile("b300"), 7).fits
