@@ -113,6 +113,10 @@ def read_manifest(path: Path) -> dict:
     missing = [k for k in ("format_version", "build_config", "target") if k not in content]
     if missing:
         raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+    # a listing names the engine's own files: one outside it (../x, /x) would be checksummed and read from there
+    outside = [rel for rel in content["files"] if Path(rel).is_absolute() or ".." in Path(rel).parts]
+    if outside:
+        raise ValueError(f"{manifest}: lists {outside[0]!r}, outside the engine directory; rebuild the engine")
     return content
 
 

@@ -194,6 +194,18 @@ def test_inspect_names_json_values_of_the_wrong_type_without_a_traceback(tiny_en
     assert message in CliRunner().invoke(main, ["inspect", str(bad)]).output
 
 
+@pytest.mark.parametrize("listed", ["../elsewhere/plan.json", "/etc/hostname"])
+def test_a_manifest_listing_a_file_outside_the_engine_is_refused(tiny_engine, tmp_path, listed):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["files"][listed] = manifest["files"]["plan.json"]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    for args in (["inspect", str(bad), "--verify"], ["generate", str(bad), "-p", "x"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and f"lists {listed!r}, outside the engine directory" in r.output, r.output
+
+
 def test_inspect_names_an_unreadable_plan(tiny_engine, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_engine, bad)
