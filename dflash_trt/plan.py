@@ -424,7 +424,8 @@ def _explain(plan, target, drafter, cfg, hw, dtype, kvd) -> str:
     fixed = [key for key in comps if key != "runtime_reserve" and key not in after]
     arena = comps.get("drafter_context_cache", 0)
     fraction = cfg.kv_cache_config.free_gpu_memory_fraction
-    left = _free_for_kv(comps, hw) - plan.kv_cache_budget_bytes  # what the KV cache's carve leaves for the arena
+    free = _free_for_kv(comps, hw)
+    left = free - int(free * fraction)  # what the KV cache's carve (the drafter's KV share in it too) leaves the arena
     knob_first = ""
     if sum(comps[key] for key in fixed) + comps["runtime_reserve"] >= hw.memory_bytes:
         # allocated before the KV cache, these alone overflow the device

@@ -128,6 +128,21 @@ def test_a_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_pa
     reader.join(timeout=10)
     assert read == ["streamed"] and stat.S_ISFIFO(fifo.lstat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_folder").symlink_to(tmp_path / "folder")
+    for path in (tmp_path / "folder", tmp_path / "to_folder"):  # nothing to write a result into, link or not
+        with pytest.raises(OSError, match="not a regular file, character device or FIFO"):
+            dir_swap.replace_file(path, lambda tmp: tmp.write_text("x"))
+
+
+def test_dev_stdout_is_written_to_whatever_stdout_is():
+    """-o /dev/stdout into a pipe (| jq): /dev/stdout links to /proc/self/fd/1, itself no path a rename could use."""
+    import subprocess
+    import sys
+
+    code = "from dflash_trt import dir_swap; dir_swap.replace_file('/dev/stdout', lambda p: p.write_text('{}'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "{}", r.stderr
 
 
 def test_signals_sent_to_the_process_wait_for_the_held_block_then_act(ctrl_c_reaches_python):

@@ -294,6 +294,12 @@ def test_the_drafter_arena_must_fit_in_what_the_kv_caches_carve_leaves():
     huge = plan_build(GPT_OSS, GPT_OSS_DRAFTER, _cfg(**{**cfg.model_dump(), "max_seq_len": 131072}), profile("b300"), 7)
     assert not huge.fits and "Before the KV cache" not in huge.problems[0], huge.problems[0]
     assert "drafter's context arena" in huge.problems[0]
+    # without attention DP the carve holds the drafter's own KV cache too: it is still what the arena may not overflow
+    tp8 = _cfg(max_batch_size=512, max_seq_len=32768, tensor_parallel_size=8, moe_expert_parallel_size=8,
+               max_num_tokens=20000)
+    plan8 = plan_build(GPT_OSS, GPT_OSS_DRAFTER, tp8, profile("b300"), max_draft_len=7)
+    assert not plan8.fits and "context arena" in plan8.problems[0] and "The KV cache" not in plan8.problems[0]
+    assert "kv_cache_config.free_gpu_memory_fraction (lower)" in plan8.problems[0]
     # with 31% left to it, the same arena fits (79.7 of 262.1 GB free), and so does the KV cache (178.8 GB: all 36
     # layers at 9,472 tokens, the sliding ones too)
     roomy = _cfg(**{**cfg.model_dump(), "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.69}})

@@ -525,18 +525,32 @@ def _check_output(output: str) -> None:
     from dflash_trt.bench.sweep import csv_path_of
 
     try:
-        csv_path_of(output)
+        csv = csv_path_of(output)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
     _check_output_folder(output)
+    _check_output_folder(str(csv))  # written beside it, in that folder, even where the result is a link or a device
 
 
 def _check_output_folder(output: str) -> None:
     """Refuse, naming --output, a result path whose folder could not be made or written (a file is made and removed in
     its nearest existing folder: os.access answers yes to root even in /proc). Nothing is left behind: the folder is
-    made as the result is written."""
+    made as the result is written. A link, character device or FIFO is written through in place
+    (dir_swap.replace_file): it needs to be writable itself."""
+    import os
+    import stat
     import tempfile
 
+    path = Path(output)
+    if path.exists():
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+            raise click.BadParameter(f"{path} is not a file, character device or FIFO to write to",
+                                     param_hint="--output")
+        if path.is_symlink() or not stat.S_ISREG(mode):
+            if not os.access(path, os.W_OK):
+                raise click.BadParameter(f"{path} is not writable", param_hint="--output")
+            return
     folder = Path(output).absolute().parent
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
