@@ -81,7 +81,10 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
         if key not in opts:
             opts[key] = value
         elif isinstance(ours, dict) and isinstance(value, dict):  # a section's keys the build config leaves unset
-            clash = sorted(set(value) & set(ours))
+            # a key the build config models is set there (and checked there), written or not
+            modeled = getattr(cfg, key, None)
+            modeled = set(type(modeled).model_fields) if hasattr(type(modeled), "model_fields") else set()
+            clash = sorted(set(value) & (set(ours) | modeled))
             if clash:
                 raise ValueError(f"trtllm_options.{key}.{clash[0]}: set by the build config itself; set the "
                                  f"build-config key '{key}.{clash[0]}' instead")

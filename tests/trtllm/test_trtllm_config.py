@@ -70,6 +70,11 @@ def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
     with pytest.raises(ValueError, match="trtllm_options.kv_cache_config.tokens_per_block: set by the build config "
                                          "itself; set the build-config key 'kv_cache_config.tokens_per_block'"):
         prepare_build(path, allow_bundled=True)
+    # one the build config models but left out (VANILLA is written as no key) is the build config's too, and checked
+    # there (TRTLLM needs SM100/SM103)
+    path.write_text(raw + "trtllm_options:\n  speculative_config:\n    attention_backend: TRTLLM\n")
+    with pytest.raises(ValueError, match="set the build-config key 'speculative_config.attention_backend'"):
+        prepare_build(path, allow_bundled=True)
     path.write_text(raw + "trtllm_options:\n  kv_cache_config:\n    bogus: 1\n")
     with pytest.raises(ValueError, match="kv_cache_config.bogus not accepted by the pinned TensorRT-LLM"):
         prepare_build(path, allow_bundled=True)
