@@ -103,7 +103,7 @@ def resolve_model(ref: str, base_dir: Path, key: str, allow_bundled: bool = Fals
     if allow_bundled:
         hint = ""
         if not (base_dir / ref.split("/")[0]).is_dir():  # else a path written without ./: the hint below says so
-            fetched, why = _hub_config(ref) if fetch_configs else (None, "HF_HUB_OFFLINE is set")
+            fetched, why = _hub_config(ref) if fetch_configs else (None, "fetching is off, as under HF_HUB_OFFLINE=1")
             if fetched is not None:
                 return ModelSource(ref, "hub_config", None, fetched)
             hint = f" (nor could its config.json alone be fetched for the plan: {why})"

@@ -104,17 +104,17 @@ def test_build_plan_only_fetches_the_config_unless_the_user_set_hf_hub_offline(t
     for value in ("1", "true", "ON"):
         monkeypatch.setenv("HF_HUB_OFFLINE", value)
         r = CliRunner().invoke(main, ["build", config, "--plan-only"])
-        assert r.exit_code == 1 and "HF_HUB_OFFLINE is set" in r.output, r.output
+        assert r.exit_code == 1 and "fetching is off, as under HF_HUB_OFFLINE=1" in r.output, r.output
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # huggingface_hub reads it only where HF_HUB_OFFLINE is unset
     assert CliRunner().invoke(main, ["build", config, "--plan-only"]).exit_code == 0
     assert len(requested) == 2
 
 
-def test_offline_the_plan_asks_nothing_of_the_hub(tiny_dirs, tmp_path, hub):
+def test_prepare_build_asks_nothing_of_the_hub_unless_told_to(tiny_dirs, tmp_path, hub):
     files, requested = hub
     files[f"/{REPO}/resolve/main/config.json"] = (tiny_dirs["qwen3_drafter"] / "config.json").read_bytes()
-    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
+    with pytest.raises(FileNotFoundError, match="fetching is off, as under HF_HUB_OFFLINE=1"):
         prepare_build(_config(tmp_path, tiny_dirs["qwen3"], REPO), allow_bundled=True)
     assert requested == []
 
