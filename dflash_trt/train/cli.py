@@ -347,18 +347,26 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
 
 
 def _unmade_on_failure(made: list[Path]):
-    """An ExitStack exit callback: on an exception, removes the directories of MADE (deepest first) that hold nothing
-    but the run's lock and target record. Pushed before the locks are taken, so that it runs after they are released."""
+    """An ExitStack exit callback: on an exception, removes the directories this run made (MADE, filled as it makes
+    them; deepest first) that hold nothing but a free run lock and the target record. Pushed before the locks are
+    taken, so that it runs after they are released; a lock another run holds (one that started on the directory
+    meanwhile) keeps it."""
 
     def exit_(exc_type, exc, tb) -> bool:
         if exc_type is not None:
-            for path in sorted(made, key=lambda p: len(p.resolve().parts), reverse=True):
+            for path in sorted(made, key=lambda p: len(p.absolute().parts), reverse=True):
                 try:
-                    if {entry.name for entry in path.iterdir()} <= {RUN_LOCK, TARGET_RECORD}:
-                        (path / RUN_LOCK).unlink(missing_ok=True)
+                    if not {entry.name for entry in path.iterdir()} <= {RUN_LOCK, TARGET_RECORD}:
+                        continue
+                    with contextlib.ExitStack() as lock:
+                        if (path / RUN_LOCK).exists():
+                            fd = os.open(path / RUN_LOCK, os.O_RDWR)
+                            lock.callback(os.close, fd)
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
                         (path / TARGET_RECORD).unlink(missing_ok=True)
+                        (path / RUN_LOCK).unlink(missing_ok=True)
                         path.rmdir()
-                except OSError:  # not made after all, or written meanwhile by another process: left as it is
+                except OSError:  # in use by another run, or written meanwhile: left as it is
                     pass
         return False
 
@@ -448,12 +456,18 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
                                  param_hint="'--max-seq-len'")
     with contextlib.ExitStack() as held:  # the run's locks on --out and --data, until it ends
         # a run refused (or failing) before it wrote anything leaves no directory it made, as if never started
-        held.push(_unmade_on_failure([path for path in (data_dir, out_dir) if not path.exists()]))
+        made_here: list[Path] = []
+        held.push(_unmade_on_failure(made_here))
         # --out is made only once another --data is found to be this target's (a refused one left an empty --out)
         made = [(data_dir, "--data"), (out_dir, "--out")]
         for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
             try:
-                path.mkdir(parents=True, exist_ok=True)
+                if not path.exists():
+                    try:
+                        path.mkdir(parents=True)
+                        made_here.append(path)
+                    except FileExistsError:  # made meanwhile, by another run
+                        pass
                 # writable now, not after the responses and features (hours on a real run): an existing read-only one
                 tempfile.TemporaryFile(dir=path).close()
             except OSError as e:

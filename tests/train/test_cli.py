@@ -691,3 +691,23 @@ def test_a_second_run_on_an_out_in_use_is_refused(target, tmp_path):
     assert _train(target, out).exit_code == 0  # free once the other run ended
     same = tmp_path / "same"
     assert _train(target, same, "--data", str(same)).exit_code == 0  # --data OUT: one directory, one lock
+
+
+def test_a_failed_run_leaves_a_directory_another_run_took_meanwhile(tmp_path):
+    """Two runs on one new --out: the one refused must not remove the directory and lock the other now holds."""
+    import fcntl
+
+    from dflash_trt.train.cli import RUN_LOCK, _unmade_on_failure
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / RUN_LOCK).touch()
+    fd = os.open(out / RUN_LOCK, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other run's
+    try:
+        _unmade_on_failure([out])(ValueError, ValueError("refused"), None)
+        assert (out / RUN_LOCK).is_file()
+    finally:
+        os.close(fd)
+    _unmade_on_failure([out])(ValueError, ValueError("refused"), None)  # the lock free: nothing but this run's
+    assert not out.exists()
