@@ -76,11 +76,11 @@ class _VerifiedRecord:
 
 
 def _missing(f: Path) -> str:
+    if f.exists():
+        return f"{f}: listed in {MANIFEST} as a file, but not one; rebuild the engine"
     if f.is_symlink():  # target_weights: link
         return (f"{f}: a link to {f.readlink()}, which no longer exists (the engine was built with target_weights: "
                 "link and the checkpoint moved); put the checkpoint back, or rebuild the engine")
-    if f.exists():
-        return f"{f}: listed in {MANIFEST} as a file, but not one; rebuild the engine"
     return f"{f}: listed in {MANIFEST} but missing; rebuild the engine"
 
 
