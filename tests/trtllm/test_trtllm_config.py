@@ -1,5 +1,6 @@
 """trtllm/config.yaml against the pinned TensorRT-LLM version's accepted LLM-API keys, and the lazy backend."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -57,32 +58,25 @@ def test_throughput_config_uses_attention_dp_and_a_draft_schedule():
     assert list(s.values()) == sorted(s.values(), reverse=True)  # K falls as batches grow
 
 
-def test_an_unaccepted_passthrough_key_is_refused(tmp_path):
-    raw = (CONFIGS / "qwen3-8b-1xh200.yaml").read_text()
-    path = tmp_path / "c.yaml"
-    path.write_text(raw + "trtllm_options:\n  max_tokens_in_paged_kv_cache: 100\n")
-    with pytest.raises(ValueError, match="max_tokens_in_paged_kv_cache not accepted by the pinned TensorRT-LLM"):
-        prepare_build(path, allow_bundled=True)
-    path.write_text(raw + "trtllm_options:\n  max_seq_len: 100\n")
-    with pytest.raises(ValueError, match="trtllm_options.max_seq_len: set by the build config itself"):
-        prepare_build(path, allow_bundled=True)
-    path.write_text(raw + "trtllm_options:\n  kv_cache_config:\n    tokens_per_block: 64\n")
-    with pytest.raises(ValueError, match="trtllm_options.kv_cache_config.tokens_per_block: set by the build config "
-                                         "itself; set the build-config key 'kv_cache_config.tokens_per_block'"):
-        prepare_build(path, allow_bundled=True)
+@pytest.mark.parametrize("options, message", [
+    ("max_tokens_in_paged_kv_cache: 100", "max_tokens_in_paged_kv_cache not accepted by the pinned TensorRT-LLM"),
+    ("max_seq_len: 100", "trtllm_options.max_seq_len: set by the build config itself"),
+    ("kv_cache_config:\n    tokens_per_block: 64", "trtllm_options.kv_cache_config.tokens_per_block: set by the build "
+     "config itself; set the build-config key 'kv_cache_config.tokens_per_block'"),
     # one the build config models but left out (VANILLA is written as no key) is the build config's too, and checked
     # there (TRTLLM needs SM100/SM103)
-    path.write_text(raw + "trtllm_options:\n  speculative_config:\n    attention_backend: TRTLLM\n")
-    with pytest.raises(ValueError, match="set the build-config key 'speculative_config.attention_backend'"):
-        prepare_build(path, allow_bundled=True)
-    path.write_text(raw + "trtllm_options:\n  kv_cache_config:\n    bogus: 1\n")
-    with pytest.raises(ValueError, match="kv_cache_config.bogus not accepted by the pinned TensorRT-LLM"):
-        prepare_build(path, allow_bundled=True)
+    ("speculative_config:\n    attention_backend: TRTLLM",
+     "set the build-config key 'speculative_config.attention_backend'"),
+    ("kv_cache_config:\n    bogus: 1", "kv_cache_config.bogus not accepted by the pinned TensorRT-LLM"),
     # LLM(model=..., tokenizer=..., **options) would get them twice; trtllm-serve would serve another model
-    for key in ("model", "tokenizer"):
-        path.write_text(raw + f"trtllm_options:\n  {key}: /elsewhere\n")
-        with pytest.raises(ValueError, match=f"trtllm_options.{key}: set by the launcher from the engine directory"):
-            prepare_build(path, allow_bundled=True)
+    ("model: /elsewhere", "trtllm_options.model: set by the launcher from the engine directory"),
+    ("tokenizer: /elsewhere", "trtllm_options.tokenizer: set by the launcher from the engine directory"),
+])
+def test_a_passthrough_key_that_is_not_accepted_or_not_the_passthroughs_is_refused(tmp_path, options, message):
+    path = tmp_path / "c.yaml"
+    path.write_text((CONFIGS / "qwen3-8b-1xh200.yaml").read_text() + f"trtllm_options:\n  {options}\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        prepare_build(path, allow_bundled=True)
 
 
 def test_passthrough_keys_of_a_section_the_build_config_writes_join_that_section(tmp_path):
