@@ -107,22 +107,25 @@ def _directories(parent: Path, kind: str, name: str | None = None) -> Iterator[t
             yield path, match[1]
 
 
-def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
+def replace_file(path: str | Path, write: Callable[[Path], None], output: bool = False) -> None:
     """The file at `path` made whole, or left as it was: `write` fills a file beside it, which is then renamed over
-    it (and removed where writing fails). A symbolic link (/dev/stdout, a link of the user's) or a character device or
-    FIFO is written through in place, never renamed over (as root, a rename replaced /dev/null with a file), the
-    kernel's own checks on opening it applying (fs.protected_symlinks in /tmp); other files that are not regular
-    ones (a block device, a folder) are refused."""
+    it (and removed where writing fails; a link at `path` is replaced, its target left alone).
+
+    output: `path` is where the user asked a result written (`-o`): a symbolic link (/dev/stdout, a link of the
+    user's), character device or FIFO there is written through in place, never renamed over (as root a rename
+    replaced /dev/null with a file), the kernel's checks on opening it applying (fs.protected_symlinks in /tmp); other
+    files that are not regular ones (a block device, a folder) are refused."""
     path = Path(path)
-    try:
-        mode = path.stat().st_mode  # through a link
-    except FileNotFoundError:
-        mode = None  # no file yet, or a link to none
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
-        raise OSError(errno.EINVAL, "not a regular file, character device or FIFO to write a result to", str(path))
-    if path.is_symlink() or (mode is not None and not stat.S_ISREG(mode)):
-        write(path)
-        return
+    if output:
+        try:
+            mode = path.stat().st_mode  # through a link
+        except FileNotFoundError:
+            mode = None  # no file yet, or a link to none
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+            raise OSError(errno.EINVAL, "not a regular file, character device or FIFO to write a result to", str(path))
+        if path.is_symlink() or (mode is not None and not stat.S_ISREG(mode)):
+            write(path)
+            return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)

@@ -108,7 +108,7 @@ def test_a_file_replaced_whole_is_left_as_it_was_where_writing_fails(tmp_path):
     assert target.read_text() == "after" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
 
 
-def test_a_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_path):
+def test_an_output_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_path):
     """`bench speed -o /dev/stdout` as root replaced the device with a regular file; `-o link.json` the link."""
     import os
     import stat
@@ -117,14 +117,14 @@ def test_a_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_pa
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     real.write_text("before")
     link.symlink_to(real)
-    dir_swap.replace_file(link, lambda tmp: tmp.write_text("after"))
+    dir_swap.replace_file(link, lambda tmp: tmp.write_text("after"), output=True)
     assert link.is_symlink() and real.read_text() == "after"
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     read = []
     reader = threading.Thread(target=lambda: read.append(fifo.read_text()), daemon=True)
     reader.start()
-    dir_swap.replace_file(fifo, lambda tmp: tmp.write_text("streamed"))
+    dir_swap.replace_file(fifo, lambda tmp: tmp.write_text("streamed"), output=True)
     reader.join(timeout=10)
     assert read == ["streamed"] and stat.S_ISFIFO(fifo.lstat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]
@@ -132,7 +132,7 @@ def test_a_link_is_written_through_and_a_fifo_in_place_never_renamed_over(tmp_pa
     (tmp_path / "to_folder").symlink_to(tmp_path / "folder")
     for path in (tmp_path / "folder", tmp_path / "to_folder"):  # nothing to write a result into, link or not
         with pytest.raises(OSError, match="not a regular file, character device or FIFO"):
-            dir_swap.replace_file(path, lambda tmp: tmp.write_text("x"))
+            dir_swap.replace_file(path, lambda tmp: tmp.write_text("x"), output=True)
 
 
 def test_dev_stdout_is_written_to_whatever_stdout_is():
@@ -140,9 +140,19 @@ def test_dev_stdout_is_written_to_whatever_stdout_is():
     import subprocess
     import sys
 
-    code = "from dflash_trt import dir_swap; dir_swap.replace_file('/dev/stdout', lambda p: p.write_text('{}'))"
+    code = ("from dflash_trt import dir_swap; dir_swap.replace_file('/dev/stdout', lambda p: p.write_text('{}'), "
+            "output=True)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "{}", r.stderr
+
+
+def test_a_file_of_the_project_s_own_replaces_a_link_and_leaves_its_target_alone(tmp_path):
+    """A feature-cache index linked to another cache's (cp -rs) is replaced whole, never rewritten in the other."""
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("theirs")
+    link.symlink_to(real)
+    dir_swap.replace_file(link, lambda tmp: tmp.write_text("ours"))
+    assert real.read_text() == "theirs" and not link.is_symlink() and link.read_text() == "ours"
 
 
 def test_signals_sent_to_the_process_wait_for_the_held_block_then_act(ctrl_c_reaches_python):

@@ -199,7 +199,7 @@ def speed(engine, target, drafter, dataset, categories, limit_per_category, max_
     if output:
         try:
             Path(output).parent.mkdir(parents=True, exist_ok=True)
-            dir_swap.replace_file(output, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+            dir_swap.replace_file(output, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"), output=True)
         except OSError as e:
             raise click.ClickException(f"cannot write {output}: {e}") from e
     if stopped := result.get("interrupted"):
@@ -528,6 +528,9 @@ def _check_output(output: str) -> None:
         csv = csv_path_of(output)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
+    if Path(output).exists() and not Path(output).is_file():  # a FIFO's reader ends at the first of them
+        raise click.BadParameter(f"{output} is no regular file: a sweep writes its result again after every point, "
+                                 "and a CSV beside it", param_hint="--output")
     _check_output_folder(output)
     _check_output_folder(str(csv))  # written beside it, in that folder, even where the result is a link or a device
 
@@ -542,8 +545,11 @@ def _check_output_folder(output: str) -> None:
     import tempfile
 
     path = Path(output)
-    if path.exists():
-        mode = path.stat().st_mode
+    try:
+        mode = path.stat().st_mode if path.exists() else None
+    except OSError as e:  # a link the kernel does not let this user follow (fs.protected_symlinks)
+        raise click.BadParameter(f"cannot use {path}: {e.strerror or e}", param_hint="--output") from e
+    if mode is not None:
         if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
             raise click.BadParameter(f"{path} is not a file, character device or FIFO to write to",
                                      param_hint="--output")

@@ -161,7 +161,7 @@ def plot_pareto(runs: Sequence[dict], out: str | Path, title: str | None = None)
     fig = pareto_figure(runs, title)
     out.parent.mkdir(parents=True, exist_ok=True)
     # an image whole or the previous one: never half a PNG
-    dir_swap.replace_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
+    dir_swap.replace_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt), output=True)
     return out
 
 

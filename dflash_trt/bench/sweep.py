@@ -690,7 +690,7 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
     rows = [flatten({k: v for k, v in p.items() if k != "requests"}) for p in result["points"]]
     # a key no sweep writes (a hand-edited point) is kept, after the fixed columns, rather than dropped
     columns = list(dict.fromkeys([*CSV_COLUMNS, *(k for row in rows for k in row)]))
-    dir_swap.replace_file(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+    dir_swap.replace_file(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"), output=True)
 
     def write_csv(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
@@ -698,5 +698,5 @@ def write_results(result: dict, path: str | Path) -> tuple[Path, Path]:
             writer.writeheader()
             writer.writerows(rows)
 
-    dir_swap.replace_file(csv_path, write_csv)
+    dir_swap.replace_file(csv_path, write_csv, output=True)
     return path, csv_path

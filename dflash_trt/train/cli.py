@@ -340,6 +340,14 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
             raise
         logger.warning("%s: no lock on this file system (%s): another run could use it at once", path / RUN_LOCK,
                        e.strerror)
+    try:  # the lock taken is the one there now: a failed run beside this one may have removed it as it was taken
+        same = os.path.samestat(os.fstat(fd), os.stat(path / RUN_LOCK))
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        raise click.BadParameter(f"{path} was removed by another training run that stopped as this one started: run "
+                                 "again", param_hint=f"'{flag}'")
     try:
         yield
     finally:
@@ -354,7 +362,7 @@ def _unmade_on_failure(made: list[Path]):
 
     def exit_(exc_type, exc, tb) -> bool:
         if exc_type is not None:
-            for path in sorted(made, key=lambda p: len(p.absolute().parts), reverse=True):
+            for path in sorted(made, key=lambda p: len(Path(os.path.abspath(p)).parts), reverse=True):
                 try:
                     if not {entry.name for entry in path.iterdir()} <= {RUN_LOCK, TARGET_RECORD}:
                         continue

@@ -7,11 +7,24 @@ moved; the launcher runs TensorRT-LLM from the engine directory.
 
 from __future__ import annotations
 
+import typing
+
+import pydantic
+
 from dflash_trt.config import BuildConfig
 from dflash_trt.plan import MemoryPlan
 from dflash_trt.trtllm.llm_api_keys import bad_values, unknown_keys
 
 DRAFTER_SUBDIR = "drafter"
+
+
+def _modeled_keys(key: str) -> set[str]:
+    """The keys of the BuildConfig section `key` (a pydantic model, or an optional one), set or not; empty if none."""
+    field = BuildConfig.model_fields.get(key)
+    for kind in (field.annotation, *typing.get_args(field.annotation)) if field else ():
+        if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
+            return set(kind.model_fields)
+    return set()
 
 
 def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> dict:
@@ -78,16 +91,14 @@ def llm_api_options(cfg: BuildConfig, plan: MemoryPlan, has_experts: bool) -> di
                          "target and its tokenizer are the build's --target); remove it")
     for key, value in cfg.trtllm_options.items():
         ours = opts.get(key)
-        if key not in opts:
-            opts[key] = value
-        elif isinstance(ours, dict) and isinstance(value, dict):  # a section's keys the build config leaves unset
-            # a key the build config models is set there (and checked there), written or not
-            modeled = getattr(cfg, key, None)
-            modeled = set(type(modeled).model_fields) if hasattr(type(modeled), "model_fields") else set()
-            clash = sorted(set(value) & (set(ours) | modeled))
+        if isinstance(value, dict):  # a section: the keys the build config models are set there (and checked there)
+            clash = sorted(set(value) & (_modeled_keys(key) | set(ours if isinstance(ours, dict) else ())))
             if clash:
                 raise ValueError(f"trtllm_options.{key}.{clash[0]}: set by the build config itself; set the "
                                  f"build-config key '{key}.{clash[0]}' instead")
+        if key not in opts:
+            opts[key] = value
+        elif isinstance(ours, dict) and isinstance(value, dict):  # a section's keys the build config leaves unset
             opts[key] = {**ours, **value}
         else:
             raise ValueError(f"trtllm_options.{key}: set by the build config itself; set the build-config key "

@@ -173,6 +173,17 @@ def test_sweep_refuses_an_output_it_cannot_keep_before_sending_a_request(tmp_pat
     assert r.exit_code == 2 and "--output" in r.output and message in r.output, r.output
 
 
+def test_sweep_refuses_a_fifo_it_would_write_again_after_every_point(tmp_path):
+    """A reader of a FIFO ends at the first result; the second would wait for another forever."""
+    import os
+
+    os.mkfifo(tmp_path / "f.json")
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = CliRunner().invoke(main, ["bench", "sweep", "--url", dead, "--model", "m", "-o", str(tmp_path / "f.json")])
+    assert r.exit_code == 2 and "is no regular file: a sweep writes its result again after every point" in r.output, \
+        r.output
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8o00", "http://127.0.0.1:99999"])
 def test_sweep_refuses_a_url_with_a_bad_port(tmp_path, url):
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", url, "--model", "m", "-o", str(tmp_path / "x.json")])

@@ -711,3 +711,23 @@ def test_a_failed_run_leaves_a_directory_another_run_took_meanwhile(tmp_path):
         os.close(fd)
     _unmade_on_failure([out])(ValueError, ValueError("refused"), None)  # the lock free: nothing but this run's
     assert not out.exists()
+
+
+def test_a_lock_removed_as_it_was_taken_is_not_taken(tmp_path, monkeypatch):
+    """A run failing beside this one removes its directory and lock between this run's open and flock."""
+    import fcntl
+
+    from dflash_trt.train import cli as train_cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    flock = fcntl.flock
+
+    def removed_meanwhile(fd, op):
+        (out / train_cli.RUN_LOCK).unlink()
+        return flock(fd, op)
+
+    monkeypatch.setattr(train_cli.fcntl, "flock", removed_meanwhile)
+    with pytest.raises(click.BadParameter, match="was removed by another training run that stopped as this one"):
+        with train_cli.one_run_at_a_time(out, "--out"):
+            pass

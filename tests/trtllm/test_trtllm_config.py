@@ -79,6 +79,20 @@ def test_a_passthrough_key_that_is_not_accepted_or_not_the_passthroughs_is_refus
         prepare_build(path, allow_bundled=True)
 
 
+def test_a_section_the_build_config_leaves_out_cannot_come_through_the_passthrough(tmp_path):
+    # a drafter the plan never sized, on attention the H200 cannot run, would be written
+    import yaml
+
+    raw = yaml.safe_load((CONFIGS / "qwen3-8b-1xh200.yaml").read_text())
+    del raw["speculative_config"]
+    raw["trtllm_options"] = {"speculative_config": {"decoding_type": "DFlash", "speculative_model": "/x/drafter",
+                                                    "max_draft_len": 15, "attention_backend": "TRTLLM"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="set the build-config key 'speculative_config.attention_backend'"):
+        prepare_build(path, allow_bundled=True)
+
+
 def test_passthrough_keys_of_a_section_the_build_config_writes_join_that_section(tmp_path):
     # llm_api_keys accepts kv_cache_config.host_cache_size and the like, which no build-config key sets
     import yaml
