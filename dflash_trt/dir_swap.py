@@ -62,17 +62,23 @@ def held(path: Path) -> Iterator[None]:
                            lock, e.strerror)
             break
         # a cleaner may have taken the file for an orphan and unlinked it between the open and the lock: lock anew
-        try:
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
+        if still_there(fd, lock):
+            break
         os.close(fd)
     try:
         yield
     finally:
         lock.unlink(missing_ok=True)
         os.close(fd)
+
+
+def still_there(fd: int, lock: Path) -> bool:
+    """Whether the open file `fd` is still the file at `lock`: a cleaner may unlink a free lock between another
+    process's open and its flock, which then locks a file no one else will open."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(lock))
+    except FileNotFoundError:
+        return False
 
 
 def lock_state(lock: Path) -> bool | None:
@@ -173,13 +179,13 @@ def remove_stale(parent: Path, writing: str, replaced: str, complete: Callable[[
             if not lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists() and lock_state(lock):
                 lock.unlink(missing_ok=True)
     for lock in parent.glob(f".*.{SWAP}{LOCK_SUFFIX}"):  # a swap killed before its lock went
-        _unlink_if_free(lock)
+        unlink_if_free(lock)
 
 
-def _unlink_if_free(lock: Path) -> None:
-    """Unlink `lock` while holding it: a swap that opened it meanwhile then finds it gone once it has the lock, and
-    locks anew (held()); unlinked after a free test instead, the name is one the next swap reuses, and it could take
-    a lock another had just taken."""
+def unlink_if_free(lock: Path) -> None:
+    """Unlink `lock` while holding it, where no process holds it: a writer that opened it meanwhile then finds it gone
+    once it has the lock (still_there), and locks anew; unlinked after a free test instead, the name is one the next
+    writer reuses, and it could take a lock another had just taken."""
     try:
         fd = os.open(lock, os.O_RDWR)
     except OSError:

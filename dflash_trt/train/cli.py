@@ -340,11 +340,7 @@ def one_run_at_a_time(path: Path, flag: str) -> Iterator[None]:
             raise
         logger.warning("%s: no lock on this file system (%s): another run could use it at once", path / RUN_LOCK,
                        e.strerror)
-    try:  # the lock taken is the one there now: a failed run beside this one may have removed it as it was taken
-        same = os.path.samestat(os.fstat(fd), os.stat(path / RUN_LOCK))
-    except FileNotFoundError:
-        same = False
-    if not same:
+    if not dir_swap.still_there(fd, path / RUN_LOCK):  # a failed run beside this one removed it as it was taken
         os.close(fd)
         raise click.BadParameter(f"{path} was removed by another training run that stopped as this one started: run "
                                  "again", param_hint=f"'{flag}'")
@@ -366,15 +362,12 @@ def _unmade_on_failure(made: list[Path]):
                 try:
                     if not {entry.name for entry in path.iterdir()} <= {RUN_LOCK, TARGET_RECORD}:
                         continue
-                    with contextlib.ExitStack() as lock:
-                        if (path / RUN_LOCK).exists():
-                            fd = os.open(path / RUN_LOCK, os.O_RDWR)
-                            lock.callback(os.close, fd)
-                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
-                        (path / TARGET_RECORD).unlink(missing_ok=True)
-                        (path / RUN_LOCK).unlink(missing_ok=True)
-                        path.rmdir()
-                except OSError:  # in use by another run, or written meanwhile: left as it is
+                    dir_swap.unlink_if_free(path / RUN_LOCK)
+                    if (path / RUN_LOCK).exists():  # another run holds it
+                        continue
+                    (path / TARGET_RECORD).unlink(missing_ok=True)
+                    path.rmdir()
+                except OSError:  # written meanwhile: left as it is
                     pass
         return False
 
@@ -470,12 +463,11 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         made = [(data_dir, "--data"), (out_dir, "--out")]
         for path, flag in made[::-1] if data_dir.resolve().is_relative_to(out_dir.resolve()) else made:
             try:
-                if not path.exists():
-                    try:
-                        path.mkdir(parents=True)
-                        made_here.append(path)
-                    except FileExistsError:  # made meanwhile, by another run
-                        pass
+                try:
+                    path.mkdir(parents=True)
+                    made_here.append(path)
+                except FileExistsError:  # there already, or made meanwhile by another run
+                    pass
                 # writable now, not after the responses and features (hours on a real run): an existing read-only one
                 tempfile.TemporaryFile(dir=path).close()
             except OSError as e:
