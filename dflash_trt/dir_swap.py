@@ -122,22 +122,28 @@ def replace_file(path: str | Path, write: Callable[[Path], None], output: bool =
     replaced /dev/null with a file), the kernel's checks on opening it applying (fs.protected_symlinks in /tmp); other
     files that are not regular ones (a block device, a folder) are refused."""
     path = Path(path)
-    if output:
-        try:
-            mode = path.stat().st_mode  # through a link
-        except FileNotFoundError:
-            mode = None  # no file yet, or a link to none
-        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
-            raise OSError(errno.EINVAL, "not a regular file, character device or FIFO to write a result to", str(path))
-        if path.is_symlink() or (mode is not None and not stat.S_ISREG(mode)):
-            write(path)
-            return
+    if output and written_in_place(path):
+        write(path)
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def written_in_place(path: Path) -> bool:
+    """Whether replace_file(..., output=True) writes `path` through in place (a link, character device or FIFO)
+    rather than replacing it (a regular file, or none yet); OSError for what is neither (a folder, a block device),
+    or a link the kernel does not let this user follow."""
+    try:
+        mode = path.stat().st_mode  # through a link
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None  # no file yet, or a link to none (a folder on the way that is a file is the writer's to name)
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        raise OSError(errno.EINVAL, "not a regular file, character device or FIFO to write a result to", str(path))
+    return path.is_symlink() or (mode is not None and not stat.S_ISREG(mode))
 
 
 def set_aside(parent: Path, replaced: str, name: str) -> list[Path]:

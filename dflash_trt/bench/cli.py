@@ -541,22 +541,19 @@ def _check_output_folder(output: str) -> None:
     made as the result is written. A link, character device or FIFO is written through in place
     (dir_swap.replace_file): it needs to be writable itself."""
     import os
-    import stat
     import tempfile
+
+    from dflash_trt import dir_swap
 
     path = Path(output)
     try:
-        mode = path.stat().st_mode if path.exists() else None
-    except OSError as e:  # a link the kernel does not let this user follow (fs.protected_symlinks)
+        in_place = dir_swap.written_in_place(path)
+    except OSError as e:  # a folder, a block device, a link the kernel does not let this user follow
         raise click.BadParameter(f"cannot use {path}: {e.strerror or e}", param_hint="--output") from e
-    if mode is not None:
-        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
-            raise click.BadParameter(f"{path} is not a file, character device or FIFO to write to",
-                                     param_hint="--output")
-        if path.is_symlink() or not stat.S_ISREG(mode):
-            if not os.access(path, os.W_OK):
-                raise click.BadParameter(f"{path} is not writable", param_hint="--output")
-            return
+    if in_place and path.exists():  # a link to none yet: its folder is checked below, as a new file's
+        if not os.access(path, os.W_OK):
+            raise click.BadParameter(f"{path} is not writable", param_hint="--output")
+        return
     folder = Path(output).absolute().parent
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
