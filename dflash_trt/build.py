@@ -30,7 +30,7 @@ from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
 from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_json_object
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.models.tokenizer import TOKENIZER_MARKERS, load_tokenizer
+from dflash_trt.models.tokenizer import load_tokenizer, require_tokenizer_files
 from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
 from dflash_trt.perf_model import plan_performance
 from dflash_trt.plan import MemoryPlan, cuda_graph_batch_sizes, plan_build
@@ -273,10 +273,8 @@ def _write_weights(src: Path, dst: Path, config_files: tuple[str, ...], files: l
 
 
 def _tokenizer_files(src: Path) -> list[str]:
-    found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not any(n in found for n in TOKENIZER_MARKERS):
-        raise FileNotFoundError(f"{src}: no tokenizer files ({' / '.join(TOKENIZER_MARKERS)})")
-    return found
+    require_tokenizer_files(src)
+    return [n for n in TOKENIZER_FILES if (src / n).is_file()]
 
 
 def _write_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:

@@ -8,6 +8,14 @@ from pathlib import Path
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def require_tokenizer_files(tok_dir: Path, named: str | Path | None = None) -> None:
+    """FileNotFoundError, naming `named` (default: `tok_dir`), unless `tok_dir` holds a tokenizer's files:
+    transformers would otherwise make up an empty tokenizer, and every request fail with "empty prompt"."""
+    if not any((tok_dir / n).is_file() for n in TOKENIZER_MARKERS):
+        raise FileNotFoundError(f"{named if named is not None else tok_dir}: no tokenizer files "
+                                f"({' / '.join(TOKENIZER_MARKERS)})")
+
+
 def load_tokenizer(tok_dir: str | Path, vocab_size: int, named: str | Path | None = None):
     """The tokenizer of `tok_dir`: it loads, fits the model's vocabulary (`vocab_size`, config.json's), and its chat
     template, where it has one, renders a user message, else every chat request would fail. Errors name `named`
@@ -16,8 +24,7 @@ def load_tokenizer(tok_dir: str | Path, vocab_size: int, named: str | Path | Non
 
     tok_dir = Path(tok_dir)
     name = named if named is not None else tok_dir
-    if not any((tok_dir / n).is_file() for n in TOKENIZER_MARKERS):
-        raise FileNotFoundError(f"{name}: no tokenizer files ({' / '.join(TOKENIZER_MARKERS)})")
+    require_tokenizer_files(tok_dir, name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     except Exception as e:  # tokenizers and transformers raise many types for a file they cannot read
