@@ -11,7 +11,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist the workers share the cores: a team of threads each would make them wait for one another.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 VOCAB = 96
 EOS = 2
