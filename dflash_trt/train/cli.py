@@ -183,11 +183,12 @@ def check_data_target(data_dir: Path, target_dir: Path) -> None:
 def check_target_dir(target_dir: Path) -> None:
     """Fail unless target_dir has the tokenizer files: transformers would otherwise make up an empty tokenizer, and
     the run fail at the first prompt with 'empty prompt'."""
-    from dflash_trt.models.tokenizer import TOKENIZER_MARKERS
+    from dflash_trt.models.tokenizer import require_tokenizer_files
 
-    if not any((target_dir / f).is_file() for f in TOKENIZER_MARKERS):
-        raise click.BadParameter(f"{target_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
-                                 "tokenizer.model): pass the model's whole HF directory", param_hint="'--target'")
+    try:
+        require_tokenizer_files(target_dir)
+    except FileNotFoundError as e:
+        raise click.BadParameter(f"{e}: pass the model's whole HF directory", param_hint="'--target'") from e
 
 
 def check_start(cfg: TrainConfig, target_cfg: DecoderConfig) -> None:

@@ -162,7 +162,7 @@ def test_a_target_without_tokenizer_files_is_refused_before_any_response_is_gene
     bare = tmp_path / "bare"
     shutil.copytree(target, bare, ignore=shutil.ignore_patterns("tokenizer*"))
     r = _train(bare, tmp_path / "out")
-    assert r.exit_code == 2 and f"Invalid value for '--target': {bare} has no tokenizer files" in r.output, r.output
+    assert r.exit_code == 2 and f"Invalid value for '--target': {bare}: no tokenizer files" in r.output, r.output
     assert not (tmp_path / "out").exists()
 
 
