@@ -107,17 +107,33 @@ def cpu_available_bytes() -> int | None:
 
 
 def cgroup_memory_left(root: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's memory cgroup still allows (its limit less its use), or None without a limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),  # v2
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # v1
+    """What this process's memory cgroup still allows (its limit less its use), or None without a limit. The use
+    leaves out the inactive page cache, as `docker stats` does: the kernel reclaims it at the limit, and a container
+    that had read its model files counted them as used."""
+    for limit_file, usage_file, stat_file, inactive in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),  # v2
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):  # v1
         try:
             limit = Path(root, limit_file).read_text().strip()
             usage = int(Path(root, usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 1 << 60:  # "max" (v2) or a huge number (v1): no limit
-            return max(0, int(limit) - usage)
+            return max(0, int(limit) - usage + min(usage, _cgroup_stat(Path(root, stat_file), inactive)))
     return None
+
+
+def _cgroup_stat(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat, 0 where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 # GPU fixed costs (estimates, to be replaced by a measurement on the device): one NCCL/TRT-LLM all-reduce

@@ -69,6 +69,15 @@ def test_each_cpu_fit_is_the_one_its_calibration_record_holds(fit):
     ({"memory/memory.limit_in_bytes": "4000000000\n", "memory/memory.usage_in_bytes": "1000000000\n"}, 3_000_000_000),
     ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"}, None),  # v1's
     ({}, None),
+    # the page cache the kernel reclaims at the limit is not in use: a container that had read 2.5 GB of model files
+    # had 0.5 GB left by memory.current alone
+    ({"memory.max": "8000000000\n", "memory.current": "7500000000\n",
+      "memory.stat": "anon 5000000000\nfile 2500000000\nactive_file 500000000\ninactive_file 2000000000\n"},
+     2_500_000_000),
+    ({"memory/memory.limit_in_bytes": "4000000000\n", "memory/memory.usage_in_bytes": "3900000000\n",
+      "memory/memory.stat": "cache 3000000000\ninactive_file 9\ntotal_inactive_file 2000000000\n"}, 2_100_000_000),
+    ({"memory.max": "8000000000\n", "memory.current": "3000000000\n", "memory.stat": "inactive_file x\n"},
+     5_000_000_000),  # an unreadable counter counts nothing
 ])
 def test_a_containers_memory_limit_bounds_what_is_available(tmp_path, files, left):
     """MemAvailable counts the whole machine's memory: in a container of 8 GB on a 64 GB host, a cache it allowed was
