@@ -177,3 +177,10 @@ def hangup_not_ignored():
     previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     yield
     signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch():
+    """Each test draws the same random tensors whichever tests its worker ran before it (pytest-xdist hands tests
+    out as workers free up), so a failure reproduces."""
+    torch.manual_seed(0)

@@ -368,7 +368,9 @@ def test_a_port_in_use_is_named_before_tritonserver_starts(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = CliRunner().invoke(main, ["triton", "serve", str(tmp_path), "--metrics-port", str(port)])
+        # the other two ports free too, not Triton's defaults, which a server on this machine may hold
+        r = CliRunner().invoke(main, ["triton", "serve", str(tmp_path), "--http-port", str(free_port()),
+                                      "--grpc-port", str(free_port()), "--metrics-port", str(port)])
     assert r.exit_code == 1 and f"--metrics-port {port}: 127.0.0.1:{port} is not free" in r.output, r.output
 
 
