@@ -274,10 +274,12 @@ class TritonServer:
 
     def command(self, backends: Path) -> list[str]:
         http, grpc, metrics = self.ports
+        # The exit timeout, under wait_forwarding_signals' 15 s grace: the model's unload alone took 3 s with another
+        # job on the cores, and the trtllm model finishes its requests within it.
         return [str(_pytriton_root() / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                 f"--backend-directory={backends}", f"--http-address={self.host}", f"--http-port={http}",
                 f"--grpc-address={self.host}", f"--grpc-port={grpc}", f"--metrics-address={self.host}",
-                f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--exit-timeout-secs=5",
+                f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--exit-timeout-secs=10",
                 "--log-verbose=0"]
 
     def check_repository(self) -> None:
