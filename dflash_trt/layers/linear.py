@@ -104,6 +104,14 @@ def kernel_layout(model: nn.Module) -> str | None:
     return max(sizes, key=sizes.get)  # the first of a tie, in the order above
 
 
+def row_invariant_rows(model: nn.Module) -> int | None:
+    """The most rows a forward of `model` may carry for each to come out as it would in a one-row forward: the bf16
+    kernel's reach (PackedLinear.kernel_max_rows) where it serves the linears, past which oneDNN's blocked products
+    round apart; None where it serves none (no row count keeps oneDNN's or a GPU's products alike)."""
+    reach = [m.kernel_max_rows for m in model.modules() if isinstance(m, PackedLinear) and m.kernel_weight is not None]
+    return min(reach, default=None)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable nn.Linear in `model` by a PackedLinear; returns how many were packed."""
     count = 0

@@ -328,6 +328,43 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
 
 @pytest.mark.skipif(not _batch_invariant_bf16(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.parametrize("tree", [0, 6], ids=["chains", "trees"])
+def test_bf16_steps_verify_no_more_rows_than_the_kernel_computes_alike(tiny_dirs, monkeypatch, caplog, tree):
+    """Past the kernel's rows (32 with AVX-512 BF16's dot products, 128 with AMX tiles) a linear runs on oneDNN,
+    whose blocked products round apart from a one-token step's: on SmolLM2 8 requests at K=4 (40 rows a step), half
+    of them sampled with seeds, gave 7 of 16 answers that parted from each one's alone, decoded plainly. Steps draft
+    less instead, here with the kernel's reach set to 16 rows: K=3 for four requests, K=7 for two."""
+    from dflash_trt.layers import linear
+
+    for layout in linear.KERNEL_MAX_ROWS:
+        monkeypatch.setitem(linear.KERNEL_MAX_ROWS, layout, 16)
+    prompts = _prompts(4)
+    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
+              for i in range(4)]  # a sampled row takes the whole batch through the full head's logits
+    plain_engine = _engine(tiny_dirs, "qwen3", 7, dtype="bfloat16", speculative=False)
+    plain = [plain_engine.generate([p], q)[0] for p, q in zip(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="dflash_trt"):
+        engine = _engine(tiny_dirs, "qwen3", 7, dtype="bfloat16", draft_tree={4: tree} if tree else {})
+    if engine.exact_rows != 16:
+        pytest.skip("this CPU's kernel serves every row count (oneDNN packs no bf16 weight here)")
+    assert "a step verifies at most 16 rows" in caplog.text and "at 3, 4 requests it drafts fewer" in caplog.text
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    if tree:
+        force_tree_drafts(engine, truth)
+    else:
+        force_drafts(engine, truth, error_rate=0.15)
+    rows = []
+    for name, width in (("spec_step", lambda k: k + 1), ("tree_step", lambda k, nodes: nodes + 1)):
+        step = getattr(engine.runner, name)
+        monkeypatch.setattr(engine.runner, name, lambda seqs, *a, step=step, width=width:
+                            rows.append(len(seqs) * width(*a)) or step(seqs, *a))
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert rows and max(rows) <= 16 and all(o.tau > 1.5 for o in outs)
+
+
+@pytest.mark.skipif(not _batch_invariant_bf16(),
+                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 5, 0, 1), (4, 7, 0, 4), (7, 6, 7, 2)])
 def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, lookup, batch):
     """Through the kernels' tree attention (each node's softmax over its ancestors' keys as a chain would sum it),
