@@ -522,6 +522,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 metrics.errors.labels(str(e.status)).inc()
                 err = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, code=e.code))
                 yield f"data: {json.dumps(err.model_dump())}\n\n"
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: a 499, as unstreamed
+                metrics.errors.labels("499").inc()
+                raise
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

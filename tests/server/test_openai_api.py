@@ -244,6 +244,8 @@ def test_a_server_that_drafts_trees_answers_like_generate(tiny_dirs, oracle):
 
 
 def test_a_burst_of_disconnects_leaves_no_row_in_use(server):
+    disconnects = 'dflash_request_errors_total{status="499"}'
+    before = scrape(server).get(disconnects, 0)
     client = server.client()
     streams = []
     for p in PROMPTS[:12]:  # 8 rows: 8 run, 4 wait
@@ -255,6 +257,10 @@ def test_a_burst_of_disconnects_leaves_no_row_in_use(server):
     for s in streams:
         s.close()
     assert server.wait_idle(15), "rows still in use after every client disconnected"
+    deadline = time.monotonic() + 5
+    while scrape(server).get(disconnects, 0) < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(server).get(disconnects, 0) == before + 12  # each counted as an unstreamed request's is
     # and it keeps serving
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0).choices[0].text is not None
 
