@@ -208,8 +208,10 @@ class Scheduler:
         with self._lock:
             if not self._has_room(len(seqs)):
                 more = f"; {len(seqs)} more do not fit" if len(seqs) > 1 else ""
-                raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queue_len="
-                                     f"{self.config.max_queue_len}){more}; retry later")
+                # the waiting requests include those admitted for the rows that are free (not yet scheduled)
+                raise QueueFullError(f"{len(self.waiting)} requests are waiting, for {self.slots.num_free} free "
+                                     f"rows and {self.config.max_queue_len} queue places (max_queue_len){more}; "
+                                     "retry later")
             self.waiting.extend(seqs)
 
     def abort(self, request_id: int, reason: str = "abort") -> bool:

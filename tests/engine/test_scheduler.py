@@ -346,7 +346,10 @@ def test_queue_is_bounded_beyond_the_free_rows():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, max_queue_len=3))
     for _ in range(5):  # 2 free rows + 3 queue places
         sched.add(_seq(4))
-    with pytest.raises(QueueFullError, match="max_queue_len=3"):
+    # the message counts the requests admitted for free rows apart (it read "5 requests are waiting
+    # (max_queue_len=3)")
+    with pytest.raises(QueueFullError, match=r"5 requests are waiting, for 2 free rows and 3 queue places "
+                                             r"\(max_queue_len\); retry later"):
         sched.add(_seq(4))
     _run(sched, sched.schedule())  # 2 start running: the queue now holds 3 of 3 places
     assert sched.num_waiting == 3 and not sched.can_add()
