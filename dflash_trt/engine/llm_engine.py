@@ -530,7 +530,7 @@ class LLMEngine:
         """K and tree nodes for a step of `batch` requests, cut where its verify forward (each request's anchor and
         drafts) would pass exact_rows: past the bf16 kernel's reach oneDNN's products round apart from a one-token
         step's (SmolLM2, 8 requests at K=4, 40 rows, half sampled with seeds: 7 of 16 answers parted from each one's
-        alone, decoded plainly; none with the cut, which also ran 15% faster)."""
+        alone, decoded plainly; none with the cut; benchmarks/batch_exactness.py)."""
         if self.exact_rows is None or k == 0:
             return k, nodes
         room = self.exact_rows // batch - 1  # drafts a request can verify
