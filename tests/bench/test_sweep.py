@@ -415,6 +415,25 @@ def test_tok_s_per_user_is_one_over_the_median_tpot(stub):
     assert lo <= pt["user_throughput_tok_s"] <= sum(chunks / t for t in e2e) / 3
 
 
+def test_tail_latencies_are_the_percentiles_of_the_requests(stub):
+    """Three users at 10, 40 and 160 ms a token: p90 and p99 interpolate between the two slowest as numpy's default
+    (linear) does (a p90 and p99 that reported the median passed every test where all requests took alike)."""
+    gaps = {"fast": 0.01, "mid": 0.04, "slow": 0.16}
+    stub.reset(gaps=gaps)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=3), prompts(*gaps))["points"]
+    slack, chunks = 0.020, 6  # as above: a loaded machine's scheduling
+
+    def tail(lo: float, hi: float, q: float) -> float:  # the q-th percentile of [low, lo, hi], q >= 50
+        return lo + (hi - lo) * (q - 50) / 50
+
+    for q in (50, 90, 99):
+        assert tail(0.04, 0.16, q) <= pt["tpot_s"][f"p{q}"] <= tail(0.04, 0.16, q) + slack, q
+        e2e = tail(FIRST_DELAY + (chunks - 1) * 0.04, FIRST_DELAY + (chunks - 1) * 0.16, q)
+        assert e2e <= pt["e2el_s"][f"p{q}"] <= e2e + 2 * slack, q
+    # inter-token gaps: five of each user's, so p90 and p99 are the slow user's
+    assert 0.16 <= pt["itl_s"]["p90"] <= pt["itl_s"]["p99"] <= 0.16 + slack and pt["itl_s"]["p50"] < 0.04 + slack
+
+
 def test_duration_lasts_until_a_failed_request_ends(stub):
     """vLLM's benchmark_duration runs to the end of the last request, failed or not: a request that held its slot
     for SLOW seconds and then died still took that time from the point's throughput."""
