@@ -10,6 +10,7 @@ with all its latencies, not an average of percentiles. `compare` pairs two merge
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -21,11 +22,25 @@ def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
     if not isinstance(points, list) or not points:
         raise ValueError(f"{where}: no 'points' (not a bench sweep result)")
     out = {}
-    for p in points:
-        if not isinstance(p, dict) or not isinstance(p.get(METRIC), (int, float)) or "concurrency" not in p:
-            raise ValueError(f"{where}: a point lacks 'concurrency' or '{METRIC}'")
-        out[int(p["concurrency"])] = p
+    for i, p in enumerate(points):
+        if not isinstance(p, dict) or "concurrency" not in p or METRIC not in p:
+            raise ValueError(f"{where}: points[{i}] lacks 'concurrency' or '{METRIC}'")
+        c = p["concurrency"]
+        if not _is_number(c) or c != int(c) or c < 1:
+            raise ValueError(f"{where}: points[{i}].concurrency is {c!r}, not a positive whole number")
+        rounds = p.get("rounds_output_tok_s")
+        for key, value in ((METRIC, p[METRIC]), *((f"rounds_output_tok_s[{j}]", v) for j, v in
+                                                 enumerate(rounds if isinstance(rounds, list) else []))):
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: points[{i}].{key} is {value!r}, not a rate (a number >= 0)")
+        if int(c) in out:
+            raise ValueError(f"{where}: two points at concurrency {int(c)} (points[{i}] and an earlier one)")
+        out[int(c)] = p
     return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> dict:
@@ -112,8 +127,11 @@ def compare_runs(run: dict, base: dict, names: tuple[str, str] = ("run", "base")
     rows = []
     for c in sorted(mine.keys() & theirs.keys()):
         a, b = mine[c], theirs[c]
-        if not b[METRIC] or 0 in (b.get("rounds_output_tok_s") or []):
+        if not b[METRIC]:
             raise ValueError(f"{names[1]}: {METRIC} 0 at concurrency {c} (every request failed?): no ratio to take")
+        if 0 in (b.get("rounds_output_tok_s") or []):
+            raise ValueError(f"{names[1]}: rounds_output_tok_s[{b['rounds_output_tok_s'].index(0)}] is 0 at "
+                             f"concurrency {c} (every request of that round failed?): no paired ratio to take")
         row = {"concurrency": c, METRIC: a[METRIC], f"base_{METRIC}": b[METRIC], "ratio": a[METRIC] / b[METRIC]}
         ra, rb = a.get("rounds_output_tok_s"), b.get("rounds_output_tok_s")
         if ra and rb and len(ra) == len(rb):

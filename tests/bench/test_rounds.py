@@ -165,6 +165,31 @@ def test_compare_tells_runs_of_one_label_apart_by_their_files_and_refuses_a_zero
     assert res.exit_code == 1 and "output_tok_s 0 at concurrency 1" in res.output and "Traceback" not in res.output
 
 
+def test_a_zero_round_in_the_base_is_named_as_the_round(tmp_path):
+    """The merged figure was 102.3; the message blamed it, not the round."""
+    base = sweep_run("b", {1: 102.3})
+    base["points"][0]["rounds_output_tok_s"] = [101.0, 102.3, 0.0]
+    with pytest.raises(ValueError, match=r"b\.json: rounds_output_tok_s\[2\] is 0 at concurrency 1 \(every request "
+                                         r"of that round failed\?\)"):
+        compare_runs(sweep_run("a", {1: 90.0}), base, ("a.json", "b.json"))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("output_tok_s", True, r"points\[1\]\.output_tok_s is True, not a rate"),  # read as 1.0: "128.85x"
+    ("output_tok_s", float("nan"), r"points\[1\]\.output_tok_s is nan, not a rate"),  # "nanx", and NaN in --json
+    ("output_tok_s", -5.0, r"points\[1\]\.output_tok_s is -5\.0, not a rate"),  # "-25.77x"
+    ("output_tok_s", None, r"points\[1\]\.output_tok_s is None, not a rate"),
+    ("rounds_output_tok_s", [1.0, "x"], r"points\[1\]\.rounds_output_tok_s\[1\] is 'x', not a rate"),
+    ("concurrency", 1, r"two points at concurrency 1 \(points\[1\]"),  # the last one was silently kept
+    ("concurrency", 2.5, r"points\[1\]\.concurrency is 2\.5, not a positive whole number"),
+])
+def test_compare_names_the_point_and_field_a_hand_edited_run_gets_wrong(tmp_path, field, value, words):
+    run = sweep_run("a", {1: 10.0, 4: 20.0})
+    run["points"][1][field] = value
+    with pytest.raises(ValueError, match=r"a\.json: " + words):
+        compare_runs(run, sweep_run("b", {1: 5.0, 4: 10.0}), ("a.json", "b.json"))
+
+
 def test_merge_refuses_a_csv_output_that_would_overwrite_its_own_json(tmp_path):
     (tmp_path / "r1.json").write_text(json.dumps(sweep_run("ar", {1: 1.0})))
     res = CliRunner().invoke(main, ["bench", "merge", str(tmp_path / "r1.json"), "-o", str(tmp_path / "run.csv")])
