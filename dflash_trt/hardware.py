@@ -174,12 +174,20 @@ class CpuFit:
 # - No AMX (2026-12-04 22:37 UTC, an AMD EPYC with AVX2 and FMA: the kernel's AVX2 panels, the head's int8 screen
 #   on VPMADDWD, bf16 drafter tables; mean |error| 2.4%, max 5.4%): 3.5 ms a step, ~166 GFLOP/s, 1.0 ms a draft. Past
 #   one row K=3 costs 2.3x a plain step at 2 rows and 3.2x at 4 (19.1 / 31.2 ms against 8.3 / 9.8).
+# - AVX-512 BF16 without AMX (2026-12-06 17:42 UTC, an AMD EPYC: the kernel's VDPBF16PS dot products; mean |error|
+#   3.0%, max 8.2%): 5.4 ms a step, ~305 GFLOP/s, 2.1 ms a draft. K=3 costs 1.6x a plain step at 2 rows and 2.3x at 4
+#   (14.9 / 22.8 ms against 9.6 / 10.1); it had taken the AVX2 fit.
+#   A repeat on the same quiet machine fitted 52 GB/s, 327 GFLOP/s, 4.0 ms and 1.2 ms (4.4% mean error): bandwidth
+#   and fixed cost trade against each other, as above.
 CPU_FITS = {
     "amx": CpuFit(3.16e11, 6.31e11, 9.68e-3, 4.5e-4, "fitted on an Intel Xeon with AMX: "
                   "benchmarks/results/perf_model_cpu.json (calibrate_perf_model.py, 2026-12-02, 4.0% mean error)"),
-    "no_amx": CpuFit(5.75e10, 1.66e11, 3.46e-3, 1.00e-3, "fitted on an AMD EPYC with AVX2 (no AMX): "
-                     "benchmarks/results/perf_model_cpu_avx2.json (calibrate_perf_model.py, 2026-12-04, 2.4% mean "
-                     "error)"),
+    "avx512_bf16": CpuFit(6.76e10, 3.05e11, 5.44e-3, 2.08e-3, "fitted on an AMD EPYC with AVX-512 BF16 (no AMX): "
+                          "benchmarks/results/perf_model_cpu_avx512bf16.json (calibrate_perf_model.py, 2026-12-06, "
+                          "3.0% mean error)"),
+    "avx2": CpuFit(5.75e10, 1.66e11, 3.46e-3, 1.00e-3, "fitted on an AMD EPYC with AVX2 (no AMX): "
+                   "benchmarks/results/perf_model_cpu_avx2.json (calibrate_perf_model.py, 2026-12-04, 2.4% mean "
+                   "error)"),
 }
 
 
@@ -190,8 +198,11 @@ def has_amx_tiles() -> bool:
 
 
 def cpu_fit() -> CpuFit:
-    """The fitted figures for this CPU: AMX tiles or not (the kernels' verify rows cost differs most)."""
-    return CPU_FITS["amx" if has_amx_tiles() else "no_amx"]
+    """The fitted figures for this CPU, by the instructions its bf16 kernel multiplies with (a verify step's rows
+    cost the least with AMX tiles, the most with AVX2's FMAs)."""
+    if has_amx_tiles():
+        return CPU_FITS["amx"]
+    return CPU_FITS["avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx2"]
 
 
 def profile(name: str) -> HardwareProfile:
