@@ -7,14 +7,17 @@ what the model leaves out: HTTP/SSE and detokenization, prefill of arriving requ
 point where fewer than c streams are still running. Usage:
 
     .venv/bin/python benchmarks/perf_model_vs_sweep.py benchmarks/results/peers/ours-ar.json \
-        benchmarks/results/peers/ours-dflash.json:3 [--context 100]
+        benchmarks/results/peers/ours-dflash.json:3 [--context 100] [--fit amx|avx512_bf16|avx2] [--name NAME]
 (RUN.json:K marks a DFlash run at a fixed K; without :K the run is autoregressive. A run whose server changes K
-with the batch size (a draft-length schedule) is not comparable point by point and is not accepted.)
+with the batch size (a draft-length schedule, as peers.sh's ours-engine) is not comparable point by point: the
+sweep does not record the K of each step, so pass fixed-K runs only. --fit: the CPU profile fit of the machine the
+sweep ran on (default: this machine's kind, hardware.cpu_fit). The record goes to benchmarks/results/NAME.json.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,7 +28,7 @@ from common import record  # noqa: E402
 from dflash_trt.bench.plot import load_runs  # noqa: E402
 from dflash_trt.config import build_config_from_dict  # noqa: E402
 from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
-from dflash_trt.hardware import profile  # noqa: E402
+from dflash_trt.hardware import CPU_FITS, profile  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict, read_config_json  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig  # noqa: E402
 from dflash_trt.perf_model import PerfModel, predict_pareto  # noqa: E402
@@ -36,14 +39,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+", help="sweep JSON, optionally :K for a DFlash run")
     ap.add_argument("--context", type=int, default=100, help="mean context length of a decode step (prompt + half the output)")
+    ap.add_argument("--fit", choices=sorted(CPU_FITS), help="the CPU fit of the sweep's machine (default: this one's)")
+    ap.add_argument("--name", default="perf_model_vs_sweep_cpu", help="the record's name under benchmarks/results/")
     args = ap.parse_args()
+    hw = profile("cpu")
+    if args.fit:
+        fit = CPU_FITS[args.fit]
+        hw = dataclasses.replace(hw, mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
+                                 step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
+                                 draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)
     target = decoder_config_from_dict(read_config_json(smollm2_dir()))
     drafter = DFlashConfig.from_dict(json.loads((SMOLLM2_DRAFTER / "config.json").read_text()))
     cfg = build_config_from_dict({"name": "cpu", "model": "embedded:smollm2-135m-instruct", "hardware": "cpu",
                                   "dtype": "bfloat16", "max_batch_size": 16, "max_seq_len": 1024,
                                   "speculative_config": {"speculative_model": str(SMOLLM2_DRAFTER)}})
     vocab = load_draft_vocab(SMOLLM2_DRAFTER, target.vocab_size)  # what the served runtime drafts among
-    model = PerfModel(target, drafter, cfg, profile("cpu"), context_len=args.context,
+    model = PerfModel(target, drafter, cfg, hw, context_len=args.context,
                       draft_vocab_size=None if vocab is None else vocab.numel())
     rows, errors = [], []
     for spec in args.runs:
@@ -69,9 +80,9 @@ def main() -> None:
                   f"{row['measured_tok_s_gpu']:6.1f} measured {row['predicted_tok_s_gpu']:6.1f} predicted ({row['error_gpu']:+.0%})")
     mean = sum(errors) / len(errors)
     print(f"mean |error| {mean:.1%}")
-    path = record("perf_model_vs_sweep_cpu", {"command": "benchmarks/perf_model_vs_sweep.py " + " ".join(sys.argv[1:]),
-                                              "profile": profile("cpu").perf_source, "context_len": args.context,
-                                              "points": rows, "mean_abs_relative_error": mean})
+    path = record(args.name, {"command": "benchmarks/perf_model_vs_sweep.py " + " ".join(sys.argv[1:]),
+                              "profile": hw.perf_source, "context_len": args.context,
+                              "points": rows, "mean_abs_relative_error": mean})
     print(f"recorded {path}")
 
 
