@@ -488,10 +488,13 @@ class LLMEngine:
                     seq.append([t], self.max_model_len)
                     result.updated.append(seq)
         if batch.decodes:
-            active, k = batch.decodes, batch.num_draft
+            active = batch.decodes
+            # cut first: adaptive measures and chooses between the K that runs and plain steps
+            k, nodes = self._within_exact_rows(len(active), batch.num_draft,
+                                               self._tree_nodes(active) if batch.num_draft > 0 else 0)
             if self.adaptive is not None:
                 k = self.adaptive.choose(len(active), k)
-            k, nodes = self._within_exact_rows(len(active), k, self._tree_nodes(active) if k > 0 else 0)
+                nodes = nodes if k > 0 else 0
             result.num_draft = k
             before = (active[0].stats.draft_time, active[0].stats.verify_time)
             # more pending features than a steady step's (read before the step takes them in)
@@ -531,7 +534,7 @@ class LLMEngine:
         drafts) would pass exact_rows: past the bf16 kernel's reach oneDNN's products round apart from a one-token
         step's (SmolLM2, 8 requests at K=4, 40 rows, half sampled with seeds: 7 of 16 answers parted from each one's
         alone, decoded plainly; none with the cut; benchmarks/batch_exactness.py)."""
-        if self.exact_rows is None or k == 0:
+        if self.exact_rows is None or k == 0 or batch > self.exact_rows:  # past it plain steps round apart too
             return k, nodes
         room = self.exact_rows // batch - 1  # drafts a request can verify
         if room < 1:
@@ -539,11 +542,15 @@ class LLMEngine:
         return (k, min(nodes, room)) if nodes else (min(k, room), 0)
 
     def _note_cut_steps(self, max_batch: int) -> None:
-        """Say at which batch sizes _within_exact_rows drafts less than the tables ask for."""
+        """Say at which batch sizes _within_exact_rows drafts less than the tables ask for (in a tree, or in the
+        chain a batch drafts where a row samples by the "rejection" rule)."""
+        if self.exact_rows is None:
+            return
         cut = []
         for b in range(1, max_batch + 1):
-            asked = (self.scheduler.config.draft_len_for(b), expand(self.draft_tree, b) if self.draft_tree else 0)
-            if asked[0] and self._within_exact_rows(b, *asked) != asked:
+            k = self.scheduler.config.draft_len_for(b)
+            tree = (k, expand(self.draft_tree, b) if self.draft_tree else 0)
+            if k and (self._within_exact_rows(b, k, 0) != (k, 0) or self._within_exact_rows(b, *tree) != tree):
                 cut.append(b)
         if cut:
             sizes = ", ".join(map(str, cut)) if len(cut) <= 4 else f"{cut[0]}-{cut[-1]} (some)"

@@ -107,9 +107,12 @@ def kernel_layout(model: nn.Module) -> str | None:
 def row_invariant_rows(model: nn.Module) -> int | None:
     """The most rows a forward of `model` may carry for each to come out as it would in a one-row forward: the bf16
     kernel's reach (PackedLinear.kernel_max_rows) where it serves the linears, past which oneDNN's blocked products
-    round apart; None where it serves none (no row count keeps oneDNN's or a GPU's products alike)."""
-    reach = [m.kernel_max_rows for m in model.modules() if isinstance(m, PackedLinear) and m.kernel_weight is not None]
-    return min(reach, default=None)
+    round apart; None unless it serves every one (no row count keeps oneDNN's or a GPU's products alike: gpt-oss's
+    experts always take oneDNN)."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not linears or any(m.kernel_weight is None for m in linears):
+        return None
+    return min(m.kernel_max_rows for m in linears)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -369,6 +369,35 @@ def test_bf16_steps_verify_no_more_rows_than_the_kernel_computes_alike(tiny_dirs
     assert rows and max(rows) <= 16 and all(o.tau > 1.5 for o in outs)
 
 
+@pytest.mark.parametrize("batch, asked, cut", [
+    (2, (7, 0), (7, 0)), (4, (7, 0), (3, 0)), (4, (7, 6), (7, 3)),  # a tree keeps its depth, with fewer nodes
+    (9, (7, 6), (0, 0)),  # no room for a draft beside nine anchors
+    (17, (7, 0), (7, 0)),  # past the kernel's rows a plain step rounds apart too: a cut would buy nothing
+])
+def test_a_steps_drafts_are_cut_to_the_rows_the_kernel_computes_alike(tiny_dirs, batch, asked, cut):
+    engine = _engine(tiny_dirs, "qwen3", 7)
+    engine.exact_rows = 16
+    assert engine._within_exact_rows(batch, *asked) == cut
+
+
+def test_adaptive_steps_weigh_the_k_the_cut_leaves(tiny_dirs, monkeypatch):
+    """Adaptive mode was asked about the scheduled K=7 and shown the cut K=3's steps: it kept measuring K=7, which
+    never ran, and never turned to plain steps where they were faster."""
+    engine = _engine(tiny_dirs, "qwen3", 7, adaptive_draft_len=True)
+    engine.exact_rows = 16
+    chosen, seen = [], []  # a step each: the K adaptive mode chose, and the K whose step it was shown
+    choose, observe = engine.adaptive.choose, engine.adaptive.observe
+
+    def recorded_choice(b, k):
+        chosen.append(choose(b, k))
+        return chosen[-1]
+
+    monkeypatch.setattr(engine.adaptive, "choose", recorded_choice)
+    monkeypatch.setattr(engine.adaptive, "observe", lambda b, k, *a, **kw: seen.append(k) or observe(b, k, *a, **kw))
+    engine.generate(_prompts(4), SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert 3 in seen and seen == chosen
+
+
 @pytest.mark.skipif(not _batch_invariant_bf16(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 5, 0, 1), (4, 7, 0, 4), (7, 6, 7, 2)])

@@ -473,3 +473,21 @@ def test_without_onednn_bf16_a_packed_linear_takes_the_kernel_at_any_size_and_to
     assert not linear.can_pack(w, with_kernel=False)
     with pytest.raises(ValueError, match="no packed or kernel path serves a torch.bfloat16 weight of shape"):
         linear.PackedLinear(w, b, with_kernel=False)
+
+
+@needs_linear
+def test_a_model_computes_rows_alike_up_to_the_kernels_reach_only_where_the_kernel_serves_every_linear():
+    """gpt-oss's experts always take oneDNN (PackedLinear(with_kernel=False)), whose products round with their rows
+    at any count: no reach applies, and no step is cut for it."""
+    from torch import nn
+
+    from dflash_trt.layers import linear
+
+    if not linear.onednn_packs(torch.zeros(64, 96, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN packs no bf16 weight here")
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(64, 96, generator=g) * 0.1).bfloat16()
+    served = nn.Sequential(linear.PackedLinear(w), linear.PackedLinear(w))
+    assert linear.row_invariant_rows(served) == served[0].kernel_max_rows < 1000
+    assert linear.row_invariant_rows(nn.Sequential(served, linear.PackedLinear(w, with_kernel=False))) is None
+    assert linear.row_invariant_rows(nn.Linear(4, 4)) is None
