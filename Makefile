@@ -39,11 +39,11 @@ DEMO_PROMPT := Write a short poem about the sea.
 ENGINE_WRITERS := $(wildcard dflash_trt/build.py dflash_trt/build_cli.py dflash_trt/config.py dflash_trt/plan.py \
 	dflash_trt/perf_model.py dflash_trt/validate.py dflash_trt/model_source.py dflash_trt/embedded.py \
 	dflash_trt/convert.py dflash_trt/engine_dir.py dflash_trt/dir_swap.py dflash_trt/draft_schedule.py \
-	dflash_trt/hardware.py dflash_trt/signals.py dflash_trt/models/config.py dflash_trt/models/dflash.py \
-	dflash_trt/models/registry.py dflash_trt/models/tokenizer.py dflash_trt/models/weights.py \
-	dflash_trt/spec/acceptance_model.py dflash_trt/spec/draft_vocab.py dflash_trt/model_configs/*.json \
-	dflash_trt/trtllm/*.py)
-DRAFTER_FILES := $(wildcard $(DRAFTER)/config.json $(DRAFTER)/draft_vocab.json $(DRAFTER)/*.safetensors)
+	dflash_trt/hardware.py dflash_trt/signals.py dflash_trt/models/*.py dflash_trt/layers/rotary.py \
+	dflash_trt/spec/acceptance_model.py dflash_trt/spec/draft_tree.py dflash_trt/spec/draft_vocab.py \
+	dflash_trt/model_configs/*.json dflash_trt/trtllm/*.py)
+DRAFTER_FILES := $(wildcard $(DRAFTER)/config.json $(DRAFTER)/draft_vocab.json $(DRAFTER)/*.safetensors \
+	$(DRAFTER)/*.safetensors.index.json)
 
 $(DEFAULT_ENGINE)/manifest.json: $(DEFAULT_CONFIG) $(DRAFTER_FILES) $(ENGINE_WRITERS) Makefile | setup
 	$(VENV)/bin/dflash-trt build $(DEFAULT_CONFIG) -o $(DEFAULT_ENGINE) --force

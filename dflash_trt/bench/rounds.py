@@ -26,7 +26,7 @@ def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
         if not isinstance(p, dict) or "concurrency" not in p or METRIC not in p:
             raise ValueError(f"{where}: points[{i}] lacks 'concurrency' or '{METRIC}'")
         c = p["concurrency"]
-        if not _is_number(c) or c != int(c) or c < 1:
+        if not _is_number(c) or not math.isfinite(c) or c != int(c) or c < 1:
             raise ValueError(f"{where}: points[{i}].concurrency is {c!r}, not a positive whole number")
         rounds = p.get("rounds_output_tok_s")
         for key, value in ((METRIC, p[METRIC]), *((f"rounds_output_tok_s[{j}]", v) for j, v in

@@ -182,6 +182,7 @@ def test_a_zero_round_in_the_base_is_named_as_the_round(tmp_path):
     ("rounds_output_tok_s", [1.0, "x"], r"points\[1\]\.rounds_output_tok_s\[1\] is 'x', not a rate"),
     ("concurrency", 1, r"two points at concurrency 1 \(points\[1\]"),  # the last one was silently kept
     ("concurrency", 2.5, r"points\[1\]\.concurrency is 2\.5, not a positive whole number"),
+    ("concurrency", float("inf"), r"points\[1\]\.concurrency is inf, not a positive whole number"),  # JSON's Infinity
 ])
 def test_compare_names_the_point_and_field_a_hand_edited_run_gets_wrong(tmp_path, field, value, words):
     run = sweep_run("a", {1: 10.0, 4: 20.0})

@@ -430,8 +430,9 @@ def test_tail_latencies_are_the_percentiles_of_the_requests(stub):
         assert tail(0.04, 0.16, q) <= pt["tpot_s"][f"p{q}"] <= tail(0.04, 0.16, q) + slack, q
         e2e = tail(FIRST_DELAY + (chunks - 1) * 0.04, FIRST_DELAY + (chunks - 1) * 0.16, q)
         assert e2e <= pt["e2el_s"][f"p{q}"] <= e2e + 2 * slack, q
-    # inter-token gaps: five of each user's, so p90 and p99 are the slow user's
-    assert 0.16 <= pt["itl_s"]["p90"] <= pt["itl_s"]["p99"] <= 0.16 + slack and pt["itl_s"]["p50"] < 0.04 + slack
+    # inter-token gaps: five of each user's, so p90 and p99 are the slow user's (a late chunk shortens the next gap)
+    assert 0.16 - slack <= pt["itl_s"]["p90"] <= pt["itl_s"]["p99"] <= 0.16 + 2 * slack
+    assert pt["itl_s"]["p50"] < 0.04 + slack
 
 
 def test_duration_lasts_until_a_failed_request_ends(stub):
