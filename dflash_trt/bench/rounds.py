@@ -19,8 +19,12 @@ METRIC = "output_tok_s"
 
 def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
     points = run.get("points")
-    if not isinstance(points, list) or not points:
+    if not isinstance(points, list):
         raise ValueError(f"{where}: no 'points' (not a bench sweep result)")
+    if not points:  # a sweep stopped before its first point, as `bench plot` says of it
+        stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}
+        why = f" (the sweep stopped: {stopped['error']})" if stopped.get("error") else ""
+        raise ValueError(f"{where}: has no points{why}")
     out = {}
     for i, p in enumerate(points):
         if not isinstance(p, dict) or "concurrency" not in p or METRIC not in p:

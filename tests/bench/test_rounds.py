@@ -165,6 +165,15 @@ def test_compare_tells_runs_of_one_label_apart_by_their_files_and_refuses_a_zero
     assert res.exit_code == 1 and "output_tok_s 0 at concurrency 1" in res.output and "Traceback" not in res.output
 
 
+def test_a_sweep_stopped_before_its_first_point_is_named_so(tmp_path):
+    """It was called "not a bench sweep result", as `bench plot` does not."""
+    stopped = sweep_run("s", {}) | {"stopped": {"error": "ConnectError: refused"}}
+    with pytest.raises(ValueError, match=r"s\.json: has no points \(the sweep stopped: ConnectError: refused\)"):
+        compare_runs(stopped, sweep_run("b", {1: 1.0}), ("s.json", "b.json"))
+    with pytest.raises(ValueError, match=r"s\.json: no 'points' \(not a bench sweep result\)"):
+        compare_runs({"label": "s"}, sweep_run("b", {1: 1.0}), ("s.json", "b.json"))
+
+
 def test_a_zero_round_in_the_base_is_named_as_the_round(tmp_path):
     """The merged figure was 102.3; the message blamed it, not the round."""
     base = sweep_run("b", {1: 102.3})
