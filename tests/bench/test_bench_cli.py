@@ -264,7 +264,7 @@ def test_compare_names_the_concurrencies_only_one_run_measured_and_the_file_it_c
     assert warnings == [f"warning: {wide} measured concurrency 4, 8, which {narrow} did not: left out"], r.stderr
     (tmp_path / "empty.json").write_text(json.dumps({"label": "x", "points": []}))
     r = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "empty.json"), wide])
-    assert r.exit_code == 1 and f"{tmp_path / 'empty.json'}: no 'points'" in r.output, r.output
+    assert r.exit_code == 1 and f"{tmp_path / 'empty.json'}: has no points" in r.output, r.output
     r = CliRunner().invoke(main, ["bench", "compare", run(tmp_path / "far.json", "far", (16,)), wide])
     assert r.exit_code == 1 and f"{tmp_path / 'far.json'} and {wide} share no concurrency" in r.output, r.output
 
