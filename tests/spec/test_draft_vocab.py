@@ -39,7 +39,9 @@ def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path, content, messag
         load_draft_vocab(tmp_path, vocab_size=8)
 
 
-def _drafts(tiny_dirs, vocab, k=7):
+def _drafts(tiny_dirs, vocab, k=7, head_logits: list | None = None):
+    """The drafts of a fixed batch; `head_logits` collects the target head's logits over the whole vocabulary where
+    the proposer drafts among all of it."""
     target = load_target(tiny_dirs["qwen3"])
     drafter = load_drafter(tiny_dirs["qwen3_drafter"], target.config)
     g = torch.Generator().manual_seed(3)
@@ -47,15 +49,22 @@ def _drafts(tiny_dirs, vocab, k=7):
     rows = torch.arange(4)
     meta = AttentionMetadata.causal_step(rows, torch.arange(12).expand(4, 12))
     _, features = target(ids, meta, target.make_cache(4, 64), tuple(drafter.config.target_layer_ids))
-    proposer = DFlashProposer(drafter, target.embed_tokens.weight, target.lm_head_forward, 4, 64,
-                              target.lm_head_weight, vocab)
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = target.lm_head_forward(hidden)
+        if head_logits is not None:
+            head_logits.append(logits)
+        return logits
+
+    proposer = DFlashProposer(drafter, target.embed_tokens.weight, head, 4, 64, target.lm_head_weight, vocab)
     anchors = torch.randint(3, 90, (4,), generator=g)
     return proposer.propose(rows, features, meta, anchors, torch.full((4,), 12), k).draft_tokens
 
 
 def test_drafts_are_the_full_heads_argmax_restricted_to_the_vocabulary(tiny_dirs):
     vocab_size = load_target(tiny_dirs["qwen3"]).config.vocab_size
-    full = _drafts(tiny_dirs, None)
+    logits = []
+    full = _drafts(tiny_dirs, None, head_logits=logits)
+    (logits,) = logits  # [4, K, V]: one drafter forward drafts the whole block
     everything = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))
     assert torch.equal(_drafts(tiny_dirs, everything), full)  # any order of every token: the same drafts
     subset = torch.cat([full[0, :3].unique(), torch.arange(40, 70)]).unique()  # keeps some argmaxes, drops others
@@ -64,6 +73,8 @@ def test_drafts_are_the_full_heads_argmax_restricted_to_the_vocabulary(tiny_dirs
     assert inside.any() and not inside.all()
     assert torch.isin(restricted, subset).all()
     assert torch.equal(restricted[inside], full[inside])  # the argmax over the set is the set's best token
+    # and where the full argmax falls outside the set, the set's best token by the full head's logits
+    assert torch.equal(restricted, subset[logits[..., subset].argmax(-1)])
 
 
 def test_the_engine_takes_the_n_most_frequent_tokens_or_none(tiny_dirs):
