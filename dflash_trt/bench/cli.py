@@ -402,6 +402,7 @@ def plot(runs, output, title) -> None:
         mark_incomplete,
         plot_pareto,
         plottable,
+        stopped_why,
     )
 
     try:
@@ -409,9 +410,8 @@ def plot(runs, output, title) -> None:
         distinct_labels(loaded, runs)
         for run, name in zip(loaded, runs):
             if not run["points"]:
-                stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}  # as plot.incomplete
-                why = f" (the sweep stopped: {stopped['error']})" if stopped.get("error") else ""
-                click.echo(f"warning: {name} ({run['label']}) has no points{why}: left out of the plot", err=True)
+                click.echo(f"warning: {name} ({run['label']}) has no points{stopped_why(run)}: left out of the plot",
+                           err=True)
             elif not plottable(run):
                 click.echo(f"warning: {name} ({run['label']}) has no point with both axes (tok/s/user needs outputs "
                            "of 2 or more tokens): left out of the plot", err=True)

@@ -59,16 +59,14 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
             if isinstance(concurrency, bool) or not isinstance(concurrency, int):
                 raise ValueError(f"{path}: a point has concurrency={concurrency!r}, not a whole number")
             for key in (X_KEY, Y_KEY):  # None where a figure is undefined (a sweep writes that); else a number
-                if p[key] is not None and not (isinstance(p[key], (int, float)) and not isinstance(p[key], bool)
-                                               and math.isfinite(p[key])):
+                if p[key] is not None and not is_real(p[key]):
                     raise ValueError(f"{path}: the point at concurrency {p['concurrency']} has {key}={p[key]!r}, "
                                      "not a number")
             # Older sweeps recorded the mean of per-request 1 / TPOT, up to 30% above 1 / median TPOT where TPOT
             # varies (more with speculative decoding than without): every run, old or new, on one axis.
             tpot = p.get("tpot_s")
             p50 = tpot.get("p50") if isinstance(tpot, dict) else None
-            if p50 is not None and (isinstance(p50, bool) or not isinstance(p50, (int, float))
-                                    or not math.isfinite(p50)):
+            if p50 is not None and not is_real(p50):
                 raise ValueError(f"{path}: the point at concurrency {concurrency} has tpot_s.p50={p50!r}, not a "
                                  "number")
             if p50 is not None and p50 > 0:
@@ -85,6 +83,21 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict]:
     return runs
 
 
+def is_real(value: object) -> bool:
+    """A finite number, as a result file holds it (not a bool, which Python counts as one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _stopped(run: dict) -> dict:
+    return run.get("stopped") if isinstance(run.get("stopped"), dict) else {}
+
+
+def stopped_why(run: dict) -> str:
+    """" (the sweep stopped: ERROR)" where the sweep recorded the error it stopped at, else ""."""
+    error = _stopped(run).get("error")
+    return f" (the sweep stopped: {error})" if error else ""
+
+
 def plottable(run: dict) -> bool:
     """Whether a run has a point with both axes (a sweep of 1-token outputs has no TPOT, so no tok/s/user)."""
     return any(p.get(X_KEY) is not None and p.get(Y_KEY) is not None for p in run["points"])
@@ -95,7 +108,7 @@ def incomplete(run: dict) -> str | None:
     None for a whole one, or an older result that does not say."""
     if run.get("complete") is not False:
         return None
-    stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}
+    stopped = _stopped(run)
     if not stopped:  # written after each point: the sweep was killed, or is still running
         return "it did not finish: killed, or still running"
     where = f"stopped at concurrency {stopped['concurrency']}" if "concurrency" in stopped else "stopped in the warm-up"

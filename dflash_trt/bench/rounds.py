@@ -10,9 +10,10 @@ with all its latencies, not an average of percentiles. `compare` pairs two merge
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Sequence
+
+from dflash_trt.bench.plot import is_real, stopped_why
 
 METRIC = "output_tok_s"
 
@@ -22,29 +23,23 @@ def _points_by_concurrency(run: dict, where: str) -> dict[int, dict]:
     if not isinstance(points, list):
         raise ValueError(f"{where}: no 'points' (not a bench sweep result)")
     if not points:  # a sweep stopped before its first point, as `bench plot` says of it
-        stopped = run.get("stopped") if isinstance(run.get("stopped"), dict) else {}
-        why = f" (the sweep stopped: {stopped['error']})" if stopped.get("error") else ""
-        raise ValueError(f"{where}: has no points{why}")
+        raise ValueError(f"{where}: has no points{stopped_why(run)}")
     out = {}
     for i, p in enumerate(points):
         if not isinstance(p, dict) or "concurrency" not in p or METRIC not in p:
             raise ValueError(f"{where}: points[{i}] lacks 'concurrency' or '{METRIC}'")
         c = p["concurrency"]
-        if not _is_number(c) or not math.isfinite(c) or c != int(c) or c < 1:
+        if not is_real(c) or c != int(c) or c < 1:
             raise ValueError(f"{where}: points[{i}].concurrency is {c!r}, not a positive whole number")
         rounds = p.get("rounds_output_tok_s")
         for key, value in ((METRIC, p[METRIC]), *((f"rounds_output_tok_s[{j}]", v) for j, v in
                                                  enumerate(rounds if isinstance(rounds, list) else []))):
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_real(value) or value < 0:
                 raise ValueError(f"{where}: points[{i}].{key} is {value!r}, not a rate (a number >= 0)")
         if int(c) in out:
             raise ValueError(f"{where}: two points at concurrency {int(c)} (points[{i}] and an earlier one)")
         out[int(c)] = p
     return out
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> dict:
