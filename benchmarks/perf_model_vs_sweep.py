@@ -17,7 +17,6 @@ sweep ran on (default: this machine's kind, hardware.cpu_fit). The record goes t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from common import record  # noqa: E402
 from dflash_trt.bench.plot import load_runs  # noqa: E402
 from dflash_trt.config import build_config_from_dict  # noqa: E402
 from dflash_trt.embedded import SMOLLM2_DRAFTER, smollm2_dir  # noqa: E402
-from dflash_trt.hardware import CPU_FITS, profile  # noqa: E402
+from dflash_trt.hardware import CPU_FITS, cpu_fit, cpu_profile  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict, read_config_json  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig  # noqa: E402
 from dflash_trt.perf_model import PerfModel, predict_pareto  # noqa: E402
@@ -42,12 +41,7 @@ def main() -> None:
     ap.add_argument("--fit", choices=sorted(CPU_FITS), help="the CPU fit of the sweep's machine (default: this one's)")
     ap.add_argument("--name", default="perf_model_vs_sweep_cpu", help="the record's name under benchmarks/results/")
     args = ap.parse_args()
-    hw = profile("cpu")
-    if args.fit:
-        fit = CPU_FITS[args.fit]
-        hw = dataclasses.replace(hw, mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
-                                 step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
-                                 draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)
+    hw = cpu_profile(CPU_FITS[args.fit] if args.fit else cpu_fit())
     target = decoder_config_from_dict(read_config_json(smollm2_dir()))
     drafter = DFlashConfig.from_dict(json.loads((SMOLLM2_DRAFTER / "config.json").read_text()))
     cfg = build_config_from_dict({"name": "cpu", "model": "embedded:smollm2-135m-instruct", "hardware": "cpu",

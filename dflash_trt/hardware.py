@@ -218,12 +218,16 @@ def profile(name: str) -> HardwareProfile:
                                description="NVIDIA H200 (HGX H200: 8 per node)", mem_bandwidth_bytes_s=4.8e12,
                                dense_flops=989e12, interconnect_bytes_s=450e9, **gpu)
     if name == "cpu":
-        fit = cpu_fit()
-        return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
-                               mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
-                               step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
-                               draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)
+        return cpu_profile(cpu_fit())
     raise ValueError(f"hardware={name!r} is not a known profile; choose one of {PROFILE_NAMES}")
+
+
+def cpu_profile(fit: CpuFit) -> HardwareProfile:
+    """This machine's CPU and RAM, its steps priced by `fit` (cpu_fit(): the fit of this CPU's kind)."""
+    return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
+                           mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
+                           step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
+                           draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)
 
 
 PROFILE_NAMES = ("b300", "h200", "cpu")
