@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import click
@@ -540,9 +542,6 @@ def _check_output_folder(output: str) -> None:
     its nearest existing folder: os.access answers yes to root even in /proc). Nothing is left behind: the folder is
     made as the result is written. A link, character device or FIFO is written through in place
     (dir_swap.replace_file): it needs to be writable itself."""
-    import os
-    import tempfile
-
     from dflash_trt import dir_swap
 
     path = Path(output)
