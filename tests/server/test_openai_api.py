@@ -243,14 +243,19 @@ def test_a_server_that_drafts_trees_answers_like_generate(tiny_dirs, oracle):
         s.stop()
 
 
-def test_a_burst_of_disconnects_leaves_no_row_in_use(server, monkeypatch):
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """At most ~20 speculative steps a second: an answer of 200 tokens surely still runs when its client leaves."""
     real = server.engine.runner.spec_step
 
-    def slow(seqs, k):  # at most ~20 steps a second: no answer of 200 tokens ends before its client leaves
+    def slow(seqs, k):
         time.sleep(0.05)
         return real(seqs, k)
 
     monkeypatch.setattr(server.engine.runner, "spec_step", slow)
+
+
+def test_a_burst_of_disconnects_leaves_no_row_in_use(server, slow_steps):
     disconnects = 'dflash_request_errors_total{status="499"}'
     before = scrape(server).get(disconnects, 0)
     client = server.client()
@@ -272,14 +277,7 @@ def test_a_burst_of_disconnects_leaves_no_row_in_use(server, monkeypatch):
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0).choices[0].text is not None
 
 
-def test_non_streaming_disconnect_frees_its_row(server, monkeypatch):
-    real = server.engine.runner.spec_step
-
-    def slow(seqs, k):  # at most ~20 steps a second, so the request is surely still running at the timeout
-        time.sleep(0.05)
-        return real(seqs, k)
-
-    monkeypatch.setattr(server.engine.runner, "spec_step", slow)
+def test_non_streaming_disconnect_frees_its_row(server, slow_steps):
     aborted = 'dflash_requests_total{finish_reason="abort"}'
     before = scrape(server).get(aborted, 0)
     with pytest.raises(httpx.ReadTimeout):
