@@ -1,6 +1,7 @@
 """`bench speed`: per-category tau and speedup, with every DFlash output checked against the target's greedy output."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -165,8 +166,7 @@ def test_an_engine_is_measured_at_its_own_k_and_tree_unless_told_otherwise(tiny_
     cfg = write_config(tmp_path, tiny_dirs["qwen3"], None, speculative_config={
         "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2, "draft_tree": {1: 4}})
     engine = build_engine(cfg, tmp_path / "engine", progress=False)
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     args = ["bench", "speed", str(engine), "--dataset", str(data), "--max-tokens", "4", "--rounds", "1", "--json"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
@@ -200,13 +200,19 @@ def test_an_engine_is_measured_at_the_k_it_drafts_at_one_row_on_this_cpu(tiny_di
         "speculative_model": str(tiny_dirs["qwen3_drafter"]), "max_draft_len": 2, "draft_len_schedule": {1: 2},
         "draft_len_schedule_without_amx": {1: 1}})
     engine = build_engine(cfg, tmp_path / "engine", progress=False)
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     monkeypatch.setattr(llm_engine, "kernel_layout", lambda model: layout)  # AMX tiles, or a CPU without them
     r = CliRunner().invoke(main, ["bench", "speed", str(engine), "--dataset", str(data), "--max-tokens", "4",
                                   "--rounds", "1", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["draft_lens"] == [k]
+
+
+def one_prompt(folder: Path) -> Path:
+    """A prompt file of one short prompt, for the tests of what bench speed does around its measurements."""
+    data = folder / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    return data
 
 
 def speed_cli(tiny_dirs, data, *args):
@@ -220,8 +226,7 @@ def speed_cli(tiny_dirs, data, *args):
     (["--limit-per-category", "0"], "--limit-per-category"), (["--threads", "-1"], "--threads"),
 ])
 def test_out_of_range_numbers_are_usage_errors_that_name_the_option(tiny_dirs, tmp_path, args, option):
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     r = speed_cli(tiny_dirs, data, *args)
     assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output, r.output
 
@@ -237,8 +242,7 @@ def test_an_engine_cannot_be_combined_with_another_target_or_drafter(tiny_dirs, 
 
 
 def test_the_table_is_printed_and_the_result_written_into_new_folders(tiny_dirs, tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     out = tmp_path / "new" / "dir" / "speed.json"
     r = speed_cli(tiny_dirs, data, "--max-tokens", "4", "-k", "3", "--rounds", "1", "-o", str(out))
     assert r.exit_code == 0, r.output
@@ -246,8 +250,7 @@ def test_the_table_is_printed_and_the_result_written_into_new_folders(tiny_dirs,
 
 
 def test_an_output_that_cannot_be_a_file_is_refused_before_the_run(tiny_dirs, tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     (tmp_path / "file").write_text("")
     r = speed_cli(tiny_dirs, data, "-o", str(tmp_path / "file" / "speed.json"))
     assert r.exit_code == 2 and "--output" in r.output and "Traceback" not in r.output, r.output
@@ -257,8 +260,7 @@ def test_a_result_that_cannot_be_written_is_still_printed(tiny_dirs, tmp_path, m
     import errno
     from pathlib import Path
 
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
 
     def disk_full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -331,8 +333,7 @@ def test_rejection_sampling_reports_no_identity_count_and_greedy_reports_no_samp
 
 
 def test_the_cli_samples_and_says_so(tiny_dirs, tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     base = ["bench", "speed", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]),
             "--dataset", str(data), "--max-tokens", "6", "-k", "3", "--rounds", "1", "--dtype", "float32"]
     r = CliRunner().invoke(main, [*base, "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"])
@@ -366,8 +367,7 @@ def test_ctrl_c_keeps_the_rounds_that_finished_and_writes_them_whole(tiny_dirs, 
             raise KeyboardInterrupt
         return generate(self, *args, **kwargs)
 
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     out = tmp_path / "speed.json"
     out.write_text("an earlier result")
     monkeypatch.setattr(LLMEngine, "generate", interrupted)
@@ -385,8 +385,7 @@ def test_ctrl_c_keeps_the_rounds_that_finished_and_writes_them_whole(tiny_dirs, 
 def test_a_failed_run_leaves_no_folder_of_its_output_behind(tiny_dirs, tmp_path, monkeypatch):
     from dflash_trt.server import cli as server_cli
 
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     for failure, code in ((ValueError("weights do not load"), 1), (KeyboardInterrupt(), 130)):
         monkeypatch.setattr(server_cli, "load_engine", lambda *a, _e=failure, **k: (_ for _ in ()).throw(_e))
         r = speed_cli(tiny_dirs, data, "-o", str(tmp_path / "new" / "speed.json"))
@@ -396,8 +395,7 @@ def test_a_failed_run_leaves_no_folder_of_its_output_behind(tiny_dirs, tmp_path,
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_before_the_model_loads(tiny_dirs, tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     r = speed_cli(tiny_dirs, data, "-o", "/proc/dflash-trt-test/speed.json")  # root may write anywhere but there
     assert r.exit_code == 2 and "Invalid value for --output" in r.output and "cannot write in /proc" in r.output, \
         r.output
@@ -407,8 +405,7 @@ def test_without_zlabs_package_the_peer_is_refused_before_the_model_loads(tiny_d
     import sys
 
     monkeypatch.setitem(sys.modules, "dflash.model", None)  # as where the package is not installed
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "ab", "category": "x"}))
+    data = one_prompt(tmp_path)
     r = speed_cli(tiny_dirs, data, "--zlab-peer")
     assert r.exit_code == 2 and "pip install --no-deps dflash==0.1.0" in r.output and "Traceback" not in r.output, \
         r.output
