@@ -407,6 +407,7 @@ def plot(runs, output, title) -> None:
         stopped_why,
     )
 
+    _check_output_folder(output)  # before the runs are read: a folder that is a file fails as it is made
     try:
         loaded = load_runs(runs)
         distinct_labels(loaded, runs)
@@ -444,7 +445,7 @@ def merge(rounds, output) -> None:
     from dflash_trt.bench.rounds import merge_rounds
     from dflash_trt.bench.sweep import write_results
 
-    _check_output(output)
+    _check_output(output, rewritten=False)
     try:
         loaded = load_runs(rounds)
         for run, name in zip(loaded, rounds):
@@ -522,8 +523,9 @@ def _endpoint_url(url: str) -> str:
     return url
 
 
-def _check_output(output: str) -> None:
-    """Refuse, before any work, a result path whose CSV would overwrite it or whose folder cannot be made."""
+def _check_output(output: str, rewritten: bool = True) -> None:
+    """Refuse, before any work, a result path whose CSV would overwrite it or whose folder cannot be made; `rewritten`:
+    the result is written again after every point (a sweep), not once (merge)."""
     from dflash_trt.bench.sweep import csv_path_of
 
     try:
@@ -531,8 +533,9 @@ def _check_output(output: str) -> None:
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
     if Path(output).exists() and not Path(output).is_file():  # a FIFO's reader ends at the first of them
-        raise click.BadParameter(f"{output} is no regular file: a sweep writes its result again after every point, "
-                                 "and a CSV beside it", param_hint="--output")
+        why = ("a sweep writes its result again after every point, and a CSV beside it" if rewritten
+               else f"the CSV is written beside it, as {csv}")
+        raise click.BadParameter(f"{output} is no regular file: {why}", param_hint="--output")
     _check_output_folder(output)
     _check_output_folder(str(csv))  # written beside it, in that folder, even where the result is a link or a device
 

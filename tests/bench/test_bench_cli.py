@@ -184,6 +184,24 @@ def test_sweep_refuses_a_fifo_it_would_write_again_after_every_point(tmp_path):
         r.output
 
 
+def test_plot_refuses_a_folder_that_is_a_file_by_name_before_reading_runs(tmp_path):
+    (tmp_path / "afile").write_text("")
+    missing_points = tmp_path / "run.json"
+    missing_points.write_text("{}")  # would be refused itself: the output is checked first
+    r = CliRunner().invoke(main, ["bench", "plot", str(missing_points), "-o", str(tmp_path / "afile" / "p.png")])
+    assert r.exit_code == 2 and f"{tmp_path / 'afile'} is not a folder" in r.output and "Errno" not in r.output, \
+        r.output
+
+
+def test_merge_refuses_a_device_output_for_the_csv_beside_it(tmp_path):
+    run = tmp_path / "r.json"
+    run.write_text(json.dumps({"label": "ar", "points": [{"concurrency": 1, "tok_s_per_user": 1.0,
+                                                          "tok_s_per_gpu": 2.0, "output_tok_s": 2.0}]}))
+    r = CliRunner().invoke(main, ["bench", "merge", str(run), str(run), "-o", "/dev/null"])
+    assert r.exit_code == 2 and "/dev/null is no regular file: the CSV is written beside it, as /dev/null.csv" \
+        in r.output and "after every point" not in r.output, r.output
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8o00", "http://127.0.0.1:99999"])
 def test_sweep_refuses_a_url_with_a_bad_port(tmp_path, url):
     r = CliRunner().invoke(main, ["bench", "sweep", "--url", url, "--model", "m", "-o", str(tmp_path / "x.json")])
