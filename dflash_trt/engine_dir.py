@@ -50,29 +50,46 @@ def _stat_key(f: Path) -> list[int]:
 
 class _VerifiedRecord:
     """The files of an engine directory a verification hashed, each as [sha256, *_stat_key], in the cache directory
-    (the engine's own files are what the manifest checksums)."""
+    (the engine's own files are what the manifest checksums), with the engine's path: a record whose engine is gone
+    is removed as another is written, so engines built and deleted (a test run's, a CI's) leave none behind."""
 
     def __init__(self, engine_path: Path) -> None:
         from dflash_trt.embedded import cache_dir
 
+        self.engine = str(engine_path.absolute())
         key = hashlib.sha256(str(engine_path).encode()).hexdigest()[:16]
         self.path = cache_dir() / "verified" / f"{engine_path.name}-{key}.json"
 
     def read(self) -> dict:
-        try:
-            record = json.loads(self.path.read_text())
-        except (OSError, ValueError):  # none yet, or unreadable: every file is hashed
-            return {}
-        return record if isinstance(record, dict) else {}
+        record = _read_record(self.path)
+        files = record.get("files") if record.get("engine") == self.engine else None
+        return files if isinstance(files, dict) else {}  # none yet, unreadable or older: every file is hashed
 
-    def write(self, record: dict) -> None:
+    def write(self, files: dict) -> None:
         from dflash_trt.dir_swap import replace_file
 
+        record = {"engine": self.engine, "files": files}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             replace_file(self.path, lambda tmp: tmp.write_text(json.dumps(record)))
         except OSError as e:  # a read-only cache costs the next start its hashing, nothing else
             logger.info("could not record the verified files in %s: %s", self.path, e)
+            return
+        self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        for other in self.path.parent.glob("*.json"):
+            engine = _read_record(other).get("engine")
+            if other != self.path and isinstance(engine, str) and not Path(engine).exists():
+                other.unlink(missing_ok=True)  # a record another process rewrites meanwhile costs it one hashing
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _missing(f: Path) -> str:

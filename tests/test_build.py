@@ -132,6 +132,22 @@ def test_a_file_verified_before_is_hashed_again_only_once_it_changed(tiny_engine
     assert r.exit_code == 0 and len(hashed) == len(EngineDir(engine).manifest["files"]), r.output
 
 
+def test_records_of_engines_deleted_since_are_removed_as_another_is_verified(tiny_engine, tmp_path, monkeypatch):
+    """Engines built and deleted by the hundred (test runs, CI) leave no records in the user's cache."""
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    kept, gone, new = (tmp_path / name for name in ("kept", "gone", "new"))
+    for engine in (kept, gone):
+        shutil.copytree(tiny_engine, engine)
+        EngineDir(engine).verify()
+    records = tmp_path / "cache" / "verified"
+    assert len(list(records.glob("*.json"))) == 2
+    shutil.rmtree(gone)
+    shutil.copytree(tiny_engine, new)
+    EngineDir(new).verify()
+    left = sorted(json.loads(f.read_text())["engine"] for f in records.glob("*.json"))
+    assert left == sorted([str(kept), str(new)])
+
+
 def test_checksum_mismatch_is_refused_by_generate_and_open_engine(tiny_engine, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_engine, bad)
