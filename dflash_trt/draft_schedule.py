@@ -57,7 +57,7 @@ def _best_k(batch_size: int, candidates: list[int], tau_by_k, step_time) -> int:
 
 def choose_per_batch_size(
     tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float], batch_sizes: Iterable[int],
-    max_draft_len: int,
+    max_draft_len: int, min_draft_len: int = 0,
 ) -> dict[int, int]:
     """{batch size: K} maximising b x tau(K) / step_time(b, K) over K in {0} and tau_by_k's keys (the smallest K
     within MIN_GAIN of the maximum).
@@ -65,6 +65,8 @@ def choose_per_batch_size(
     K at the smallest batch size is chosen among K <= max_draft_len; every larger batch size among
     K <= that choice, because TensorRT-LLM requires schedule[1] == max_draft_len >= every K. (A larger
     K at a larger batch would need tau to grow faster than the step cost; the cap then costs throughput.)
+    min_draft_len: the least K a larger batch size may run once the smallest drafts (1 for TensorRT-LLM's DFlash:
+    DRAFTING_STOPS).
     """
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
@@ -74,7 +76,7 @@ def choose_per_batch_size(
         raise ValueError(f"tau_by_k needs K >= 1 and tau > 0; bad entries for K={bad}")
     ks = [0] + sorted(k for k in tau_by_k if k <= max_draft_len)
     first = _best_k(sizes[0], ks, tau_by_k, step_time)
-    capped = [k for k in ks if k <= first]
+    capped = [k for k in ks if (min_draft_len <= k or first == 0) and k <= first]
     return {b: (first if b == sizes[0] else _best_k(b, capped, tau_by_k, step_time)) for b in sizes}
 
 
@@ -101,7 +103,7 @@ def compress(per_batch: Mapping[int, int]) -> dict[int, int]:
 
 def choose_draft_len_schedule(
     tau_by_k: Mapping[int, float], step_time: Callable[[int, int], float], batch_sizes: Iterable[int],
-    max_draft_len: int,
+    max_draft_len: int, min_draft_len: int = 0,
 ) -> dict[int, int]:
     """The throughput-maximising draft_len_schedule (TensorRT-LLM thresholds) for these batch sizes.
 
@@ -109,4 +111,22 @@ def choose_draft_len_schedule(
     speculation never pays at batch 1 under this model, and the engine should run without a drafter.
     `step_time(b, K)` is the time of one engine step of b rows at draft length K (K = 0: plain decode).
     """
-    return compress(choose_per_batch_size(tau_by_k, step_time, batch_sizes, max_draft_len))
+    return compress(choose_per_batch_size(tau_by_k, step_time, batch_sizes, max_draft_len, min_draft_len))
+
+
+# TensorRT-LLM's DFlash worker skips a K=0 step whole, storing neither the prompts it prefills nor the tokens it
+# accepts into the drafter's per-request context (_torch/speculative/dflash.py@00679c66 _forward_impl: skip_drafting
+# before _store_prefill_context); once the batch shrinks and drafting resumes, the drafter attends to rows never
+# written and acceptance collapses for the rest of those requests (NVIDIA/TensorRT-LLM PR #16888, open, which floors
+# the runtime K at 1). A GPU build drafts at least K=1 at every batch size instead.
+DRAFTING_STOPS = ("TensorRT-LLM's DFlash stores no drafter context while it drafts K=0 (its dflash.py skip_drafting; "
+                  "NVIDIA/TensorRT-LLM PR #16888), and acceptance collapses once drafting resumes")
+
+
+def first_idle_batch(schedule: Mapping[int, int], max_batch_size: int) -> int | None:
+    """The smallest batch size up to max_batch_size that `schedule` drafts nothing at (above its largest key, or a
+    K=0 entry); None where every batch size drafts."""
+    for b in sorted({1, *(key + 1 for key in schedule), *schedule}):
+        if b <= max_batch_size and expand(schedule, b) == 0:
+            return b
+    return None

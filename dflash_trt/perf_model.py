@@ -242,7 +242,9 @@ def plan_performance(
     if spec is not None and drafter is not None:
         if spec.draft_len_schedule == "auto":
             source = "auto"
-            schedule = choose_draft_len_schedule(taus, lambda b, k: steps[(b, k)], sizes, max_draft_len)
+            # a GPU build is served by TensorRT-LLM, whose DFlash must not draft K=0 (DRAFTING_STOPS)
+            schedule = choose_draft_len_schedule(taus, lambda b, k: steps[(b, k)], sizes, max_draft_len,
+                                                 min_draft_len=1 if hw.kind == "gpu" else 0)
         elif spec.draft_len_schedule:
             source, schedule = "config", dict(spec.draft_len_schedule)
     runs = schedule  # the table this machine's torch runtime takes (engine/llm_engine.py)

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.draft_schedule import check_table, choose_draft_len_schedule, compress, expand
+from dflash_trt.draft_schedule import (check_table, choose_draft_len_schedule, compress, expand,
+                                     first_idle_batch)
 
 
 def _rule(schedule: dict[int, int], b: int) -> int:
@@ -28,7 +29,8 @@ def tables(draw):
     # Step times as an arbitrary positive table: the chooser must not assume any shape.
     times = {(b, k): draw(st.floats(0.5, 20.0)) for b in range(1, max_b + 1) for k in [0, *ks]}
     cap = draw(st.integers(1, 9))
-    return tau, times, max_b, cap
+    floor = draw(st.sampled_from([0, 1]))  # 1: TensorRT-LLM's DFlash, which must not draft K=0 once it drafts
+    return tau, times, max_b, cap, floor
 
 
 def _tps(b, k, tau, times):
@@ -38,8 +40,8 @@ def _tps(b, k, tau, times):
 @settings(max_examples=300, deadline=None)
 @given(tables())
 def test_expanded_schedule_reaches_the_brute_force_optimum_at_every_batch_size(table):
-    tau, times, max_b, cap = table
-    schedule = choose_draft_len_schedule(tau, lambda b, k: times[(b, k)], range(1, max_b + 1), cap)
+    tau, times, max_b, cap, floor = table
+    schedule = choose_draft_len_schedule(tau, lambda b, k: times[(b, k)], range(1, max_b + 1), cap, floor)
     # Brute force, stage 1: the best K at batch 1 among K <= cap.
     allowed = [0] + [k for k in tau if k <= cap]
     # The smallest K within 1% of the best: the model cannot tell nearer ones apart.
@@ -48,14 +50,17 @@ def test_expanded_schedule_reaches_the_brute_force_optimum_at_every_batch_size(t
         return min(k for k in pool if _tps(b, k, tau, times) * 1.01 >= best)
 
     k1 = smallest_near_best(1, allowed)
-    # Stage 2 (TensorRT-LLM: schedule[1] == max_draft_len >= every K): larger batches choose K <= k1.
+    # Stage 2 (TensorRT-LLM: schedule[1] == max_draft_len >= every K): larger batches choose K <= k1, and at least
+    # the floor once batch 1 drafts.
     for b in range(1, max_b + 1):
         got = _rule(schedule, b)
-        pool = allowed if b == 1 else [k for k in allowed if k <= k1]
+        pool = allowed if b == 1 else [k for k in allowed if k <= k1 and (k >= floor or k1 == 0)]
         assert got == smallest_near_best(b, pool)
     if schedule:
         assert 1 in schedule and schedule[1] == k1 == max(schedule.values())
         assert schedule[max(schedule)] != 0  # a trailing 0 is implied, never written
+        if floor:
+            assert first_idle_batch(schedule, max_b) is None and max(schedule) == max_b
     else:
         assert k1 == 0
 
@@ -71,6 +76,13 @@ def test_compress_round_trips_every_batch_size(per_batch_sparse):
     assert all(schedule[a] != schedule[b] for a, b in zip(keys[1:], keys[2:]))  # runs merged (key 1 aside)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(1, 40), st.integers(0, 6), min_size=1), st.integers(1, 50))
+def test_first_idle_batch_is_the_first_batch_size_the_rule_drafts_nothing_at(schedule, top):
+    idle = [b for b in range(1, top + 1) if _rule(schedule, b) == 0]
+    assert first_idle_batch(schedule, top) == (idle[0] if idle else None)
+
+
 def test_speculation_stops_where_drafting_costs_more_than_it_gains():
     # tau(4) = 2.5. A K=4 step costs 1.5x a decode step at b <= 4 (weight-bound), then grows with the
     # 5x tokens it verifies: b * 2.5 / 1.5 beats b / 1 up to b = 4; at b = 8 the step costs 3x -> 2.5/3 < 1.
@@ -79,6 +91,13 @@ def test_speculation_stops_where_drafting_costs_more_than_it_gains():
 
     schedule = choose_draft_len_schedule({4: 2.5}, step, [1, 2, 4, 8, 16], max_draft_len=4)
     assert schedule == {1: 4, 4: 4}  # 1..4 rows draft 4, above 4 nothing (implied)
+    # TensorRT-LLM's DFlash (DRAFTING_STOPS): above the cut the best K of at least 1, up to the largest batch size
+    def with_k1(b, k):  # K=1 costs 2x a decode step above 4 rows: it loses to plain decoding too (1.9 / 2 < 1)
+        return step(b, k) if k != 1 or b <= 4 else 2.0
+
+    taus = {1: 1.9, 4: 2.5}
+    assert choose_draft_len_schedule(taus, with_k1, [1, 2, 4, 8, 16], 4) == {1: 4, 4: 4}
+    assert choose_draft_len_schedule(taus, with_k1, [1, 2, 4, 8, 16], 4, min_draft_len=1) == {1: 4, 4: 4, 16: 1}
     assert choose_draft_len_schedule({4: 1.2}, step, [1, 2, 4], max_draft_len=4) == {}  # never pays
 
 

@@ -263,3 +263,57 @@ def test_only_a_release_older_than_the_pin_is_warned_of(monkeypatch, caplog, ver
     with caplog.at_level("WARNING", logger=launch.logger.name):
         launch.require_tensorrt_llm()
     assert ("this engine's config targets" in caplog.text) == warns
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"draft_len_schedule": {1: 7, 64: 3}}, "draft_len_schedule={1: 7, 64: 3} drafts nothing at a batch of 65 "
+     "(max_batch_size=512)"),
+    ({"draft_len_schedule": {1: 7, 64: 0, 512: 2}}, "drafts nothing at a batch of 2"),
+    ({"max_concurrency": 64}, "max_concurrency=64 drafts nothing above 64 requests"),
+])
+def test_a_gpu_build_that_would_draft_k0_somewhere_is_refused_by_key(tmp_path, spec, words):
+    """TensorRT-LLM's DFlash stores no drafter context in a K=0 step, and acceptance collapses after it (PR #16888)."""
+    import yaml
+
+    cfg = yaml.safe_load((CONFIGS / "gpt-oss-120b-8xb300-throughput.yaml").read_text())
+    del cfg["speculative_config"]["draft_len_schedule"]
+    cfg["speculative_config"].update(max_draft_len=7, **spec)
+    path = tmp_path / "b300.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="#16888") as e:
+        prepare_build(path, allow_bundled=True)
+    assert words in str(e.value) and str(path) in str(e.value)
+    cfg["speculative_config"].pop("max_concurrency", None)
+    cfg["speculative_config"]["draft_len_schedule"] = {1: 7, 64: 3, 512: 1}  # the least K above the cut: taken
+    path.write_text(yaml.safe_dump(cfg))
+    assert prepare_build(path, allow_bundled=True).trtllm_options["speculative_config"]["draft_len_schedule"] == {
+        1: 7, 64: 3, 512: 1}
+
+
+@pytest.mark.parametrize("name", PLANNABLE_HERE)
+def test_every_batch_size_up_to_the_largest_drafts_under_trtllm(name):
+    from dflash_trt.draft_schedule import expand
+
+    o = prepare_build(CONFIGS / f"{name}.yaml", allow_bundled=True).trtllm_options
+    if (schedule := o["speculative_config"].get("draft_len_schedule")) is not None:
+        assert all(expand(schedule, b) >= 1 for b in range(1, o["max_batch_size"] + 1)), schedule
+
+
+def test_auto_on_a_gpu_drafts_k1_where_plain_decoding_would_win(tmp_path):
+    """With a drafter that accepts little, plain decoding wins at large batches; TensorRT-LLM's DFlash then drafts
+    the least K, to the largest batch size, rather than none."""
+    import yaml
+
+    from dflash_trt.draft_schedule import expand
+
+    cfg = yaml.safe_load((CONFIGS / "gpt-oss-120b-8xb300-throughput.yaml").read_text())
+    cfg["speculative_config"]["acceptance_by_draft_len"] = {1: 1.3, 3: 1.5, 7: 1.6}
+    path = tmp_path / "weak.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    p = prepare_build(path, allow_bundled=True)
+    schedule = p.trtllm_options["speculative_config"]["draft_len_schedule"]
+    assert max(schedule) == 512 and schedule[512] == 1, schedule
+    plain_wins = [pt["batch_size"] for pt in p.plan.performance["points"] if pt["draft_len"] == 0
+                  and pt["tok_s_gpu"] >= max(q["tok_s_gpu"] for q in p.plan.performance["points"]
+                                              if q["batch_size"] == pt["batch_size"])]
+    assert plain_wins and all(expand(schedule, b) == 1 for b in plain_wins)  # where K=0 would have been chosen
