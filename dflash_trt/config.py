@@ -171,6 +171,10 @@ class AttentionDpConfig(_Strict):
     batching_wait_iters: int = 10
 
 
+# The page sizes TensorRT-LLM's trtllm-gen attention kernels take (FlashInferTrtllmGenFmha.SUPPORTED_TOKENS_PER_BLOCK)
+TRTLLM_GEN_PAGE_SIZES = frozenset({16, 32, 64})
+
+
 class BuildConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     # The target: "embedded:smollm2-135m-instruct", an HF id, or a local path (./ ../ / ~).
@@ -236,6 +240,14 @@ class BuildConfig(_Strict):
             raise ValueError(
                 f"speculative_config.attention_backend=TRTLLM needs SM100/SM103 (B200/B300); hardware {self.hardware} "
                 "must use VANILLA"
+            )
+        pages = self.kv_cache_config.tokens_per_block
+        if spec is not None and spec.attention_backend == "TRTLLM" and pages not in TRTLLM_GEN_PAGE_SIZES:
+            # TensorRT-LLM raises as it binds the drafter to the KV pool, on the device, after loading the target
+            # (_torch/speculative/dflash_attention.py validate_dflash_trtllm_gen_runtime)
+            raise ValueError(
+                f"kv_cache_config.tokens_per_block={pages}: speculative_config.attention_backend=TRTLLM takes pages "
+                f"of {', '.join(map(str, sorted(TRTLLM_GEN_PAGE_SIZES)))} tokens"
             )
         if self.cuda_graph_config and self.cuda_graph_config.max_batch_size > self.max_batch_size:
             raise ValueError(

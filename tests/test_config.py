@@ -63,6 +63,10 @@ def test_schema_errors_name_the_offending_key(top, key, words):
         ({"tensor_parallel_size": 8, "moe_expert_parallel_size": 3}, "moe_expert_parallel_size=3 must divide"),
         ({"speculative_config": {"speculative_model": "z/d", "attention_backend": "TRTLLM"}},
          "attention_backend=TRTLLM needs SM100/SM103"),
+        # trtllm-gen's kernels take pages of 16, 32 or 64 tokens (FlashInferTrtllmGenFmha.SUPPORTED_TOKENS_PER_BLOCK)
+        ({"hardware": "b300", "kv_cache_config": {"tokens_per_block": 128},
+          "speculative_config": {"speculative_model": "z/d", "attention_backend": "TRTLLM"}},
+         "kv_cache_config.tokens_per_block=128: speculative_config.attention_backend=TRTLLM takes pages of 16, 32, 64"),
         ({"hardware": "cpu", "kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config.dtype=fp8 needs a GPU"),
         ({"hardware": "cpu", "kv_cache_config": {"dtype": "nvfp4"}}, "kv_cache_config.dtype=nvfp4 needs a GPU"),
         ({"kv_cache_config": {"dtype": "nvfp4"}}, "nvfp4 needs FP4 tensor cores (Blackwell: b300); hardware h200"),
