@@ -188,6 +188,18 @@ def num_splits_for(batch: int, kv_heads: int, cache_len: int, device: torch.devi
     return max(1, min(want, math.ceil(cache_len / 512), 32))
 
 
+def tiles(dtype: torch.dtype, groups: int, q_len: int, head_dim: int, on_cuda: bool = True) -> dict:
+    """The kernel's tile sizes and launch options for this shape; off CUDA (the interpreter) a context tile of 16
+    keys. fp32 tiles take twice the shared memory: 64 keys in 3 stages needed 131-180 KB for gpt-oss's and
+    Qwen3-8B's drafters, past an RTX 30/40 or L4's 99 KB and an A100's 163 (Triton's OutOfResources at launch); 32
+    keys in 2 stages take 66-74 KB."""
+    block_m, block_d = _pow2(groups * q_len), _pow2(head_dim)
+    fp32 = dtype == torch.float32
+    return {"BLOCK_M": block_m, "BLOCK_N": (32 if fp32 else 64) if on_cuda else 16, "BLOCK_Q": _pow2(q_len),
+            "BLOCK_D": block_d, "DOT_FP32": fp32, "num_warps": 8 if block_m * block_d >= 8192 else 4,
+            "num_stages": 2 if fp32 else 3}
+
+
 def draft_attention_triton(
     q: torch.Tensor,  # [B, Q, H, D]
     k_block: torch.Tensor,  # [B, Q, KVH, D]
@@ -201,7 +213,7 @@ def draft_attention_triton(
     window: int = 0,
     sinks: torch.Tensor | None = None,  # [H]
     num_splits: int | None = None,  # None: num_splits_for(...)
-    block_n: int | None = None,  # context tile; None: 64 on CUDA, 16 in the interpreter
+    block_n: int | None = None,  # context tile; None: 64 on CUDA (32 in fp32), 16 in the interpreter
 ) -> torch.Tensor:  # [B, Q, H, D]
     """Launch the kernel on q's device (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     b, n, h, d = q.shape
@@ -210,8 +222,12 @@ def draft_attention_triton(
         raise ValueError(f"draft_attention: {h} query heads are not a multiple of {kvh} kv heads")
     tensors = [q, k_block, v_block, k_cache, v_cache]
     q, k_block, v_block, k_cache, v_cache = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
-    if k_cache.stride() != v_cache.stride() or k_block.stride() != v_block.stride():
-        k_cache, v_cache, k_block, v_block = (t.contiguous() for t in (k_cache, v_cache, k_block, v_block))
+    # One set of strides serves each pair: the blocks are a step's few rows, copied where their strides differ (the
+    # runtime's k and v are views of one projection); a cache is copied whole only where its pair's differ.
+    if k_block.stride() != v_block.stride():
+        k_block, v_block = k_block.contiguous(), v_block.contiguous()
+    if k_cache.stride() != v_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     # The kernel reads row b's entries at ROWS + b and CTX + b: the drafter passes its positions' first column, a view
     # whose stride is the block length (read as is, rows past the first took another row's context length).
     cache_rows, ctx_lens = cache_rows.contiguous(), ctx_lens.contiguous()
@@ -224,8 +240,9 @@ def draft_attention_triton(
         ml = torch.empty(b, h, splits, n, 2, dtype=torch.float32, device=q.device)
     else:
         acc, ml = out, out
-    block_m = _pow2(groups * n)
-    big = block_m * block_d >= 8192
+    meta = tiles(q.dtype, groups, n, d, q.is_cuda)
+    if block_n:
+        meta["BLOCK_N"] = block_n
     with on_device_of(q):
         draft_attention_kernel[(b * kvh, splits)](
             q, k_block, v_block, k_cache, v_cache, cache_rows, ctx_lens, sinks if sinks is not None else q,
@@ -236,9 +253,7 @@ def draft_attention_triton(
             scale * _LOG2E, window, n, splits,
             acc, ml,
             KVH=kvh, GROUPS=groups, HEAD_DIM=d,
-            BLOCK_M=block_m, BLOCK_N=block_n or (64 if q.is_cuda else 16), BLOCK_Q=_pow2(n), BLOCK_D=block_d,
-            CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, DOT_FP32=q.dtype == torch.float32,
-            num_warps=8 if big else 4,
+            CAUSAL=causal, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, **meta,
         )
         if splits > 1:
             _combine_kernel[(b * h,)](

@@ -138,6 +138,11 @@ def test_kernel_takes_k_and_v_with_different_strides(triton_device):
     got = draft_attention_triton(q, kb, v_view, kc, vc, rows, ctx, 0.25)
     want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # caches as views of longer ones, read in place while the blocks are copied
+    kc_view, vc_view = (torch.cat([c, torch.zeros_like(c)], dim=2)[:, :, :c.shape[2]] for c in (kc, vc))
+    assert kc_view.stride() != kc.stride()
+    got = draft_attention_triton(q, kb, v_view, kc_view, vc_view, rows, ctx, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_reads_context_lengths_and_rows_given_as_strided_views(triton_device):
@@ -181,3 +186,50 @@ def test_the_torch_ops_launches_compile_once_per_tile_size_not_per_draft_length_
         tiles.add(max(16, 1 << (2 * n - 1).bit_length()))  # BLOCK_M: the group's 2 heads x n slots, a power of two
     assert len(split.constants) == len(tiles) == 2
     assert len(combine.constants) == 1
+
+
+# Compiled ahead of time for an sm_80 GPU by Triton's own compiler and ptxas (no GPU needed), with the tiles and launch
+# options the launcher passes; in a subprocess, as this process's kernels are the interpreter's.
+_COMPILE = """
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dflash_trt.kernels.draft_attention_triton import draft_attention_kernel as kernel, tiles
+
+out = []
+for dtype, kvh, groups, head_dim, q_len in json.loads(sys.argv[1]):
+    meta = tiles(getattr(torch, dtype), groups, q_len, head_dim)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
+    consts = dict(KVH=kvh, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=False, HAS_WINDOW=False, HAS_SINKS=False, **meta)
+    t = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    types = dict.fromkeys(kernel.arg_names, "i32") | dict.fromkeys(("Q", "KB", "VB", "KC", "VC", "OUT", "SINKS"), "*" + t)
+    types |= {"ROWS": "*i64", "CTX": "*i64", "ML": "*fp32", "qk_scale": "fp32"}
+    signature = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+    out.append(triton.compile(src, target=GPUTarget("cuda", 80, 32), options=options).metadata.shared)
+print(json.dumps(out))
+"""
+
+
+def test_the_kernel_fits_the_shared_memory_of_a_consumer_gpu_in_both_dtypes(tmp_path):
+    """An RTX 30/40 or L4 block has 99 KB of shared memory (an A100 163): Triton refuses to launch past it. fp32
+    tiles of 64 keys in 3 stages took 131-180 KB for the GPU drafters."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # (kv heads, query heads per kv head, head_dim, block of K+1 queries): gpt-oss-120b's drafter at K=9, Qwen3-8B's
+    # at K=15, SmolLM2's at K=7
+    shapes = [(8, 8, 64, 10), (8, 4, 128, 16), (3, 3, 64, 8)]
+    cases = [[dtype, *shape] for dtype in ("float32", "bfloat16") for shape in shapes]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       timeout=240)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("Triton's bundled ptxas is missing")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shared = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(0 < used <= 99 * 1024 for used in shared), dict(zip(map(tuple, cases), shared))
