@@ -170,7 +170,10 @@ def time_attention(quick: bool) -> list[dict]:
                 row["triton_vs_best_baseline"] = row["triton_ms"] / min(best) if best else None
                 rows_out.append(row)
                 print(_fmt_attention(row), flush=True)
-                del q, kb, vb, kc, vc
+                # every name holding this cell's caches (FlashInfer's closure keeps its own copy): the next cell's
+                # 34 GB would otherwise meet them and OOM
+                fn = None
+                del q, kb, vb, kc, vc, kc_hnd, vc_hnd
                 torch.cuda.empty_cache()
     return rows_out
 

@@ -8,7 +8,8 @@ Terms and rules are spec/verifier.py's. Each row b has a mode:
 (arXiv 2211.17192). p is the target's distribution after temperature -> top-k -> top-p, computed by
 the runtime's own sampler (layers/sampler.py), so speculative and plain sampling agree exactly.
 The uniforms come from the caller (engine/model_runner.py `_uniforms`: by output position under MATCH), so a
-request's randomness depends on its seed only and the op stays a pure function (CUDA-graph safe on the GPU path).
+request's randomness depends on its seed only and the op stays a pure function. It is not CUDA-graph safe: a
+sampled step reads four flags of the batch back to the host once (target_probs) to skip what no row needs.
 
 Worked example (GREEDY, K = 3): drafts [5, 9, 2], argmax per block position [5, 9, 7, 4] ->
 num_accepted = 2 (5 and 9 match, 2 != 7), bonus = 7; the row emits [5, 9, 7].
