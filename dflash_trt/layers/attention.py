@@ -279,11 +279,6 @@ def _masked_gqa_falls_to_math(q: torch.Tensor, k: torch.Tensor, mask: torch.Tens
     return q.device.type == "cuda" and mask is not None and k.shape[1] != q.shape[1]
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, KVH, T, D] -> [B, KVH * groups, T, D]: query head h reads KV head h // groups."""
-    return x.repeat_interleave(groups, dim=1)
-
-
 def _takes_grouped_path(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and _grouped_is_faster(q.shape[0], q.shape[2])
 
@@ -313,12 +308,16 @@ def _attend_grouped(q, k, v, mask, scale):
 
 
 def _attend_with_sinks(q, k, v, mask, scale, sinks):
-    # A per-head sink logit joins the softmax denominator but contributes no value.
-    groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    """A per-head sink logit joins the softmax denominator but contributes no value. The query heads of a KV head
+    share its matmuls, as in _attend_grouped: K/V repeated per query head copied gpt-oss's whole cache 8 times a
+    layer (2 GB a layer at 32 rows of 8k keys)."""
+    b, h, n, d = q.shape
+    kvh, t = k.shape[1], k.shape[2]
+    g = h // kvh
+    scores = torch.matmul(q.reshape(b, kvh, g * n, d), k.transpose(-1, -2)).float() * scale  # [B, KVH, G*Q, T]
+    scores = scores.view(b, kvh, g, n, t)
+    if mask is not None:  # mask: [B or 1, 1, Q or 1, T], broadcast like SDPA's
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, mask.shape[2], t), float("-inf"))
+    sink = sinks.float().view(1, kvh, g, 1, 1).expand(b, kvh, g, n, 1)  # query head h = kv head * G + group
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs.reshape(b, kvh, g * n, t).to(v.dtype), v).view(b, h, n, d)

