@@ -213,7 +213,7 @@ def main() -> None:
         layer_ids, mask_id = dcfg["target_layer_ids"], dcfg["mask_token_id"]
     budget = args.train_seconds or 320.0
     if args.deadline_s is not None:  # room after training: the last export and the copy out
-        left = args.deadline_s - (time.monotonic() - t_start) - 25
+        left = args.deadline_s - (time.monotonic() - t_start) - 15
         budget = left if args.train_seconds is None else min(args.train_seconds, left)
     cfg = TrainConfig(num_layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
                       mask_token_id=mask_id, steps=1_000_000, lr=args.lr, warmup_ratio=args.warmup_ratio,

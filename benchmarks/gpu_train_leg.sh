@@ -14,17 +14,17 @@
 #   1. .venv/bin/python benchmarks/stage_gpu_training.py --first-part-mb 60
 #   2. git rm -r -q --cached drafters/smollm2-135m-dflash/model.safetensors drafters/smollm2-135m-dflash/training-data
 #      benchmarks/results, and the same three paths in .git/info/exclude
-#   3. call 1, carry .stage/a, timeout_s 200:  CALL=1 OUT=$OUT bash benchmarks/gpu_train_leg.sh
+#   3. call 1, carry .stage/a, timeout_s 300:  CALL=1 OUT=$OUT bash benchmarks/gpu_train_leg.sh
 #      keeps the GGUF's first part in /root/stage and smokes the CUDA path on a tiny target ($OUT/smoke.log); a smoke
-#      that decodes leaves /root/smoke_ok, else call 2 picks its drafters by held-out loss (--eval-prompts 0)
+#      that decodes leaves /root/smoke_ok, else call 2 picks its drafters by held-out loss (--eval-prompts 0); then
+#      times a training step of SmolLM2's shape ($OUT/profile.log, benchmarks/profile_train_step.py: never measured
+#      on a GPU since session 35's leg lost its steps to cuDNN attention plans)
 #   4. call 2 at once, carry .stage/b .stage/tok .stage/whl .stage/responses.jsonl.gz
 #      drafters/smollm2-135m-dflash/model.safetensors (and .stage/prompts.jsonl.gz with GEN_SECONDS), timeout_s 600:
 #      DEADLINE=540 OUT=$OUT bash benchmarks/gpu_train_leg.sh
 #      (DEADLINE=budget_left_s - 60 where call 1's reply leaves less than 600 s in lease.budget_left_s: the tar
 #      comes last, and what is not under $OUT when the lease ends is lost)
 #   5. give_back; git reset -q -- the three paths; empty .git/info/exclude. Commit nothing between 2 and 5.
-# Run benchmarks/profile_train_step.py --device cuda first (after step 2, on the same tree) if the step's speed on the
-# device is unknown (session 35's leg lost its steps to cuDNN attention plans: benchmarks/README.md).
 #
 # After the leg, on the CPU, in one session (held-out tau in the run's log is a selection figure, not a result):
 #   cat res.tar.part* | tar -x -C /tmp/leg   (lN/drafter; lN.log; NOT_FINISHED_NORMALLY where a run was cut short)
@@ -41,7 +41,7 @@
 # packaged prompts, benchmarks/gpu_train_drafter.py --gen-only), the grown records coming back with the results.
 set -uo pipefail
 : "${OUT:?set OUT (the output folder of the device call)}"
-DEADLINE=${DEADLINE:-500}
+DEADLINE=${DEADLINE:-540}
 GEN_SECONDS=${GEN_SECONDS:-0}
 S=.stage
 start=$(date +%s)
@@ -56,12 +56,21 @@ if [ "${CALL:-2}" = 1 ]; then
     && grep -q val_tau /root/smoke/train_log.jsonl && touch /root/smoke_ok
   grep -E "^(torch|generated|[0-9]+ records|before training|trained|step |best|Traceback)|Error" "$OUT/smoke.log"
   echo "smoke $([ -f /root/smoke_ok ] && echo passed || echo FAILED) in $(( $(date +%s) - start )) s"
+  timeout -k 5 100 python3 benchmarks/profile_train_step.py --device cuda --steps 2 --profile-steps 1 \
+    > "$OUT/profile.log" 2>&1
+  tail -25 "$OUT/profile.log"
+  echo "call 1 done in $(( $(date +%s) - start )) s"
   exit 0
 fi
+# a fresh machine (call 1's went back idle) holds no first part: say so before pip and the target's build
+[ -f /root/stage/gguf.zst.0 ] \
+  || { echo "no /root/stage/gguf.zst.0: this machine did not run call 1; rerun it"; exit 1; }
+# a rerun on the same machine starts clean: stale records, or a cut-short run's old drafter taken for this one's
+rm -rf /root/res /root/w2 /root/w3 /root/gen /root/wgen
 [ -f drafters/smollm2-135m-dflash/model.safetensors ] \
   || { echo "carry drafters/smollm2-135m-dflash/model.safetensors"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $S/whl/*.whl \
-  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+  && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 mkdir -p /root/res
 python3 benchmarks/gpu_train_drafter.py --prepare-only --gguf-parts /root/stage/gguf.zst.0,$S/b/gguf.zst.1 \
   --tokenizer $S/tok --target-dir /root/target --out /root/res/prep --work /root/prep 2>&1 | tail -4
@@ -73,10 +82,12 @@ if [ "$GEN_SECONDS" != 0 ]; then  # sampled answers to the packaged prompts firs
     | grep -E "^(generated|[0-9]+ records)|Error"
   [ -f /root/gen/responses.jsonl.gz ] && records=/root/gen/responses.jsonl.gz
 fi
-left=$(( DEADLINE - ($(date +%s) - start) - 30 ))
+left=$(( DEADLINE - ($(date +%s) - start) - 15 ))
 eval_prompts=12
 [ -f /root/smoke_ok ] || { eval_prompts=0; echo "no /root/smoke_ok from call 1: choosing by held-out loss"; }
 echo "target built and data ready at $(( $(date +%s) - start )) s; $left s for training"
+# under 2 minutes the runs would spend it loading and evaluating (and timeout 0 means no limit): none
+[ "$left" -ge 120 ] || { echo "only $left s left of DEADLINE=$DEADLINE: no training"; exit 1; }
 common=(--target-dir /root/target --records "$records" --init-drafter drafters/smollm2-135m-dflash
         --deadline-s "$left" --eval-every 300 --eval-prompts "$eval_prompts")
 # -k: a run stuck past SIGTERM (its step in flight, a checkpoint) must not hold the tar back past the call's 600 s

@@ -5,7 +5,7 @@ zstd-compressed in two parts, one per call (`--first-part-mb` sizes the first: t
 out the tracked files the training needs only later). Writes, under --stage (default .stage/, git-ignored):
   a/gguf.zst.0, b/gguf.zst.1   the packaged SmolLM2 GGUF, compressed and cut in two
   tok/                         the CPU side's converted config.json and tokenizer files (gzipped)
-  prompts.jsonl.gz             every training prompt {text, source} in all_prompts()' stable order
+  prompts.jsonl.gz             every training prompt {text, source} in the records' order (training_prompts)
   responses.jsonl.gz           the training records (drafters/smollm2-135m-dflash/training-data)
   whl/                         the gguf wheel (transformers' GGUF reader needs it; the GPU image lacks it)
 
@@ -26,11 +26,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_trt.embedded import smollm2_dir, smollm2_gguf  # noqa: E402
-from dflash_trt.train.prompts import all_prompts  # noqa: E402
+from dflash_trt.train.prompts import Prompt, all_prompts  # noqa: E402
+from dflash_trt.train.self_prompts import read_prompts  # noqa: E402
 
-RECORDS = Path(__file__).resolve().parent.parent / "drafters/smollm2-135m-dflash/training-data/responses.jsonl.gz"
+DATA = Path(__file__).resolve().parent.parent / "drafters/smollm2-135m-dflash/training-data"
+RECORDS, SELF_PROMPTS = DATA / "responses.jsonl.gz", DATA / "self_prompts.jsonl"
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json")
+
+
+def training_prompts() -> list[Prompt]:
+    """Every prompt the records answer, in the order their ids count: the packaged prompts, then the ones the target
+    wrote itself (`train --self-prompts` appends them). The records of prompts left out were dropped by the leg's
+    data growth (generate_responses keeps those it was asked for): 22,543 of 40,704."""
+    return list(all_prompts()) + (read_prompts(SELF_PROMPTS) if SELF_PROMPTS.is_file() else [])
 
 
 def main() -> None:
@@ -54,7 +63,7 @@ def main() -> None:
             with open(src / name, "rb") as fi, gzip.open(stage / "tok" / f"{name}.gz", "wb") as fo:
                 shutil.copyfileobj(fi, fo)
     with gzip.open(stage / "prompts.jsonl.gz", "wt") as f:
-        for p in all_prompts():
+        for p in training_prompts():
             f.write(json.dumps({"text": p.text, "source": p.source}) + "\n")
     shutil.copy(RECORDS, stage / "responses.jsonl.gz")
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
