@@ -202,7 +202,8 @@ for dtype, kvh, groups, head_dim, q_len in json.loads(sys.argv[1]):
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
     consts = dict(KVH=kvh, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=False, HAS_WINDOW=False, HAS_SINKS=False, **meta)
     t = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
-    types = dict.fromkeys(kernel.arg_names, "i32") | dict.fromkeys(("Q", "KB", "VB", "KC", "VC", "OUT", "SINKS"), "*" + t)
+    types = dict.fromkeys(kernel.arg_names, "i32") | dict.fromkeys(("Q", "KB", "VB", "KC", "VC", "OUT", "SINKS"),
+                                                                   "*" + t)
     types |= {"ROWS": "*i64", "CTX": "*i64", "ML": "*fp32", "qk_scale": "fp32"}
     signature = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature,
