@@ -4,12 +4,14 @@ At each concurrency c, exactly c streaming requests are in flight until the poin
 (bounded load: requests per point grow with c). Prompts are dealt from one seeded stream (PromptStream), so two
 runs with the same seed and points send the same prompts, and none twice until the dataset runs out. Latencies
 follow trtllm-serve's benchmark_serving definitions:
-TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks.
-With speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token (as vLLM's
-and TensorRT-LLM's benchmark_serving count it; TPOT is the per-token figure). Tokens/s/user is 1 / median TPOT,
-the "interactivity" axis of InferenceMAX's throughput-vs-interactivity charts (utils/process_result.py:
-intvty = 1000 / tpot_ms); TensorRT-LLM's "User throughput" (mean of output tokens / E2E, TTFT included) is
-kept beside it as user_throughput_tok_s.
+TTFT = first content chunk, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between content chunks. With
+speculative decoding one chunk may carry several tokens, so ITL is per chunk, not per token (as vLLM's and
+TensorRT-LLM's benchmark_serving count it; TPOT is the per-token figure). Events that arrive within BURST_S of the
+one before count as one chunk: trtllm-serve streams gpt-oss's harmony output one event per token, so a step's tokens
+arrive as a burst that per-event gaps would read as an ITL near 0 (TensorRT-LLM's serve/harmony_adapter.py).
+Tokens/s/user is 1 / median TPOT, the "interactivity" axis of InferenceMAX's throughput-vs-interactivity charts
+(utils/process_result.py: intvty = 1000 / tpot_ms); TensorRT-LLM's "User throughput" (mean of output tokens / E2E,
+TTFT included) is kept beside it as user_throughput_tok_s.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from dflash_trt.bench.endpoint_metrics import acceptance_delta, scrape
 
 if TYPE_CHECKING:
     from dflash_trt.bench.datasets import BenchPrompt
+
+# Content events closer than this are one step's tokens sent one event each: no server steps in under a millisecond.
+BURST_S = 0.001
 
 
 def server_root(url: str) -> str:
@@ -210,7 +215,8 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        starts = [t for i, t in enumerate(self.chunk_times) if i == 0 or t - self.chunk_times[i - 1] > BURST_S]
+        return [b - a for a, b in zip(starts, starts[1:])]
 
 
 def request_body(cfg: SweepConfig, prompt: BenchPrompt, index: int, history: Sequence[tuple[str, str]] = ()) -> dict:
@@ -488,6 +494,10 @@ def point_stats(cfg: SweepConfig, concurrency: int, results: Sequence[RequestRes
         "num_requests": len(results),
         "num_failed": len(failed),
         "empty_answers": len(ok) - len(timed),
+        # answers that ended before max_tokens although ignore_eos asked for them whole (null without it): the
+        # endpoint stops on tokens other than EOS (trtllm-serve on gpt-oss's harmony stop tokens), so the point's
+        # output lengths are not the --osl asked for
+        "ended_early": sum(r.finish_reason not in (None, "length") for r in ok) if cfg.ignore_eos else None,
         "errors": list(dict.fromkeys(r.error for r in failed))[:3],
         "duration_s": duration,
         "output_tokens": out_tokens,
@@ -603,10 +613,10 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
             before = metrics
             sent, repeats = stream.take(cfg.requests_at(c))
             results = await run_requests(client, cfg, sent, c, stage=f"c={c}")
-            if before is not None:  # an endpoint without /metrics is not asked again
-                await asyncio.sleep(cfg.metrics_settle_s)
-                metrics = await scrape(client, cfg.metrics_url)
-            after = metrics if before is not None else None
+            # asked after every point, also where a read failed before: one refused or timed-out read costs the
+            # points on either side of it their figure, not every later point's
+            await asyncio.sleep(cfg.metrics_settle_s)
+            after = metrics = await scrape(client, cfg.metrics_url)
             if count_tokens is not None:
                 for r in results:
                     if r.ok and r.completion_tokens is None:
@@ -646,7 +656,7 @@ _ACCEPTANCE = ("source", "field", "metrics", "tau", "num_steps", "acceptance_rat
 # The CSV's columns, all of them in every file whatever the endpoint reports (an empty cell for null), so CSVs of
 # different runs concatenate; a merged run's rounds last.
 CSV_COLUMNS: tuple[str, ...] = (
-    "concurrency", "tokens_from", "num_requests", "num_failed", "empty_answers", "errors", "duration_s",
+    "concurrency", "tokens_from", "num_requests", "num_failed", "empty_answers", "ended_early", "errors", "duration_s",
     "output_tokens", "input_tokens", "cached_input_tokens", "output_tok_s", "request_throughput", "tok_s_per_user",
     "user_throughput_tok_s",
     "tok_s_per_gpu",

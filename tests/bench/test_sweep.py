@@ -54,8 +54,10 @@ STEPS, ACCEPTED = 3, 5  # the stub's vLLM-style counters, per finished request: 
 @dataclass
 class StubState:
     tokens_per_chunk: int = 1
+    events_per_chunk: int = 1  # >1: each chunk's tokens sent one event each, as trtllm-serve streams harmony output
     usage: bool = True
     metrics: bool = True
+    metrics_failures: int = 0  # the next reads of /metrics that fail (a server busy past the read's timeout)
     acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
     decoded_per_iter: dict = field(default_factory=dict)  # prompt text -> trtllm-serve's avg_decoded_tokens_per_iter
     gaps: dict = field(default_factory=dict)  # prompt text -> seconds between its chunks (default GAP)
@@ -123,8 +125,9 @@ def stub_app(state: StubState, n_chunks: int = 6):
                         await asyncio.sleep(state.gaps.get(text, GAP))
                     # "think:": a reasoning model's first two chunks, its analysis channel
                     field = "reasoning_content" if text.startswith("think:") and i < 2 else "content"
-                    yield event(chunk("rb"[: state.tokens_per_chunk] if field != "content" else
-                                      "ab"[: state.tokens_per_chunk], field=field))
+                    for _ in range(state.events_per_chunk):
+                        yield event(chunk("rb"[: state.tokens_per_chunk] if field != "content" else
+                                          "ab"[: state.tokens_per_chunk], field=field))
                     if text.startswith("twochoices:"):  # another choice's chunk, which is not this answer's
                         yield event({"choices": [{**chunk("zz"), "index": 1}]})
                     if text.startswith("stall:"):  # a server that stops sending mid-answer
@@ -162,7 +165,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                         "specDecodingStats": {"numDraftTokens": K, "numAcceptedTokens": got,
                                               "numRequestsWithDraftTokens": 1, "acceptanceLength": 1.0 + got,
                                               "iterLatencyMS": 2.0, "draftOverhead": 0.1}})
-                usage = {"prompt_tokens": len(text), "completion_tokens": chunks * state.tokens_per_chunk,
+                usage = {"prompt_tokens": len(text),
+                         "completion_tokens": chunks * state.tokens_per_chunk * state.events_per_chunk,
                          **state.usage_patch.get(text, {})}
                 if state.cached_tokens is not None:
                     usage["prompt_tokens_details"] = {"cached_tokens": state.cached_tokens}
@@ -187,6 +191,9 @@ def stub_app(state: StubState, n_chunks: int = 6):
     async def metrics():
         if not state.metrics:
             return PlainTextResponse("not found", status_code=404)
+        if state.metrics_failures:
+            state.metrics_failures -= 1
+            return PlainTextResponse("busy", status_code=503)
         if state.metrics_format == "trtllm":  # a JSON list, and the queue is emptied by the read
             stats, state.iteration_stats = state.iteration_stats, []
             return JSONResponse(stats)
@@ -299,6 +306,17 @@ def test_latencies_match_the_stub_delays(stub):
         assert GAP * 0.95 <= r["tpot_s"] <= GAP + slack
     starts = [r["start_s"] for r in pt["requests"]]
     assert starts[0] == 0 and all(b - a >= e2e for a, b in zip(starts, starts[1:]))  # one stream: one after another
+
+
+def test_a_steps_tokens_sent_one_event_each_are_one_chunk_for_itl(stub):
+    """trtllm-serve streams gpt-oss (harmony) one event per token: a 4-token step is a burst of 4 events, and ITL
+    between them would read near 0 at the median where other servers read the step time."""
+    stub.reset(events_per_chunk=4)
+    (pt,) = run_sweep(config(stub.url, [1], osl=24, min_requests=2), prompts("x"))["points"]
+    assert pt["output_tokens"] == 2 * 24
+    assert GAP <= pt["itl_s"]["p50"] <= GAP + 0.015
+    span = 5 * GAP
+    assert span / 23 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 23  # TPOT stays per token
 
 
 def test_tokens_come_from_usage_else_from_chunks(stub):
@@ -499,6 +517,21 @@ def test_an_empty_answer_is_a_success_with_no_latency_to_time(stub):
     assert pt["num_failed"] == 0 and pt["empty_answers"] == 1 and pt["output_tokens"] == 7
 
 
+def test_answers_that_stop_before_max_tokens_under_ignore_eos_are_counted_and_shown(stub):
+    """trtllm-serve stops gpt-oss's answers on harmony's stop tokens whatever ignore_eos says: the point's output
+    lengths are then not the --osl asked for."""
+    from dflash_trt.bench.cli import point_line
+
+    stub.reset()
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=3), prompts("eos1:a", "empty:b"))["points"]
+    assert pt["ended_early"] == 3  # the stub's EOS answers end with finish_reason "stop"
+    assert "3 answers ended before max_tokens despite ignore_eos" in point_line(pt)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2), prompts("ok"))["points"]
+    assert pt["ended_early"] == 0 and "ended before" not in point_line(pt)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=2, ignore_eos=False), prompts("eos1:a"))["points"]
+    assert pt["ended_early"] is None  # stopping at EOS was asked for
+
+
 def test_a_sweep_whose_warm_up_fails_says_why_and_hands_over_nothing(stub):
     """Nothing measured, nothing to keep: a result written before by another run stays as it was."""
     stub.reset()
@@ -623,6 +656,15 @@ def test_acceptance_from_vllm_metrics(stub):
     assert acc["tau"] == pytest.approx(1 + (6 * ACCEPTED) / (6 * STEPS))
     assert acc["acceptance_rate"] == pytest.approx(ACCEPTED / (STEPS * K))
     assert acc["num_steps"] == 6 * STEPS
+
+
+def test_a_failed_read_of_metrics_costs_the_points_beside_it_not_the_rest(stub):
+    stub.reset(metrics_failures=1)  # the read before the first point fails; those after it answer
+    points = run_sweep(config(stub.url, [1, 2, 3], min_requests=2), prompts("a"))["points"]
+    assert [pt["metrics_acceptance"] is None for pt in points] == [True, False, False]
+    for pt in points[1:]:
+        assert pt["metrics_acceptance"]["metrics"] == "vllm"
+        assert pt["metrics_acceptance"]["tau"] == pytest.approx(1 + ACCEPTED / STEPS)
 
 
 def test_no_acceptance_without_fields_or_metrics(stub):
