@@ -382,7 +382,9 @@ def point_line(p: dict) -> str:
                "tokenizer": "tokens counted by the tokenizer: the endpoint sent no usage"}
     notes = ([counted[p["tokens_from"]]] if p["tokens_from"] in counted else []) + (
         [f"{p['repeated_prompts']} repeated prompts"] if p.get("repeated_prompts") else []) + (
-        [f"{p['ended_early']} answers ended before max_tokens despite ignore_eos"] if p.get("ended_early") else [])
+        [f"{p['ended_early']} answers ended before max_tokens despite ignore_eos"] if p.get("ended_early") else []) + (
+        [f"tau from /metrics over steps that made {acc['coverage']:.0%} of the tokens"]
+        if acc and acc.get("source") == "metrics" and (acc.get("coverage") or 1) < 0.9 else [])
     return (f"c={p['concurrency']:<4} {p['output_tok_s']:8.1f} tok/s  {fig(p['tok_s_per_user'], 7, 1)} tok/s/user  "
             f"{p['tok_s_per_gpu']:8.1f} tok/s/GPU  TTFT p50 {fig(p['ttft_s']['p50'], 7, 0, 1000)} ms  "
             f"TPOT p50 {fig(p['tpot_s']['p50'], 6, 1, 1000)} ms{tau}{cached}{failed}"

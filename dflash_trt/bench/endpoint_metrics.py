@@ -11,7 +11,8 @@ Understands:
   `specDecodingStats` holding numDraftTokens, numAcceptedTokens and numRequestsWithDraftTokens
   (tensorrt_llm/serve/openai_server.py get_iteration_stats; docs/source/commands/trtllm-serve). It is a queue that
   each GET drains, so a scrape already covers just the interval since the previous one. The server records these
-  only with `enable_iter_perf_stats: true` in its config and keeps a bounded number of iterations between reads.
+  only with `enable_iter_perf_stats: true` in its config and keeps a bounded number of iterations between reads
+  (the sweep reads it every few seconds while a point runs).
 
 SGLang exposes only gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`: the average over its last
 logging window, python/sglang/srt/metrics/collector.py), which cannot be turned into an interval's figure, so it
@@ -75,6 +76,18 @@ def parse_trtllm_iteration_stats(stats: list) -> dict[str, float]:
         out[TRTLLM_ACCEPTED] += float(spec.get("numAcceptedTokens") or 0)
         out[TRTLLM_REQUESTS_WITH_DRAFTS] += float(spec.get("numRequestsWithDraftTokens") or 0)
     return out
+
+
+def drains(values: dict[str, float] | None) -> bool:
+    """Whether a scrape came from trtllm-serve, whose /metrics queue each read empties and which keeps a bounded
+    number of iterations between reads (1000 by default, iter_stats_max_iterations): a point longer than that is read
+    as it runs and the reads summed (sum_drained)."""
+    return values is not None and TRTLLM_ITERATIONS in values
+
+
+def sum_drained(scrapes: list[dict[str, float]]) -> dict[str, float]:
+    """trtllm-serve scrapes of consecutive intervals as one (each holds sums over its own iterations)."""
+    return {key: sum(s.get(key, 0.0) for s in scrapes) for key in dict.fromkeys(k for s in scrapes for k in s)}
 
 
 async def scrape(client: httpx.AsyncClient, metrics_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_trt import dir_swap
-from dflash_trt.bench.endpoint_metrics import acceptance_delta, scrape
+from dflash_trt.bench.endpoint_metrics import acceptance_delta, drains, scrape, sum_drained
 
 if TYPE_CHECKING:
     from dflash_trt.bench.datasets import BenchPrompt
@@ -97,6 +97,9 @@ class SweepConfig:
     # Servers may count a step in /metrics only after sending its tokens; waiting this long before each
     # scrape keeps the last step of one point from landing in the next.
     metrics_settle_s: float = 0.2
+    # trtllm-serve keeps its last 1000 iterations between reads of /metrics (each read empties them): read this often
+    # while a point runs, so that its acceptance covers the whole point rather than its tail
+    metrics_every_s: float = 2.0
 
     def __post_init__(self) -> None:
         self.concurrencies = [int(c) for c in self.concurrencies]
@@ -612,11 +615,14 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
             running.update(concurrency=c)
             before = metrics
             sent, repeats = stream.take(cfg.requests_at(c))
-            results = await run_requests(client, cfg, sent, c, stage=f"c={c}")
+            async with _drained_while_running(client, cfg, before) as drained:
+                results = await run_requests(client, cfg, sent, c, stage=f"c={c}")
             # asked after every point, also where a read failed before: one refused or timed-out read costs the
             # points on either side of it their figure, not every later point's
             await asyncio.sleep(cfg.metrics_settle_s)
             after = metrics = await scrape(client, cfg.metrics_url)
+            if drained and after is not None:
+                after = sum_drained([*drained, after])
             if count_tokens is not None:
                 for r in results:
                     if r.ok and r.completion_tokens is None:
@@ -629,6 +635,12 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
                 raise
             point["repeated_prompts"] = repeats  # requests a prefix cache may have answered in part
             from_metrics = acceptance_delta(before, after)
+            if from_metrics is not None:
+                # tokens the figure's steps committed over the tokens the point decoded (its first tokens came from
+                # prefill): under 1 where steps ran plain, or where trtllm-serve dropped iterations between reads
+                decoded = sum(max(r.output_tokens - 1, 0) for r in results if r.ok)
+                committed = from_metrics["tau"] * from_metrics["num_steps"]
+                from_metrics["coverage"] = committed / decoded if decoded else None
             point["acceptance"] = response_acceptance([r for r in results if r.ok]) or from_metrics
             point["metrics_acceptance"] = from_metrics  # kept beside the response figure as a cross-check
             result["points"].append(point)
@@ -638,6 +650,34 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
                 on_point(point)
             keep(result)
     return result
+
+
+@contextlib.asynccontextmanager
+async def _drained_while_running(client: httpx.AsyncClient, cfg: SweepConfig, before: dict[str, float] | None):
+    """The scrapes of trtllm-serve's /metrics taken every cfg.metrics_every_s while the block runs (none for other
+    endpoints): each read empties its bounded queue. The last read in flight is awaited, never cancelled: the server
+    has emptied its queue into that answer."""
+    drained: list[dict[str, float]] = []
+    if not drains(before):
+        yield drained
+        return
+    stop = asyncio.Event()
+
+    async def reader() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.metrics_every_s)
+                return
+            got = await scrape(client, cfg.metrics_url)
+            if got is not None:
+                drained.append(got)
+
+    task = asyncio.create_task(reader())
+    try:
+        yield drained
+    finally:
+        stop.set()
+        await task
 
 
 def run_sweep(cfg: SweepConfig, prompts: Sequence[BenchPrompt], dataset: str | None = None,
@@ -652,7 +692,7 @@ _SUMMARY = ("mean", "p50", "p90", "p99")
 # Every key any source puts in an acceptance record (response_acceptance, _trtllm_acceptance, acceptance_delta).
 _ACCEPTANCE = ("source", "field", "metrics", "tau", "num_steps", "acceptance_rate", "acceptance_per_position",
                "acceptance_histogram", "total_draft_tokens", "total_accepted_draft_tokens", "num_requests",
-               "num_iterations")
+               "num_iterations", "coverage")
 # The CSV's columns, all of them in every file whatever the endpoint reports (an empty cell for null), so CSVs of
 # different runs concatenate; a merged run's rounds last.
 CSV_COLUMNS: tuple[str, ...] = (

@@ -66,6 +66,7 @@ class StubState:
     arrivals: list = field(default_factory=list)  # (request body, in flight including this one)
     finished: int = 0
     iteration_stats: list = field(default_factory=list)  # trtllm-serve's queue, drained by each GET /metrics
+    stats_cap: int | None = None  # the queue keeps its last this many iterations (iter_stats_max_iterations)
     fail_after: int | None = None  # requests after this many arrivals fail (a server that goes down mid-sweep)
     cached_tokens: int | None = None  # usage's prompt_tokens_details.cached_tokens, where set
     usage_patch: dict = field(default_factory=dict)  # prompt text -> entries that replace its usage's
@@ -165,6 +166,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
                         "specDecodingStats": {"numDraftTokens": K, "numAcceptedTokens": got,
                                               "numRequestsWithDraftTokens": 1, "acceptanceLength": 1.0 + got,
                                               "iterLatencyMS": 2.0, "draftOverhead": 0.1}})
+                if state.stats_cap is not None:
+                    del state.iteration_stats[:-state.stats_cap]
                 usage = {"prompt_tokens": len(text),
                          "completion_tokens": chunks * state.tokens_per_chunk * state.events_per_chunk,
                          **state.usage_patch.get(text, {})}
@@ -689,6 +692,25 @@ def test_acceptance_from_trtllm_serve_iteration_stats(stub):
     # without enable_iter_perf_stats trtllm-serve answers []: a readable /metrics (asked again) with no figure
     empty = parse_metrics("[]")
     assert empty is not None and acceptance_delta(empty, empty) is None
+
+
+def test_trtllm_serve_metrics_are_read_while_a_point_runs_so_none_are_dropped(stub):
+    """trtllm-serve keeps its last 1000 iterations between reads of /metrics: a point longer than that, read once
+    at its end, gave the acceptance of its tail. Read every metrics_every_s and summed, it covers the point."""
+    stub.reset(metrics_format="trtllm", stats_cap=STEPS)  # here it keeps one request's iterations
+    cfg = config(stub.url, [1], min_requests=4, metrics_every_s=0.05)
+    (pt,) = run_sweep(cfg, prompts("a"))["points"]
+    acc, n = pt["acceptance"], pt["num_requests"]
+    assert acc["num_steps"] == n * STEPS and acc["tau"] == pytest.approx((ACCEPTED + STEPS) / STEPS)
+    # the steps' committed tokens over the point's decoded ones (each answer's first token comes from prefill)
+    assert acc["coverage"] == pytest.approx(n * (ACCEPTED + STEPS) / (n * (pt["output_tokens"] // n - 1)))
+    stub.reset(metrics_format="trtllm", stats_cap=STEPS)
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=4, metrics_every_s=60), prompts("a"))["points"]
+    assert pt["acceptance"]["num_steps"] == STEPS  # read at the end alone: the last request's iterations
+    assert pt["acceptance"]["coverage"] == pytest.approx(acc["coverage"] / n)
+    from dflash_trt.bench.cli import point_line
+
+    assert f"tau from /metrics over steps that made {acc['coverage'] / n:.0%} of the tokens" in point_line(pt)
 
 
 def test_trtllm_iteration_stats_as_json_strings():
