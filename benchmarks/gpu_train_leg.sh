@@ -86,8 +86,13 @@ left=$(( DEADLINE - ($(date +%s) - start) - 15 ))
 eval_prompts=12
 [ -f /root/smoke_ok ] || { eval_prompts=0; echo "no /root/smoke_ok from call 1: choosing by held-out loss"; }
 echo "target built and data ready at $(( $(date +%s) - start )) s; $left s for training"
-# under 2 minutes the runs would spend it loading and evaluating (and timeout 0 means no limit): none
-[ "$left" -ge 120 ] || { echo "only $left s left of DEADLINE=$DEADLINE: no training"; exit 1; }
+# under 2 minutes the runs would spend it loading and evaluating (and timeout 0 means no limit): none, the grown
+# data kept
+if [ "$left" -lt 120 ]; then
+  echo "only $left s left of DEADLINE=$DEADLINE: no training"
+  [ -f /root/gen/responses.jsonl.gz ] && cp /root/gen/responses.jsonl.gz "$OUT/"
+  exit 1
+fi
 common=(--target-dir /root/target --records "$records" --init-drafter drafters/smollm2-135m-dflash
         --deadline-s "$left" --eval-every 300 --eval-prompts "$eval_prompts")
 # -k: a run stuck past SIGTERM (its step in flight, a checkpoint) must not hold the tar back past the call's 600 s

@@ -57,7 +57,7 @@ class _VerifiedRecord:
         from dflash_trt.embedded import cache_dir
 
         self.engine = str(engine_path.absolute())
-        key = hashlib.sha256(str(engine_path).encode()).hexdigest()[:16]
+        key = hashlib.sha256(self.engine.encode()).hexdigest()[:16]
         self.path = cache_dir() / "verified" / f"{engine_path.name}-{key}.json"
 
     def read(self) -> dict:
@@ -78,10 +78,18 @@ class _VerifiedRecord:
         self._remove_orphans()
 
     def _remove_orphans(self) -> None:
+        """Records of engines gone, and of releases before records named their engine (read() takes none of them).
+        A record another process rewrites meanwhile costs that engine one hashing; an engine whose path cannot be
+        looked at (a folder this user may not enter) keeps its record."""
         for other in self.path.parent.glob("*.json"):
-            engine = _read_record(other).get("engine")
-            if other != self.path and isinstance(engine, str) and not Path(engine).exists():
-                other.unlink(missing_ok=True)  # a record another process rewrites meanwhile costs it one hashing
+            if other == self.path:
+                continue
+            try:
+                engine = _read_record(other).get("engine")
+                if not isinstance(engine, str) or not Path(engine).exists():
+                    other.unlink(missing_ok=True)
+            except OSError:
+                continue
 
 
 def _read_record(path: Path) -> dict:

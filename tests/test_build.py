@@ -146,6 +146,15 @@ def test_records_of_engines_deleted_since_are_removed_as_another_is_verified(tin
     EngineDir(new).verify()
     left = sorted(json.loads(f.read_text())["engine"] for f in records.glob("*.json"))
     assert left == sorted([str(kept), str(new)])
+    # a record of a release before records named their engine (read by none now) goes too; one naming a path that
+    # cannot be looked at (here a name too long for the file system) stays, and opening the engine does not fail
+    (records / "old-0123456789abcdef.json").write_text(json.dumps({"manifest.json": ["x", 1, 2, 3, 4, 5]}))
+    unlookable = records / "far-0123456789abcdef.json"
+    unlookable.write_text(json.dumps({"engine": "/" + "x" * 300 + "/e", "files": {}}))
+    shutil.rmtree(new)
+    shutil.copytree(tiny_engine, new)  # new inodes: its record is written again
+    EngineDir(new).verify()
+    assert sorted(f.name for f in records.glob("*.json") if f.name.startswith(("old-", "far-"))) == [unlookable.name]
 
 
 def test_checksum_mismatch_is_refused_by_generate_and_open_engine(tiny_engine, tmp_path):

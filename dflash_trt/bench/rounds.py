@@ -96,12 +96,13 @@ def merge_rounds(runs: Sequence[dict], names: Sequence[str] | None = None) -> di
 
 def _sweep_identity(run: dict) -> dict:
     """What rounds of one sweep share: the endpoint, the model, the dataset (where named) and the sweep's settings
-    (all but the seed of the prompt order)."""
+    (all but the seed of the prompt order and how often /metrics is read, which a release may add or change)."""
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
     named = {"dataset": dataset["name"]} if dataset.get("name") is not None else {}
     return {"url": run.get("url"), "model": run.get("model"), **named,
-            **{f"config.{k}": v for k, v in config.items() if k not in ("label", "seed")}}
+            **{f"config.{k}": v for k, v in config.items()
+               if k not in ("label", "seed", "metrics_settle_s", "metrics_every_s")}}
 
 
 # What two systems compared on one workload share: the prompts (dataset, input length, the tokenizer that cut them,

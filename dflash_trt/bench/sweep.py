@@ -107,6 +107,8 @@ class SweepConfig:
             raise ValueError(f"concurrencies must be a non-empty list of integers >= 1, got {self.concurrencies}")
         if self.api not in ("chat", "completions"):
             raise ValueError(f"api must be 'chat' or 'completions', got {self.api!r}")
+        if not self.metrics_every_s > 0:
+            raise ValueError(f"metrics_every_s must be > 0, got {self.metrics_every_s}")
         for name in ("requests_per_concurrency", "min_requests", "gpus", "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -218,7 +220,10 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        starts = [t for i, t in enumerate(self.chunk_times) if i == 0 or t - self.chunk_times[i - 1] > BURST_S]
+        starts: list[float] = []
+        for t in self.chunk_times:  # a burst is measured from its first event: a late reader's backlog is not one
+            if not starts or t - starts[-1] > BURST_S:
+                starts.append(t)
         return [b - a for a, b in zip(starts, starts[1:])]
 
 
@@ -621,8 +626,8 @@ async def _points(cfg: SweepConfig, prompts: list[BenchPrompt], result: dict, ru
             # points on either side of it their figure, not every later point's
             await asyncio.sleep(cfg.metrics_settle_s)
             after = metrics = await scrape(client, cfg.metrics_url)
-            if drained and after is not None:
-                after = sum_drained([*drained, after])
+            if drained:  # the reads taken while it ran, and the last one where it answered (coverage tells a gap)
+                after = sum_drained([*drained, *([after] if after is not None else [])])
             if count_tokens is not None:
                 for r in results:
                     if r.ok and r.completion_tokens is None:

@@ -46,6 +46,18 @@ def test_rounds_of_different_systems_or_concurrencies_are_refused():
         merge_rounds([{"label": "ar"}])
 
 
+def test_rounds_read_with_other_metrics_cadences_are_one_sweep():
+    """How often a sweep reads /metrics is how it reads, not what it measures: rounds from before a release added
+    metrics_every_s merge with rounds after it; a setting of the workload still tells sweeps apart."""
+    config = {"concurrencies": [1], "osl": 64, "metrics_settle_s": 0.2}
+    old, new = sweep_run("ar", {1: 1.0}, "r1"), sweep_run("ar", {1: 2.0}, "r2")
+    old["config"], new["config"] = config, {**config, "metrics_every_s": 2.0, "metrics_settle_s": 0.5}
+    assert merge_rounds([old, new])["rounds"] == 2
+    new["config"]["osl"] = 32
+    with pytest.raises(ValueError, match="osl"):
+        merge_rounds([old, new])
+
+
 def test_paired_ratios_pair_the_rounds_in_order():
     ar = merge_rounds([sweep_run("ar", {1: v, 8: 10 * v}) for v in (100.0, 80.0, 120.0)])
     engine = merge_rounds([sweep_run("engine", {1: v, 8: 10 * v}) for v in (110.0, 84.0, 114.0)])

@@ -19,7 +19,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dflash_trt.bench.endpoint_metrics import acceptance_delta, parse_metrics
 from dflash_trt.bench.sweep import (
+    BURST_S,
     PromptStream,
+    RequestResult,
     SweepConfig,
     SweepError,
     csv_path_of,
@@ -58,6 +60,7 @@ class StubState:
     usage: bool = True
     metrics: bool = True
     metrics_failures: int = 0  # the next reads of /metrics that fail (a server busy past the read's timeout)
+    metrics_fail_after: int | None = None  # reads fail once this many requests have finished
     acceptance: dict = field(default_factory=dict)  # prompt text -> (tau, num_steps)
     decoded_per_iter: dict = field(default_factory=dict)  # prompt text -> trtllm-serve's avg_decoded_tokens_per_iter
     gaps: dict = field(default_factory=dict)  # prompt text -> seconds between its chunks (default GAP)
@@ -197,6 +200,8 @@ def stub_app(state: StubState, n_chunks: int = 6):
         if state.metrics_failures:
             state.metrics_failures -= 1
             return PlainTextResponse("busy", status_code=503)
+        if state.metrics_fail_after is not None and state.finished >= state.metrics_fail_after:
+            return PlainTextResponse("busy", status_code=503)
         if state.metrics_format == "trtllm":  # a JSON list, and the queue is emptied by the read
             stats, state.iteration_stats = state.iteration_stats, []
             return JSONResponse(stats)
@@ -320,6 +325,16 @@ def test_a_steps_tokens_sent_one_event_each_are_one_chunk_for_itl(stub):
     assert GAP <= pt["itl_s"]["p50"] <= GAP + 0.015
     span = 5 * GAP
     assert span / 23 <= pt["tpot_s"]["mean"] <= (span + 0.03) / 23  # TPOT stays per token
+
+
+def test_a_burst_is_measured_from_its_first_event_so_a_backlog_is_not_one_chunk():
+    """Events each under BURST_S after the one before, read back to back by a client that fell behind, are several
+    steps' chunks: only those within BURST_S of a burst's first event join it."""
+    step = 0.6 * BURST_S
+    r = RequestResult("p", 0.0, chunk_times=[i * step for i in range(6)])
+    assert r.itls == pytest.approx([2 * step, 2 * step])
+    assert RequestResult("p", 0.0, chunk_times=[0.0, 0.1 * BURST_S, 0.02, 0.02 + 0.1 * BURST_S]).itls == \
+        pytest.approx([0.02])
 
 
 def test_tokens_come_from_usage_else_from_chunks(stub):
@@ -711,6 +726,16 @@ def test_trtllm_serve_metrics_are_read_while_a_point_runs_so_none_are_dropped(st
     from dflash_trt.bench.cli import point_line
 
     assert f"tau from /metrics over steps that made {acc['coverage'] / n:.0%} of the tokens" in point_line(pt)
+
+
+def test_a_failed_last_read_keeps_the_reads_taken_while_the_point_ran(stub):
+    stub.reset(metrics_format="trtllm", metrics_fail_after=4)  # reads fail once the point's 4 requests are done
+    (pt,) = run_sweep(config(stub.url, [1], min_requests=4, metrics_every_s=0.05), prompts("a"))["points"]
+    acc = pt["acceptance"]
+    assert acc["metrics"] == "trtllm" and STEPS <= acc["num_steps"] < 4 * STEPS  # the last request's went unread
+    assert acc["coverage"] < (ACCEPTED + STEPS) / 5  # the stub's whole point: its 6-token answers decode 5 each
+    with pytest.raises(ValueError, match="metrics_every_s must be > 0"):
+        config(stub.url, [1], metrics_every_s=0)
 
 
 def test_trtllm_iteration_stats_as_json_strings():
