@@ -225,7 +225,8 @@ def test_the_kernel_fits_the_shared_memory_of_a_consumer_gpu_in_both_dtypes(tmp_
     # (kv heads, query heads per kv head, head_dim, block of K+1 queries): gpt-oss-120b's drafter at K=9, Qwen3-8B's
     # at K=15, SmolLM2's at K=7
     shapes = [(8, 8, 64, 10), (8, 4, 128, 16), (3, 3, 64, 8)]
-    cases = [[dtype, *shape] for dtype in ("float32", "bfloat16") for shape in shapes]
+    # every shape in fp32 (the tiles that outgrew the limit), the largest in bf16 (half the bytes a tile)
+    cases = [["float32", *shape] for shape in shapes] + [["bfloat16", *shapes[1]]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True, env=env,
                        timeout=240)
