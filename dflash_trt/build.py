@@ -24,7 +24,6 @@ import yaml
 
 from dflash_trt import dir_swap
 from dflash_trt.config import BuildConfig, build_config_from_dict, load_build_config
-from dflash_trt.draft_schedule import DRAFTING_STOPS, first_idle_batch
 from dflash_trt.engine_dir import (BUILD_REPLACED, BUILD_WRITING, FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST,
                                    manifest_digest, read_manifest)
 from dflash_trt.hardware import HardwareProfile, profile
@@ -109,33 +108,12 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     perf = plan_performance(tcfg, dcfg, cfg, hw, k, cuda_graph_batch_sizes(cfg), vocab)
     if auto:
         cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)
-    if hw.kind == "gpu" and drafter is not None:
-        _check_drafting_continues(cfg, config_path)
     plan = plan_build(tcfg, dcfg, cfg, hw, k)
     plan.performance = perf.section
     if not plan.fits:
         raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
-
-
-def _check_drafting_continues(cfg: BuildConfig, config_path) -> None:
-    """ValueError naming the key where a GPU build's TensorRT-LLM would draft K=0 at some batch size
-    (draft_schedule.DRAFTING_STOPS)."""
-    spec, top = cfg.speculative_config, cfg.max_batch_size
-    if spec.max_concurrency is not None and spec.max_concurrency < top:
-        raise ValueError(
-            f"{config_path}: speculative_config.max_concurrency={spec.max_concurrency} drafts nothing above "
-            f"{spec.max_concurrency} requests: {DRAFTING_STOPS}; write draft_len_schedule: "
-            f"{{1: {spec.max_draft_len or 'K'}, {spec.max_concurrency}: {spec.max_draft_len or 'K'}, {top}: 1}} instead"
-        )
-    schedule = spec.draft_len_schedule
-    if isinstance(schedule, dict) and (b := first_idle_batch(schedule, top)) is not None:
-        raise ValueError(
-            f"{config_path}: speculative_config.draft_len_schedule={dict(sorted(schedule.items()))} drafts nothing "
-            f"at a batch of {b} (max_batch_size={top}): {DRAFTING_STOPS}; draft K=1 there instead"
-            + (f" (end it with {top}: 1)" if b > max(schedule) else "")
-        )
 
 
 def _check_generation_config(path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from dflash_trt.draft_schedule import check_table, with_k
+from dflash_trt.draft_schedule import check_drafting_continues, check_table, with_k
 from dflash_trt.hardware import PROFILE_NAMES, profile
 from dflash_trt.sampling_params import is_int
 
@@ -249,6 +249,9 @@ class BuildConfig(_Strict):
                 f"kv_cache_config.tokens_per_block={pages}: speculative_config.attention_backend=TRTLLM takes pages "
                 f"of {', '.join(map(str, sorted(TRTLLM_GEN_PAGE_SIZES)))} tokens"
             )
+        if spec is not None and hw.kind == "gpu":  # served by TensorRT-LLM, whose DFlash must draft at every size
+            check_drafting_continues(spec.draft_len_schedule, spec.max_concurrency, spec.max_draft_len,
+                                     self.max_batch_size)
         if self.cuda_graph_config and self.cuda_graph_config.max_batch_size > self.max_batch_size:
             raise ValueError(
                 f"cuda_graph_config.max_batch_size={self.cuda_graph_config.max_batch_size} exceeds "

@@ -130,3 +130,19 @@ def first_idle_batch(schedule: Mapping[int, int], max_batch_size: int) -> int | 
         if b <= max_batch_size and expand(schedule, b) == 0:
             return b
     return None
+
+
+def check_drafting_continues(schedule: Mapping[int, int] | str | None, max_concurrency: int | None,
+                             max_draft_len: int | None, max_batch_size: int) -> None:
+    """ValueError naming the key where TensorRT-LLM would draft K=0 at a batch size up to max_batch_size
+    (DRAFTING_STOPS): a schedule's 0 or its last key below it, or max_concurrency below it. `auto` is checked once
+    chosen."""
+    if max_concurrency is not None and max_concurrency < max_batch_size:
+        k = max_draft_len or "K"
+        raise ValueError(f"speculative_config.max_concurrency={max_concurrency} drafts nothing above {max_concurrency} "
+                         f"requests: {DRAFTING_STOPS}; write draft_len_schedule: {{1: {k}, {max_concurrency}: {k}, "
+                         f"{max_batch_size}: 1}} instead")
+    if isinstance(schedule, Mapping) and (b := first_idle_batch(schedule, max_batch_size)) is not None:
+        raise ValueError(f"speculative_config.draft_len_schedule={dict(sorted(schedule.items()))} drafts nothing at a "
+                         f"batch of {b} (max_batch_size={max_batch_size}): {DRAFTING_STOPS}; draft K=1 there instead"
+                         + (f" (end it with {max_batch_size}: 1)" if b > max(schedule) else ""))

@@ -161,7 +161,8 @@ def test_a_batch_whose_verified_tokens_pass_max_num_tokens_is_noted_and_its_logi
         ({"enable_padding": True, "max_batch_size": 512}, None,
          [1, 2, 4] + list(range(8, 129, 8)) + [192, 256, 320, 384, 448, 512]),
         ({"enable_padding": False, "max_batch_size": 40}, None, list(range(1, 33)) + [40]),
-        ({"batch_sizes": [4, 1, 64]}, {1: 5, 20: 5, 64: 2}, [1, 4, 20, 64]),
+        # schedule keys within the graphs join their sizes (512: a GPU build drafts at every batch size up to it)
+        ({"batch_sizes": [4, 1, 64]}, {1: 5, 20: 5, 64: 2, 512: 1}, [1, 4, 20, 64]),
     ],
 )
 def test_cuda_graph_batch_sizes(graph, schedule, expected):
