@@ -242,7 +242,7 @@ def attend(
 ) -> torch.Tensor:
     """q: [B, H, Q, D], k/v: [B, KVH, T, D] -> [B, Q, H * D]. GQA by head groups."""
     if sinks is not None:
-        out = _attend_with_sinks(q, k, v, mask, scale, sinks)
+        out = _attend_grouped(q, k, v, mask, scale, sinks)
     elif _takes_grouped_path(q):
         # bf16 batched matmuls copy a strided batch (a cache view) themselves, transposing K as they go: slower
         # than this plain copy first (1.6x at 8 rows x 300 keys, 2.4x at 1,000, as ops).
@@ -292,32 +292,22 @@ def _grouped_is_faster(rows: int, queries: int) -> bool:
     return queries == 1 and rows >= 3
 
 
-def _attend_grouped(q, k, v, mask, scale):
-    # Query heads of one KV head share a matmul: no K/V expansion.
+def _attend_grouped(q, k, v, mask, scale, sinks=None):
+    """Query heads of one KV head share a matmul: no K/V expansion (repeated per query head, K/V copied gpt-oss's
+    whole cache 8 times a layer: 4 GB a layer at 32 rows of 8k keys in bf16). sinks: a per-head logit that joins the
+    softmax denominator but contributes no value (gpt-oss)."""
     b, h, n, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
     scores = torch.matmul(q.reshape(b, kvh, g * n, d), k.transpose(-1, -2)).float() * scale  # [B, KVH, G*Q, T]
+    t = scores.shape[-1]
     if mask is not None:  # mask: [B or 1, 1, Q or 1, T], broadcast like SDPA's
-        t = scores.shape[-1]
         visible = mask.reshape(mask.shape[0], 1, 1, mask.shape[2], t)
         scores = scores.view(b, kvh, g, n, t).masked_fill(~visible, float("-inf"))
         scores = scores.view(b, kvh, g * n, t)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(b, h, n, d)
-
-
-def _attend_with_sinks(q, k, v, mask, scale, sinks):
-    """A per-head sink logit joins the softmax denominator but contributes no value. The query heads of a KV head
-    share its matmuls, as in _attend_grouped: K/V repeated per query head copied gpt-oss's whole cache 8 times a
-    layer (4 GB a layer at 32 rows of 8k keys in bf16)."""
-    b, h, n, d = q.shape
-    kvh, t = k.shape[1], k.shape[2]
-    g = h // kvh
-    scores = torch.matmul(q.reshape(b, kvh, g * n, d), k.transpose(-1, -2)).float() * scale  # [B, KVH, G*Q, T]
-    scores = scores.view(b, kvh, g, n, t)
-    if mask is not None:  # mask: [B or 1, 1, Q or 1, T], broadcast like SDPA's
-        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, mask.shape[2], t), float("-inf"))
-    sink = sinks.float().view(1, kvh, g, 1, 1).expand(b, kvh, g, n, 1)  # query head h = kv head * G + group
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.reshape(b, kvh, g * n, t).to(v.dtype), v).view(b, h, n, d)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # query head h = kv head * G + group
+        sink = sinks.float().view(1, kvh, g, 1, 1).expand(b, kvh, g, n, 1).reshape(b, kvh, g * n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v).view(b, h, n, d)
