@@ -28,9 +28,9 @@
 #
 # After the leg, on the CPU, in one session (held-out tau in the run's log is a selection figure, not a result):
 #   cat res.tar.part* | tar -x -C /tmp/leg   (lN/drafter; lN.log; NOT_FINISHED_NORMALLY where a run was cut short)
-#   .venv/bin/python benchmarks/bench_drafter.py --drafter D --prompts 4 --ks 3,7 --name NAME (a NAME per drafter:
-#     results/NAME.json) for the shipped drafter and each lN/drafter: held-out 0-3, the only prefix of its 16 disjoint
-#     from the 12 the run chose on (the first 12 held-out greedy records, held-out 4, 12, 13 and 14 among them)
+#   .venv/bin/python benchmarks/bench_drafter.py --drafter D --prompts 13 --ks 3,7 --name NAME (a NAME per drafter:
+#     results/NAME.json) for the shipped drafter and each lN/drafter: held-out 0-12, the longest prefix of its 16
+#     disjoint from the 12 the run chose on (held-out greedy records, each source in turn; held-out 13 among them)
 #   .venv/bin/python benchmarks/diagnose_acceptance.py --drafter D: the per-slot picture only, never a reason to ship
 #   ship only on bench_drafter's figures and `dflash-trt bench speed engines/... --dataset cpu-small` (issue 8's 2x
 #   at one stream is measured so): the candidate's engine built from a copy of build_configs/smollm2-135m-cpu.yaml

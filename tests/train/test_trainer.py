@@ -764,3 +764,20 @@ def test_a_save_that_fails_names_the_file_and_leaves_no_part_of_it(trained, monk
     with pytest.raises(OSError, match=r"cannot write .*drafter.* MiB free there"):
         tr.export(root / "full_disk" / "drafter", {})
     assert sorted(p.name for p in (root / "full_disk").iterdir() if p.name != "train_log.jsonl") == []
+
+
+def test_held_out_scores_take_each_source_in_turn_however_the_data_is_stored(trained):
+    """SmolLM2's data stores its 98 chatterbot held-out records first: the first 16 greedy prompts, and the held-out
+    loss's 32 records, chose the drafter on trivia alone."""
+    t, root = trained
+    records = read_records(root / "data" / "responses.jsonl")
+    # stored source by source; records with cached features, so that they are scored
+    held = [r | {"split": "heldout", "source": "trivia/a" if i < 4 else "code/b"} for i, r in enumerate(records[:8])]
+    family = {r["id"]: r["source"].split("/")[0] for r in held}
+    tr = _trainer(t, root, root / "by_source", held + [r for r in records[8:] if r["split"] == "train"],
+                  eval_prompts=4)
+    assert [family[r["id"]] for r in tr.heldout] == ["trivia", "code"] * 4
+    assert [r["id"] for r in tr.heldout if family[r["id"]] == "code"] == [r["id"] for r in held[4:]]  # in order
+    of_prompt = {tuple(r["prompt_ids"]): family[r["id"]] for r in held}
+    assert len(of_prompt) == len(held)
+    assert [of_prompt[tuple(p)] for p in tr._eval_prompts()] == ["trivia", "code"] * 2
