@@ -57,6 +57,17 @@ class IncrementalDetokenizer:
         else:
             text = self._decode(token_ids)
             text = text[: len(text) - self._stop_prefix_len(text, self._stops_after(token_ids, text))]
+        return self._sent(text)
+
+    def text_delta(self, text: str, final_text: str | None = None) -> str:
+        """delta() for an engine that decodes its own tokens (TensorRT-LLM's outputs carry their text so far): held
+        back alike, where that engine would cut a stop string from its final text only (min_tokens aside)."""
+        if final_text is None:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text) - self._stop_prefix_len(text)]
+        return self._sent(final_text if final_text is not None else text)
+
+    def _sent(self, text: str) -> str:
         if len(text) <= len(self.text):
             return ""
         new = text[len(self.text):]

@@ -10,7 +10,9 @@ engine's trtllm/config.yaml. Only Triton imports this file (triton_python_backen
 import asyncio
 import json
 import os
+import queue
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -18,6 +20,9 @@ import triton_python_backend_utils as pb_utils
 from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings, located
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# how often live requests are asked whether their client cancelled (TensorRT-LLM's llmapi model's
+# cancellation_check_period_ms default)
+CANCEL_POLL_S = 0.1
 
 
 def _text(value: bytes, name: str) -> str:
@@ -109,6 +114,21 @@ INPUT_OF = {"max_new_tokens": "sampling_param_max_tokens", "temperature": "sampl
             "top_p": "sampling_param_top_p", "top_k": "sampling_param_top_k", "stop": "sampling_param_stop"}
 
 
+def _sampling_rule(temperature, top_p, top_k) -> dict:
+    """TensorRT-LLM's SamplingParams rule for the three, None where a client left one out: greedy where none is
+    given, or top_k is 1, top_p 0 or temperature 0 (its params_imply_greedy_decoding); otherwise a top_p or top_k
+    given alone samples at temperature 1 (its docstring: "temperature will default to temperature = 1"). A client of
+    TensorRT-LLM's own Triton model that sends only top_p samples, and samples here too."""
+    given = [v for v in (temperature, top_p, top_k) if v is not None]
+    if not given or top_k == 1 or top_p == 0 or temperature == 0:
+        # the others still checked as given: a temperature of -1 beside top_k 1 is refused, as TensorRT-LLM's is
+        return dict(temperature=0.0 if temperature is None or temperature >= 0 else float(temperature),
+                    top_p=1.0 if top_p is None or top_p == 0 else float(top_p),
+                    top_k=0 if top_k is None or top_k == 1 else int(top_k))
+    return dict(temperature=1.0 if temperature is None else float(temperature),
+                top_p=1.0 if top_p is None else float(top_p), top_k=0 if top_k is None else int(top_k))
+
+
 def _sampling_params(cls, params: dict):
     """cls(**params) (this project's SamplingParams), a ValueError naming the Triton input a client sent."""
     try:
@@ -141,32 +161,134 @@ def _cancelled():
     return _error("request cancelled by the client", pb_utils.TritonError.CANCELLED)
 
 
+class Answer:
+    """A request as the thread that answers it sees it (the torch backend's Responder, the trtllm backend's loop)."""
+
+    def __init__(self, sender, detok, streaming):
+        self.sender, self.detok, self.streaming = sender, detok, streaming
+        self.request_id = None
+        self.done = False  # answered with the final flag
+
+
+class Responder:
+    """Answers the torch backend's requests on a thread of its own. The engine thread only queues each update: a
+    send is a round trip to Triton's process (0.1-0.4 ms measured on tritonserver 2.51 here), which each row's would add to every
+    step, and the detokenizer's work goes with it. Every CANCEL_POLL_S, each request not yet answered is asked whether
+    its client cancelled (as TensorRT-LLM's llmapi model polls), so one still waiting for a row is aborted at once,
+    not once it has one; an answer that fails is still ended with the final flag."""
+
+    def __init__(self, loop, counters):
+        from dflash_trt.engine.engine_loop import SHUTTING_DOWN
+
+        self.loop, self.counters, self._shutting_down = loop, counters, SHUTTING_DOWN
+        self._inbox = queue.SimpleQueue()  # (answer, update); (answer, None): polled from now on; None: stop
+        self._live = set()
+        self._thread = threading.Thread(target=self._run, name="dflash-triton-responder", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, sampling, answer):
+        answer.request_id = self.loop.submit(prompt, sampling, lambda update: self._inbox.put((answer, update)))
+        self._inbox.put((answer, None))
+
+    def close(self, timeout=10.0):
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def _run(self):
+        poll_at = time.monotonic() + CANCEL_POLL_S
+        while True:
+            try:
+                item = self._inbox.get(timeout=max(0.0, poll_at - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                answer, update = item
+                if update is not None:
+                    self._update(answer, update)
+                elif not answer.done:
+                    self._live.add(answer)
+            if time.monotonic() >= poll_at:
+                for answer in list(self._live):
+                    self._poll(answer)
+                poll_at = time.monotonic() + CANCEL_POLL_S
+
+    def _poll(self, answer):
+        try:
+            cancelled = answer.sender.is_cancelled()
+        except Exception as e:  # a sender Triton has closed: nothing more can reach its client
+            pb_utils.Logger.log_warn(f"dflash: request {answer.request_id}: {e}")
+            cancelled = True
+        if cancelled:
+            self.loop.abort(answer.request_id)  # waiting or running (its own final update then goes nowhere)
+            self._finish(answer, _cancelled())
+
+    def _update(self, answer, update):
+        if answer.done:  # cancelled: the engine's own final update for it goes nowhere
+            return
+        try:
+            if update.error is not None:
+                # ended by a stop: UNAVAILABLE (HTTP 503), as a request that comes after it is answered
+                code = pb_utils.TritonError.UNAVAILABLE if update.error == self._shutting_down else None
+                self._finish(answer, _error(update.error, code))
+                return
+            out = update.output
+            if answer.streaming:
+                delta = answer.detok.delta(update.token_ids, out.text if out is not None else None)
+                if out is None:
+                    if delta:
+                        answer.sender.send(_response(delta))
+                    return
+                text = delta
+            elif out is None:
+                return
+            else:
+                text = out.text
+            self._finish(answer, _response(text, out.finish_reason, out.total_accepted_draft_tokens,
+                                           out.total_draft_tokens), out)
+        except Exception as e:
+            if not answer.done:
+                self.loop.abort(update.request_id)
+                self._finish(answer, _error(f"answering the request failed: {e}"))
+
+    def _finish(self, answer, response, out=None):
+        self._live.discard(answer)
+        counts = () if out is None else (out.num_tokens, len(out.acceptance_lengths), out.total_draft_tokens,
+                                         out.total_accepted_draft_tokens)
+        _final(answer, response, self.counters, *counts)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.settings = ModelSettings.from_parameters(located(params, args["model_repository"]))
         self.counters = Counters(args["model_name"], args["model_version"])
+        self._finalized = threading.Event()
         if self.settings.backend == "trtllm":
             self._init_trtllm()
-            return
-        from dflash_trt.engine.engine_loop import EngineLoop
-
-        self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
-        self.engine = self.loop.engine
-        self._finalized = threading.Event()
+        else:
+            self._init_torch()
         marker = os.environ.get(STOP_FILE_ENV)
         if marker:
             threading.Thread(target=self._stop_when_marked, args=(marker,), daemon=True).start()
 
+    def _init_torch(self):
+        from dflash_trt.engine.engine_loop import EngineLoop
+
+        self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
+        self.engine = self.loop.engine
+        self.responder = Responder(self.loop, self.counters)
+
     def _stop_when_marked(self, marker):
         """`dflash-trt triton serve` marks a stop before it signals tritonserver, which waits for requests in flight
-        (finalize comes only after them): the loop stops now, so each ends with an error ("server shutting down"),
-        as `dflash-trt serve` ends them, and new ones are refused."""
+        (finalize comes only after them): they end now, each with an error ("server shutting down"), as
+        `dflash-trt serve` ends them, and new ones are refused."""
         while not os.path.exists(marker):
             if self._finalized.wait(0.2):  # unloaded otherwise (tritonserver's own model control)
                 return
-        self.loop.stop()
+        self._stop_generating()
 
     def execute(self, requests):
         from dflash_trt.engine.engine_loop import LoopStopped
@@ -187,11 +309,12 @@ class TritonPythonModel:
         return None  # responses go through the senders (one each where the model is not decoupled)
 
     def finalize(self):
+        self._finalized.set()
         if self.settings.backend == "trtllm":
             self._aio.call_soon_threadsafe(self._aio.stop)
             return
-        self._finalized.set()
-        self.loop.stop()
+        self.loop.stop()  # the requests it ends are answered before the responder's last item
+        self.responder.close()
 
     # --- torch backend: this project's runtime ------------------------------------------------------
 
@@ -210,9 +333,8 @@ class TritonPythonModel:
                              "a request); export another without it, or send streaming false")
         stop = _strings(request, "sampling_param_stop")
         max_tokens = int(_scalar(request, "sampling_param_max_tokens", 64))
-        params = dict(max_new_tokens=max_tokens, temperature=float(_scalar(request, "sampling_param_temperature", 0.0)),
-                      top_p=float(_scalar(request, "sampling_param_top_p", 1.0)),
-                      top_k=int(_scalar(request, "sampling_param_top_k", 0)),
+        params = dict(max_new_tokens=max_tokens, **_sampling_rule(*(_scalar(request, f"sampling_param_{name}", None)
+                                                                     for name in ("temperature", "top_p", "top_k"))),
                       seed=_scalar(request, "sampling_param_seed", None), stop=stop)
         penalties = {name: float(_scalar(request, f"sampling_param_{name}", 0.0)) for name in PENALTIES}
         _refuse_unhonoured(request, penalties)
@@ -226,40 +348,8 @@ class TritonPythonModel:
         if len(prompt) + max_tokens > limit:
             raise ValueError(f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens ({max_tokens}) exceeds "
                              f"the model's maximum context length {limit}")
-        detok = IncrementalDetokenizer(self.engine.tokenizer, stop)
-        closed = []  # set once the request is answered as cancelled
-
-        def on_update(update):
-            if closed:  # the engine's own final update for the aborted request goes nowhere
-                return
-            if sender.is_cancelled():
-                closed.append(True)
-                if not update.finished:
-                    self.loop.abort(update.request_id)
-                sender.send(_cancelled(), flags=FINAL)
-                self.counters.finished()
-                return
-            if update.error is not None:
-                sender.send(_error(update.error), flags=FINAL)
-                self.counters.finished()
-                return
-            out = update.output
-            if streaming:
-                delta = detok.delta(update.token_ids, out.text if out is not None else None)
-                if out is None:
-                    if delta:
-                        sender.send(_response(delta))
-                    return
-                sender.send(_response(delta, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
-                            flags=FINAL)
-            elif out is not None:
-                sender.send(_response(out.text, out.finish_reason, out.total_accepted_draft_tokens, out.total_draft_tokens),
-                            flags=FINAL)
-            if out is not None:
-                self.counters.finished(out.num_tokens, len(out.acceptance_lengths), out.total_draft_tokens,
-                                       out.total_accepted_draft_tokens)
-
-        self.loop.submit(prompt, sampling, on_update)
+        self.responder.submit(prompt, sampling, Answer(sender, IncrementalDetokenizer(self.engine.tokenizer, stop),
+                                                       streaming))
 
     # --- trtllm backend: TensorRT-LLM's LLM API with the engine's config -----------------------------
 
@@ -270,10 +360,38 @@ class TritonPythonModel:
         engine = EngineDir(self.settings.engine_dir)
         engine.verify()
         self._trtllm, self._llm = open_llm(engine)
+        self._start_aio()
+
+    def _start_aio(self):
+        """The asyncio loop the trtllm backend's requests run on, and what ends them at a stop."""
         self._aio = asyncio.new_event_loop()
         threading.Thread(target=self._aio.run_forever, daemon=True).start()
+        self._generations = {}  # Answer -> its tensorrt_llm generation, while it runs
+        self._stopping = threading.Event()
+
+    def _stop_generating(self):
+        """A stop: requests still generating end at once with "server shutting down" (UNAVAILABLE), new ones are
+        refused, on either backend."""
+        if self.settings.backend != "trtllm":
+            self.loop.stop()
+            return
+        self._stopping.set()
+        asyncio.run_coroutine_threadsafe(self._end_generations(), self._aio).result(10)
+
+    async def _end_generations(self):
+        from dflash_trt.engine.engine_loop import SHUTTING_DOWN
+
+        for answer, generation in list(self._generations.items()):
+            generation.abort()
+            if not answer.done:
+                _final(answer, _error(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE), self.counters)
 
     def _start_trtllm(self, text, streaming, params, sender):
+        from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+        from dflash_trt.engine.engine_loop import SHUTTING_DOWN, LoopStopped
+
+        if self._stopping.is_set():
+            raise LoopStopped(SHUTTING_DOWN)
         # return_perf_metrics: the request's speculative-decoding counts come back in
         # outputs[0].request_perf_metrics.speculative_decoding, which is where TensorRT-LLM's own llmapi Triton
         # model reads acceptance_rate / total_accepted_draft_tokens / total_draft_tokens from.
@@ -282,33 +400,57 @@ class TritonPythonModel:
                                                seed=params["seed"], stop=params["stop"] or None,
                                                frequency_penalty=params["frequency_penalty"],
                                                presence_penalty=params["presence_penalty"], return_perf_metrics=True)
+        # TensorRT-LLM cuts a stop string's tokens from the finished text only: a stream holds back what may begin one
+        answer = Answer(sender, IncrementalDetokenizer(None, params["stop"]), streaming)
+        asyncio.run_coroutine_threadsafe(self._generate(text, sampling, answer), self._aio)
 
-        async def run():
-            sent = 0
-            try:
-                generation = self._llm.generate_async(text, sampling, streaming=streaming)
-                async for out in generation:
-                    if sender.is_cancelled():
-                        generation.abort()
-                        sender.send(_cancelled(), flags=FINAL)
-                        self.counters.finished()
-                        return
-                    seq = out.outputs[0]
-                    if not out.finished and not streaming:
-                        continue
-                    delta = seq.text[sent:] if streaming else seq.text
-                    sent = len(seq.text)
-                    if out.finished:
-                        accepted, drafted = _trtllm_acceptance(seq)
-                        sender.send(_response(delta, str(seq.finish_reason or ""), accepted, drafted), flags=FINAL)
-                        self.counters.finished(len(seq.token_ids), 0, drafted, accepted)
-                    elif delta:
-                        sender.send(_response(delta))
-            except Exception as e:
-                sender.send(_error(str(e)), flags=FINAL)
-                self.counters.finished()
+    async def _generate(self, text, sampling, answer):
+        watch = None
+        try:
+            generation = self._llm.generate_async(text, sampling, streaming=answer.streaming)
+            self._generations[answer] = generation
+            # a request that is not streamed yields once, at its end: its cancellation is polled beside it
+            watch = asyncio.ensure_future(self._watch(answer, generation))
+            async for out in generation:
+                if answer.done:  # cancelled, or ended by a stop
+                    break
+                seq = out.outputs[0]
+                if out.finished:
+                    accepted, drafted = _trtllm_acceptance(seq)
+                    body = answer.detok.text_delta(seq.text, seq.text) if answer.streaming else seq.text
+                    _final(answer, _response(body, str(seq.finish_reason or ""), accepted, drafted), self.counters,
+                           len(seq.token_ids), 0, drafted, accepted)
+                elif answer.streaming and (delta := answer.detok.text_delta(seq.text)):
+                    answer.sender.send(_response(delta))
+        except ValueError as e:  # TensorRT-LLM's checks of the request (a prompt past max_seq_len): the client's
+            if not answer.done:
+                _final(answer, _error(str(e), pb_utils.TritonError.INVALID_ARG), self.counters)
+        except Exception as e:
+            if not answer.done:
+                _final(answer, _error(str(e)), self.counters)
+        finally:
+            self._generations.pop(answer, None)
+            if watch is not None:
+                watch.cancel()
+        if not answer.done:
+            _final(answer, _error("TensorRT-LLM ended the request without a finished output"), self.counters)
 
-        asyncio.run_coroutine_threadsafe(run(), self._aio)
+    async def _watch(self, answer, generation):
+        while not answer.done:
+            await asyncio.sleep(CANCEL_POLL_S)
+            if not answer.done and answer.sender.is_cancelled():
+                generation.abort()
+                _final(answer, _cancelled(), self.counters)
+
+
+def _final(answer, response, counters, tokens=0, steps=0, drafted=0, accepted=0):
+    """A request's last response, with the final flag (once), then its counters."""
+    answer.done = True
+    try:
+        answer.sender.send(response, flags=FINAL)
+    except Exception as e:  # its client is gone: nothing more can reach it
+        pb_utils.Logger.log_warn(f"dflash: request {answer.request_id}: {e}")
+    counters.finished(tokens, steps, drafted, accepted)
 
 
 def _trtllm_acceptance(seq):
