@@ -172,10 +172,10 @@ class Answer:
 
 class Responder:
     """Answers the torch backend's requests on a thread of its own. The engine thread only queues each update: a
-    send is a round trip to Triton's process (0.1-0.4 ms measured on tritonserver 2.51 here), which each row's would add to every
-    step, and the detokenizer's work goes with it. Every CANCEL_POLL_S, each request not yet answered is asked whether
-    its client cancelled (as TensorRT-LLM's llmapi model polls), so one still waiting for a row is aborted at once,
-    not once it has one; an answer that fails is still ended with the final flag."""
+    send is a round trip to Triton's process (0.1-0.4 ms measured on tritonserver 2.51 here), which each row's would
+    add to every step, and the detokenizer's work goes with it. Every CANCEL_POLL_S, each request not yet answered is
+    asked whether its client cancelled (as TensorRT-LLM's llmapi model polls), so one still waiting for a row is
+    aborted at once, not once it has one; an answer that fails is still ended with the final flag."""
 
     def __init__(self, loop, counters):
         from dflash_trt.engine.engine_loop import SHUTTING_DOWN
