@@ -28,7 +28,7 @@ from dflash_trt.engine_dir import (BUILD_REPLACED, BUILD_WRITING, FORMAT_VERSION
                                    manifest_digest, read_manifest)
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
-from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, read_json_object
+from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, generation_eos_ids
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.tokenizer import load_tokenizer, require_tokenizer_files
 from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
@@ -85,7 +85,8 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     target = resolve_model(cfg.model, base_dir, "model", allow_bundled, fetch_configs)
     tcfg = decoder_config_from_dict(target.config, f"{cfg.model} config.json")
     if target.path is not None:
-        _check_generation_config(target.path / "generation_config.json")
+        # the engine carries it; TensorRT-LLM and this runtime read its eos ids at load (damaged: a device's failure)
+        generation_eos_ids(target.path)
     if hw.kind == "cpu":
         from dflash_trt.models.registry import runtime_class
 
@@ -114,13 +115,6 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
         raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
     options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
-
-
-def _check_generation_config(path: Path) -> None:
-    """The engine carries it for TensorRT-LLM, which reads its eos and sampling defaults at load: damaged, it would
-    fail there, on the device."""
-    if path.is_file():
-        read_json_object(path)
 
 
 def _draft_vocab_size(cfg: BuildConfig, ids) -> int | None:
@@ -180,6 +174,10 @@ def _check_output(out: Path, force: bool) -> None:
     if os.path.ismount(out):  # found only after every file was copied and checksummed: the rename into place fails
         raise FileExistsError(f"{out} is a mount point: a build renames the finished engine into place, which a mount "
                               f"point cannot take; pass -o {out / 'ENGINE_NAME'}")
+    engine = next((d for d in Path(os.path.abspath(out)).parents if _is_an_engine(d)), None)
+    if engine is not None:  # its files, checksummed by its manifest, would gain a folder it does not list
+        raise FileExistsError(f"-o {out} is inside the engine {engine}, which would then fail its check "
+                              f"(`dflash-trt inspect --verify`); choose an -o outside it")
     above = next((d for d in out.parents if d.exists()), None)
     if above is not None and not above.is_dir():
         raise FileExistsError(f"{above} is a file, not a directory: -o {out} cannot be made inside it")
@@ -198,6 +196,14 @@ def _check_output(out: Path, force: bool) -> None:
             f"{out} exists and is not an engine directory ({why}); --force replaces only an engine written "
             "by `dflash-trt build`: choose another -o, or move that directory away yourself"
         )
+
+
+def _is_an_engine(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _not_an_engine(path: Path) -> str | None:

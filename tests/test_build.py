@@ -620,6 +620,22 @@ def test_tensors_of_another_variant_the_runtime_would_drop_are_warned_of_at_buil
     assert f"{d}: 1 tensors not used by DFlashDrafter" in caplog.text and "extra_gate.weight" in caplog.text
 
 
+@pytest.mark.parametrize("value, words", [(1.5, None), (float("nan"), "'fc.weight' holds NaN or Inf")])
+def test_a_drafter_weight_in_float8_is_checked_like_any_other(tiny_dirs, tmp_path, value, words):
+    """torch.isfinite takes no float8: the check itself failed ("isfinite" not implemented), naming no tensor."""
+    def edit(tensors, config):
+        tensors["fc.weight"] = tensors["fc.weight"].clone()
+        tensors["fc.weight"].view(-1)[3] = value
+        tensors["fc.weight"] = tensors["fc.weight"].to(torch.float8_e4m3fn)
+    d = _broken_drafter(tmp_path, tiny_dirs, edit)
+    config = write_config(tmp_path, tiny_dirs["qwen3"], d)
+    if words is None:
+        build_engine(config, tmp_path / "out" / "e", progress=False)
+        return
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_engine(config, tmp_path / "out" / "e", progress=False)
+
+
 def test_a_drafter_weight_holding_inf_fails_the_build_naming_it(tiny_dirs, tmp_path):
     d = _broken_drafter(tmp_path, tiny_dirs, lambda t, c: _poison("fc.weight", float("inf"))(t))
     with pytest.raises(ValueError, match="'fc.weight' holds NaN or Inf"):  # it built, and drafted nothing
@@ -694,13 +710,15 @@ def test_an_index_naming_the_wrong_shard_for_a_tensor_says_so(tiny_dirs, tmp_pat
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
 
 
-@pytest.mark.parametrize("content, words", [("{not json", "invalid JSON"), ("[1]", "expected a JSON object")])
+@pytest.mark.parametrize("content, words", [("{not json", "invalid JSON"), ("[1]", "expected a JSON object"),
+                                            # built, and generate refused the engine
+                                            ('{"eos_token_id": "x"}', "'eos_token_id' must be a whole number")])
 def test_a_damaged_generation_config_fails_the_build_naming_it(tiny_dirs, tmp_path, content, words):
     # copied unread into the engine, it would fail TensorRT-LLM's load, on the device
     t = tmp_path / "target"
     shutil.copytree(tiny_dirs["qwen3"], t)
     (t / "generation_config.json").write_text(content)
-    with pytest.raises(ValueError, match=f"{t / 'generation_config.json'}: {words}"):
+    with pytest.raises(ValueError, match=re.escape(f"{t / 'generation_config.json'}: {words}")):
         build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
 
 
@@ -1373,6 +1391,23 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     ("target", {"num_attention_heads": 0, "head_dim": None}, "'num_attention_heads' must be >= 1, got 0"),
     ("target", {"intermediate_size": [128]}, "'intermediate_size' must be a whole number, got [128]"),
     ("target", {"num_hidden_layers": True}, "'num_hidden_layers' must be a whole number, got True"),
+    # out of range: each built an engine whose activations were all NaN (it answered token 0, as text nothing)
+    ("target", {"rms_norm_eps": -1}, "'rms_norm_eps' must be a finite number above 0, got -1"),
+    ("drafter", {"rms_norm_eps": 0}, "'rms_norm_eps' must be a finite number above 0, got 0"),
+    ("target", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "'rope_theta' must be a finite number above 0, got 0"),
+    # what a scaled rope divides by (a KeyError's traceback)
+    ("target", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+     "rope_type 'linear' needs rope_parameters.factor"),
+    ("drafter", {"rope_parameters": None, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 8192}},
+     "rope_type 'llama3' needs rope_scaling.low_freq_factor"),
+    # keys the planner reads raw (each a traceback from plan.py or perf_model.py)
+    ("target", {"dtype": ["bfloat16"]}, "'dtype' must be a dtype's name, got ['bfloat16']"),
+    ("target", {"quantization_config": "fp8"}, "'quantization_config' must be an object, got 'fp8'"),
+    ("target", {"layer_types": 5}, "'layer_types' must be a list of layer type names, got 5"),
+    ("target", {"sliding_window": "abc"}, "'sliding_window' must be a whole number, got 'abc'"),
+    ("target", {"num_local_experts": "8"}, "'num_local_experts' must be a whole number, got '8'"),
 ])
 def test_a_config_value_of_the_wrong_type_fails_naming_its_file_and_key(tiny_dirs, tmp_path, which, edit, words):
     dirs = {}
@@ -1398,6 +1433,28 @@ def test_a_config_json_that_is_not_an_object_or_not_utf8_fails_naming_it(tiny_di
     shutil.copytree(tiny_dirs["qwen3_drafter"], d)
     (d / "config.json").write_bytes(content)
     with pytest.raises(ValueError, match=re.escape(str(d / "config.json"))):
+        build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
+
+
+@pytest.mark.parametrize("inside", ["sub", "target/sub"])
+def test_an_output_inside_an_engine_is_refused_and_leaves_it_whole(tiny_dirs, tmp_path, inside):
+    """Built there, the engine above gained files its manifest does not list: generate and inspect --verify refused
+    it, and --force would not replace it."""
+    config = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
+    engine = tmp_path / "engine"
+    build_engine(config, engine, progress=False)
+    with pytest.raises(FileExistsError, match=re.escape(f"is inside the engine {engine}")):
+        build_engine(config, engine / inside, progress=False)
+    assert not (engine / inside).exists()
+    r = CliRunner().invoke(main, ["inspect", "--verify", str(engine)])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_draft_vocabulary_that_is_not_utf8_fails_naming_it(tiny_dirs, tmp_path):
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dirs["qwen3_drafter"], d)
+    (d / "draft_vocab.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=re.escape(f"{d / 'draft_vocab.json'}: not valid JSON")):
         build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,9 +89,13 @@ def as_int(value, key: str, source: str, minimum: int | None = None) -> int:
     return int(value)
 
 
-def as_float(value, key: str, source: str) -> float:
+def as_float(value, key: str, source: str, positive: bool = False) -> float:
+    """A config value that must be a number; positive: a finite one above 0 (an rms_norm_eps or rope_theta of 0 or
+    below turns every activation into NaN, and the engine answers nothing but token 0)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{source}: {key!r} must be a number, got {value!r}")
+    if positive and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{source}: {key!r} must be a finite number above 0, got {value!r}")
     return float(value)
 
 
@@ -113,6 +118,9 @@ def as_int_list(value, key: str, source: str) -> list[int]:
 # rope parameters that are numbers where given (null: transformers computes the default, as for attention_factor)
 ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
                 "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
+# what each scaled rope_type divides by, so needs (transformers' _compute_*_parameters read them without a default)
+ROPE_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
@@ -129,10 +137,13 @@ def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
     if not isinstance(params["rope_type"], str):
         raise ValueError(f"{source}: {key}.rope_type must be a string, got {params['rope_type']!r}")
-    as_float(params["rope_theta"], "rope_theta", source)
+    as_float(params["rope_theta"], "rope_theta", source, positive=True)
     for name in ROPE_NUMBERS:
         if params.get(name) is not None:
-            as_float(params[name], f"{key}.{name}", source)
+            as_float(params[name], f"{key}.{name}", source, positive=name in ROPE_NEEDS["llama3"])
+    missing = [name for name in ROPE_NEEDS.get(params["rope_type"], ()) if params.get(name) is None]
+    if missing:
+        raise ValueError(f"{source}: rope_type {params['rope_type']!r} needs {key}.{missing[0]}")
     return params
 
 
@@ -173,6 +184,24 @@ def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tup
     return windows if any(w is not None for w in windows) else ()
 
 
+def _check_planned_keys(cfg: dict, source: str) -> None:
+    """Keys the planner and the performance model read from config.json's raw dict (DecoderConfig.extra), of the
+    type they read, where given: one of another type failed there with a traceback."""
+    for key in ("dtype", "torch_dtype"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise ValueError(f"{source}: {key!r} must be a dtype's name, got {cfg[key]!r}")
+    if cfg.get("quantization_config") is not None and not isinstance(cfg["quantization_config"], dict):
+        raise ValueError(f"{source}: 'quantization_config' must be an object, got {cfg['quantization_config']!r}")
+    types = cfg.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ValueError(f"{source}: 'layer_types' must be a list of layer type names, got {types!r}")
+    if cfg.get("sliding_window") is not None:
+        as_int(cfg["sliding_window"], "sliding_window", source, minimum=1)
+    for key in ("num_local_experts", "num_experts", "num_experts_per_tok"):
+        if cfg.get(key) is not None:
+            as_int(cfg[key], key, source, minimum=0)
+
+
 def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderConfig:
     def need(key: str):
         if key not in cfg:
@@ -194,6 +223,7 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
     eos_ids = eos_token_ids(cfg, source)
     model_type = cfg.get("model_type", "llama")
     layers = whole("num_hidden_layers")
+    _check_planned_keys(cfg, source)
     return DecoderConfig(
         architecture=archs[0] if archs else "",
         vocab_size=whole("vocab_size"),
@@ -203,7 +233,7 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         num_attention_heads=heads,
         num_key_value_heads=whole("num_key_value_heads", heads),
         head_dim=whole("head_dim", hidden // heads),
-        rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+        rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, positive=True),
         rope=standardized_rope(cfg, source),
         max_position_embeddings=whole("max_position_embeddings", 4096),
         tie_word_embeddings=as_bool(cfg.get("tie_word_embeddings"), "tie_word_embeddings", source, False),

@@ -157,7 +157,7 @@ class DFlashConfig:
             mask_token_id=whole("mask_token_id", minimum=0),
             target_layer_ids=as_int_list(ids, "target_layer_ids", source),
             **optional,
-            rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rms_norm_eps=as_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, positive=True),
             attention_bias=as_bool(cfg.get("attention_bias"), "attention_bias", source, False),
             rope=standardized_rope(cfg, source),
             max_position_embeddings=whole("max_position_embeddings", cfg.get("max_position_embeddings", 40960)),

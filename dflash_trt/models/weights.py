@@ -122,7 +122,7 @@ class WeightSet:
         if floating and not t.is_floating_point():
             raise CheckpointError(f"{path}: tensor {name!r} is {t.dtype}; these weights are floating point (a "
                                   "checkpoint quantized in a format this runtime does not read?)")
-        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(_checkable(t)).all()):
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
         self.used.add(name)
         return t
@@ -154,3 +154,9 @@ class WeightSet:
             raise CheckpointError(f"{self.model_dir}: the weights hold {which} {', '.join(map(str, deeper))}, but "
                                   f"config.json says num_hidden_layers={num_layers} (layers 0..{num_layers - 1}): "
                                   "fix num_hidden_layers, or use the config.json that came with these weights")
+
+
+def _checkable(t: torch.Tensor) -> torch.Tensor:
+    """t in a dtype torch.isfinite takes: not the float8 ones, which float32 holds exactly (NaN, Inf and e8m0's
+    2^127 included)."""
+    return t.to(torch.float32) if t.element_size() == 1 else t

@@ -64,8 +64,8 @@ def load_draft_vocab(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor |
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     ids = data.get("token_ids") if isinstance(data, dict) else None
     if ids is None:
