@@ -1399,8 +1399,9 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
     # what a scaled rope divides by (a KeyError's traceback)
     ("target", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
      "rope_type 'linear' needs rope_parameters.factor"),
-    ("drafter", {"rope_parameters": None, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 8192}},
+    ("drafter", {"rope_parameters": None,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}},
      "rope_type 'llama3' needs rope_scaling.low_freq_factor"),
     # keys the planner reads raw (each a traceback from plan.py or perf_model.py)
     ("target", {"dtype": ["bfloat16"]}, "'dtype' must be a dtype's name, got ['bfloat16']"),
