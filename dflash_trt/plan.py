@@ -368,7 +368,13 @@ def plan_build(
             "#16888), so ranks near a schedule key may draft different K and pad to CUDA graphs of other sizes; "
             "check on the device, or draft one K"
         )
-    if hw.kind == "gpu" and batch * (k + 1) > cfg.max_num_tokens:
+    if hw.kind == "gpu" and cfg.max_num_tokens < k + 1:
+        plan.problems.append(
+            f"max_num_tokens={cfg.max_num_tokens} is below the {k + 1} tokens one request verifies a step "
+            f"(max_draft_len={k}): TensorRT-LLM could schedule no decoding request; raise max_num_tokens"
+        )
+        plan.fits = False
+    elif hw.kind == "gpu" and batch * (k + 1) > cfg.max_num_tokens:
         plan.notes.append(
             f"max_batch_size={batch} with max_draft_len={k} verifies {batch * (k + 1)} tokens a step, past "
             f"max_num_tokens={cfg.max_num_tokens}: TensorRT-LLM schedules at most {cfg.max_num_tokens // (k + 1)} "

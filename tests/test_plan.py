@@ -137,6 +137,18 @@ def test_seq_len_beyond_the_target_context_is_refused():
     assert not plan.fits and "max_position_embeddings=131072" in plan.problems[0]
 
 
+def test_a_max_num_tokens_below_one_requests_verify_is_a_problem_not_a_note():
+    """It built, noting that TensorRT-LLM schedules at most 0 decoding requests a step."""
+    cfg = _cfg(max_batch_size=4, max_seq_len=1024, max_num_tokens=9, tensor_parallel_size=8,
+               moe_expert_parallel_size=8)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    assert not plan.fits and "max_num_tokens=9 is below the 10 tokens one request verifies" in plan.problems[0]
+    cfg = _cfg(max_batch_size=4, max_seq_len=1024, max_num_tokens=10, tensor_parallel_size=8,
+               moe_expert_parallel_size=8)
+    plan = plan_build(GPT_OSS, GPT_OSS_DRAFTER, cfg, profile("b300"), max_draft_len=9)
+    assert not any("below the" in p for p in plan.problems)
+
+
 def test_a_batch_whose_verified_tokens_pass_max_num_tokens_is_noted_and_its_logits_capped():
     # TensorRT-LLM caps a step at max_num_tokens: 4,000 rows of K=9 verify 40,000 tokens, so 2,000 rows decode a step
     def plan(batch):
