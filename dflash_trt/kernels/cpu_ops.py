@@ -510,8 +510,11 @@ def load() -> CpuOps | None:
 
 
 def load_with(compiler: str) -> CpuOps | None:
-    """The kernels built by `compiler` (not cached in memory; load() is); None, with a warning, if that fails."""
-    if shutil.which(compiler) is None:
+    """The kernels built by `compiler` (not cached in memory; load() is); None, with a warning, without it or if
+    the build fails."""
+    if shutil.which(compiler) is None:  # silent, a slim image or a Mac without build tools ran at half the speed
+        warnings.warn(f"dflash-trt: no C compiler {compiler!r} found (cc, or $CC): torch's ops run instead of the CPU "
+                      "kernels, about half as fast; install gcc or clang, or set CC", stacklevel=2)
         return None
     try:
         return CpuOps(ctypes.CDLL(str(build(compiler))))
