@@ -450,6 +450,12 @@ def test_a_prompt_of_dash_is_read_from_stdin(tiny_dirs):
         in latin1.output and latin1.exc_info[0] is SystemExit, latin1.output
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_an_empty_prompt_is_refused_as_one(tiny_dirs, json_flag):
+    r = CliRunner().invoke(main, ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "", *json_flag])
+    assert r.exit_code == 1 and "empty prompt: at least one token is needed" in r.output, r.output
+
+
 def test_a_sampled_run_reports_its_seed_and_that_seed_gives_the_sample_again(tiny_dirs):
     args = ["generate", "--target", str(tiny_dirs["qwen3"]), "--no-spec", "-p", "x", "--max-new-tokens", "12",
             "--ignore-eos", "--temperature", "1.0", "--json"]

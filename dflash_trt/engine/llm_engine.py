@@ -424,7 +424,8 @@ class LLMEngine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """One prompt's answer as its steps make it (requests queued beside it step along): text deltas, the last
         chunk carrying the whole output. Leaving the loop early (break, an exception, Ctrl-C) aborts the request."""
-        prompts = _prompt_list(prompt)  # checked as generate's: bools or floats are no token ids
+        # checked as generate's (bools or floats are no token ids); an empty list is one prompt here, an empty one
+        prompts = [[]] if _is_sequence(prompt) and not len(prompt) else _prompt_list(prompt)
         if len(prompts) != 1:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}")
         params = SamplingParams() if params is None else params

@@ -89,6 +89,8 @@ def test_parameters_that_are_no_sampling_params_are_refused_by_type(llm):
     (None, TypeError, "prompts must be a string, a list of token ids"),
     ([True, False], TypeError, "must be a string or a list of token ids"),  # a bool would read as token 0 or 1
     ([1.0, 2.0], TypeError, "must be a string or a list of token ids"),
+    ([], ValueError, "empty prompt: at least one token is needed"),  # not "a batch of 0 prompts"
+    ("", ValueError, "empty prompt: at least one token is needed"),
 ])
 def test_a_streamed_prompt_is_checked_as_a_generated_one(llm, prompt, error, message):
     with pytest.raises(error, match=message):
