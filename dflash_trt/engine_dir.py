@@ -181,13 +181,9 @@ class EngineDir:
                 raise ValueError(f"{self.path / rel}: {found} bytes, {MANIFEST} says {size} (cut short or modified); "
                                  "rebuild the engine")
 
-    def verify(self, rehash: bool = False) -> None:
-        """ValueError naming the file when the format version or any checksum does not match, or a file was added.
-
-        rehash: hash every file, also those unchanged since a verification hashed them (their inode, size, mtime and
-        ctime the same: a write changes the ctime, which no tool sets back)."""
-        self.check_format()
-        self.check_digest()
+    def check_unlisted(self) -> None:
+        """ValueError naming the first file the runtime may read that the manifest does not list (cheap: a listing,
+        no file read)."""
         listed = set(self.manifest["files"])
         for sub in LOADED_DIRS:
             for f in sorted((self.path / sub).rglob("*")):
@@ -197,6 +193,15 @@ class EngineDir:
                         f"{f}: not listed in {MANIFEST} (added after the build; the runtime may read it): "
                         "remove it or rebuild the engine"
                     )
+
+    def verify(self, rehash: bool = False) -> None:
+        """ValueError naming the file when the format version or any checksum does not match, or a file was added.
+
+        rehash: hash every file, also those unchanged since a verification hashed them (their inode, size, mtime and
+        ctime the same: a write changes the ctime, which no tool sets back)."""
+        self.check_format()
+        self.check_digest()
+        self.check_unlisted()
         record = _VerifiedRecord(self.path)
         recorded = record.read()
         hashed = {} if rehash else dict(recorded)

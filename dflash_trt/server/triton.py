@@ -187,6 +187,7 @@ def check_sources(settings: ModelSettings) -> None:
         engine.check_format()
         engine.check_digest()
         engine.check_sizes()
+        engine.check_unlisted()
         if settings.backend == "trtllm":
             from dflash_trt.trtllm.launch import check_planned_for_trtllm
 

@@ -143,6 +143,13 @@ def test_triton_export_of_an_engine_refuses_other_models_and_a_backend_it_was_no
     monkeypatch.setattr(cli.shutil, "which", lambda name: None)
     result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(repo), "--force"])
     assert f"serve it with: {Path(sys.executable).parent / 'dflash-trt'} triton serve {repo}" in result.stderr
+    # a file added to the engine: generate and serve refuse it by name; exported, tritonserver failed to load it, the
+    # reason deep in its log
+    (engine / "tokenizer" / "extra.json").write_text("{}")
+    result = CliRunner().invoke(cli.triton, ["export", str(engine), "-o", str(tmp_path / "repo2")])
+    assert result.exit_code == 1 and f"{engine / 'tokenizer' / 'extra.json'}: not listed in manifest.json" in \
+        " ".join(result.output.split()), result.output
+    assert not (tmp_path / "repo2").exists()
 
 
 def test_serve_on_a_taken_port_fails_before_loading_the_model(monkeypatch):
