@@ -699,6 +699,24 @@ def test_a_tensor_in_two_shards_without_an_index_is_refused(tiny_dirs, tmp_path)
         build_engine(write_config(tmp_path, tiny_dirs["qwen3"], d), tmp_path / "out" / "e", progress=False)
 
 
+def test_an_index_with_an_empty_weight_map_says_so(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    _shard(t, {"model.layers.0.": "a.safetensors", "": "b.safetensors"})
+    (t / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="index.json: its weight_map is empty"):  # "no *.safetensors weights"
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+
+
+def test_a_weights_file_that_is_a_pipe_is_refused_not_waited_on(tiny_dirs, tmp_path):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_dirs["qwen3"], t)
+    (t / "model.safetensors").unlink()
+    os.mkfifo(t / "model.safetensors")  # opened, it waits for a writer: the build hung
+    with pytest.raises(ValueError, match="model.safetensors: not a regular file"):
+        build_engine(write_config(tmp_path, t, None), tmp_path / "out" / "e", progress=False)
+
+
 def test_an_index_naming_the_wrong_shard_for_a_tensor_says_so(tiny_dirs, tmp_path):
     t = tmp_path / "target"
     shutil.copytree(tiny_dirs["qwen3"], t)

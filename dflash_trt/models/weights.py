@@ -22,6 +22,8 @@ class CheckpointError(ValueError):
 
 
 def open_safetensors(path: Path):
+    if Path(path).exists() and not Path(path).is_file():  # a FIFO's open waits for a writer: the build hung
+        raise CheckpointError(f"{path}: not a regular file (a folder, a pipe or a device), not a safetensors file")
     try:
         return safe_open(str(path), framework="pt")
     except FileNotFoundError:
@@ -41,6 +43,9 @@ def read_index(index: Path) -> dict[str, Path]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, or no weight_map object in it
         raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
                               '"weight_map" of tensor name -> file') from e
+    if not file_of:  # read as a checkpoint without weights ("no *.safetensors weights" beside its shards)
+        raise CheckpointError(f"{index}: its weight_map is empty; it needs an entry of tensor name -> file for every "
+                              "tensor")
     outside = sorted({str(f) for f in weight_map.values() if Path(str(f)).is_absolute() or ".." in Path(str(f)).parts})
     if outside:
         raise CheckpointError(f"{index}: shard {outside[0]!r} is outside the checkpoint directory; shards are named "
