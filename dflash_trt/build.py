@@ -175,9 +175,10 @@ def _check_output(out: Path, force: bool) -> None:
         raise FileExistsError(f"{out} is a mount point: a build renames the finished engine into place, which a mount "
                               f"point cannot take; pass -o {out / 'ENGINE_NAME'}")
     engine = next((d for d in Path(os.path.abspath(out)).parents if _is_an_engine(d)), None)
-    if engine is not None:  # its files, checksummed by its manifest, would gain a folder it does not list
-        raise FileExistsError(f"-o {out} is inside the engine {engine}, which would then fail its check "
-                              f"(`dflash-trt inspect --verify`); choose an -o outside it")
+    if engine is not None:  # it would hold files its manifest does not list, which --force then refuses to delete
+        raise FileExistsError(f"-o {out} is inside the engine {engine}, which would then hold files its manifest does "
+                              f"not list (and fail its check where they are in target/, drafter/ or tokenizer/); "
+                              f"choose an -o outside it")
     above = next((d for d in out.parents if d.exists()), None)
     if above is not None and not above.is_dir():
         raise FileExistsError(f"{above} is a file, not a directory: -o {out} cannot be made inside it")

@@ -1457,8 +1457,8 @@ def test_a_config_json_that_is_not_an_object_or_not_utf8_fails_naming_it(tiny_di
 
 @pytest.mark.parametrize("inside", ["sub", "target/sub"])
 def test_an_output_inside_an_engine_is_refused_and_leaves_it_whole(tiny_dirs, tmp_path, inside):
-    """Built there, the engine above gained files its manifest does not list: generate and inspect --verify refused
-    it, and --force would not replace it."""
+    """Built there, the engine above gained files its manifest does not list: in target/, generate and inspect
+    --verify refused it; anywhere, --force would no longer replace it."""
     config = write_config(tmp_path, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"])
     engine = tmp_path / "engine"
     build_engine(config, engine, progress=False)

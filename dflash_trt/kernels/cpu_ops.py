@@ -502,8 +502,8 @@ def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:
 
 @functools.cache
 def load() -> CpuOps | None:
-    """The kernels, built if needed; None where they cannot be (DFLASH_TRT_CPU_KERNELS=0, no compiler, or a
-    failed build, which is warned about once)."""
+    """The kernels, built if needed; None where they cannot be (DFLASH_TRT_CPU_KERNELS=0, or no compiler or a
+    failed build, each warned about once)."""
     if os.environ.get("DFLASH_TRT_CPU_KERNELS", "1") == "0":
         return None
     return load_with(os.environ.get("CC", "cc"))

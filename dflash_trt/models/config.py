@@ -118,8 +118,9 @@ def as_int_list(value, key: str, source: str) -> list[int]:
 # rope parameters that are numbers where given (null: transformers computes the default, as for attention_factor)
 ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
                 "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
-# what each scaled rope_type divides by, so needs (transformers' _compute_*_parameters read them without a default)
-ROPE_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
+# what each scaled rope_type divides by, so needs (transformers' _compute_*_parameters read them without a default;
+# YaRN's factor, where absent, is derived from the two context lengths, in layers/rotary.py as in transformers)
+ROPE_NEEDS = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
@@ -195,7 +196,7 @@ def _check_planned_keys(cfg: dict, source: str) -> None:
     types = cfg.get("layer_types")
     if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
         raise ValueError(f"{source}: 'layer_types' must be a list of layer type names, got {types!r}")
-    if cfg.get("sliding_window") is not None:
+    if cfg.get("sliding_window") not in (None, False, 0):  # those: no window, as the planner reads them
         as_int(cfg["sliding_window"], "sliding_window", source, minimum=1)
     for key in ("num_local_experts", "num_experts", "num_experts_per_tok"):
         if cfg.get(key) is not None:

@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -33,11 +32,10 @@ from dflash_trt.server import protocol as p
 from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.metrics import ServerMetrics
+from dflash_trt.server.prompt_lanes import PromptLanes
 
 logger = logging.getLogger(__name__)
 
-# Prompts of more characters than this are tokenized on a lane of their own (SmolLM2's tokenizer: ~0.1 s at this size)
-BIG_PROMPT_CHARS = 64_000
 # The largest request body (serve --max-request-mb): a 1M-token prompt sent as ids is about 7 MB
 MAX_REQUEST_BYTES = 32 * 2**20
 
@@ -93,18 +91,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    # Prompts are tokenized off the event loop (the tokenizer lets go of the GIL): a 12 MB prompt took 7 s to tokenize,
-    # and every stream and /health waited for it. Two lanes of one thread each, each with a tokenizer of its own (one
-    # tokenizer is never called from two threads at once): prompts of over BIG_PROMPT_CHARS characters take the
-    # second, so one that takes seconds holds only the big prompts queued behind it, not every request's.
-    lanes = {False: (engine.prompt_encoder, ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize"))}
+    lanes = PromptLanes(engine.prompt_encoder)  # prompts tokenized off the event loop
 
     async def tokenized(chars: int, method: str, *args, **kwargs):
-        big = chars > BIG_PROMPT_CHARS
-        if big not in lanes:  # its tokenizer copied at the first big prompt: most servers never see one
-            lanes[big] = (engine.prompt_encoder.copy(),
-                          ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-tokenize-big"))
-        encoder, thread = lanes[big]
+        encoder, thread = lanes.lane(chars)
         return await asyncio.get_running_loop().run_in_executor(thread, functools.partial(getattr(encoder, method),
                                                                                           *args, **kwargs))
 
@@ -223,7 +213,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if bad:
             raise APIError(400, f"tokens must be in 0..{vocab - 1}, got {bad[:5]}", param="tokens")
         # off the event loop, on the tokenizer's lane (a body's worth of ids takes seconds)
-        encoder, thread = lanes[False]
+        encoder, thread = lanes.lane(0)
         text = await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, req.tokens)
         return JSONResponse({"prompt": text})
 

@@ -13,10 +13,12 @@ import os
 import queue
 import threading
 import time
+import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dflash_trt.server.prompt_lanes import PromptLanes
 from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings, located
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -154,6 +156,19 @@ def _error(message, code=None):
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
+def _refusal(e):
+    """The response to a request refused before it ran: the code tells clients whose fault it is (Triton answers
+    INVALID_ARG with HTTP 400, UNAVAILABLE with 503; no code is INTERNAL, a 500)."""
+    from dflash_trt.engine.engine_loop import LoopStopped
+    from dflash_trt.engine.scheduler import QueueFullError
+
+    if isinstance(e, ValueError):  # bad input
+        return _error(str(e), pb_utils.TritonError.INVALID_ARG)
+    if isinstance(e, (QueueFullError, LoopStopped)):  # retry later, or elsewhere
+        return _error(str(e), pb_utils.TritonError.UNAVAILABLE)
+    return _error(str(e))
+
+
 def _cancelled():
     # python_backend README, "Decoupled mode": the FINAL flag is still needed when the request is cancelled;
     # without it the model never unloads ("Found 1 live models" until the exit timeout). TensorRT-LLM's llmapi
@@ -191,8 +206,12 @@ class Responder:
         self._inbox.put((answer, None))
 
     def close(self, timeout=10.0):
+        """After the loop's stop: its last updates (each request it ended) are answered first."""
+        deadline = time.monotonic() + timeout
+        while self.loop.is_alive and time.monotonic() < deadline:  # a step longer than stop()'s wait: its updates
+            time.sleep(0.05)
         self._inbox.put(None)
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self):
         poll_at = time.monotonic() + CANCEL_POLL_S
@@ -203,24 +222,22 @@ class Responder:
                 item = ()
             if item is None:
                 return
-            if item:
-                answer, update = item
-                if update is not None:
-                    self._update(answer, update)
-                elif not answer.done:
-                    self._live.add(answer)
-            if time.monotonic() >= poll_at:
-                for answer in list(self._live):
-                    self._poll(answer)
-                poll_at = time.monotonic() + CANCEL_POLL_S
+            try:  # one request's failure is its own: this thread answers every request
+                if item:
+                    answer, update = item
+                    if update is not None:
+                        self._update(answer, update)
+                    elif not answer.done:
+                        self._live.add(answer)
+                if time.monotonic() >= poll_at:
+                    for answer in list(self._live):
+                        self._poll(answer)
+                    poll_at = time.monotonic() + CANCEL_POLL_S
+            except Exception:
+                pb_utils.Logger.log_error(f"dflash: answering a request failed:\n{traceback.format_exc()}")
 
     def _poll(self, answer):
-        try:
-            cancelled = answer.sender.is_cancelled()
-        except Exception as e:  # a sender Triton has closed: nothing more can reach its client
-            pb_utils.Logger.log_warn(f"dflash: request {answer.request_id}: {e}")
-            cancelled = True
-        if cancelled:
+        if _cancelled_by_client(answer):
             self.loop.abort(answer.request_id)  # waiting or running (its own final update then goes nowhere)
             self._finish(answer, _cancelled())
 
@@ -248,9 +265,10 @@ class Responder:
             self._finish(answer, _response(text, out.finish_reason, out.total_accepted_draft_tokens,
                                            out.total_draft_tokens), out)
         except Exception as e:
+            pb_utils.Logger.log_error(f"dflash: request {update.request_id}:\n{traceback.format_exc()}")
             if not answer.done:
-                self.loop.abort(update.request_id)
                 self._finish(answer, _error(f"answering the request failed: {e}"))
+                self.loop.abort(update.request_id)
 
     def _finish(self, answer, response, out=None):
         self._live.discard(answer)
@@ -280,6 +298,7 @@ class TritonPythonModel:
         self.loop = EngineLoop.spawn(self.settings.open_engine)  # built and stepped on one thread
         self.engine = self.loop.engine
         self.responder = Responder(self.loop, self.counters)
+        self.lanes = PromptLanes(self.engine.prompt_encoder)
 
     def _stop_when_marked(self, marker):
         """`dflash-trt triton serve` marks a stop before it signals tritonserver, which waits for requests in flight
@@ -291,21 +310,12 @@ class TritonPythonModel:
         self._stop_generating()
 
     def execute(self, requests):
-        from dflash_trt.engine.engine_loop import LoopStopped
-        from dflash_trt.engine.scheduler import QueueFullError
-
         for request in requests:
             sender = request.get_response_sender()
             try:
                 self._start(request, sender)
-            # answer this request, keep serving the others; the code tells clients whose fault it is (Triton answers
-            # INVALID_ARG with HTTP 400, UNAVAILABLE with 503; no code is INTERNAL, a 500)
-            except ValueError as e:  # bad input
-                sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
-            except (QueueFullError, LoopStopped) as e:  # retry later, or elsewhere
-                sender.send(_error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
-            except Exception as e:
-                sender.send(_error(str(e)), flags=FINAL)
+            except Exception as e:  # answer this request, keep serving the others
+                sender.send(_refusal(e), flags=FINAL)
         return None  # responses go through the senders (one each where the model is not decoupled)
 
     def finalize(self):
@@ -313,6 +323,7 @@ class TritonPythonModel:
         if self.settings.backend == "trtllm":
             self._aio.call_soon_threadsafe(self._aio.stop)
             return
+        self.lanes.shutdown()  # prompts being tokenized are admitted, then ended by the stop
         self.loop.stop()  # the requests it ends are answered before the responder's last item
         self.responder.close()
 
@@ -343,13 +354,26 @@ class TritonPythonModel:
         if self.settings.backend == "trtllm":
             self._start_trtllm(text, streaming, params, sender)
             return
-        prompt = self.engine.encode(text)
-        limit = self.engine.max_model_len
-        if len(prompt) + max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens ({max_tokens}) exceeds "
-                             f"the model's maximum context length {limit}")
-        self.responder.submit(prompt, sampling, Answer(sender, IncrementalDetokenizer(self.engine.tokenizer, stop),
-                                                       streaming))
+        answer = Answer(sender, IncrementalDetokenizer(self.engine.tokenizer, stop), streaming)
+        encoder, lane = self.lanes.lane(len(text))
+        lane.submit(self._admit, encoder, text, max_tokens, sampling, answer)
+
+    def _admit(self, encoder, text, max_tokens, sampling, answer):
+        """On a tokenizer's lane: Triton calls execute one batch at a time, and a long prompt's tokenization there
+        held up every request behind it."""
+        try:
+            prompt = encoder.encode(text, False)
+            limit = self.engine.max_model_len
+            if len(prompt) + max_tokens > limit:
+                raise ValueError(f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens ({max_tokens}) exceeds "
+                                 f"the model's maximum context length {limit}")
+            self.responder.submit(prompt, sampling, answer)
+        except Exception as e:
+            answer.done = True
+            try:
+                answer.sender.send(_refusal(e), flags=FINAL)
+            except Exception as sent:
+                pb_utils.Logger.log_warn(f"dflash: a refused request: {sent}")
 
     # --- trtllm backend: TensorRT-LLM's LLM API with the engine's config -----------------------------
 
@@ -405,12 +429,23 @@ class TritonPythonModel:
         asyncio.run_coroutine_threadsafe(self._generate(text, sampling, answer), self._aio)
 
     async def _generate(self, text, sampling, answer):
-        watch = None
+        from dflash_trt.engine.engine_loop import SHUTTING_DOWN
+
+        if self._stopping.is_set():  # a stop between execute and here: _end_generations has run or runs after this
+            _final(answer, _error(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE), self.counters)
+            return
         try:
             generation = self._llm.generate_async(text, sampling, streaming=answer.streaming)
-            self._generations[answer] = generation
-            # a request that is not streamed yields once, at its end: its cancellation is polled beside it
-            watch = asyncio.ensure_future(self._watch(answer, generation))
+        except ValueError as e:  # TensorRT-LLM's checks of the request (a prompt past max_seq_len): the client's
+            _final(answer, _error(str(e), pb_utils.TritonError.INVALID_ARG), self.counters)
+            return
+        except Exception as e:
+            _final(answer, _error(str(e)), self.counters)
+            return
+        self._generations[answer] = generation
+        # a request that is not streamed yields once, at its end: its cancellation is polled beside it
+        watch = asyncio.ensure_future(self._watch(answer, generation))
+        try:
             async for out in generation:
                 if answer.done:  # cancelled, or ended by a stop
                     break
@@ -422,25 +457,31 @@ class TritonPythonModel:
                            len(seq.token_ids), 0, drafted, accepted)
                 elif answer.streaming and (delta := answer.detok.text_delta(seq.text)):
                     answer.sender.send(_response(delta))
-        except ValueError as e:  # TensorRT-LLM's checks of the request (a prompt past max_seq_len): the client's
-            if not answer.done:
-                _final(answer, _error(str(e), pb_utils.TritonError.INVALID_ARG), self.counters)
         except Exception as e:
+            pb_utils.Logger.log_error(f"dflash: a request on TensorRT-LLM:\n{traceback.format_exc()}")
+            generation.abort()  # else it generates on for nobody
             if not answer.done:
                 _final(answer, _error(str(e)), self.counters)
         finally:
             self._generations.pop(answer, None)
-            if watch is not None:
-                watch.cancel()
+            watch.cancel()
         if not answer.done:
             _final(answer, _error("TensorRT-LLM ended the request without a finished output"), self.counters)
 
     async def _watch(self, answer, generation):
         while not answer.done:
             await asyncio.sleep(CANCEL_POLL_S)
-            if not answer.done and answer.sender.is_cancelled():
+            if not answer.done and _cancelled_by_client(answer):
                 generation.abort()
                 _final(answer, _cancelled(), self.counters)
+
+
+def _cancelled_by_client(answer):
+    try:
+        return answer.sender.is_cancelled()
+    except Exception as e:  # a sender Triton has closed: nothing more can reach its client
+        pb_utils.Logger.log_warn(f"dflash: request {answer.request_id}: {e}")
+        return True
 
 
 def _final(answer, response, counters, tokens=0, steps=0, drafted=0, accepted=0):

@@ -743,7 +743,7 @@ def test_a_big_prompt_being_tokenized_holds_no_small_request(tiny_dirs, monkeypa
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_trt.engine.prompt_encoder import PromptEncoder
-    from dflash_trt.server.app import BIG_PROMPT_CHARS
+    from dflash_trt.server.prompt_lanes import BIG_PROMPT_CHARS
 
     gate, entered = threading.Event(), threading.Event()
 

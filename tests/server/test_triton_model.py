@@ -107,7 +107,7 @@ def _pb_utils() -> types.ModuleType:
     m = types.ModuleType("triton_python_backend_utils")
     m.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     m.TritonError, m.Tensor, m.InferenceResponse = TritonError, Tensor, InferenceResponse
-    m.MetricFamily, m.Logger = MetricFamily, SimpleNamespace(log_warn=lambda message: None)
+    m.MetricFamily, m.Logger = MetricFamily, SimpleNamespace(log_warn=lambda message: None, log_error=print)
     m.get_input_tensor_by_name = lambda request, name: (Tensor(name, request.inputs[name])
                                                         if name in request.inputs else None)
     return m
@@ -254,7 +254,7 @@ def test_trtllm_backend_ends_its_requests_at_a_stop_and_refuses_new_ones(trtllm_
     model.outputs, model.step_s = [_output("x" * n, n == 100) for n in range(1, 101)], 0.05
     running = Sender()
     model.execute([_request(running, True)])
-    time.sleep(0.2)
+    _wait_until(lambda: generations and running.sent)  # under way
     model._stop_generating()
     (response, flags) = running.wait_final(timeout=2.0)[-1]
     assert response.error.code == TritonError.UNAVAILABLE and "server shutting down" in response.error.message
@@ -348,6 +348,13 @@ def torch_model(monkeypatch, tiny_dirs, tmp_path):
     model.finalize()
 
 
+def _wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_torch_backend_aborts_a_request_cancelled_while_it_waits_for_a_row(torch_model):
     """Cancellation was checked only as a request's updates came: one waiting for a row was answered once the
     requests before it had finished, then prefilled for nothing."""
@@ -379,6 +386,7 @@ def test_torch_backend_answers_its_requests_unavailable_at_a_stop(torch_model):
     gate.clear()
     sender = Sender()
     model.execute([_request(sender, True)])
+    _wait_until(model.engine.has_unfinished)  # admitted: its prompt is tokenized on a lane of its own
     stopping = threading.Thread(target=model._stop_generating)
     stopping.start()
     time.sleep(0.2)
@@ -403,3 +411,28 @@ def test_torch_backend_samples_a_request_that_sends_top_p_alone(torch_model, mon
     model.execute([request])
     sender.wait_final()
     assert (submitted[0].temperature, submitted[0].top_p) == (1.0, pytest.approx(0.9))
+
+
+def test_torch_backend_tokenizes_a_long_prompt_without_holding_up_other_requests(torch_model, monkeypatch):
+    """Triton calls execute one batch at a time: a prompt tokenized there (seconds for megabytes) held up every
+    request behind it. A big one now takes a lane of its own, and is refused from there by its length."""
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+    from dflash_trt.server.prompt_lanes import BIG_PROMPT_CHARS
+
+    model, _ = torch_model
+    release = threading.Event()
+    encode = PromptEncoder.encode
+    monkeypatch.setattr(PromptEncoder, "encode", lambda self, prompt, *a, **k: (
+        len(prompt) > BIG_PROMPT_CHARS and release.wait(30), encode(self, prompt, *a, **k))[1])
+    big, small = Sender(), Sender()
+    request = _request(big, False)
+    request.inputs["text_input"] = np.array([b"x" * (BIG_PROMPT_CHARS + 1)], dtype=np.object_)
+    taking = threading.Thread(target=model.execute, args=([request],))
+    taking.start()
+    taking.join(5)
+    assert not taking.is_alive()  # Triton's next batch is not kept waiting
+    model.execute([_request(small, False)])
+    assert small.wait_final()[-1][0].error is None and not big.sent
+    release.set()
+    (response, _), = big.wait_final()
+    assert response.error.code == TritonError.INVALID_ARG and "maximum context length" in response.error.message
