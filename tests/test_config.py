@@ -225,3 +225,16 @@ def test_cuda_graphs_chosen_apart_from_the_batch_size_stay_as_written():
     assert build_config_from_dict(raw, overrides={"max_batch_size": 128}).cuda_graph_config.max_batch_size == 8
     listed = {**raw, "cuda_graph_config": {"batch_sizes": [1, 2, 4]}}
     assert build_config_from_dict(listed, overrides={"max_batch_size": 128}).cuda_graph_config.batch_sizes == [1, 2, 4]
+
+
+@pytest.mark.parametrize("edit", [{"sliding_window": 0}, {"sliding_window": False}, {"sliding_window": None},
+                                  # YaRN without its factor: derived from the two context lengths, as transformers does
+                                  {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                                       "original_max_position_embeddings": 32768}}])
+def test_config_values_that_mean_no_window_or_a_derived_factor_still_read(edit):
+    """The checks of the planner's raw keys and of each rope type's needs leave these alone: configs that built."""
+    from dflash_trt.layers.rotary import rope_inv_freq
+
+    t = decoder_config_from_dict({**bundled_config("Qwen/Qwen3-8B"), **edit})
+    inv_freq, _ = rope_inv_freq(t.head_dim, t.rope, t.max_position_embeddings)
+    assert inv_freq.shape == (t.head_dim // 2,) and bool(inv_freq.isfinite().all())
