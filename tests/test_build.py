@@ -25,7 +25,7 @@ from dflash_trt.engine_dir import EngineDir, open_engine
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.spec.draft_vocab import save_draft_vocab
 from dflash_trt.trtllm.llm_api_keys import NESTED_KEYS, TOP_LEVEL_KEYS
-from tests.conftest import make_drafter
+from tests.conftest import make_drafter, save_char_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -1271,6 +1271,10 @@ def test_a_tokenizer_that_does_not_load_or_does_not_fit_fails_the_build_naming_t
     assert list((tmp_path / "out").iterdir()) == []
     r = CliRunner().invoke(main, generate)
     assert r.exit_code == 1 and "the tokenizer has 100 tokens" in r.output, r.output
+    # another model's, much smaller: it built, and generate wrote that tokenizer's words for this model's ids
+    save_char_tokenizer(t, 40)
+    with pytest.raises(ValueError, match=f"{t}: the tokenizer has 40 tokens, under half of config.json's vocab_size"):
+        build_engine(cfg, tmp_path / "out" / "e", progress=False)
 
 
 def test_a_manifest_edited_or_a_file_added_after_the_build_is_refused_naming_it(tiny_engine, tmp_path):

@@ -34,6 +34,11 @@ def load_tokenizer(tok_dir: str | Path, vocab_size: int, named: str | Path | Non
             f"{name}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is {vocab_size}; "
             "it is another model's tokenizer, or the checkpoint is"
         )
+    if len(tokenizer) < vocab_size / 2:  # real pairs: 99-100% (a vocabulary padded to a multiple of 64 or 128)
+        raise ValueError(
+            f"{name}: the tokenizer has {len(tokenizer)} tokens, under half of config.json's vocab_size "
+            f"{vocab_size}; it is another model's tokenizer, or the checkpoint is"
+        )
     if tokenizer.chat_template:
         try:
             tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
