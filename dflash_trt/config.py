@@ -140,13 +140,17 @@ class SpeculativeConfig(_Strict):
             raise ValueError(f"{name} values must be <= max_draft_len={self.max_draft_len}")
 
 
+# TensorRT-LLM's sizes are C++ int32 (SizeType32): a larger one written into trtllm/config.yaml failed at its load
+INT32_MAX = 2**31 - 1
+
+
 class KvCacheConfig(_Strict):
     # auto: the checkpoint's quantized KV cache where it declares one, else the model dtype. nvfp4: FP4 values with
     # an FP8 scale per 16 (Blackwell only; TensorRT-LLM documents it for checkpoints ModelOpt quantized offline).
     dtype: Literal["auto", "fp8", "nvfp4", "bfloat16", "float16", "float32"] = "auto"
     free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     enable_block_reuse: bool | None = None
-    tokens_per_block: int = Field(default=32, ge=1)
+    tokens_per_block: int = Field(default=32, ge=1, le=INT32_MAX)
 
 
 class CudaGraphConfig(_Strict):
@@ -167,8 +171,8 @@ class MoeConfig(_Strict):
 
 class AttentionDpConfig(_Strict):
     enable_balance: bool = False
-    timeout_iters: int = 50
-    batching_wait_iters: int = 10
+    timeout_iters: int = Field(default=50, le=INT32_MAX)
+    batching_wait_iters: int = Field(default=10, le=INT32_MAX)
 
 
 # The page sizes TensorRT-LLM's trtllm-gen attention kernels take (FlashInferTrtllmGenFmha.SUPPORTED_TOKENS_PER_BLOCK)
@@ -186,9 +190,9 @@ class BuildConfig(_Strict):
     moe_expert_parallel_size: int | None = Field(default=None, ge=1)
     moe_tensor_parallel_size: int | None = Field(default=None, ge=1)
     enable_attention_dp: bool = False
-    max_batch_size: int = Field(ge=1)  # per rank under attention data parallelism, as in TRT-LLM
-    max_seq_len: int = Field(ge=2)  # prompt + generated tokens per request
-    max_num_tokens: int = Field(default=8192, ge=1)  # tokens per iteration (prefill chunk + decode rows)
+    max_batch_size: int = Field(ge=1, le=INT32_MAX)  # per rank under attention data parallelism, as in TRT-LLM
+    max_seq_len: int = Field(ge=2, le=INT32_MAX)  # prompt + generated tokens per request
+    max_num_tokens: int = Field(default=8192, ge=1, le=INT32_MAX)  # tokens per iteration (prefill chunk + decode rows)
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     speculative_config: SpeculativeConfig | None = None  # None: an engine without a drafter
     cuda_graph_config: CudaGraphConfig | None = None

@@ -38,6 +38,9 @@ def _err(overrides: dict, **top) -> str:
         ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "kv_cache_config.free_gpu_memory_fraction", "1"),
         ({"hardware": "a100"}, "hardware", "b300"),
         ({"max_batch_size": 0}, "max_batch_size", "greater than or equal to 1"),
+        # TensorRT-LLM's sizes are int32: written as given, they failed only at its load
+        ({"max_num_tokens": 10**30}, "max_num_tokens", "less than or equal to 2147483647"),
+        ({"kv_cache_config": {"tokens_per_block": 2**31}}, "kv_cache_config.tokens_per_block", "2147483647"),
         ({"speculative_config": {"max_draft_len": 4}}, "speculative_config.speculative_model", "required key is missing"),
         # YAML mistakes pydantic's lax mode would read as numbers and flags
         ({"max_batch_size": True}, "max_batch_size", "expected an integer, got True"),
