@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
 from dflash_trt.models.config import (SILU_NAMES, DecoderConfig, decoder_config_from_dict, generation_eos_ids,
                                      read_config_json)
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
@@ -34,6 +35,9 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
     if cls is LlamaForCausalLM and cfg.hidden_act not in SILU_NAMES:
         raise ValueError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported by this project's runtime "
                          "(its Llama-family MLP is SiLU-gated)")
+    if cfg.rope["rope_type"] not in SUPPORTED_ROPE_TYPES:  # else refused as the model is built, naming no file
+        raise ValueError(f"{source}: rope_type={cfg.rope['rope_type']!r} is not supported by this project's runtime; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     return cls
 
 
