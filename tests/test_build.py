@@ -460,6 +460,16 @@ def test_an_output_path_below_a_file_and_a_target_path_that_does_not_exist_are_n
     cfg = write_config(tmp_path, tiny_dirs["llama"], None)
     r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", str(run)])
     assert r.exit_code != 0 and f"its drafter is {run / 'drafter'}" in " ".join(r.output.split()), r.output
+    engine = build_engine(cfg, tmp_path / "engine", progress=False)  # an engine as a model: not a train --out
+    r = CliRunner().invoke(main, ["build", str(write_config(tmp_path, engine, None)), "-o", str(tmp_path / "e2")])
+    assert r.exit_code != 0 and f"{engine} is an engine: its target is {engine / 'target'}" in \
+        " ".join(r.output.split()), r.output
+    (run / "drafter" / "config.json").rename(run / "drafter" / "config.saved")
+    (run / "drafter" / "config.json").mkdir()  # a folder where the file should be: not "no config.json"
+    cfg = write_config(tmp_path, tiny_dirs["llama"], None)
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "e"), "--drafter", str(run / "drafter")])
+    assert r.exit_code != 0 and f"{run / 'drafter' / 'config.json'}: not a regular file" in \
+        " ".join(r.output.split()), r.output
 
 
 def test_an_output_it_cannot_write_is_named_before_the_checkpoint_is_read(tiny_dirs, tmp_path, monkeypatch):

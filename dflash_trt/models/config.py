@@ -45,9 +45,15 @@ def read_config_json(model_dir: str | Path) -> dict:
         raise NotADirectoryError(f"{model_dir} is a file; name the model directory that holds it "
                                  f"({Path(model_dir).parent})")
     path = Path(model_dir) / "config.json"
+    if path.exists() and not path.is_file():  # a folder, a pipe (whose read waits for a writer)
+        raise ValueError(f"{path}: not a regular file; expected the model's config.json")
     if not path.is_file():
-        hint = (f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
-                if (path.parent / "drafter" / "config.json").is_file() else "")
+        if (path.parent / "manifest.json").is_file():
+            hint = f" ({path.parent} is an engine: its target is {path.parent / 'target'})"
+        elif (path.parent / "drafter" / "config.json").is_file():
+            hint = f" ({path.parent} is a `dflash-trt train` --out: its drafter is {path.parent / 'drafter'})"
+        else:
+            hint = ""
         raise FileNotFoundError(f"{path.parent}: no config.json; expected an HF-format model directory{hint}")
     return read_json_object(path, "of config keys")
 
