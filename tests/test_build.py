@@ -1435,6 +1435,9 @@ def test_linked_target_weights_are_shown_and_never_point_into_the_engine_being_r
                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 8192}},
      "rope_type 'llama3' needs rope_scaling.low_freq_factor"),
+    ("target", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+     "rope_parameters.low_freq_factor and high_freq_factor must differ (both 4.0)"),
     # refused as the model was built, naming no file, after a warning that the drafter's rope differs
     ("target", {"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}},
      "rope_type='bogus' is not supported by this project's runtime"),

@@ -151,6 +151,10 @@ def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
     missing = [name for name in ROPE_NEEDS.get(params["rope_type"], ()) if params.get(name) is None]
     if missing:
         raise ValueError(f"{source}: rope_type {params['rope_type']!r} needs {key}.{missing[0]}")
+    if params["rope_type"] == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
+        # the smoothing between them divides by their difference: NaN frequencies
+        raise ValueError(f"{source}: {key}.low_freq_factor and high_freq_factor must differ (both "
+                         f"{params['low_freq_factor']!r})")
     return params
 
 
