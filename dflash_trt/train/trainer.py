@@ -606,8 +606,16 @@ class Trainer:
         return metrics
 
     def _eval_prompts(self) -> list[list[int]]:
+        return [r["prompt_ids"] for r in self._eval_records()]
+
+    def _eval_records(self) -> list[dict]:
         greedy = by_source_in_turn([r for r in self.heldout if r.get("mode") == "greedy"])
-        return [r["prompt_ids"] for r in greedy][: self.cfg.eval_prompts]
+        return greedy[: self.cfg.eval_prompts]
+
+    def _scored_on(self) -> list[str]:
+        """The ids of the records an evaluation scores (its loss's, then its prompts'): scores of other records do
+        not compare."""
+        return [r["id"] for r in self.heldout[:32]] + [r["id"] for r in self._eval_records()]
 
     @torch.no_grad()
     def _evaluate(self, n_prompts: int) -> tuple[dict, float]:
@@ -663,7 +671,7 @@ class Trainer:
         trained_s = self._trained_s + (time.perf_counter() - self._started if self._started is not None else 0.0)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
                  "rng": self.gen.get_state(), "best_score": self.best_score, "best_loss": self.best_loss,
-                 "config": asdict(self.cfg),
+                 "scored_on": self._scored_on(), "config": asdict(self.cfg),
                  "progress": self._progress, "trained_s": trained_s}
         tmp = self.out_dir / "checkpoint.pt.tmp"
         with signals_held():  # as in export: a signal inside torch.save reads as a failed write
@@ -690,6 +698,13 @@ class Trainer:
         self.gen.set_state(state["rng"])
         self.best_score = state.get("best_score", state.get("best_tau", -math.inf))  # best_tau: older checkpoints
         self.best_loss = state.get("best_loss", math.inf)
+        if state.get("scored_on") != self._scored_on() and self.best_score > -math.inf:
+            # other held-out records (other data, --eval-prompts, or a checkpoint of before they were taken from each
+            # source in turn): its best is no bar for this run's scores
+            logger.warning("the checkpoint's best held-out score (%.3f) was measured on other held-out records than "
+                           "this run's: the next evaluation's drafter replaces %s", self.best_score,
+                           self.out_dir / "drafter")
+            self.best_score, self.best_loss = -math.inf, math.inf
         logger.info("resumed from step %d (best held-out score %.3f)", self.step, self.best_score)
 
 

@@ -703,6 +703,20 @@ def test_at_an_equal_held_out_tau_the_drafter_with_the_lower_held_out_loss_is_ke
     assert (resumed.best_score, resumed.best_loss) == (1.0, 2.0)  # kept in the checkpoint
 
 
+def test_a_resumed_run_scored_on_other_held_out_records_does_not_hold_to_the_checkpoints_best(trained, caplog):
+    """A checkpoint's best score bars the run's next ones only where both scored the same records: one of before
+    held-out prompts were taken from each source in turn (or of another --eval-prompts) kept its drafter against
+    better ones."""
+    t, root = trained
+    tr = _trainer(t, root, root / "other_records", steps=2, eval_every=1, eval_prompts=1)
+    tr.evaluate = lambda: {"val_loss": 2.0, "val_tau": 1.5}
+    tr.train()
+    assert len({r["id"] for r in tr.heldout if r.get("mode") == "greedy"}) >= 2  # so 2 prompts are other records
+    with caplog.at_level(logging.WARNING):
+        resumed = _trainer(t, root, root / "other_records", steps=2, eval_every=1, eval_prompts=2, resume=True)
+    assert resumed.best_score == -math.inf and "measured on other held-out records" in caplog.text
+
+
 def test_the_progress_bar_names_an_evaluation_while_it_runs(trained, monkeypatch):
     """Evaluations decode held-out prompts for seconds between two steps: a bar that only counts steps looks stalled."""
     t, root = trained
