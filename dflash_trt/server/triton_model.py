@@ -190,7 +190,9 @@ class Responder:
     send is a round trip to Triton's process (0.1-0.4 ms measured on tritonserver 2.51 here), which each row's would
     add to every step, and the detokenizer's work goes with it. Every CANCEL_POLL_S, each request not yet answered is
     asked whether its client cancelled (as TensorRT-LLM's llmapi model polls), so one still waiting for a row is
-    aborted at once, not once it has one; an answer that fails is still ended with the final flag."""
+    aborted at once, not once it has one; an answer that fails is still ended with the final flag. A stream's updates
+    queued while the thread was sending go out as one response: a send per row per step would fall ever further
+    behind the engine once rows times a send's round trip passes a step."""
 
     def __init__(self, loop, counters):
         from dflash_trt.engine.engine_loop import SHUTTING_DOWN
@@ -198,6 +200,7 @@ class Responder:
         self.loop, self.counters, self._shutting_down = loop, counters, SHUTTING_DOWN
         self._inbox = queue.SimpleQueue()  # (answer, update); (answer, None): polled from now on; None: stop
         self._live = set()
+        self._unsent = {}  # a stream's text not yet sent, by answer: sent once the queued updates are read
         self._thread = threading.Thread(target=self._run, name="dflash-triton-responder", daemon=True)
         self._thread.start()
 
@@ -217,24 +220,47 @@ class Responder:
         poll_at = time.monotonic() + CANCEL_POLL_S
         while True:
             try:
-                item = self._inbox.get(timeout=max(0.0, poll_at - time.monotonic()))
+                items = [self._inbox.get(timeout=max(0.0, poll_at - time.monotonic()))]
             except queue.Empty:
-                item = ()
-            if item is None:
+                items = []
+            while items and items[-1] is not None:  # all that is queued (None, the stop, comes last)
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is not None:
+                    self._guarded(self._take, *item)
+            for answer in list(self._unsent):
+                self._guarded(self._send_unsent, answer)
+            if time.monotonic() >= poll_at:
+                for answer in list(self._live):
+                    self._guarded(self._poll, answer)
+                poll_at = time.monotonic() + CANCEL_POLL_S
+            if items and items[-1] is None:
                 return
-            try:  # one request's failure is its own: this thread answers every request
-                if item:
-                    answer, update = item
-                    if update is not None:
-                        self._update(answer, update)
-                    elif not answer.done:
-                        self._live.add(answer)
-                if time.monotonic() >= poll_at:
-                    for answer in list(self._live):
-                        self._poll(answer)
-                    poll_at = time.monotonic() + CANCEL_POLL_S
-            except Exception:
-                pb_utils.Logger.log_error(f"dflash: answering a request failed:\n{traceback.format_exc()}")
+
+    @staticmethod
+    def _guarded(method, *args):
+        try:  # one request's failure is its own: this thread answers every request
+            method(*args)
+        except Exception:
+            pb_utils.Logger.log_error(f"dflash: answering a request failed:\n{traceback.format_exc()}")
+
+    def _take(self, answer, update):
+        if update is not None:
+            self._update(answer, update)
+        elif not answer.done:
+            self._live.add(answer)
+
+    def _send_unsent(self, answer):
+        text = self._unsent.pop(answer)
+        if answer.done:
+            return
+        try:
+            answer.sender.send(_response(text))
+        except Exception as e:
+            self._failed(answer, e)
 
     def _poll(self, answer):
         if _cancelled_by_client(answer):
@@ -248,16 +274,19 @@ class Responder:
             if update.error is not None:
                 # ended by a stop: UNAVAILABLE (HTTP 503), as a request that comes after it is answered
                 code = pb_utils.TritonError.UNAVAILABLE if update.error == self._shutting_down else None
-                self._finish(answer, _error(update.error, code))
+                if answer in self._unsent:  # the text it was given before
+                    self._send_unsent(answer)
+                if not answer.done:  # (the send failed: ended already)
+                    self._finish(answer, _error(update.error, code))
                 return
             out = update.output
             if answer.streaming:
                 delta = answer.detok.delta(update.token_ids, out.text if out is not None else None)
                 if out is None:
                     if delta:
-                        answer.sender.send(_response(delta))
+                        self._unsent[answer] = self._unsent.get(answer, "") + delta
                     return
-                text = delta
+                text = self._unsent.pop(answer, "") + delta
             elif out is None:
                 return
             else:
@@ -265,13 +294,17 @@ class Responder:
             self._finish(answer, _response(text, out.finish_reason, out.total_accepted_draft_tokens,
                                            out.total_draft_tokens), out)
         except Exception as e:
-            pb_utils.Logger.log_error(f"dflash: request {update.request_id}:\n{traceback.format_exc()}")
-            if not answer.done:
-                self._finish(answer, _error(f"answering the request failed: {e}"))
-                self.loop.abort(update.request_id)
+            self._failed(answer, e)
+
+    def _failed(self, answer, e):
+        pb_utils.Logger.log_error(f"dflash: request {answer.request_id}:\n{traceback.format_exc()}")
+        if not answer.done:
+            self._finish(answer, _error(f"answering the request failed: {e}"))
+            self.loop.abort(answer.request_id)
 
     def _finish(self, answer, response, out=None):
         self._live.discard(answer)
+        self._unsent.pop(answer, None)
         counts = () if out is None else (out.num_tokens, len(out.acceptance_lengths), out.total_draft_tokens,
                                          out.total_accepted_draft_tokens)
         _final(answer, response, self.counters, *counts)

@@ -379,6 +379,36 @@ def test_torch_backend_answers_off_the_engine_thread(torch_model):
     assert sender.threads == {"dflash-triton-responder"}
 
 
+def test_torch_backend_sends_a_streams_queued_updates_as_one_response(torch_model):
+    """A send is a round trip to Triton: one per row per step fell ever further behind the engine once rows times a
+    send's cost passed a step. What queued while a send was out goes in one response, the text unchanged."""
+    model, _ = torch_model
+    sending, release = threading.Event(), threading.Event()
+
+    class SlowSender(Sender):
+        def send(self, response=None, flags=0):
+            sending.set()
+            release.wait(30)
+            super().send(response, flags)
+
+    def request(sender, streaming):
+        r = _request(sender, streaming)
+        r.inputs["sampling_param_max_tokens"] = np.array([24], dtype=np.int32)
+        return r
+
+    whole = Sender()
+    model.execute([request(whole, False)])
+    whole.wait_final()
+    slow = SlowSender()
+    model.execute([request(slow, True)])
+    assert sending.wait(10)
+    _wait_until(lambda: not model.engine.has_unfinished())  # every step's update queued behind the first send
+    release.set()
+    sent = slow.wait_final()
+    assert slow.text() == whole.text() and len(whole.text()) > 0
+    assert len(sent) <= 3, [r.outputs["text_output"][0] for r, _ in sent]
+
+
 def test_torch_backend_answers_its_requests_unavailable_at_a_stop(torch_model):
     """Ended by a stop, a request is the server's to retry elsewhere (UNAVAILABLE: HTTP 503), not a failure (500), as
     a request that comes after the stop is answered."""
