@@ -630,13 +630,16 @@ def test_tensors_of_another_variant_the_runtime_would_drop_are_warned_of_at_buil
     assert f"{d}: 1 tensors not used by DFlashDrafter" in caplog.text and "extra_gate.weight" in caplog.text
 
 
-@pytest.mark.parametrize("value, words", [(1.5, None), (float("nan"), "'fc.weight' holds NaN or Inf")])
-def test_a_drafter_weight_in_float8_is_checked_like_any_other(tiny_dirs, tmp_path, value, words):
+@pytest.mark.parametrize("dtype, value, words", [
+    (torch.float8_e4m3fn, 1.5, None), (torch.float8_e4m3fn, float("nan"), "'fc.weight' holds NaN or Inf"),
+    (torch.float8_e5m2, -448.0, None), (torch.float8_e5m2, float("-inf"), "'fc.weight' holds NaN or Inf"),
+    (torch.float8_e5m2, float("nan"), "'fc.weight' holds NaN or Inf")])
+def test_a_drafter_weight_in_float8_is_checked_like_any_other(tiny_dirs, tmp_path, dtype, value, words):
     """torch.isfinite takes no float8: the check itself failed ("isfinite" not implemented), naming no tensor."""
     def edit(tensors, config):
         tensors["fc.weight"] = tensors["fc.weight"].clone()
         tensors["fc.weight"].view(-1)[3] = value
-        tensors["fc.weight"] = tensors["fc.weight"].to(torch.float8_e4m3fn)
+        tensors["fc.weight"] = tensors["fc.weight"].to(dtype)
     d = _broken_drafter(tmp_path, tiny_dirs, edit)
     config = write_config(tmp_path, tiny_dirs["qwen3"], d)
     if words is None:
