@@ -5,7 +5,6 @@ OpenAI-style JSON error."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -31,6 +30,7 @@ from dflash_trt.sampling_params import SamplingParams, TokenIdError, choice_seed
 from dflash_trt.server import protocol as p
 from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+from dflash_trt.server.latest_updates import LatestUpdates
 from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
 
@@ -52,7 +52,7 @@ class APIError(Exception):
 class _Submitted:
     request_ids: list[int]  # one per choice: prompt-major, n answers of each prompt in turn (OpenAI's indices)
     prompt_lens: list[int]
-    queue: asyncio.Queue  # (choice index, RequestUpdate)
+    updates: LatestUpdates  # by choice index
     detoks: list[IncrementalDetokenizer]
     n: int = 1
 
@@ -371,15 +371,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         params = [sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=choice_seed(sp.seed, j))
                   for sp in params for j in range(req.n)]
         prompts = [ids for ids in prompts for _ in range(req.n)]
-        aio = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def callback(update: RequestUpdate, i: int) -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop closed: no one is left to answer
-                aio.call_soon_threadsafe(queue.put_nowait, (i, update))
-
+        updates = LatestUpdates(asyncio.get_running_loop())
         try:  # all at once: the n answers of a prompt share its prefill
-            ids = loop.submit_all([(prompt, sp, functools.partial(callback, i=i))
+            ids = loop.submit_all([(prompt, sp, functools.partial(updates.put, i))
                                    for i, (prompt, sp) in enumerate(zip(prompts, params))])
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
@@ -389,7 +383,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list, req.min_tokens) for _ in prompts]
-        return _Submitted(ids, [len(x) for x in prompts], queue, detoks, req.n)
+        return _Submitted(ids, [len(x) for x in prompts], updates, detoks, req.n)
 
     # --- engine -> response -----------------------------------------------------------------------
 
@@ -405,7 +399,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             while any(o is None for o in outputs):
-                get = asyncio.ensure_future(s.queue.get())
+                get = asyncio.ensure_future(s.updates.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
@@ -434,7 +428,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         sent = [0] * len(s.request_ids)
         try:
             while not all(done):
-                i, update = await s.queue.get()
+                i, update = await s.updates.get()
                 out = _finished(update) if update.finished else None
                 done[i] = update.finished
                 text = s.detoks[i].delta(update.token_ids, out.text if out is not None else None)
