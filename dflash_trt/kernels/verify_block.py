@@ -7,8 +7,8 @@ Terms and rules are spec/verifier.py's. Each row b has a mode:
   accepts) sample from normalize(max(0, p - q)) (p alone after K accepts) with uniforms[b, K]
 (arXiv 2211.17192). p is the target's distribution after temperature -> top-k -> top-p, computed by
 the runtime's own sampler (layers/sampler.py), so speculative and plain sampling agree exactly.
-The uniforms come from the caller (engine/model_runner.py `_uniforms`: by output position under MATCH), so a
-request's randomness depends on its seed only and the op stays a pure function. It is not CUDA-graph safe: a
+The uniforms come from the caller (engine/model_runner.py `_uniforms`: each row's from its own seed, by output
+position under MATCH), so the op stays a pure function. It is not CUDA-graph safe: a
 sampled step reads four flags of the batch back to the host once (target_probs) to skip what no row needs.
 
 Worked example (GREEDY, K = 3): drafts [5, 9, 2], argmax per block position [5, 9, 7, 4] ->

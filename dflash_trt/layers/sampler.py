@@ -2,9 +2,11 @@
 
 The same `sampling_probs` shapes the target's and the drafter's distributions, so the acceptance
 rules compare like with like. Order: temperature, then top-k, then top-p over the top-k
-probabilities (z-lab's order). Each row draws from its own streams, so a request's output depends on
-its seed only, not on what else is in the batch; with `PositionalUniforms`, not on how many tokens
-each step drafted either.
+probabilities (z-lab's order). Each row draws from its own streams, so no other row takes a request's draws. Under
+the "rejection" rule its tokens still depend on how many tokens each step drafted, which the batch sets (K by the
+number of rows, a neighbour near the end of its context, adaptive plain steps): the same seed can give another text
+beside other requests, in the same distribution. With `PositionalUniforms` (the "match" rule) they depend on the
+seed only.
 """
 
 from __future__ import annotations
