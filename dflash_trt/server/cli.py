@@ -167,7 +167,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
           trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM."""
+    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP."""
     if backend == "trtllm":
         if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
             source = click.get_current_context().get_parameter_source("api_key")
@@ -224,10 +224,14 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
                        f"{llm.max_model_len}) on http://{address(host, port)}/v1", err=True)
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        # lifespan off: the app has no start-up or shutdown events, and a second Ctrl-C logged the cancelled
+        # lifespan task's traceback
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                lifespan="off")
+        _listen(sock, host, port, config.backlog)
         try:
-            # returns on SIGINT / SIGTERM after closing connections
-            _Server(config, on_started=started, on_shutdown=loop.stop).run(sockets=[sock])
+            # returns on SIGINT / SIGTERM / SIGHUP after closing connections
+            _Server(config, on_started=started, engine_loop=loop).run(sockets=[sock])
         finally:
             loop.stop()
     finally:
@@ -249,17 +253,29 @@ def _bind(host: str, port: int):
         raise click.ClickException(f"cannot listen on {where}: {e.strerror or e}; check --host and --port") from e
 
 
+def _listen(sock, host: str, port: int, backlog: int) -> None:
+    """Listen before uvicorn does: a bound socket that is not listening takes no port from another (both set
+    SO_REUSEADDR, which a restart needs beside its old connections' TIME_WAIT), so a server started while this one
+    loaded may have taken the port first."""
+    try:
+        sock.listen(backlog)
+    except OSError as e:
+        raise click.ClickException(f"{address(host, port)} was taken while the model loaded (another server?); pass "
+                                   "another --port") from e
+
+
 def _uvicorn_server_class():
     import asyncio
     import contextlib
     import signal
+    import time
 
     import uvicorn
 
     class Server(uvicorn.Server):
-        def __init__(self, config, on_started=None, on_shutdown=None):
+        def __init__(self, config, on_started=None, engine_loop=None):
             super().__init__(config)
-            self.on_started, self.on_shutdown = on_started, on_shutdown
+            self.on_started, self.engine_loop = on_started, engine_loop
 
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
@@ -273,15 +289,36 @@ def _uvicorn_server_class():
             # a closed loop.
             for server in self.servers:  # first: no new connection while the engine stops
                 server.close()
-            if self.on_shutdown is not None:
-                await asyncio.to_thread(self.on_shutdown)
+            if self.engine_loop is not None:
+                await self._stop_engine()
             await super().shutdown(sockets=sockets)
+            if self.force_exit and (self.server_state.tasks or self.engine_loop and self.engine_loop.is_alive):
+                # Quitting without waiting: asyncio.run would cancel the handlers still running, each logged with a
+                # traceback, and the interpreter cannot exit under the engine's step in flight (it aborted).
+                click.echo("stopped without waiting for the requests in flight", err=True)
+                sys.stderr.flush()
+                os._exit(130)
+
+        async def _stop_engine(self):
+            # A step in flight cannot be cut short (one long prefill can take minutes on a CPU): waited for, however
+            # long, so that every request is answered; a second Ctrl-C (uvicorn's force_exit) quits without it.
+            # Given up after a fixed wait, the requests were never answered and uvicorn cancelled their handlers.
+            self.engine_loop.stop(timeout=0)
+            told_at = time.monotonic() + 2.0
+            while self.engine_loop.is_alive and not self.force_exit:
+                if told_at is not None and time.monotonic() > told_at:
+                    click.echo("waiting for the engine's step in flight to end (Ctrl-C again to quit without it)",
+                               err=True)
+                    told_at = None
+                await asyncio.sleep(0.02)
 
         @contextlib.contextmanager
         def capture_signals(self):
-            # Shut down gracefully on SIGINT / SIGTERM and exit 0; uvicorn's own handler re-raises the
-            # signal after shutdown, which kills the process before the engine loop is stopped.
-            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            # Shut down gracefully on SIGINT / SIGTERM / SIGHUP (the terminal closed, as build and train take it) and
+            # exit 0; uvicorn's own handler re-raises the signal after shutdown, which kills the process before the
+            # engine loop is stopped.
+            wanted = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+            previous = {s: signal.signal(s, self.handle_exit) for s in wanted}
             try:
                 yield
             finally:

@@ -420,7 +420,7 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
 
     def wait_forwarding_signals(self, on_ready=None, grace: float = 15.0) -> int:
-        """Run until the server exits; SIGINT / SIGTERM stop it (0). Returns its exit code. `on_ready()` is called
+        """Run until the server exits; SIGINT / SIGTERM / SIGHUP stop it (0). Returns its exit code. `on_ready()` is called
         once the server is ready, if it gets there. A request still generating keeps tritonserver from exiting (its
         model is live until the request ends, minutes on a long answer): `grace` seconds after the stop, or at a
         second signal, the server's process group is killed."""
@@ -436,8 +436,8 @@ class TritonServer:
                 stopping.append(time.monotonic())
                 self._signal_stop()
 
-        signal.signal(signal.SIGINT, forward)
-        signal.signal(signal.SIGTERM, forward)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+            signal.signal(signum, forward)
         if on_ready is not None:
             try:
                 self.wait_ready()

@@ -170,6 +170,87 @@ def test_serve_on_a_taken_port_fails_before_loading_the_model(monkeypatch):
     assert not loaded
 
 
+def test_serve_refuses_a_port_another_server_took_while_its_model_loaded(monkeypatch, tiny_dirs):
+    """Both bound (SO_REUSEADDR, for a restart beside TIME_WAIT connections), neither listening: the bind did not
+    tell, and the later server failed at uvicorn's listen with two tracebacks once its model had loaded."""
+    from dflash_trt.server.sockets import bound
+
+    port, others = free_port(), []
+    load_engine = cli.load_engine
+
+    def load_then_lose_the_port(*args, **overrides):
+        others.append(bound("127.0.0.1", port))
+        others[0].listen()
+        return load_engine(*args, **overrides)
+
+    monkeypatch.setattr(cli, "load_engine", load_then_lose_the_port)
+    try:
+        result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                                str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256",
+                                                "--port", str(port)])
+    finally:
+        others[0].close()
+    assert result.exit_code == 1, result.output
+    assert f"127.0.0.1:{port} was taken while the model loaded" in result.output and "Traceback" not in result.output
+    assert "serving" not in result.output
+
+
+def test_serve_stopped_in_a_long_step_answers_its_requests_once_the_step_ends(monkeypatch, tiny_dirs):
+    """A step cannot be cut short (one long prefill takes minutes on a CPU). Given up after 10 s (and 5 more of
+    uvicorn's grace), the requests in it
+    were never answered: uvicorn cancelled their handlers (streams cut, a 500 in plain text) and the interpreter
+    aborted under the engine thread."""
+    import asyncio
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    port, gate, events, steps = free_port(), threading.Event(), [], []
+    load_engine = cli.load_engine
+
+    def load_gated(*args, **overrides):
+        llm, name = load_engine(*args, **overrides)
+        step = llm.step
+
+        def gated():  # the request's first step runs (its first token), the next holds
+            steps.append(None)
+            if len(steps) > 1:
+                gate.wait(60)
+            return step()
+        llm.step = gated
+        return llm, name
+
+    async def stop_in_a_long_step(self):  # instead of serving until a signal
+        def stream():
+            body = {"model": "m", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+        client = threading.Thread(target=stream)
+        client.start()
+        while not events:
+            await asyncio.sleep(0.01)
+        threading.Timer(15.5, gate.set).start()  # past the 10 s the stop gave up after, and uvicorn's 5 s grace
+
+    server_class = cli._uvicorn_server_class
+    monkeypatch.setattr(cli, "load_engine", load_gated)
+    monkeypatch.setattr(cli, "_uvicorn_server_class",
+                        lambda: type("S", (server_class(),), {"main_loop": stop_in_a_long_step}))
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                            str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256",
+                                            "--port", str(port), "--served-model-name", "m"])
+    gate.set()
+    assert result.exit_code == 0, result.output
+    assert "waiting for the engine's step in flight to end" in result.output and "stopped" in result.output
+    deadline = time.monotonic() + 10
+    while (not events or events[-1] != "[DONE]") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+
+
 def test_serve_says_it_serves_only_once_it_listens(monkeypatch, tiny_dirs):
     """The "serving ... on URL" line is a promise that a client can connect: checked when it is written."""
     port, connected = free_port(), []

@@ -383,10 +383,12 @@ def test_one_port_given_to_two_flags_is_named_before_tritonserver_starts(tmp_pat
     assert r.exit_code == 1 and "--http-port and --grpc-port are both 8154" in r.output, r.output
 
 
-def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tmp_path, stop):
     """A request still generating kept tritonserver from exiting on SIGTERM for minutes, and when it gave up, its
     python backend stub (same process group) was left running. Here a stand-in that ignores SIGTERM and holds a
-    child in its group: the stop kills the whole group after the grace, and reads as a clean stop (0)."""
+    child in its group: the stop kills the whole group after the grace, and reads as a clean stop (0). SIGHUP (the
+    terminal closed) stops it as SIGTERM does: it killed the launcher outright."""
     import threading
 
     from dflash_trt.server.triton import TritonServer
@@ -394,8 +396,8 @@ def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tm
     server = TritonServer(tmp_path)
     server.process = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 600 & wait; wait"], start_new_session=True)
     time.sleep(0.5)  # the trap is set
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    threading.Timer(0.5, os.kill, (os.getpid(), stop)).start()
     try:
         assert server.wait_forwarding_signals(grace=1.0) == 0
     finally:
