@@ -34,23 +34,31 @@ DRAFTER_FLAGS = {"num_layers": "--layers", "block_size": "--block-size", "target
 
 
 def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
-    """The largest special token id the target never emitted in the data (else the last vocabulary id)."""
+    """The largest special token id the data never holds; else an embedding row past the tokenizer's (no text
+    maps to it); else the largest id the data never holds, an ordinary token, said in a warning."""
     used = {t for r in records for t in r["prompt_ids"] + r["response_ids"]}
     special = sorted(set(getattr(tokenizer, "all_special_ids", [])) | set(tokenizer.get_added_vocab().values()))
     for tid in reversed(special):
         if tid not in used and tid < vocab_size:
             return tid
-    return vocab_size - 1
+    if len(tokenizer) < vocab_size:
+        return vocab_size - 1
+    tid = next((t for t in range(vocab_size - 1, -1, -1) if t not in used), vocab_size - 1)
+    logger.warning("every special token of the tokenizer occurs in the data: the drafter's mask token is %d (%r), an "
+                   "ordinary token (a text holding it drafts worse); --mask-token-id ID names another", tid,
+                   tokenizer.convert_ids_to_tokens(tid))
+    return tid
 
 
 def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig, spaced_by_num_features: bool = False) -> None:
     """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later).
     spaced_by_num_features: the ids are --num-features' spacing, not --target-layers (the flag an error names)."""
+    from dflash_trt.train.trainer import evenly_spaced_layers
+
     n = target_cfg.num_hidden_layers
     flag = "'--num-features'" if spaced_by_num_features else "'--target-layers'"
     # z-lab's spacing (2nd to third-to-last layer) repeats layers below 8 target layers, and leaves 0..n-1 below 4
-    k = min(len(cfg.target_layer_ids), n)
-    spaced = ",".join(str(round(i * (n - 1) / (k - 1))) if k > 1 else str(n // 2) for i in range(k))
+    spaced = ",".join(map(str, evenly_spaced_layers(n, min(len(cfg.target_layer_ids), n))))
     hint = (f"given, or spaced by --num-features {cfg.num_features} over a {n}-layer target): pass distinct ids of "
             f"its layers, e.g. --target-layers {spaced}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
@@ -414,7 +422,6 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
     from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
     from dflash_trt.models.config import decoder_config_from_dict, read_config_json
-    from dflash_trt.models.dflash import build_target_layer_ids
     from dflash_trt.models.registry import load_target
     from dflash_trt.models.tokenizer import load_tokenizer
     from dflash_trt.train.feature_cache import TargetFeatures, build_feature_cache, check_index, space_shortfall
@@ -425,14 +432,14 @@ def prepare_and_train(target_dir: Path, out_dir: Path, data_dir: Path, cfg, prom
         cached_self_prompts,
         write_prompts,
     )
-    from dflash_trt.train.trainer import Trainer
+    from dflash_trt.train.trainer import Trainer, feature_layer_ids
 
     # Everything checkable is checked before the data stages, which can take hours.
     target_cfg = decoder_config_from_dict(read_config_json(target_dir), str(target_dir / "config.json"))
     check_target_dir(target_dir)
     spaced = not cfg.target_layer_ids
-    cfg.target_layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers,
-                                                                                 cfg.num_features))
+    cfg.target_layer_ids = list(cfg.target_layer_ids or feature_layer_ids(target_cfg.num_hidden_layers,
+                                                                            cfg.num_features))
     check_against_target(cfg, target_cfg, spaced_by_num_features=spaced)
     check_start(cfg, target_cfg)
     check_out_dir(out_dir, data_dir)
@@ -611,7 +618,9 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
               help="Draft block size B (K up to B-1).")
 @click.option("--target-layers", default=None, callback=_layer_ids,
               help="Comma-separated target layer ids to fuse (default: z-lab spacing).")
-@click.option("--num-features", default=5, show_default=True, type=click.IntRange(min=1), help="Target layers to fuse when --target-layers is not given.")
+@click.option("--num-features", type=click.IntRange(min=1),
+              help="Target layers to fuse when --target-layers is not given, spaced as z-lab's.  [default: 5, or on "
+                   "a target under 8 layers up to 5 spread over all its layers]")
 @click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1),
               help="Optimizer steps in all (with --resume, counting the checkpoint's).")
 @click.option("--lr", default=6e-4, show_default=True, type=FiniteFloatRange(min=0, min_open=True),

@@ -91,8 +91,8 @@ class TrainingDiverged(RuntimeError):
 class TrainConfig:
     num_layers: int = 2
     block_size: int = 16
-    target_layer_ids: list[int] | None = None  # None: z-lab's spacing for num_features layers
-    num_features: int = 5
+    target_layer_ids: list[int] | None = None  # None: feature_layer_ids(num_features)
+    num_features: int | None = None  # None: 5, or as many as a target under 8 layers has distinct (feature_layer_ids)
     mask_token_id: int | None = None  # None: must be given by the caller (a token the target never emits)
     steps: int = 2000
     lr: float = 6e-4
@@ -155,9 +155,27 @@ class TrainConfig:
             raise ValueError(f"steer_anchors must be in [0, 1], got {self.steer_anchors}")
 
 
+DEFAULT_NUM_FEATURES = 5
+
+
+def feature_layer_ids(num_target_layers: int, num_features: int | None) -> list[int]:
+    """The target layers a drafter fuses: z-lab's spacing (build_target_layer_ids). Where num_features is not given,
+    5 of them, or on a target under 8 layers, whose layers z-lab's spacing of 5 would repeat, up to 5 spread evenly
+    over all its layers. A given number is spaced as given (a repeat is the caller's to refuse)."""
+    ids = build_target_layer_ids(num_target_layers, num_features or DEFAULT_NUM_FEATURES)
+    if num_features is None and len(set(ids)) < len(ids):
+        ids = evenly_spaced_layers(num_target_layers, min(DEFAULT_NUM_FEATURES, num_target_layers))
+    return ids
+
+
+def evenly_spaced_layers(num_target_layers: int, k: int) -> list[int]:
+    """k distinct layers from the first to the last (k <= num_target_layers); one: the middle one."""
+    return [round(i * (num_target_layers - 1) / (k - 1)) for i in range(k)] if k > 1 else [num_target_layers // 2]
+
+
 def drafter_config_for(target_cfg, cfg: TrainConfig) -> DFlashConfig:
     """A drafter shaped like the target's layers (same hidden size, heads and MLP width)."""
-    ids = cfg.target_layer_ids or build_target_layer_ids(target_cfg.num_hidden_layers, cfg.num_features)
+    ids = cfg.target_layer_ids or feature_layer_ids(target_cfg.num_hidden_layers, cfg.num_features)
     if cfg.mask_token_id is None:
         raise ValueError("mask_token_id is required: a token id inside the target's embedding it never emits")
     return DFlashConfig(

@@ -667,6 +667,54 @@ def test_default_layer_spacing_over_a_small_target_names_ids_that_would_do():
             check_against_target(cfg, SimpleNamespace(num_hidden_layers=layers, vocab_size=VOCAB))
 
 
+def test_a_target_under_8_layers_trains_with_the_default_features_spread_over_its_layers(target, tmp_path):
+    """z-lab's spacing of 5 repeats layers below 8: the README's first run refused any such target."""
+    i = TINY.index("--target-layers")
+    r = CliRunner().invoke(main, ["train", "--target", str(target), "--out", str(tmp_path / "out"),
+                                  *TINY[:i], *TINY[i + 2:]])
+    assert r.exit_code == 0, r.output
+    drafter = json.loads((tmp_path / "out" / "drafter" / "config.json").read_text())
+    assert drafter["dflash_config"]["target_layer_ids"] == [0, 1, 2, 3]  # the 4-layer target's every layer
+
+
+def test_default_features_are_z_labs_where_its_spacing_has_distinct_layers():
+    from dflash.model import build_target_layer_ids as z_labs
+
+    from dflash_trt.train.trainer import feature_layer_ids
+
+    for layers in range(1, 41):
+        ids = feature_layer_ids(layers, None)
+        if layers >= 8:
+            assert ids == z_labs(layers, 5)
+        else:
+            assert len(set(ids)) == len(ids) == min(5, layers) and ids == sorted(ids) and 0 <= ids[0]
+            assert ids[-1] < layers
+        assert feature_layer_ids(layers, 3) == z_labs(layers, 3)  # a number given is spaced as given
+
+
+def test_the_mask_token_is_an_unused_special_token_else_a_row_no_text_maps_to_else_said_in_a_warning(caplog):
+    from types import SimpleNamespace
+
+    from dflash_trt.train.cli import choose_mask_token
+
+    class Tokenizer(SimpleNamespace):
+        def __len__(self):
+            return self.size
+
+        def get_added_vocab(self):
+            return {}
+
+        def convert_ids_to_tokens(self, tid):
+            return f"word{tid}"
+
+    records = [{"prompt_ids": [0, 1, 2], "response_ids": [9, 8]}]
+    assert choose_mask_token(Tokenizer(size=10, all_special_ids=[1, 7]), records, 10) == 7
+    assert choose_mask_token(Tokenizer(size=10, all_special_ids=[1, 2]), records, 12) == 11  # padding rows
+    with caplog.at_level(logging.WARNING):
+        assert choose_mask_token(Tokenizer(size=10, all_special_ids=[1, 2]), records, 10) == 7
+    assert "the drafter's mask token is 7 ('word7'), an ordinary token" in caplog.text
+
+
 def test_layers_spaced_by_num_features_that_repeat_name_that_flag(target, tmp_path):
     i = TINY.index("--target-layers")
     flags = [*TINY[:i], *TINY[i + 2:], "--num-features", "6"]  # spaced over a 4-layer target: layer 1, six times
