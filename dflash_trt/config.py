@@ -184,7 +184,8 @@ class BuildConfig(_Strict):
     # The target: "embedded:smollm2-135m-instruct", an HF id, or a local path (./ ../ / ~).
     model: str
     hardware: Literal["b300", "h200", "cpu"]
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: config.json's dtype
+    # auto: config.json's dtype, but bfloat16 on the CPU (plan.py, cpu_dtype_note)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
     moe_expert_parallel_size: int | None = Field(default=None, ge=1)
