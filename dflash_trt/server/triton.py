@@ -421,8 +421,8 @@ class TritonServer:
 
     def wait_forwarding_signals(self, on_ready=None, grace: float = 15.0) -> int:
         """Run until the server exits; SIGINT / SIGTERM / SIGHUP stop it (0). Returns its exit code. `on_ready()` is
-        called once the server is ready, if it gets there. A request still generating keeps tritonserver from exiting (its
-        model is live until the request ends, minutes on a long answer): `grace` seconds after the stop, or at a
+        called once the server is ready, if it gets there. A request still generating keeps tritonserver from exiting
+        (its model is live until the request ends, minutes on a long answer): `grace` seconds after the stop, or at a
         second signal, the server's process group is killed."""
         assert self.process is not None, "start() first"
         stopping: list[float] = []  # when the first signal came
