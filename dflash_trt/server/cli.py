@@ -296,6 +296,7 @@ def _uvicorn_server_class():
                 # Quitting without waiting: asyncio.run would cancel the handlers still running, each logged with a
                 # traceback, and the interpreter cannot exit under the engine's step in flight (it aborted).
                 click.echo("stopped without waiting for the requests in flight", err=True)
+                sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(130)
 
