@@ -167,7 +167,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
           trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP."""
+    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
+    nohup)."""
     if backend == "trtllm":
         if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
             source = click.get_current_context().get_parameter_source("api_key")
@@ -228,15 +229,24 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         # lifespan task's traceback
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 lifespan="off")
-        _listen(sock, host, port, config.backlog)
         try:
+            _listen(sock, host, port, config.backlog)
             # returns on SIGINT / SIGTERM / SIGHUP after closing connections
             _Server(config, on_started=started, engine_loop=loop).run(sockets=[sock])
         finally:
             loop.stop()
     finally:
         sock.close()  # uvicorn closes it on shutdown, but not when the engine failed to load
-    click.echo("stopped", err=True)
+    _say("stopped")
+
+
+def _say(message: str) -> None:
+    """A line on stderr while stopping: the terminal that closed (SIGHUP) fails every write with EIO, which must not
+    fail the stop itself."""
+    try:
+        click.echo(message, err=True)
+    except OSError:
+        pass
 
 
 def _bind(host: str, port: int):
@@ -291,13 +301,15 @@ def _uvicorn_server_class():
                 server.close()
             if self.engine_loop is not None:
                 await self._stop_engine()
-            await super().shutdown(sockets=sockets)
+            if not self.force_exit:  # (with it, from Python 3.12.1 on, uvicorn's wait_closed waits out its grace)
+                await super().shutdown(sockets=sockets)
             if self.force_exit and (self.server_state.tasks or self.engine_loop and self.engine_loop.is_alive):
                 # Quitting without waiting: asyncio.run would cancel the handlers still running, each logged with a
                 # traceback, and the interpreter cannot exit under the engine's step in flight (it aborted).
-                click.echo("stopped without waiting for the requests in flight", err=True)
-                sys.stdout.flush()
-                sys.stderr.flush()
+                _say("stopped without waiting for the requests in flight")
+                with contextlib.suppress(OSError):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
                 os._exit(130)
 
         async def _stop_engine(self):
@@ -308,17 +320,18 @@ def _uvicorn_server_class():
             told_at = time.monotonic() + 2.0
             while self.engine_loop.is_alive and not self.force_exit:
                 if told_at is not None and time.monotonic() > told_at:
-                    click.echo("waiting for the engine's step in flight to end (Ctrl-C again to quit without it)",
-                               err=True)
+                    _say("waiting for the engine's step in flight to end (Ctrl-C again to quit without it)")
                     told_at = None
                 await asyncio.sleep(0.02)
 
         @contextlib.contextmanager
         def capture_signals(self):
-            # Shut down gracefully on SIGINT / SIGTERM / SIGHUP (the terminal closed, as build and train take it) and
-            # exit 0; uvicorn's own handler re-raises the signal after shutdown, which kills the process before the
-            # engine loop is stopped.
-            wanted = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+            # Shut down gracefully on SIGINT / SIGTERM / SIGHUP (the terminal closed, as build and train take it; not
+            # under nohup, which ignores it) and exit 0; uvicorn's own handler re-raises the signal after shutdown,
+            # which kills the process before the engine loop is stopped.
+            wanted = [signal.SIGINT, signal.SIGTERM]
+            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+                wanted.append(signal.SIGHUP)
             previous = {s: signal.signal(s, self.handle_exit) for s in wanted}
             try:
                 yield
@@ -452,7 +465,7 @@ def triton_export(engine, repo, target, drafter, no_spec, model_name, backend, m
               help="Prometheus metrics port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address for all three endpoints.")
 def triton_serve(repo, http_port, grpc_port, metrics_port, host) -> None:
-    """Run tritonserver (the one nvidia-pytriton ships) on REPO until Ctrl-C / SIGTERM."""
+    """Run tritonserver (the one nvidia-pytriton ships) on REPO until Ctrl-C / SIGTERM / SIGHUP (not under nohup)."""
     from dflash_trt.server.triton import TritonServer
 
     try:

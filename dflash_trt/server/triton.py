@@ -420,10 +420,10 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
 
     def wait_forwarding_signals(self, on_ready=None, grace: float = 15.0) -> int:
-        """Run until the server exits; SIGINT / SIGTERM / SIGHUP stop it (0). Returns its exit code. `on_ready()` is
-        called once the server is ready, if it gets there. A request still generating keeps tritonserver from exiting
-        (its model is live until the request ends, minutes on a long answer): `grace` seconds after the stop, or at a
-        second signal, the server's process group is killed."""
+        """Run until the server exits; SIGINT / SIGTERM / SIGHUP (unless ignored: nohup) stop it (0). Returns its exit
+        code. `on_ready()` is called once the server is ready, if it gets there. A request still generating keeps
+        tritonserver from exiting (its model is live until the request ends, minutes on a long answer): `grace` seconds
+        after the stop, or at a second signal, the server's process group is killed."""
         assert self.process is not None, "start() first"
         stopping: list[float] = []  # when the first signal came
 
@@ -436,8 +436,9 @@ class TritonServer:
                 stopping.append(time.monotonic())
                 self._signal_stop()
 
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
-            signal.signal(signum, forward)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:  # SIGHUP: nohup ignores it
+                signal.signal(signum, forward)
         if on_ready is not None:
             try:
                 self.wait_ready()

@@ -388,7 +388,7 @@ def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tm
     """A request still generating kept tritonserver from exiting on SIGTERM for minutes, and when it gave up, its
     python backend stub (same process group) was left running. Here a stand-in that ignores SIGTERM and holds a
     child in its group: the stop kills the whole group after the grace, and reads as a clean stop (0). SIGHUP (the
-    terminal closed) stops it as SIGTERM does: it killed the launcher outright."""
+    terminal closed) stops it as SIGTERM does: it killed the launcher outright; under nohup it stays ignored."""
     import threading
 
     from dflash_trt.server.triton import TritonServer
@@ -397,9 +397,12 @@ def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tm
     server.process = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 600 & wait; wait"], start_new_session=True)
     time.sleep(0.5)  # the trap is set
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    nohup = stop != signal.SIGHUP  # the SIGTERM case runs as under nohup
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)
     threading.Timer(0.5, os.kill, (os.getpid(), stop)).start()
     try:
         assert server.wait_forwarding_signals(grace=1.0) == 0
+        assert (signal.getsignal(signal.SIGHUP) == signal.SIG_IGN) == nohup
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
