@@ -156,7 +156,8 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
                     self._hook(self.on_finish, self.engine.make_output(seq))
-                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}"))
+                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}",
+                                                tuple(seq.output_logprobs)))
                 continue
             # Metrics first: a client that reads /metrics right after its last token must see this step counted.
             self._hook(self.on_step, result)
@@ -166,7 +167,8 @@ class EngineLoop:
                 except Exception as e:  # detokenizing one request's output: uncaught, it would end the thread
                     logger.exception("output of request %d failed", seq.request_id)
                     error = f"engine error: {e}"
-                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, error))
+                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, error,
+                                                tuple(seq.output_logprobs)))
                     continue
                 if output is not None:
                     self._hook(self.on_finish, output)
@@ -178,7 +180,8 @@ class EngineLoop:
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):
-            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, SHUTTING_DOWN))
+            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, SHUTTING_DOWN,
+                                        tuple(seq.output_logprobs)))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
             self._deliver(RequestUpdate(seq.request_id, (), True, None, SHUTTING_DOWN))

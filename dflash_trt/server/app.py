@@ -429,6 +429,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         try:
             while not all(done):
                 i, update = await s.updates.get()
+                if update.error is not None:  # first the tokens since the update it replaced, unread (LatestUpdates)
+                    try:
+                        text = s.detoks[i].delta(update.token_ids, None)
+                    except Exception:  # (a failure to detokenize may be the error itself): the error is what counts
+                        text = ""
+                    new, sent[i] = update.logprobs[sent[i]:], max(sent[i], len(update.logprobs))
+                    if text or new:
+                        yield i, text, None, new, len(update.token_ids)
                 out = _finished(update) if update.finished else None
                 done[i] = update.finished
                 text = s.detoks[i].delta(update.token_ids, out.text if out is not None else None)

@@ -53,14 +53,14 @@ def choose_mask_token(tokenizer, records: list[dict], vocab_size: int) -> int:
 def check_against_target(cfg: TrainConfig, target_cfg: DecoderConfig, spaced_by_num_features: bool = False) -> None:
     """Fail unless the run's layer ids and mask token exist in the target (else an IndexError hours later).
     spaced_by_num_features: the ids are --num-features' spacing, not --target-layers (the flag an error names)."""
-    from dflash_trt.train.trainer import evenly_spaced_layers
+    from dflash_trt.train.trainer import DEFAULT_NUM_FEATURES, evenly_spaced_layers
 
     n = target_cfg.num_hidden_layers
     flag = "'--num-features'" if spaced_by_num_features else "'--target-layers'"
     # z-lab's spacing (2nd to third-to-last layer) repeats layers below 8 target layers, and leaves 0..n-1 below 4
     spaced = ",".join(map(str, evenly_spaced_layers(n, min(len(cfg.target_layer_ids), n))))
-    hint = (f"given, or spaced by --num-features {cfg.num_features} over a {n}-layer target): pass distinct ids of "
-            f"its layers, e.g. --target-layers {spaced}")
+    hint = (f"given, or spaced by --num-features {cfg.num_features or DEFAULT_NUM_FEATURES} over a {n}-layer "
+            f"target): pass distinct ids of its layers, e.g. --target-layers {spaced}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
     if bad:
         raise click.BadParameter(f"{bad} not among the target's {n} layers 0..{n - 1} ({hint}", param_hint=flag)

@@ -626,23 +626,74 @@ def test_an_engine_failure_fails_its_requests_not_the_server(tiny_dirs):
         s.stop()
 
 
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP", "SIGINT twice"])
-def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, stop):
-    """SIGHUP (the terminal closed) killed the server outright, its streams cut; a second Ctrl-C printed the
-    traceback of uvicorn's cancelled lifespan task."""
+def test_a_stream_that_fell_behind_gets_its_last_tokens_before_the_engines_error(tiny_dirs, monkeypatch):
+    """A reader holds only each choice's newest update: an error that replaced an unread one dropped the text of the
+    tokens between them (each update carries all tokens so far; the error was streamed alone)."""
+    from dflash_trt.server import app as app_module
+
+    engine = tiny_engine(tiny_dirs, max_batch_size=1, dtype="float32")
+    real, calls = engine.runner.spec_step, []
+
+    def flaky(seqs, k):
+        calls.append(k)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real(seqs, k)
+
+    class Behind(app_module.LatestUpdates):
+        async def get(self):  # the reader reads nothing until the engine has failed the request
+            while not any(u.finished for u in self._latest.values()):
+                await asyncio.sleep(0.01)
+            return await super().get()
+
+    engine.runner.spec_step = flaky
+    monkeypatch.setattr(app_module, "LatestUpdates", Behind)
+    s = start_server(engine)
+    try:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base_url + "/completions", json=body, timeout=30) as r:
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert events[-1] == "[DONE]" and "injected fault" in chunks[-1]["error"]["message"]
+        text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+        assert text, chunks  # the first two steps' tokens, then the error
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP, the terminal closed", "SIGINT twice"])
+def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, stop, hangup_not_ignored,
+                                                        ctrl_c_reaches_python):
+    """SIGHUP (the terminal closed) killed the server outright, its streams cut, and once handled, the stop failed
+    writing to the closed terminal (EIO); a second Ctrl-C printed the traceback of uvicorn's cancelled lifespan task."""
     import os
+    import pty
+    import select
     import signal
     import subprocess
     import sys
 
     from tests.server.conftest import free_port
 
-    port = free_port()
+    hangup = stop.startswith("SIGHUP")
+    terminal, child_side = pty.openpty() if hangup else (None, None)
+    port, seen = free_port(), []
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", "--target", str(tiny_dirs["qwen3"]),
                              "--drafter", str(tiny_dirs["qwen3_drafter"]), "--port", str(port),
                              "--served-model-name", MODEL, "--max-model-len", "512"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            stdout=child_side if hangup else subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def output() -> str:
+        if not hangup:
+            return proc.stdout.read().decode()
+        while select.select([terminal], [], [], 0.2)[0]:
+            seen.append(os.read(terminal, 65536).decode(errors="replace"))
+        return "".join(seen)
+
     try:
+        if hangup:
+            os.close(child_side)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -651,7 +702,7 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, sto
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None, proc.stdout.read().decode()
+            assert proc.poll() is None, output()
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
         body = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30).json()
@@ -661,7 +712,10 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, sto
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=30) as resp:
             lines = resp.iter_lines()
             events = [next(line for line in lines if line.startswith("data: "))]
-            proc.send_signal(signal.SIGINT if stop == "SIGINT twice" else getattr(signal, stop))
+            if hangup:
+                out = output()
+                os.close(terminal)  # every write to it fails from now on
+            proc.send_signal(signal.SIGINT if stop == "SIGINT twice" else getattr(signal, stop.split(",")[0]))
             if stop == "SIGINT twice":  # quits without waiting: the stream may be cut
                 time.sleep(0.05)
                 proc.send_signal(signal.SIGINT)
@@ -673,13 +727,30 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, sto
             assert last == {"error": {"message": "server shutting down", "type": "server_error", "param": None,
                                       "code": "shutting_down"}}
         assert proc.wait(20) in ((0, 130) if stop == "SIGINT twice" else (0,))
-        out = proc.stdout.read().decode()
+        if not hangup:
+            out = output()
         assert f"http://127.0.0.1:{port}/v1" in out
         assert "Traceback" not in out and "Event loop is closed" not in out and "graceful shutdown" not in out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_under_nohup_keeps_a_hangup_ignored(hangup_not_ignored):
+    """What nohup asks: a server started under it goes on when the terminal closes."""
+    import signal
+
+    import uvicorn
+
+    from dflash_trt.server import cli
+
+    server = cli._uvicorn_server_class()(uvicorn.Config(app=None))
+    for before, handled in ((signal.SIG_IGN, False), (signal.SIG_DFL, True)):
+        signal.signal(signal.SIGHUP, before)
+        with server.capture_signals():
+            assert (signal.getsignal(signal.SIGHUP) == server.handle_exit) == handled
+        assert signal.getsignal(signal.SIGHUP) == before
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
