@@ -389,7 +389,10 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request (ValueError for bad input, QueueFullError when the queue is full)."""
-        seq = self.make_sequence(prompt_ids, params)
+        if not (_is_sequence(prompt_ids) and all(map(is_int, prompt_ids))):  # floats were cut, bools read as 0 and 1
+            raise TypeError(f"prompt_ids must be a list of token ids (encode() makes them of text), got "
+                            f"{prompt_ids!r:.60}")
+        seq = self.make_sequence([int(t) for t in prompt_ids], params)
         self.scheduler.add(seq)
         return seq
 
@@ -415,7 +418,9 @@ class LLMEngine:
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         pending = list(reversed(seqs))
         with self._aborted_unless_done(seqs):
-            while pending or self.has_unfinished():
+            # its own requests: a stream or another thread's requests batched beside them run on in their own calls
+            # (waiting for them, a 4-token answer took a 300-token one's time)
+            while pending or not all(s.is_finished for s in seqs):
                 while pending and self.scheduler.can_add():
                     self.scheduler.add(pending.pop())
                 self.step()
@@ -433,12 +438,14 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self.scheduler.add(seq)
         with self._aborted_unless_done([seq]):
-            while not seq.is_finished:
-                self.step()
+            while True:
+                if not seq.is_finished:  # (another call's step, between two chunks, may have finished it)
+                    self.step()
                 if seq.is_finished:
                     out = self.make_output(seq)
                     yield StreamChunk(detok.delta(seq.output_ids, out.text), out.num_tokens, out)
-                elif text := detok.delta(seq.output_ids):
+                    return
+                if text := detok.delta(seq.output_ids):
                     yield StreamChunk(text, len(seq.output_ids))
 
     @contextlib.contextmanager

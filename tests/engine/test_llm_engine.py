@@ -77,6 +77,41 @@ def test_a_stream_gives_the_answer_as_steps_make_it_and_aborts_where_left(tiny_d
     assert not llm.has_unfinished()
 
 
+def test_a_stream_finished_by_another_calls_steps_still_ends_with_its_text_and_output(tiny_dirs, llm):
+    """Every step runs every request: one that another call's step finished between two chunks ended the stream
+    without its last text or its output."""
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    first = next(stream)
+    other = llm.generate(PROMPTS[1], params())[0]  # steps past the stream's 4 tokens
+    chunks = [first, *stream]
+    assert other.token_ids == want(tiny_dirs, llm, PROMPTS[1])
+    out = chunks[-1].output
+    assert out is not None and out.token_ids == want(tiny_dirs, llm, PROMPTS[0])[:4]
+    assert "".join(c.text for c in chunks) == out.text
+
+
+def test_generate_returns_once_its_own_requests_finish(tiny_dirs, llm):
+    """It waited for every request in the engine: beside an open stream of 200 tokens, a 4-token answer took the
+    stream's whole time (and ran it to its end)."""
+    stream = llm.stream(PROMPTS[2], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    first = next(stream)
+    short = llm.generate(PROMPTS[3], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert short.token_ids == want(tiny_dirs, llm, PROMPTS[3])[:4]
+    assert llm.has_unfinished()  # the stream's request runs on, in its own call
+    chunks = [first, *stream]
+    assert chunks[-1].output.num_tokens == 200 and "".join(c.text for c in chunks) == chunks[-1].output.text
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("ids", [[9.7, 11.2], [True, False], "hello", ["a"]])
+def test_add_request_takes_token_ids_only(llm, ids):
+    """Floats were cut to ints and bools read as tokens 1 and 0 (an answer to another prompt); text failed comparing
+    a string with an int."""
+    with pytest.raises(TypeError, match="prompt_ids must be a list of token ids"):
+        llm.add_request(ids, params())
+    assert not llm.has_unfinished()
+
+
 def test_parameters_that_are_no_sampling_params_are_refused_by_type(llm):
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         llm.generate("x", {"max_new_tokens": 4})
