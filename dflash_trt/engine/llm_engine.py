@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -370,6 +371,9 @@ class LLMEngine:
         past the vocabulary, ...), not yet queued."""
         if not isinstance(params, SamplingParams):  # a dict failed later with an AttributeError
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # checked anew, and the request's own: a field set after construction skipped the checks (max_new_tokens 0
+        # gave a token, a stop string set alone stopped at each of its characters), and one set while it ran changed it
+        params = dataclasses.replace(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"

@@ -112,6 +112,25 @@ def test_add_request_takes_token_ids_only(llm, ids):
     assert not llm.has_unfinished()
 
 
+@pytest.mark.parametrize("field, value, message", [("max_new_tokens", 0, "max_new_tokens"),
+                                                    ("temperature", -1.0, "temperature"),
+                                                    ("acceptance", "x", "acceptance")])
+def test_sampling_params_changed_after_construction_are_checked_as_new_ones(llm, field, value, message):
+    """Checks ran at construction only: max_new_tokens 0 still gave a token, a temperature of -1 sampled."""
+    sp = params()
+    setattr(sp, field, value)
+    with pytest.raises(ValueError, match=message):
+        llm.generate("x", sp)
+    assert not llm.has_unfinished()
+
+
+def test_a_stop_string_set_after_construction_is_one_string(tiny_dirs, llm):
+    text = llm.generate(PROMPTS[0], params())[0].text
+    sp = params()
+    sp.stop = text[1] + "\u2603"  # not in the answer (taken as its characters, the first stopped it)
+    assert llm.generate(PROMPTS[0], sp)[0].token_ids == want(tiny_dirs, llm, PROMPTS[0])
+
+
 def test_parameters_that_are_no_sampling_params_are_refused_by_type(llm):
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         llm.generate("x", {"max_new_tokens": 4})
