@@ -14,10 +14,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 
+from dflash_trt.sampling_params import is_int
+
 
 def check_table(table: Mapping[int, int], name: str, value: str, limit: tuple[str, int] | None = None) -> None:
     """ValueError naming `name` where a table under this rule (batch-size threshold -> K, or draft tree nodes) has a
     batch size below 1 or a value below 0 (or above the named limit, e.g. ("max_draft_len", 3))."""
+    if not (isinstance(table, Mapping) and all(is_int(b) and is_int(v) for b, v in table.items())):
+        raise ValueError(f"{name} must map batch sizes to {value} (integers), got {table!r:.60}")
     for b, v in table.items():
         if b < 1 or v < 0 or (limit is not None and v > limit[1]):
             bound = ">= 0" if limit is None else f"in 0..{limit[0]}={limit[1]}"

@@ -101,7 +101,10 @@ class EngineConfig:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_draft_len is not None and self.max_draft_len < 0:  # (before the tables a K is applied to)
+            raise ValueError(f"max_draft_len must be >= 0, got {self.max_draft_len}")
         check_table(self.draft_tree, "draft_tree", "nodes")
+        check_table(self.draft_len_schedule, "draft_len_schedule", "K")
         check_table(self.draft_len_schedule_without_amx or {}, "draft_len_schedule_without_amx", "K")
         check_table(self.draft_tree_without_amx or {}, "draft_tree_without_amx", "nodes")
         if self.lookup_nodes < 0:

@@ -159,3 +159,23 @@ def test_a_streamed_prompt_is_checked_as_a_generated_one(llm, prompt, error, mes
 def test_engine_settings_of_the_wrong_type_are_refused_naming_the_field(field, value, kind):
     with pytest.raises(ValueError, match=f"{field} must be {kind}, got {value!r}"):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_draft_len": -1}, "max_draft_len must be >= 0, got -1"),  # it named a table K was applied to
+    ({"draft_tree": 5}, "draft_tree must map batch sizes to nodes"),  # AttributeError: no .items()
+    ({"draft_len_schedule": [1, 2]}, "draft_len_schedule must map batch sizes to K"),
+    ({"draft_tree": {1: 2.5}}, "draft_tree must map batch sizes to nodes"),
+])
+def test_open_engine_names_the_override_at_fault(tiny_dirs, tmp_path_factory, overrides, message):
+    from dflash_trt.engine_dir import open_engine
+    from tests.test_build import write_config
+
+    root = tmp_path_factory.getbasetemp() / "api_engine"
+    if not (root / "e").is_dir():
+        from dflash_trt.build import build_engine
+
+        root.mkdir(exist_ok=True)
+        build_engine(write_config(root, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]), root / "e", progress=False)
+    with pytest.raises(ValueError, match=message):
+        open_engine(root / "e", **overrides)
