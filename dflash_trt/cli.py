@@ -87,7 +87,8 @@ def _as_flags(message: str) -> str:
               help="Nucleus sampling mass; 1 disables it.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
 @click.option("--seed", default=None, type=int, help="Fixes a sampled answer: with --acceptance match, the same text "
-              "at any K, with or without speculation (default: a fresh seed).")
+              "at any K, with or without speculation (default: a fresh seed; with rejection, the text follows each "
+              "step's drafts, which timing and reused prompt chunks change).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--acceptance", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
               help="Sampling acceptance rule: target-sample-and-match, or rejection sampling with draft probabilities.")
