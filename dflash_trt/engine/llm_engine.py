@@ -347,6 +347,8 @@ class LLMEngine:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """The prompt's token ids: as written, or as a user turn of the tokenizer's chat template (chat=True)."""
+        if not isinstance(prompt, str):  # an int failed in len(), a list of ids deep in the tokenizer
+            raise TypeError(f"encode takes text, got {type(prompt).__name__} (token ids need no encoding)")
         with self._encode_lock:
             return self.prompt_encoder.encode(prompt, chat)
 

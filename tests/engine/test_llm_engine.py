@@ -103,6 +103,12 @@ def test_generate_returns_once_its_own_requests_finish(tiny_dirs, llm):
     assert not llm.has_unfinished()
 
 
+@pytest.mark.parametrize("prompt", [5, [1, 2], None])
+def test_encode_takes_text_only(llm, prompt):
+    with pytest.raises(TypeError, match=f"encode takes text, got {type(prompt).__name__}"):
+        llm.encode(prompt)
+
+
 @pytest.mark.parametrize("ids", [[9.7, 11.2], [True, False], "hello", ["a"]])
 def test_add_request_takes_token_ids_only(llm, ids):
     """Floats were cut to ints and bools read as tokens 1 and 0 (an answer to another prompt); text failed comparing
