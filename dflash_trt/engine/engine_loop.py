@@ -36,6 +36,12 @@ Callback = Callable[[RequestUpdate], None]
 SHUTTING_DOWN = "server shutting down"  # the error of requests the loop's stop() ended
 
 
+def _failed(seq, error: str) -> RequestUpdate:
+    """A request's last update where it ended in `error`: its tokens and logprobs so far, for a reader that had not
+    taken them yet (server/latest_updates.py)."""
+    return RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, error, tuple(seq.output_logprobs))
+
+
 class LoopStopped(RuntimeError):
     """A request came after stop(): the server is shutting down."""
 
@@ -156,8 +162,7 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
                     self._hook(self.on_finish, self.engine.make_output(seq))
-                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, f"engine error: {e}",
-                                                tuple(seq.output_logprobs)))
+                    self._deliver(_failed(seq, f"engine error: {e}"))
                 continue
             # Metrics first: a client that reads /metrics right after its last token must see this step counted.
             self._hook(self.on_step, result)
@@ -166,9 +171,7 @@ class EngineLoop:
                     output = self.engine.make_output(seq) if seq.is_finished else None
                 except Exception as e:  # detokenizing one request's output: uncaught, it would end the thread
                     logger.exception("output of request %d failed", seq.request_id)
-                    error = f"engine error: {e}"
-                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, error,
-                                                tuple(seq.output_logprobs)))
+                    self._deliver(_failed(seq, f"engine error: {e}"))
                     continue
                 if output is not None:
                     self._hook(self.on_finish, output)
@@ -180,8 +183,7 @@ class EngineLoop:
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
             self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
         for seq in self.engine.scheduler.fail_running("abort"):
-            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, None, SHUTTING_DOWN,
-                                        tuple(seq.output_logprobs)))
+            self._deliver(_failed(seq, SHUTTING_DOWN))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
             self._deliver(RequestUpdate(seq.request_id, (), True, None, SHUTTING_DOWN))

@@ -208,14 +208,14 @@ def _prompt_list(prompts) -> list[str | list[int]]:
     """The prompts as a list of prompts: a string or a sequence of token ids alone is one prompt (iterating it would
     make a prompt of each character or id); ids as Python ints (numpy's integers taken); TypeError naming
     the first prompt that is neither text nor ids."""
-    if isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) and all(map(is_int, prompts))):
+    if isinstance(prompts, str) or (_is_ids(prompts) and len(prompts) > 0):
         prompts = [prompts]
     if not _is_sequence(prompts):
         raise TypeError("prompts must be a string, a list of token ids or a list of those, got "
                         f"{type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
-        if not (isinstance(p, str) or (_is_sequence(p) and all(map(is_int, p)))):
+        if not (isinstance(p, str) or _is_ids(p)):
             raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {p!r:.60}")
         out.append(p if isinstance(p, str) else [int(t) for t in p])
     return out
@@ -223,6 +223,11 @@ def _prompt_list(prompts) -> list[str | list[int]]:
 
 def _is_sequence(value) -> bool:
     return isinstance(value, (list, tuple))
+
+
+def _is_ids(value) -> bool:
+    """A list or tuple of token ids (ints, numpy's too; no bools or floats)."""
+    return _is_sequence(value) and all(map(is_int, value))
 
 
 @dataclass
@@ -398,7 +403,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request (ValueError for bad input, QueueFullError when the queue is full)."""
-        if not (_is_sequence(prompt_ids) and all(map(is_int, prompt_ids))):  # floats were cut, bools read as 0 and 1
+        if not _is_ids(prompt_ids):  # floats were cut, bools read as 0 and 1
             raise TypeError(f"prompt_ids must be a list of token ids (encode() makes them of text), got "
                             f"{prompt_ids!r:.60}")
         seq = self.make_sequence([int(t) for t in prompt_ids], params)
