@@ -424,12 +424,22 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
         with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""
-        prompts = [self.encode(p) if isinstance(p, str) else p for p in _prompt_list(prompts)]
+        prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params  # an empty list is one SamplingParams too few
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: pass one, or one per prompt")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        seqs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
+            try:
+                seqs.append(self.make_sequence(self.encode(prompt) if isinstance(prompt, str) else prompt, sp))
+            except (ValueError, TypeError) as e:
+                if len(prompts) == 1:
+                    raise
+                # which of a batch's prompts: "empty prompt" or a context overrun named none of them
+                which = f"prompts[{i}]" + (f" with params[{i}]" if isinstance(params, list) else "")
+                e.args = (f"{which}: {e}", *e.args[1:])  # (its type and fields kept: TokenIdError's param)
+                raise
         pending = list(reversed(seqs))
         with self._aborted_unless_done(seqs):
             # its own requests: a stream or another thread's requests batched beside them run on in their own calls

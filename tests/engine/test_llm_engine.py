@@ -185,3 +185,21 @@ def test_open_engine_names_the_override_at_fault(tiny_dirs, tmp_path_factory, ov
         build_engine(write_config(root, tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"]), root / "e", progress=False)
     with pytest.raises(ValueError, match=message):
         open_engine(root / "e", **overrides)
+
+
+@pytest.mark.parametrize("prompts, params_, message", [
+    (["x", ""], None, r"prompts\[1\]: empty prompt"),
+    (["x", [10**9]], None, r"prompts\[1\]: prompt token ids must be in"),
+    ([[], "x"], None, r"prompts\[0\]: empty prompt"),
+    (["x", "y"], [params(), SamplingParams(max_new_tokens=4, stop_token_ids=[10**9])],
+     r"prompts\[1\] with params\[1\]: stop_token_ids token ids must be in"),
+])
+def test_a_bad_prompt_among_several_is_named_by_its_index_and_none_of_them_runs(llm, prompts, params_, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        llm.generate(prompts, params_ if params_ is not None else params())
+    assert not llm.has_unfinished()
+
+
+def test_a_lone_prompts_error_reads_as_before(llm):
+    with pytest.raises(ValueError, match=r"^empty prompt"):
+        llm.generate([""], params())
