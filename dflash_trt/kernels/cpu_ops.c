@@ -840,6 +840,9 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
  * against 2.7 ms for SmolLM2's at 8 rows, 1.4 against 2.5 at one (with warm caches 8 rows are a tie). */
 #define SCREEN_MAX_ROWS 8
 #define SCREEN_GROUP 64
+/* The widest input the int8 kernels take: VNNI's int32 accumulators sum up to 255 x 127 x K, under 2^31 to K = 66,313
+ * (an 8B target's drafter reads 5 x 4,096 fc inputs and 14,336 down_proj ones; the cap was 8,192 and refused them). */
+#define Q8_MAX_K 65536
 /* "VNNI" below is AVX512-VNNI with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4); CPUs with VNNI but no BF16
  * (Cascade Lake, Ice Lake) take the AVX2 screen, as AVX2 laptops do. */
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -931,9 +934,8 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xq
 #if defined(SCREEN_VNNI) || defined(SCREEN_AVX2)
 /* Quantizes row x [K] into xq and xs as screen_block reads them (two int8 levels of K bytes with VNNI, one int16
  * level without), with head_argmax_bf16's a and b (below). 0 if the row is not finite. */
-static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *a, float *b) {
-    double rest[8192], xx = 0;
-    if (K > 8192) return 0;
+static int screen_row(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *a, float *b, double *rest) {
+    double xx = 0;
     for (int64_t k = 0; k < K; k++) {
         rest[k] = bf16_to_f32(x[k]);
         if (!isfinite(rest[k])) return 0;
@@ -1032,13 +1034,14 @@ int64_t int8_dot_kind(void) {
 int head_screen_values(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                        const float *scale, int64_t N, float *approx) {
 #if defined(HAVE_SCREEN)
-    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP) return 0;
+    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP || K > Q8_MAX_K) return 0;
     float xs[2 * SCREEN_MAX_ROWS], a, c;
     uint8_t *xq = malloc((size_t)(2 * M * K));
-    int ok = xq != NULL;
-    for (int64_t r = 0; ok && r < M; r++) ok = screen_row(x + r * K, K, xq + 2 * r * K, xs + 2 * r, &a, &c);
+    double *rest = malloc((size_t)K * sizeof(double));
+    int ok = xq && rest;
+    for (int64_t r = 0; ok && r < M; r++) ok = screen_row(x + r * K, K, xq + 2 * r * K, xs + 2 * r, &a, &c, rest);
     if (ok) screened_values(xq, xs, M, q, K, qsum, scale, approx, N);
-    free(xq);
+    free(xq), free(rest);
     return ok;
 #else
     (void)x, (void)M, (void)K, (void)q, (void)qsum, (void)scale, (void)N, (void)approx;
@@ -1095,11 +1098,16 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {
 #if defined(HAVE_SCREEN)
-    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP || K % 32 || linear_layout_bf16(N, K) == 0) return 0;
+    if (M < 1 || M > head_screen_rows() || N % SCREEN_GROUP || K % 32 || K > Q8_MAX_K ||
+        linear_layout_bf16(N, K) == 0)
+        return 0;
     float xs[2 * SCREEN_MAX_ROWS], a[SCREEN_MAX_ROWS], c[SCREEN_MAX_ROWS];
     uint8_t *xq = malloc((size_t)(2 * M * K)), *wanted = calloc((size_t)(N / SCREEN_GROUP), 1);
-    int ok = xq && wanted;
-    for (int64_t r = 0; ok && r < M; r++) ok = screen_row(x + r * K, K, xq + 2 * r * K, xs + 2 * r, a + r, c + r);
+    double *rest = malloc((size_t)K * sizeof(double));
+    int ok = xq && wanted && rest;
+    for (int64_t r = 0; ok && r < M; r++)
+        ok = screen_row(x + r * K, K, xq + 2 * r * K, xs + 2 * r, a + r, c + r, rest);
+    free(rest);
     if (!ok) {
         free(xq), free(wanted);
         return 0;
@@ -1120,6 +1128,10 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
             bound_store(d + j, upper);
         }
         const float l = bound_reduce_max(lo), h = bound_reduce_max(hi);
+        if (!isfinite(l) || !isfinite(h)) { /* dots past fp32's range: no group would pass a NaN floor (token -1) */
+            free(xq), free(wanted);
+            return 0;
+        }
         const bound_vec floor_ = bound_set1(l - 0x1p-6f * fmaxf(fabsf(l), fabsf(h)));
         for (int64_t j = 0; j < N; j += BOUND_LANES)
             if (bound_any_ge(bound_load(d + j), floor_)) wanted[j / SCREEN_GROUP] = 1;
@@ -1152,9 +1164,8 @@ int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, c
 #if defined(SCREEN_VNNI)
 /* screen_row's two int8 levels of a bf16 row without its bounds, vectorised in fp32 (the remainder after the first
  * level rounds, which only linear_q8's approximation sees): the scalar float64 version took ~0.07 ms for a drafter's
- * 2 x 2,880 fc inputs, a sixth of what the int8 weights save. 0 if the row is not finite. */
-static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs) {
-    float rest[8192];
+ * 2 x 2,880 fc inputs, a sixth of what the int8 weights save. rest: K floats of scratch. 0 if the row is not finite. */
+static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *rest) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) _mm512_storeu_ps(rest + k, bf16x16_to_f32(x + k));
     for (; k < K; k++) rest[k] = bf16_to_f32(x[k]);
@@ -1184,9 +1195,9 @@ static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *x
     return 1;
 }
 #elif defined(SCREEN_AVX2)
-/* screen_row's int16 level of a bf16 row without its bounds, vectorised in fp32. 0 if the row is not finite. */
-static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs) {
-    float v[8192];
+/* screen_row's int16 level of a bf16 row without its bounds, vectorised in fp32. v: K floats of scratch. 0 if the row
+ * is not finite. */
+static int quantize_row_fast(const uint16_t *x, int64_t K, uint8_t *xq, float *xs, float *v) {
     int64_t k = 0, tail = K - K % 8;
     for (; k < tail; k += 8) _mm256_storeu_ps(v + k, bf16x8_to_f32(x + k));
     for (; k < K; k++) v[k] = bf16_to_f32(x[k]);
@@ -1241,14 +1252,19 @@ typedef struct {
 int linear_q8(const uint16_t *x, const q8_weight *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
               int64_t K) {
 #if defined(HAVE_SCREEN)
-    if (N % 16 || K % 4 || K > 8192) return 0;
+    if (N % 16 || K % 4 || K > Q8_MAX_K) return 0;
     uint8_t *xq = malloc((size_t)(2 * SCREEN_MAX_ROWS * K));
-    if (!xq) return 0;
+    float *rest = malloc((size_t)K * sizeof(float));
+    if (!xq || !rest) {
+        free(xq), free(rest);
+        return 0;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += SCREEN_MAX_ROWS) {
         const int R = (int)(M - m0 < SCREEN_MAX_ROWS ? M - m0 : SCREEN_MAX_ROWS);
         float xs[2 * SCREEN_MAX_ROWS];
         int finite[SCREEN_MAX_ROWS];
-        for (int r = 0; r < R; r++) finite[r] = quantize_row_fast(x + (m0 + r) * K, K, xq + 2 * r * K, xs + 2 * r);
+        for (int r = 0; r < R; r++)
+            finite[r] = quantize_row_fast(x + (m0 + r) * K, K, xq + 2 * r * K, xs + 2 * r, rest);
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
             float out[SCREEN_MAX_ROWS * 16];
@@ -1260,7 +1276,7 @@ int linear_q8(const uint16_t *x, const q8_weight *w, const uint16_t *bias, uint1
                 }
         }
     }
-    free(xq);
+    free(xq), free(rest);
     return 1;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;

@@ -185,8 +185,7 @@ class CpuOps:
         rows share the call."""
         x = x.contiguous()
         n, k = weight.shape
-        if x.shape[-1] != k:  # the kernel would write x.numel() // k rows into an output of fewer
-            raise ValueError(f"linear: x has {x.shape[-1]} inputs, the [{n}, {k}] weight {k}")
+        _check_input("linear", x, k, weight.dtype)
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
         if not self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
                             out.data_ptr(), x.numel() // k, n, k):
@@ -198,6 +197,7 @@ class CpuOps:
         whichever rows share the call. None where this build has no int8 kernel (AVX512-VNNI or AVX2)."""
         x = x.contiguous()
         n, k = weight.shape
+        _check_input("linear_q8", x, k, torch.bfloat16)
         out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         done = self._linear_q8(x.data_ptr(), ctypes.addressof(weight.struct),
                                bias.data_ptr() if bias is not None else None, out.data_ptr(), x.numel() // k, n, k)
@@ -245,6 +245,7 @@ class CpuOps:
         x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]
+        _check_input("head_argmax", x, screen.shape[1], torch.bfloat16)
         if scratch.dtype != torch.float32 or scratch.numel() < 3 * m * n // 2:
             raise ValueError(f"head_argmax: scratch needs {3 * m * n // 2} float32 values, "
                              f"got {scratch.numel()} {scratch.dtype}")
@@ -289,7 +290,8 @@ class CpuOps:
         qkv = qkv.reshape(-1, qkv.shape[-1]).contiguous()
         n, rot = qkv.shape[0], cos.shape[-1]
         if qkv.shape[1] != (heads + 2 * kv_heads) * d:
-            raise ValueError(f"qkv_rotary_write: {qkv.shape[1]} projected channels for {heads}+2x{kv_heads} heads of {d}")
+            raise ValueError(f"qkv_rotary_write: {qkv.shape[1]} projected channels for {heads}+2x{kv_heads} heads "
+                             f"of {d}")
         _check_indices("qkv_rotary_write", n, rows=rows, positions=positions)
         cos, sin = cos.reshape(n, rot).contiguous(), sin.reshape(n, rot).contiguous()
         q_norm, k_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
@@ -384,6 +386,8 @@ class CpuOps:
         if h % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-1] != d:
             raise ValueError(f"cached_attention: {h} query heads of {d} over {kvh} KV heads of {k_cache.shape[-1]}, "
                              "or a strided cache")
+        if not q.dtype == k_cache.dtype == v_cache.dtype:  # read as the query's type: NaNs
+            raise ValueError(f"cached_attention: {q.dtype} queries over a {k_cache.dtype}/{v_cache.dtype} cache")
         _check_indices("cached_attention", b, rows=rows, lens=lens)
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
@@ -391,6 +395,13 @@ class CpuOps:
             b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b),
         )
         return out
+
+
+def _check_input(op: str, x: torch.Tensor, k: int, dtype: torch.dtype) -> None:
+    """x [..., k] of the weight's type: the kernels read x.numel() // k rows of it as that type (a narrower x wrote
+    past the output, an fp32 one read as bf16 gave NaNs)."""
+    if x.shape[-1] != k or x.dtype != dtype:
+        raise ValueError(f"{op}: x is {x.dtype} with {x.shape[-1]} inputs, the weight takes {dtype} with {k}")
 
 
 def _check_indices(op: str, n: int, **indices: torch.Tensor) -> None:
@@ -422,11 +433,13 @@ class Int8Weight:
     (a whole gpt-oss head at once would take 4.6 GB)."""
 
     CHUNK = 8192
+    MAX_INPUTS = 65536  # cpu_ops.c's Q8_MAX_K: int32 sums of 255 x 127 a product hold 66,313 of them
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
-        if n % 16 or k % 4 or k > 8192:
-            raise ValueError(f"Int8Weight: [{n}, {k}] is not whole blocks of 16 features and 4 inputs, at most 8,192")
+        if n % 16 or k % 4 or k > self.MAX_INPUTS:
+            raise ValueError(f"Int8Weight: [{n}, {k}] is not whole blocks of 16 features and 4 inputs, at most "
+                             f"{self.MAX_INPUTS:,}")
         self.shape = (n, k)
         self.scale, self.err, self.wnorm = torch.empty(n), torch.empty(n), torch.empty(n)
         self.qsum = torch.empty(n, dtype=torch.int32)

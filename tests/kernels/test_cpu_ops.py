@@ -169,7 +169,7 @@ def test_indices_the_kernels_would_misread_are_refused():
 def test_a_linear_whose_input_is_not_the_weights_width_is_refused():
     # 2 rows of 96 inputs over a 64-input weight: the kernel wrote 3 rows into an output of 2, corrupting the heap
     weight = ops.kernel_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="x has 96 inputs"):
+    with pytest.raises(ValueError, match="with 96 inputs, the weight takes torch.bfloat16 with 64"):
         ops.linear(torch.zeros(2, 96, dtype=torch.bfloat16), weight)
 
 
@@ -338,6 +338,18 @@ def test_linear_q8_against_its_dequantized_weight(int8_ops, rows, n, k, bias, ou
     assert float((wq - w.double()).abs().max()) <= float(w.double().abs().max()) / 254 * 1.001  # half an int8 step
 
 
+@pytest.mark.parametrize("k", [8196, 20480])
+def test_linear_q8_takes_inputs_wider_than_8192(int8_ops, k):
+    """An 8B target's drafter: fc over 5 x 4,096 features, down_proj over 14,336 (the kernels stopped at 8,192)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(9, k, generator=g).bfloat16()
+    q8 = cpu_ops.Int8Weight((torch.randn(32, k, generator=g) * 0.05).bfloat16())
+    with torch.no_grad():
+        got = int8_ops.linear_q8(x, q8)
+        assert within_int8_bound(got, x, q8)
+        assert torch.equal(got[8:], int8_ops.linear_q8(x[8:], q8))
+
+
 def within_int8_bound(got: torch.Tensor, x: torch.Tensor, q8: cpu_ops.Int8Weight, b: torch.Tensor | None = None
                       ) -> bool:
     """linear_q8's result against a float64 matmul with the int8 weight's dequantized values: the input's
@@ -492,3 +504,29 @@ def test_a_model_computes_rows_alike_up_to_the_kernels_reach_only_where_the_kern
     assert linear.row_invariant_rows(served) == served[0].kernel_max_rows < 1000
     assert linear.row_invariant_rows(nn.Sequential(served, linear.PackedLinear(w, with_kernel=False))) is None
     assert linear.row_invariant_rows(nn.Linear(4, 4)) is None
+
+
+@needs_linear
+@pytest.mark.parametrize("call", ["linear fp32", "q8 narrow", "q8 wide", "q8 fp32", "head narrow",
+                                  "attention fp32"])
+def test_inputs_the_kernels_would_misread_are_refused(call):
+    """The kernels read x.numel() // K rows of the weight's type: a narrower x wrote past the output, a wider one
+    read past x, an fp32 one read as bf16 gave NaNs; each is refused naming the op (a linear's width: above)."""
+    w = torch.randn(64, 64).bfloat16()
+    q8 = cpu_ops.Int8Weight(w) if ops.has_int8_kernels() else None
+    if call.startswith(("q8", "head")) and q8 is None:
+        pytest.skip("no int8 kernels (AVX512-VNNI or AVX2)")
+    cache = torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16)
+    one = torch.zeros(1, dtype=torch.long)
+    calls = {
+        "linear fp32": lambda: ops.linear(torch.randn(3, 64), ops.kernel_weight(w)),
+        "q8 narrow": lambda: ops.linear_q8(torch.randn(3, 48).bfloat16(), q8),
+        "q8 wide": lambda: ops.linear_q8(torch.randn(1, 128).bfloat16(), q8),
+        "q8 fp32": lambda: ops.linear_q8(torch.randn(3, 64), q8),
+        "head narrow": lambda: ops.head_argmax(torch.randn(1, 32).bfloat16(), q8, ops.kernel_weight(w),
+                                               torch.empty(96)),
+        "attention fp32": lambda: ops.cached_attention(torch.randn(1, 2, 16), cache, cache, one, one + 4, 0.25),
+    }
+    op = {"linear": "linear", "q8": "linear_q8", "head": "head_argmax", "attention": "cached_attention"}
+    with pytest.raises(ValueError, match=f"^{op[call.split()[0]]}: "):
+        calls[call]()

@@ -181,6 +181,17 @@ def test_declines_what_it_cannot_decide():
     assert not GreedyHead.serves(inf, ops.kernel_weight(inf))
 
 
+def test_declines_logits_past_the_float_range(kernels):
+    """Finite bf16 inputs whose dots overflow fp32: the bounds are infinite and no group passes a NaN floor, so the
+    screen chose token -1 (an index from the embedding's end); it declines, and the full head decides."""
+    w = (torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+    w[37] = 1e30
+    x = torch.full((1, 64), 1e9).bfloat16()
+    with torch.no_grad():
+        assert screened_argmax(kernels, x, w) is None
+        assert int(full_head_argmax(kernels, x, w)) == int((x.double() @ w.double().T).argmax()) == 37
+
+
 @needs_screen
 def test_shapes_follow_the_hidden_states():
     w = torch.randn(128, 64).bfloat16()

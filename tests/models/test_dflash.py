@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata
-from dflash_trt.models.dflash import DFlashConfig, load_drafter, save_drafter
+from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from tests.conftest import make_drafter, make_target
@@ -265,6 +265,21 @@ def test_int8_tables_by_default_only_where_they_are_faster(tmp_path, monkeypatch
         assert ours.kernel_table.int8 == default, dot
         ours.pack_for_inference(int8_weights=True)
         assert ours.kernel_table.int8 == (dot is not None), dot
+
+
+@pytest.mark.parametrize("intermediate, features", [(8224, 1), (64, 257)], ids=["down_proj", "fc"])
+def test_int8_tables_take_projections_wider_than_8192_inputs(intermediate, features):
+    """An 8B target's drafter reads 5 x 4,096 fc inputs and 14,336 down_proj ones: its int8 tables (the default
+    where AVX512-VNNI runs) were refused at 8,192 inputs, and opening its engine failed."""
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_int8_kernels() or not ops.has_linear(torch.zeros(32, 32, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with int8 and bf16 linears")
+    cfg = DFlashConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       intermediate_size=intermediate, block_size=4, mask_token_id=0,
+                       target_layer_ids=list(range(features)))
+    drafter = DFlashDrafter(cfg).bfloat16().eval()
+    drafter.pack_for_inference(int8_weights=True)
+    assert drafter.kernel_table.int8 and drafter.context_table is not None
 
 
 def _two_draft_steps(target, drafter):
