@@ -231,6 +231,7 @@ def draft_attention_triton(
     # The kernel reads row b's entries at ROWS + b and CTX + b: the drafter passes its positions' first column, a view
     # whose stride is the block length (read as is, rows past the first took another row's context length).
     cache_rows, ctx_lens = cache_rows.contiguous(), ctx_lens.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None  # read at SINKS + h too
     groups = h // kvh
     splits = num_splits or num_splits_for(b, kvh, k_cache.shape[2], q.device)
     block_d = _pow2(d)

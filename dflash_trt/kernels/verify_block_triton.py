@@ -21,16 +21,20 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _argmax_row(ptr, V, BLOCK_V: tl.constexpr):
+    # torch.argmax's: the first index of the maximum, a NaN counting as the maximum (as the CPU path's argmax)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        take = x > best  # strict: each lane keeps its first maximum
+        take = (x > best) | ((x != x) & (best == best))  # strict: each lane keeps its first maximum, or first NaN
         best = tl.where(take, x, best)
         best_idx = tl.where(take, offs, best_idx)
-    top = tl.max(best, axis=0)
-    return tl.min(tl.where(best == top, best_idx, V), axis=0)  # the first index holding the maximum
+    nan = best != best
+    first_nan = tl.min(tl.where(nan, best_idx, V), axis=0)
+    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    first_top = tl.min(tl.where(best == top, best_idx, V), axis=0)
+    return tl.where(first_nan < V, first_nan, first_top)
 
 
 @triton.jit

@@ -145,7 +145,7 @@ def test_kernel_takes_k_and_v_with_different_strides(triton_device):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_reads_context_lengths_and_rows_given_as_strided_views(triton_device):
+def test_kernel_reads_context_lengths_rows_and_sinks_given_as_strided_views(triton_device):
     # The drafter passes its block positions' first column (positions[:, 0]) as the context lengths: a view whose
     # stride is the block length. Read as contiguous, every row past the first attended to another row's context.
     from dflash_trt.kernels.draft_attention_triton import draft_attention_triton
@@ -156,6 +156,11 @@ def test_kernel_reads_context_lengths_and_rows_given_as_strided_views(triton_dev
     assert positions[:, 0].stride() != (1,) and rows_view.stride() != (1,)
     got = draft_attention_triton(q, kb, vb, kc, vc, rows_view, positions[:, 0], 0.25)
     want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    sinks = torch.tensor([[-1.0, 0.5], [1.5, -2.0]], device=triton_device)[:, 1]  # a strided view: [0.5, -2.0]
+    assert sinks.stride() != (1,)
+    got = draft_attention_triton(q, kb, vb, kc, vc, rows, ctx, 0.25, sinks=sinks)
+    want = draft_attention_ref(q, kb, vb, kc, vc, rows, ctx, 0.25, sinks=sinks.contiguous())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -58,6 +58,23 @@ def test_kernels_match_reference_on_mixed_batches(triton_device, b, k, vocab, se
     assert 0 < want[0].float().mean() < k  # partial acceptance happened
 
 
+def test_greedy_kernels_take_a_nan_logit_as_the_maximum_as_torch_does(triton_device):
+    """torch.argmax's rule (the reference's and the CPU path's): the first NaN wins; the kernel skipped NaNs, so the
+    two paths accepted different drafts."""
+    from dflash_trt.kernels.verify_block_triton import verify_block_triton
+
+    logits = torch.randn(3, 3, 100, generator=torch.Generator().manual_seed(0))
+    logits[:, :, 10] = 50.0
+    logits[0, 0, 70] = logits[0, 0, 80] = float("nan")  # a NaN in a later tile than the maximum
+    logits[1, 1] = float("nan")
+    logits[2, 0, 3] = float("nan")  # before the maximum, in its tile
+    args = _greedy_args(torch.full((3, 2), 10), logits)
+    want = verify_block_ref(*args)
+    assert want[0].tolist() == [0, 1, 0] and want[1].tolist() == [70, 0, 3]
+    got = verify_block_triton(*(a if a is None else a.to(triton_device) for a in args), block_v=32)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
 def test_with_no_drafts_every_rule_samples_the_bonus_from_the_target():
     # K = 0 under the rejection rule raised an IndexError (its residual padded with an empty slice)
     vocab = 6
