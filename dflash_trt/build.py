@@ -111,9 +111,13 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
         cfg, k = _resolve_auto_schedule(cfg, perf.schedule, hw, config_path)
     plan = plan_build(tcfg, dcfg, cfg, hw, k)
     plan.performance = perf.section
+    plan.notes.extend(perf.notes)
     if not plan.fits:
         raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
-    options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
+    try:
+        options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
+    except ValueError as e:  # trtllm_options' keys and values: the file they are written in
+        raise ValueError(f"{config_path}: {e}") from e
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)
 
 

@@ -240,6 +240,10 @@ class BuildConfig(_Strict):
         elif self.kv_cache_config.dtype == "nvfp4" and not hw.supports_nvfp4:
             raise ValueError(f"kv_cache_config.dtype=nvfp4 needs FP4 tensor cores (Blackwell: b300); hardware "
                              f"{self.hardware} takes fp8")
+        if self.moe_config and self.moe_config.backend == "TRTLLM" and not hw.supports_trtllm_moe:
+            raise ValueError(f"moe_config.backend=TRTLLM runs TensorRT-LLM's trtllm-gen MoE kernels, SM100/SM103 "
+                             f"(B200/B300) only; hardware {self.hardware} takes TRITON (the gpt-oss guide's for "
+                             "Hopper), CUTLASS or AUTO")
         spec = self.speculative_config
         if spec is not None and spec.attention_backend == "TRTLLM" and not hw.supports_trtllm_dflash_attention:
             raise ValueError(
@@ -332,7 +336,7 @@ def _format_error(e: ValidationError, source: str) -> str:
     lines = []
     suggested = set()  # a misspelt required key is also reported missing: the misspelling, named first, is the cause
     for err in sorted(_union_errors(e.errors()), key=lambda err: err["type"] != "extra_forbidden"):
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (not part of the build config schema; see dflash_trt/config.py)"
@@ -344,7 +348,8 @@ def _format_error(e: ValidationError, source: str) -> str:
             if tuple(err["loc"]) in suggested:
                 continue
             msg = "required key is missing"
-        lines.append(f"{source}: key '{key}': {msg}")
+        # a check across keys (the build config's own) names them in its message
+        lines.append(f"{source}: key '{key}': {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)
 
 

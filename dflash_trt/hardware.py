@@ -53,6 +53,9 @@ class HardwareProfile:
     perf_source: str = ""  # where the figures above come from
     # FP4 tensor cores (Blackwell): TensorRT-LLM's NVFP4 KV cache (kv_cache_config.dtype nvfp4) needs them
     supports_nvfp4: bool = False
+    # TensorRT-LLM's TRTLLM MoE backend (trtllm-gen kernels) runs on SM100/SM103 only: Hopper takes TRITON, as the
+    # gpt-oss deployment guide has it (../shared/reference/trtllm.md, MoE backends)
+    supports_trtllm_moe: bool = False
 
     @property
     def device(self) -> str:
@@ -212,7 +215,8 @@ def profile(name: str) -> HardwareProfile:
     if name == "b300":
         return HardwareProfile("b300", memory_bytes=288 * GB, supports_trtllm_dflash_attention=True,
                                description="NVIDIA B300 (DGX B300: 8 per node)", mem_bandwidth_bytes_s=8e12,
-                               dense_flops=2.25e15, interconnect_bytes_s=0.9e12, supports_nvfp4=True, **gpu)
+                               dense_flops=2.25e15, interconnect_bytes_s=0.9e12, supports_nvfp4=True,
+                               supports_trtllm_moe=True, **gpu)
     if name == "h200":
         return HardwareProfile("h200", memory_bytes=141 * GB, supports_trtllm_dflash_attention=False,
                                description="NVIDIA H200 (HGX H200: 8 per node)", mem_bandwidth_bytes_s=4.8e12,

@@ -22,7 +22,7 @@ embedding gather, prefill chunks sharing a step. The hardware figures are in har
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import HardwareProfile, has_amx_tiles
@@ -222,6 +222,7 @@ def schedule_batch_sizes(cfg: BuildConfig, graph_sizes: list[int]) -> list[int]:
 class PerformancePlan:
     schedule: dict[int, int] | None  # the chosen schedule (auto) or the config's; {} = speculation never pays
     section: dict  # plan.json "performance"
+    notes: list[str] = field(default_factory=list)  # for the build's notes
 
 
 def plan_performance(
@@ -278,4 +279,37 @@ def plan_performance(
         "acceptance_alpha": alpha,
         "points": points,
     }
-    return PerformancePlan(schedule, section)
+    notes = _falling_tau_notes(measured) + _floor_notes(source, hw, schedule, sizes, taus, steps)
+    return PerformancePlan(schedule, section, notes)
+
+
+def _falling_tau_notes(measured: dict[int, float]) -> list[str]:
+    """A measured tau that falls as K grows: a longer draft accepts at least the shorter one's tokens, so one
+    measurement is off, and fill_tau_table gives the K past it the shorter draft's tau."""
+    ks = sorted(measured)
+    return [f"speculative_config.acceptance_by_draft_len falls from K={a} (tau {measured[a]}) to K={b} (tau "
+            f"{measured[b]}): a longer draft accepts at least as many tokens, so one of them is off (too few prompts, "
+            f"another drafter or sampling); the K past {a} it leaves are modelled at tau {measured[a]} or more"
+            for a, b in zip(ks, ks[1:]) if measured[b] < measured[a]]
+
+
+def _floor_notes(source: str | None, hw: HardwareProfile, schedule: dict[int, int] | None, sizes: list[int],
+                 taus: dict[int, float], steps: dict[tuple[int, int], float]) -> list[str]:
+    """Where an auto GPU schedule's K=1 floor (draft_schedule.DRAFTING_STOPS) is predicted below plain decoding: the
+    plan said "0 where drafting stops paying" and drafted at a loss without a word."""
+    if source != "auto" or hw.kind != "gpu" or not schedule:
+        return []
+    from dflash_trt.draft_schedule import expand
+
+    losses = {}
+    for b in sizes:
+        k = expand(schedule, b)
+        if k >= 1 and taus.get(k) and (ratio := taus[k] / steps[(b, k)] * steps[(b, 0)]) < 1:
+            losses[b] = 1 - ratio
+    if not losses:
+        return []
+    low, high = f"{min(losses.values()):.0%}", f"{max(losses.values()):.0%}"
+    return [f"draft_len_schedule auto: at batch size{'s' * (len(losses) > 1)} {', '.join(map(str, losses))} the "
+            f"K=1 a GPU build drafts at least is predicted {low if low == high else f'{low}-{high}'} below plain "
+            "decoding's throughput (TensorRT-LLM's DFlash stores no drafter context while it drafts K=0, and "
+            "acceptance collapses once drafting resumes)"]

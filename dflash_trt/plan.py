@@ -3,7 +3,7 @@ here, with the numbers and the setting to change, before anything is converted.
 
 Two layouts are modelled. On a GPU profile the engine serves through TensorRT-LLM, so the plan follows
 its allocations: weights sharded by the parallel mapping (MXFP4 experts at 4.25 bits), the target KV
-cache (full-attention layers hold max_seq_len tokens, sliding layers their window plus the draft block),
+cache (every layer max_seq_len tokens: the targeted release pools sliding layers with full-context blocks too),
 DFlash's dense drafter context arena [max_batch + 1 slots, drafter layers, max_ctx + K + 1, kv heads,
 head_dim] x 2 (K and V) that TRT-LLM allocates at the drafter's first forward (issue #16005), after the KV
 cache took free_gpu_memory_fraction of free memory, so in what that leaves; activations and CUDA-graph pools.

@@ -73,6 +73,9 @@ def test_schema_errors_name_the_offending_key(top, key, words):
         ({"hardware": "cpu", "kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config.dtype=fp8 needs a GPU"),
         ({"hardware": "cpu", "kv_cache_config": {"dtype": "nvfp4"}}, "kv_cache_config.dtype=nvfp4 needs a GPU"),
         ({"kv_cache_config": {"dtype": "nvfp4"}}, "nvfp4 needs FP4 tensor cores (Blackwell: b300); hardware h200"),
+        # trtllm-gen's MoE kernels: Hopper takes TRITON (TensorRT-LLM's gpt-oss deployment guide)
+        ({"moe_config": {"backend": "TRTLLM"}}, "moe_config.backend=TRTLLM runs TensorRT-LLM's trtllm-gen MoE kernels, "
+         "SM100/SM103 (B200/B300) only; hardware h200 takes TRITON"),
         ({"hardware": "cpu", "cuda_graph_config": {"max_batch_size": 4}}, "cuda_graph_config needs a GPU"),
         ({"speculative_config": {"speculative_model": "z/d", "max_draft_len": 7, "draft_len_schedule": {1: 5, 4: 5}}},
          "draft_len_schedule[1]=5 must equal max_draft_len=7"),
@@ -90,6 +93,12 @@ def test_schema_errors_name_the_offending_key(top, key, words):
 )
 def test_impossible_mappings_fail_with_their_message(top, words):
     assert words in _err({}, **top)
+
+
+def test_a_check_across_keys_is_said_without_a_key_of_its_own():
+    # it read "t.yaml: key '(top level)': moe_expert_parallel_size=3 ..."
+    assert _err({}, tensor_parallel_size=8, moe_expert_parallel_size=3) == (
+        "t.yaml: moe_expert_parallel_size=3 must divide tensor_parallel_size=8")
 
 
 def test_overrides_use_dotted_keys():
@@ -139,7 +148,7 @@ def _models(target_id, drafter_id=None):
         # With attention DP the heads are not split, so the experts are what fails: 128 % 6 != 0.
         ("openai/gpt-oss-120b", None, {"hardware": "b300", "tensor_parallel_size": 6, "enable_attention_dp": True,
                                       "moe_expert_parallel_size": 6}, "num_local_experts=128 is not divisible"),
-        ("Qwen/Qwen3-8B", None, {"moe_config": {"backend": "TRTLLM"}}, "has no experts"),
+        ("Qwen/Qwen3-8B", None, {"moe_config": {"backend": "CUTLASS"}}, "has no experts"),
         # The gpt-oss drafter has 64 query heads; TP 3 cannot split the target's 64 either.
         ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", {"hardware": "b300", "tensor_parallel_size": 3,
                                                               "moe_expert_parallel_size": 1},

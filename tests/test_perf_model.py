@@ -164,3 +164,30 @@ def test_predict_pareto_by_its_definition():
     assert p.tok_s_user == pytest.approx(2.5 / p.step_time_s)
     assert p.tok_s_gpu == pytest.approx(5 * 2.5 / p.step_time_s / 2)
     assert math.isclose(points[2].tok_s_user, 1 / m.step_time(3, 0))
+
+
+def _plan(tau: dict[int, float], k: int = 3):
+    from dflash_trt.perf_model import plan_performance
+
+    cfg = _cfg(tensor_parallel_size=1, max_batch_size=64, speculative_config={
+        "speculative_model": "x/d", "max_draft_len": k, "draft_len_schedule": "auto", "acceptance_by_draft_len": tau})
+    return plan_performance(decoder_config_from_dict(TINY), TINY_DRAFTER, cfg, HW, k, [])
+
+
+def test_a_gpu_schedules_k1_floor_is_noted_where_plain_decoding_is_predicted_faster():
+    """A GPU build drafts K >= 1 at every batch size (TensorRT-LLM's DFlash must not draft K=0); where the model
+    predicts K=1 below plain decoding the build says so (it claimed "0 where drafting stops paying")."""
+    perf = _plan({1: 1.3}, k=1)
+    m = PerfModel(decoder_config_from_dict(TINY), TINY_DRAFTER, _cfg(tensor_parallel_size=1, max_batch_size=64), HW,
+                  context_len=100)
+    losing = [b for b in range(1, 65) if 1.3 / m.step_time(b, 1) < 1 / m.step_time(b, 0)]
+    assert losing and losing != list(range(1, 65)) and set(perf.schedule.values()) == {1}
+    (note,) = [n for n in perf.notes if "below plain decoding" in n]
+    assert f"at batch sizes {', '.join(map(str, losing))} the K=1" in note
+    assert not [n for n in _plan({1: 1.9}, k=1).notes if "below plain decoding" in n]  # K=1 pays at every size there
+
+
+def test_a_measured_tau_that_falls_with_k_is_noted():
+    notes = _plan({2: 2.5, 3: 2.1}).notes
+    assert any("acceptance_by_draft_len falls from K=2 (tau 2.5) to K=3 (tau 2.1)" in n for n in notes)
+    assert not [n for n in _plan({2: 2.1, 3: 2.5}).notes if "falls" in n]

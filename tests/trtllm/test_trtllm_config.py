@@ -75,8 +75,9 @@ def test_throughput_config_uses_attention_dp_and_a_draft_schedule():
 def test_a_passthrough_key_that_is_not_accepted_or_not_the_passthroughs_is_refused(tmp_path, options, message):
     path = tmp_path / "c.yaml"
     path.write_text((CONFIGS / "qwen3-8b-1xh200.yaml").read_text() + f"trtllm_options:\n  {options}\n")
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
         prepare_build(path, allow_bundled=True)
+    assert str(e.value).startswith(f"{path}: ")  # the file they are written in
 
 
 def test_a_section_the_build_config_leaves_out_cannot_come_through_the_passthrough(tmp_path):
