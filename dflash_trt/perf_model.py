@@ -265,7 +265,8 @@ def plan_performance(
                 "tok_s_gpu": None if tau is None else c * tau / step / model.gpus, "chosen": k == chosen,
             })
     section = {
-        "model": "roofline, dflash_trt/perf_model.py (per rank; GPU figures are peak-based, so optimistic)",
+        "model": "roofline, dflash_trt/perf_model.py (per rank; GPU figures are peak-based, so optimistic, and GPU "
+                 "speedups read about 2x the published gpt-oss-120b ones: benchmarks/README.md, session 63)",
         "hardware": {key: getattr(hw, key) for key in ("mem_bandwidth_bytes_s", "dense_flops", "interconnect_bytes_s",
                                                        "interconnect_latency_s", "step_overhead_s", "layer_overhead_s",
                                                        "draft_overhead_s", "perf_source")},
