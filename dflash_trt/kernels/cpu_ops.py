@@ -322,14 +322,20 @@ class CpuOps:
         cached_attention's."""
         x, cos, sin, args = self._layer_args(x, table, k_cache, v_cache, cos, sin, rows, positions, lens)
         b, n, hidden = x.shape
+        # the kernel copies a layer's output to one slot: a layer named twice (z-lab's format allows it) is captured
+        # once and repeated after (its other slots were left as torch.empty gave them)
+        layers = list(dict.fromkeys(capture_layer_ids))
         slots = [-1] * k_cache.shape[0]
-        for slot, layer in enumerate(capture_layer_ids):
+        for slot, layer in enumerate(layers):
             slots[layer] = slot
         capture = torch.tensor(slots, dtype=torch.int64)
-        features = torch.empty(b, n, hidden * len(capture_layer_ids), dtype=x.dtype) if capture_layer_ids else None
+        features = torch.empty(b, n, hidden * len(layers), dtype=x.dtype) if layers else None
         done = self._layers(*args, capture.data_ptr(), features.data_ptr() if features is not None else None,
-                            len(capture_layer_ids), int(table.int8), _tree_pointer(tree, b * n),
+                            len(layers), int(table.int8), _tree_pointer(tree, b * n),
                             None if table.windows is None else table.windows.data_ptr())
+        if done and len(layers) < len(capture_layer_ids):
+            order = [layers.index(layer) for layer in capture_layer_ids]
+            features = features.view(b, n, len(layers), hidden)[:, :, order].reshape(b, n, -1)
         return (x, features) if done else None
 
     def dflash_step(

@@ -255,8 +255,10 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
             ours(ids[:, :20], _run(ours, ids[:, :20]), cache)  # a 20-token prefill
         for step in (slice(20, 21), slice(21, 24)):
             meta = lambda: _run(ours, ids[:, step], step.start)  # noqa: E731 (fresh metadata per call)
-            fused = ours(ids[:, step], meta(), caches[0], capture_layer_ids=(3, 1))
-            layered = CausalLM.forward(ours, ids[:, step], meta(), caches[1], capture_layer_ids=(3, 1))
+            # a layer named twice too (z-lab's format allows it): the one call filled only its last slot (the last
+            # layer's slots are all written after it)
+            fused = ours(ids[:, step], meta(), caches[0], capture_layer_ids=(1, 3, 1))
+            layered = CausalLM.forward(ours, ids[:, step], meta(), caches[1], capture_layer_ids=(1, 3, 1))
             assert torch.equal(fused[0], layered[0]) and torch.equal(fused[1], layered[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
