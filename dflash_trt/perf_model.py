@@ -266,7 +266,7 @@ def plan_performance(
             })
     section = {
         "model": "roofline, dflash_trt/perf_model.py (per rank; GPU figures are peak-based, so optimistic, and GPU "
-                 "speedups read about 2x the published gpt-oss-120b ones: benchmarks/README.md, session 63)",
+                 "speedups read about 2x the published gpt-oss-120b ones: benchmarks/perf_model_vs_published.py)",
         "hardware": {key: getattr(hw, key) for key in ("mem_bandwidth_bytes_s", "dense_flops", "interconnect_bytes_s",
                                                        "interconnect_latency_s", "step_overhead_s", "layer_overhead_s",
                                                        "draft_overhead_s", "perf_source")},
@@ -285,32 +285,36 @@ def plan_performance(
 
 
 def _falling_tau_notes(measured: dict[int, float]) -> list[str]:
-    """A measured tau that falls as K grows: a longer draft accepts at least the shorter one's tokens, so one
-    measurement is off, and fill_tau_table gives the K past it the shorter draft's tau."""
-    ks = sorted(measured)
-    return [f"speculative_config.acceptance_by_draft_len falls from K={a} (tau {measured[a]}) to K={b} (tau "
-            f"{measured[b]}): a longer draft accepts at least as many tokens, so one of them is off (too few prompts, "
-            f"another drafter or sampling); the K past {a} it leaves are modelled at tau {measured[a]} or more"
-            for a, b in zip(ks, ks[1:]) if measured[b] < measured[a]]
+    """A measured tau below a shorter draft's: a longer draft accepts at least the shorter one's tokens, so one
+    measurement is off. fill_tau_table keeps both as given (the table then falls there) and models the K it does not
+    list past the shorter one at that one's tau or more."""
+    notes = []
+    for b in sorted(measured):
+        a = max((k for k in measured if k < b), key=lambda k: (measured[k], -k), default=None)
+        if a is not None and measured[b] < measured[a]:
+            notes.append(f"speculative_config.acceptance_by_draft_len falls from K={a} (tau {measured[a]}) to K={b} "
+                         f"(tau {measured[b]}): a longer draft accepts at least as many tokens, so one of them is off "
+                         f"(too few prompts, another drafter or sampling); K={b} is planned at {measured[b]} as given, "
+                         f"the K the table leaves out past {a} at {measured[a]} or more")
+    return notes
 
 
 def _floor_notes(source: str | None, hw: HardwareProfile, schedule: dict[int, int] | None, sizes: list[int],
                  taus: dict[int, float], steps: dict[tuple[int, int], float]) -> list[str]:
-    """Where an auto GPU schedule's K=1 floor (draft_schedule.DRAFTING_STOPS) is predicted below plain decoding: the
-    plan said "0 where drafting stops paying" and drafted at a loss without a word."""
+    """Where an auto GPU schedule drafts at a batch size whose every K >= 1 is predicted below plain decoding (a GPU
+    build never drafts K=0 there: draft_schedule.DRAFTING_STOPS): the plan said "0 where drafting stops paying" and
+    drafted at a loss without a word."""
     if source != "auto" or hw.kind != "gpu" or not schedule:
         return []
-    from dflash_trt.draft_schedule import expand
+    from dflash_trt.draft_schedule import DRAFTING_STOPS, expand
 
-    losses = {}
+    losses = {}  # batch size -> (its K, the share of plain decoding's throughput it loses)
     for b in sizes:
         k = expand(schedule, b)
         if k >= 1 and taus.get(k) and (ratio := taus[k] / steps[(b, k)] * steps[(b, 0)]) < 1:
-            losses[b] = 1 - ratio
+            losses[b] = (k, 1 - ratio)
     if not losses:
         return []
-    low, high = f"{min(losses.values()):.0%}", f"{max(losses.values()):.0%}"
-    return [f"draft_len_schedule auto: at batch size{'s' * (len(losses) > 1)} {', '.join(map(str, losses))} the "
-            f"K=1 a GPU build drafts at least is predicted {low if low == high else f'{low}-{high}'} below plain "
-            "decoding's throughput (TensorRT-LLM's DFlash stores no drafter context while it drafts K=0, and "
-            "acceptance collapses once drafting resumes)"]
+    where = ", ".join(f"{b} (K={k}, {loss:.0%})" for b, (k, loss) in losses.items())
+    return [f"draft_len_schedule auto: predicted below plain decoding's throughput at batch size"
+            f"{'s' * (len(losses) > 1)} {where}, which a GPU build drafts at all the same: {DRAFTING_STOPS}"]

@@ -176,18 +176,35 @@ def _plan(tau: dict[int, float], k: int = 3):
 
 def test_a_gpu_schedules_k1_floor_is_noted_where_plain_decoding_is_predicted_faster():
     """A GPU build drafts K >= 1 at every batch size (TensorRT-LLM's DFlash must not draft K=0); where the model
-    predicts K=1 below plain decoding the build says so (it claimed "0 where drafting stops paying")."""
+    predicts that K below plain decoding the build says so (it claimed "0 where drafting stops paying")."""
     perf = _plan({1: 1.3}, k=1)
     m = PerfModel(decoder_config_from_dict(TINY), TINY_DRAFTER, _cfg(tensor_parallel_size=1, max_batch_size=64), HW,
                   context_len=100)
     losing = [b for b in range(1, 65) if 1.3 / m.step_time(b, 1) < 1 / m.step_time(b, 0)]
     assert losing and losing != list(range(1, 65)) and set(perf.schedule.values()) == {1}
     (note,) = [n for n in perf.notes if "below plain decoding" in n]
-    assert f"at batch sizes {', '.join(map(str, losing))} the K=1" in note
+    assert f"at batch sizes {losing[0]} (K=1, " in note and f", {losing[-1]} (K=1, " in note
+    assert note.count("(K=1, ") == len(losing)
     assert not [n for n in _plan({1: 1.9}, k=1).notes if "below plain decoding" in n]  # K=1 pays at every size there
+
+
+def test_the_floor_note_names_the_k_each_batch_size_runs():
+    """Where every K >= 1 loses, the chooser may keep K=2 or more: the note names that K and its own loss."""
+    from dflash_trt.draft_schedule import expand
+    from dflash_trt.perf_model import _floor_notes
+
+    taus, sizes = {1: 1.3, 2: 2.1, 3: 2.5}, [1, 64]
+    steps = {(1, k): 1.0 + 0.01 * k for k in range(4)} | {(64, k): 1.0 * (k + 1) for k in range(4)}  # compute-bound
+    schedule = {1: 3, 64: 2}
+    assert expand(schedule, 64) == 2
+    (note,) = _floor_notes("auto", HW, schedule, sizes, taus, steps)
+    assert "at batch size 64 (K=2, 30%)" in note  # 1 - 2.1 / 3
 
 
 def test_a_measured_tau_that_falls_with_k_is_noted():
     notes = _plan({2: 2.5, 3: 2.1}).notes
     assert any("acceptance_by_draft_len falls from K=2 (tau 2.5) to K=3 (tau 2.1)" in n for n in notes)
     assert not [n for n in _plan({2: 2.1, 3: 2.5}).notes if "falls" in n]
+    # below a shorter draft that is not its neighbour too
+    (note,) = [n for n in _plan({1: 2.0, 2: 1.8, 3: 1.9}).notes if "falls" in n and "K=3" in n]
+    assert "falls from K=1 (tau 2.0) to K=3 (tau 1.9)" in note

@@ -840,7 +840,7 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
  * against 2.7 ms for SmolLM2's at 8 rows, 1.4 against 2.5 at one (with warm caches 8 rows are a tie). */
 #define SCREEN_MAX_ROWS 8
 #define SCREEN_GROUP 64
-/* The widest input the int8 kernels take: VNNI's int32 accumulators sum up to 255 x 127 x K, under 2^31 to K = 66,313
+/* The widest input the int8 kernels take: VNNI's int32 accumulators sum up to 255 x 127 x K, under 2^31 to K = 66,311
  * (an 8B target's drafter reads 5 x 4,096 fc inputs and 14,336 down_proj ones; the cap was 8,192 and refused them). */
 #define Q8_MAX_K 65536
 /* "VNNI" below is AVX512-VNNI with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4); CPUs with VNNI but no BF16
@@ -1092,8 +1092,9 @@ static inline int bound_any_ge(bound_vec a, bound_vec b) { return _mm256_movemas
  * logit is strictly smaller than the maximum's: neither the argmax nor a tie before it. The 64-feature groups of the
  * others are computed by linear_bf16 itself, whose every output is the same whatever features share its call, and
  * scanned in index order, so ties resolve to the first index as torch's do. scratch holds 3 M N / 2 floats. Returns 0
- * (nothing done) without VNNI or AVX2 or a bf16 linear kernel for the head, for more than head_screen_rows() rows,
- * and for a row that is not finite (the caller's full path then decides, NaNs included). */
+ * (nothing done) without VNNI or AVX2 or a bf16 linear kernel for the head, for more than head_screen_rows() rows
+ * or Q8_MAX_K inputs, for a row that is not finite, and where the bounds pass fp32's range (the caller's full path
+ * then decides, NaNs included). */
 int head_argmax_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q, const int32_t *qsum,
                      const float *scale, const float *err, const float *wnorm, const uint16_t *w, int64_t N,
                      float *scratch, int64_t *out) {

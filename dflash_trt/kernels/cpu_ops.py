@@ -232,6 +232,7 @@ class CpuOps:
         x = x.contiguous()
         m, k = x.shape
         n = screen.shape[0]
+        _check_input("head_screen_values", x, screen.shape[1], torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.float32)
         done = self._head_screen_values(x.data_ptr(), m, k, screen.q.data_ptr(), screen.qsum.data_ptr(),
                                         screen.scale.data_ptr(), n, out.data_ptr())
@@ -241,7 +242,8 @@ class CpuOps:
                     scratch: torch.Tensor) -> torch.Tensor | None:
         """argmax(linear(x, weight), -1) for bf16 x [M, K] through the head's int8 copy `screen` (layers/greedy_head.py;
         weight = kernel_weight(W); scratch: fp32, at least 3 M N / 2); None where the kernel declines (then nothing is
-        decided: more than head_screen_rows() rows, a row that is not finite, or no kernel for this CPU or head)."""
+        decided: more than head_screen_rows() rows, a row that is not finite, logits past fp32's range, or no kernel
+        for this CPU or head)."""
         x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]
@@ -438,8 +440,8 @@ class Int8Weight:
     the int8 copy misses (|w_j - s_j q_j| and |w_j|, rounded up). Quantized a chunk of features at a time in float64
     (a whole gpt-oss head at once would take 4.6 GB)."""
 
-    CHUNK = 8192
-    MAX_INPUTS = 65536  # cpu_ops.c's Q8_MAX_K: int32 sums of 255 x 127 a product hold 66,313 of them
+    CHUNK_VALUES = 2**24  # weights quantized at a time: each float64 copy of a chunk 128 MB, however wide the rows
+    MAX_INPUTS = 65536  # cpu_ops.c's Q8_MAX_K: int32 sums of 255 x 127 a product hold 66,311 of them
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
@@ -451,8 +453,9 @@ class Int8Weight:
         self.qsum = torch.empty(n, dtype=torch.int32)
         q = torch.empty(n, k, dtype=torch.int8)
         up = 1 + 1e-6  # norms rounded up into fp32: a bound built on them may only grow
-        for start in range(0, n, self.CHUNK):
-            rows = slice(start, start + self.CHUNK)
+        chunk = max(16, self.CHUNK_VALUES // k)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
             w = weight[rows].detach().double()
             scale = (w.abs().amax(dim=1) / 127).float()
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))

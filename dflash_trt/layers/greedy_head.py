@@ -31,15 +31,16 @@ class GreedyHead:
     @staticmethod
     def serves(weight: torch.Tensor, kernel_weight: torch.Tensor | None) -> bool:
         """Whether the screen applies: a CPU with its kernel, a bf16 head the bf16 kernel computes, in whole
-        64-feature groups of at most 8,192 inputs, finite."""
+        64-feature groups of at most Int8Weight.MAX_INPUTS inputs, finite."""
         ops = cpu_ops.load()
         return (ops is not None and ops.has_int8_kernels() and kernel_weight is not None
                 and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 64 == 0
-                and weight.shape[1] <= 8192 and bool(torch.isfinite(weight).all()))
+                and weight.shape[1] <= cpu_ops.Int8Weight.MAX_INPUTS and bool(torch.isfinite(weight).all()))
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy tokens for hidden [..., K] (bf16, CPU), or None where the screen declines (the caller then
-        runs the full head): more than max_rows rows, a row that is not finite, no kernel for this CPU."""
+        runs the full head): more than max_rows rows, a row that is not finite, logits past fp32's range, no kernel
+        for this CPU."""
         ops = cpu_ops.for_tensors(hidden)
         if ops is None or hidden.dtype != torch.bfloat16 or hidden.numel() > self.max_rows * hidden.shape[-1]:
             return None

@@ -350,6 +350,18 @@ def test_linear_q8_takes_inputs_wider_than_8192(int8_ops, k):
         assert torch.equal(got[8:], int8_ops.linear_q8(x[8:], q8))
 
 
+def test_int8_weights_quantize_wide_rows_a_chunk_at_a_time_as_in_one_go(monkeypatch):
+    """Each chunk holds CHUNK_VALUES weights however wide the rows (8,192 rows a chunk took 2 GB of float64 copies
+    for an 8B drafter's fc, 12 GB past 65,536 inputs); a row's scale and q are its own, as one pass over the whole
+    weight gives them (scale = max |w| / 127, q = round(w / scale))."""
+    w = (torch.randn(80, 8196, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    monkeypatch.setattr(cpu_ops.Int8Weight, "CHUNK_VALUES", 8196 * 20)  # 20 rows a chunk: four chunks
+    q8 = cpu_ops.Int8Weight(w)
+    scale = (w.double().abs().amax(1) / 127).float()
+    assert torch.equal(q8.scale, scale)
+    assert torch.equal(q8.dequantized(), torch.round(w.double() / scale.double()[:, None]).float() * scale[:, None])
+
+
 def within_int8_bound(got: torch.Tensor, x: torch.Tensor, q8: cpu_ops.Int8Weight, b: torch.Tensor | None = None
                       ) -> bool:
     """linear_q8's result against a float64 matmul with the int8 weight's dequantized values: the input's
@@ -507,14 +519,14 @@ def test_a_model_computes_rows_alike_up_to_the_kernels_reach_only_where_the_kern
 
 
 @needs_linear
-@pytest.mark.parametrize("call", ["linear fp32", "q8 narrow", "q8 wide", "q8 fp32", "head narrow",
+@pytest.mark.parametrize("call", ["linear fp32", "q8 narrow", "q8 wide", "q8 fp32", "head narrow", "screen wide",
                                   "attention fp32"])
 def test_inputs_the_kernels_would_misread_are_refused(call):
     """The kernels read x.numel() // K rows of the weight's type: a narrower x wrote past the output, a wider one
     read past x, an fp32 one read as bf16 gave NaNs; each is refused naming the op (a linear's width: above)."""
     w = torch.randn(64, 64).bfloat16()
     q8 = cpu_ops.Int8Weight(w) if ops.has_int8_kernels() else None
-    if call.startswith(("q8", "head")) and q8 is None:
+    if call.startswith(("q8", "head", "screen")) and q8 is None:
         pytest.skip("no int8 kernels (AVX512-VNNI or AVX2)")
     cache = torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16)
     one = torch.zeros(1, dtype=torch.long)
@@ -525,8 +537,10 @@ def test_inputs_the_kernels_would_misread_are_refused(call):
         "q8 fp32": lambda: ops.linear_q8(torch.randn(3, 64), q8),
         "head narrow": lambda: ops.head_argmax(torch.randn(1, 32).bfloat16(), q8, ops.kernel_weight(w),
                                                torch.empty(96)),
+        "screen wide": lambda: ops.head_screen_values(torch.randn(1, 96).bfloat16(), q8),
         "attention fp32": lambda: ops.cached_attention(torch.randn(1, 2, 16), cache, cache, one, one + 4, 0.25),
     }
-    op = {"linear": "linear", "q8": "linear_q8", "head": "head_argmax", "attention": "cached_attention"}
+    op = {"linear": "linear", "q8": "linear_q8", "head": "head_argmax", "screen": "head_screen_values",
+          "attention": "cached_attention"}
     with pytest.raises(ValueError, match=f"^{op[call.split()[0]]}: "):
         calls[call]()

@@ -192,6 +192,14 @@ def test_declines_logits_past_the_float_range(kernels):
         assert int(full_head_argmax(kernels, x, w)) == int((x.double() @ w.double().T).argmax()) == 37
 
 
+def test_serves_heads_wider_than_8192_inputs(kernels):
+    w = (torch.randn(128, 8256, generator=torch.Generator().manual_seed(1)) * 0.05).bfloat16()
+    assert GreedyHead.serves(w, ops.kernel_weight(w))
+    x = torch.randn(3, 8256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(screened_argmax(kernels, x, w), full_head_argmax(kernels, x, w))
+
+
 @needs_screen
 def test_shapes_follow_the_hidden_states():
     w = torch.randn(128, 64).bfloat16()
