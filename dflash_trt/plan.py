@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
-from dflash_trt.hardware import GB, HardwareProfile
+from dflash_trt.hardware import GB, HardwareProfile, has_amx_tiles
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.validate import attention_tp
@@ -285,6 +285,15 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
             # _compute_draft_budget_shares), in the drafter's dtype
             details.update(target_kv_bytes_per_token=per_token_layer * t.num_hidden_layers,
                            draft_kv_bytes_per_token=d_token)
+    if not trtllm:
+        # The CPU runtime packs every projection and the head (layers/linear.py): oneDNN's copy beside the bf16
+        # kernel's (one more in AMX's tile order), plus int8 copies of the head (its greedy screen) and of the drafter's
+        # tables. Left out, an 8B-wide engine planned 6.75 GB ran at 7 GB resident, and Qwen3-8B "fit" in 25 GB.
+        parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=False)
+        head = t.vocab_size * t.hidden_size
+        drafter = comps.get("drafter_weights", 0)
+        projections = parts.num_layers * parts.layer_dense_bytes + head * dtype_b + drafter
+        comps["packed_weight_copies"] = int(projections * (2 if has_amx_tiles() else 1) + head + drafter / 2)
     # Activations (estimate): per token in flight, the residual streams, q/k/v, MLP intermediates
     # (top-k experts for MoE), plus fp32 logits for every verified and drafted position.
     i_rank = t.intermediate_size // (cfg.moe_tp if t.extra.get("num_local_experts") else tp)

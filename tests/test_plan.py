@@ -3,7 +3,7 @@
 import pytest
 
 from dflash_trt.config import build_config_from_dict
-from dflash_trt.hardware import profile
+from dflash_trt.hardware import has_amx_tiles, profile
 from dflash_trt.model_configs import bundled_config
 from dflash_trt.models.config import decoder_config_from_dict
 from dflash_trt.models.dflash import DFlashConfig
@@ -258,16 +258,36 @@ def test_the_plan_table_counts_throughput_per_gpu_on_a_gpu_and_per_device_on_a_c
     from dflash_trt.build import prepare_build
     from dflash_trt.build_cli import format_plan
 
+    from tests.conftest import make_target
+
     tables = {}
-    for hardware in ("cpu", "h200"):  # Qwen3-8B's bundled config: planned with no download
+    # Qwen3-8B's bundled config, planned with no download, on the GPU; a tiny checkpoint on the CPU (Qwen3-8B's packed
+    # copies do not fit a 24 GB machine)
+    models = {"cpu": str(make_target(tmp_path / "tiny")), "h200": "Qwen/Qwen3-8B"}
+    for hardware in ("cpu", "h200"):
         path = tmp_path / f"{hardware}.yaml"
-        path.write_text(yaml.safe_dump({"name": "q", "model": "Qwen/Qwen3-8B", "hardware": hardware,
-                                        "dtype": "bfloat16", "max_batch_size": 4, "max_seq_len": 2048}))
+        path.write_text(yaml.safe_dump({"name": "q", "model": models[hardware], "hardware": hardware,
+                                        "dtype": "bfloat16", "max_batch_size": 4, "max_seq_len": 256}))
         tables[hardware] = format_plan(prepare_build(path, allow_bundled=True).plan.to_dict())
     assert "tok/s/device" in tables["cpu"] and "GPU" not in tables["cpu"] and "CUDA-graph" not in tables["cpu"]
     assert "cuda_graph_pools" not in tables["cpu"]
     assert "tok/s/GPU" in tables["h200"] and "CUDA-graph batch sizes" in tables["h200"]
     assert "cuda_graph_pools" in tables["h200"]
+
+
+def test_a_cpu_plan_counts_the_runtimes_packed_copies_of_the_projections():
+    """The CPU runtime holds every projection and the head twice (three times with AMX tiles) and int8 copies of the
+    head and the drafter's tables (layers/linear.py): Qwen3-8B's 16.4 GB of weights "fit" a 25 GB machine and took
+    about 38 at load."""
+    qwen = decoder_config_from_dict(bundled_config("Qwen/Qwen3-8B"))
+    raw = dict(model="Qwen/Qwen3-8B", hardware="cpu", kv_cache_config={"dtype": "bfloat16"}, speculative_config=None,
+               max_batch_size=1, max_seq_len=256)
+    comps = plan_build(qwen, None, _cfg(**raw), profile("cpu"), max_draft_len=0).components
+    h, v, layers = qwen.hidden_size, qwen.vocab_size, qwen.num_hidden_layers
+    per_layer = 2 * h * (32 * 128) + 2 * h * (8 * 128) + 3 * h * qwen.intermediate_size  # q, o, k, v; the MLP
+    projections = (layers * per_layer + v * h) * 2  # bf16, with the head (untied)
+    copies = 2 if has_amx_tiles() else 1
+    assert comps["packed_weight_copies"] == pytest.approx(projections * copies + v * h, rel=1e-3)
 
 
 def test_a_cpu_plan_keeps_room_for_a_draft_tree_larger_than_the_drafters_block():

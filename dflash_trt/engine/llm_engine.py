@@ -308,6 +308,11 @@ class LLMEngine:
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         self.exact_rows = row_invariant_rows(target) if self.drafter is not None and config.device == "cpu" else None
+        if self.exact_rows is None and self.drafter is not None and config.device == "cpu" and config.dtype != "float32":
+            # said, not hidden: README promises bf16 greedy equality where the kernels serve every linear
+            logger.warning("engine: this target's %s verify steps do not round as one-token steps do (its linears "
+                           "or experts run through torch's ops, as gpt-oss's do): greedy speculative output can part "
+                           "from plain greedy output at near-ties; --dtype float32 keeps them equal", config.dtype)
         self._note_cut_steps(config.max_batch_size)
         head = getattr(target, "greedy_head", None)
         table = getattr(self.drafter, "kernel_table", None)

@@ -409,6 +409,10 @@ class DFlashDrafter(nn.Module):
         ops = cpu_ops.load()
         dot = ops.int8_dot() if ops is not None else None
         int8 = dot is not None and (int8_weights or (int8_weights is None and dot == "vpdpbusd"))
+        # past the int8 kernels' inputs (a fc over 9 features of 8,192) the tables stay bf16: opening refused it
+        c = self.config
+        int8 = int8 and max(self.fc.in_features, c.intermediate_size, c.num_attention_heads * c.head_dim) <= (
+            cpu_ops.Int8Weight.MAX_INPUTS)
         self.kernel_table = self._build_layer_table(int8)
         self.context_table = self._build_context_table(int8) if self.kernel_table is not None else None
 

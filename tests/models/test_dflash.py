@@ -282,6 +282,18 @@ def test_int8_tables_take_projections_wider_than_8192_inputs(intermediate, featu
     assert drafter.kernel_table.int8 and drafter.context_table is not None
 
 
+def test_a_drafter_past_the_int8_kernels_inputs_keeps_bf16_tables():
+    """A fc over 2,049 features of 32 (65,568 inputs, past Int8Weight.MAX_INPUTS): opening it raised."""
+    ops = cpu_ops.load()
+    if ops is None or not ops.has_int8_kernels() or not ops.has_linear(torch.zeros(32, 32, dtype=torch.bfloat16)):
+        pytest.skip("needs the CPU kernels with int8 and bf16 linears")
+    cfg = DFlashConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       intermediate_size=64, block_size=4, mask_token_id=0, target_layer_ids=list(range(2049)))
+    drafter = DFlashDrafter(cfg).bfloat16().eval()
+    drafter.pack_for_inference(int8_weights=True)
+    assert drafter.kernel_table is not None and not drafter.kernel_table.int8
+
+
 def _two_draft_steps(target, drafter):
     """draft() at two consecutive steps of two rows on a fresh cache, from seeded random features ->
     ([hidden of each step], cache)."""

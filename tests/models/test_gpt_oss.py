@@ -429,6 +429,19 @@ def test_greedy_with_context_lookups_and_plain_steps_between_equals_target_greed
     assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
+def test_a_bf16_cpu_engine_says_its_verify_steps_round_apart(gpt_oss_dir, gpt_oss_drafter, caplog):
+    """gpt-oss's experts and attention take torch's ops, whose verify rows round apart from a one-token step's: in
+    bf16 a greedy answer can part from plain decoding's at a near-tie, which the engine says (it was silent)."""
+    for dtype, warned in ((torch.bfloat16, True), (torch.float32, False)):
+        caplog.clear()
+        target = load_target(gpt_oss_dir, dtype)
+        drafter = load_drafter(gpt_oss_drafter, target.config, dtype)
+        with caplog.at_level("WARNING", logger="dflash_trt"):
+            LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_draft_len=3, max_model_len=96,
+                                                          dtype=str(dtype).removeprefix("torch.")))
+        assert ("can part from plain greedy output" in caplog.text) == warned, dtype
+
+
 def test_a_gpt_oss_drafter_that_is_not_qwen3_style_fails_clearly(gpt_oss_dir, gpt_oss_drafter, tmp_path):
     bad = tmp_path / "d"
     bad.mkdir()
