@@ -189,11 +189,6 @@ def mxfp4_expert_bytes(h: int, i: int) -> int:
     return int(values * MXFP4_BYTES_PER_VALUE) + (2 * i_p + h_out) * MXFP4_BIAS_BYTES
 
 
-def target_weight_bytes(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> int:
-    """Bytes of target weights on one rank (see target_weight_parts)."""
-    return target_weight_parts(t, cfg, dtype_b, keep_mxfp4).total
-
-
 def drafter_weight_bytes(d: DFlashConfig, target: DecoderConfig, cfg: BuildConfig, dtype_b: int) -> int:
     """Bytes of drafter weights on one rank (it shares the target's embedding and LM head)."""
     tp = attention_tp(cfg)
@@ -265,8 +260,9 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] if spec else []
         block = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
         target_kv = batch * per_token_layer * t.num_hidden_layers * (seq + block + 1)
+    parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=trtllm)
     comps = {
-        "target_weights": target_weight_bytes(t, cfg, dtype_b, keep_mxfp4=trtllm),
+        "target_weights": parts.total,
         "target_kv_cache": int(target_kv),
     }
     if d is not None:
@@ -289,7 +285,6 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         # The CPU runtime packs every projection and the head (layers/linear.py): oneDNN's copy beside the bf16
         # kernel's (one more in AMX's tile order), plus int8 copies of the head (its greedy screen) and of the drafter's
         # tables. Left out, an 8B-wide engine planned 6.75 GB ran at 7 GB resident, and Qwen3-8B "fit" in 25 GB.
-        parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=False)
         head = t.vocab_size * t.hidden_size
         drafter = comps.get("drafter_weights", 0)
         projections = parts.num_layers * parts.layer_dense_bytes + head * dtype_b + drafter

@@ -8,6 +8,12 @@ import threading
 from collections.abc import Callable, Iterator
 
 
+def stop_signals() -> list[signal.Signals]:
+    """What stops a server: SIGINT, SIGTERM, and SIGHUP (its terminal closed) unless ignored, as nohup leaves it."""
+    hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []
+    return [signal.SIGINT, signal.SIGTERM, *hup]
+
+
 @contextlib.contextmanager
 def signal_handlers(handler: Callable, *signals: signal.Signals) -> Iterator[None]:
     """`handler` for `signals` while the block runs, then what was there before. Only the main thread may set

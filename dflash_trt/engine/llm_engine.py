@@ -307,8 +307,8 @@ class LLMEngine:
                              f"{self.runner.max_draft_len} tokens deep (the drafter's block_size - 1)")
         self.adaptive = AdaptiveDraftLen() if config.adaptive_draft_len and self.drafter is not None else None
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
-        self.exact_rows = row_invariant_rows(target) if self.drafter is not None and config.device == "cpu" else None
         on_cpu = self.drafter is not None and config.device == "cpu"
+        self.exact_rows = row_invariant_rows(target) if on_cpu else None
         if self.exact_rows is None and on_cpu and config.dtype != "float32":
             # said, not hidden: README promises bf16 greedy equality where the kernels serve every linear
             logger.warning("engine: this target's %s verify steps do not round as one-token steps do (its linears "

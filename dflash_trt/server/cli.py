@@ -13,6 +13,7 @@ import click
 from dflash_trt.build_cli import EnginePath
 from dflash_trt.runtime_device import DEVICE_HELP, DTYPE_HELP, THREADS_HELP, use_threads
 from dflash_trt.server.sockets import address, bound
+from dflash_trt.signals import stop_signals
 
 # EngineConfig's defaults, which serve's unset options keep (stated here for --help without importing torch;
 # tests/test_cli.py checks they agree)
@@ -329,10 +330,7 @@ def _uvicorn_server_class():
             # Shut down gracefully on SIGINT / SIGTERM / SIGHUP (the terminal closed, as build and train take it; not
             # under nohup, which ignores it) and exit 0; uvicorn's own handler re-raises the signal after shutdown,
             # which kills the process before the engine loop is stopped.
-            wanted = [signal.SIGINT, signal.SIGTERM]
-            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
-                wanted.append(signal.SIGHUP)
-            previous = {s: signal.signal(s, self.handle_exit) for s in wanted}
+            previous = {s: signal.signal(s, self.handle_exit) for s in stop_signals()}
             try:
                 yield
             finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 from dflash_trt import dir_swap
 from dflash_trt.runtime_device import use_threads
 from dflash_trt.server.sockets import address, bound
+from dflash_trt.signals import stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -436,9 +437,8 @@ class TritonServer:
                 stopping.append(time.monotonic())
                 self._signal_stop()
 
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:  # SIGHUP: nohup ignores it
-                signal.signal(signum, forward)
+        for signum in stop_signals():
+            signal.signal(signum, forward)
         if on_ready is not None:
             try:
                 self.wait_ready()
