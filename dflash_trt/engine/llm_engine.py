@@ -311,9 +311,10 @@ class LLMEngine:
         self.exact_rows = row_invariant_rows(target) if on_cpu else None
         if self.exact_rows is None and on_cpu and config.dtype != "float32":
             # said, not hidden: README promises bf16 greedy equality where the kernels serve every linear
-            logger.warning("engine: this target's %s verify steps do not round as one-token steps do (its linears "
-                           "or experts run through torch's ops, as gpt-oss's do): greedy speculative output can part "
-                           "from plain greedy output at near-ties; --dtype float32 keeps them equal", config.dtype)
+            logger.warning("engine: this target's %s verify steps do not round as one-token steps do (the CPU "
+                           "kernels do not serve all of its linears here: oneDNN's or torch's ops run them): greedy "
+                           "speculative output can part from plain greedy output at near-ties; --dtype float32 keeps "
+                           "them equal", config.dtype)
         self._note_cut_steps(config.max_batch_size)
         head = getattr(target, "greedy_head", None)
         table = getattr(self.drafter, "kernel_table", None)

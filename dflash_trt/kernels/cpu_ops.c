@@ -1363,7 +1363,7 @@ int llama_layers_bf16(uint16_t *x, const uint16_t *const *w, int64_t n_layers, u
         qkv_rotary_write_bf16(qkv, cos, sin, lw[W_Q_NORM], lw[W_K_NORM], qk_eps, rows, positions, q, kc, vc, N, H,
                               KVH, D, rot, max_len);
         decode_attention_bf16(q, kc, vc, rows, lens, attn, N, H, KVH, max_len, D, scale, windows ? windows[l] : 0,
-                              tree);
+                              tree, NULL);
         linear_table(q8, attn, lw[W_O], lw[W_O_BIAS], tmp, N, hidden, H * D);
         rms_norm_bf16(tmp, x, x, lw[W_POST_NORM], h, N, hidden, eps); /* x += attention; h = norm(x) */
         linear_table(q8, h, lw[W_GATE_UP], lw[W_GATE_UP_BIAS], gate_up, N, 2 * inter, hidden);

@@ -99,7 +99,7 @@ class CpuOps:
             norm.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _f32]
             norm.restype = None
             attn = getattr(library, f"decode_attention_{sfx}")
-            attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _p]
+            attn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _p, _p]
             attn.restype = None
             rope = getattr(library, f"qkv_rotary_write_{sfx}")
             rope.argtypes = [_p, _p, _p, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]
@@ -382,12 +382,13 @@ class CpuOps:
 
     def cached_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-        scale: float, window: int | None = None, tree: torch.Tensor | None = None,
+        scale: float, window: int | None = None, tree: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each query q[i] ([N, H, D]) attends over cache row rows[i] of k/v_cache ([cache rows, KVH, max_len, D]),
         keys [0, lens[i]) or the last `window` of them -> [N, H, D]. rows and lens: int64 [N]. tree (a draft tree's
         verify, QueryKeys.tree): int64 [N, 2] of (start, bits): keys t >= start visible only where bit t - start is
-        set; a window then counts from the node's depth, as a chain of its ancestors would (cpu_ops_body.h)."""
+        set; a window then counts from the node's depth, as a chain of its ancestors would (cpu_ops_body.h). sinks
+        ([H], gpt-oss): a logit per query head in each softmax's denominator that weighs no value."""
         q = q.contiguous()
         b, h, d = q.shape
         _, kvh, max_len, _ = k_cache.shape
@@ -397,10 +398,15 @@ class CpuOps:
         if not q.dtype == k_cache.dtype == v_cache.dtype:  # read as the query's type: NaNs
             raise ValueError(f"cached_attention: {q.dtype} queries over a {k_cache.dtype}/{v_cache.dtype} cache")
         _check_indices("cached_attention", b, rows=rows, lens=lens)
+        if sinks is not None:
+            if sinks.shape != (h,):
+                raise ValueError(f"cached_attention: sinks of shape {tuple(sinks.shape)} for {h} query heads")
+            sinks = sinks.detach().float().contiguous()
         out = torch.empty_like(q)
         self._fns[q.dtype][1](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
             b, h, kvh, max_len, d, scale, window or 0, _tree_pointer(tree, b),
+            None if sinks is None else sinks.data_ptr(),
         )
         return out
 

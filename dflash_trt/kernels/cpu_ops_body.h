@@ -78,10 +78,11 @@ static void CAT(values_, SFX)(const float *const *p, const int64_t *n, int64_t R
  * one cache row form a run that reads each key and value once per head; the (run, query head) pairs are spread over
  * the OpenMP threads (per KV head there were too few of them to share two threads evenly at decode: SmolLM2's 3 KV
  * heads left one thread two thirds of the work). Each query's scores, softmax and sum are computed as they would be
- * alone, so its output does not depend on the others. */
+ * alone, so its output does not depend on the others. sinks (or NULL): per query head a logit that joins the softmax's
+ * denominator, its term added last, and weighs no value (gpt-oss). */
 void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache, const int64_t *rows,
                                  const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t max_len,
-                                 int64_t D, float scale, int64_t window, const int64_t *tree) {
+                                 int64_t D, float scale, int64_t window, const int64_t *tree, const float *sinks) {
     const int64_t G = H / KVH;
     int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(B + 1)), runs = 0, work = 0;
     if (!run_start) abort();
@@ -133,6 +134,7 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             /* vectorised: as a scalar loop the max's dependency chain took a quarter of the kernel's time */
 #pragma omp simd reduction(max : m)
             for (int64_t t = 0; t < n[r]; t++) m = s[t] > m ? s[t] : m;
+            if (sinks && sinks[h] > m) m = sinks[h];
 #pragma omp simd
             for (int64_t t = 0; t < n[r]; t++) s[t] = exp_nonpositive(s[t] - m);
             const float *terms = s;
@@ -146,6 +148,7 @@ void CAT(decode_attention_, SFX)(const T *q, const T *k_cache, const T *v_cache,
             }
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < count; t++) sum += terms[t];
+            if (sinks) sum += exp_nonpositive(sinks[h] - m);
             const float inv = 1.0f / sum;
             for (int64_t t = 0; t < n[r]; t++) s[t] *= inv;
             p[r] = s;

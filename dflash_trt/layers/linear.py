@@ -46,15 +46,20 @@ def can_pack(weight: torch.Tensor, with_kernel: bool = True) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """with_kernel=False leaves the bf16 kernel out (its weight can be a copy of its own): for weights too many to hold
-    twice, such as gpt-oss's experts, which then always take oneDNN's path. Where oneDNN cannot pack the weight (bf16
+    """with_kernel=False leaves the bf16 kernel out (its weight can be a copy of its own), onednn=False oneDNN's copy:
+    for weights too many to hold twice, such as gpt-oss's experts, which then take one path for every row count, the
+    kernel's where it serves them (its rows alike in a one-token decode and a verify) and oneDNN's elsewhere. Without
+    oneDNN's copy the kernel serves every row count, and where its weight is a reordered copy the plain one is dropped:
+    such a linear runs only where the kernel does (inference, bf16 inputs). Where oneDNN cannot pack the weight (bf16
     on an AVX2 CPU), rows past the kernel's run torch's linear on the plain weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, with_kernel: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, with_kernel: bool = True,
+                 onednn: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # The batch-size hint only tunes the blocking; any number of rows works.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if onednn_packs(weight) else None
+        packs = onednn and onednn_packs(weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if packs else None
         self.bias = None if bias is None else bias.detach().clone()
         ops = cpu_ops.load() if with_kernel and weight.dtype == torch.bfloat16 else None
         # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
@@ -65,10 +70,11 @@ class PackedLinear(nn.Module):
         if self.kernel_weight is not None:
             # without oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
             self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout] if self.packed is not None else sys.maxsize
-        self.weight = None if self.packed is not None else weight.detach()
         if self.packed is None and self.kernel_weight is None:
             raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
                              "here (check can_pack first)")
+        reordered = self.kernel_weight is not None and self.kernel_weight.data_ptr() != weight.data_ptr()
+        self.weight = None if self.packed is not None or (not onednn and reordered) else weight.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None and x.numel() <= self.kernel_max_rows * self.in_features:
@@ -80,6 +86,10 @@ class PackedLinear(nn.Module):
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed linear (or torch's where oneDNN cannot pack the weight), whatever the row count."""
         if self.packed is None:
+            if self.weight is None:
+                raise RuntimeError(f"this {self.out_features} x {self.in_features} linear keeps only the bf16 kernel's "
+                                   f"copy of its weight, which serves bf16 inference only (got {x.dtype} inputs, "
+                                   f"grad {'on' if torch.is_grad_enabled() else 'off'})")
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
@@ -107,8 +117,7 @@ def kernel_layout(model: nn.Module) -> str | None:
 def row_invariant_rows(model: nn.Module) -> int | None:
     """The most rows a forward of `model` may carry for each to come out as it would in a one-row forward: the bf16
     kernel's reach (PackedLinear.kernel_max_rows) where it serves the linears, past which oneDNN's blocked products
-    round apart; None unless it serves every one (no row count keeps oneDNN's or a GPU's products alike: gpt-oss's
-    experts always take oneDNN)."""
+    round apart; None unless it serves every one (no row count keeps oneDNN's or a GPU's products alike)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears or any(m.kernel_weight is None for m in linears):
         return None

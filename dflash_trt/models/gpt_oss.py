@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import AttentionMetadata, attend
+from dflash_trt.kernels import cpu_ops
+from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
 from dflash_trt.layers.linear import PackedLinear, can_pack
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
@@ -108,7 +109,16 @@ class GptOssAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache, first_key: int) -> torch.Tensor:
         # x: [B, Q, hidden]; first_key: no query of this forward sees a key before it on a sliding layer
         b, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        step = kernel_step(meta, cache, qkv, cos)
+        if step is not None:  # the CPU kernels, as Llama's: each query's output alike whatever rows share the step
+            ops, keys = step
+            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads)
+            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, self.sliding_window,
+                                       keys.tree, sinks=self.sinks)
+            return self.o_proj(out.view(b, n, -1))
+        q, k, v = qkv.split(self.split, dim=-1)
         q = apply_rotary(q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         cache.write(self.layer_idx, meta, k.transpose(1, 2), v.view(b, n, self.num_kv_heads, self.head_dim))
@@ -136,13 +146,19 @@ class GptOssExperts(nn.Module):
         self.packed: nn.ModuleList | None = None  # per local expert (gate_up, down), set by pack()
 
     def pack(self) -> None:
-        """Prepack every expert's two projections (oneDNN, bit-identical) and drop the stacked weights."""
-        if self.packed is not None or not can_pack(self.gate_up_proj, with_kernel=False):
+        """Prepack every expert's two projections, one copy each, and drop the stacked weights: the bf16 kernel's
+        where it serves both (an expert's rows then come out alike whether one token or a verify block routes to it:
+        oneDNN's blocked products round a row apart by how many share the call, and greedy speculative output parted
+        from plain decoding's at near-ties), oneDNN's elsewhere (float32, or no kernel on this CPU)."""
+        if self.packed is not None:
+            return
+        ops = cpu_ops.load() if self.gate_up_proj.device.type == "cpu" else None
+        kernel = ops is not None and all(ops.linear_layout(w[0]) for w in (self.gate_up_proj, self.down_proj))
+        if not kernel and not can_pack(self.gate_up_proj, with_kernel=False):
             return
         self.packed = nn.ModuleList(
-            # with_kernel=False: the stacked weights are dropped below; the kernel's copy per expert would keep them
-            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], with_kernel=False),
-                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], with_kernel=False)])
+            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], kernel, onednn=not kernel),
+                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], kernel, onednn=not kernel)])
             for e in range(len(self.experts))
         )
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):

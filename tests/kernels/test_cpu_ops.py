@@ -106,6 +106,52 @@ def test_cached_attention_kernel_equals_sdpa_over_the_visible_keys(attention_ops
     assert torch.equal(got, torch.cat(alone))
 
 
+def _sink_attention_per_query(q, cache, layer, rows, lens, scale, sinks, window=None):
+    """The oracle for gpt-oss's attention: float64 scores of each query over its visible keys, the head's sink logit
+    joined to them in the softmax, its probability dropped (as transformers' GptOss eager attention does)."""
+    out = []
+    for i in range(q.shape[0]):
+        end = int(lens[i])
+        start = max(0, end - window) if window else 0
+        k = cache.k[layer, int(rows[i]), :, start:end].double()  # [KVH, T, D]
+        v = cache.v[layer, int(rows[i]), :, start:end].double()
+        g = q.shape[1] // k.shape[0]
+        scores = torch.einsum("hd,htd->ht", q[i].double(), k.repeat_interleave(g, 0)) * scale  # [H, T]
+        probs = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=-1), dim=-1)[:, :-1]
+        out.append(torch.einsum("ht,htd->hd", probs, v.repeat_interleave(g, 0)))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("sink_scale", [0.5, 8.0])
+def test_cached_attention_with_sinks_equals_the_softmax_with_each_heads_sink(attention_ops, dtype, window,
+                                                                              sink_scale):
+    """gpt-oss's per-head sink logits in the softmax's denominator: against a float64 reference, with sinks about as
+    large as the scores (0.5) and far above them (8: the sink takes most of the weight); each query alone gives its
+    batched output bit for bit, as a one-token decode and a K-token verify need."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d = 8, 2, 64
+    cache = _cache(6, 96, kv_heads, d, dtype, g)
+    cache.k.mul_(1e-4)  # scores of about 1, where a sink of 0.5 competes with the keys
+    cache.v.mul_(1e-4)
+    rows = torch.tensor([4, 0, 5, 5, 2, 1, 3, 0, 2, 2, 2])
+    lens = torch.tensor([1, 96, 37, 38, 64, 2, 70, 16, 3, 4, 6])
+    q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
+    sinks = (torch.randn(heads, generator=g) * sink_scale).to(dtype)
+    got = attention_ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window, sinks=sinks)
+    want = _sink_attention_per_query(q, cache, 1, rows, lens, 0.2, sinks.float(), window)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    without = attention_ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window)
+    assert not torch.allclose(got.float(), without.float(), rtol=tol, atol=tol)  # the sinks were read
+    alone = [attention_ops.cached_attention(q[i : i + 1], cache.k[1], cache.v[1], rows[i : i + 1], lens[i : i + 1],
+                                            0.2, window, sinks=sinks) for i in range(len(rows))]
+    assert torch.equal(got, torch.cat(alone))
+    with pytest.raises(ValueError, match="sinks of shape"):
+        attention_ops.cached_attention(q, cache.k[1], cache.v[1], rows, lens, 0.2, window, sinks=sinks[:2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 2, 6, 20, 44])
 def test_tree_attention_sees_only_the_prefix_and_each_nodes_ancestors(attention_ops, dtype, window):
@@ -501,9 +547,40 @@ def test_without_onednn_bf16_a_packed_linear_takes_the_kernel_at_any_size_and_to
 
 
 @needs_linear
+@pytest.mark.parametrize("build", ["native", "avx2_ops"])
+def test_a_linear_without_onednns_copy_holds_one_copy_and_computes_rows_alike_at_any_count(build, request,
+                                                                                           monkeypatch):
+    """gpt-oss's experts (PackedLinear(onednn=False)): the kernel serves every row count, each row as it would alone
+    (a verify block's rows as a one-token step's), against torch's fp32 product; where the kernel reads a reordered
+    copy (AMX tiles, AVX2 panels) the plain weight is not kept, and a call the kernel cannot serve (autograd) is
+    refused naming the linear."""
+    from dflash_trt.layers import linear
+
+    if build != "native":
+        built = request.getfixturevalue(build)
+        monkeypatch.setattr(cpu_ops, "load", lambda: built)
+    g = torch.Generator().manual_seed(7)
+    w, b = (torch.randn(128, 96, generator=g) * 0.1).bfloat16(), torch.randn(128, generator=g).bfloat16()
+    layer = linear.PackedLinear(w, b, onednn=False)
+    assert layer.packed is None and layer.kernel_max_rows > 1000
+    reordered = layer.kernel_layout != "rows"
+    assert (layer.weight is None) == reordered and (build == "native" or reordered)
+    x = torch.randn(300, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(0, 300, 37)])
+    assert torch.equal(out[::37], alone)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+    if reordered:
+        with torch.enable_grad(), pytest.raises(RuntimeError, match="128 x 96 linear keeps only the bf16 kernel's"):
+            layer(x)
+
+
+@needs_linear
 def test_a_model_computes_rows_alike_up_to_the_kernels_reach_only_where_the_kernel_serves_every_linear():
-    """gpt-oss's experts always take oneDNN (PackedLinear(with_kernel=False)), whose products round with their rows
-    at any count: no reach applies, and no step is cut for it."""
+    """A linear the kernel leaves to oneDNN (PackedLinear(with_kernel=False): gpt-oss's experts where the kernel
+    cannot serve them, float32 or no kernel) rounds with its rows at any count: no reach applies, and no step is cut
+    for it."""
     from torch import nn
 
     from dflash_trt.layers import linear

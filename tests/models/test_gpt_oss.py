@@ -16,6 +16,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.config import decoder_config_from_dict
 from dflash_trt.models.dflash import load_drafter
@@ -429,17 +430,76 @@ def test_greedy_with_context_lookups_and_plain_steps_between_equals_target_greed
     assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
-def test_a_bf16_cpu_engine_says_its_verify_steps_round_apart(gpt_oss_dir, gpt_oss_drafter, caplog):
-    """gpt-oss's experts and attention take torch's ops, whose verify rows round apart from a one-token step's: in
-    bf16 a greedy answer can part from plain decoding's at a near-tie, which the engine says (it was silent)."""
-    for dtype, warned in ((torch.bfloat16, True), (torch.float32, False)):
+def _bf16_kernels() -> bool:
+    ops = cpu_ops.load()
+    return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
+    """One-token decode steps and one verify block over the same cache give bit-identical bf16 logits at every
+    position, for 4 rows, on sliding and full layers past the window: the experts (whichever rows route to one) and
+    attention with its sinks run through the CPU kernels, each row computed alike whatever shares the call. oneDNN's
+    experts and torch's attention rounded a verify row apart from a one-token step's, and greedy speculative output
+    parted from plain decoding's at near-ties (at gpt-oss-20b's width, tokens 10 and 25 of 64). gpt-oss's hidden size
+    and attention heads (2,880; 16 of 64 over 4 KV heads here): narrower shapes happened to round alike."""
+    d = make_gpt_oss(tmp_path / "t", layers=2, hidden_size=2880, intermediate_size=256, num_attention_heads=16,
+                     num_key_value_heads=4, head_dim=64)
+    ours = load_target(d, dtype=torch.bfloat16)
+    ours.pack_for_inference()
+    ids = torch.randint(3, 90, (4, 28), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = ours.make_cache(4, 32)
+        ours(ids[:, :20], _meta(ids[:, :20]), cache)
+        block = ours.compute_logits(ours(ids[:, 20:28], _meta(ids[:, 20:28], 20), cache)[0])
+        steps = [ours.compute_logits(ours(ids[:, i : i + 1], _meta(ids[:, i : i + 1], i), cache)[0])
+                 for i in range(20, 28)]
+    assert torch.equal(torch.cat(steps, 1), block)
+
+
+@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, True)])
+def test_bf16_greedy_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafter, k, batch, forced):
+    """End to end in bf16: the same runtime's plain decoding, one token a step, is the oracle. Forced drafts (the
+    plain output, 15% corrupted) make most verify blocks accept several tokens and roll back."""
+    prompts = _prompts(batch)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    target = load_target(gpt_oss_dir, torch.bfloat16)
+    plain_engine = LLMEngine(target, None, None, EngineConfig(max_batch_size=batch, max_model_len=96,
+                                                               dtype="bfloat16", speculative=False))
+    plain = plain_engine.generate(prompts, params)
+    target = load_target(gpt_oss_dir, torch.bfloat16)
+    drafter = load_drafter(gpt_oss_drafter, target.config, torch.bfloat16)
+    engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=batch, max_draft_len=k, max_model_len=96,
+                                                           dtype="bfloat16"))
+    assert engine.exact_rows is not None
+    if forced:
+        force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    for o, ref in zip(outs, plain):
+        assert o.token_ids == ref.token_ids
+        if forced:
+            assert o.tau > 1.5
+
+
+def test_a_bf16_cpu_engine_without_the_kernels_says_its_verify_steps_round_apart(gpt_oss_dir, gpt_oss_drafter,
+                                                                                 caplog, monkeypatch):
+    """Without the CPU kernels (no compiler, or DFLASH_TRT_CPU_KERNELS=0) the experts and attention take oneDNN's
+    and torch's ops, whose verify rows round apart from a one-token step's: in bf16 a greedy answer can part from
+    plain decoding's at a near-tie, which the engine says; with the kernels (where they serve bf16) it need not."""
+    cases = [(torch.bfloat16, True, True), (torch.float32, True, False)]
+    if _bf16_kernels():
+        cases.append((torch.bfloat16, False, False))
+    kernels = cpu_ops.load
+    for dtype, no_kernels, warned in cases:
         caplog.clear()
+        monkeypatch.setattr(cpu_ops, "load", (lambda: None) if no_kernels else kernels)
         target = load_target(gpt_oss_dir, dtype)
         drafter = load_drafter(gpt_oss_drafter, target.config, dtype)
         with caplog.at_level("WARNING", logger="dflash_trt"):
             LLMEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_draft_len=3, max_model_len=96,
                                                           dtype=str(dtype).removeprefix("torch.")))
-        assert ("can part from plain greedy output" in caplog.text) == warned, dtype
+        assert ("can part from plain greedy output" in caplog.text) == warned, (dtype, no_kernels)
 
 
 def test_a_gpt_oss_drafter_that_is_not_qwen3_style_fails_clearly(gpt_oss_dir, gpt_oss_drafter, tmp_path):
