@@ -6,10 +6,10 @@ speculative_config.max_draft_len ...), so one file drives both backends. Errors 
 
 Environment knobs: DFLASH_TRT_CACHE (embedded.py: where the converted default model and the compiled CPU kernels
 live), DFLASH_TRT_CPU_KERNELS=0 (kernels/cpu_ops.py: torch's ops instead of the CPU kernels), DFLASH_TRT_AMX=0
-(kernels/cpu_ops.c: the AVX-512 linear kernel on CPUs with AMX too), DFLASH_TRT_PANELS (kernels/cpu_ops.c),
-DFLASH_TRT_MARCH and CC (kernels/cpu_ops.py: how the CPU kernels are compiled), DFLASH_TRT_API_KEY (serve's
---api-key), and for debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a build after a step, to test
-killed builds). The README says what each does.
+(kernels/cpu_ops.c: the AVX-512 linear kernel on CPUs with AMX too), DFLASH_TRT_PANELS=0 (kernels/cpu_ops.c; each =0
+switch takes 0, false, no or off), DFLASH_TRT_MARCH and CC (kernels/cpu_ops.py: how the CPU kernels are compiled),
+DFLASH_TRT_API_KEY (serve's --api-key), and for debugging/testing DFLASH_TRT_BUILD_STALL_AFTER (build.py: stall a
+build after a step, to test killed builds). The README says what each does.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -29,6 +30,12 @@ typedef union {
     uint32_t u;
     float f;
 } bits32;
+
+/* An off switch in the environment: 0, false, no or off, in any case (as kernels/cpu_ops.py reads its own). */
+static int switched_off(const char *name) {
+    const char *v = getenv(name);
+    return v && (!strcmp(v, "0") || !strcasecmp(v, "false") || !strcasecmp(v, "no") || !strcasecmp(v, "off"));
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     bits32 b = {.u = (uint32_t)h << 16};
@@ -459,10 +466,7 @@ static void widened_input(const uint16_t *x, int64_t M, int64_t K, float *out) {
 static int panels_state = -1; /* -1 unknown; DFLASH_TRT_PANELS=0 keeps the dot products (an A/B switch) */
 
 static int panels_on(void) {
-    if (panels_state < 0) {
-        const char *off = getenv("DFLASH_TRT_PANELS");
-        panels_state = !(off && off[0] == '0');
-    }
+    if (panels_state < 0) panels_state = !switched_off("DFLASH_TRT_PANELS");
     return panels_state;
 }
 
@@ -549,9 +553,8 @@ static int amx_state = -1; /* -1 unknown, 0 unusable, 1 granted */
 
 static int amx_ready(void) {
     if (amx_state < 0) {
-        const char *off = getenv("DFLASH_TRT_AMX");
         /* Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
-        amx_state = (off && off[0] == '0') ? 0 : syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        amx_state = switched_off("DFLASH_TRT_AMX") ? 0 : syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     }
     return amx_state;
 }

@@ -528,11 +528,17 @@ def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:
     return load()
 
 
+def switched_off(name: str) -> bool:
+    """An off switch in the environment: 0, false, no or off, in any case (cpu_ops.c reads DFLASH_TRT_AMX and
+    DFLASH_TRT_PANELS alike)."""
+    return os.environ.get(name, "").lower() in ("0", "false", "no", "off")
+
+
 @functools.cache
 def load() -> CpuOps | None:
     """The kernels, built if needed; None where they cannot be (DFLASH_TRT_CPU_KERNELS=0, or no compiler or a
     failed build, each warned about once)."""
-    if os.environ.get("DFLASH_TRT_CPU_KERNELS", "1") == "0":
+    if switched_off("DFLASH_TRT_CPU_KERNELS"):
         return None
     return load_with(os.environ.get("CC", "cc"))
 

@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -463,11 +464,42 @@ def avx2_without_avx512() -> bool:
     return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
+@pytest.mark.parametrize("value, off", [("0", True), ("off", True), ("False", True), ("NO", True), ("1", False),
+                                        ("on", False), ("", False)])
+def test_the_cpu_kernels_switch_reads_0_false_no_or_off(monkeypatch, value, off):
+    """DFLASH_TRT_CPU_KERNELS took only `0`: `false` or `off` left the kernels on without a word."""
+    monkeypatch.setenv("DFLASH_TRT_CPU_KERNELS", value)
+    assert cpu_ops.switched_off("DFLASH_TRT_CPU_KERNELS") == off
+    assert (cpu_ops.load.__wrapped__() is None) == off
+
+
+def test_the_kernels_own_switches_read_the_same_words(tmp_path):
+    """DFLASH_TRT_PANELS and DFLASH_TRT_AMX, read by the compiled kernels, take the same words as the Python switch:
+    an AVX2 build's linears leave their panels for dot products at each (its layout, asked in a fresh process)."""
+    if not {"avx2", "fma"} <= set(cpu_ops._cpu_features().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    script = ("import torch; from dflash_trt.kernels import cpu_ops; "
+              "print(cpu_ops.load().linear_layout(torch.zeros(64, 64, dtype=torch.bfloat16)))")
+    env = {**os.environ, "DFLASH_TRT_MARCH": "x86-64-v3", "DFLASH_TRT_CACHE": str(tmp_path)}
+    env.pop("DFLASH_TRT_PANELS", None)
+    env.pop("DFLASH_TRT_CPU_KERNELS", None)
+
+    def layout(**switches) -> str:
+        run = subprocess.run([sys.executable, "-c", script], env={**env, **switches}, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert layout() == "panels"
+    for value in ("0", "off", "False", "no"):
+        assert layout(DFLASH_TRT_PANELS=value) == "rows", value
+    assert layout(DFLASH_TRT_PANELS="1") == "panels"
+
+
 def amx_usable() -> bool:
     """AMX, asked of the machine rather than of the kernels: the CPU lists amx_bf16, the compiler targets it with
     -march=native, Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), and DFLASH_TRT_AMX is not 0."""
     cpuinfo = Path("/proc/cpuinfo")
-    if os.environ.get("DFLASH_TRT_AMX") == "0" or not cpuinfo.exists() or "amx_bf16" not in cpuinfo.read_text():
+    if cpu_ops.switched_off("DFLASH_TRT_AMX") or not cpuinfo.exists() or "amx_bf16" not in cpuinfo.read_text():
         return False
     macros = subprocess.run([os.environ.get("CC", "cc"), "-march=native", "-dM", "-E", "-"], input="",
                             capture_output=True, text=True).stdout
