@@ -8,7 +8,7 @@ replaced by the true greedy continuation): tau ~ 10, what a verify step over 10 
 every draft token is used (more experts are hit per step than in a one-token step).
 Interleaved rounds, medians reported. Usage:
 
-    .venv/bin/python benchmarks/bench_gpt_oss.py [--new-tokens 64] [--rounds 3]
+    .venv/bin/python benchmarks/bench_gpt_oss.py [--new-tokens 64] [--rounds 3] [--name gpt_oss_cpu]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-k", type=int, default=9)
+    ap.add_argument("--name", default="gpt_oss_cpu", help="the record's name under benchmarks/results/")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import GptOssForCausalLM
@@ -144,7 +145,7 @@ def main() -> None:
         "forced_step_over_ar_step": med["forced_step_ms"] / med["ar_step_ms"],
         "d_over_b_decode": med["d_ours_forced_decode"] / med["b_ours_ar_decode"],
     }
-    path = record("gpt_oss_cpu", {
+    path = record(args.name, {
         "command": " ".join(sys.argv), "model": "random gpt-oss " + ", ".join(f"{k}={v}" for k, v in SHAPE.items()
                                                                              if k != "rope_parameters"),
         "dtype": "bfloat16", "new_tokens": n, "k": args.k, "rounds": args.rounds, "prompt_lens": [len(p) for p in prompts],

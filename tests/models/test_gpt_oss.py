@@ -458,23 +458,32 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
 
 
 @pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
-@pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, True)])
-def test_bf16_greedy_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafter, k, batch, forced):
-    """End to end in bf16: the same runtime's plain decoding, one token a step, is the oracle. Forced drafts (the
-    plain output, 15% corrupted) make most verify blocks accept several tokens and roll back."""
+@pytest.mark.parametrize("k, batch, forced, temperature", [(3, 1, "", 0.0), (7, 4, "chain", 0.0),
+                                                           (3, 2, "tree", 0.0), (3, 2, "tree", 1.0)])
+def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafter, k, batch, forced, temperature):
+    """End to end in bf16, greedy and seeded samples ("match" rule: the target samples each token with the seed's
+    positional uniform, in verify steps as in one-token ones): the same runtime's plain decoding, one token a step, is
+    the oracle. Forced drafts (from the plain output: chains 15% corrupted, or 5-node trees with context lookups) make
+    most verify blocks accept several tokens and roll back."""
     prompts = _prompts(batch)
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i)
+              for i in range(batch)]
     target = load_target(gpt_oss_dir, torch.bfloat16)
     plain_engine = LLMEngine(target, None, None, EngineConfig(max_batch_size=batch, max_model_len=96,
                                                                dtype="bfloat16", speculative=False))
     plain = plain_engine.generate(prompts, params)
     target = load_target(gpt_oss_dir, torch.bfloat16)
     drafter = load_drafter(gpt_oss_drafter, target.config, torch.bfloat16)
+    tree = {"draft_tree": {batch: 5}, "lookup_nodes": 3} if forced == "tree" else {}
     engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=batch, max_draft_len=k, max_model_len=96,
-                                                           dtype="bfloat16"))
+                                                           dtype="bfloat16", **tree))
     assert engine.exact_rows is not None
-    if forced:
-        force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    if forced == "tree":
+        force_tree_drafts(engine, truth)
+        force_lookup_drafts(engine, truth)
+    elif forced:
+        force_drafts(engine, truth, error_rate=0.15)
     outs = engine.generate(prompts, params)
     for o, ref in zip(outs, plain):
         assert o.token_ids == ref.token_ids
