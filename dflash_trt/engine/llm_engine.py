@@ -21,6 +21,7 @@ from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.prompt_encoder import PromptEncoder
 from dflash_trt.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dflash_trt.engine.sequence import Sequence
+from dflash_trt.layers.attention import KERNEL_MAX_QUERIES
 from dflash_trt.layers.linear import kernel_layout, row_invariant_rows
 from dflash_trt.layers.sampler import PositionalUniforms
 from dflash_trt.models.dflash import DFlashDrafter, load_drafter
@@ -309,6 +310,11 @@ class LLMEngine:
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         on_cpu = self.drafter is not None and config.device == "cpu"
         self.exact_rows = row_invariant_rows(target) if on_cpu else None
+        if self.exact_rows is not None:
+            # and attention: whole steps up to the target's kernel_attention_tokens take the kernels', others up to
+            # KERNEL_MAX_QUERIES queries a row (past them, a gpt-oss tree of 17 nodes verified through SDPA and
+            # parted from plain decoding)
+            self.exact_rows = min(self.exact_rows, getattr(target, "kernel_attention_tokens", 0) or KERNEL_MAX_QUERIES)
         if self.exact_rows is None and on_cpu and config.dtype != "float32":
             # said, not hidden: README promises bf16 greedy equality where the kernels serve every linear
             logger.warning("engine: this target's %s verify steps do not round as one-token steps do (the CPU "

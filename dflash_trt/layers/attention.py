@@ -21,9 +21,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_trt.kernels import cpu_ops
+from dflash_trt.layers.linear import KERNEL_MAX_ROWS
 
 KEY_BUCKET = 64  # keys the grouped CPU path reads: the live length rounded up to a multiple of this
 KERNEL_MAX_QUERIES = 16  # steps of up to this many queries per row take the CPU kernels (decode, verify, draft)
+# Whole steps of up to this many tokens (decode, verify, prompt chunks) may attend through the CPU kernels whatever a
+# row's query count, where the projections take AMX tiles (or where oneDNN has no bf16: an AVX2 CPU); above, the
+# kernels' per-query attention falls behind SDPA's (SmolLM2-135M, 2 threads: a 64-token prompt 22 against 34 ms, 256
+# tokens 75 against 86, 512 tokens 177 against 166). With AVX-512 dot products, as far as the linear kernel serves (32
+# rows): kernel_step_tokens.
+KERNEL_MAX_STEP_TOKENS = 256
 # SDPA's CUDA backends without cuDNN's: PyTorch picks cuDNN's attention for masked steps on Hopper, and it builds an
 # execution plan for every new shape (H200, 2026-12-04, benchmarks/profile_train_step.py: ~52 ms a forward call and
 # ~0.5 s a backward one on the CPU side, 8 and 2.5 ms of GPU work), while this runtime's shapes change every step
@@ -196,6 +203,14 @@ def _slice_of(slots: list[int]) -> slice | None:
     """Cache rows as a slice where they are consecutive (read without a copy)."""
     first, n = slots[0], len(slots)
     return slice(first, first + n) if slots == list(range(first, first + n)) else None
+
+
+def kernel_step_tokens(qkv_proj) -> int:
+    """The most tokens a step may hold for its attention to run through the CPU kernels whatever its rows' query
+    counts (KERNEL_MAX_STEP_TOKENS above), by the reach of the packed qkv projection (PackedLinear.kernel_max_rows);
+    0 where the bf16 kernel does not serve it."""
+    rows = getattr(qkv_proj, "kernel_max_rows", 0)
+    return rows if rows <= KERNEL_MAX_ROWS["rows"] else KERNEL_MAX_STEP_TOKENS
 
 
 def kernel_step(

@@ -39,9 +39,12 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 def can_pack(weight: torch.Tensor, with_kernel: bool = True) -> bool:
     """A PackedLinear serves this weight: oneDNN prepacks it, or (with_kernel) the bf16 kernel reads it."""
-    if onednn_packs(weight):
-        return True
-    ops = cpu_ops.load() if with_kernel and weight.device.type == "cpu" and weight.dim() == 2 else None
+    return onednn_packs(weight) or (with_kernel and kernel_serves(weight))
+
+
+def kernel_serves(weight: torch.Tensor) -> bool:
+    """The bf16 kernel serves this [N, K] weight on this CPU (PackedLinear(onednn=False) can hold it)."""
+    ops = cpu_ops.load() if weight.device.type == "cpu" and weight.dim() == 2 else None
     return ops is not None and ops.linear_layout(weight) is not None
 
 

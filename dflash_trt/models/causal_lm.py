@@ -35,6 +35,9 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     _greedy_head: GreedyHead | None = None
+    # Steps of up to this many tokens attend through the CPU kernels whatever a row's query count (set where
+    # pack_for_inference finds them serving): the engine keeps the steps whose rows must round alike within it.
+    kernel_attention_tokens: int = 0
 
     @property
     def greedy_head(self) -> GreedyHead | None:

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.attention import AttentionMetadata, attend, kernel_step
-from dflash_trt.layers.linear import PackedLinear, can_pack
+from dflash_trt.layers.attention import (KERNEL_MAX_QUERIES, AttentionMetadata, attend, kernel_step,
+                                         kernel_step_tokens)
+from dflash_trt.layers.linear import PackedLinear, can_pack, kernel_serves
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
@@ -105,12 +105,14 @@ class GptOssAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [H] one sink logit per query head
         self.sliding_window = p.sliding_window if p.layer_types[layer_idx] == "sliding_attention" else None
         self.scale = self.head_dim**-0.5
+        self.kernel_step_tokens = 0  # steps of up to this many tokens take the kernels' attention: set when packed
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache, first_key: int) -> torch.Tensor:
         # x: [B, Q, hidden]; first_key: no query of this forward sees a key before it on a sliding layer
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        step = kernel_step(meta, cache, qkv, cos)
+        step = kernel_step(meta, cache, qkv, cos, max_queries=None if b * n <= self.kernel_step_tokens else
+                           KERNEL_MAX_QUERIES)
         if step is not None:  # the CPU kernels, as Llama's: each query's output alike whatever rows share the step
             ops, keys = step
             k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
@@ -152,8 +154,7 @@ class GptOssExperts(nn.Module):
         from plain decoding's at near-ties), oneDNN's elsewhere (float32, or no kernel on this CPU)."""
         if self.packed is not None:
             return
-        ops = cpu_ops.load() if self.gate_up_proj.device.type == "cpu" else None
-        kernel = ops is not None and all(ops.linear_layout(w[0]) for w in (self.gate_up_proj, self.down_proj))
+        kernel = kernel_serves(self.gate_up_proj[0]) and kernel_serves(self.down_proj[0])
         if not kernel and not can_pack(self.gate_up_proj, with_kernel=False):
             return
         self.packed = nn.ModuleList(
@@ -263,6 +264,18 @@ class GptOssForCausalLM(CausalLM):
     def _pack_extra(self) -> None:
         for layer in self.layers:
             layer.mlp.experts.pack()
+            router = layer.mlp.router
+            if isinstance(router, nn.Linear) and kernel_serves(router.weight):
+                # the kernel at any row count: in AMX's tile order only widths of 64 go, and a router of 32 experts
+                # (gpt-oss-20b) on oneDNN past 32 rows would cut every step to 32 rows
+                layer.mlp.router = PackedLinear(router.weight, router.bias, onednn=False)
+
+    def pack_for_inference(self, screen_head: bool = True) -> None:
+        super().pack_for_inference(screen_head)
+        tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
+        for layer in self.layers:
+            layer.self_attn.kernel_step_tokens = tokens
+        self.kernel_attention_tokens = tokens
 
     def _layer_args(self, meta: AttentionMetadata) -> tuple:
         # Keys before first_key are outside every sliding query's window: sliding layers read from there.

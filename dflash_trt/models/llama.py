@@ -17,19 +17,14 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
-from dflash_trt.layers.linear import KERNEL_MAX_ROWS, kernel_weights
+from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step, kernel_step_tokens
+from dflash_trt.layers.linear import kernel_weights
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.weights import WeightSet
 
-# Steps of up to this many tokens (decode, verify, prompt chunks) run every layer in one call to the CPU kernels
-# where the projections take AMX tiles (or where oneDNN has no bf16: an AVX2 CPU); above, the kernels' per-query
-# attention falls behind SDPA's (SmolLM2-135M, 2 threads: a 64-token prompt 22 against 34 ms, 256 tokens 75 against
-# 86, 512 tokens 177 against 166). With AVX-512 dot products, as far as the linear kernel serves (32 rows).
-ONE_CALL_MAX_TOKENS = 256
 
 
 class LlamaAttention(nn.Module):
@@ -137,8 +132,9 @@ class LlamaForCausalLM(CausalLM):
         super().pack_for_inference(screen_head)
         self.kernel_table = self._build_layer_table()
         if self.kernel_table is not None:
-            rows = self.layers[0].self_attn.qkv_proj.kernel_max_rows
-            self.one_call_max_tokens = rows if rows <= KERNEL_MAX_ROWS["rows"] else ONE_CALL_MAX_TOKENS
+            # every layer in one call as far as the kernels' attention serves whole steps
+            self.one_call_max_tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
+            self.kernel_attention_tokens = self.one_call_max_tokens
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         """The layers' weights for cpu_ops.llama_layers when every projection runs on the bf16 linear kernel."""

@@ -18,6 +18,7 @@ from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.kernels import cpu_ops
 from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.linear import PackedLinear
 from dflash_trt.models.config import decoder_config_from_dict
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.gpt_oss import GptOssParams
@@ -459,12 +460,14 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
 
 @pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("k, batch, forced, temperature", [(3, 1, "", 0.0), (7, 4, "chain", 0.0),
-                                                           (3, 2, "tree", 0.0), (3, 2, "tree", 1.0)])
+                                                           (3, 2, "tree", 0.0), (3, 2, "tree", 1.0),
+                                                           (9, 1, "tree of 24", 0.0)])
 def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafter, k, batch, forced, temperature):
     """End to end in bf16, greedy and seeded samples ("match" rule: the target samples each token with the seed's
     positional uniform, in verify steps as in one-token ones): the same runtime's plain decoding, one token a step, is
     the oracle. Forced drafts (from the plain output: chains 15% corrupted, or 5-node trees with context lookups) make
-    most verify blocks accept several tokens and roll back."""
+    most verify blocks accept several tokens and roll back. A tree of 24 nodes verifies more queries a row than the
+    kernels' attention takes by default (16): it ran through SDPA and parted from plain decoding."""
     prompts = _prompts(batch)
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i)
               for i in range(batch)]
@@ -475,13 +478,16 @@ def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafte
     target = load_target(gpt_oss_dir, torch.bfloat16)
     drafter = load_drafter(gpt_oss_drafter, target.config, torch.bfloat16)
     tree = {"draft_tree": {batch: 5}, "lookup_nodes": 3} if forced == "tree" else {}
+    if forced == "tree of 24":
+        tree = {"draft_tree": {batch: 24}}
     engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=batch, max_draft_len=k, max_model_len=96,
                                                            dtype="bfloat16", **tree))
     assert engine.exact_rows is not None
     truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
-    if forced == "tree":
+    if forced.startswith("tree"):
         force_tree_drafts(engine, truth)
-        force_lookup_drafts(engine, truth)
+        if forced == "tree":
+            force_lookup_drafts(engine, truth)
     elif forced:
         force_drafts(engine, truth, error_rate=0.15)
     outs = engine.generate(prompts, params)
@@ -489,6 +495,22 @@ def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafte
         assert o.token_ids == ref.token_ids
         if forced:
             assert o.tau > 1.5
+
+
+@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+def test_a_bf16_engine_keeps_its_steps_within_its_attention_projections_reach(gpt_oss_dir, gpt_oss_drafter):
+    """The router takes the kernel at any row count: in AMX's tile order only widths of 64 go, and a router of 32
+    experts (gpt-oss-20b) left on oneDNN past 32 rows cut every step to 32 rows where the attention's projections
+    reach 128. A step's rows are kept within the projections' reach, and within the 256 tokens a step's attention
+    takes the kernels whatever its rows' queries (an AVX2 CPU's linears reach any row count)."""
+    target = load_target(gpt_oss_dir, torch.bfloat16)
+    drafter = load_drafter(gpt_oss_drafter, target.config, torch.bfloat16)
+    engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=4, max_draft_len=3, max_model_len=96,
+                                                           dtype="bfloat16"))
+    for layer in target.layers:
+        router = layer.mlp.router
+        assert isinstance(router, PackedLinear) and router.packed is None and router.kernel_max_rows > 10**6
+    assert engine.exact_rows == min(target.layers[0].self_attn.qkv_proj.kernel_max_rows, 256)
 
 
 def test_a_bf16_cpu_engine_without_the_kernels_says_its_verify_steps_round_apart(gpt_oss_dir, gpt_oss_drafter,
