@@ -528,16 +528,24 @@ def for_tensors(*tensors: torch.Tensor) -> CpuOps | None:
     return load()
 
 
+SWITCHES = ("DFLASH_TRT_CPU_KERNELS", "DFLASH_TRT_AMX", "DFLASH_TRT_PANELS")
+_OFF, _ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
+
+
 def switched_off(name: str) -> bool:
     """An off switch in the environment: 0, false, no or off, in any case (cpu_ops.c reads DFLASH_TRT_AMX and
     DFLASH_TRT_PANELS alike)."""
-    return os.environ.get(name, "").lower() in ("0", "false", "no", "off")
+    return os.environ.get(name, "").lower() in _OFF
 
 
 @functools.cache
 def load() -> CpuOps | None:
     """The kernels, built if needed; None where they cannot be (DFLASH_TRT_CPU_KERNELS=0, or no compiler or a
-    failed build, each warned about once)."""
+    failed build, each warned about once). A switch set to a word neither on nor off is warned about: it stays on."""
+    for name in SWITCHES:
+        if os.environ.get(name, "").lower() not in _OFF + _ON:
+            warnings.warn(f"dflash-trt: {name}={os.environ[name]!r} is neither off (0, false, no, off) nor on (1, "
+                          "true, yes, on): left on", stacklevel=2)
     if switched_off("DFLASH_TRT_CPU_KERNELS"):
         return None
     return load_with(os.environ.get("CC", "cc"))

@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -471,6 +472,18 @@ def test_the_cpu_kernels_switch_reads_0_false_no_or_off(monkeypatch, value, off)
     monkeypatch.setenv("DFLASH_TRT_CPU_KERNELS", value)
     assert cpu_ops.switched_off("DFLASH_TRT_CPU_KERNELS") == off
     assert (cpu_ops.load.__wrapped__() is None) == off
+
+
+@pytest.mark.parametrize("name", cpu_ops.SWITCHES)
+def test_a_switch_set_to_neither_on_nor_off_is_warned_about_and_left_on(monkeypatch, name):
+    monkeypatch.setenv(name, "disable")
+    with pytest.warns(UserWarning, match=f"{name}='disable' is neither off .* left on"):
+        ops_now = cpu_ops.load.__wrapped__()
+    assert ops_now is not None
+    monkeypatch.setenv(name, "On")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_ops.load.__wrapped__()
 
 
 def test_the_kernels_own_switches_read_the_same_words(tmp_path):
