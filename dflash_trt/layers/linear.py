@@ -28,6 +28,11 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 # meet a oneDNN that packs bf16 only with AVX-NE-CONVERT; elsewhere no packed weight bounds them. Their 128 is not
 # measured against oneDNN: panels ran 32 rows at ~140 GFLOP/s on an AVX2 EPYC (benchmarks/README.md, "AVX2 panels").
 KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128, "panels": 128}
+# Rows up to which the kernel's dot products serve a linear that holds no oneDNN copy (PackedLinear(onednn=False))
+# where oneDNN has bf16: past them torch's linear on the plain weight, its reorder paid each call, is the faster (an
+# expert's 5760 x 2880 projection: 12.6 against 11.9 ms at 128 rows, 27.5 against 21.7 at 256, 57.3 against 44.5 at
+# 512, and oneDNN's packed copy 40.9; AMD EPYC with AVX-512 BF16, 2 threads, 2026-12-07).
+UNPACKED_MAX_ROWS = 128
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -50,11 +55,12 @@ def kernel_serves(weight: torch.Tensor) -> bool:
 
 class PackedLinear(nn.Module):
     """with_kernel=False leaves the bf16 kernel out (its weight can be a copy of its own), onednn=False oneDNN's copy:
-    for weights too many to hold twice, such as gpt-oss's experts, which then take one path for every row count, the
-    kernel's where it serves them (its rows alike in a one-token decode and a verify) and oneDNN's elsewhere. Without
-    oneDNN's copy the kernel serves every row count, and where its weight is a reordered copy the plain one is dropped:
-    such a linear runs only where the kernel does (inference, bf16 inputs). Where oneDNN cannot pack the weight (bf16
-    on an AVX2 CPU), rows past the kernel's run torch's linear on the plain weight."""
+    for weights too many to hold twice, such as gpt-oss's experts, which then take the kernel where it serves them
+    (its rows alike in a one-token decode and a verify) and oneDNN elsewhere. Without oneDNN's copy the kernel serves
+    up to UNPACKED_MAX_ROWS rows in its dot products' layout where oneDNN has bf16 (torch's linear on the plain weight
+    above), else every row count; where its weight is a reordered copy the plain one is dropped: such a linear runs
+    only where the kernel does (inference, bf16 inputs). Where oneDNN cannot pack the weight (bf16 on an AVX2 CPU),
+    rows past the kernel's run torch's linear on the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, with_kernel: bool = True,
                  onednn: bool = True) -> None:
@@ -70,9 +76,13 @@ class PackedLinear(nn.Module):
         self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
         self.kernel_layout = None if self.kernel_weight is None else ops.linear_layout(weight)
         self.kernel_max_rows = 0
-        if self.kernel_weight is not None:
-            # without oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
-            self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout] if self.packed is not None else sys.maxsize
+        if self.packed is not None:
+            self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout] if self.kernel_weight is not None else 0
+        elif self.kernel_weight is not None:
+            # oneDNN's bf16 without a copy of its own (onednn=False): torch's linear past UNPACKED_MAX_ROWS; without
+            # oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
+            unpacked = self.kernel_layout == "rows" and onednn_packs(weight)
+            self.kernel_max_rows = UNPACKED_MAX_ROWS if unpacked else sys.maxsize
         if self.packed is None and self.kernel_weight is None:
             raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
                              "here (check can_pack first)")
