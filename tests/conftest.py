@@ -19,6 +19,15 @@ VOCAB = 96
 EOS = 2
 
 
+def bf16_kernels_serve() -> bool:
+    """The CPU kernels with a bf16 linear (AVX512-BF16 or AVX2) run here: bf16 rows then compute alike in one-token
+    and K-token steps."""
+    from dflash_trt.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
 def make_target(path: Path, arch: str = "qwen3", seed: int = 0, vocab: int = VOCAB, layers: int = 4, **overrides) -> Path:
     """A random HF model saved with save_pretrained; returns its directory."""
     from transformers import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -310,11 +311,7 @@ class LLMEngine:
         self._busy_since: float | None = None  # the end of the last step that left decoding requests behind
         on_cpu = self.drafter is not None and config.device == "cpu"
         self.exact_rows = row_invariant_rows(target) if on_cpu else None
-        if self.exact_rows is not None:
-            # and attention: whole steps up to the target's kernel_attention_tokens take the kernels', others up to
-            # KERNEL_MAX_QUERIES queries a row (past them, a gpt-oss tree of 17 nodes verified through SDPA and
-            # parted from plain decoding)
-            self.exact_rows = min(self.exact_rows, getattr(target, "kernel_attention_tokens", 0) or KERNEL_MAX_QUERIES)
+        self.attention_tokens = getattr(target, "kernel_attention_tokens", 0)
         if self.exact_rows is None and on_cpu and config.dtype != "float32":
             # said, not hidden: README promises bf16 greedy equality where the kernels serve every linear
             logger.warning("engine: this target's %s verify steps do not round as one-token steps do (the CPU "
@@ -578,10 +575,14 @@ class LLMEngine:
         """K and tree nodes for a step of `batch` requests, cut where its verify forward (each request's anchor and
         drafts) would pass exact_rows: past the bf16 kernel's reach oneDNN's products round apart from a one-token
         step's (SmolLM2, 8 requests at K=4, 40 rows, half sampled with seeds: 7 of 16 answers parted from each one's
-        alone, decoded plainly; none with the cut; benchmarks/batch_exactness.py)."""
+        alone, decoded plainly; none with the cut; benchmarks/batch_exactness.py); and where the step passes the
+        target's kernel_attention_tokens, where a row's queries past KERNEL_MAX_QUERIES attend through SDPA (a
+        gpt-oss tree of 17 nodes parted from plain decoding)."""
         if self.exact_rows is None or k == 0 or batch > self.exact_rows:  # past it plain steps round apart too
             return k, nodes
         room = self.exact_rows // batch - 1  # drafts a request can verify
+        if batch * (room + 1) > self.attention_tokens:
+            room = max(min(room, KERNEL_MAX_QUERIES - 1), self.attention_tokens // batch - 1)
         if room < 1:
             return 0, 0
         return (k, min(nodes, room)) if nodes else (min(k, room), 0)
@@ -599,9 +600,11 @@ class LLMEngine:
                 cut.append(b)
         if cut:
             sizes = ", ".join(map(str, cut)) if len(cut) <= 4 else f"{cut[0]}-{cut[-1]} (some)"
-            logger.info("engine: a step verifies at most %d rows (the CPU kernel's reach, where each row comes out "
-                        "as in a one-token step): at %s requests it drafts fewer tokens than its tables ask for",
-                        self.exact_rows, sizes)
+            rows = f"at most {self.exact_rows} rows" if self.exact_rows < sys.maxsize else "any rows"
+            logger.info("engine: a step verifies %s, and past %d tokens at most %d a request (the CPU kernels' reach, "
+                        "linears and attention, where each row comes out as in a one-token step): at %s requests it "
+                        "drafts fewer tokens than its tables ask for", rows, self.attention_tokens, KERNEL_MAX_QUERIES,
+                        sizes)
 
     def _tree_nodes(self, active: list[Sequence]) -> int:
         """Draft tree nodes for this step's batch: the engine's draft_tree for its size when every row is greedy or

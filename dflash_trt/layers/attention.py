@@ -230,6 +230,19 @@ def kernel_step(
     return ops, keys
 
 
+def kernel_attention(
+    step: tuple[cpu_ops.CpuOps, QueryKeys], cache, layer: int, qkv: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, heads: int, scale: float, window: int | None = None,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A step kernel_step admitted, through the CPU kernels: rotary (after the q/k norms, if any) and the cache
+    write, then each query over its keys (with the heads' sink logits, if any) -> [N, H, D]."""
+    ops, keys = step
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, heads, norms)
+    return ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, scale, window, keys.tree, sinks=sinks)
+
+
 def cached_attention(
     cache, layer: int, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     window: int | None = None, causal: bool | None = None, sinks: torch.Tensor | None = None,

@@ -29,10 +29,11 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 # measured against oneDNN: panels ran 32 rows at ~140 GFLOP/s on an AVX2 EPYC (benchmarks/README.md, "AVX2 panels").
 KERNEL_MAX_ROWS = {"rows": 32, "tiles": 128, "panels": 128}
 # Rows up to which the kernel's dot products serve a linear that holds no oneDNN copy (PackedLinear(onednn=False))
-# where oneDNN has bf16: past them torch's linear on the plain weight, its reorder paid each call, is the faster (an
-# expert's 5760 x 2880 projection: 12.6 against 11.9 ms at 128 rows, 27.5 against 21.7 at 256, 57.3 against 44.5 at
-# 512, and oneDNN's packed copy 40.9; AMD EPYC with AVX-512 BF16, 2 threads, 2026-12-07).
-UNPACKED_MAX_ROWS = 128
+# where oneDNN has bf16; past them torch's linear on the plain weight, its reorder paid each call (an expert's
+# 5760 x 2880 projection: the kernel 12.6 against torch's 11.9 ms at 128 rows, 27.5 against 21.7 at 256, 57.3 against
+# 44.5 at 512, oneDNN's packed copy 40.9; AMD EPYC with AVX-512 BF16, 2 threads, 2026-12-07). Not lower than AMX
+# tiles' reach: a router of 32 experts, whose width tiles do not take, sits beside tiled projections.
+UNPACKED_MAX_ROWS = KERNEL_MAX_ROWS["tiles"]
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -86,7 +87,7 @@ class PackedLinear(nn.Module):
         if self.packed is None and self.kernel_weight is None:
             raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
                              "here (check can_pack first)")
-        reordered = self.kernel_weight is not None and self.kernel_weight.data_ptr() != weight.data_ptr()
+        reordered = self.kernel_weight is not None and self.kernel_layout != "rows"
         self.weight = None if self.packed is not None or (not onednn and reordered) else weight.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

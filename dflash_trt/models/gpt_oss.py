@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
-from dflash_trt.layers.attention import (KERNEL_MAX_QUERIES, AttentionMetadata, attend, kernel_step,
-                                         kernel_step_tokens)
+from dflash_trt.layers.attention import (KERNEL_MAX_QUERIES, AttentionMetadata, attend, kernel_attention,
+                                         kernel_step, kernel_step_tokens)
 from dflash_trt.layers.linear import PackedLinear, can_pack, kernel_serves
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
@@ -114,11 +114,8 @@ class GptOssAttention(nn.Module):
         step = kernel_step(meta, cache, qkv, cos, max_queries=None if b * n <= self.kernel_step_tokens else
                            KERNEL_MAX_QUERIES)
         if step is not None:  # the CPU kernels, as Llama's: each query's output alike whatever rows share the step
-            ops, keys = step
-            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads)
-            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, self.sliding_window,
-                                       keys.tree, sinks=self.sinks)
+            out = kernel_attention(step, cache, self.layer_idx, qkv, cos, sin, self.num_heads, self.scale,
+                                   self.sliding_window, sinks=self.sinks)
             return self.o_proj(out.view(b, n, -1))
         q, k, v = qkv.split(self.split, dim=-1)
         q = apply_rotary(q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -266,8 +263,9 @@ class GptOssForCausalLM(CausalLM):
             layer.mlp.experts.pack()
             router = layer.mlp.router
             if isinstance(router, nn.Linear) and kernel_serves(router.weight):
-                # the kernel at any row count: in AMX's tile order only widths of 64 go, and a router of 32 experts
-                # (gpt-oss-20b) on oneDNN past 32 rows would cut every step to 32 rows
+                # without oneDNN's copy the kernel reaches at least AMX tiles' 128 rows: a router of 32 experts
+                # (gpt-oss-20b) cannot take the tiles (widths of 64), and on oneDNN past 32 rows it cut every step
+                # to 32 rows
                 layer.mlp.router = PackedLinear(router.weight, router.bias, onednn=False)
 
     def pack_for_inference(self, screen_head: bool = True) -> None:

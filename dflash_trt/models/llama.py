@@ -17,14 +17,14 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step, kernel_step_tokens
+from dflash_trt.layers.attention import (AttentionMetadata, cached_attention, kernel_attention, kernel_step,
+                                         kernel_step_tokens)
 from dflash_trt.layers.linear import kernel_weights
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig
 from dflash_trt.models.weights import WeightSet
-
 
 
 class LlamaAttention(nn.Module):
@@ -46,12 +46,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         step = kernel_step(meta, cache, qkv, cos)
         if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
-            ops, keys = step
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            q = ops.qkv_rotary_write(qkv, cos, sin, keys.rows, keys.positions, k_cache, v_cache, self.num_heads, norms)
-            out = ops.cached_attention(q, k_cache, v_cache, keys.rows, keys.lens, self.scale, self.sliding_window,
-                                       keys.tree)
+            out = kernel_attention(step, cache, self.layer_idx, qkv, cos, sin, self.num_heads, self.scale,
+                                   self.sliding_window, norms)
             return self.o_proj(out.view(b, n, -1))
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)

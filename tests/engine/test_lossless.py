@@ -3,6 +3,7 @@ sampling: in distribution), on every path: batch 1 and ragged batches, every K, 
 
 import itertools
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.spec.context_lookup import ContextLookup
 from dflash_trt.spec.draft_vocab import rank_tokens
-from tests.conftest import make_drafter, make_target
+from tests.conftest import bf16_kernels_serve, make_drafter, make_target
 from tests.engine.conftest import V
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 from tests.forward_widths import record_forward_widths
@@ -303,12 +304,7 @@ def test_the_engine_says_which_head_and_drafter_tables_its_cpu_runs(screenable_d
     assert f"greedy head int8 screen up to {ops.head_screen_rows()} rows" in line and "drafter tables int8" in line
 
 
-def _batch_invariant_bf16() -> bool:
-    ops = cpu_ops.load()
-    return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
-
-
-@pytest.mark.skipif(not _batch_invariant_bf16(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or "
+@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or "
                     "AVX2; bf16 rows then compute alike in one-token and K-token steps)")
 @pytest.mark.parametrize("int8_drafter", [True, False], ids=["int8 drafter", "bf16 drafter"])
 @pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, False), (3, 4, True), (15, 1, True)])
@@ -332,7 +328,7 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
             assert o.tau > 1.5
 
 
-@pytest.mark.skipif(not _batch_invariant_bf16(),
+@pytest.mark.skipif(not bf16_kernels_serve(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("tree", [0, 6], ids=["chains", "trees"])
 def test_bf16_steps_verify_no_more_rows_than_the_kernel_computes_alike(tiny_dirs, monkeypatch, caplog, tree):
@@ -380,6 +376,24 @@ def test_a_steps_drafts_are_cut_to_the_rows_the_kernel_computes_alike(tiny_dirs,
     assert engine._within_exact_rows(batch, *asked) == cut
 
 
+@pytest.mark.parametrize("exact_rows, attention_tokens, batch, asked, cut", [
+    # an AVX2 CPU: the linears compute any rows alike, the kernels attend whole steps of up to 256 tokens
+    (sys.maxsize, 256, 1, (9, 24), (9, 24)), (sys.maxsize, 256, 10, (9, 24), (9, 24)),
+    (sys.maxsize, 256, 16, (9, 24), (9, 15)),  # 400 rows: a row's 25 queries would attend through SDPA
+    (sys.maxsize, 256, 32, (15, 0), (15, 0)),  # 512 rows of 16 queries each: the kernels attend them
+    (32, 32, 1, (9, 24), (9, 24)),  # AVX-512 BF16: whole steps of up to 32 tokens
+    (32, 0, 1, (9, 24), (9, 15)),  # a target whose kernels attend no whole step: 16 queries a row
+])
+def test_a_steps_drafts_are_cut_to_the_queries_the_kernels_attend_alike(tiny_dirs, exact_rows, attention_tokens,
+                                                                        batch, asked, cut):
+    """The kernels attend a row's queries alike up to KERNEL_MAX_QUERIES (16) of them, or whole steps up to the
+    target's kernel_attention_tokens; past both, a row attends through SDPA, which rounds apart (a gpt-oss tree of
+    17 nodes parted from plain decoding). Chains of up to 15 drafts are never cut for it."""
+    engine = _engine(tiny_dirs, "qwen3", 7)
+    engine.exact_rows, engine.attention_tokens = exact_rows, attention_tokens
+    assert engine._within_exact_rows(batch, *asked) == cut
+
+
 def test_adaptive_steps_weigh_the_k_the_cut_leaves(tiny_dirs, monkeypatch):
     """Adaptive mode was asked about the scheduled K=7 and shown the cut K=3's steps: it kept measuring K=7, which
     never ran, and never turned to plain steps where they were faster."""
@@ -398,7 +412,7 @@ def test_adaptive_steps_weigh_the_k_the_cut_leaves(tiny_dirs, monkeypatch):
     assert 3 in seen and seen == chosen
 
 
-@pytest.mark.skipif(not _batch_invariant_bf16(),
+@pytest.mark.skipif(not bf16_kernels_serve(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 5, 0, 1), (4, 7, 0, 4), (7, 6, 7, 2)])
 def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, lookup, batch):
@@ -438,7 +452,7 @@ def _bf16_plain_and_speculative(tiny_dirs, params: list[SamplingParams], shape: 
     return [o.token_ids for o in plain], outs
 
 
-@pytest.mark.skipif(not _batch_invariant_bf16(),
+@pytest.mark.skipif(not bf16_kernels_serve(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_a_seeded_bf16_match_sample_is_the_same_speculative_as_plain(tiny_dirs, shape):
@@ -450,7 +464,7 @@ def test_a_seeded_bf16_match_sample_is_the_same_speculative_as_plain(tiny_dirs, 
     assert all(o.tau > 1.5 for o in spec)  # most forced drafts accepted: the target sampled their tokens
 
 
-@pytest.mark.skipif(not _batch_invariant_bf16(),
+@pytest.mark.skipif(not bf16_kernels_serve(),
                     reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_bf16_greedy_under_penalties_and_logit_bias_is_the_same_speculative_as_plain(tiny_dirs, shape):
@@ -473,7 +487,7 @@ def screenable_dirs(tmp_path_factory) -> dict:
 
 def _head_screen() -> bool:
     ops = cpu_ops.load()
-    return _batch_invariant_bf16() and ops.has_int8_kernels()
+    return bf16_kernels_serve() and ops.has_int8_kernels()
 
 
 @pytest.mark.skipif(not _head_screen(), reason="needs the CPU kernels with AVX512-BF16 and AVX512-VNNI, or AVX2")

@@ -487,7 +487,8 @@ def test_a_switch_set_to_neither_on_nor_off_is_warned_about_and_left_on(monkeypa
 
 
 def test_the_kernels_own_switches_read_the_same_words(tmp_path):
-    """DFLASH_TRT_PANELS and DFLASH_TRT_AMX, read by the compiled kernels, take the same words as the Python switch:
+    """DFLASH_TRT_PANELS (and DFLASH_TRT_AMX, read by the same C function on AMX CPUs), read by the compiled kernels,
+    take the same words as the Python switch:
     an AVX2 build's linears leave their panels for dot products at each (its layout, asked in a fresh process)."""
     if not {"avx2", "fma"} <= set(cpu_ops._cpu_features().split()):
         pytest.skip("this CPU cannot run an AVX2 build")
@@ -609,7 +610,7 @@ def test_a_linear_without_onednns_copy_holds_one_copy_and_computes_rows_alike(bu
     layer = linear.PackedLinear(w, b, onednn=False)
     reordered = layer.kernel_layout != "rows"
     assert layer.packed is None and (layer.weight is None) == reordered and (build == "native" or reordered)
-    reach = linear.UNPACKED_MAX_ROWS if not reordered and linear.onednn_packs(w) else layer.kernel_max_rows
+    reach = linear.UNPACKED_MAX_ROWS if not reordered and linear.onednn_packs(w) else sys.maxsize
     assert layer.kernel_max_rows == reach and reach >= linear.UNPACKED_MAX_ROWS
     x = torch.randn(300, 96, generator=g).bfloat16()
     with torch.inference_mode():

@@ -26,7 +26,7 @@ from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxf
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.context_lookup import ContextLookup
-from tests.conftest import EOS, VOCAB, make_drafter, save_char_tokenizer
+from tests.conftest import EOS, VOCAB, bf16_kernels_serve, make_drafter, save_char_tokenizer
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
@@ -431,24 +431,24 @@ def test_greedy_with_context_lookups_and_plain_steps_between_equals_target_greed
     assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
-def _bf16_kernels() -> bool:
-    ops = cpu_ops.load()
-    return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
-
-
-@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
-def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
+@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path, monkeypatch):
     """One-token decode steps and one verify block over the same cache give bit-identical bf16 logits at every
     position, for 4 rows, on sliding and full layers past the window: the experts (whichever rows route to one) and
-    attention with its sinks run through the CPU kernels, each row computed alike whatever shares the call. oneDNN's
-    experts and torch's attention rounded a verify row apart from a one-token step's, and greedy speculative output
-    parted from plain decoding's at near-ties (at gpt-oss-20b's width, tokens 10 and 25 of 64). gpt-oss's hidden size
-    and attention heads (2,880; 16 of 64 over 4 KV heads here): narrower shapes happened to round alike."""
+    attention with its sinks run through the CPU kernels, each row computed alike whatever shares the call (torch's
+    attention takes other ops for one-token steps and for blocks). oneDNN's experts rounded a verify row apart from a
+    one-token step's, and greedy speculative output parted from plain decoding's at near-ties (at gpt-oss-20b's width,
+    tokens 10 and 25 of 64). gpt-oss's hidden size and attention heads (2,880; 16 of 64 over 4 KV heads here):
+    narrower shapes happened to round alike."""
     d = make_gpt_oss(tmp_path / "t", layers=2, hidden_size=2880, intermediate_size=256, num_attention_heads=16,
                      num_key_value_heads=4, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()
     ids = torch.randint(3, 90, (4, 28), generator=torch.Generator().manual_seed(0))
+    attended = []  # queries each kernel attention call took with the sinks
+    real = cpu_ops.CpuOps.cached_attention
+    monkeypatch.setattr(cpu_ops.CpuOps, "cached_attention", lambda self, q, *a, sinks=None, **kw: attended.append(
+        (len(q), sinks is not None)) or real(self, q, *a, sinks=sinks, **kw))
     with torch.no_grad():
         cache = ours.make_cache(4, 32)
         ours(ids[:, :20], _meta(ids[:, :20]), cache)
@@ -456,9 +456,10 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
         steps = [ours.compute_logits(ours(ids[:, i : i + 1], _meta(ids[:, i : i + 1], i), cache)[0])
                  for i in range(20, 28)]
     assert torch.equal(torch.cat(steps, 1), block)
+    assert attended[-2 * 9:] == [(32, True)] * 2 + [(4, True)] * 2 * 8  # the block, then the steps: 2 layers each
 
 
-@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("k, batch, forced, temperature", [(3, 1, "", 0.0), (7, 4, "chain", 0.0),
                                                            (3, 2, "tree", 0.0), (3, 2, "tree", 1.0),
                                                            (9, 1, "tree of 24", 0.0)])
@@ -497,12 +498,11 @@ def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafte
             assert o.tau > 1.5
 
 
-@pytest.mark.skipif(not _bf16_kernels(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
 def test_a_bf16_engine_keeps_its_steps_within_its_attention_projections_reach(gpt_oss_dir, gpt_oss_drafter):
-    """The router takes the kernel at any row count: in AMX's tile order only widths of 64 go, and a router of 32
-    experts (gpt-oss-20b) left on oneDNN past 32 rows cut every step to 32 rows where the attention's projections
-    reach 128. A step's rows are kept within the projections' reach, and within the 256 tokens a step's attention
-    takes the kernels whatever its rows' queries (an AVX2 CPU's linears reach any row count)."""
+    """The router takes the kernel without oneDNN's copy, reaching at least AMX tiles' 128 rows: a router of 32
+    experts (gpt-oss-20b) cannot take the tiles (widths of 64), and left on oneDNN past 32 rows it cut every step to
+    32 rows where the attention's projections reach 128. A step's rows are kept within the projections' reach."""
     target = load_target(gpt_oss_dir, torch.bfloat16)
     drafter = load_drafter(gpt_oss_drafter, target.config, torch.bfloat16)
     engine = LLMEngine(target, None, drafter, EngineConfig(max_batch_size=4, max_draft_len=3, max_model_len=96,
@@ -511,7 +511,7 @@ def test_a_bf16_engine_keeps_its_steps_within_its_attention_projections_reach(gp
     for layer in target.layers:
         router = layer.mlp.router
         assert isinstance(router, PackedLinear) and router.packed is None and router.kernel_max_rows >= reach
-    assert engine.exact_rows == min(reach, 256)
+    assert engine.exact_rows == reach
 
 
 def test_a_bf16_cpu_engine_without_the_kernels_says_its_verify_steps_round_apart(gpt_oss_dir, gpt_oss_drafter,
@@ -520,7 +520,7 @@ def test_a_bf16_cpu_engine_without_the_kernels_says_its_verify_steps_round_apart
     and torch's ops, whose verify rows round apart from a one-token step's: in bf16 a greedy answer can part from
     plain decoding's at a near-tie, which the engine says; with the kernels (where they serve bf16) it need not."""
     cases = [(torch.bfloat16, True, True), (torch.float32, True, False)]
-    if _bf16_kernels():
+    if bf16_kernels_serve():
         cases.append((torch.bfloat16, False, False))
     kernels = cpu_ops.load
     for dtype, no_kernels, warned in cases:
