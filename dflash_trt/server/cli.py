@@ -21,6 +21,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_QUEUE_LEN = 256
 DEFAULT_MAX_PREFILL_TOKENS = 512
 TRITON_DEFAULT_MAX_BATCH_SIZE = 8
+# At a stop, how long answered requests may take to drain to their clients before the connections of those that
+# stopped reading are cut: under uvicorn's own grace (timeout_graceful_shutdown, 5 s), which cancels with tracebacks.
+STALLED_READER_GRACE_S = 4.0
 
 
 def parse_schedule(text: str | None, option: str = "--draft-len-schedule") -> dict[int, int]:
@@ -303,6 +306,7 @@ def _uvicorn_server_class():
             if self.engine_loop is not None:
                 await self._stop_engine()
             if not self.force_exit:  # (with it, from Python 3.12.1 on, uvicorn's wait_closed waits out its grace)
+                await self._drop_stalled_readers()
                 await super().shutdown(sockets=sockets)
             if self.force_exit and (self.server_state.tasks or self.engine_loop and self.engine_loop.is_alive):
                 # Quitting without waiting: asyncio.run would cancel the handlers still running, each logged with a
@@ -312,6 +316,18 @@ def _uvicorn_server_class():
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(130)
+
+        async def _drop_stalled_readers(self):
+            # Every request is answered by now; what is left waits on clients that stopped reading (their sends wait
+            # on full socket buffers). Left to uvicorn's grace, their handlers were cancelled with an ERROR line and a
+            # CancelledError traceback each; a connection cut here drops its sends instead, and its handler ends.
+            deadline = time.monotonic() + STALLED_READER_GRACE_S
+            while self.server_state.tasks and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            if self.server_state.tasks:
+                for connection in list(self.server_state.connections):
+                    connection.transport.abort()
+                await asyncio.sleep(0.1)  # connection_lost ends each cut handler's wait
 
         async def _stop_engine(self):
             # A step in flight cannot be cut short (one long prefill can take minutes on a CPU): waited for, however

@@ -737,6 +737,56 @@ def test_serve_cli_binds_localhost_and_stops_on_sigterm(tiny_dirs, tmp_path, sto
             proc.wait()
 
 
+def test_a_stop_cuts_the_connections_of_clients_that_stopped_reading_without_tracebacks(tiny_dirs):
+    """A client that stops reading a long stream leaves its handler waiting on full socket buffers: at SIGTERM
+    uvicorn's grace ran out, logged an ERROR, and cancelled the handler with a CancelledError traceback. The server
+    cuts such connections itself once the answered requests have had their time to drain, and exits quietly."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", "--target", str(tiny_dirs["qwen3"]),
+                             "--drafter", str(tiny_dirs["qwen3_drafter"]), "--port", str(port),
+                             "--served-model-name", MODEL, "--max-model-len", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    stalled = socket.socket()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        # about 5 MB of events (8 answers of 480 tokens with 20 logprobs each) into a 2 KB receive window: more than
+        # the server's socket buffers hold
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+                           "stream": True, "logprobs": 20, "n": 8}).encode()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stalled.connect(("127.0.0.1", port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1)
+        while "dflash_running_requests 0.0" not in httpx.get(url + "/metrics", timeout=5).text:  # all generated
+            assert time.monotonic() < deadline + 60, "the request did not finish"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        out = proc.stdout.read().decode()
+        assert "Traceback" not in out and "ERROR" not in out and "graceful shutdown" not in out, out
+    finally:
+        stalled.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_under_nohup_keeps_a_hangup_ignored(hangup_not_ignored):
     """What nohup asks: a server started under it goes on when the terminal closes."""
     import signal
