@@ -77,13 +77,16 @@ class PackedLinear(nn.Module):
         self.kernel_weight = ops.kernel_weight(weight) if ops is not None else None
         self.kernel_layout = None if self.kernel_weight is None else ops.linear_layout(weight)
         self.kernel_max_rows = 0
-        if self.packed is not None:
-            self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout] if self.kernel_weight is not None else 0
-        elif self.kernel_weight is not None:
-            # oneDNN's bf16 without a copy of its own (onednn=False): torch's linear past UNPACKED_MAX_ROWS; without
-            # oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any size
-            unpacked = self.kernel_layout == "rows" and onednn_packs(weight)
-            self.kernel_max_rows = UNPACKED_MAX_ROWS if unpacked else sys.maxsize
+        if self.kernel_weight is not None:
+            if self.packed is not None:
+                self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout]
+            elif self.kernel_layout == "rows" and onednn_packs(weight):
+                # oneDNN's bf16 without a copy of its own (onednn=False): torch's linear on the plain weight past these
+                self.kernel_max_rows = UNPACKED_MAX_ROWS
+            else:
+                # without oneDNN's bf16 only torch's unblocked bf16 matmul is left, far slower than the kernel at any
+                # size
+                self.kernel_max_rows = sys.maxsize
         if self.packed is None and self.kernel_weight is None:
             raise ValueError(f"no packed or kernel path serves a {weight.dtype} weight of shape {tuple(weight.shape)} "
                              "here (check can_pack first)")

@@ -105,14 +105,13 @@ class GptOssAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [H] one sink logit per query head
         self.sliding_window = p.sliding_window if p.layer_types[layer_idx] == "sliding_attention" else None
         self.scale = self.head_dim**-0.5
-        self.kernel_step_tokens = 0  # steps of up to this many tokens take the kernels' attention: set when packed
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache, first_key: int) -> torch.Tensor:
         # x: [B, Q, hidden]; first_key: no query of this forward sees a key before it on a sliding layer
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        step = kernel_step(meta, cache, qkv, cos, max_queries=None if b * n <= self.kernel_step_tokens else
-                           KERNEL_MAX_QUERIES)
+        whole = b * n <= kernel_step_tokens(self.qkv_proj)  # a step the kernels attend whatever its rows' queries
+        step = kernel_step(meta, cache, qkv, cos, max_queries=None if whole else KERNEL_MAX_QUERIES)
         if step is not None:  # the CPU kernels, as Llama's: each query's output alike whatever rows share the step
             out = kernel_attention(step, cache, self.layer_idx, qkv, cos, sin, self.num_heads, self.scale,
                                    self.sliding_window, sinks=self.sinks)
@@ -270,10 +269,7 @@ class GptOssForCausalLM(CausalLM):
 
     def pack_for_inference(self, screen_head: bool = True) -> None:
         super().pack_for_inference(screen_head)
-        tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
-        for layer in self.layers:
-            layer.self_attn.kernel_step_tokens = tokens
-        self.kernel_attention_tokens = tokens
+        self.kernel_attention_tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
 
     def _layer_args(self, meta: AttentionMetadata) -> tuple:
         # Keys before first_key are outside every sliding query's window: sliding layers read from there.
