@@ -28,6 +28,10 @@ def bf16_kernels_serve() -> bool:
     return ops is not None and ops.has_linear(torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
+needs_bf16_kernels = pytest.mark.skipif(not bf16_kernels_serve(),
+                                        reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+
+
 def make_target(path: Path, arch: str = "qwen3", seed: int = 0, vocab: int = VOCAB, layers: int = 4, **overrides) -> Path:
     """A random HF model saved with save_pretrained; returns its directory."""
     from transformers import (

@@ -17,7 +17,7 @@ from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.spec.context_lookup import ContextLookup
 from dflash_trt.spec.draft_vocab import rank_tokens
-from tests.conftest import bf16_kernels_serve, make_drafter, make_target
+from tests.conftest import bf16_kernels_serve, make_drafter, make_target, needs_bf16_kernels
 from tests.engine.conftest import V
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 from tests.forward_widths import record_forward_widths
@@ -304,8 +304,7 @@ def test_the_engine_says_which_head_and_drafter_tables_its_cpu_runs(screenable_d
     assert f"greedy head int8 screen up to {ops.head_screen_rows()} rows" in line and "drafter tables int8" in line
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or "
-                    "AVX2; bf16 rows then compute alike in one-token and K-token steps)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("int8_drafter", [True, False], ids=["int8 drafter", "bf16 drafter"])
 @pytest.mark.parametrize("k, batch, forced", [(3, 1, False), (7, 4, False), (3, 4, True), (15, 1, True)])
 def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch, forced, int8_drafter):
@@ -328,8 +327,7 @@ def test_bf16_greedy_speculative_equals_bf16_plain_decoding(tiny_dirs, k, batch,
             assert o.tau > 1.5
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(),
-                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("tree", [0, 6], ids=["chains", "trees"])
 def test_bf16_steps_verify_no_more_rows_than_the_kernel_computes_alike(tiny_dirs, monkeypatch, caplog, tree):
     """Past the kernel's rows (32 with AVX-512 BF16's dot products, 128 with AMX tiles) a linear runs on oneDNN,
@@ -412,8 +410,7 @@ def test_adaptive_steps_weigh_the_k_the_cut_leaves(tiny_dirs, monkeypatch):
     assert 3 in seen and seen == chosen
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(),
-                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("k, nodes, lookup, batch", [(3, 5, 0, 1), (4, 7, 0, 4), (7, 6, 7, 2)])
 def test_bf16_draft_trees_equal_bf16_plain_decoding(tiny_dirs, k, nodes, lookup, batch):
     """Through the kernels' tree attention (each node's softmax over its ancestors' keys as a chain would sum it),
@@ -452,8 +449,7 @@ def _bf16_plain_and_speculative(tiny_dirs, params: list[SamplingParams], shape: 
     return [o.token_ids for o in plain], outs
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(),
-                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_a_seeded_bf16_match_sample_is_the_same_speculative_as_plain(tiny_dirs, shape):
     """Under the "match" rule the target samples every token with the seed's positional uniform, in verify steps
@@ -464,8 +460,7 @@ def test_a_seeded_bf16_match_sample_is_the_same_speculative_as_plain(tiny_dirs, 
     assert all(o.tau > 1.5 for o in spec)  # most forced drafts accepted: the target sampled their tokens
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(),
-                    reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_bf16_greedy_under_penalties_and_logit_bias_is_the_same_speculative_as_plain(tiny_dirs, shape):
     """Repetition, presence and frequency penalties and a logit bias shape each verified position's logits as if

@@ -12,7 +12,7 @@ from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
-from tests.conftest import make_drafter, make_target
+from tests.conftest import make_drafter, make_target, needs_bf16_kernels
 
 dflash_ref = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 (install --no-deps) is the oracle")
 
@@ -252,13 +252,11 @@ def test_int8_tables_draft_what_the_bf16_ones_do_within_quantization_error(tmp_p
         assert float(error.max()) < 0.05 and float(error.max()) > 0
 
 
+@needs_bf16_kernels
 def test_int8_tables_by_default_only_where_they_are_faster(tmp_path, monkeypatch):
     """int8_weights=None (EngineConfig's default) takes int8 tables with AVX512-VNNI's dot product only: AVX2's
     VPMADDWD ties with the bf16 kernel at a block's rows, so there the tables stay bf16 unless asked for."""
     _, ours = _packed_bf16_drafter(tmp_path, {})
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(64, 64, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with a bf16 linear")
     for dot, default in [("vpdpbusd", True), ("vpmaddwd", False), (None, False)]:
         monkeypatch.setattr(cpu_ops.CpuOps, "int8_dot", lambda self, dot=dot: dot)
         ours.pack_for_inference(int8_weights=None)

@@ -26,7 +26,8 @@ from dflash_trt.models.mxfp4 import dequantize_mxfp4, expert_range, quantize_mxf
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.context_lookup import ContextLookup
-from tests.conftest import EOS, VOCAB, bf16_kernels_serve, make_drafter, save_char_tokenizer
+from tests.conftest import (EOS, VOCAB, bf16_kernels_serve, make_drafter, needs_bf16_kernels,
+                            save_char_tokenizer)
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
@@ -431,7 +432,7 @@ def test_greedy_with_context_lookups_and_plain_steps_between_equals_target_greed
     assert max(a for _, a in lookups) >= 2 and any(0 < a < v for v, a in lookups)
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path, monkeypatch):
     """One-token decode steps and one verify block over the same cache give bit-identical bf16 logits at every
     position, for 4 rows, on sliding and full layers past the window: the experts (whichever rows route to one) and
@@ -459,7 +460,7 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path, monk
     assert attended[-2 * 9:] == [(32, True)] * 2 + [(4, True)] * 2 * 8  # the block, then the steps: 2 layers each
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 @pytest.mark.parametrize("k, batch, forced, temperature", [(3, 1, "", 0.0), (7, 4, "chain", 0.0),
                                                            (3, 2, "tree", 0.0), (3, 2, "tree", 1.0),
                                                            (9, 1, "tree of 24", 0.0)])
@@ -498,7 +499,7 @@ def test_bf16_speculative_equals_bf16_plain_decoding(gpt_oss_dir, gpt_oss_drafte
             assert o.tau > 1.5
 
 
-@pytest.mark.skipif(not bf16_kernels_serve(), reason="needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
+@needs_bf16_kernels
 def test_a_bf16_engine_keeps_its_steps_within_its_attention_projections_reach(gpt_oss_dir, gpt_oss_drafter):
     """The router takes the kernel without oneDNN's copy, reaching at least AMX tiles' 128 rows: a router of 32
     experts (gpt-oss-20b) cannot take the tiles (widths of 64), and left on oneDNN past 32 rows it cut every step to

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.registry import load_target
-from tests.conftest import make_target
+from tests.conftest import make_target, needs_bf16_kernels
 
 TOL = 1e-4  # fp32; observed max |diff| is 0 to 2e-7
 
@@ -203,16 +203,12 @@ def test_qwen3s_sliding_flag_must_be_a_flag(tmp_path):
         load_target(d)
 
 
+@needs_bf16_kernels
 def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
     """Four one-token decode steps and one four-token verify step over the same cache give bit-identical bf16
     logits at every position, for 4 rows: what makes greedy speculation token-exact in bf16 too
     (tests/engine/test_lossless.py). torch's own path attends with a grouped bf16 matmul for one-query steps and
     SDPA for blocks, which round apart."""
-    from dflash_trt.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()  # as the engine runs it: the linears through the kernel
@@ -229,17 +225,14 @@ def test_bf16_steps_compute_each_token_alike_whatever_their_shape(tmp_path):
     ("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True}),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),  # layers 2-3 slide
 ], ids=["qwen3", "llama-bias", "qwen3-sliding"])
+@needs_bf16_kernels
 def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path, arch, overrides):
     """Packed bf16 decode and verify steps run every layer in one C call (cpu_ops.llama_layers); the oracle is the
     layers' own forward through the same kernels, one op at a time: hidden states, captured features and the
     K/V the step wrote are bit-identical, each layer with its own window past it. (That path is checked against
     transformers above.)"""
-    from dflash_trt.kernels import cpu_ops
     from dflash_trt.models.causal_lm import CausalLM
 
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", arch, hidden_size=256, intermediate_size=512, head_dim=64, **overrides)
     ours = load_target(d, dtype=torch.bfloat16)
     with torch.no_grad():  # random init leaves every norm weight at 1 and every bias at 0: make them count
@@ -263,6 +256,7 @@ def test_one_call_through_every_layer_equals_the_layer_by_layer_kernels(tmp_path
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+@needs_bf16_kernels
 def test_bf16_sliding_layers_take_the_kernels_past_their_window(tmp_path):
     """The CPU kernels hide the keys outside a sliding layer's window: a sliding target takes them (the one call
     included) before and past its window, and its bf16 logits agree with transformers' fp32 ones up to bf16's
@@ -270,8 +264,6 @@ def test_bf16_sliding_layers_take_the_kernels_past_their_window(tmp_path):
     from dflash_trt.kernels import cpu_ops
 
     ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", "mistral", hidden_size=256, intermediate_size=512, head_dim=64, sliding_window=12)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()
@@ -295,16 +287,12 @@ def test_bf16_sliding_layers_take_the_kernels_past_their_window(tmp_path):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+@needs_bf16_kernels
 def test_prompt_chunks_take_the_one_call_and_equal_token_by_token_decoding(tmp_path):
     """Prompt chunks of up to one_call_max_tokens run every layer in one C call too (past 16 rows the linear
     kernel's AMX tiles take 16 at a time, the last padded): every token's hidden state, captured features and K/V
     are bit for bit what one-token decode steps give, so a prompt computes alike however it is chunked; and the
     logits agree with transformers' fp32 forward on the same weights up to bf16's rounding."""
-    from dflash_trt.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    if ops is None or not ops.has_linear(torch.zeros(1, 256, dtype=torch.bfloat16)):
-        pytest.skip("needs the CPU kernels with a bf16 linear (AVX512-BF16 or AVX2)")
     d = make_target(tmp_path / "t", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
     ours = load_target(d, dtype=torch.bfloat16)
     ours.pack_for_inference()
