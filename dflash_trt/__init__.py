@@ -9,13 +9,14 @@
 
 from dflash_trt.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StreamChunk", "open_engine"]
+__all__ = ["EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams", "StreamChunk",
+           "open_engine"]
 __version__ = "0.1.0"
 
 # torch loads on first use of these, not on `import dflash_trt` (the CLI's --help stays quick)
 _LAZY = {"EngineConfig": "dflash_trt.engine.llm_engine", "LLMEngine": "dflash_trt.engine.llm_engine",
          "RequestOutput": "dflash_trt.engine.llm_engine", "StreamChunk": "dflash_trt.engine.llm_engine",
-         "open_engine": "dflash_trt.engine_dir"}
+         "open_engine": "dflash_trt.engine_dir", "QueueFullError": "dflash_trt.engine.scheduler"}
 
 
 def __getattr__(name: str):

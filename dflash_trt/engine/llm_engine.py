@@ -436,7 +436,7 @@ class LLMEngine:
         with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""
         prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params  # an empty list is one SamplingParams too few
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):  # zip would drop the unmatched prompts' outputs without a word
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: pass one, or one per prompt")
         seqs = []
@@ -447,7 +447,7 @@ class LLMEngine:
                 if len(prompts) == 1:
                     raise
                 # which of a batch's prompts: "empty prompt" or a context overrun named none of them
-                which = f"prompts[{i}]" + (f" with params[{i}]" if isinstance(params, list) else "")
+                which = f"prompts[{i}]" + (f" with params[{i}]" if isinstance(params, (list, tuple)) else "")
                 e.args = (f"{which}: {e}", *e.args[1:])  # (its type and fields kept: TokenIdError's param)
                 raise
         pending = list(reversed(seqs))
@@ -455,8 +455,8 @@ class LLMEngine:
             # its own requests: a stream or another thread's requests batched beside them run on in their own calls
             # (waiting for them, a 4-token answer took a 300-token one's time)
             while pending or not all(s.is_finished for s in seqs):
-                while pending and self.scheduler.can_add():
-                    self.scheduler.add(pending.pop())
+                while pending and self.scheduler.try_add(pending[-1]):
+                    pending.pop()
                 self.step()
         return [self.make_output(s) for s in seqs]
 
@@ -469,9 +469,11 @@ class LLMEngine:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}")
         params = SamplingParams() if params is None else params
         seq = self.make_sequence(self.encode(prompts[0]) if isinstance(prompts[0], str) else prompts[0], params)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
-        self.scheduler.add(seq)
+        # the request's own copy of params: the caller's may change while it streams
+        detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop, seq.params.min_tokens)
         with self._aborted_unless_done([seq]):
+            while not self.scheduler.try_add(seq):  # a full queue: wait for room, as generate does
+                self.step()
             while True:
                 if not seq.is_finished:  # (another call's step, between two chunks, may have finished it)
                     self.step()
@@ -485,13 +487,15 @@ class LLMEngine:
     @contextlib.contextmanager
     def _aborted_unless_done(self, seqs: list[Sequence]):
         """Requests a call queued are aborted where it ends before they finish (an error in a step, Ctrl-C, a
-        stream left early): else they ran on, and a later call stepped them or failed on them again."""
+        stream left early): else they ran on, and a later call stepped them or failed on them again. At the next
+        step, taking no lock: a stream's generator may be closed by the garbage collector inside the scheduler's
+        locked code."""
         try:
             yield
         finally:
             for s in seqs:
                 if not s.is_finished:
-                    self.abort(s.request_id)
+                    self.scheduler.abort_later(s.request_id)
 
     def step(self) -> "StepResult":
         """One engine iteration: prefill chunks, then one draft-verify step for every decoding request."""
@@ -500,10 +504,30 @@ class LLMEngine:
             try:
                 return self._run_batch(batch)
             except BaseException:
-                # The batch's aborted requests already left the scheduler: the next step answers them, or nothing
-                # would.
-                self.scheduler.return_aborted(batch.aborted)
+                self._after_failed_step(batch)
                 raise
+
+    def _after_failed_step(self, batch: ScheduledBatch) -> None:
+        """Undo what a step that raised (an error, Ctrl-C) left half done, for the requests that step on in other
+        calls: a prompt copy that did not land leaves its request holding nothing (it held what its row lacked, and
+        answered wrongly, as did a later request taking that row over); requests the step finished before it failed
+        are released (the next step decoded them on past their end); the aborted requests it took are handed out
+        again (they already left the scheduler: the next step answers them, or nothing would)."""
+        for c in batch.prefills:
+            if c.takes is not None and not c.copied:
+                c.seq.num_prefilled = c.seq.num_reused = c.seq.drafter_context = 0
+                c.seq.pending_features = []
+        self._finish([c.seq for c in batch.prefills] + batch.decodes)
+        self.scheduler.return_aborted(batch.aborted)
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        """Release the finished ones among seqs, with their times."""
+        now = time.perf_counter()
+        for s in seqs:
+            if s.is_finished:
+                s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
+                s.stats.latency = now - s.arrival
+                self.scheduler.finish(s)
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)
@@ -515,6 +539,7 @@ class LLMEngine:
             if c.takes is not None:  # before any forward writes the row it copies from
                 row, end = c.takes
                 self.runner.copy_prompt(row, c.seq.slot, end)
+                c.copied = True
         for c in batch.prefills:
             if c.source is not None:
                 continue
@@ -561,12 +586,7 @@ class LLMEngine:
                     s.stats.draft_lens.append(nodes or k)
                     result.acceptance_lengths.append(n)
                 result.updated.append(s)
-        now = time.perf_counter()
-        for s in result.updated:
-            if s.is_finished:
-                s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
-                s.stats.latency = now - s.arrival
-                self.scheduler.finish(s)
+        self._finish(result.updated)
         result.updated.extend(batch.aborted)
         self._busy_since = time.perf_counter() if batch.decodes and self.has_unfinished() else None
         return result

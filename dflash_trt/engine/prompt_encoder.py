@@ -38,6 +38,10 @@ class PromptEncoder:
         prompt, or continuing the last (assistant) message where asked; template_kwargs reach the template (Qwen3's
         enable_thinking, ...), and so do tools (OpenAI's shape). add_special_tokens: the tokenizer's own special
         tokens too, as vLLM adds them to the rendered text (a BOS the template wrote comes twice)."""
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, dict) for m in messages):
+            # (a str's characters read as messages: "'str' object has no attribute 'get'")
+            raise TypeError(f"messages must be a list of dicts such as {{'role': 'user', 'content': ...}}, got "
+                            f"{messages!r:.60}")
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template: send plain text (/v1/completions, or generate "
                              "without --chat)")

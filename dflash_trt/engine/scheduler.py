@@ -102,6 +102,7 @@ class PrefillChunk:
     # over in this step, or computed them); before the step's forwards, that row's K/V and drafter context at [0, end)
     # are copied to this one's
     takes: tuple[int, int] | None = None
+    copied: bool = False  # the copy `takes` asks for has landed (a step that fails before it undoes the request's)
 
     @property
     def is_last(self) -> bool:
@@ -167,6 +168,7 @@ class Scheduler:
         self._running: dict[int, Sequence] = {}  # request_id -> request owning a row (prefilling or decoding), oldest first
         self._abort_ids: set[int] = set()
         self._aborted: list[Sequence] = []
+        self._abort_later: deque[int] = deque()  # abort_later's, taken in by the next schedule()
         self._lock = threading.Lock()
         self._recent_load: deque[int] = deque(maxlen=config.load_window)  # requests running, one entry per step
         self._resident: dict[int, _Resident] = {}  # free rows holding at least one whole prompt chunk
@@ -195,10 +197,6 @@ class Scheduler:
         with self._lock:
             return bool(self.waiting or self._running or self._aborted)
 
-    def can_add(self) -> bool:
-        with self._lock:
-            return self._has_room()
-
     def _has_room(self, n: int = 1) -> bool:
         # A request is admitted when a row will be free for it, or the queue has room.
         return len(self.waiting) + n <= self.slots.num_free + self.config.max_queue_len
@@ -214,20 +212,39 @@ class Scheduler:
                                      "retry later")
             self.waiting.extend(seqs)
 
-    def abort(self, request_id: int, reason: str = "abort") -> bool:
-        """Cancel a request; its row is freed at the next step boundary. False if it is unknown or done."""
-        with self._lock:
-            for seq in self.waiting:
-                if seq.request_id == request_id:
-                    self.waiting.remove(seq)
-                    seq.finish_reason = reason
-                    self._aborted.append(seq)
-                    return True
-            seq = self._running.get(request_id)
-            if seq is not None and not seq.is_finished:
-                self._abort_ids.add(request_id)
-                return True
+    def try_add(self, *seqs: Sequence) -> bool:
+        """add() where there is room; False, adding nothing, where there is none (one check under the lock: a check
+        before add() let two threads both see the last place free)."""
+        try:
+            self.add(*seqs)
+        except QueueFullError:
             return False
+        return True
+
+    def abort(self, request_id: int, reason: str = "abort") -> bool:
+        """Cancel a request; its row is freed at the next step boundary. False if it is unknown, done or already
+        aborted."""
+        with self._lock:
+            return self._abort(request_id, reason)
+
+    def abort_later(self, request_id: int) -> None:
+        """abort() at the next schedule(), taking no lock: a stream's generator that the garbage collector closes
+        runs its clean-up wherever a collection starts, inside this scheduler's locked code too, on the same thread
+        (abort() waited there on its own lock for ever)."""
+        self._abort_later.append(request_id)
+
+    def _abort(self, request_id: int, reason: str = "abort") -> bool:
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = reason
+                self._aborted.append(seq)
+                return True
+        seq = self._running.get(request_id)
+        if seq is not None and not seq.is_finished and request_id not in self._abort_ids:
+            self._abort_ids.add(request_id)
+            return True
+        return False
 
     # --- the engine thread ------------------------------------------------------------------------
 
@@ -317,6 +334,8 @@ class Scheduler:
             return self._take_aborted()
 
     def _take_aborted(self) -> list[Sequence]:
+        while self._abort_later:  # (a collection in this loop appends, and the loop takes that in too)
+            self._abort(self._abort_later.popleft())
         aborted, self._aborted = self._aborted, []
         for seq in [self._running[i] for i in self._abort_ids if i in self._running]:
             seq.finish_reason = "abort"

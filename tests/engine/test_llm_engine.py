@@ -203,3 +203,124 @@ def test_a_bad_prompt_among_several_is_named_by_its_index_and_none_of_them_runs(
 def test_a_lone_prompts_error_reads_as_before(llm):
     with pytest.raises(ValueError, match=r"^empty prompt"):
         llm.generate([""], params())
+
+
+def _engine(tiny_dirs, **cfg) -> LLMEngine:
+    config = EngineConfig(**{"max_batch_size": 4, "max_draft_len": 3, "max_model_len": 256, **cfg})
+    return LLMEngine.from_dirs(tiny_dirs["qwen3"], tiny_dirs["qwen3_drafter"], config)
+
+
+SHARED = "the system prompt says hello to all of you "  # chunks of 4 tokens that later prompts take over
+
+
+def test_a_prompt_copy_a_failed_step_cut_short_leaves_its_request_holding_nothing(tiny_dirs, monkeypatch):
+    """A request that takes over a running row's prompt chunks got them as its own when scheduled, and the copy ran
+    later in the step: a step stopped before the copy left it (and the row it was aborted from) holding chunks that
+    were never written, and the answers that took them over went wrong."""
+    from dflash_trt.engine.model_runner import ModelRunner
+
+    prompts = [SHARED + q for q in ("fox", "dog jumps", "cat")]
+    copy_prompt = ModelRunner.copy_prompt
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    for bystander in (False, True):
+        llm = _engine(tiny_dirs, prefill_chunk=4, max_prefill_tokens=8)  # (no freed row holds the chunks)
+        holder = llm.stream(prompts[0], params())
+        next(holder)  # running: its row holds the shared chunks
+        other = llm.add_request(llm.encode(prompts[1]), params()) if bystander else None  # another caller's
+        monkeypatch.setattr(ModelRunner, "copy_prompt", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts[2], params())
+        monkeypatch.setattr(ModelRunner, "copy_prompt", copy_prompt)
+        assert [*holder][-1].output.token_ids == want(tiny_dirs, llm, prompts[0])
+        if other is not None:
+            while not other.is_finished:
+                llm.step()
+            assert other.output_ids == want(tiny_dirs, llm, prompts[1])
+        outs = llm.generate(prompts, params())
+        assert [o.token_ids for o in outs] == [want(tiny_dirs, llm, p) for p in prompts]
+        assert not llm.has_unfinished()
+
+
+def test_a_request_a_failed_step_finished_is_released_and_decodes_no_further(tiny_dirs, llm, monkeypatch):
+    """Its last token came from the step's first prompt chunk and a later chunk's forward raised: it stayed among the
+    running requests and the next step, whoever's, decoded past its end (2 tokens for max_new_tokens=1)."""
+    from dflash_trt.engine.model_runner import ModelRunner
+
+    prefill = ModelRunner.prefill
+    calls = []
+
+    def second_fails(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return prefill(self, *args)
+
+    one = llm.add_request(llm.encode(PROMPTS[0]), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    monkeypatch.setattr(ModelRunner, "prefill", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[1], params())
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    assert one.is_finished and one not in llm.scheduler.running
+    assert llm.generate(PROMPTS[2], params())[0].token_ids == want(tiny_dirs, llm, PROMPTS[2])
+    assert one.output_ids == want(tiny_dirs, llm, PROMPTS[0])[:1] and not llm.has_unfinished()
+
+
+def test_a_stream_the_garbage_collector_closes_inside_a_step_is_aborted_without_a_deadlock(tiny_dirs, monkeypatch):
+    """A stream held only by a reference cycle is closed whenever a collection runs, inside the scheduler's locked
+    code too: its clean-up waited there on that same lock, and the step never ended."""
+    import gc
+
+    from dflash_trt.engine.scheduler import Scheduler
+
+    llm = _engine(tiny_dirs)
+    stream = llm.stream(PROMPTS[0], params())
+    next(stream)
+    cycle = {"stream": stream}
+    cycle["self"] = cycle
+    del stream, cycle
+    draft_len = Scheduler._draft_len
+
+    def collecting(self, decodes):
+        gc.collect()  # the stream's clean-up runs here, the scheduler's lock held
+        return draft_len(self, decodes)
+
+    monkeypatch.setattr(Scheduler, "_draft_len", collecting)
+    got = []
+    caller = threading.Thread(target=lambda: got.extend(llm.generate(PROMPTS[1], params())), daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "the step waited on the scheduler's lock"
+    assert got[0].token_ids == want(tiny_dirs, llm, PROMPTS[1]) and not llm.has_unfinished()
+
+
+def test_a_stream_waits_for_room_in_a_full_queue_as_generate_does(tiny_dirs):
+    """It raised QueueFullError where generate waited for the requests ahead of it."""
+    llm = _engine(tiny_dirs, max_batch_size=1, max_queue_len=0)
+    ahead = llm.add_request(llm.encode(PROMPTS[0]), params())  # the one row: the queue is full
+    chunks = list(llm.stream(PROMPTS[1], params()))
+    assert chunks[-1].output.token_ids == want(tiny_dirs, llm, PROMPTS[1])
+    assert ahead.output_ids == want(tiny_dirs, llm, PROMPTS[0]) and not llm.has_unfinished()
+
+
+def test_a_stream_reads_its_stop_strings_from_the_checked_params(tiny_dirs, llm):
+    """stop set to None after construction is no stop (generate took it so); the stream's text split raised."""
+    sp = params()
+    sp.stop = None
+    chunks = list(llm.stream(PROMPTS[0], sp))
+    assert chunks[-1].output.token_ids == want(tiny_dirs, llm, PROMPTS[0])
+
+
+def test_sampling_params_for_each_prompt_may_come_as_a_tuple(tiny_dirs, llm):
+    """A tuple read as one SamplingParams for every prompt: "params must be a SamplingParams, got tuple"."""
+    outs = llm.generate(PROMPTS[:2], (params(), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    assert [o.token_ids for o in outs] == [want(tiny_dirs, llm, PROMPTS[0]), want(tiny_dirs, llm, PROMPTS[1])[:4]]
+
+
+@pytest.mark.parametrize("messages", ["hello", ["hello"], [("role", "user")]])
+def test_encode_chat_takes_a_list_of_message_dicts(llm, messages):
+    """A string's characters read as messages: AttributeError "'str' object has no attribute 'get'"."""
+    with pytest.raises(TypeError, match="messages must be a list of dicts"):
+        llm.encode_chat(messages)

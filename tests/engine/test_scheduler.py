@@ -352,7 +352,8 @@ def test_queue_is_bounded_beyond_the_free_rows():
                                              r"\(max_queue_len\); retry later"):
         sched.add(_seq(4))
     _run(sched, sched.schedule())  # 2 start running: the queue now holds 3 of 3 places
-    assert sched.num_waiting == 3 and not sched.can_add()
+    late = _seq(4)
+    assert sched.num_waiting == 3 and not sched.try_add(late) and late not in sched.waiting
 
 
 def test_requests_leave_and_their_rows_are_reused_lowest_first():
@@ -377,11 +378,28 @@ def test_abort_frees_waiting_at_once_and_running_at_the_next_step():
     _run(sched, sched.schedule())
     assert sched.abort(waiting.request_id) and sched.num_waiting == 0 and waiting.finish_reason == "abort"
     assert sched.abort(running.request_id)
+    assert not sched.abort(running.request_id)  # once: a second abort of a waiting one was False, a running one's True
     assert sched.slots.num_used == 1  # still in the step that may be running now
     batch = sched.schedule()
     assert batch.aborted == [waiting, running] and not batch.decodes and not batch.prefills
     assert running.finish_reason == "abort" and sched.slots.num_used == 0 and not sched.has_work()
     assert not sched.abort(running.request_id)  # already gone
+
+
+def test_an_abort_for_later_takes_no_lock_and_lands_at_the_next_schedule():
+    """What a stream's clean-up calls, maybe from the garbage collector inside the scheduler's own locked code."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    running, waiting = _seq(4, new=50), _seq(4)
+    sched.add(running, waiting)
+    _run(sched, sched.schedule())
+    with sched._lock:  # held, as schedule() holds it
+        sched.abort_later(running.request_id)
+        sched.abort_later(waiting.request_id)
+        sched.abort_later(12345)  # unknown: nothing
+    assert sched.num_waiting == 1 and sched.num_running == 1  # not yet
+    batch = sched.schedule()
+    assert batch.aborted == [waiting, running] and not batch.decodes and not batch.prefills
+    assert running.finish_reason == waiting.finish_reason == "abort" and not sched.has_work()
 
 
 def test_draft_len_for_is_trtllm_rule_smallest_key_at_or_above_the_batch():
