@@ -200,9 +200,15 @@ def _holds_stop(tokenizer, ids: list[int], stops: list[str], tail: int, min_toke
     """Whether the text of ids holds a stop string that ends past the text of their first min_tokens: decoded once
     for all of them (a request may send thousands), as a client gets it (a stop string holding U+FFFD would
     otherwise match half a character). Only the last `tail` ids are decoded (the answer's text up to them was
-    checked as they came)."""
+    checked as they came), from a character's first token: a window that starts inside a character decodes its
+    bytes there as U+FFFD, which a stop string holding one matched (back 3 tokens at most: a character is 4 bytes at
+    most and a token one at least)."""
     start = max(len(ids) - tail, 0)
     text = client_text(tokenizer, ids[start:])
+    for before in range(start - 1, max(start - 4, -1), -1):
+        if not text.startswith("\ufffd"):
+            break
+        start, text = before, client_text(tokenizer, ids[before:])
     return find_stop(text, stops, stop_search_start(tokenizer, ids[start:], min_tokens - start))[0] >= 0
 
 

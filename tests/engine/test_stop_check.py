@@ -43,6 +43,15 @@ def test_half_a_character_does_not_match_a_stop_string_holding_a_replacement_cha
     assert _holds_stop(tokenizer, ids, ["😀"], 64) and not _holds_stop(tokenizer, half, ["😀"], 64)
 
 
+def test_a_decoded_tail_that_starts_inside_a_character_does_not_match_a_replacement_character(tokenizer):
+    """Past `tail` tokens only the last ones are decoded: where they began inside a character (each of these emoji
+    is 3 tokens), its bytes decoded as U+FFFD and a stop string of one ended the answer at 65 tokens."""
+    ids = tokenizer.encode("\U0001f44f" * 40)
+    assert "\ufffd" not in tokenizer.decode(ids) and len(ids) == 120
+    assert not any(_holds_stop(tokenizer, ids[:n], ["\ufffd", "\ufffd\U0001f44f"], 64) for n in range(1, 121))
+    assert _holds_stop(tokenizer, ids[:100], ["\U0001f44f"], 64)  # still found in a window that starts mid-character
+
+
 def test_an_answer_cut_mid_character_ends_before_it_as_its_stream_does(tokenizer):
     """max_tokens may fall between the bytes of one character: the final text, like the streamed one, leaves the
     half character out (it decodes to U+FFFD)."""
