@@ -752,7 +752,7 @@ def test_a_stop_cuts_the_connections_of_clients_that_stopped_reading_without_tra
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt", "serve", "--target", str(tiny_dirs["qwen3"]),
                              "--drafter", str(tiny_dirs["qwen3_drafter"]), "--port", str(port),
-                             "--served-model-name", MODEL, "--max-model-len", "512"],
+                             "--served-model-name", MODEL, "--max-model-len", "512", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     stalled = socket.socket()
