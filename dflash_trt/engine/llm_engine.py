@@ -517,23 +517,25 @@ class LLMEngine:
         """Undo what a step that raised (an error, Ctrl-C) left half done, for the requests that step on in other
         calls: a prompt copy that did not land leaves its request holding nothing (it held what its row lacked, and
         answered wrongly, as did a later request taking that row over); requests the step finished before it failed
-        are released (the next step decoded them on past their end); the aborted requests it took are handed out
-        again (they already left the scheduler: the next step answers them, or nothing would)."""
+        are released (the next step decoded them on past their end); those and the aborted requests it took are
+        handed to the next step to answer (they left the scheduler: nothing else would, and a server's
+        fail_running no longer sees them)."""
         for c in batch.prefills:
             if c.takes is not None and not c.copied:
                 c.seq.num_prefilled = c.seq.num_reused = c.seq.drafter_context = 0
                 c.seq.pending_features = []
-        self._finish([c.seq for c in batch.prefills] + batch.decodes)
-        self.scheduler.return_aborted(batch.aborted)
+        finished = self._finish([c.seq for c in batch.prefills] + batch.decodes)
+        self.scheduler.answer_next([*finished, *batch.aborted])
 
-    def _finish(self, seqs: list[Sequence]) -> None:
-        """Release the finished ones among seqs, with their times."""
-        now = time.perf_counter()
+    def _finish(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Release the finished ones among seqs that hold a row, with their times; returns them."""
+        now, finished = time.perf_counter(), []
         for s in seqs:
-            if s.is_finished:
+            if s.is_finished and self.scheduler.finish(s):
                 s.stats.decode_time = now - s.decode_start if len(s.output_ids) > 1 else 0.0
                 s.stats.latency = now - s.arrival
-                self.scheduler.finish(s)
+                finished.append(s)
+        return finished
 
     def _run_batch(self, batch: ScheduledBatch) -> "StepResult":
         result = StepResult(batch)

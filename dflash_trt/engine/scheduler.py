@@ -157,7 +157,9 @@ class ScheduledBatch:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]  # prompts fully cached: one draft-verify (or plain decode) step each
     num_draft: int  # K for the decodes; 0 means one autoregressive token
-    aborted: list[Sequence]  # requests that were aborted since the last step (rows already freed)
+    # requests that left since the last step unanswered (rows already freed): aborted ones, and those a failed step
+    # finished
+    aborted: list[Sequence]
 
 
 class Scheduler:
@@ -303,10 +305,10 @@ class Scheduler:
             self._recent_load.append(len(self._running))
             return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished (or failed) request's row."""
+    def finish(self, seq: Sequence) -> bool:
+        """Release a finished (or failed) request's row; False where it held none (released already)."""
         with self._lock:
-            self._release(seq)
+            return self._release(seq)
 
     def forget_resident(self) -> None:
         """Free rows forget the prompt chunks they hold: the next requests prefill from the start (cold measurements,
@@ -323,8 +325,9 @@ class Scheduler:
                 self._release(seq, keep=False)  # a failed step may have left its rows half written
             return failed
 
-    def return_aborted(self, seqs: list[Sequence]) -> None:
-        """Aborted requests a failed step took but never answered: the next schedule() hands them out again."""
+    def answer_next(self, seqs: list[Sequence]) -> None:
+        """Requests a failed step released but never answered (aborted, or finished before it failed): the next
+        schedule() hands them out with its aborted ones."""
         with self._lock:
             self._aborted[:0] = seqs
 
@@ -344,8 +347,9 @@ class Scheduler:
         self._abort_ids.clear()
         return aborted
 
-    def _release(self, seq: Sequence, keep: bool = True) -> None:
-        if self._running.pop(seq.request_id, None) is not None:
+    def _release(self, seq: Sequence, keep: bool = True) -> bool:
+        held = self._running.pop(seq.request_id, None) is not None
+        if held:
             self.slots.free(seq.slot)
             if keep and self.config.reuse_rows and seq.num_prefilled >= self.config.grid:
                 resident = _Resident.of(seq, self._frees)
@@ -354,6 +358,7 @@ class Scheduler:
                 self._resident[seq.slot] = resident
                 self._frees += 1
         self._abort_ids.discard(seq.request_id)
+        return held
 
     def _row_for(self, seq: Sequence) -> tuple[int | None, int, _Resident | None]:
         """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and what

@@ -157,6 +157,37 @@ def test_a_request_aborted_before_a_failing_step_is_still_answered_and_the_loop_
     assert engine.scheduler.slots.num_free == 2
 
 
+def test_a_request_a_failing_step_finished_before_it_failed_is_answered_with_its_output(tiny_dirs):
+    """Its one token came from the step's first prompt chunk, the second chunk's forward raised: it is answered as
+    finished, the other request with the error, and the loop serves on."""
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    real, calls = engine.runner.prefill, []
+
+    def prefill(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    engine.runner.prefill = prefill
+    loop = EngineLoop(engine)
+    prompts = _prompts(3)
+    finals, done, callback = _collector(2)
+    one = loop.submit(prompts[0], SamplingParams(max_new_tokens=1, ignore_eos=True), callback)
+    failed = loop.submit(prompts[1], SamplingParams(max_new_tokens=10, ignore_eos=True), callback)
+    with loop:
+        assert done.wait(30), f"answered: {sorted(finals)}"
+        assert finals[failed].error is not None
+        assert finals[one].error is None and finals[one].output.finish_reason == "length"
+        assert list(finals[one].output.token_ids) == hf_greedy(tiny_dirs["qwen3"], prompts[0], new=1)
+        params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+        ids, later = _finals(loop, [prompts[2]], params)
+        assert list(later[ids[0]].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompts[2], new=10)
+    assert engine.scheduler.slots.num_free == 2
+
+
 def test_an_output_that_fails_to_build_fails_its_request_only(tiny_dirs):
     """make_output detokenizes (a slow tokenizer raises on an id past its vocabulary, which a padded embedding can
     sample): that request is answered with an error, the loop thread lives on and the others finish."""
