@@ -158,7 +158,8 @@ class EngineLoop:
             busy = True
             try:
                 result = self.engine.step()
-            except Exception as e:  # one bad step fails the requests in it, never the loop
+            except Exception as e:  # one bad step fails the requests running in it, never the loop (those it
+                # finished before it failed are answered by the next step, or below at a stop)
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
                     self._hook(self.on_finish, self.engine.make_output(seq))
@@ -180,8 +181,10 @@ class EngineLoop:
         # Shutting down: answer whatever is left so no caller waits forever.
         with self._intake:  # the loop ends only on stop(): a submit past this point sees it
             pass
-        for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran
-            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, self.engine.make_output(seq)))
+        for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran, or finished by a failed one
+            output = self.engine.make_output(seq)
+            self._hook(self.on_finish, output)  # counted as a step's answers are
+            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, output))
         for seq in self.engine.scheduler.fail_running("abort"):
             self._deliver(_failed(seq, SHUTTING_DOWN))
         while self.engine.scheduler.waiting:

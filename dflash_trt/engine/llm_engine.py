@@ -431,12 +431,13 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        """Whether a request is queued, running, or aborted and not yet answered by a step."""
+        """Whether a request is queued, running, or aborted (or finished by a failed step) and not yet answered by a
+        step."""
         return self.scheduler.has_work()
 
     def generate(
         self, prompts: str | list[int] | list[list[int] | str],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
     ) -> list[RequestOutput]:
         """Generate for prompts (token ids, or text encoded as is; `encode(text, chat=True)` for the chat template)
         with continuous batching; outputs in prompt order. One prompt may be passed alone, as text or as its ids."""

@@ -169,8 +169,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # request_id -> request owning a row (prefilling or decoding), oldest first
         self._abort_ids: set[int] = set()
-        self._aborted: list[Sequence] = []
-        self._abort_later: deque[int] = deque()  # abort_later's, taken in by the next schedule()
+        self._aborted: list[Sequence] = []  # left, not yet answered: aborted, or finished by a failed step
+        self._abort_later: deque[int] = deque()  # abort_later's, taken in by the next _take_aborted()
         self._lock = threading.Lock()
         self._recent_load: deque[int] = deque(maxlen=config.load_window)  # requests running, one entry per step
         self._resident: dict[int, _Resident] = {}  # free rows holding at least one whole prompt chunk
@@ -230,9 +230,9 @@ class Scheduler:
             return self._abort(request_id, reason)
 
     def abort_later(self, request_id: int) -> None:
-        """abort() at the next schedule(), taking no lock: a stream's generator that the garbage collector closes
-        runs its clean-up wherever a collection starts, inside this scheduler's locked code too, on the same thread
-        (abort() waited there on its own lock for ever)."""
+        """abort() at the next schedule() (or take_aborted()), taking no lock: a stream's generator that the garbage
+        collector closes runs its clean-up wherever a collection starts, inside this scheduler's locked code too, on
+        the same thread (abort() waited there on its own lock for ever)."""
         self._abort_later.append(request_id)
 
     def _abort(self, request_id: int, reason: str = "abort") -> bool:
@@ -332,7 +332,8 @@ class Scheduler:
             self._aborted[:0] = seqs
 
     def take_aborted(self) -> list[Sequence]:
-        """Aborted requests no step has answered yet (at shutdown, when no step will)."""
+        """Requests that left unanswered (aborted, or finished by a failed step) that no step has answered yet (at
+        shutdown, when no step will)."""
         with self._lock:
             return self._take_aborted()
 

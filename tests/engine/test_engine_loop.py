@@ -188,6 +188,32 @@ def test_a_request_a_failing_step_finished_before_it_failed_is_answered_with_its
     assert engine.scheduler.slots.num_free == 2
 
 
+def test_a_request_a_failing_step_finished_as_the_loop_stops_is_answered_and_counted(tiny_dirs):
+    """Answered at the stop with its output, and passed to on_finish (the metrics) as a step's answers are."""
+    from tests.engine.test_lossless import _engine, _prompts
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    real, calls, counted = engine.runner.prefill, [], []
+
+    def prefill(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            loop._stop.set()  # a stop that comes while the step runs
+            raise RuntimeError("injected")
+        return real(*args)
+
+    engine.runner.prefill = prefill
+    loop = EngineLoop(engine, on_finish=counted.append)
+    prompts = _prompts(2)
+    finals, done, callback = _collector(2)
+    one = loop.submit(prompts[0], SamplingParams(max_new_tokens=1, ignore_eos=True), callback)
+    loop.submit(prompts[1], SamplingParams(max_new_tokens=10, ignore_eos=True), callback)
+    loop.start()
+    assert done.wait(30), f"answered: {sorted(finals)}"
+    assert finals[one].error is None and finals[one].output.finish_reason == "length"
+    assert sorted(o.finish_reason for o in counted) == ["error", "length"]
+
+
 def test_an_output_that_fails_to_build_fails_its_request_only(tiny_dirs):
     """make_output detokenizes (a slow tokenizer raises on an id past its vocabulary, which a padded embedding can
     sample): that request is answered with an error, the loop thread lives on and the others finish."""
