@@ -146,6 +146,15 @@ class EngineLoop:
         return found
 
     def _run(self) -> None:
+        try:
+            self._step_until_stopped()
+        except Exception:  # the loop's own bug: it stops, and still answers every request it took
+            logger.exception("engine loop failed")
+        finally:
+            self._stop.set()  # an ended loop takes no more requests (submit raises LoopStopped: /health says so)
+            self._answer_the_rest()
+
+    def _step_until_stopped(self) -> None:
         busy = False
         while not self._stop.is_set():
             if not self.engine.has_unfinished():
@@ -159,37 +168,45 @@ class EngineLoop:
             try:
                 result = self.engine.step()
             except Exception as e:  # one bad step fails the requests running in it, never the loop (those it
-                # finished before it failed are answered by the next step, or below at a stop)
+                # finished before it failed are answered by the next step, or at the stop)
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
-                    self._hook(self.on_finish, self.engine.make_output(seq))
-                    self._deliver(_failed(seq, f"engine error: {e}"))
+                    self._answer(seq, f"engine error: {e}")
                 continue
             # Metrics first: a client that reads /metrics right after its last token must see this step counted.
             self._hook(self.on_step, result)
             for seq in result.updated:
-                try:
-                    output = self.engine.make_output(seq) if seq.is_finished else None
-                except Exception as e:  # detokenizing one request's output: uncaught, it would end the thread
-                    logger.exception("output of request %d failed", seq.request_id)
-                    self._deliver(_failed(seq, f"engine error: {e}"))
-                    continue
-                if output is not None:
-                    self._hook(self.on_finish, output)
-                self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), seq.is_finished, output,
-                                            logprobs=tuple(seq.output_logprobs)))
-        # Shutting down: answer whatever is left so no caller waits forever.
-        with self._intake:  # the loop ends only on stop(): a submit past this point sees it
+                if seq.is_finished:
+                    self._answer(seq)
+                else:
+                    self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), False,
+                                                logprobs=tuple(seq.output_logprobs)))
+
+    def _answer_the_rest(self) -> None:
+        """Shutting down: answer whatever is left so no caller waits forever."""
+        with self._intake:  # the loop ends only with _stop set: a submit past this point sees it
             pass
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran, or finished by a failed one
-            output = self.engine.make_output(seq)
-            self._hook(self.on_finish, output)  # counted as a step's answers are
-            self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), True, output))
+            self._answer(seq)
         for seq in self.engine.scheduler.fail_running("abort"):
             self._deliver(_failed(seq, SHUTTING_DOWN))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
             self._deliver(RequestUpdate(seq.request_id, (), True, None, SHUTTING_DOWN))
+
+    def _answer(self, seq, error: str | None = None) -> None:
+        """A request's last update: its output (passed to on_finish), or `error` where given (its output still passed
+        to on_finish) or where the output fails to build (detokenizing one request's: uncaught, it ended the thread,
+        in a failed step's handler too, and every later request waited for ever)."""
+        try:
+            output = self.engine.make_output(seq)
+        except Exception as e:
+            logger.exception("output of request %d failed", seq.request_id)
+            self._deliver(_failed(seq, error or f"engine error: {e}"))
+            return
+        self._hook(self.on_finish, output)
+        self._deliver(_failed(seq, error) if error else RequestUpdate(
+            seq.request_id, tuple(seq.output_ids), True, output, logprobs=tuple(seq.output_logprobs)))
 
     @staticmethod
     def _hook(hook, *args) -> None:

@@ -242,6 +242,55 @@ def test_an_output_that_fails_to_build_fails_its_request_only(tiny_dirs):
         assert loop.is_alive
 
 
+def test_an_output_that_fails_to_build_after_a_failed_step_fails_its_request_only(tiny_dirs):
+    """The failed step's handler built each failed request's output unguarded: a second exception there ended the
+    loop thread, and every request after it waited for ever."""
+    from tests.engine.test_lossless import _engine, _prompts, hf_greedy
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    real_prefill, real_output, failures = engine.runner.prefill, engine.make_output, [RuntimeError("injected")]
+
+    def prefill(*args):
+        if failures:
+            raise failures.pop()
+        return real_prefill(*args)
+
+    def make_output(seq):
+        if seq.request_id == broken:
+            raise IndexError("piece id is out of range")
+        return real_output(seq)
+
+    engine.runner.prefill, engine.make_output = prefill, make_output
+    loop = EngineLoop(engine)
+    prompts = _prompts(2)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    finals, done, callback = _collector(1)
+    broken = loop.submit(prompts[0], params, callback)
+    with loop:
+        assert done.wait(30) and "engine error: injected" in finals[broken].error
+        ids, later = _finals(loop, [prompts[1]], params)
+        assert list(later[ids[0]].token_ids) == hf_greedy(tiny_dirs["qwen3"], prompts[1], new=10)
+        assert loop.is_alive
+
+
+def test_a_loop_that_ends_on_its_own_bug_answers_what_it_took_and_refuses_more(tiny_dirs):
+    """A loop thread that died kept taking requests (only stop() was checked), which then waited for ever."""
+    from dflash_trt.engine.engine_loop import LoopStopped
+    from tests.engine.test_lossless import _engine, _prompts
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    engine.has_unfinished = lambda: 1 / 0  # a bug outside any step
+    loop = EngineLoop(engine)
+    finals, done, callback = _collector(1)
+    taken = loop.submit(_prompts(1)[0], SamplingParams(max_new_tokens=4, ignore_eos=True), callback)
+    loop.start()
+    assert done.wait(30) and finals[taken].error is not None
+    loop._thread.join(10)
+    assert not loop.is_alive
+    with pytest.raises(LoopStopped):
+        loop.submit(_prompts(1)[0], SamplingParams(max_new_tokens=4), callback)
+
+
 def test_a_request_aborted_during_the_last_step_before_shutdown_is_answered(tiny_dirs):
     from tests.engine.test_lossless import _engine, _prompts
 
