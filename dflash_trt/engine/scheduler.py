@@ -253,57 +253,68 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         with self._lock:
             aborted = self._take_aborted()
-            budget = self.config.max_prefill_tokens
-            prefills: list[PrefillChunk] = []
-            decodes: list[Sequence] = []
-            computed: dict[tuple[int, int], list[Sequence]] = {}  # (start, end) -> requests computing such a chunk
+            try:
+                prefills, decodes = self._admit()
+                self._recent_load.append(len(self._running))
+                return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
+            except BaseException:  # (a bug of its own) the requests taken above are still answered, by the next
+                # step or at the stop: they left the running ones, and nothing else would
+                self._aborted[:0] = aborted
+                raise
 
-            def admit(chunk: PrefillChunk) -> bool:
-                nonlocal budget
-                cost = 0 if chunk.source is not None else len(chunk)
-                if cost > budget:
-                    return False
-                prefills.append(chunk)
-                budget -= cost
-                if chunk.source is None:
-                    computed.setdefault((chunk.start, chunk.end), []).append(chunk.seq)
-                return True
+    def _admit(self) -> tuple[list[PrefillChunk], list[Sequence]]:
+        """This step's prompt chunks and decoding requests: the running requests' first, then waiting ones admitted
+        in order while rows and the prefill budget last."""
+        budget = self.config.max_prefill_tokens
+        prefills: list[PrefillChunk] = []
+        decodes: list[Sequence] = []
+        computed: dict[tuple[int, int], list[Sequence]] = {}  # (start, end) -> requests computing such a chunk
 
-            def admit_rest(seq: Sequence, chunk: PrefillChunk | None = None) -> None:
-                """The prompt's chunks after `chunk` (this step's first of it; None: from num_prefilled), in order,
-                as many as the budget holds. They must take effect in order too (a copy lands when its source's
-                forward runs, and with it the request's features, its progress and, on its last chunk, its first
-                token): the chunks it copies all come from the request it copies the first one from, whose chunks
-                run in order, and once it computes a chunk itself it copies none after it."""
-                start = seq.num_prefilled if chunk is None else chunk.end
-                sources = None if chunk is None else (chunk.source,) if chunk.source is not None else ()
-                while start < len(seq.prompt_ids) and admit(chunk := self._chunk(seq, computed, start, sources)):
-                    start = chunk.end
-                    sources = (chunk.source,) if chunk.source is not None else ()
+        def admit(chunk: PrefillChunk) -> bool:
+            nonlocal budget
+            cost = 0 if chunk.source is not None else len(chunk)
+            if cost > budget:
+                return False
+            prefills.append(chunk)
+            budget -= cost
+            if chunk.source is None:
+                computed.setdefault((chunk.start, chunk.end), []).append(chunk.seq)
+            return True
 
-            for seq in self._running.values():  # oldest first
-                if seq.is_prefilled:
-                    decodes.append(seq)
-                else:
-                    admit_rest(seq)
-            # in order: a long prompt at the head is not passed by shorter ones, which would starve it
-            while self.waiting and self.slots.num_free:
-                slot, reused, held = self._row_for(self.waiting[0])
-                if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
-                    break
-                seq = self.waiting.popleft()
-                seq.slot = self.slots.allocate(slot)
-                self._resident.pop(seq.slot, None)
-                seq.num_prefilled = seq.num_reused = reused
-                if held is not None:
-                    if held.row != seq.slot:
-                        chunk.takes = (held.row, reused)
-                    seq.drafter_context = min(held.drafter_len, reused)
-                    seq.pending_features = held.features_up_to(reused)
-                self._running[seq.request_id] = seq
-                admit_rest(seq, chunk)
-            self._recent_load.append(len(self._running))
-            return ScheduledBatch(prefills, decodes, self._draft_len(decodes), aborted)
+        def admit_rest(seq: Sequence, chunk: PrefillChunk | None = None) -> None:
+            """The prompt's chunks after `chunk` (this step's first of it; None: from num_prefilled), in order,
+            as many as the budget holds. They must take effect in order too (a copy lands when its source's
+            forward runs, and with it the request's features, its progress and, on its last chunk, its first
+            token): the chunks it copies all come from the request it copies the first one from, whose chunks
+            run in order, and once it computes a chunk itself it copies none after it."""
+            start = seq.num_prefilled if chunk is None else chunk.end
+            sources = None if chunk is None else (chunk.source,) if chunk.source is not None else ()
+            while start < len(seq.prompt_ids) and admit(chunk := self._chunk(seq, computed, start, sources)):
+                start = chunk.end
+                sources = (chunk.source,) if chunk.source is not None else ()
+
+        for seq in self._running.values():  # oldest first
+            if seq.is_prefilled:
+                decodes.append(seq)
+            else:
+                admit_rest(seq)
+        # in order: a long prompt at the head is not passed by shorter ones, which would starve it
+        while self.waiting and self.slots.num_free:
+            slot, reused, held = self._row_for(self.waiting[0])
+            if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
+                break
+            seq = self.waiting.popleft()
+            seq.slot = self.slots.allocate(slot)
+            self._resident.pop(seq.slot, None)
+            seq.num_prefilled = seq.num_reused = reused
+            if held is not None:
+                if held.row != seq.slot:
+                    chunk.takes = (held.row, reused)
+                seq.drafter_context = min(held.drafter_len, reused)
+                seq.pending_features = held.features_up_to(reused)
+            self._running[seq.request_id] = seq
+            admit_rest(seq, chunk)
+        return prefills, decodes
 
     def finish(self, seq: Sequence) -> bool:
         """Release a finished (or failed) request's row; False where it held none (released already)."""

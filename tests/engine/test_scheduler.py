@@ -402,6 +402,21 @@ def test_an_abort_for_later_takes_no_lock_and_lands_at_the_next_schedule():
     assert running.finish_reason == waiting.finish_reason == "abort" and not sched.has_work()
 
 
+def test_requests_a_failing_schedule_took_out_are_handed_out_by_the_next(monkeypatch):
+    """Aborted (or finished by a failed step) requests leave with the next schedule(): one that raised after taking
+    them lost them, and their callers waited for ever."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    running = _seq(4, new=50)
+    sched.add(running)
+    _run(sched, sched.schedule())
+    assert sched.abort(running.request_id)
+    monkeypatch.setattr(sched, "_draft_len", lambda decodes: 1 / 0)  # a bug of its own
+    with pytest.raises(ZeroDivisionError):
+        sched.schedule()
+    monkeypatch.undo()
+    assert sched.has_work() and sched.schedule().aborted == [running] and not sched.has_work()
+
+
 def test_draft_len_for_is_trtllm_rule_smallest_key_at_or_above_the_batch():
     # TensorRT-LLM's own example (get_draft_len_for_batch_size): {4: 4, 8: 2, 32: 1} runs 1-4 rows at K=4,
     # 5-8 at 2, 9-32 at 1 and 33+ without drafts.
