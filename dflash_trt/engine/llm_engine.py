@@ -522,9 +522,7 @@ class LLMEngine:
         handed to the next step to answer (they left the scheduler: nothing else would, and a server's
         fail_running no longer sees them)."""
         for c in batch.prefills:
-            if c.takes is not None and not c.copied:
-                c.seq.num_prefilled = c.seq.num_reused = c.seq.drafter_context = 0
-                c.seq.pending_features = []
+            c.undo_takeover()
         finished = self._finish([c.seq for c in batch.prefills] + batch.decodes)
         self.scheduler.answer_next([*finished, *batch.aborted])
 

@@ -108,6 +108,13 @@ class PrefillChunk:
     def is_last(self) -> bool:
         return self.end == len(self.seq.prompt_ids)
 
+    def undo_takeover(self) -> None:
+        """Where the copy `takes` asks for never landed (the step failed first), the request holds none of the prompt
+        Scheduler._admit gave it with the copy."""
+        if self.takes is not None and not self.copied:
+            self.seq.num_prefilled = self.seq.num_reused = self.seq.drafter_context = 0
+            self.seq.pending_features = []
+
     def __len__(self) -> int:
         return self.end - self.start
 

@@ -68,8 +68,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # The batch-size hint only tunes the blocking; any number of rows works.
-        packs = onednn and onednn_packs(weight)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if packs else None
+        onednn_bf16 = onednn_packs(weight)  # (whether or not this linear takes a copy of its own)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if onednn and onednn_bf16 else None
         self.bias = None if bias is None else bias.detach().clone()
         ops = cpu_ops.load() if with_kernel and weight.dtype == torch.bfloat16 else None
         # The kernel's own copy: in its "rows" layout the weight itself (for a tied output head the embedding,
@@ -80,7 +80,7 @@ class PackedLinear(nn.Module):
         if self.kernel_weight is not None:
             if self.packed is not None:
                 self.kernel_max_rows = KERNEL_MAX_ROWS[self.kernel_layout]
-            elif self.kernel_layout == "rows" and onednn_packs(weight):
+            elif self.kernel_layout == "rows" and onednn_bf16:
                 # oneDNN's bf16 without a copy of its own (onednn=False): torch's linear on the plain weight past these
                 self.kernel_max_rows = UNPACKED_MAX_ROWS
             else:
