@@ -64,6 +64,7 @@ class EngineLoop:
         self._intake = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.failure: Exception | None = None  # what ended the loop where it was not stopped: its own bug
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -114,6 +115,12 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stopped_because(self) -> str:
+        if self.failure is None:
+            return "the engine loop is stopped"
+        return f"the engine loop failed: {type(self.failure).__name__}: {self.failure}"
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> int:
         """Queue a request; raises ValueError (bad input), QueueFullError, or LoopStopped once stop() was called."""
         (request_id,) = self.submit_all([(prompt_ids, params, callback)])
@@ -126,7 +133,7 @@ class EngineLoop:
         seqs = [self.engine.make_sequence(prompt_ids, params) for prompt_ids, params, _ in requests]
         with self._intake:
             if self._stop.is_set():
-                raise LoopStopped("the engine loop is stopped")
+                raise LoopStopped(self.stopped_because)
             with self._lock:
                 self._callbacks.update((s.request_id, cb) for s, (_, _, cb) in zip(seqs, requests))
             try:
@@ -148,8 +155,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._step_until_stopped()
-        except Exception:  # the loop's own bug: it stops, and still answers every request it took
+        except Exception as e:  # the loop's own bug: it stops, and still answers every request it took
             logger.exception("engine loop failed")
+            self.failure = e
         finally:
             self._stop.set()  # an ended loop takes no more requests (submit raises LoopStopped: /health says so)
             self._answer_the_rest()

@@ -119,7 +119,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not loop.is_alive:
-            return error_response(APIError(503, "the engine loop is not running", "server_error"))
+            return error_response(APIError(503, loop.stopped_because, "server_error"))
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
@@ -378,7 +378,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}", "server_busy", code="queue_full",
                            headers={"Retry-After": "1"}) from e
-        except LoopStopped as e:  # a kept-alive connection's request during shutdown
+        except LoopStopped as e:
+            if loop.failure is not None:  # its own bug (logged where it happened): /health says so too
+                raise APIError(503, str(e), "server_error", code="engine_failed") from e
+            # a kept-alive connection's request during shutdown
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from e
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from e

@@ -256,6 +256,9 @@ def remove_stale_exports(repo: Path) -> None:
 
 # The file `triton serve` creates before it stops tritonserver: the model ends its requests in flight (model.py)
 STOP_FILE_ENV = "DFLASH_TRT_TRITON_STOP_FILE"
+# The file the model writes (the reason) when its engine loop failed: Triton has no way for a python model to become
+# unready, so `triton serve` stops tritonserver and exits with an error, for a supervisor to restart it
+FAILED_FILE_ENV = "DFLASH_TRT_TRITON_FAILED_FILE"
 
 
 class TritonServer:
@@ -357,6 +360,7 @@ class TritonServer:
         env["PATH"] = os.pathsep.join([str(Path(sys.exec_prefix) / "bin"), env.get("PATH", "")])
         env["TMPDIR"] = str(work)  # the python backend's per-model scratch folders go away with the workdir
         env[STOP_FILE_ENV] = str(self._stop_file)
+        env[FAILED_FILE_ENV] = str(self._failed_file)
         # Logs to our stdout. Own session (the terminal's Ctrl-C reaches us, and we stop the server), but it dies
         # with us.
         self.process = subprocess.Popen(self.command(work / "backends"), env=env, stderr=subprocess.STDOUT,
@@ -408,6 +412,18 @@ class TritonServer:
     def _stop_file(self) -> Path:
         return Path(self._workdir.name) / "stopping"
 
+    @property
+    def _failed_file(self) -> Path:
+        return Path(self._workdir.name) / "failed"
+
+    def _model_failure(self) -> str | None:
+        """Why a model's engine loop failed, where one did (FAILED_FILE_ENV)."""
+        if self._workdir is None:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            return self._failed_file.read_text()
+        return None
+
     def _signal_stop(self) -> None:
         """SIGTERM tritonserver, its model told first to end the requests in flight (STOP_FILE_ENV)."""
         if self._workdir is not None:
@@ -424,9 +440,11 @@ class TritonServer:
         """Run until the server exits; SIGINT / SIGTERM / SIGHUP (unless ignored: nohup) stop it (0). Returns its exit
         code. `on_ready()` is called once the server is ready, if it gets there. A request still generating keeps
         tritonserver from exiting (its model is live until the request ends, minutes on a long answer): `grace` seconds
-        after the stop, or at a second signal, the server's process group is killed."""
+        after the stop, or at a second signal, the server's process group is killed. A model whose engine loop failed
+        refuses every request while Triton still reports it ready: the server is stopped, and 1 returned."""
         assert self.process is not None, "start() first"
         stopping: list[float] = []  # when the first signal came
+        failure = None
 
         def forward(signum, _frame):
             if self.process is None or self.process.poll() is not None:
@@ -451,11 +469,18 @@ class TritonServer:
                 code = self.process.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if not stopping and (failure := self._model_failure()) is not None:
+                    logger.error("stopping tritonserver: %s (every request is refused while Triton reports the model "
+                                 "ready)", failure)
+                    stopping.append(time.monotonic())
+                    self._signal_stop()
                 if stopping and time.monotonic() - stopping[0] > grace:
                     logger.warning("tritonserver did not stop within %.0f s of the signal (a request still "
                                    "generating): killed", grace)
                     self._kill_group()
         self.stop()
+        if failure is not None:
+            return 1
         return 0 if stopping or code in (0, -signal.SIGTERM) else code
 
 

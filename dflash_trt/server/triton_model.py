@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_trt.server.prompt_lanes import PromptLanes
-from dflash_trt.server.triton import STOP_FILE_ENV, ModelSettings, located
+from dflash_trt.server.triton import FAILED_FILE_ENV, STOP_FILE_ENV, ModelSettings, located
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # how often live requests are asked whether their client cancelled (TensorRT-LLM's llmapi model's
@@ -321,9 +321,9 @@ class TritonPythonModel:
             self._init_trtllm()
         else:
             self._init_torch()
-        marker = os.environ.get(STOP_FILE_ENV)
-        if marker:
-            threading.Thread(target=self._stop_when_marked, args=(marker,), daemon=True).start()
+        stop_file, failed_file = os.environ.get(STOP_FILE_ENV), os.environ.get(FAILED_FILE_ENV)
+        if stop_file or failed_file:
+            threading.Thread(target=self._watch_files, args=(stop_file, failed_file), daemon=True).start()
 
     def _init_torch(self):
         from dflash_trt.engine.engine_loop import EngineLoop
@@ -333,14 +333,22 @@ class TritonPythonModel:
         self.responder = Responder(self.loop, self.counters)
         self.lanes = PromptLanes(self.engine.prompt_encoder)
 
-    def _stop_when_marked(self, marker):
+    def _watch_files(self, stop_file, failed_file):
         """`dflash-trt triton serve` marks a stop before it signals tritonserver, which waits for requests in flight
         (finalize comes only after them): they end now, each with an error ("server shutting down"), as
-        `dflash-trt serve` ends them, and new ones are refused."""
-        while not os.path.exists(marker):
-            if self._finalized.wait(0.2):  # unloaded otherwise (tritonserver's own model control)
+        `dflash-trt serve` ends them, and new ones are refused. An engine loop that failed on its own bug (it answered
+        what it took, and refuses the rest) is marked for `triton serve` to stop the server: Triton would go on
+        reporting this model ready."""
+        while not self._finalized.wait(0.2):  # (or unloaded by tritonserver's own model control)
+            if stop_file and os.path.exists(stop_file):
+                self._stop_generating()
                 return
-        self._stop_generating()
+            if failed_file and self.settings.backend != "trtllm" and self.loop.failure is not None:
+                pb_utils.Logger.log_error(f"dflash: {self.loop.stopped_because}")
+                with open(f"{failed_file}.writing", "w") as f:  # whole or not there: it is read as it appears
+                    f.write(self.loop.stopped_because)
+                os.replace(f"{failed_file}.writing", failed_file)
+                return
 
     def execute(self, requests):
         for request in requests:

@@ -287,7 +287,7 @@ def test_a_loop_that_ends_on_its_own_bug_answers_what_it_took_and_refuses_more(t
     assert done.wait(30) and finals[taken].error is not None
     loop._thread.join(10)
     assert not loop.is_alive
-    with pytest.raises(LoopStopped):
+    with pytest.raises(LoopStopped, match="the engine loop failed: ZeroDivisionError: division by zero"):
         loop.submit(_prompts(1)[0], SamplingParams(max_new_tokens=4), callback)
 
 

@@ -560,6 +560,23 @@ def test_a_streams_usage_counts_each_prompts_reuse_whichever_answer_finishes_fir
         s.stop()
 
 
+def test_a_server_whose_engine_loop_failed_says_why_on_health_and_to_each_request(tiny_dirs):
+    """A loop that ended on its own bug answered /health "not running" and every request "the server is shutting
+    down", which it was not: a supervisor or client could not tell a stop from a failure, nor what failed."""
+    engine = tiny_engine(tiny_dirs, max_batch_size=1)
+    s = start_server(engine)
+    try:
+        engine.has_unfinished = lambda: 1 / 0  # a bug outside any step: the idle loop asks it within 0.5 s
+        s.loop._thread.join(10)
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and "ZeroDivisionError" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        assert r.json()["error"]["message"] == "the engine loop failed: ZeroDivisionError: division by zero"
+    finally:
+        s.stop()
+
+
 def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
     s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=0))
     try:

@@ -413,6 +413,32 @@ def test_a_server_that_does_not_stop_is_killed_with_its_stubs_after_the_grace(tm
             time.sleep(0.1)
 
 
+def test_a_model_whose_engine_loop_failed_stops_the_server_with_an_error(tmp_path, caplog):
+    """Triton reports a python model ready whatever it answers: one whose engine loop failed refused every request
+    while health checks passed. The model marks the failure (tests/server/test_triton_model.py), and `triton serve`
+    stops the server and exits 1, for a supervisor to restart it. A stand-in for tritonserver here."""
+    import tempfile
+    import threading
+
+    from dflash_trt.server.triton import TritonServer
+
+    server = TritonServer(tmp_path)
+    server._workdir = tempfile.TemporaryDirectory(prefix="dflash-triton-test-")
+    stopped = tmp_path / "stopped"
+    server.process = subprocess.Popen(["bash", "-c", f"trap 'touch {stopped}; exit 0' TERM; sleep 600 & wait"],
+                                      start_new_session=True)
+    time.sleep(0.5)  # the trap is set
+    threading.Timer(0.5, server._failed_file.write_text, ("the engine loop failed: ZeroDivisionError",)).start()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert server.wait_forwarding_signals(grace=10.0) == 1
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert stopped.exists()  # stopped by SIGTERM, as a signal stops it (its model told first), not killed
+    assert "stopping tritonserver: the engine loop failed: ZeroDivisionError" in caplog.text
+
+
 def test_a_model_without_an_engine_runs_where_and_as_generate_would(tiny_dirs, monkeypatch):
     """generate's rule (runtime_device.target_runtime: bf16 on a GPU where torch sees one, else fp32 on the CPU);
     here its answer stands in for a GPU's dtype, as this machine has none."""

@@ -331,7 +331,9 @@ def torch_model(monkeypatch, tiny_dirs, tmp_path):
     """The torch backend as Triton loads it (initialize with a model config's parameters), on a tiny engine of one
     row, whose steps wait for `gate` once it is cleared."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
-    from dflash_trt.server.triton import ModelSettings
+    from dflash_trt.server.triton import FAILED_FILE_ENV, ModelSettings
+
+    monkeypatch.setenv(FAILED_FILE_ENV, str(tmp_path / "failed"))  # as `triton serve` starts tritonserver
 
     settings = ModelSettings(target_dir=str(tiny_dirs["qwen3"]), drafter_dir=str(tiny_dirs["qwen3_drafter"]),
                              max_batch_size=1, max_model_len=256, dtype="float32")
@@ -427,6 +429,28 @@ def test_torch_backend_answers_its_requests_unavailable_at_a_stop(torch_model):
     late = Sender()
     model.execute([_request(late, True)])
     assert late.wait_final()[-1][0].error.code == TritonError.UNAVAILABLE
+
+
+def test_torch_backend_marks_an_engine_loop_that_failed_for_triton_serve(torch_model, tmp_path):
+    """Triton has no way for a python model to become unready: a loop that failed on its own bug refused every
+    request while Triton reported the model ready, for as long as the server ran. The model marks the failure (with
+    its reason) for `triton serve`, which stops the server."""
+    model, _ = torch_model
+    model.engine.has_unfinished = lambda: 1 / 0  # a bug outside any step: the idle loop asks it within 0.5 s
+    failed = tmp_path / "failed"
+    _wait_until(failed.exists)
+    assert failed.read_text() == "the engine loop failed: ZeroDivisionError: division by zero"
+    late = Sender()
+    model.execute([_request(late, True)])
+    response = late.wait_final()[-1][0]
+    assert response.error.code == TritonError.UNAVAILABLE and "ZeroDivisionError" in response.error.message
+
+
+def test_torch_backend_marks_no_failure_at_a_stop(torch_model, tmp_path):
+    model, _ = torch_model
+    model._stop_generating()
+    time.sleep(0.5)  # the watcher looks every 0.2 s
+    assert not model.loop.is_alive and not (tmp_path / "failed").exists()
 
 
 def test_torch_backend_samples_a_request_that_sends_top_p_alone(torch_model, monkeypatch):
