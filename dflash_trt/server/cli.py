@@ -242,6 +242,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     finally:
         sock.close()  # uvicorn closes it on shutdown, but not when the engine failed to load
     _say("stopped")
+    if loop.failure is not None:
+        raise SystemExit(1)
 
 
 def _say(message: str) -> None:
@@ -290,6 +292,14 @@ def _uvicorn_server_class():
         def __init__(self, config, on_started=None, engine_loop=None):
             super().__init__(config)
             self.on_started, self.engine_loop = on_started, engine_loop
+
+        async def on_tick(self, counter: int) -> bool:
+            # An engine loop that failed on its own bug refuses every request: the server stops (exit status 1), for
+            # a supervisor to restart it, as vLLM's does when its engine dies.
+            if self.engine_loop is not None and self.engine_loop.failure is not None:
+                _say(f"stopping: {self.engine_loop.stopped_because}")
+                return True
+            return await super().on_tick(counter)
 
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)

@@ -4,9 +4,11 @@ refuses what tritonserver could not load, and an existing model without --force;
 that is not a model repository."""
 
 import fcntl
+import os
 import shutil
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -249,6 +251,49 @@ def test_serve_stopped_in_a_long_step_answers_its_requests_once_the_step_ends(mo
     while (not events or events[-1] != "[DONE]") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+
+
+def test_serve_whose_engine_loop_failed_answers_what_it_took_and_exits_1(monkeypatch, tiny_dirs):
+    """A loop that failed on its own bug left the server up, answering /health and every request 503 for as long as
+    it ran: nothing restarted it but a probe of /health. It stops now, as vLLM's server does when its engine dies."""
+    import signal
+    import threading
+
+    import httpx
+
+    port, answers, broken = free_port(), [], threading.Event()
+    load_engine = cli.load_engine
+
+    def load_breakable(*args, **overrides):
+        llm, name = load_engine(*args, **overrides)
+        has_unfinished = llm.has_unfinished
+        llm.has_unfinished = lambda: 1 / 0 if broken.is_set() else has_unfinished()  # a bug outside any step
+        return llm, name
+
+    def client():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                    "model": "m", "prompt": "hi", "max_tokens": 4}, timeout=30).status_code)
+                break
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.1)
+        broken.set()
+
+    monkeypatch.setattr(cli, "load_engine", load_breakable)
+    threading.Thread(target=client, daemon=True).start()
+    stop = threading.Timer(90, os.kill, (os.getpid(), signal.SIGTERM))  # (were it never to stop by itself)
+    stop.start()
+    try:
+        result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--drafter",
+                                                str(tiny_dirs["qwen3_drafter"]), "--max-model-len", "256",
+                                                "--port", str(port), "--served-model-name", "m"])
+    finally:
+        stop.cancel()
+    assert answers == [200]
+    assert result.exit_code == 1, result.output
+    assert "stopping: the engine loop failed: ZeroDivisionError: division by zero" in result.output
 
 
 def test_serve_says_it_serves_only_once_it_listens(monkeypatch, tiny_dirs):
