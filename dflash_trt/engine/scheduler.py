@@ -104,10 +104,6 @@ class PrefillChunk:
     takes: tuple[int, int] | None = None
     copied: bool = False  # the copy `takes` asks for has landed (a step that fails before it undoes the request's)
 
-    @property
-    def is_last(self) -> bool:
-        return self.end == len(self.seq.prompt_ids)
-
     def undo_takeover(self) -> None:
         """Where the copy `takes` asks for never landed (the step failed first), the request holds none of the prompt
         Scheduler._admit gave it with the copy."""

@@ -19,7 +19,7 @@ def _run(sched: Scheduler, batch, token: int = 50, max_model_len: int = 2048) ->
     """What the engine does with a batch, without a model: advance prefills, commit one token per row."""
     for c in batch.prefills:
         c.seq.num_prefilled = c.end
-        if c.is_last:
+        if c.end == len(c.seq.prompt_ids):  # the last chunk samples the first token
             c.seq.append([token], max_model_len)
     for s in batch.decodes:
         s.append([token] * (batch.num_draft + 1), max_model_len)
