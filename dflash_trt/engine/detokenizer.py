@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+STOP_HEAD = 8  # characters of a stop string searched for before a suffix of the answer is compared with all of it
+
 
 def client_text(tokenizer, ids: Sequence[int]) -> str:
     """The text of ids as a client gets it: without special tokens, and without the U+FFFD of a character whose bytes
@@ -102,12 +104,21 @@ class IncrementalDetokenizer:
         if cut >= 0:
             best = len(text) - cut
         for stop in self.stop:
-            # only suffixes that start with the stop's first character: trying every length sliced and compared up to
-            # len(stop) characters len(stop) times, milliseconds an update for long stops on the event loop
-            i = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+            # Only suffixes that start with the stop's first STOP_HEAD characters, found by str.find, are compared
+            # whole, then the last STOP_HEAD - 1 (too short to hold them). Every suffix that began with its first
+            # character, compared whole, took 122 ms an update (on the event loop) for 256 stops of 4,000 characters
+            # that began with a space.
+            head = stop[:STOP_HEAD]
+            i = text.find(head, max(len(text) - len(stop) + 1, 0))
             while i >= 0 and len(text) - i > best:
                 if stop.startswith(text[i:]):
                     best = len(text) - i
                     break
-                i = text.find(stop[0], i + 1)
+                i = text.find(head, i + 1)
+            for i in range(max(len(text) - len(head) + 1, 0), len(text)):
+                if len(text) - i <= best:
+                    break
+                if stop.startswith(text[i:]):
+                    best = len(text) - i
+                    break
         return best
