@@ -83,6 +83,14 @@ class PromptEncoder:
                                 f"model's maximum context length) can hold")
 
 
+# Characters counted for each message's turn markers (a template's own, which most render in more): a conversation of
+# thousands of empty messages measured 0 characters, went to the small prompts' lane and was tokenized whole (15 s
+# for 300,000, every other request waiting) before its 1.65M tokens were refused
+CHAT_TURN_CHARS = 4
+
+
 def chat_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of a conversation's contents and tool calls (what its rendering holds, templates aside)."""
-    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in messages)
+    """The characters of a conversation's contents and tool calls, and CHAT_TURN_CHARS a message: about what its
+    rendering holds."""
+    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) + CHAT_TURN_CHARS
+               for m in messages)

@@ -70,6 +70,19 @@ def test_a_prompt_past_what_the_context_can_hold_is_refused_before_it_is_tokeniz
     assert encoder.encode("x " * 16) == tokenizer("x " * 16)["input_ids"]  # short prompts as ever
 
 
+def test_a_conversation_of_empty_messages_past_what_the_context_holds_is_refused_before_it_is_tokenized(tokenizer):
+    """Its contents measured 0 characters: 300,000 empty messages (a 10 MB body) were tokenized whole, 15 s on the
+    small prompts' lane that every other request waits on, before their 1.65M tokens were refused."""
+    counting = CountingTokenizer(tokenizer)
+    encoder = PromptEncoder(counting, 64)
+    empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (encoder.max_prompt_chars // 2)
+    with pytest.raises(PromptTooLong):
+        encoder.encode_chat(empty)
+    assert counting.tokenized == 0
+    few = empty[:4]  # as ever
+    assert encoder.encode_chat(few) == template(tokenizer, few)
+
+
 @settings(max_examples=80, deadline=None)
 @given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=400))
 def test_no_prompt_that_fits_holds_more_characters_than_the_bound(tokenizer, text):
