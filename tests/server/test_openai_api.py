@@ -577,6 +577,46 @@ def test_a_server_whose_engine_loop_failed_says_why_on_health_and_to_each_reques
         s.stop()
 
 
+def test_more_answers_than_the_server_holds_are_refused_before_any_prompt_is_tokenized(tiny_dirs, monkeypatch):
+    """The count alone decides it: 200,000 prompts of "a" were tokenized first, 56 s of a core, before this 400."""
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+
+    calls = []
+    for method in ("encode", "encode_chat"):
+        real = getattr(PromptEncoder, method)
+        monkeypatch.setattr(PromptEncoder, method, lambda *a, _real=real, **k: (calls.append(a), _real(*a, **k))[1])
+    s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=1))
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 3, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "3 prompts" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": MODEL, "n": 3, "max_tokens": 1,
+                                                             "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert not calls
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(calls) == 2  # as many as it holds: as ever
+    finally:
+        s.stop()
+
+
+def test_detokenizing_a_bodys_worth_of_ids_runs_on_the_big_prompts_lane(server, monkeypatch):
+    """On the small prompts' lane, which every request's prompt waits on, 5M ids held a 4-token chat 2.7 s."""
+    import threading
+
+    from dflash_trt.server.prompt_lanes import BIG_PROMPT_CHARS
+
+    tokenizer = server.engine.tokenizer
+    threads = []
+    real = type(tokenizer).decode
+    monkeypatch.setattr(type(tokenizer), "decode",
+                        lambda *a, **k: (threads.append(threading.current_thread().name), real(*a, **k))[1])
+    for n in (3, BIG_PROMPT_CHARS + 1):
+        r = httpx.post(server.url + "/detokenize", json={"tokens": [5] * n}, timeout=60)
+        assert r.status_code == 200
+    assert threads[0].startswith("dflash-tokenize_") and threads[-1].startswith("dflash-tokenize-big"), threads
+
+
 def test_a_full_queue_answers_503_and_recovers(tiny_dirs):
     s = start_server(tiny_engine(tiny_dirs, max_batch_size=1, max_queue_len=0))
     try:
