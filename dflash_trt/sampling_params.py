@@ -17,6 +17,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (and vLLM's default max
 # Each stop string is looked for at every step, on the engine's thread that every request shares: 100,000 of them
 # made another request's 100 tokens take 7 s instead of 0.3 (OpenAI takes 4)
 MAX_STOP_STRINGS = 256
+# Characters of all stop strings together: a streamed answer is held back where its end may begin one, which costs up
+# to the square of a stop's length an update on the server's event loop (256 stops of 80,000 characters stalled it
+# 24 s); the engine decodes as many of the last tokens as the longest has bytes, every step
+MAX_STOP_CHARS = 4096
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -119,6 +123,9 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop holds {len(self.stop)} strings, more than the {MAX_STOP_STRINGS} a request may "
                              "send (each is looked for at every step, on the engine every request shares)")
+        if (chars := sum(map(len, self.stop))) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings hold {chars} characters together, more than the {MAX_STOP_CHARS} a request "
+                             "may send")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -51,7 +51,7 @@ class PromptEncoder:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        chat_template=chat_template, **({"tools": tools} if tools else {}), **(template_kwargs or {}))
-        if add_special_tokens or chat_chars(messages) > self.max_prompt_chars:
+        if add_special_tokens or chat_chars(messages, tools) > self.max_prompt_chars:
             # rendered once, as text: to tokenize with the tokenizer's own special tokens, or, likely too long, to be
             # sure before tokenizing (a template need not render every message)
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
@@ -89,8 +89,7 @@ class PromptEncoder:
 CHAT_TURN_CHARS = 4
 
 
-def chat_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of a conversation's contents and tool calls, and CHAT_TURN_CHARS a message: about what its
-    rendering holds."""
-    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) + CHAT_TURN_CHARS
-               for m in messages)
+def chat_chars(messages: list[dict[str, str]], tools: list[dict] | None = None) -> int:
+    """The characters of a conversation's fields (contents, tool calls, names: whatever a template may render) and
+    tools, and CHAT_TURN_CHARS a message: about what its rendering holds."""
+    return sum(sum(len(str(v)) for v in m.values() if v) + CHAT_TURN_CHARS for m in messages) + len(str(tools or ""))

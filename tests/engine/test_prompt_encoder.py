@@ -83,6 +83,22 @@ def test_a_conversation_of_empty_messages_past_what_the_context_holds_is_refused
     assert encoder.encode_chat(few) == template(tokenizer, few)
 
 
+def test_tools_and_every_field_of_a_message_count_toward_the_check_before_tokenizing(tokenizer):
+    """Only contents and tool calls were counted: a tool's description of a million characters, which templates
+    that render tools write out, was tokenized whole (3.6 s) before the prompt was found too long."""
+    counting = CountingTokenizer(tokenizer)
+    encoder = PromptEncoder(counting, 64)
+    huge = "x " * (encoder.max_prompt_chars // 2 + 1)
+    renders_tools = "{% for t in tools %}{{ t.function.description }}{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "f", "description": huge}}]
+    with pytest.raises(PromptTooLong):
+        encoder.encode_chat([{"role": "user", "content": "hi"}], chat_template=renders_tools, tools=tools)
+    renders_names = "{% for m in messages %}{{ m.name }}{% endfor %}"
+    with pytest.raises(PromptTooLong):
+        encoder.encode_chat([{"role": "user", "content": "hi", "name": huge}], chat_template=renders_names)
+    assert counting.tokenized == 0
+
+
 @settings(max_examples=80, deadline=None)
 @given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=400))
 def test_no_prompt_that_fits_holds_more_characters_than_the_bound(tokenizer, text):
