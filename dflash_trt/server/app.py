@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 # The largest request body (serve --max-request-mb): a 1M-token prompt sent as ids is about 7 MB
 MAX_REQUEST_BYTES = 32 * 2**20
+MAX_ERROR_CHARS = 1000  # of an error's message, which may quote what the client sent
 
 
 class APIError(Exception):
@@ -72,20 +73,27 @@ def _telling(err: dict) -> tuple[bool, int, bool]:
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
                allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
-               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               allowed_hosts: tuple[str, ...] | None = ()) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
     loops holds the tokenizer, so every request, for as long as it runs. api_key: the /v1 routes answer only requests
     that bring it (server/access.py). max_request_bytes: a larger body is refused (413) before it is read: its JSON is
-    parsed on the event loop, which every stream waits on (a 57 MB body held /health for 4 s)."""
+    parsed on the event loop, which every stream waits on (a 57 MB body held /health for 4 s). allowed_hosts: the
+    Host names answered beside loopback ones (None: any, for a server other hosts reach; server/access.py)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
     unauthorized = APIError(401, "this server needs its API key: send it as the header `Authorization: Bearer KEY`",
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     # added before CORS, which so wraps it: a browser's call refused for its key still reads as a 401
-    app.add_middleware(Access, api_key=api_key, unauthorized=lambda: error_response(unauthorized))
+    app.add_middleware(Access, api_key=api_key, unauthorized=lambda: error_response(unauthorized),
+                       misdirected=lambda host: error_response(APIError(
+                           403, f"this server answers requests for localhost, not for {host[:100]!r} (a page whose "
+                                "name was pointed at this machine: DNS rebinding); serve --allowed-host NAME answers "
+                                "that name too", code="host_not_allowed")),
+                       hosts=allowed_hosts)
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -100,7 +108,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
-        body = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code))
+        # a message may quote what the client sent (a model's name, a field's value): 10 MB came back in a 400
+        message = e.message if len(e.message) <= MAX_ERROR_CHARS else e.message[:MAX_ERROR_CHARS] + "... (cut)"
+        body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=e.type, param=e.param, code=e.code))
         return JSONResponse(body.model_dump(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
@@ -233,7 +243,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                 "--trust-request-chat-template", param="chat_template")
         try:
             messages = [m.for_template() for m in req.messages]
-            return await tokenized(chat_chars(messages), "encode_chat", messages,
+            return await tokenized(chat_chars(messages, req.template_tools), "encode_chat", messages,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message, chat_template=req.chat_template,
                                    template_kwargs=req.chat_template_kwargs, add_special_tokens=req.add_special_tokens,

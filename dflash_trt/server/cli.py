@@ -159,17 +159,20 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "default, as vLLM's).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--api-key", envvar="DFLASH_TRT_API_KEY", default=None,
-              help="The /v1 routes answer 401 to a request without `Authorization: Bearer KEY` (vLLM's --api-key); "
-              "default: $DFLASH_TRT_API_KEY, else open to whoever reaches --host.")
+              help="The /v1 routes, /tokenize and /detokenize answer 401 to a request without `Authorization: Bearer "
+              "KEY` (vLLM's --api-key); default: $DFLASH_TRT_API_KEY, else open to whoever reaches --host.")
 @click.option("--max-request-mb", default=32, show_default=True, type=click.IntRange(min=1),
               help="The largest request body in MiB; a larger one is refused (413) before it is read.")
 @click.option("--allowed-origin", "allowed_origins", multiple=True,
               help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000; '*' "
               "for any; repeatable (default: none).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="On a loopback --host, a Host name answered beside localhost (a reverse proxy's that passes its "
+              "own on); repeatable. Others get 403 (DNS rebinding). Any name is answered on other addresses.")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
-          trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins) -> None:
+          trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins, allowed_hosts) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
     nohup)."""
@@ -194,6 +197,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
 
     from dflash_trt.engine.engine_loop import EngineLoop
     from dflash_trt.engine.llm_engine import capped_note
+    from dflash_trt.server.access import is_loopback
     from dflash_trt.server.app import create_app
 
     _Server = _uvicorn_server_class()
@@ -222,7 +226,11 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,
-                         max_request_bytes=max_request_mb * 2**20)
+                         max_request_bytes=max_request_mb * 2**20,
+                         allowed_hosts=tuple(allowed_hosts) if is_loopback(host) else None)
+        if not api_key and not is_loopback(host):
+            click.echo(f"warning: serving on {host} without --api-key: whoever reaches it may use the model"
+                       + (" and run their own chat templates" if trust_request_chat_template else ""), err=True)
         mode = mode_text(llm)
 
         def started() -> None:

@@ -296,6 +296,22 @@ def test_serve_whose_engine_loop_failed_answers_what_it_took_and_exits_1(monkeyp
     assert "stopping: the engine loop failed: ZeroDivisionError: division by zero" in result.output
 
 
+@pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", "sesame", False),
+                                               ("127.0.0.1", None, False)])
+def test_serve_warns_where_others_reach_it_without_a_key(monkeypatch, tiny_dirs, host, key, warned):
+    async def stop_at_once(self):  # instead of serving until a signal
+        pass
+
+    server_class = cli._uvicorn_server_class
+    monkeypatch.setattr(cli, "_uvicorn_server_class", lambda: type("S", (server_class(),), {"main_loop": stop_at_once}))
+    monkeypatch.delenv("DFLASH_TRT_API_KEY", raising=False)
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "64",
+                                            "--host", host, "--port", str(free_port()),
+                                            *(["--api-key", key] if key else [])])
+    assert result.exit_code == 0, result.output
+    assert ("without --api-key: whoever reaches it may use the model" in result.output) == warned, result.output
+
+
 def test_serve_says_it_serves_only_once_it_listens(monkeypatch, tiny_dirs):
     """The "serving ... on URL" line is a promise that a client can connect: checked when it is written."""
     port, connected = free_port(), []

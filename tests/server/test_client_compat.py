@@ -21,6 +21,11 @@ def _answer(oracle, ids, max_tokens=8) -> str:
     return oracle.generate([ids], SamplingParams(max_new_tokens=max_tokens))[0].text
 
 
+def _local(app) -> TestClient:
+    """A client of the app as one on this machine calls it (Host: localhost; a loopback server answers no other)."""
+    return TestClient(app, base_url="http://localhost")
+
+
 def test_the_first_chat_chunk_waits_for_the_first_output(server, monkeypatch):
     """vLLM's bench times the first token at the first chunk with choices: a role chunk sent on arrival made a prompt's
     prefill look free and put it in the first inter-token gap."""
@@ -74,7 +79,7 @@ def test_a_chat_template_and_its_kwargs_render_the_prompt_where_the_server_trust
     untrusted = httpx.post(server.base_url + "/chat/completions", timeout=60,
                            json={**CHAT, "messages": messages, "chat_template": template})
     assert untrusted.status_code == 400 and untrusted.json()["error"]["param"] == "chat_template"
-    trusted = TestClient(create_app(server.loop, MODEL, trust_request_chat_template=True))
+    trusted = _local(create_app(server.loop, MODEL, trust_request_chat_template=True))
     for kwargs in ({}, {"shout": True}):
         body = {**CHAT, "messages": messages, "chat_template": template, "chat_template_kwargs": kwargs}
         r = trusted.post("/v1/chat/completions", json=body)
@@ -272,9 +277,9 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_and_the_answer_is_t
 
 def test_browsers_may_call_the_api_only_from_the_origins_allowed(server):
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
-    closed = TestClient(create_app(server.loop, MODEL))
+    closed = _local(create_app(server.loop, MODEL))
     assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
-    opened = TestClient(create_app(server.loop, MODEL, allowed_origins=("http://localhost:3000",)))
+    opened = _local(create_app(server.loop, MODEL, allowed_origins=("http://localhost:3000",)))
     r = opened.options("/v1/chat/completions", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
     other = opened.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
@@ -319,7 +324,7 @@ def test_bodies_not_sent_as_json_are_refused(server, kind):
 
 
 def test_a_broken_request_chat_template_is_named_and_messages_stay_template_input(server):
-    trusted = TestClient(create_app(server.loop, MODEL, trust_request_chat_template=True))
+    trusted = _local(create_app(server.loop, MODEL, trust_request_chat_template=True))
     broken = trusted.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi"}],
                                                          "chat_template": "{% for %}"})
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"

@@ -310,6 +310,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),  # would match before any text
     ({"model": MODEL, "prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(257)]}, 400, "stop"),  # each is looked for
+    ({"model": MODEL, "prompt": "hi", "stop": ["q" * 4000, "q" * 97]}, 400, "stop"),  # 4,097 characters together
+    ({"model": "m" * 100_000, "prompt": "hi"}, 404, "model"),  # its 100,000 characters not echoed in full
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),  # strict: no truthy strings
     ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
@@ -386,6 +388,7 @@ def test_each_bad_input_gets_its_error_and_the_server_keeps_serving(server):
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["message"] and err["type"], err
+        assert len(err["message"]) < 1100  # what a client sent is quoted cut (a 10 MB field came back in full)
     r = httpx.post(server.base_url + "/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
@@ -827,7 +830,7 @@ def test_a_stop_cuts_the_connections_of_clients_that_stopped_reading_without_tra
                            "stream": True, "logprobs": 20, "n": 8}).encode()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         stalled.connect(("127.0.0.1", port))
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(1)
         while "dflash_running_requests 0.0" not in httpx.get(url + "/metrics", timeout=5).text:  # all generated
@@ -976,7 +979,7 @@ def test_a_body_past_the_limit_or_cut_short_is_the_clients_doing_and_the_server_
         host, port = server.url.removeprefix("http://").split(":")
         for _ in range(3):
             with socket.create_connection((host, int(port))) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"pro")
         deadline = time.monotonic() + 10
         while scrape(server).get('dflash_request_errors_total{status="499"}', 0) < 3 and time.monotonic() < deadline:
