@@ -49,7 +49,7 @@ class Access:
         request for a host not served gets. hosts: the names served beside loopback ones (None: any, for a server
         on an address other hosts reach)."""
         self.app, self.unauthorized, self.misdirected = app, unauthorized, misdirected
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
         self.hosts = None if hosts is None else {h.lower().rstrip(".") for h in hosts}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -72,8 +72,10 @@ class Access:
         path = scope["path"]
         guarded = (self.key is not None and (path.startswith("/v1") or path.rstrip("/") in GUARDED_ROUTES)
                    and scope["method"] != "OPTIONS")
-        # compare_digest: the time a wrong key takes to refuse does not tell how much of it was right
-        if guarded and not hmac.compare_digest(headers.get(b"authorization", b""), self.key):
+        # the scheme in any case (RFC 9110's auth-scheme); compare_digest: the time a wrong key takes to refuse does not
+        # tell how much of it was right
+        scheme, _, key = headers.get(b"authorization", b"").strip().partition(b" ")
+        if guarded and not (scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)):
             await self.unauthorized()(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)

@@ -78,10 +78,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
-    loops holds the tokenizer, so every request, for as long as it runs. api_key: the /v1 routes answer only requests
-    that bring it (server/access.py). max_request_bytes: a larger body is refused (413) before it is read: its JSON is
-    parsed on the event loop, which every stream waits on (a 57 MB body held /health for 4 s). allowed_hosts: the
-    Host names answered beside loopback ones (None: any, for a server other hosts reach; server/access.py)."""
+    loops holds the tokenizer, so every request, for as long as it runs. api_key: the /v1 routes, /tokenize and
+    /detokenize answer only requests that bring it (server/access.py). max_request_bytes: a larger body is refused
+    (413) before it is read: its JSON is parsed on the event loop, which every stream waits on (a 57 MB body held
+    /health for 4 s). allowed_hosts: the Host names answered beside loopback ones (None: any, for a server other
+    hosts reach; server/access.py)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)

@@ -22,6 +22,10 @@ def test_the_v1_routes_answer_only_requests_with_the_key(keyed):
         keyed.client().completions.create(model=MODEL, prompt="x", max_tokens=2)  # the key "none"
     assert refused.value.code == "invalid_api_key" and "Authorization: Bearer" in refused.value.message
     assert httpx.get(keyed.base_url + "/models").status_code == 401  # no Authorization at all
+    for wrong in ("Bearer sesam", "Bearer sesame2", "Basic sesame", "sesame", "Bearer", ""):
+        assert httpx.get(keyed.base_url + "/models", headers={"Authorization": wrong}).status_code == 401, wrong
+    for right in ("bearer sesame", "BEARER  sesame"):  # the scheme in any case (RFC 9110), as clients may send it
+        assert httpx.get(keyed.base_url + "/models", headers={"Authorization": right}).status_code == 200, right
     good = openai.OpenAI(base_url=keyed.base_url, api_key="sesame", max_retries=0, timeout=60)
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
     assert [m.id for m in good.models.list().data] == [MODEL]
