@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from dflash_trt.engine.llm_engine import LLMEngine
+from dflash_trt.engine.prompt_encoder import PromptTooLong
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.prompts import Prompt, stable_hash
 
@@ -109,19 +110,23 @@ def generate_responses(
     limit = getattr(engine, "engine", engine).max_model_len  # a BatchGenerator runs its engine's
     jobs, strangers, wanted, too_long = [], [], set(), []
     for i, p in enumerate(prompts):
-        ids = engine.encode(p.text, chat=chat)
+        try:
+            ids = engine.encode(p.text, chat=chat)
+        except PromptTooLong:  # more characters than the limit's tokens could hold: not tokenized
+            ids = None
         modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
-        if len(ids) >= limit and any(f"{first_id + i}:{mode}" not in stored for mode in modes):
+        if (ids is None or len(ids) >= limit) and any(f"{first_id + i}:{mode}" not in stored for mode in modes):
             # found before any is answered: answered shortest first, it failed the run last (one answered before,
             # by a run with a longer limit, needs no room now)
-            too_long.append(f"prompt {first_id + i + 1} ({p.source}, {len(ids)} tokens)")
+            size = f"{len(p.text)} characters" if ids is None else f"{len(ids)} tokens"
+            too_long.append(f"prompt {first_id + i + 1} ({p.source}, {size})")
             continue
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
             wanted.add(rid)
             if rid not in stored:
                 jobs.append((rid, p, mode, ids))
-            elif stored[rid] != ids:
+            elif ids is not None and stored[rid] != ids:
                 strangers.append(rid)
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) leave no room to answer in {limit} tokens: "

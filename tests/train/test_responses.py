@@ -90,10 +90,15 @@ def test_a_prompt_too_long_to_answer_is_refused_before_any_is_answered(engine, t
     # answered shortest first, it failed the run after every other prompt, naming none
     path = tmp_path / "responses.jsonl"
     long = Prompt("word " * engine.max_model_len, "my-file")
-    with pytest.raises(ValueError, match=r"1 prompt\(s\) leave no room .*: prompt 3 \(my-file, \d+ tokens\).*"
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) leave no room .*: prompt 3 \(my-file, \d+ "
+                                         r"(tokens|characters)\).*"
                                          r"raise --max-seq-len"):
         generate_responses(engine, [*PROMPTS[:2], long], path, max_new_tokens=6, sampled_variants=0)
     assert read_records(path) == []
+    longer = Prompt("word " * 20 * engine.max_model_len, "big-file")  # more characters than the limit's tokens hold
+    with pytest.raises(ValueError, match=r"2 prompt\(s\) leave no room .*: prompt 3 \(my-file, \d+ "
+                                         r"(tokens|characters)\), prompt 4 \(big-file, \d+ characters\)"):
+        generate_responses(engine, [*PROMPTS[:2], long, longer], path, max_new_tokens=6, sampled_variants=0)
 
 
 def test_prompts_answered_before_need_no_room_now(engine, tmp_path, monkeypatch):
