@@ -196,11 +196,13 @@ class EngineLoop:
             pass
         for seq in self.engine.scheduler.take_aborted():  # aborted while the last step ran, or finished by a failed one
             self._answer(seq)
+        # a stop's requests are the server's to retry elsewhere; a failure's are told what failed
+        reason = SHUTTING_DOWN if self.failure is None else self.stopped_because
         for seq in self.engine.scheduler.fail_running("abort"):
-            self._deliver(_failed(seq, SHUTTING_DOWN))
+            self._deliver(_failed(seq, reason))
         while self.engine.scheduler.waiting:
             seq = self.engine.scheduler.waiting.popleft()
-            self._deliver(RequestUpdate(seq.request_id, (), True, None, SHUTTING_DOWN))
+            self._deliver(RequestUpdate(seq.request_id, (), True, None, reason))
 
     def _answer(self, seq, error: str | None = None) -> None:
         """A request's last update: its output (passed to on_finish), or `error` where given (its output still passed
