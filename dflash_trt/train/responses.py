@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from dflash_trt.engine.llm_engine import LLMEngine
-from dflash_trt.engine.prompt_encoder import PromptTooLong
+from dflash_trt.engine.prompt_encoder import PromptEncoder, PromptTooLong
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.prompts import Prompt, stable_hash
 
@@ -107,26 +108,30 @@ def generate_responses(
     chat: each prompt as a user turn through the target's chat template, else as plain text (a base model's).
     """
     stored = {r["id"]: r["prompt_ids"] for r in read_records(out_path)}
-    limit = getattr(engine, "engine", engine).max_model_len  # a BatchGenerator runs its engine's
+    base = getattr(engine, "engine", engine)  # a BatchGenerator runs its engine's limit and tokenizer
+    limit = base.max_model_len
     jobs, strangers, wanted, too_long = [], [], set(), []
     for i, p in enumerate(prompts):
+        modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
+        # found before any is answered: answered shortest first, it failed the run last (one answered before, by a
+        # run with a longer limit, needs no room now)
+        unanswered = any(f"{first_id + i}:{mode}" not in stored for mode in modes)
         try:
             ids = engine.encode(p.text, chat=chat)
         except PromptTooLong:  # more characters than the limit's tokens could hold: not tokenized
-            ids = None
-        modes = ["greedy"] + [f"sample{j}" for j in range(sampled_variants)]
-        if (ids is None or len(ids) >= limit) and any(f"{first_id + i}:{mode}" not in stored for mode in modes):
-            # found before any is answered: answered shortest first, it failed the run last (one answered before,
-            # by a run with a longer limit, needs no room now)
-            size = f"{len(p.text)} characters" if ids is None else f"{len(ids)} tokens"
-            too_long.append(f"prompt {first_id + i + 1} ({p.source}, {size})")
+            if unanswered:
+                too_long.append(f"prompt {first_id + i + 1} ({p.source}, {len(p.text)} characters)")
+                continue
+            ids = PromptEncoder(base.tokenizer, sys.maxsize).encode(p.text, chat)  # checked as the others are
+        if len(ids) >= limit and unanswered:
+            too_long.append(f"prompt {first_id + i + 1} ({p.source}, {len(ids)} tokens)")
             continue
         for mode in modes:
             rid = f"{first_id + i}:{mode}"
             wanted.add(rid)
             if rid not in stored:
                 jobs.append((rid, p, mode, ids))
-            elif ids is not None and stored[rid] != ids:
+            elif stored[rid] != ids:
                 strangers.append(rid)
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) leave no room to answer in {limit} tokens: "

@@ -109,3 +109,27 @@ def test_prompts_answered_before_need_no_room_now(engine, tmp_path, monkeypatch)
     assert generate_responses(engine, PROMPTS[:2], path, max_new_tokens=6, sampled_variants=0) == first
     with pytest.raises(ValueError, match=r"1 prompt\(s\) .*: prompt 3 \(test, "):
         generate_responses(engine, PROMPTS[:3], path, max_new_tokens=6, sampled_variants=0)
+
+
+def test_a_prompt_answered_before_and_now_too_long_to_tokenize_is_still_checked_against_its_record(engine, tmp_path):
+    """Records are matched to prompts by position: one that answers another prompt is refused. A prompt too long for
+    this run's limit even to tokenize (answered by a run with a longer one) skipped that check, and a stranger's
+    record was kept for training."""
+    import json
+    import sys
+
+    from dflash_trt.engine.prompt_encoder import PromptEncoder
+
+    text = "word " * 20 * engine.max_model_len
+    ids = PromptEncoder(engine.tokenizer, sys.maxsize).encode(text, chat=True)  # (the oracle: no limit to refuse)
+    path = tmp_path / "responses.jsonl"
+    for prompt_ids in ([7, 7, 7], ids):
+        record = {"id": "0:greedy", "source": "big", "split": "train", "mode": "greedy", "prompt_ids": prompt_ids,
+                  "response_ids": [5]}
+        path.write_text(json.dumps(record) + "\n")
+        if prompt_ids != ids:
+            with pytest.raises(ValueError, match="records 0:greedy answer other prompts"):
+                generate_responses(engine, [Prompt(text, "big")], path, max_new_tokens=6, sampled_variants=0)
+        else:
+            kept = generate_responses(engine, [Prompt(text, "big")], path, max_new_tokens=6, sampled_variants=0)
+            assert [r["prompt_ids"] for r in kept] == [ids]
