@@ -46,11 +46,11 @@ class Access:
     def __init__(self, app, api_key: str | None, unauthorized: Callable[[], object],
                  misdirected: Callable[[str], object], hosts: tuple[str, ...] | None = ()) -> None:
         """unauthorized: the response (an ASGI app) a request without the key gets; misdirected(host): the one a
-        request for a host not served gets. hosts: the names served beside loopback ones (None: any, for a server
-        on an address other hosts reach)."""
+        request for a host not served gets. hosts: the names served beside loopback ones, as Host headers or names
+        ("*": any; None: any, for a server on an address other hosts reach)."""
         self.app, self.unauthorized, self.misdirected = app, unauthorized, misdirected
-        self.key = api_key.encode() if api_key else None
-        self.hosts = None if hosts is None else {h.lower().rstrip(".") for h in hosts}
+        self.key = api_key.strip().encode() if api_key and api_key.strip() else None  # as a header's is read
+        self.hosts = None if hosts is None or "*" in hosts else {host_name(h).lower().rstrip(".") for h in hosts}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

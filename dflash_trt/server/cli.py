@@ -167,8 +167,9 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="A web origin whose pages may call the API from a browser (CORS), e.g. http://localhost:3000; '*' "
               "for any; repeatable (default: none).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True,
-              help="On a loopback --host, a Host name answered beside localhost (a reverse proxy's that passes its "
-              "own on); repeatable. Others get 403 (DNS rebinding). Any name is answered on other addresses.")
+              help="On a loopback --host, a Host name answered beside localhost (a reverse proxy's or tunnel's that "
+              "passes its own on); '*' for any; repeatable. Others get 403 (DNS rebinding). Any name is answered on "
+              "other addresses.")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
@@ -186,6 +187,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         _refuse_unseen_by_trtllm({"backend", "host", "port"})  # trtllm-serve takes the config, host and port
         _exec_trtllm_serve(engine, host, port)
         return
+    if api_key is not None and not api_key.strip():  # (else read as no key: the server open to all)
+        raise click.UsageError("--api-key (or $DFLASH_TRT_API_KEY) is blank: give the key, or unset it")
     if no_spec:
         from dflash_trt.cli import refuse_drafting_flags
 

@@ -17,7 +17,7 @@ def keyed(tiny_dirs):
     s.stop()
 
 
-def test_the_v1_routes_answer_only_requests_with_the_key(keyed):
+def test_the_v1_routes_answer_only_requests_with_the_key(keyed, tiny_dirs):
     with pytest.raises(openai.AuthenticationError) as refused:
         keyed.client().completions.create(model=MODEL, prompt="x", max_tokens=2)  # the key "none"
     assert refused.value.code == "invalid_api_key" and "Authorization: Bearer" in refused.value.message
@@ -26,6 +26,12 @@ def test_the_v1_routes_answer_only_requests_with_the_key(keyed):
         assert httpx.get(keyed.base_url + "/models", headers={"Authorization": wrong}).status_code == 401, wrong
     for right in ("bearer sesame", "BEARER  sesame"):  # the scheme in any case (RFC 9110), as clients may send it
         assert httpx.get(keyed.base_url + "/models", headers={"Authorization": right}).status_code == 200, right
+    spaced = start_server(tiny_engine(tiny_dirs, max_batch_size=1), api_key=" sesame\n")  # (from a file, say)
+    try:
+        assert httpx.get(spaced.base_url + "/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(spaced.base_url + "/models", headers={"Authorization": "Bearer  x"}).status_code == 401
+    finally:
+        spaced.stop()
     good = openai.OpenAI(base_url=keyed.base_url, api_key="sesame", max_retries=0, timeout=60)
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
     assert [m.id for m in good.models.list().data] == [MODEL]
@@ -57,15 +63,20 @@ def test_a_loopback_server_answers_only_requests_for_loopback_hosts_and_those_it
     refused = httpx.get(server.url + "/v1/models", headers={"Host": "rebind.attacker.example:8000"})
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed"
     assert "'rebind.attacker.example'" in refused.json()["error"]["message"]
-    proxied = start_server(tiny_engine(tiny_dirs, max_batch_size=1), allowed_hosts=("api.example.com",))
+    # --allowed-host values as names or as Host headers (a port, brackets): either serves that host
+    proxied = start_server(tiny_engine(tiny_dirs, max_batch_size=1),
+                           allowed_hosts=("api.example.com", "proxy.example:8080", "[fe80::1]"))
     anywhere = start_server(tiny_engine(tiny_dirs, max_batch_size=1), allowed_hosts=None)  # (--host 0.0.0.0)
+    star = start_server(tiny_engine(tiny_dirs, max_batch_size=1), allowed_hosts=("*",))
     try:
-        assert httpx.get(proxied.url + "/v1/models", headers={"Host": "API.example.com"}).status_code == 200
+        for host in ("API.example.com", "proxy.example:8080", "proxy.example", "[fe80::1]:8000"):
+            assert httpx.get(proxied.url + "/v1/models", headers={"Host": host}).status_code == 200, host
         assert httpx.get(proxied.url + "/v1/models", headers={"Host": "other.example.com"}).status_code == 403
-        assert httpx.get(anywhere.url + "/v1/models", headers={"Host": "other.example.com"}).status_code == 200
+        for s in (anywhere, star):
+            assert httpx.get(s.url + "/v1/models", headers={"Host": "other.example.com"}).status_code == 200
     finally:
-        proxied.stop()
-        anywhere.stop()
+        for s in (proxied, anywhere, star):
+            s.stop()
 
 
 def test_a_browsers_preflight_passes_and_its_refusal_reads_as_a_401(keyed):

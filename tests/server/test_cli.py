@@ -296,6 +296,18 @@ def test_serve_whose_engine_loop_failed_answers_what_it_took_and_exits_1(monkeyp
     assert "stopping: the engine loop failed: ZeroDivisionError: division by zero" in result.output
 
 
+def test_a_blank_api_key_is_a_usage_error_not_an_open_server(monkeypatch, tiny_dirs):
+    async def stop_at_once(self):  # (were it served)
+        pass
+
+    server_class = cli._uvicorn_server_class
+    monkeypatch.setattr(cli, "_uvicorn_server_class", lambda: type("S", (server_class(),), {"main_loop": stop_at_once}))
+    monkeypatch.setenv("DFLASH_TRT_API_KEY", "  ")
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "64",
+                                            "--port", str(free_port())])
+    assert result.exit_code == 2 and "is blank" in result.output, result.output
+
+
 @pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", "sesame", False),
                                                ("127.0.0.1", None, False)])
 def test_serve_warns_where_others_reach_it_without_a_key(monkeypatch, tiny_dirs, host, key, warned):
