@@ -104,21 +104,23 @@ class IncrementalDetokenizer:
         if cut >= 0:
             best = len(text) - cut
         for stop in self.stop:
-            # Only suffixes that start with the stop's first STOP_HEAD characters, found by str.find, are compared
-            # whole, then the last STOP_HEAD - 1 (too short to hold them). Every suffix that began with its first
-            # character, compared whole, took 122 ms an update (on the event loop) for 256 stops of 4,000 characters
-            # that began with a space.
-            head = stop[:STOP_HEAD]
-            i = text.find(head, max(len(text) - len(stop) + 1, 0))
-            while i >= 0 and len(text) - i > best:
-                if stop.startswith(text[i:]):
-                    best = len(text) - i
-                    break
-                i = text.find(head, i + 1)
-            for i in range(max(len(text) - len(head) + 1, 0), len(text)):
+            for i in _suffix_starts(text, stop):  # longest first
                 if len(text) - i <= best:
                     break
                 if stop.startswith(text[i:]):
                     best = len(text) - i
                     break
         return best
+
+
+def _suffix_starts(text: str, stop: str):
+    """Where a suffix of text that begins stop may start: where its first STOP_HEAD characters occur (found by
+    str.find), then the last STOP_HEAD - 1 positions (too short to hold them), left to right. Every suffix that began
+    with its first character, compared whole, took 122 ms an update (on the event loop) for 256 stops of 4,000
+    characters that began with a space."""
+    head = stop[:STOP_HEAD]
+    i = text.find(head, max(len(text) - len(stop) + 1, 0))
+    while i >= 0:
+        yield i
+        i = text.find(head, i + 1)
+    yield from range(max(len(text) - len(head) + 1, 0), len(text))

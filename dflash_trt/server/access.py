@@ -36,10 +36,13 @@ def is_loopback(host: str) -> bool:
 
 
 def host_name(header: str) -> str:
-    """A Host header's host, less its port: "[::1]:8000" -> "::1", "example.com:80" -> "example.com"."""
+    """A Host header's host, less its port, in lower case and without a root's trailing dot: "[::1]:8000" -> "::1",
+    "Example.com.:80" -> "example.com"."""
     if header.startswith("["):
-        return header[1:].partition("]")[0]
-    return header.rpartition(":")[0] if header.count(":") == 1 else header
+        host = header[1:].partition("]")[0]
+    else:
+        host = header.rpartition(":")[0] if header.count(":") == 1 else header
+    return host.lower().rstrip(".")
 
 
 class Access:
@@ -50,7 +53,7 @@ class Access:
         ("*": any; None: any, for a server on an address other hosts reach)."""
         self.app, self.unauthorized, self.misdirected = app, unauthorized, misdirected
         self.key = api_key.strip().encode() if api_key and api_key.strip() else None  # as a header's is read
-        self.hosts = None if hosts is None or "*" in hosts else {host_name(h).lower().rstrip(".") for h in hosts}
+        self.hosts = None if hosts is None or "*" in hosts else {host_name(h) for h in hosts}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -65,7 +68,7 @@ class Access:
             await send(message)
 
         if self.hosts is not None and b"host" in headers:  # (HTTP/1.0 may send none: not a browser's)
-            host = host_name(headers[b"host"].decode("latin-1")).lower().rstrip(".")
+            host = host_name(headers[b"host"].decode("latin-1"))
             if not (is_loopback(host) or host in self.hosts):
                 await self.misdirected(host)(scope, receive, send_with_id)
                 return
