@@ -23,6 +23,18 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 4096
 
 
+def check_stop_strings(stop: list[str]) -> None:
+    """ValueError where stop strings are empty, or more, or longer together, than a request may send."""
+    if any(not x for x in stop):
+        raise ValueError("stop strings must not be empty (an empty one would match before any text)")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings, more than the {MAX_STOP_STRINGS} a request may send (each "
+                         "is looked for at every step, on the engine every request shares)")
+    if (chars := sum(map(len, stop))) > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings hold {chars} characters together, more than the {MAX_STOP_CHARS} a request may "
+                         "send")
+
+
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of a request's `choice`-th answer (OpenAI's n): choice 0 keeps the request's own, so n=1 samples as
     before; the others are drawn from it, independent of each other and of any other request's seed."""
@@ -118,14 +130,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if any(not x for x in self.stop):
-            raise ValueError("stop strings must not be empty (an empty one would match before any text)")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(self.stop)} strings, more than the {MAX_STOP_STRINGS} a request may "
-                             "send (each is looked for at every step, on the engine every request shares)")
-        if (chars := sum(map(len, self.stop))) > MAX_STOP_CHARS:
-            raise ValueError(f"stop strings hold {chars} characters together, more than the {MAX_STOP_CHARS} a request "
-                             "may send")
+        check_stop_strings(self.stop)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
-from dflash_trt.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, is_int
+from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, check_stop_strings, is_int
 
 
 def _whole(v: Any) -> Any:
@@ -170,12 +170,8 @@ class _SamplingRequest(_NullIsUnset):
 
     @field_validator("stop")
     @classmethod
-    def _nonempty_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v == "" or (isinstance(v, list) and "" in v):
-            raise ValueError("stop strings must not be empty (an empty one would match before any text)")
-        if (chars := sum(map(len, [v] if isinstance(v, str) else v or ()))) > MAX_STOP_CHARS:
-            raise ValueError(f"stop strings hold {chars} characters together, more than the {MAX_STOP_CHARS} a request "
-                             "may send")
+    def _sendable_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        check_stop_strings([v] if isinstance(v, str) else v or [])  # (their count past the limit: max_length's words)
         return v
 
     @field_validator("logit_bias")
