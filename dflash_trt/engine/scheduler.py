@@ -308,6 +308,8 @@ class Scheduler:
                 break
             seq = self.waiting.popleft()
             seq.slot = self.slots.allocate(slot)
+            self._running[seq.request_id] = seq  # at once: where the rest raised, a failed step's fail_running() frees
+            # its row and answers it (left out of both queues, it held its row for ever and its caller waited)
             self._resident.pop(seq.slot, None)
             seq.num_prefilled = seq.num_reused = reused
             if held is not None:
@@ -315,7 +317,6 @@ class Scheduler:
                     chunk.takes = (held.row, reused)
                 seq.drafter_context = min(held.drafter_len, reused)
                 seq.pending_features = held.features_up_to(reused)
-            self._running[seq.request_id] = seq
             admit_rest(seq, chunk)
         return prefills, decodes
 

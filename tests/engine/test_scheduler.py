@@ -417,6 +417,24 @@ def test_requests_a_failing_schedule_took_out_are_handed_out_by_the_next(monkeyp
     assert sched.has_work() and sched.schedule().aborted == [running] and not sched.has_work()
 
 
+def test_a_request_admitted_by_a_failing_schedule_is_failed_with_the_running_ones():
+    """A schedule() that raises (a bug of its own) after giving a waiting request a row: the failed step's
+    fail_running() answers it and frees the row (it had left the queue without joining the running requests: its
+    row was held for ever and its caller waited)."""
+    class BrokenResident(dict):
+        def pop(self, *args):
+            raise ZeroDivisionError
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    seq = _seq(4)
+    sched.add(seq)
+    sched._resident = BrokenResident()
+    with pytest.raises(ZeroDivisionError):
+        sched.schedule()
+    assert sched.fail_running() == [seq] and seq.finish_reason == "error"
+    assert sched.slots.num_free == 2 and not sched.has_work()
+
+
 def test_draft_len_for_is_trtllm_rule_smallest_key_at_or_above_the_batch():
     # TensorRT-LLM's own example (get_draft_len_for_batch_size): {4: 4, 8: 2, 32: 1} runs 1-4 rows at K=4,
     # 5-8 at 2, 9-32 at 1 and 33+ without drafts.
