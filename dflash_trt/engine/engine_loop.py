@@ -179,7 +179,7 @@ class EngineLoop:
                 # finished before it failed are answered by the next step, or at the stop)
                 logger.exception("engine step failed")
                 for seq in self.engine.scheduler.fail_running("error"):
-                    self._answer(seq, f"engine error: {e}")
+                    self._answer(seq, f"engine error: {e}" if seq.finish_reason == "error" else None)
                 continue
             # Metrics first: a client that reads /metrics right after its last token must see this step counted.
             self._hook(self.on_step, result)

@@ -332,11 +332,12 @@ class Scheduler:
             self._resident.clear()
 
     def fail_running(self, reason: str = "error") -> list[Sequence]:
-        """Finish every running request with `reason` (after an engine error); returns them."""
+        """Finish every running request with `reason` (after an engine error; "abort" where its abort was pending:
+        its caller asked for that, and is gone); returns them."""
         with self._lock:
             failed = list(self._running.values())
             for seq in failed:
-                seq.finish_reason = reason
+                seq.finish_reason = "abort" if seq.request_id in self._abort_ids else reason
                 self._release(seq, keep=False)  # a failed step may have left its rows half written
             return failed
 

@@ -188,6 +188,36 @@ def test_a_request_a_failing_step_finished_before_it_failed_is_answered_with_its
     assert engine.scheduler.slots.num_free == 2
 
 
+def test_a_running_request_whose_abort_was_pending_when_its_step_failed_is_answered_as_aborted(tiny_dirs):
+    """Its caller asked to abort it and is gone: it is answered and counted "abort", not "error" (the failure is the
+    other request's to report)."""
+    from tests.engine.test_lossless import _engine, _prompts
+
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    real, calls, counted = engine.runner.prefill, [], []
+    finals, done, callback = _collector(2)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+    def prefill(*args):
+        calls.append(1)
+        if len(calls) == 2:  # both hold rows now: the first one's abort waits for the next step
+            assert loop.abort(aborted)
+            raise RuntimeError("injected")
+        return real(*args)
+
+    engine.runner.prefill = prefill
+    loop = EngineLoop(engine, on_finish=counted.append)
+    prompts = _prompts(2)
+    aborted = loop.submit(prompts[0], params, callback)
+    failed = loop.submit(prompts[1], params, callback)
+    with loop:
+        assert done.wait(30), f"answered: {sorted(finals)}"
+    assert finals[aborted].error is None and finals[aborted].output.finish_reason == "abort"
+    assert "injected" in finals[failed].error
+    assert sorted(o.finish_reason for o in counted) == ["abort", "error"]
+    assert engine.scheduler.slots.num_free == 2
+
+
 def test_a_request_a_failing_step_finished_as_the_loop_stops_is_answered_and_counted(tiny_dirs):
     """Answered at the stop with its output, and passed to on_finish (the metrics) as a step's answers are."""
     from tests.engine.test_lossless import _engine, _prompts
