@@ -424,11 +424,20 @@ def test_a_model_whose_engine_loop_failed_stops_the_server_with_an_error(tmp_pat
 
     server = TritonServer(tmp_path)
     server._workdir = tempfile.TemporaryDirectory(prefix="dflash-triton-test-")
-    stopped = tmp_path / "stopped"
-    server.process = subprocess.Popen(["bash", "-c", f"trap 'touch {stopped}; exit 0' TERM; sleep 600 & wait"],
-                                      start_new_session=True)
-    time.sleep(0.5)  # the trap is set
-    threading.Timer(0.5, server._failed_file.write_text, ("the engine loop failed: ZeroDivisionError",)).start()
+    stopped, trapping = tmp_path / "stopped", tmp_path / "trapping"
+    server.process = subprocess.Popen(["bash", "-c", f"trap 'touch {stopped}; exit 0' TERM; touch {trapping}; "
+                                      "sleep 600 & wait"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not trapping.exists():  # (a fixed sleep was too short for bash to set its trap on a busy machine)
+        assert time.monotonic() < deadline and server.process.poll() is None
+        time.sleep(0.02)
+
+    def fail():  # as the model writes it: whole or not there (write_text's empty file was read as a failure)
+        writing = tmp_path / "failed.writing"
+        writing.write_text("the engine loop failed: ZeroDivisionError")
+        os.replace(writing, server._failed_file)
+
+    threading.Timer(0.5, fail).start()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         assert server.wait_forwarding_signals(grace=10.0) == 1
