@@ -33,6 +33,7 @@ from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, co
 from dflash_trt.server.latest_updates import LatestUpdates
 from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
+from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _telling(err: dict) -> tuple[bool, int, bool]:
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
                allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
                api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               allowed_hosts: tuple[str, ...] | None = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = (), reasoning: ReasoningParser | None = None) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
@@ -82,7 +83,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     /detokenize answer only requests that bring it (server/access.py). max_request_bytes: a larger body is refused
     (413) before it is read: its JSON is parsed on the event loop, which every stream waits on (a 57 MB body held
     /health for 4 s). allowed_hosts: the Host names answered beside loopback ones (None: any, for a server other
-    hosts reach; server/access.py)."""
+    hosts reach; server/access.py). reasoning: a chat answer's thinking goes to its message's `reasoning` (and
+    `reasoning_content`), not its content (server/reasoning.py)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
@@ -198,12 +200,17 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+        choices = [p.ChatChoice(index=i, message=_message(o.text), finish_reason=o.finish_reason,
                                 stop_reason=o.stop_reason, acceptance=_acceptance(o),
                                 logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
                    for i, o in enumerate(outputs)]
         body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
+
+    def _message(text: str) -> p.AssistantMessage:
+        if reasoning is None:
+            return p.AssistantMessage(content=text)
+        return p.AssistantMessage.of(*ReasoningSplitter(reasoning).split(text))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -492,6 +499,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         usage, no_usage, continuous = _include_usage(req)
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         started = set()
+        splitters = [ReasoningSplitter(reasoning) if reasoning else None for _ in s.request_ids]
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -501,7 +509,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first],
                                             usage=_choice_usage(s, i, 0) if continuous else None
                                             ).model_dump(exclude=no_usage)
-            choice = p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text or None),
+            thought, text = splitters[i].feed(text, final=out is not None) if splitters[i] else ("", text)
+            delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None)
+            choice = p.ChatChunkChoice(index=i, delta=delta,
                                        finish_reason=out.finish_reason if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,

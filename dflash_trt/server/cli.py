@@ -170,10 +170,16 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="On a loopback --host, a Host name answered beside localhost (a reverse proxy's or tunnel's that "
               "passes its own on); '*' for any; repeatable. Others get 403 (DNS rebinding). Any name is answered on "
               "other addresses.")
+@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1", "deepseek-r1", "qwen3"]), default=None,
+              help="A thinking model's chat answers: the text of their <think> block in the message's `reasoning` "
+              "(and `reasoning_content`), the rest in `content`, as vLLM's and trtllm-serve's option. deepseek_r1: "
+              "reasoning from the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: only "
+              "an answer that opens with <think> (Qwen3; none with enable_thinking off). Default: none.")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
-          trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins, allowed_hosts) -> None:
+          trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins, allowed_hosts,
+          reasoning_parser) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
     nohup)."""
@@ -184,8 +190,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             raise click.UsageError(f"{given} is set, and --backend trtllm passes no API key to trtllm-serve, which "
                                    "would answer whoever reaches --host: unset it to serve the engine open, or serve "
                                    "it with --backend torch")
-        _refuse_unseen_by_trtllm({"backend", "host", "port"})  # trtllm-serve takes the config, host and port
-        _exec_trtllm_serve(engine, host, port)
+        _refuse_unseen_by_trtllm({"backend", "host", "port", "reasoning_parser"})  # trtllm-serve takes these
+        _exec_trtllm_serve(engine, host, port, reasoning_parser)
         return
     if api_key is not None and not api_key.strip():  # (else read as no key: the server open to all)
         raise click.UsageError("--api-key (or $DFLASH_TRT_API_KEY) is blank: give the key, or unset it")
@@ -202,6 +208,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     from dflash_trt.engine.llm_engine import capped_note
     from dflash_trt.server.access import is_loopback
     from dflash_trt.server.app import create_app
+    from dflash_trt.server.reasoning import reasoning_parser as reasoning_parser_named
 
     _Server = _uvicorn_server_class()
     from dflash_trt.server.metrics import ServerMetrics
@@ -230,7 +237,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,
                          max_request_bytes=max_request_mb * 2**20,
-                         allowed_hosts=tuple(allowed_hosts) if is_loopback(host) else None)
+                         allowed_hosts=tuple(allowed_hosts) if is_loopback(host) else None,
+                         reasoning=reasoning_parser_named(reasoning_parser))
         if not api_key and not is_loopback(host):
             click.echo(f"warning: serving on {host} without --api-key: whoever reaches it may use the model"
                        + (" and run their own chat templates" if trust_request_chat_template else ""), err=True)
@@ -377,7 +385,7 @@ def _uvicorn_server_class():
     return Server
 
 
-def _exec_trtllm_serve(engine, host: str, port: int) -> None:
+def _exec_trtllm_serve(engine, host: str, port: int, reasoning_parser: str | None = None) -> None:
     if engine is None:
         raise click.UsageError("--backend trtllm needs an ENGINE directory built by `dflash-trt build`")
     from dflash_trt.engine_dir import EngineDir
@@ -386,7 +394,7 @@ def _exec_trtllm_serve(engine, host: str, port: int) -> None:
     try:
         built = EngineDir(engine)
         built.verify()
-        cmd = serve_command(built, host, port)
+        cmd = serve_command(built, host, port, reasoning_parser)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     # trtllm-serve has no option for the served name: it is the path it loads, which clients must send as "model"

@@ -368,6 +368,10 @@ class ChatMessage(BaseModel):
     function_call: CalledFunction | None = None  # the deprecated form of one tool call
     tool_call_id: str | None = None
     name: str | None = None
+    # an assistant's reasoning as a reasoning parser answered it (vLLM's name, DeepSeek's): Qwen3's template renders
+    # it in a tool-calling turn, others drop it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -410,6 +414,8 @@ class ChatMessage(BaseModel):
         if calls:
             out["tool_calls"] = [call.for_template() for call in calls]
         out |= {k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None}
+        if (thought := self.reasoning if self.reasoning is not None else self.reasoning_content) is not None:
+            out["reasoning_content"] = thought  # the name templates read (Qwen3's)
         return out
 
 
@@ -599,7 +605,22 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer ended inside its reasoning (a reasoning parser's)
+    # a reasoning parser's: under vLLM's name and DeepSeek's and TensorRT-LLM's (clients read one or the other)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_reasoning(self, handler: Any) -> dict[str, Any]:
+        # a server without a reasoning parser answers as before: its messages carry no reasoning keys
+        out = handler(self)
+        if out["reasoning"] is None:
+            del out["reasoning"], out["reasoning_content"]
+        return out
+
+    @classmethod
+    def of(cls, reasoning: str | None, content: str | None) -> "AssistantMessage":
+        return cls(content=content, reasoning=reasoning, reasoning_content=reasoning)
 
 
 class ChatChoice(BaseModel):
@@ -623,6 +644,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # a reasoning parser's, as AssistantMessage's
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:

@@ -129,6 +129,27 @@ def test_serve_names_the_model_id_trtllm_serve_will_answer_to(tiny_trtllm_engine
     assert f"serves the model as {str(EngineDir(tiny_trtllm_engine).target_dir)!r}" in result.output
 
 
+@pytest.mark.parametrize("given, passed", [("deepseek_r1", "deepseek-r1"), ("deepseek-r1", "deepseek-r1"),
+                                           ("qwen3", "qwen3")])
+def test_serve_passes_the_reasoning_parser_to_trtllm_serve_in_its_spelling(tiny_trtllm_engine, tmp_path, monkeypatch,
+                                                                          given, passed):
+    """TensorRT-LLM's ReasoningParserFactory knows "deepseek-r1" and "qwen3" (vLLM's "deepseek_r1" is taken too)."""
+    from click.testing import CliRunner
+
+    from dflash_trt.server import cli
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    ran = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
+    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm", "--reasoning-parser", given])
+    assert result.exit_code == 0, result.output
+    assert parse_trtllm_serve(ran[0])[1]["--reasoning_parser"] == passed
+    ran.clear()
+    assert CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm"]).exit_code == 0
+    assert "--reasoning_parser" not in parse_trtllm_serve(ran[0])[1]
+
+
 def _trtllm_serve_lines(script: str) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", script)
     out = []

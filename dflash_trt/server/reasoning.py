@@ -1,0 +1,93 @@
+"""A thinking model's chat answer split into its reasoning and its content, as `--reasoning-parser` does in vLLM and
+trtllm-serve: the text inside a `<think>...</think>` block goes to the message's `reasoning` (and
+`reasoning_content`, the name DeepSeek and TensorRT-LLM use), the rest to its `content`.
+
+The split reads the answer's text as the client gets it (after stop strings and incomplete characters are held
+back), so it applies alike to a streamed answer, fed delta by delta, and to a whole one: text that may begin a tag is
+held back until the next delta says whether it does.
+
+- deepseek_r1: the answer is reasoning from its start (DeepSeek-R1's template, and Qwen3's thinking-only models',
+  open the block in the prompt; a `<think>` the model writes itself is dropped) up to `</think>`; without one, all of
+  it is reasoning (a thinking model cut by max_tokens).
+- qwen3: reasoning only where the answer opens with `<think>` (Qwen3 with enable_thinking off writes none, and its
+  answer is all content).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    starts_thinking: bool  # the answer is reasoning from its start, opened by the prompt
+    start: str = THINK_START
+    end: str = THINK_END
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}
+ALIASES = {"deepseek-r1": "deepseek_r1"}  # TensorRT-LLM's spelling
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    """The parser named (vLLM's or TensorRT-LLM's spelling); None for None."""
+    if name is None:
+        return None
+    key = ALIASES.get(name, name)
+    if key not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
+    return PARSERS[key]
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of text that begins tag without completing it."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One answer's text, fed in order, sent on as (reasoning, content) deltas."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self._state = "start"  # start (nothing read yet), reasoning, content
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The reasoning and content of text, the answer's next delta; `final` with its last (nothing held back)."""
+        text, self._held = self._held + text, ""
+        reasoning = ""
+        start, end = self.parser.start, self.parser.end
+        if self._state == "start":
+            if start.startswith(text) and text != start and not final:
+                self._held = text  # may yet be the opening tag
+                return "", ""
+            opened = text.startswith(start)
+            if opened:
+                text = text[len(start):]
+            self._state = "reasoning" if opened or self.parser.starts_thinking else "content"
+        if self._state == "reasoning":
+            cut = text.find(end)
+            if cut < 0:
+                keep = 0 if final else _partial_tag(text, end)
+                reasoning, self._held = text[:len(text) - keep], text[len(text) - keep:]
+                return reasoning, ""
+            reasoning, text = text[:cut], text[cut + len(end):]
+            self._state = "content"
+        return reasoning, text
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text read so far ends inside the reasoning (its content has not begun)."""
+        return self._state == "reasoning"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A whole answer's (reasoning, content): reasoning None where there is none, content None where the answer
+        ended inside its reasoning (vLLM's)."""
+        reasoning, content = self.feed(text, final=True)
+        return reasoning or None, None if self.in_reasoning else content

@@ -1,0 +1,146 @@
+"""serve --reasoning-parser: a thinking model's answer split into `reasoning` and `content`, the same whether it is
+streamed (in any deltas) or not, as vLLM's and TensorRT-LLM's parsers of those names split it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server.reasoning import PARSERS, ReasoningParser, ReasoningSplitter, reasoning_parser
+from tests.server.conftest import MODEL, start_server, tiny_engine
+
+# text near the tags: their characters, partial tags and whole opening ones (never a whole closing one in reasoning)
+NEAR_TAGS = st.lists(st.sampled_from(["<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "é", "<think>", "</thin", "<th",
+                                      "x"]), max_size=20).map("".join)
+
+
+def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str, bool]:
+    """The reasoning and content deltas of text fed in pieces at `cuts`, joined; and whether it ended in reasoning."""
+    splitter, thought, said = ReasoningSplitter(parser), [], []
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        r, c = splitter.feed(text[a:b], final=i == len(bounds) - 2)
+        thought.append(r)
+        said.append(c)
+    if len(bounds) == 2 and not text:  # an empty answer: one final, empty delta
+        r, c = splitter.feed("", final=True)
+        thought.append(r)
+        said.append(c)
+    return "".join(thought), "".join(said), splitter.in_reasoning
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.sampled_from(sorted(PARSERS)), opened=st.booleans(), closed=st.booleans(), reasoning=NEAR_TAGS,
+       content=NEAR_TAGS, cuts=st.lists(st.integers(0, 80), max_size=12))
+def test_the_split_is_the_answers_think_block_in_any_deltas(name, opened, closed, reasoning, content, cuts):
+    parser = PARSERS[name]
+    reasoning = reasoning.replace("</think>", "")
+    if not opened and parser.starts_thinking and reasoning.startswith("<think>"):
+        reasoning = "x" + reasoning  # (a model's own opening tag is dropped: tested below)
+    text = ("<think>" if opened else "") + reasoning + ("</think>" + content if closed else "")
+    thinks = opened or parser.starts_thinking
+    if not thinks and text.startswith("<think>"):
+        return  # an answer that opens with the tag opened it
+    if thinks:
+        want = (reasoning, content if closed else "", not closed)
+    else:  # qwen3 without an opening tag: all of it is content
+        want = ("", text, False)
+    assert _streamed(parser, text, cuts) == want
+    whole = ReasoningSplitter(parser).split(text)
+    assert whole == (want[0] or None, None if want[2] else want[1])
+
+
+@pytest.mark.parametrize("text, r1, qwen3", [
+    ("<think>\nplan</think>\n\nanswer", ("\nplan", "\n\nanswer"), ("\nplan", "\n\nanswer")),
+    ("plan</think>answer", ("plan", "answer"), (None, "plan</think>answer")),  # the prompt opened the block
+    ("<think>cut by max_tokens", ("cut by max_tokens", None), ("cut by max_tokens", None)),
+    ("no thinking", ("no thinking", None), (None, "no thinking")),
+    ("<thi", ("<thi", None), (None, "<thi")),  # a partial tag at the end is text
+    ("<think></think>", (None, ""), (None, "")),
+])
+def test_whole_answers_split_as_trtllm_and_vllm_parsers_of_those_names(text, r1, qwen3):
+    assert ReasoningSplitter(reasoning_parser("deepseek-r1")).split(text) == r1
+    assert ReasoningSplitter(reasoning_parser("qwen3")).split(text) == qwen3
+
+
+def test_an_unknown_parser_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'granite'; choose from deepseek-r1, deepseek_r1"):
+        reasoning_parser("granite")
+
+
+@pytest.fixture(scope="module")
+def answers(tiny_dirs):
+    """The target's own greedy chat answers (plain decoding) to a few prompts: the oracle the split is taken of."""
+    oracle = tiny_engine(tiny_dirs, max_batch_size=4, speculative=False)
+    prompts = [f"tell me {i} things" for i in range(3)]
+    outs = oracle.generate([oracle.encode(p, chat=True) for p in prompts], SamplingParams(max_new_tokens=24))
+    return [(p, o.text) for p, o in zip(prompts, outs)]
+
+
+def _chat(server, prompt: str, stream: bool) -> tuple[str | None, str | None, dict]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0,
+            "stream": stream}
+    if not stream:
+        msg = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        return msg.get("reasoning"), msg["content"], msg
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    thought = "".join(d.get("reasoning", "") for d in deltas)
+    said = "".join(d.get("content", "") for d in deltas)
+    return thought or None, said, {}
+
+
+def test_served_chat_answers_split_at_tags_taken_from_the_targets_own_answer(tiny_dirs, answers):
+    """The tiny random model writes no <think>: the parser is given tags that occur in its greedy answer (two
+    characters from its middle close the block; its first two open it, or the prompt is taken to have); the server's
+    split, streamed and not, must be the oracle's answer partitioned there."""
+    engine = tiny_engine(tiny_dirs, max_batch_size=4)
+    for prompt, text in answers[:2]:
+        assert len(text) >= 8, text
+        end = text[len(text) // 2: len(text) // 2 + 2]
+        for start in (text[:2], None):
+            parser = ReasoningParser("test", start is None, start or "\0", end)
+            server = start_server(engine, reasoning=parser)
+            try:
+                reasoning, _, content = text[len(start or ""):].partition(end)
+                for stream in (False, True):
+                    got_reasoning, got_content, msg = _chat(server, prompt, stream)
+                    assert (got_reasoning, got_content) == (reasoning or None, content), (stream, text, start, end)
+                    if msg:
+                        assert msg.get("reasoning_content") == msg.get("reasoning")
+            finally:
+                server.stop()
+
+
+def test_an_answer_cut_inside_its_reasoning_has_no_content_and_without_a_parser_no_reasoning_keys(
+        tiny_dirs, answers):
+    prompt, text = answers[0]
+    engine = tiny_engine(tiny_dirs, max_batch_size=4)
+    server = start_server(engine, reasoning=ReasoningParser("test", True, "<never>", "</never>"))
+    try:
+        assert _chat(server, prompt, False)[:2] == (text, None)
+        assert _chat(server, prompt, True)[:2] == (text, "")
+    finally:
+        server.stop()
+    server = start_server(engine)
+    try:
+        msg = _chat(server, prompt, False)[2]
+        assert msg == {"role": "assistant", "content": text}
+    finally:
+        server.stop()
+
+
+def test_an_assistant_messages_reasoning_reaches_the_chat_template_as_reasoning_content():
+    from dflash_trt.server.protocol import ChatMessage
+
+    for key in ("reasoning", "reasoning_content"):
+        msg = ChatMessage.model_validate({"role": "assistant", "content": "4", key: "2 + 2"})
+        assert msg.for_template() == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
+    assert "reasoning_content" not in ChatMessage(role="assistant", content="4").for_template()
