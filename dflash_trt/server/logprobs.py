@@ -41,7 +41,11 @@ class TokenText:
         self.text = lru_cache(maxsize=None)(self._text)
         self.bytes = lru_cache(maxsize=None)(self._bytes)
         self.name = lru_cache(maxsize=None)(self._name)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # what decode(skip_special_tokens=True) leaves out: the named special tokens and every added token marked
+        # special (SmolLM2's <repo_name>, <filename>, ... are only the latter)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special_ids = frozenset([*getattr(tokenizer, "all_special_ids", ()),
+                                      *(i for i, token in added.items() if getattr(token, "special", False))])
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

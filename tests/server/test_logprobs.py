@@ -186,3 +186,17 @@ def test_completion_offsets_and_names_hold_where_characters_split_across_tokens(
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])  # the chosen piece and the first token: two keys
     whole = [name for name in lp.tokens if not name.startswith("bytes:")]
     assert all(text[o:].startswith(name) for o, name in zip(lp.text_offset, lp.tokens) if name in whole)
+
+
+def test_an_answers_offsets_count_none_for_every_token_its_text_leaves_out(smollm2_dir):
+    """SmolLM2's <repo_name>, <filename>, ... are special to its tokenizer (the answer's text skips them) but are not
+    among its all_special_ids: they count no characters either (each moved every later offset on by its name's)."""
+    from dflash_trt.engine.logprobs import TokenLogprob
+    from dflash_trt.server.logprobs import completion_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    filename = tokenizer.convert_tokens_to_ids("<filename>")
+    assert filename not in tokenizer.all_special_ids
+    ids = [filename, *tokenizer.encode("setup.py"), filename, *tokenizer.encode(" ok")]
+    lp = completion_logprobs([TokenLogprob(t, -1.0, ()) for t in ids], TokenText(tokenizer))
+    assert lp.text_offset == [len(tokenizer.decode(ids[:k], skip_special_tokens=True)) for k in range(len(ids))]
