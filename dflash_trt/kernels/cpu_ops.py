@@ -7,7 +7,7 @@ bf16 linears (AVX-512 or AVX2 dot products, or AMX tiles, whose weights are stor
 the greedy argmax over logits, one call each; `llama_layers` runs every layer of a Llama-family model (or a DFlash
 drafter's block) in one call, and `dflash_step` a drafter's whole step. They are compiled on first use with the
 machine's C compiler (`cc` or $CC, -O3 -march=native; $DFLASH_TRT_MARCH names another -march, e.g. x86-64-v3 for
-the instruction sets of an AVX2 laptop) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler, the
+the instruction sets of an AVX2 laptop; one past this CPU's is refused) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler, the
 flags and the CPU's instruction sets, and called on the tensors' memory; where there is no compiler, the build fails
 (a warning), or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
 """
@@ -50,6 +50,30 @@ def cache_dir() -> Path:
 def _flags() -> tuple[str, ...]:
     march = os.environ.get("DFLASH_TRT_MARCH", "native")
     return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
+
+
+# The compiler's macros for the x86 instruction sets the kernels' code may use -> /proc/cpuinfo's names for them
+_ISA_FLAGS = {"__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__BMI2__": "bmi2",
+              "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
+              "__AVX512DQ__": "avx512dq", "__AVX512CD__": "avx512cd", "__AVX512BF16__": "avx512_bf16",
+              "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVXVNNI__": "avx_vnni",
+              "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8"}
+
+
+def _check_march(compiler: str) -> None:
+    """Raise where $DFLASH_TRT_MARCH enables instruction sets this CPU lacks: its code would stop the process with
+    SIGILL at the first kernel call (a server's first request), where it is refused here for torch's ops."""
+    march = os.environ.get("DFLASH_TRT_MARCH", "native")
+    flags = cpu_flags()
+    if march == "native" or not flags:
+        return
+    result = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                            text=True)
+    macros = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
+    missing = sorted(flag for macro, flag in _ISA_FLAGS.items() if macro in macros and flag not in flags)
+    if missing:
+        raise RuntimeError(f"DFLASH_TRT_MARCH={march} builds them with {', '.join(missing)}, which this CPU lacks "
+                           "(its code would stop the process at the first call); unset it to build for this CPU")
 
 
 def _library_path(compiler: str) -> Path:
@@ -559,6 +583,7 @@ def load_with(compiler: str) -> CpuOps | None:
                       "kernels, about half as fast; install gcc or clang, or set CC", stacklevel=2)
         return None
     try:
+        _check_march(compiler)
         return CpuOps(ctypes.CDLL(str(build(compiler))))
     except (RuntimeError, OSError) as error:
         warnings.warn(f"dflash-trt: the CPU kernels are unavailable, torch's ops run instead: {error}", stacklevel=2)

@@ -552,6 +552,20 @@ def test_a_failing_compiler_leaves_torch_ops_with_a_warning(tmp_path, monkeypatc
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None or platform.machine() != "x86_64",
                     reason="needs a C compiler for x86-64")
+def test_a_march_past_this_cpu_leaves_torch_ops_with_a_warning_naming_what_it_lacks(tmp_path, monkeypatch):
+    """$DFLASH_TRT_MARCH from an AVX-512 host's environment on an AVX2 laptop: its build stopped the process with
+    SIGILL at the first kernel call (a server's first request, after /health had passed)."""
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DFLASH_TRT_MARCH", "sapphirerapids")
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}))
+    with pytest.warns(UserWarning, match=r"torch's ops run instead: DFLASH_TRT_MARCH=sapphirerapids builds them with "
+                                         r"amx_bf16, .*avx512f, .*which this CPU lacks"):
+        assert cpu_ops.load_with(os.environ.get("CC", "cc")) is None
+    assert not (tmp_path / "cpu_ops").exists()  # refused before compiling
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None or platform.machine() != "x86_64",
+                    reason="needs a C compiler for x86-64")
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3", "skylake-avx512", "sapphirerapids"])
 def test_the_kernels_compile_for_cpus_with_fewer_instruction_sets(tmp_path, march):
     """-march=native builds only what the CPU has; every other CPU compiles the same source with its own subset (no
