@@ -56,7 +56,7 @@ def load_engine(engine_dir, target, drafter, no_spec, **overrides):
             raise click.UsageError("pass either ENGINE or --target/--drafter, not both")
         if no_spec:
             overrides["speculative"] = False
-        return open_engine(engine_dir, backend="torch", **overrides), Path(engine_dir).resolve().name
+        return open_engine(engine_dir, backend="torch", **overrides), _served_name(engine_dir)
     from dflash_trt.cli import _default_dirs
     from dflash_trt.runtime_device import target_runtime
 
@@ -64,7 +64,13 @@ def load_engine(engine_dir, target, drafter, no_spec, **overrides):
     overrides["device"], overrides["dtype"] = target_runtime(overrides.get("device"), overrides.get("dtype"))
     values = {k: v for k, v in overrides.items() if v is not None}
     config = EngineConfig(speculative=not no_spec, **values)
-    return LLMEngine.from_dirs(target_dir, drafter_dir, config), Path(target_dir).resolve().name
+    return LLMEngine.from_dirs(target_dir, drafter_dir, config), _served_name(target_dir)
+
+
+def _served_name(path: str | Path) -> str:
+    """The model id a directory is served as: its name as given, a symbolic link's own (`current`, pointed at each
+    new build, is served as `current`, not as the build it points at today); "." names the working directory."""
+    return Path(os.path.abspath(path)).name
 
 
 def _engine_options(f):

@@ -624,3 +624,19 @@ def test_serve_on_trtllm_refuses_an_api_key_it_cannot_enforce_naming_where_it_ca
     assert result.exit_code == 2, result.output
     assert f"{named} is set, and --backend trtllm passes no API key" in result.output, result.output
     assert "rebuild" not in result.output
+
+
+def test_a_directory_is_served_under_the_name_it_was_given_a_links_own(tmp_path, monkeypatch, tiny_dirs):
+    """`serve srv/current` (a link pointed at each new build) answered to the build's name, which changed with every
+    release, and refused clients sending `current`."""
+    import dflash_trt.engine_dir
+
+    monkeypatch.setattr(dflash_trt.engine_dir, "open_engine", lambda path, **kw: "engine")
+    (tmp_path / "smollm2-v1").mkdir()
+    (tmp_path / "current").symlink_to(tmp_path / "smollm2-v1")
+    assert cli.load_engine(str(tmp_path / "current"), None, None, False) == ("engine", "current")
+    assert cli.load_engine(str(tmp_path / "current") + "/", None, None, False)[1] == "current"
+    monkeypatch.chdir(tmp_path / "smollm2-v1")
+    assert cli.load_engine(".", None, None, False)[1] == "smollm2-v1"
+    (tmp_path / "target").symlink_to(tiny_dirs["qwen3"])
+    assert cli.load_engine(None, str(tmp_path / "target"), None, True, max_model_len=64)[1] == "target"
