@@ -121,6 +121,24 @@ def _read_from(path: Path):
         raise ValueError(f"{path}: not as this dflash-trt writes it ({e}); rebuild the engine") from None
 
 
+def format_error(manifest: Path, version) -> str | None:
+    """Why this dflash-trt cannot read an engine of format `version` (None where it can): a newer one needs a newer
+    dflash-trt, an older one a rebuild."""
+    if version == FORMAT_VERSION:
+        return None
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+    fix = "upgrade dflash-trt, or rebuild the engine with this one" if newer else "rebuild the engine"
+    return f"{manifest}: format_version={version!r}, this dflash-trt reads {FORMAT_VERSION}; {fix}"
+
+
+def _other_format(manifest: Path, content) -> str | None:
+    """format_error() where the manifest says it is of another format: a key or file it lacks is then no damage (that
+    format names them otherwise), and naming it would send the user looking for one."""
+    if isinstance(content, dict) and "format_version" in content:
+        return format_error(manifest, content["format_version"])
+    return None
+
+
 def read_manifest(path: Path) -> dict:
     """The manifest of the engine directory at `path`: FileNotFoundError without one, ValueError naming what makes
     it no dflash-trt manifest (not JSON, a key every version writes missing)."""
@@ -134,10 +152,12 @@ def read_manifest(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{manifest}: invalid JSON ({e}); rebuild the engine") from e
     if not isinstance(content, dict) or not isinstance(content.get("files"), dict):
-        raise ValueError(f"{manifest}: not a dflash-trt engine's manifest (no 'files' listing); rebuild the engine")
+        raise ValueError(_other_format(manifest, content)
+                         or f"{manifest}: not a dflash-trt engine's manifest (no 'files' listing); rebuild the engine")
     missing = [k for k in ("format_version", "build_config", "target") if k not in content]
     if missing:
-        raise ValueError(f"{manifest}: missing key {missing[0]!r}; rebuild the engine")
+        raise ValueError(_other_format(manifest, content) or f"{manifest}: missing key {missing[0]!r}; rebuild the "
+                         "engine")
     # a listing names the engine's own files: one outside it (../x, /x) would be checksummed and read from there
     outside = [rel for rel in content["files"] if Path(rel).is_absolute() or ".." in Path(rel).parts]
     if outside:
@@ -151,16 +171,12 @@ class EngineDir:
         self.manifest: dict = read_manifest(self.path)
         gone = [rel for rel in self.manifest["files"] if not (self.path / rel).is_file()]
         if gone:  # cheap (no checksums): every command that opens an engine says so before reading any of it
-            raise ValueError(_missing(self.path / gone[0]))
+            raise ValueError(_other_format(self.path / MANIFEST, self.manifest) or _missing(self.path / gone[0]))
 
     def check_format(self) -> None:
         """ValueError unless this dflash-trt reads the engine's format (cheap: verify() without the checksums)."""
-        version = self.manifest["format_version"]
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"{self.path / MANIFEST}: format_version={version!r}, this dflash-trt reads {FORMAT_VERSION}; "
-                "rebuild the engine"
-            )
+        if error := format_error(self.path / MANIFEST, self.manifest["format_version"]):
+            raise ValueError(error)
 
     def check_digest(self) -> None:
         """ValueError unless the manifest's content matches its own checksum (cheap: no file is read)."""

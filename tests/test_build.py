@@ -1575,3 +1575,21 @@ def test_a_cpu_engine_of_a_float16_or_float32_checkpoint_runs_bfloat16_unless_as
     assert plan["dtype"] == runs and open_engine(tmp_path / "e").config.dtype == runs
     said = f"the target is stored in {stored}: this CPU engine runs bfloat16"
     assert (said in " ".join(r.output.split())) == (stored != runs), r.output
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(build_settings=m.pop("build_config")),  # a key renamed
+    lambda m: m.update(files={f"weights/{rel}": e for rel, e in m["files"].items()}),  # files laid out otherwise
+    lambda m: m.update(files=list(m["files"])),
+])
+def test_an_engine_of_a_newer_format_says_to_upgrade_not_which_key_or_file_it_lacks(tiny_engine, tmp_path, edit):
+    """A newer dflash-trt's engine may name its keys and files otherwise: the missing key or file was named (and a
+    rebuild advised) where the format is what differs."""
+    def newer(m):
+        edit(m)
+        m["format_version"] += 1
+
+    bad = _edited(tiny_engine, tmp_path, "manifest.json", newer)
+    for args in (["generate", str(bad), "-p", "hi"], ["inspect", str(bad)]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "format_version=2, this dflash-trt reads 1; upgrade dflash-trt" in r.output, r.output
