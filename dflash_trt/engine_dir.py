@@ -274,6 +274,8 @@ class EngineDir:
         with _read_from(self.path / "plan.json"):
             plan = self.plan
             values = {"dtype": plan["dtype"], "device": "cuda" if plan["hardware"]["kind"] == "gpu" else "cpu"}
+            if overrides.get("draft_len_schedule") is None:
+                self._note_auto_schedule_of_another_cpu(plan)
         with _read_from(self.path / MANIFEST):
             values.update(self._build_settings())
         known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -290,6 +292,20 @@ class EngineDir:
             if value is not None:
                 values[key] = value
         return EngineConfig(**values)
+
+    def _note_auto_schedule_of_another_cpu(self, plan: dict) -> None:
+        """A warning where `draft_len_schedule: auto` chose K for another kind of CPU than this one (an engine built
+        on an AMX server, served on an AVX2 laptop, drafts where plain steps would be faster there)."""
+        from dflash_trt.hardware import cpu_fit
+
+        perf = plan.get("performance") or {}
+        built_for = (perf.get("hardware") or {}).get("perf_source")
+        if plan["hardware"]["kind"] != "cpu" or perf.get("schedule_source") != "auto" or not built_for:
+            return
+        if built_for != (here := cpu_fit().source):
+            logger.warning("%s: its draft_len_schedule (auto) was chosen for the CPU it was built on, by the figures "
+                           "%s; this CPU's are those %s: rebuild the engine here for K chosen for this CPU, or pass "
+                           "--draft-len-schedule", self.path, built_for, here)
 
     def _build_settings(self) -> dict:
         """The EngineConfig values the manifest's build config sets (ValueError for a table key that is no number)."""

@@ -228,7 +228,7 @@ def profile(name: str) -> HardwareProfile:
 
 def cpu_profile(fit: CpuFit) -> HardwareProfile:
     """This machine's CPU and RAM, its steps priced by `fit` (cpu_fit(): the fit of this CPU's kind)."""
-    return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "this machine's CPU and RAM",
+    return HardwareProfile("cpu", "cpu", cpu_ram_bytes(), 1, 2 * GiB, False, "the building machine's CPU and RAM",
                            mem_bandwidth_bytes_s=fit.mem_bandwidth_bytes_s, dense_flops=fit.dense_flops,
                            step_overhead_s=fit.step_overhead_s, layer_overhead_s=fit.layer_overhead_s,
                            draft_overhead_s=fit.draft_overhead_s, perf_source=fit.source)

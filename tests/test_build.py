@@ -876,6 +876,25 @@ def test_auto_schedule_is_written_alike_into_plan_and_trtllm_config(tiny_dirs, t
     assert cfg.draft_len_schedule == {1: 7, 2: 7} and cfg.max_draft_len == 7
 
 
+def test_an_auto_schedule_chosen_for_another_kind_of_cpu_is_warned_about_where_it_runs(tiny_dirs, tmp_path,
+                                                                                        monkeypatch, caplog):
+    """Built on an AMX server, `auto` drafts at batch sizes where an AVX2 laptop's plain steps are faster: the
+    runtime says so (a table written in the build config holds on any CPU, as asked, and a schedule passed wins)."""
+    import dflash_trt.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cpu_fit", lambda: hardware.CPU_FITS["amx"])
+    out = build_engine(_auto_config(tmp_path, tiny_dirs, {3: 2.0, 7: 3.0}), tmp_path / "e", progress=False)
+    with caplog.at_level("WARNING", logger="dflash_trt.engine_dir"):
+        EngineDir(out).engine_config()
+        assert not caplog.records  # where it was built
+        monkeypatch.setattr(hardware, "cpu_fit", lambda: hardware.CPU_FITS["avx2"])
+        EngineDir(out).engine_config(draft_len_schedule={1: 3})
+        assert not caplog.records
+        EngineDir(out).engine_config()
+    assert "its draft_len_schedule (auto) was chosen for the CPU it was built on, by the figures fitted on an Intel " \
+           "Xeon with AMX" in caplog.text and "this CPU's are those fitted on an AMD EPYC with AVX2" in caplog.text
+
+
 def test_auto_schedule_that_never_pays_is_an_error_naming_the_key(tiny_dirs, tmp_path, monkeypatch):
     import dflash_trt.build as build
 
