@@ -176,11 +176,13 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="On a loopback --host, a Host name answered beside localhost (a reverse proxy's or tunnel's that "
               "passes its own on); '*' for any; repeatable. Others get 403 (DNS rebinding). Any name is answered on "
               "other addresses.")
-@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1", "deepseek-r1", "qwen3"]), default=None,
-              help="A thinking model's chat answers: the text of their <think> block in the message's `reasoning` "
-              "(and `reasoning_content`), the rest in `content`, as vLLM's and trtllm-serve's option. deepseek_r1: "
-              "reasoning from the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: only "
-              "an answer that opens with <think> (Qwen3; none with enable_thinking off). Default: none.")
+@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1", "deepseek-r1", "qwen3", "gpt_oss", "gpt-oss",
+                                                        "none"]), default=None,
+              help="A thinking model's chat answers: their reasoning in the message's `reasoning` (and "
+              "`reasoning_content`), the rest in `content`, as vLLM's and trtllm-serve's option. deepseek_r1: from "
+              "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
+              "answer opens with (Qwen3; none with enable_thinking off); gpt_oss: harmony's analysis channel (the "
+              "torch backend's default for a gpt-oss target). Default: none (gpt-oss: gpt_oss).")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
@@ -197,7 +199,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
                                    "would answer whoever reaches --host: unset it to serve the engine open, or serve "
                                    "it with --backend torch")
         _refuse_unseen_by_trtllm({"backend", "host", "port", "reasoning_parser"})  # trtllm-serve takes these
-        _exec_trtllm_serve(engine, host, port, reasoning_parser)
+        _exec_trtllm_serve(engine, host, port, None if reasoning_parser == "none" else reasoning_parser)
         return
     if api_key is not None and not api_key.strip():  # (else read as no key: the server open to all)
         raise click.UsageError("--api-key (or $DFLASH_TRT_API_KEY) is blank: give the key, or unset it")
@@ -214,6 +216,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     from dflash_trt.engine.llm_engine import capped_note
     from dflash_trt.server.access import is_loopback
     from dflash_trt.server.app import create_app
+    from dflash_trt.server.reasoning import default_parser
     from dflash_trt.server.reasoning import reasoning_parser as reasoning_parser_named
 
     _Server = _uvicorn_server_class()
@@ -239,12 +242,17 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         llm, name = loop.engine, served_model_name or names[0]
         if note := capped_note(max_model_len, llm.max_position_embeddings):
             click.echo(note, err=True)
+        reasoning = default_parser(llm.target) if reasoning_parser is None else reasoning_parser_named(
+            None if reasoning_parser == "none" else reasoning_parser)
+        if reasoning is not None and reasoning_parser is None:
+            click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
+                       "default; none to turn it off)", err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,
                          max_request_bytes=max_request_mb * 2**20,
                          allowed_hosts=tuple(allowed_hosts) if is_loopback(host) else None,
-                         reasoning=reasoning_parser_named(reasoning_parser))
+                         reasoning=reasoning)
         if not api_key and not is_loopback(host):
             click.echo(f"warning: serving on {host} without --api-key: whoever reaches it may use the model"
                        + (" and run their own chat templates" if trust_request_chat_template else ""), err=True)

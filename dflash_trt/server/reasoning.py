@@ -11,6 +11,10 @@ held back until the next delta says whether it does.
   it is reasoning (a thinking model cut by max_tokens).
 - qwen3: reasoning only where the answer opens with `<think>` (Qwen3 with enable_thinking off writes none, and its
   answer is all content).
+- gpt_oss: harmony's channels as the answer's text holds them, their special tokens left out (TensorRT-LLM's gpt-oss
+  parser reads the same): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
+  is "analysis...assistantfinal...": reasoning from "analysis" to "assistantfinal"; an answer that opens in the final
+  channel ("final...") is all content. The default for a gpt-oss target, whose answers are unreadable unsplit.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ class ReasoningParser:
     starts_thinking: bool  # the answer is reasoning from its start, opened by the prompt
     start: str = THINK_START
     end: str = THINK_END
+    content_start: str = ""  # what opens an answer without reasoning, dropped (harmony's final channel's name)
 
 
-PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False))}
-ALIASES = {"deepseek-r1": "deepseek_r1"}  # TensorRT-LLM's spelling
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
+                               ReasoningParser("gpt_oss", False, "analysis", "assistantfinal", "final"))}
+ALIASES = {"deepseek-r1": "deepseek_r1", "gpt-oss": "gpt_oss"}  # TensorRT-LLM's spellings
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
@@ -40,6 +46,14 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
     if key not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
     return PARSERS[key]
+
+
+def default_parser(target) -> ReasoningParser | None:
+    """The parser a target's chat answers need whatever the server is told: gpt-oss's (vLLM parses its harmony
+    output always); None for others, which answer readably unsplit."""
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM
+
+    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -64,12 +78,15 @@ class ReasoningSplitter:
         reasoning = ""
         start, end = self.parser.start, self.parser.end
         if self._state == "start":
-            if start.startswith(text) and text != start and not final:
-                self._held = text  # may yet be the opening tag
+            openers = [o for o in (start, self.parser.content_start) if o]
+            if not final and any(o.startswith(text) and text != o for o in openers):
+                self._held = text  # may yet be an opening tag
                 return "", ""
             opened = text.startswith(start)
             if opened:
                 text = text[len(start):]
+            elif self.parser.content_start and text.startswith(self.parser.content_start):
+                text = text[len(self.parser.content_start):]
             self._state = "reasoning" if opened or self.parser.starts_thinking else "content"
         if self._state == "reasoning":
             cut = text.find(end)

@@ -66,6 +66,32 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, t
     assert isinstance(result.exception, ValueError) and seen == [key]
 
 
+@pytest.mark.parametrize("model, flag, parser", [("qwen3", [], None),
+                                                 ("qwen3", ["--reasoning-parser", "qwen3"], "qwen3"),
+                                                 ("gpt_oss", [], "gpt_oss"),
+                                                 ("gpt_oss", ["--reasoning-parser", "none"], None),
+                                                 ("gpt_oss", ["--reasoning-parser", "deepseek-r1"], "deepseek_r1")])
+def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path, tiny_dirs, model,
+                                                                           flag, parser):
+    """gpt-oss's answers without their channels split read "analysis...assistantfinal...": split unless told not."""
+    from dflash_trt.server import app
+    from tests.models.test_gpt_oss import make_gpt_oss
+
+    target = tiny_dirs["qwen3"] if model == "qwen3" else make_gpt_oss(tmp_path / "gpt-oss", layers=2)
+    seen = []
+
+    def create_app(*args, **kwargs):
+        seen.append(kwargs["reasoning"])
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    result = CliRunner().invoke(cli.serve, ["--target", str(target), "--no-spec", "--max-model-len", "64",
+                                            "--port", str(free_port()), *flag])
+    assert isinstance(result.exception, ValueError), result.output
+    assert [p and p.name for p in seen] == [parser]
+    assert ("this target's default" in result.output) == (model == "gpt_oss" and not flag)
+
+
 @pytest.mark.parametrize("args, option", [(["--draft-tree", "five"], "--draft-tree"),
                                           (["--draft-tree", "0:4"], "--draft-tree"),
                                           (["--draft-len-schedule", "1:-3"], "--draft-len-schedule")])

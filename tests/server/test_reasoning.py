@@ -4,6 +4,7 @@ streamed (in any deltas) or not, as vLLM's and TensorRT-LLM's parsers of those n
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -14,9 +15,13 @@ from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server.reasoning import PARSERS, ReasoningParser, ReasoningSplitter, reasoning_parser
 from tests.server.conftest import MODEL, start_server, tiny_engine
 
-# text near the tags: their characters, partial tags and whole opening ones (never a whole closing one in reasoning)
-NEAR_TAGS = st.lists(st.sampled_from(["<", "/", "t", "h", "i", "n", "k", ">", " ", "\n", "é", "<think>", "</thin", "<th",
-                                      "x"]), max_size=20).map("".join)
+def _near_tags(parser: ReasoningParser):
+    """Text near the parser's tags: their characters, their beginnings, whole opening ones (never a whole closing one:
+    that would end the reasoning)."""
+    pieces = sorted({*parser.start, *parser.end, parser.start, parser.start[:3], parser.end[:-1], parser.end[:4],
+                     *([parser.content_start, parser.content_start[:2]] if parser.content_start else []),
+                     " ", "\n", "é", "x"})
+    return st.lists(st.sampled_from(pieces), max_size=20).map("".join)
 
 
 def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str, bool]:
@@ -34,22 +39,23 @@ def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str,
     return "".join(thought), "".join(said), splitter.in_reasoning
 
 
-@settings(max_examples=400, deadline=None)
-@given(name=st.sampled_from(sorted(PARSERS)), opened=st.booleans(), closed=st.booleans(), reasoning=NEAR_TAGS,
-       content=NEAR_TAGS, cuts=st.lists(st.integers(0, 80), max_size=12))
-def test_the_split_is_the_answers_think_block_in_any_deltas(name, opened, closed, reasoning, content, cuts):
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(PARSERS)), opened=st.booleans(), closed=st.booleans(),
+       cuts=st.lists(st.integers(0, 120), max_size=12))
+def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, closed, cuts):
     parser = PARSERS[name]
-    reasoning = reasoning.replace("</think>", "")
-    if not opened and parser.starts_thinking and reasoning.startswith("<think>"):
-        reasoning = "x" + reasoning  # (a model's own opening tag is dropped: tested below)
-    text = ("<think>" if opened else "") + reasoning + ("</think>" + content if closed else "")
-    thinks = opened or parser.starts_thinking
-    if not thinks and text.startswith("<think>"):
-        return  # an answer that opens with the tag opened it
-    if thinks:
+    reasoning = data.draw(_near_tags(parser)).replace(parser.end, "")
+    content = data.draw(_near_tags(parser))
+    if not opened and reasoning.startswith(parser.start):
+        reasoning = "x" + reasoning  # (an answer that opens with the tag opened it)
+    text = (parser.start if opened else "") + reasoning + (parser.end + content if closed else "")
+    if opened or parser.starts_thinking:
+        if not opened and parser.content_start and text.startswith(parser.content_start):
+            return  # an answer that opens in the content's channel has no reasoning (below)
         want = (reasoning, content if closed else "", not closed)
-    else:  # qwen3 without an opening tag: all of it is content
-        want = ("", text, False)
+    else:  # without an opening tag, all of it is content, less the content channel's name where it opens with it
+        cs = parser.content_start
+        want = ("", text[len(cs):] if cs and text.startswith(cs) else text, False)
     assert _streamed(parser, text, cuts) == want
     whole = ReasoningSplitter(parser).split(text)
     assert whole == (want[0] or None, None if want[2] else want[1])
@@ -66,6 +72,27 @@ def test_the_split_is_the_answers_think_block_in_any_deltas(name, opened, closed
 def test_whole_answers_split_as_trtllm_and_vllm_parsers_of_those_names(text, r1, qwen3):
     assert ReasoningSplitter(reasoning_parser("deepseek-r1")).split(text) == r1
     assert ReasoningSplitter(reasoning_parser("qwen3")).split(text) == qwen3
+
+
+@pytest.mark.parametrize("harmony, want", [
+    ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
+     ("User says hi.", "Hello!")),
+    ("<|channel|>final<|message|>Hello!<|return|>", (None, "Hello!")),  # no reasoning
+    ("<|channel|>analysis<|message|>Cut by max_tokens", ("Cut by max_tokens", None)),
+])
+def test_gpt_oss_answers_split_at_harmonys_channels_as_its_text_holds_them(harmony, want):
+    """gpt-oss's tokenizer marks harmony's <|...|> tokens special: the answer's text leaves them out, and the split
+    reads the channels' names where they were (TensorRT-LLM's gpt-oss parser reads the same)."""
+    text = re.sub(r"<\|[a-z]+\|>", "", harmony)  # what decode(skip_special_tokens=True) leaves of those tokens
+    assert ReasoningSplitter(reasoning_parser("gpt-oss")).split(text) == want
+
+
+def test_a_gpt_oss_target_is_split_by_default_others_not(tiny_dirs):
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM
+    from dflash_trt.server.reasoning import default_parser
+
+    assert default_parser(GptOssForCausalLM.__new__(GptOssForCausalLM)) is PARSERS["gpt_oss"]  # (its weights unused)
+    assert default_parser(tiny_engine(tiny_dirs).target) is None
 
 
 def test_an_unknown_parser_is_refused_naming_the_known_ones():
