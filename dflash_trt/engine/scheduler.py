@@ -306,10 +306,13 @@ class Scheduler:
             slot, reused, held = self._row_for(self.waiting[0])
             if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
                 break
+            # the row first, then out of the queue and at once among the running requests: where anything raised
+            # in between (a bug of its own), the request was in neither, held its row for ever and its caller waited;
+            # this way it is still queued, or a failed step's fail_running() answers it and frees its row
+            slot = self.slots.allocate(slot)
             seq = self.waiting.popleft()
-            seq.slot = self.slots.allocate(slot)
-            self._running[seq.request_id] = seq  # at once: where the rest raised, a failed step's fail_running() frees
-            # its row and answers it (left out of both queues, it held its row for ever and its caller waited)
+            seq.slot = slot
+            self._running[seq.request_id] = seq
             self._resident.pop(seq.slot, None)
             seq.num_prefilled = seq.num_reused = reused
             if held is not None:

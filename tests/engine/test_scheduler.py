@@ -435,6 +435,19 @@ def test_a_request_admitted_by_a_failing_schedule_is_failed_with_the_running_one
     assert sched.slots.num_free == 2 and not sched.has_work()
 
 
+def test_a_request_whose_row_failed_to_be_given_stays_queued(monkeypatch):
+    """Taken off the queue before its row was allocated, a request whose allocation raised was in neither queue."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    seq = _seq(4)
+    sched.add(seq)
+    monkeypatch.setattr(sched.slots, "allocate", lambda slot: [].remove(slot))  # a row named that is not free
+    with pytest.raises(ValueError):
+        sched.schedule()
+    monkeypatch.undo()
+    assert list(sched.waiting) == [seq] and sched.fail_running() == []
+    assert [c.seq for c in sched.schedule().prefills] == [seq] and sched.slots.num_free == 1
+
+
 def test_draft_len_for_is_trtllm_rule_smallest_key_at_or_above_the_batch():
     # TensorRT-LLM's own example (get_draft_len_for_batch_size): {4: 4, 8: 2, 32: 1} runs 1-4 rows at K=4,
     # 5-8 at 2, 9-32 at 1 and 33+ without drafts.
