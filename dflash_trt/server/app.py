@@ -510,6 +510,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                             usage=_choice_usage(s, i, 0) if continuous else None
                                             ).model_dump(exclude=no_usage)
             thought, text = splitters[i].feed(text, final=out is not None) if splitters[i] else ("", text)
+            if not (thought or text or out is not None or new):  # all of it held back (a tag that may be beginning)
+                continue
             delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None)
             choice = p.ChatChunkChoice(index=i, delta=delta,
                                        finish_reason=out.finish_reason if out else None,

@@ -119,6 +119,8 @@ def _chat(server, prompt: str, stream: bool) -> tuple[str | None, str | None, di
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    # no chunk carries nothing: text held back (a tag that may be beginning) waits for the next
+    assert all(e["choices"][0]["delta"] or e["choices"][0]["finish_reason"] for e in events[1:]), deltas
     thought = "".join(d.get("reasoning", "") for d in deltas)
     said = "".join(d.get("content", "") for d in deltas)
     return thought or None, said, {}
