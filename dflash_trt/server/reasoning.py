@@ -70,6 +70,7 @@ class ReasoningSplitter:
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
         self._state = "start"  # start (nothing read yet), reasoning, content
+        self._thought = False  # whether the answer opened with reasoning
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -88,6 +89,7 @@ class ReasoningSplitter:
             elif self.parser.content_start and text.startswith(self.parser.content_start):
                 text = text[len(self.parser.content_start):]
             self._state = "reasoning" if opened or self.parser.starts_thinking else "content"
+            self._thought = self._state == "reasoning"
         if self._state == "reasoning":
             cut = text.find(end)
             if cut < 0:
@@ -104,7 +106,7 @@ class ReasoningSplitter:
         return self._state == "reasoning"
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """A whole answer's (reasoning, content): reasoning None where there is none, content None where the answer
-        ended inside its reasoning (vLLM's)."""
+        """A whole answer's (reasoning, content): reasoning None where there is none; content None where the answer
+        reasoned and said nothing after (vLLM's), "" where it is empty without reasoning (as without a parser)."""
         reasoning, content = self.feed(text, final=True)
-        return reasoning or None, None if self.in_reasoning else content
+        return reasoning or None, (content or None) if self._thought else content
