@@ -57,7 +57,11 @@ _ISA_FLAGS = {"__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__"
               "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
               "__AVX512DQ__": "avx512dq", "__AVX512CD__": "avx512cd", "__AVX512BF16__": "avx512_bf16",
               "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVXVNNI__": "avx_vnni",
-              "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8"}
+              "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8",
+              "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2", "__AVX512IFMA__": "avx512ifma",
+              "__AVX512BITALG__": "avx512_bitalg", "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq", "__GFNI__": "gfni",
+              "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq", "__MOVBE__": "movbe", "__BMI__": "bmi1",
+              "__LZCNT__": "abm"}
 
 
 def _check_march(compiler: str) -> None:
