@@ -296,16 +296,18 @@ class EngineDir:
     def _note_auto_schedule_of_another_cpu(self, plan: dict) -> None:
         """A warning where `draft_len_schedule: auto` chose K for another kind of CPU than this one (an engine built
         on an AMX server, served on an AVX2 laptop, drafts where plain steps would be faster there)."""
-        from dflash_trt.hardware import cpu_fit
+        from dflash_trt.hardware import CPU_FITS, cpu_fit
 
         perf = plan.get("performance") or {}
         built_for = (perf.get("hardware") or {}).get("perf_source")
-        if plan["hardware"]["kind"] != "cpu" or perf.get("schedule_source") != "auto" or not built_for:
+        if plan["hardware"]["kind"] != "cpu" or perf.get("schedule_source") != "auto":
             return
-        if built_for != (here := cpu_fit().source):
+        # by the kind of CPU whose fit it took: a fit this release does not know (refitted, reworded) says nothing
+        kind = next((name for name, fit in CPU_FITS.items() if fit.source == built_for), None)
+        if kind is not None and CPU_FITS[kind] != (here := cpu_fit()):
             logger.warning("%s: its draft_len_schedule (auto) was chosen for the CPU it was built on, by the figures "
                            "%s; this CPU's are those %s: rebuild the engine here for K chosen for this CPU, or pass "
-                           "--draft-len-schedule", self.path, built_for, here)
+                           "--draft-len-schedule", self.path, built_for, here.source)
 
     def _build_settings(self) -> dict:
         """The EngineConfig values the manifest's build config sets (ValueError for a table key that is no number)."""
