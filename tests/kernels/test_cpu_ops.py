@@ -557,7 +557,8 @@ def test_a_march_past_this_cpu_leaves_torch_ops_with_a_warning_naming_what_it_la
     SIGILL at the first kernel call (a server's first request, after /health had passed)."""
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
     monkeypatch.setenv("DFLASH_TRT_MARCH", "sapphirerapids")
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}))
+    laptop = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}  # an AVX2 laptop's
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset(laptop))
     with pytest.warns(UserWarning, match=r"torch's ops run instead: DFLASH_TRT_MARCH=sapphirerapids builds them with "
                                          r"amx_bf16, .*avx512f, .*which this CPU lacks"):
         assert cpu_ops.load_with(os.environ.get("CC", "cc")) is None
