@@ -13,8 +13,9 @@ held back until the next delta says whether it does.
   answer is all content).
 - gpt_oss: harmony's channels as the answer's text holds them, their special tokens left out (TensorRT-LLM's gpt-oss
   parser reads the same): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
-  is "analysis...assistantfinal...": reasoning from "analysis" to "assistantfinal"; an answer that opens in the final
-  channel ("final...") is all content. The default for a gpt-oss target, whose answers are unreadable unsplit.
+  is "analysis...assistantfinal...": reasoning from "analysis" to "assistantfinal" (a second analysis message,
+  "assistantanalysis...", goes on the reasoning on a new line); an answer that opens in the final channel
+  ("final...") is all content. The default for a gpt-oss target, whose answers are unreadable unsplit.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ class ReasoningParser:
     start: str = THINK_START
     end: str = THINK_END
     content_start: str = ""  # what opens an answer without reasoning, dropped (harmony's final channel's name)
+    reasoning_break: str = ""  # what begins a further message of reasoning (harmony's), read as a new line
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
-                               ReasoningParser("gpt_oss", False, "analysis", "assistantfinal", "final"))}
+                               ReasoningParser("gpt_oss", False, "analysis", "assistantfinal", "final",
+                                               "assistantanalysis"))}
 ALIASES = {"deepseek-r1": "deepseek_r1", "gpt-oss": "gpt_oss"}  # TensorRT-LLM's spellings
 
 
@@ -91,12 +94,22 @@ class ReasoningSplitter:
             self._state = "reasoning" if opened or self.parser.starts_thinking else "content"
             self._thought = self._state == "reasoning"
         if self._state == "reasoning":
-            cut = text.find(end)
-            if cut < 0:
-                keep = 0 if final else _partial_tag(text, end)
-                reasoning, self._held = text[:len(text) - keep], text[len(text) - keep:]
-                return reasoning, ""
-            reasoning, text = text[:cut], text[cut + len(end):]
+            tags = [t for t in (end, self.parser.reasoning_break) if t]
+            parts = []
+            while True:
+                found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+                if not found:
+                    keep = 0 if final else max(_partial_tag(text, tag) for tag in tags)
+                    parts.append(text[:len(text) - keep])
+                    self._held = text[len(text) - keep:]
+                    return "".join(parts), ""
+                cut, tag = min(found)
+                parts.append(text[:cut])
+                text = text[cut + len(tag):]
+                if tag == end:
+                    break
+                parts.append("\n")
+            reasoning = "".join(parts)
             self._state = "content"
         return reasoning, text
 

@@ -19,6 +19,7 @@ def _near_tags(parser: ReasoningParser):
     """Text near the parser's tags: their characters, their beginnings, whole opening ones (never a whole closing one:
     that would end the reasoning)."""
     pieces = sorted({*parser.start, *parser.end, parser.start, parser.start[:3], parser.end[:-1], parser.end[:4],
+                     *([parser.reasoning_break, parser.reasoning_break[:-2]] if parser.reasoning_break else []),
                      *([parser.content_start, parser.content_start[:2]] if parser.content_start else []),
                      " ", "\n", "é", "x"})
     return st.lists(st.sampled_from(pieces), max_size=20).map("".join)
@@ -44,7 +45,9 @@ def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str,
        cuts=st.lists(st.integers(0, 120), max_size=12))
 def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, closed, cuts):
     parser = PARSERS[name]
-    reasoning = data.draw(_near_tags(parser)).replace(parser.end, "")
+    reasoning = data.draw(_near_tags(parser))
+    while parser.end in reasoning:  # (a removal may join one)
+        reasoning = reasoning.replace(parser.end, "")
     content = data.draw(_near_tags(parser))
     if not opened and reasoning.startswith(parser.start):
         reasoning = "x" + reasoning  # (an answer that opens with the tag opened it)
@@ -52,7 +55,9 @@ def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, 
     if opened or parser.starts_thinking:
         if not opened and parser.content_start and text.startswith(parser.content_start):
             return  # an answer that opens in the content's channel has no reasoning (below)
-        want = (reasoning, content if closed else "", not closed)
+        # a further message of reasoning (harmony's) goes on on a new line
+        thought = reasoning.replace(parser.reasoning_break, "\n") if parser.reasoning_break else reasoning
+        want = (thought, content if closed else "", not closed)
     else:  # without an opening tag, all of it is content, less the content channel's name where it opens with it
         cs = parser.content_start
         want = ("", text[len(cs):] if cs and text.startswith(cs) else text, False)
@@ -80,6 +85,8 @@ def test_whole_answers_split_as_trtllm_and_vllm_parsers_of_those_names(text, r1,
     ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
      ("User says hi.", "Hello!")),
     ("<|channel|>final<|message|>Hello!<|return|>", (None, "Hello!")),  # no reasoning
+    ("<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Hi<|return|>", ("One.\nTwo.", "Hi")),  # two analysis messages
     ("<|channel|>analysis<|message|>Cut by max_tokens", ("Cut by max_tokens", None)),
 ])
 def test_gpt_oss_answers_split_at_harmonys_channels_as_its_text_holds_them(harmony, want):
