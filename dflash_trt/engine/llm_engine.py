@@ -77,9 +77,9 @@ class EngineConfig:
     draft_vocab_size: int | None = None
     max_queue_len: int = 256  # requests waiting for a row; more are refused (HTTP 503)
     max_prefill_tokens: int = 512  # prompt tokens per step, over all prefill chunks
-    # Tokens a prompt chunk holds, the grid prompt reuse works in (scheduler.py). None: the most the target runs in one
-    # call of this CPU's layer kernel (32 rows, or 256 with AMX tiles: about as fast a token as 512-token chunks,
-    # benchmarks/README.md "A finer prefill grid") up to max_prefill_tokens, else max_prefill_tokens.
+    # Tokens a prompt chunk holds, the grid prompt reuse works in (scheduler.py). None: what the target runs in one
+    # call of this CPU's layer kernel, 256 tokens with AMX tiles, else 32 (FINE_PREFILL_GRID; about as fast a token as
+    # 512-token chunks, benchmarks/README.md "A finer prefill grid"), up to max_prefill_tokens; else max_prefill_tokens.
     prefill_chunk: int | None = None
     prefix_reuse: bool = True  # rows give the prompt chunks they hold to later requests (scheduler.py, reuse_rows)
 
@@ -187,12 +187,22 @@ def capped_note(asked: int | None, positions: int) -> str | None:
             f"config.json): requests get at most {positions} tokens")
 
 
-def _prefill_chunk(config: EngineConfig, target) -> int:
-    """The prefill grid config asks for, or by default the most tokens the target runs in one call of its CPU layer
-    kernel (where a chunk costs little more than its share of a long one's forward) within the budget."""
+# The default prefill grid where the target's linears do not run on AMX tiles: a chunk of this many tokens costs
+# little more than its share of a long prompt's forward, and a chat's next turn takes over its history in chunks this
+# fine (AVX2 panels, which run 256 tokens a call: lone prompts of 100-800 tokens 1.5-3.3% slower than on a 256-token
+# grid, the next turn's first token 1.45x sooner after a 300-token turn and 2.8x after a 150-token one;
+# benchmarks/README.md, "A finer prefill grid on AVX2")
+FINE_PREFILL_GRID = 32
+
+
+def _prefill_chunk(config: EngineConfig, target, layout: str | None) -> int:
+    """The prefill grid config asks for, or by default what the target runs in one call of its CPU layer kernel,
+    FINE_PREFILL_GRID at most off AMX tiles (`layout`), within the budget."""
     if config.prefill_chunk is not None:
         return config.prefill_chunk
     one_call = getattr(target, "one_call_max_tokens", 0)
+    if layout != "tiles":
+        one_call = min(one_call, FINE_PREFILL_GRID)
     return min(one_call, config.max_prefill_tokens) if one_call else config.max_prefill_tokens
 
 
@@ -307,7 +317,7 @@ class LLMEngine:
             max_num_seqs=config.max_batch_size, max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
             draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
-            prefill_chunk=_prefill_chunk(config, target), load_window=config.load_window,
+            prefill_chunk=_prefill_chunk(config, target, layout), load_window=config.load_window,
             reuse_rows=config.prefix_reuse,
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
