@@ -13,8 +13,8 @@ from dflash_trt.sampling_params import SamplingParams
 from tests.forward_widths import record_forward_widths
 
 
-# 512: the budget's grid, as on a GPU; None: this CPU's default, a chunk for each call of its layer kernel (32 tokens
-# with AVX-512, 256 with AMX tiles), where a prompt's chunks share steps
+# 512: the budget's grid, as on a GPU; None: this CPU's default (256 tokens, a call of the layer kernel, with AMX
+# tiles; 32 without), where a prompt's chunks share steps
 @pytest.fixture(scope="module", params=[512, None], ids=["grid 512", "default grid"])
 def engine(smollm2_dir, request):
     return LLMEngine.from_dirs(smollm2_dir, None, EngineConfig(max_batch_size=2, speculative=False, dtype="bfloat16",
