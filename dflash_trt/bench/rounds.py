@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Sequence
 
 from dflash_trt.bench.plot import is_real, stopped_why
+from dflash_trt.bench.sweep import server_root
 
 METRIC = "output_tok_s"
 
@@ -100,8 +101,11 @@ def _sweep_identity(run: dict) -> dict:
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
     named = {"dataset": dataset["name"]} if dataset.get("name") is not None else {}
-    return {"url": run.get("url"), "model": run.get("model"), **named,
-            **{f"config.{k}": v for k, v in config.items()
+    def endpoint(url):  # given with or without its /v1, one endpoint
+        return server_root(url) if isinstance(url, str) else url
+
+    return {"url": endpoint(run.get("url")), "model": run.get("model"), **named,
+            **{f"config.{k}": endpoint(v) if k == "url" else v for k, v in config.items()
                if k not in ("label", "seed", "metrics_settle_s", "metrics_every_s")}}
 
 

@@ -256,7 +256,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         if not api_key and not is_loopback(host):
             click.echo(f"warning: serving on {host} without --api-key: whoever reaches it may use the model"
                        + (" and run their own chat templates" if trust_request_chat_template else ""), err=True)
-        mode = mode_text(llm)
+        mode = mode_text(llm) + (f", reasoning parser {reasoning.name}" if reasoning is not None else "")
 
         def started() -> None:
             click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "

@@ -58,6 +58,17 @@ def test_rounds_read_with_other_metrics_cadences_are_one_sweep():
         merge_rounds([old, new])
 
 
+def test_rounds_against_one_endpoint_given_with_and_without_v1_are_one_sweep():
+    """`--url` takes the server with or without /v1: two rounds against one server were refused as other endpoints."""
+    old, new = sweep_run("ar", {1: 1.0}, "r1"), sweep_run("ar", {1: 2.0}, "r2")
+    for run, url in ((old, "http://127.0.0.1:8000/v1"), (new, "http://127.0.0.1:8000/")):
+        run["url"], run["config"] = url, {"url": url, "osl": 64}
+    assert merge_rounds([old, new])["rounds"] == 2
+    new["url"] = new["config"]["url"] = "http://127.0.0.1:8001"
+    with pytest.raises(ValueError, match="url"):
+        merge_rounds([old, new])
+
+
 def test_paired_ratios_pair_the_rounds_in_order():
     ar = merge_rounds([sweep_run("ar", {1: v, 8: 10 * v}) for v in (100.0, 80.0, 120.0)])
     engine = merge_rounds([sweep_run("engine", {1: v, 8: 10 * v}) for v in (110.0, 84.0, 114.0)])
