@@ -14,7 +14,6 @@ import statistics
 from collections.abc import Sequence
 
 from dflash_trt.bench.plot import is_real, stopped_why
-from dflash_trt.bench.sweep import server_root
 
 METRIC = "output_tok_s"
 
@@ -101,6 +100,8 @@ def _sweep_identity(run: dict) -> dict:
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
     named = {"dataset": dataset["name"]} if dataset.get("name") is not None else {}
+    from dflash_trt.bench.sweep import server_root  # (the sweep's HTTP client, loaded only where rounds are merged)
+
     def endpoint(url):  # given with or without its /v1, one endpoint
         return server_root(url) if isinstance(url, str) else url
 

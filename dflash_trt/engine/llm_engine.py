@@ -189,7 +189,7 @@ def capped_note(asked: int | None, positions: int) -> str | None:
 
 # The default prefill grid where the target's linears do not run on AMX tiles: a chunk of this many tokens costs
 # little more than its share of a long prompt's forward, and a chat's next turn takes over its history in chunks this
-# fine (AVX2 panels, which run 256 tokens a call: lone prompts of 100-800 tokens 1.5-3.3% slower than on a 256-token
+# fine (AVX2 panels, which run 256 tokens a call: lone prompts of 60-800 tokens 1.5-3.5% slower than on a 256-token
 # grid, the next turn's first token 1.45x sooner after a 300-token turn and 2.8x after a 150-token one;
 # benchmarks/README.md, "A finer prefill grid on AVX2")
 FINE_PREFILL_GRID = 32

@@ -118,7 +118,8 @@ def _engine_options(f):
         click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
                      help="Tokens a prompt chunk holds, each prefilled in a forward of its own, several a step within "
                      "--max-prefill-tokens; prompt reuse takes whole chunks (default: what the target's CPU layer "
-                     "kernel runs in one call with AMX tiles, 256 tokens, else 32; in fp32 or on a GPU --max-prefill-tokens)."),
+                     "kernel runs in one call, 256 tokens with AMX tiles, else 32 at most; where no layer kernel runs, "
+                     "--max-prefill-tokens)."),
         click.option("--prefix-reuse/--no-prefix-reuse", default=None,
                      help="A request whose prompt starts with the whole chunks another request's row holds (a freed "
                      "row's last prompt, a running request's) takes them over instead of prefilling them, bit for bit "

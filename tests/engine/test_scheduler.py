@@ -587,7 +587,7 @@ def test_k_follows_the_load_of_the_last_steps_not_a_momentary_one_row_batch():
         SchedulerConfig(max_num_seqs=1, max_model_len=8, load_window=0)
 
 
-def test_the_default_prefill_grid_is_one_call_of_the_cpu_layer_kernel_within_the_budget(tiny_dirs):
+def test_the_default_prefill_grid_is_a_kernel_call_on_amx_tiles_and_32_tokens_off_them_within_the_budget(tiny_dirs):
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
     from dflash_trt.kernels import cpu_ops
     from dflash_trt.models.registry import load_target
