@@ -1619,4 +1619,5 @@ def test_an_engine_of_a_newer_format_says_to_upgrade_not_which_key_or_file_it_la
     bad = _edited(tiny_engine, tmp_path, "manifest.json", newer)
     for args in (["generate", str(bad), "-p", "hi"], ["inspect", str(bad)]):
         r = CliRunner().invoke(main, args)
-        assert r.exit_code == 1 and "format_version=2, this dflash-trt reads 1; upgrade dflash-trt" in r.output, r.output
+        assert r.exit_code == 1, r.output
+        assert "format_version=2, this dflash-trt reads 1; upgrade dflash-trt" in r.output, r.output

@@ -7,9 +7,10 @@ bf16 linears (AVX-512 or AVX2 dot products, or AMX tiles, whose weights are stor
 the greedy argmax over logits, one call each; `llama_layers` runs every layer of a Llama-family model (or a DFlash
 drafter's block) in one call, and `dflash_step` a drafter's whole step. They are compiled on first use with the
 machine's C compiler (`cc` or $CC, -O3 -march=native; $DFLASH_TRT_MARCH names another -march, e.g. x86-64-v3 for
-the instruction sets of an AVX2 laptop; one past this CPU's is refused) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the source, the compiler, the
-flags and the CPU's instruction sets, and called on the tensors' memory; where there is no compiler, the build fails
-(a warning), or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run instead.
+the instruction sets of an AVX2 laptop; one past this CPU's is refused) into $DFLASH_TRT_CACHE/cpu_ops, keyed by the
+source, the compiler, the flags and the CPU's instruction sets, and called on the tensors' memory; where there is no
+compiler, the build fails (a warning), or with DFLASH_TRT_CPU_KERNELS=0, `load()` returns None and torch's ops run
+instead.
 """
 
 from __future__ import annotations

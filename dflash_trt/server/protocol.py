@@ -605,7 +605,7 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None: the answer ended inside its reasoning (a reasoning parser's)
+    content: str | None  # None: the answer reasoned and said nothing after, or ended inside its reasoning
     # a reasoning parser's: under vLLM's name and DeepSeek's and TensorRT-LLM's (clients read one or the other)
     reasoning: str | None = None
     reasoning_content: str | None = None

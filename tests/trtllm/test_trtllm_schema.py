@@ -142,7 +142,8 @@ def test_serve_passes_the_reasoning_parser_to_trtllm_serve_in_its_spelling(tiny_
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
     ran = []
     monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
-    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm", "--reasoning-parser", given])
+    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm",
+                                            "--reasoning-parser", given])
     assert result.exit_code == 0, result.output
     assert parse_trtllm_serve(ran[0])[1]["--reasoning_parser"] == passed
     ran.clear()
