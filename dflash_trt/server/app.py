@@ -34,6 +34,7 @@ from dflash_trt.server.latest_updates import LatestUpdates
 from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
 from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
+from dflash_trt.server.tool_calls import ToolCallParser, ToolCallSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ def _telling(err: dict) -> tuple[bool, int, bool]:
 def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
                allowed_origins: tuple[str, ...] = (), trust_request_chat_template: bool = False,
                api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               allowed_hosts: tuple[str, ...] | None = (), reasoning: ReasoningParser | None = None) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = (), reasoning: ReasoningParser | None = None,
+               tool_parser: ToolCallParser | None = None) -> FastAPI:
     """allowed_origins: the web origins whose pages may call the API from a browser (CORS; "*" for any). None by
     default: a server on 127.0.0.1 would otherwise answer any web page the user opens. trust_request_chat_template:
     let a request bring its own chat template (vLLM's flag of that name): a template is a program, and one with nested
@@ -84,7 +86,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     (413) before it is read: its JSON is parsed on the event loop, which every stream waits on (a 57 MB body held
     /health for 4 s). allowed_hosts: the Host names answered beside loopback ones (None: any, for a server other
     hosts reach; server/access.py). reasoning: a chat answer's thinking goes to its message's `reasoning` (and
-    `reasoning_content`), not its content (server/reasoning.py)."""
+    `reasoning_content`), not its content (server/reasoning.py). tool_parser: a chat request's tools may be called,
+    the calls read out of the answer into its message's `tool_calls` (server/tool_calls.py)."""
     engine = loop.engine
     metrics = metrics or ServerMetrics(engine.scheduler, engine.max_draft_len, model_name)
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
@@ -195,22 +198,38 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(req.model)
         _check_capacity(req, 1, "messages")
+        if req.calls_tools and tool_parser is None:
+            raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder); "
+                                'with tool_choice "none" the template renders the tools and the answer is text',
+                           param="tools")
         ids = await _encode_chat(req)
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [p.ChatChoice(index=i, message=_message(o.text), finish_reason=o.finish_reason,
-                                stop_reason=o.stop_reason, acceptance=_acceptance(o),
-                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
-                   for i, o in enumerate(outputs)]
+        choices = [_chat_choice(i, o, req) for i, o in enumerate(outputs)]
         body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
 
-    def _message(text: str) -> p.AssistantMessage:
-        if reasoning is None:
-            return p.AssistantMessage(content=text)
-        return p.AssistantMessage.of(*ReasoningSplitter(reasoning).split(text))
+    def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest) -> p.ChatChoice:
+        thought, content = ReasoningSplitter(reasoning).split(o.text) if reasoning is not None else (None, o.text)
+        calls = []
+        if (caller := _caller(req)) is not None:
+            said, calls = caller.split(content or "")
+            content = said if calls else content
+        message = p.AssistantMessage(content=content, reasoning=thought, reasoning_content=thought,
+                                     tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
+        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, bool(calls)),
+                            stop_reason=o.stop_reason, acceptance=_acceptance(o),
+                            logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
+
+    def _caller(req: p.ChatCompletionRequest) -> ToolCallSplitter | None:
+        """A choice's tool-call reader, where its request's tools may be called."""
+        return ToolCallSplitter(tool_parser, req.template_tools, req.parallel_tool_calls) if req.calls_tools else None
+
+    def _finish_reason(o: RequestOutput, called: bool) -> str:
+        # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so
+        return "tool_calls" if called and o.finish_reason == "stop" else o.finish_reason
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -500,6 +519,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         started = set()
         splitters = [ReasoningSplitter(reasoning) if reasoning else None for _ in s.request_ids]
+        callers = [_caller(req) for _ in s.request_ids]
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -510,11 +530,18 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                             usage=_choice_usage(s, i, 0) if continuous else None
                                             ).model_dump(exclude=no_usage)
             thought, text = splitters[i].feed(text, final=out is not None) if splitters[i] else ("", text)
-            if not (thought or text or out is not None or new):  # all of it held back (a tag that may be beginning)
+            calls = []
+            if callers[i] is not None:
+                text, calls = callers[i].feed(text, final=out is not None)
+            if not (thought or text or calls or out is not None or new):  # all of it held back (a tag beginning)
                 continue
-            delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None)
+            first_call = callers[i].num_calls - len(calls) if calls else 0
+            delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None,
+                                   tool_calls=[p.DeltaToolCall.of(c, index=first_call + k)
+                                               for k, c in enumerate(calls)] or None)
+            called = callers[i] is not None and callers[i].num_calls > 0
             choice = p.ChatChunkChoice(index=i, delta=delta,
-                                       finish_reason=out.finish_reason if out else None,
+                                       finish_reason=_finish_reason(out, called) if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)

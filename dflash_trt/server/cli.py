@@ -184,14 +184,27 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
               "answer opens with (Qwen3; none with enable_thinking off); gpt_oss: harmony's analysis channel (the "
               "torch backend's default for a gpt-oss target). Default: none (gpt-oss: gpt_oss).")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "none"]),
+              default=None,
+              help="Chat requests' tools may be called (tool_choice auto, OpenAI's default with tools): the calls "
+              "the model writes come back in the message's `tool_calls`, finish_reason tool_calls, as vLLM's option "
+              "(trtllm-serve's --tool_parser). hermes (TensorRT-LLM's qwen3): <tool_call>{JSON}</tool_call>, Qwen2.5 "
+              "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder). Default: none (tools only with "
+              "tool_choice none: rendered by the template, the answer is text).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="vLLM's companion of --tool-call-parser, taken so its command lines run; the parser alone enables "
+              "tool calling here.")
 def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
           draft_tree, lookup_nodes, adaptive_draft_len, draft_vocab_size, max_queue_len, max_prefill_tokens,
           prefill_chunk, prefix_reuse, dtype, device, head_screen, int8_drafter, host, port, backend, served_model_name,
           trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins, allowed_hosts,
-          reasoning_parser) -> None:
+          reasoning_parser, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
     nohup)."""
+    if enable_auto_tool_choice and tool_call_parser in (None, "none"):
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder): the format "
+                               "the model writes its calls in")
     if backend == "trtllm":
         if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
             source = click.get_current_context().get_parameter_source("api_key")
@@ -199,8 +212,11 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
             raise click.UsageError(f"{given} is set, and --backend trtllm passes no API key to trtllm-serve, which "
                                    "would answer whoever reaches --host: unset it to serve the engine open, or serve "
                                    "it with --backend torch")
-        _refuse_unseen_by_trtllm({"backend", "host", "port", "reasoning_parser"})  # trtllm-serve takes these
-        _exec_trtllm_serve(engine, host, port, None if reasoning_parser == "none" else reasoning_parser)
+        # trtllm-serve takes these
+        _refuse_unseen_by_trtllm({"backend", "host", "port", "reasoning_parser", "tool_call_parser",
+                                  "enable_auto_tool_choice"})
+        _exec_trtllm_serve(engine, host, port, None if reasoning_parser == "none" else reasoning_parser,
+                           None if tool_call_parser in (None, "none") else tool_call_parser)
         return
     if api_key is not None and not api_key.strip():  # (else read as no key: the server open to all)
         raise click.UsageError("--api-key (or $DFLASH_TRT_API_KEY) is blank: give the key, or unset it")
@@ -219,6 +235,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     from dflash_trt.server.app import create_app
     from dflash_trt.server.reasoning import default_parser
     from dflash_trt.server.reasoning import reasoning_parser as reasoning_parser_named
+    from dflash_trt.server.tool_calls import tool_call_parser as tool_call_parser_named
 
     _Server = _uvicorn_server_class()
     from dflash_trt.server.metrics import ServerMetrics
@@ -248,16 +265,18 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         if reasoning is not None and reasoning_parser is None:
             click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
                        "default; none to turn it off)", err=True)
+        tools = tool_call_parser_named(None if tool_call_parser == "none" else tool_call_parser)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,
                          max_request_bytes=max_request_mb * 2**20,
                          allowed_hosts=tuple(allowed_hosts) if is_loopback(host) else None,
-                         reasoning=reasoning)
+                         reasoning=reasoning, tool_parser=tools)
         if not api_key and not is_loopback(host):
             click.echo(f"warning: serving on {host} without --api-key: whoever reaches it may use the model"
                        + (" and run their own chat templates" if trust_request_chat_template else ""), err=True)
-        mode = mode_text(llm) + (f", reasoning parser {reasoning.name}" if reasoning is not None else "")
+        mode = mode_text(llm) + (f", reasoning parser {reasoning.name}" if reasoning is not None else "") + (
+            f", tool-call parser {tools.name}" if tools is not None else "")
 
         def started() -> None:
             click.echo(f"serving '{name}' ({mode}, {llm.config.dtype}, {llm.config.max_batch_size} rows, max_model_len "
@@ -400,7 +419,8 @@ def _uvicorn_server_class():
     return Server
 
 
-def _exec_trtllm_serve(engine, host: str, port: int, reasoning_parser: str | None = None) -> None:
+def _exec_trtllm_serve(engine, host: str, port: int, reasoning_parser: str | None = None,
+                       tool_call_parser: str | None = None) -> None:
     if engine is None:
         raise click.UsageError("--backend trtllm needs an ENGINE directory built by `dflash-trt build`")
     from dflash_trt.engine_dir import EngineDir
@@ -409,7 +429,7 @@ def _exec_trtllm_serve(engine, host: str, port: int, reasoning_parser: str | Non
     try:
         built = EngineDir(engine)
         built.verify()
-        cmd = serve_command(built, host, port, reasoning_parser)
+        cmd = serve_command(built, host, port, reasoning_parser, tool_call_parser)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     # trtllm-serve has no option for the served name: it is the path it loads, which clients must send as "model"

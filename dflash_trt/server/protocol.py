@@ -134,8 +134,9 @@ class _SamplingRequest(_NullIsUnset):
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None  # before tools, whose validator reads it
     function_call: Any = None  # the deprecated spelling of tool_choice
-    tools: list[Tool] | None = None  # chat's: read by the chat template where tool_choice is "none"
-    functions: list[FunctionDefinition] | None = None  # the deprecated spelling of tools
+    tools: list[Tool] | None = None  # chat's: read by the chat template, called where a tool-call parser serves
+    functions: list[FunctionDefinition] | None = None  # the deprecated spelling of tools: rendered, never called
+    parallel_tool_calls: StrictBool = True  # false: only an answer's first call is returned
     # extensions
     top_k: WholeInt = Field(0, ge=-1)  # 0 or -1: no top-k
     ignore_eos: StrictBool = False
@@ -199,23 +200,24 @@ class _SamplingRequest(_NullIsUnset):
 
     @field_validator("tool_choice", "function_call")
     @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
+    def _tool_choice_unforced(cls, v: Any) -> Any:
         if v not in (None, "none", "auto"):
-            raise ValueError('tool calling is not supported: tool_choice may be "none" (tools are rendered by the '
-                             'chat template, the answer is text), or unset or "auto" without tools')
+            raise ValueError(f'{v!r} would force a call, which takes guided decoding (not supported): send "auto" (the '
+                             'model chooses; serve --tool-call-parser reads its calls) or "none" (the answer is text)')
         return v
 
     @field_validator("tools", "functions")
     @classmethod
-    def _tools_to_read_only(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        choice = "tool_choice" if info.field_name == "tools" else "function_call"
-        if v and (info.data.get(choice) != "none" or not cls.reads_tools):
-            where = f'with {choice} "none" (the chat template reads them; the answer is text)'
-            raise ValueError(f"tool calling is not supported; send {info.field_name} only on chat {where}, or not "
-                             "at all")
+    def _tools_for_chat(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v and not cls.reads_tools:
+            raise ValueError(f"{info.field_name} are for chat completions, whose template renders them")
+        if v and info.field_name == "functions" and info.data.get("function_call") != "none":
+            # its answers would come in the message's function_call, a form this server does not write
+            raise ValueError('the deprecated functions are rendered only, with function_call "none": send tools for '
+                             "the model to call")
         return v
 
-    reads_tools: ClassVar[bool] = False  # whether tools reach a chat template (tool_choice, read before them)
+    reads_tools: ClassVar[bool] = False  # whether tools reach a chat template
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
@@ -502,6 +504,11 @@ class ChatCompletionRequest(_SamplingRequest):
         functions = [*(t.function for t in self.tools or ()), *(self.functions or ())]
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions] or None
 
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call the request's tools (OpenAI's default where tools are sent: "auto")."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
 
 class TokenizeRequest(_NullIsUnset):
     """vLLM's /tokenize: a completions prompt, or a conversation (read as a chat completion's messages and template
@@ -603,24 +610,44 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunctionOut
+
+    @classmethod
+    def of(cls, call: Any, **fields: Any) -> "ToolCallOut":
+        """From a tool-call parser's FunctionCall."""
+        return cls(id=call.id, function=CalledFunctionOut(name=call.name, arguments=call.arguments), **fields)
+
+
+class DeltaToolCall(ToolCallOut):
+    index: int  # the call's place among its choice's calls (a stream sends each whole, in one delta)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None: the answer reasoned and said nothing after, or ended inside its reasoning
+    # None: the answer reasoned and said nothing after, ended inside its reasoning, or made calls and said nothing
+    content: str | None
     # a reasoning parser's: under vLLM's name and DeepSeek's and TensorRT-LLM's (clients read one or the other)
     reasoning: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None  # a tool-call parser's
 
     @model_serializer(mode="wrap")
-    def _omit_no_reasoning(self, handler: Any) -> dict[str, Any]:
-        # a server without a reasoning parser answers as before: its messages carry no reasoning keys
+    def _omit_unsplit(self, handler: Any) -> dict[str, Any]:
+        # a server without a reasoning parser, or an answer without calls, answers as before: without their keys
         out = handler(self)
         if out["reasoning"] is None:
             del out["reasoning"], out["reasoning_content"]
+        if out["tool_calls"] is None:
+            del out["tool_calls"]
         return out
-
-    @classmethod
-    def of(cls, reasoning: str | None, content: str | None) -> "AssistantMessage":
-        return cls(content=content, reasoning=reasoning, reasoning_content=reasoning)
 
 
 class ChatChoice(BaseModel):
@@ -646,6 +673,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning: str | None = None  # a reasoning parser's, as AssistantMessage's
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:

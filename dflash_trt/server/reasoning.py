@@ -59,7 +59,7 @@ def default_parser(target) -> ReasoningParser | None:
     return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of text that begins tag without completing it."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -99,7 +99,7 @@ class ReasoningSplitter:
             while True:
                 found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
                 if not found:
-                    keep = 0 if final else max(_partial_tag(text, tag) for tag in tags)
+                    keep = 0 if final else max(partial_tag(text, tag) for tag in tags)
                     parts.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     return "".join(parts), ""

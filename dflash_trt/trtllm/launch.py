@@ -162,12 +162,14 @@ def generate(engine, prompts: list[str], max_tokens: int, temperature: float = 0
     return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)} for o in outs]
 
 
-def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_parser: str | None = None) -> list[str]:
+def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_parser: str | None = None,
+                  tool_call_parser: str | None = None) -> list[str]:
     """The trtllm-serve command line for an engine; every path in it, and in the config it passes, is absolute.
 
     Options as `trtllm-serve serve` defines them (tensorrt_llm/commands/serve.py): MODEL, --tokenizer, --host,
     --port, and the YAML as --config (alias of --extra_llm_api_options), whose keys override the CLI defaults
-    (tensor_parallel_size, max_batch_size, ... come from it); --reasoning_parser in its spelling (deepseek-r1)."""
+    (tensor_parallel_size, max_batch_size, ... come from it); --reasoning_parser in its spelling (deepseek-r1), and
+    --tool_parser by its name for the format (hermes is its qwen3)."""
     check_planned_for_trtllm(engine)
     exe = shutil.which("trtllm-serve")
     if exe is None:
@@ -182,4 +184,8 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_p
            "--config", str(runtime_config(engine))]
     if reasoning_parser is not None:
         cmd += ["--reasoning_parser", reasoning_parser.replace("_", "-")]
+    if tool_call_parser is not None:
+        from dflash_trt.server.tool_calls import tool_call_parser as named
+
+        cmd += ["--tool_parser", named(tool_call_parser).trtllm_name]
     return cmd

@@ -92,6 +92,32 @@ def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkey
     assert ("this target's default" in result.output) == (model == "gpt_oss" and not flag)
 
 
+@pytest.mark.parametrize("flag, parser", [([], None), (["--tool-call-parser", "none"], None),
+                                          (["--tool-call-parser", "qwen3"], "hermes"),
+                                          (["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"],
+                                           "qwen3_coder")])
+def test_serve_reads_tool_calls_only_with_a_tool_call_parser(monkeypatch, tiny_dirs, flag, parser):
+    from dflash_trt.server import app
+
+    seen = []
+
+    def create_app(*args, **kwargs):
+        seen.append(kwargs["tool_parser"])
+        raise ValueError("stop before serving")
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "64",
+                                            "--port", str(free_port()), *flag])
+    assert isinstance(result.exception, ValueError), result.output
+    assert [p and p.name for p in seen] == [parser]
+
+
+def test_vllms_enable_auto_tool_choice_without_a_parser_is_refused_before_loading(tiny_dirs):
+    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec",
+                                            "--enable-auto-tool-choice"])
+    assert result.exit_code == 2 and "needs --tool-call-parser" in result.output, result.output
+
+
 @pytest.mark.parametrize("args, option", [(["--draft-tree", "five"], "--draft-tree"),
                                           (["--draft-tree", "0:4"], "--draft-tree"),
                                           (["--draft-len-schedule", "1:-3"], "--draft-len-schedule")])

@@ -151,6 +151,25 @@ def test_serve_passes_the_reasoning_parser_to_trtllm_serve_in_its_spelling(tiny_
     assert "--reasoning_parser" not in parse_trtllm_serve(ran[0])[1]
 
 
+@pytest.mark.parametrize("given, passed", [("hermes", "qwen3"), ("qwen3", "qwen3"), ("qwen3_coder", "qwen3_coder"),
+                                           ("qwen3_xml", "qwen3_coder"), ("none", None)])
+def test_serve_passes_the_tool_call_parser_to_trtllm_serve_by_its_name_for_the_format(tiny_trtllm_engine, tmp_path,
+                                                                                      monkeypatch, given, passed):
+    """TensorRT-LLM's ToolParserFactory knows the hermes format as "qwen3", Qwen3-Coder's as "qwen3_coder"."""
+    from click.testing import CliRunner
+
+    from dflash_trt.server import cli
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    ran = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
+    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm",
+                                            "--tool-call-parser", given])
+    assert result.exit_code == 0, result.output
+    assert parse_trtllm_serve(ran[0])[1].get("--tool_parser") == passed
+
+
 def _trtllm_serve_lines(script: str) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", script)
     out = []

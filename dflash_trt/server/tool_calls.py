@@ -1,0 +1,203 @@
+"""A chat answer's tool calls read out of its text, as `--tool-call-parser` does in vLLM (`--tool_parser` in
+trtllm-serve): each call the model writes becomes an entry of the message's `tool_calls` (OpenAI's shape, arguments
+as a JSON string), the text around them its `content`, and the choice finishes with "tool_calls".
+
+Both formats wrap each call in `<tool_call>...</tool_call>`:
+- hermes (Qwen2.5, Qwen3, Hermes; TensorRT-LLM's `qwen3`): a JSON object `{"name": ..., "arguments": {...}}` (or
+  "parameters"), or a list of them;
+- qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<function=NAME><parameter=KEY>VALUE</parameter>...</function>`,
+  each value read as the tool's schema types it (a string stays a string; numbers, booleans, objects and arrays as
+  JSON).
+
+Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin
+a `<tool_call>` is held back until the next delta says whether it does, and a call is sent whole once it closes (or
+the answer ends). A block that does not parse as a call stays in the content as written, so nothing the model said is
+lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is
+none).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trt.server.reasoning import partial_tag
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI's API sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _arguments(value: Any) -> str | None:
+    """A call's arguments as a JSON object's text, or None where they are no object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def _hermes_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    calls = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return None
+        arguments = _arguments(call.get("arguments", call.get("parameters", {})))
+        if arguments is None:
+            return None
+        calls.append(FunctionCall(call["name"], arguments))
+    return calls or None
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
+
+
+def _typed(value: str, schema: dict | None) -> Any:
+    """A qwen3_coder parameter's text as its schema types it: a string where the schema allows one (or says nothing
+    of the parameter), else its JSON value (the text itself where it is none)."""
+    types = (schema or {}).get("type", "string")
+    types = set(types) if isinstance(types, list) else {types}
+    if "string" in types and not (value == "null" and "null" in types):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        if "boolean" in types and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return value
+
+
+def _coder_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
+    function = _FUNCTION.fullmatch(body)
+    if function is None:
+        return None
+    name, inner = function.group(1).strip(), function.group(2)
+    properties = (tools.get(name) or {}).get("properties") or {}
+    arguments, at = {}, 0
+    while at < len(inner):
+        parameter = _PARAMETER.match(inner, at)
+        if parameter is None:
+            return None if inner[at:].strip() else [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
+        key, value = parameter.group(1).strip(), parameter.group(2)
+        # the template writes each value on lines of its own: one newline either side is layout, not value
+        value = value.removeprefix("\n").removesuffix("\n")
+        arguments[key] = _typed(value, properties.get(key))
+        at = parameter.end()
+    return [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+
+@dataclass(frozen=True)
+class ToolCallParser:
+    name: str
+    trtllm_name: str  # trtllm-serve's --tool_parser for the same format
+    parse: Any  # (block's text, {tool name: its parameters' schema}) -> the calls, or None where it is no call
+
+
+PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
+                               ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls))}
+ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder"}  # TensorRT-LLM's and vLLM's other names
+
+
+def tool_call_parser(name: str | None) -> ToolCallParser | None:
+    """The parser named (vLLM's or TensorRT-LLM's name); None for None."""
+    if name is None:
+        return None
+    key = ALIASES.get(name, name)
+    if key not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
+    return PARSERS[key]
+
+
+class _Joint:
+    """The content's text with the whitespace next to each call left out: trailing whitespace is held until text
+    follows it (sent with it) or a call does (dropped)."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._after_call = False
+
+    def say(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_call = False
+        text = self._pending + text
+        said = text.rstrip()
+        self._pending = text[len(said):]
+        return said
+
+    def call(self) -> None:
+        self._pending, self._after_call = "", True
+
+    def end(self) -> str:
+        said, self._pending = self._pending, ""
+        return said
+
+
+class ToolCallSplitter:
+    """One answer's text, fed in order, sent on as (content delta, calls complete in it)."""
+
+    def __init__(self, parser: ToolCallParser, tools: list[dict] | None = None, parallel: bool = True) -> None:
+        """tools: the request's, as chat templates take them (qwen3_coder reads their parameters' types). parallel:
+        OpenAI's parallel_tool_calls; false keeps the first call only."""
+        self.parser = parser
+        self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
+        self._parallel = parallel
+        self._joint = _Joint()
+        self._held = ""
+        self._in_call = False  # whether the held text is a call's, its opening tag read
+        self.num_calls = 0  # calls sent so far
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
+        """The content and the calls of text, the answer's next delta; `final` with its last (nothing held back)."""
+        text, self._held = self._held + text, ""
+        said: list[str] = []
+        calls: list[FunctionCall] = []
+        while True:
+            if not self._in_call:
+                at = text.find(CALL_START)
+                if at < 0:
+                    keep = 0 if final else partial_tag(text, CALL_START)
+                    said.append(self._joint.say(text[:len(text) - keep]))
+                    self._held = text[len(text) - keep:]
+                    break
+                said.append(self._joint.say(text[:at]))
+                text, self._in_call = text[at + len(CALL_START):], True
+            at = text.find(CALL_END)
+            if at < 0 and not final:
+                self._held = text  # the call's text so far, sent when it closes
+                break
+            block, closing = (text, "") if at < 0 else (text[:at], CALL_END)
+            text, self._in_call = text[len(block) + len(closing):], False
+            found = self.parser.parse(block.strip(), self._schemas)
+            if found is None:  # no call: the model's text, as it wrote it
+                said.append(self._joint.say(CALL_START + block + closing))
+                continue
+            kept = found if self._parallel else found[:max(0, 1 - self.num_calls)]
+            calls += kept
+            self.num_calls += len(kept)
+            self._joint.call()
+        if final:
+            said.append(self._joint.end())
+        return "".join(said), calls
+
+    def split(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        """A whole answer's (content, calls): content None where the answer made calls and said nothing else, its
+        text as it is where it made none."""
+        content, calls = self.feed(text, final=True)
+        return (content or None) if calls else content, calls

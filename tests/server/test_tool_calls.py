@@ -1,0 +1,278 @@
+"""serve --tool-call-parser: the calls a chat answer writes come back in its message's `tool_calls` (OpenAI's shape),
+the text around them in `content`, the same whether it is streamed (in any deltas) or not."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server.tool_calls import CALL_START, PARSERS, ToolCallSplitter, tool_call_parser
+from tests.conftest import make_drafter, make_target
+from tests.server.conftest import start_server
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
+                                                                                         allow_infinity=False)
+                     | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+_names = st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True)
+# text around calls, near the tags: their characters and beginnings, whole closing ones (which mean nothing outside a
+# call), never a whole opening one
+_said = st.lists(st.sampled_from(["<", "tool", "_call", "<tool_", "<tool_call", "</tool_call>", ">", "{", "}", " ",
+                                  "\n", "é", "word", '"name"']), max_size=12).map("".join).filter(
+    lambda s: CALL_START not in s)
+
+
+def _hermes(name: str, arguments: dict, draw) -> str:
+    body = {"name": name, draw(st.sampled_from(["arguments", "parameters"])): arguments}
+    text = json.dumps(body, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+    pad = st.sampled_from(["", "\n", " \n"])
+    return f"{CALL_START}{draw(pad)}{text}{draw(pad)}</tool_call>"
+
+
+# qwen3_coder's parameters: (schema type, value, as the model writes it)
+_typed_values = st.one_of(
+    st.tuples(st.just("string"), st.text(st.characters(blacklist_categories=["Cs"]), max_size=12).filter(
+        lambda s: "</" not in s)).map(lambda t: (*t, t[1])),
+    st.integers(-10**9, 10**9).map(lambda v: ("integer", v, str(v))),
+    st.booleans().map(lambda v: ("boolean", v, json.dumps(v))),
+    st.floats(allow_nan=False, allow_infinity=False).map(lambda v: ("number", v, json.dumps(v))),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=3).map(lambda v: ("object", v, json.dumps(v))),
+    st.lists(st.text(max_size=4), max_size=3).map(lambda v: ("array", v, json.dumps(v))),
+)
+
+
+def _coder(name: str, params: dict, draw) -> str:
+    inner = "".join(f"<parameter={key}>\n{written}\n</parameter>\n" for key, (_, _, written) in params.items())
+    return f"{CALL_START}\n<function={name}>\n{inner}</function>\n</tool_call>"
+
+
+def _streamed(splitter: ToolCallSplitter, text: str, cuts: list[int]) -> tuple[str, list]:
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    said, calls = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        s, c = splitter.feed(text[a:b], final=i == len(bounds) - 2)
+        said.append(s)
+        calls += c
+    return "".join(said), calls
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(PARSERS)), cuts=st.lists(st.integers(0, 400), max_size=16),
+       parallel=st.booleans())
+def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around_them(data, name, cuts, parallel):
+    """An answer built of text and calls (in the parser's format, with JSON or typed values drawn at random): its
+    calls are those, in order, and its content the text outside them with the whitespace next to each call left out;
+    fed in any deltas, the same."""
+    draw = data.draw
+    parts = draw(st.lists(st.booleans(), max_size=5))  # True: a call, False: text
+    text, want_calls, said, tools = "", [], [], []
+    for is_call in parts:
+        if not is_call:
+            piece = draw(_said)
+            if said and said[-1] is not None:  # one text between calls
+                said[-1] += piece
+            else:
+                said.append(piece)
+            text += piece
+            continue
+        fname = f"{draw(_names)}{len(want_calls)}"  # each tool its own name (its own schema)
+        if name == "hermes":
+            arguments = draw(st.dictionaries(st.text(max_size=6), _json, max_size=4))
+            text += _hermes(fname, arguments, draw)
+        else:
+            params = draw(st.dictionaries(_names, _typed_values, max_size=4))
+            arguments = {key: value for key, (_, value, _) in params.items()}
+            tools.append({"type": "function", "function": {"name": fname, "parameters": {
+                "type": "object", "properties": {key: {"type": kind} for key, (kind, _, _) in params.items()}}}})
+            text += _coder(fname, params, draw)
+        want_calls.append((fname, arguments))
+        said.append(None)
+    # the oracle's content: each text's whitespace next to a call left out
+    want = "".join(_trimmed(s, i > 0 and said[i - 1] is None, i + 1 < len(said) and said[i + 1] is None)
+                   for i, s in enumerate(said) if s is not None)
+    if not parallel:
+        want_calls = want_calls[:1]
+    splitter = ToolCallSplitter(PARSERS[name], tools, parallel)
+    content, calls = splitter.split(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls, text
+    assert content == ((want or None) if want_calls else want), text
+    streamed, streamed_calls = _streamed(ToolCallSplitter(PARSERS[name], tools, parallel), text, cuts)
+    assert streamed == (content or "") and [(c.name, c.arguments) for c in streamed_calls] == [
+        (c.name, c.arguments) for c in calls]
+
+
+def _trimmed(text: str, after_call: bool, before_call: bool) -> str:
+    text = text.lstrip() if after_call else text
+    return text.rstrip() if before_call else text
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", "<tool_call>not json</tool_call> then"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments no object
+    ("hermes", '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>'),
+    ("hermes", "I will call <tool_call>"),  # the answer ends where the call would begin
+    ("hermes", '<tool_call>{"name": "f", "argu'),  # cut inside the call
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"),  # no </function>
+    ("qwen3_coder", "<tool_call>\n<function=f>\nstray<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
+    ("qwen3_coder", '<tool_call>{"name": "f", "arguments": {}}</tool_call>'),  # the other format
+])
+def test_what_does_not_parse_as_a_call_stays_in_the_content_as_written(name, text):
+    for cuts in ([], list(range(len(text)))):
+        assert _streamed(ToolCallSplitter(PARSERS[name]), text, cuts) == (text, [])
+    assert ToolCallSplitter(PARSERS[name]).split(text) == (text, [])
+
+
+def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
+    """The texts Qwen3's and Qwen3-Coder's chat templates write for an assistant's tool calls (their tool-call
+    blocks, as TensorRT-LLM's and vLLM's parsers take them)."""
+    qwen3 = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    content, calls = ToolCallSplitter(tool_call_parser("qwen3")).split(qwen3)
+    assert content == "Let me check both."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"}),
+                                                                  ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    coder = ("<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n<parameter=content>\n"
+             "def f():\n    return 1\n\n</parameter>\n<parameter=mode>\n644\n</parameter>\n<parameter=force>\ntrue\n"
+             "</parameter>\n<parameter=extra>\n3\n</parameter>\n</function>\n</tool_call>")
+    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+        "force": {"type": "boolean"}}}}}]
+    content, calls = ToolCallSplitter(tool_call_parser("qwen3_xml"), tools).split(coder)
+    assert content is None and [c.name for c in calls] == ["write_file"]
+    # a parameter the schema does not name stays text, as vLLM's parser reads it
+    assert json.loads(calls[0].arguments) == {"path": "/tmp/a.py", "content": "def f():\n    return 1\n",
+                                              "mode": 644, "force": True, "extra": "3"}
+
+
+def test_an_answer_without_calls_is_its_text_unchanged():
+    text = "  Hello <tool_ there\n\n"
+    assert ToolCallSplitter(PARSERS["hermes"]).split(text) == (text, [])
+    assert ToolCallSplitter(PARSERS["hermes"]).split("") == ("", [])
+
+
+def test_an_unknown_parser_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="hermes, qwen3, qwen3_coder, qwen3_xml"):
+        tool_call_parser("llama3_json")
+
+
+# --- served: a target whose own greedy answer is two tool calls --------------------------------------------------
+
+CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+ANSWER = "I will look." + "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in CALLS)
+QUESTION = [{"role": "user", "content": "weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """A tiny target trained to answer QUESTION with ANSWER (a character tokenizer of 100 ids spells braces), and a
+    random drafter: the engine's greedy answer is the target's own."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("caller")
+    target = make_target(root / "target", vocab=100)
+    tok = AutoTokenizer.from_pretrained(target)
+    model = Qwen3ForCausalLM.from_pretrained(target)
+    prompt = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+                  ["input_ids"])
+    ids = torch.tensor([prompt + tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]])
+    labels = ids.clone()
+    labels[0, :len(prompt)] = -100
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.005:
+            break
+    model.eval().save_pretrained(target)
+    return target, make_drafter(root / "drafter", target, block_size=16)
+
+
+def _engine(dirs, **cfg):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_dirs(*dirs, EngineConfig(max_model_len=256, max_batch_size=4, **cfg))
+
+
+def _stream(server, body: dict) -> tuple[str, dict, list[dict]]:
+    """A streamed chat answer's joined content, its calls put together from their deltas (index -> call), and its
+    chunks."""
+    with httpx.stream("POST", server.base_url + "/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    content, calls = "", {}
+    for e in events:
+        delta = e["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+            calls[call["index"]]["id"] += call.get("id") or ""
+            calls[call["index"]]["name"] += call["function"].get("name") or ""
+            calls[call["index"]]["arguments"] += call["function"].get("arguments") or ""
+    return content, calls, events
+
+
+def test_a_served_targets_own_tool_calls_come_back_as_tool_calls_streamed_and_not(caller):
+    plain = _engine(caller, speculative=False)
+    prompt = plain.prompt_encoder.encode_chat(QUESTION, add_generation_prompt=True)
+    out = plain.generate([prompt], SamplingParams(max_new_tokens=200))[0]
+    assert (out.text, out.finish_reason) == (ANSWER, "stop")  # the premise: the target writes the calls
+
+    server = start_server(_engine(caller), tool_parser=tool_call_parser("hermes"))
+    try:
+        body = {"messages": QUESTION, "tools": TOOLS, "max_tokens": 200, "temperature": 0}
+        choice = server.client().chat.completions.create(model="tiny-qwen3", **body).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "I will look."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == CALLS
+        assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+
+        content, calls, events = _stream(server, body)
+        assert content == "I will look."
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == CALLS
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # each call sent whole, once: OpenAI's SDK puts deltas together by index
+        assert sum(len(e["choices"][0]["delta"].get("tool_calls", [])) for e in events) == 2
+
+        one = server.client().chat.completions.create(model="tiny-qwen3", parallel_tool_calls=False, **body)
+        assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+        assert sorted(_stream(server, {**body, "parallel_tool_calls": False})[1]) == [0]
+
+        # cut before the first call closes: no call made, the text as it is, finish_reason length
+        cut = server.client().chat.completions.create(model="tiny-qwen3", **{**body, "max_tokens": 30}).choices[0]
+        assert (cut.finish_reason, cut.message.tool_calls, cut.message.content) == ("length", None, ANSWER[:30])
+        # tool_choice "none": the answer is text, as before
+        text = server.client().chat.completions.create(model="tiny-qwen3", tool_choice="none", **body).choices[0]
+        assert (text.message.content, text.message.tool_calls, text.finish_reason) == (ANSWER, None, "stop")
+
+        # the calls sent back with their answers: the next turn renders (the history's shape OpenAI's SDK sends)
+        history = [*QUESTION, choice.message.model_dump(exclude_none=True),
+                   *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in choice.message.tool_calls)]
+        r = httpx.post(server.base_url + "/chat/completions", json={**body, "messages": history, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def test_tools_the_model_may_call_need_a_tool_call_parser(caller):
+    server = start_server(_engine(caller, speculative=False))
+    try:
+        r = httpx.post(server.base_url + "/chat/completions", json={"messages": QUESTION, "tools": TOOLS}, timeout=60)
+        assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "tools"
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            r = httpx.post(server.base_url + "/chat/completions",
+                           json={"messages": QUESTION, "tools": TOOLS, "tool_choice": choice}, timeout=60)
+            assert r.status_code == 400 and "guided decoding" in r.json()["error"]["message"], r.text
+    finally:
+        server.stop()
