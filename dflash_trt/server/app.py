@@ -33,7 +33,8 @@ from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, co
 from dflash_trt.server.latest_updates import LatestUpdates
 from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
-from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
+from dflash_trt.server.chat_answer import ChatAnswerSplitter
+from dflash_trt.server.reasoning import ReasoningParser
 from dflash_trt.server.tool_calls import ToolCallParser, ToolCallSplitter
 
 logger = logging.getLogger(__name__)
@@ -212,20 +213,17 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         return JSONResponse(body.model_dump())
 
     def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest) -> p.ChatChoice:
-        thought, content = ReasoningSplitter(reasoning).split(o.text) if reasoning is not None else (None, o.text)
-        calls = []
-        if (caller := _caller(req)) is not None:
-            said, calls = caller.split(content or "")
-            content = said if calls else content
+        thought, content, calls = _splitter(req).split(o.text)
         message = p.AssistantMessage(content=content, reasoning=thought, reasoning_content=thought,
                                      tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
         return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, bool(calls)),
                             stop_reason=o.stop_reason, acceptance=_acceptance(o),
                             logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
 
-    def _caller(req: p.ChatCompletionRequest) -> ToolCallSplitter | None:
-        """A choice's tool-call reader, where its request's tools may be called."""
-        return ToolCallSplitter(tool_parser, req.template_tools, req.parallel_tool_calls) if req.calls_tools else None
+    def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
+        """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
+        calls = ToolCallSplitter(tool_parser, req.template_tools, req.parallel_tool_calls) if req.calls_tools else None
+        return ChatAnswerSplitter(reasoning, calls)
 
     def _finish_reason(o: RequestOutput, called: bool) -> str:
         # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so
@@ -518,8 +516,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         usage, no_usage, continuous = _include_usage(req)
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         started = set()
-        splitters = [ReasoningSplitter(reasoning) if reasoning else None for _ in s.request_ids]
-        callers = [_caller(req) for _ in s.request_ids]
+        splitters = [_splitter(req) for _ in s.request_ids]
+        sent_calls = [0] * len(s.request_ids)  # each choice's calls so far: the next one's index
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -529,19 +527,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first],
                                             usage=_choice_usage(s, i, 0) if continuous else None
                                             ).model_dump(exclude=no_usage)
-            thought, text = splitters[i].feed(text, final=out is not None) if splitters[i] else ("", text)
-            calls = []
-            if callers[i] is not None:
-                text, calls = callers[i].feed(text, final=out is not None)
+            thought, text, calls = splitters[i].feed(text, final=out is not None)
             if not (thought or text or calls or out is not None or new):  # all of it held back (a tag beginning)
                 continue
-            first_call = callers[i].num_calls - len(calls) if calls else 0
             delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None,
-                                   tool_calls=[p.DeltaToolCall.of(c, index=first_call + k)
+                                   tool_calls=[p.DeltaToolCall.of(c, index=sent_calls[i] + k)
                                                for k, c in enumerate(calls)] or None)
-            called = callers[i] is not None and callers[i].num_calls > 0
+            sent_calls[i] += len(calls)
             choice = p.ChatChunkChoice(index=i, delta=delta,
-                                       finish_reason=_finish_reason(out, called) if out else None,
+                                       finish_reason=_finish_reason(out, splitters[i].called) if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)

@@ -184,13 +184,14 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
               "answer opens with (Qwen3; none with enable_thinking off); gpt_oss: harmony's analysis channel (the "
               "torch backend's default for a gpt-oss target). Default: none (gpt-oss: gpt_oss).")
-@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "none"]),
-              default=None,
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "gpt_oss",
+                                                       "openai", "none"]), default=None,
               help="Chat requests' tools may be called (tool_choice auto, OpenAI's default with tools): the calls "
               "the model writes come back in the message's `tool_calls`, finish_reason tool_calls, as vLLM's option "
               "(trtllm-serve's --tool_parser). hermes (TensorRT-LLM's qwen3): <tool_call>{JSON}</tool_call>, Qwen2.5 "
-              "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder). Default: none (tools only with "
-              "tool_choice none: rendered by the template, the answer is text).")
+              "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder); gpt_oss (vLLM's openai): harmony's "
+              "commentary channel to=functions.NAME (the torch backend's default for a gpt-oss target). Default: none "
+              "(tools only with tool_choice none: rendered by the template, the answer is text; gpt-oss: gpt_oss).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's companion of --tool-call-parser, taken so its command lines run; the parser alone enables "
               "tool calling here.")
@@ -203,8 +204,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
     nohup)."""
     if enable_auto_tool_choice and tool_call_parser in (None, "none"):
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder): the format "
-                               "the model writes its calls in")
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder, gpt_oss): "
+                               "the format the model writes its calls in")
     if backend == "trtllm":
         if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
             source = click.get_current_context().get_parameter_source("api_key")
@@ -235,6 +236,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     from dflash_trt.server.app import create_app
     from dflash_trt.server.reasoning import default_parser
     from dflash_trt.server.reasoning import reasoning_parser as reasoning_parser_named
+    from dflash_trt.server.tool_calls import default_tool_parser
     from dflash_trt.server.tool_calls import tool_call_parser as tool_call_parser_named
 
     _Server = _uvicorn_server_class()
@@ -265,7 +267,11 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         if reasoning is not None and reasoning_parser is None:
             click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
                        "default; none to turn it off)", err=True)
-        tools = tool_call_parser_named(None if tool_call_parser == "none" else tool_call_parser)
+        tools = default_tool_parser(llm.target) if tool_call_parser is None else tool_call_parser_named(
+            None if tool_call_parser == "none" else tool_call_parser)
+        if tools is not None and tool_call_parser is None:
+            click.echo(f"chat requests' tools may be called (--tool-call-parser {tools.name}, this target's default; "
+                       "none to turn it off)", err=True)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,

@@ -114,6 +114,11 @@ class ReasoningSplitter:
         return reasoning, text
 
     @property
+    def thought(self) -> bool:
+        """Whether the answer opened with reasoning (read so far)."""
+        return self._thought
+
+    @property
     def in_reasoning(self) -> bool:
         """Whether the text read so far ends inside the reasoning (its content has not begun)."""
         return self._state == "reasoning"
@@ -122,4 +127,4 @@ class ReasoningSplitter:
         """A whole answer's (reasoning, content): reasoning None where there is none; content None where the answer
         reasoned and said nothing after (vLLM's), "" where it is empty without reasoning (as without a parser)."""
         reasoning, content = self.feed(text, final=True)
-        return reasoning or None, (content or None) if self._thought else content
+        return reasoning or None, (content or None) if self.thought else content

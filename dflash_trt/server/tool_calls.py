@@ -2,18 +2,21 @@
 trtllm-serve): each call the model writes becomes an entry of the message's `tool_calls` (OpenAI's shape, arguments
 as a JSON string), the text around them its `content`, and the choice finishes with "tool_calls".
 
-Both formats wrap each call in `<tool_call>...</tool_call>`:
-- hermes (Qwen2.5, Qwen3, Hermes; TensorRT-LLM's `qwen3`): a JSON object `{"name": ..., "arguments": {...}}` (or
-  "parameters"), or a list of them;
-- qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<function=NAME><parameter=KEY>VALUE</parameter>...</function>`,
-  each value read as the tool's schema types it (a string stays a string; numbers, booleans, objects and arrays as
-  JSON).
+- hermes (Qwen2.5, Qwen3, Hermes; TensorRT-LLM's `qwen3`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  ("parameters" for "arguments" too), or a list of such objects in one block;
+- qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+  </function></tool_call>`, each value read as the tool's schema types it (a string stays a string; numbers, booleans,
+  objects and arrays as JSON);
+- gpt_oss: harmony's commentary channel addressed to a function, as the answer's text holds it without harmony's
+  special tokens (as the gpt_oss reasoning parser reads its channels): `<|start|>assistant<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` is "assistantcommentary to=functions.NAME json{...}",
+  the answer's last message (`<|call|>` ends gpt-oss's turn). Read before the reasoning split, which then takes the
+  text before it. The default for a gpt-oss target.
 
 Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin
-a `<tool_call>` is held back until the next delta says whether it does, and a call is sent whole once it closes (or
-the answer ends). A block that does not parse as a call stays in the content as written, so nothing the model said is
-lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is
-none).
+a call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
+ends). A block that does not parse as a call stays in the content as written, so nothing the model said is lost;
+whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is none).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from typing import Any
 from dflash_trt.server.reasoning import partial_tag
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+# harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
+# opening the answer; the recipient in the channel's header, as gpt-oss writes it, or in the role's
+HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.")
 
 
 @dataclass(frozen=True)
@@ -100,16 +106,45 @@ def _coder_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None
     return [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
 
 
+# what may follow a harmony call's function name before its arguments: the role-header form's channel, and the
+# <|constrain|>json its text leaves as "json"
+_HARMONY_SUFFIX = r"\s*(?:commentary)?\s*(?:json)?\s*"
+
+
+def _harmony_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
+    brace = body.find("{")
+    if brace < 0:
+        return None
+    head = body[:brace].strip()
+    # a function named in the request is read as named ("fetch_json", not "fetch_" and its constraint); others as
+    # the shortest name the rest can follow
+    known = [n for n in tools if head.startswith(n) and re.fullmatch(_HARMONY_SUFFIX, head[len(n):])]
+    name = max(known, key=len) if known else (m.group(1) if (m := re.fullmatch(r"(\S+?)" + _HARMONY_SUFFIX, head))
+                                              else None)
+    try:
+        arguments, end = json.JSONDecoder().raw_decode(body, brace)
+    except ValueError:
+        return None
+    if not name or not isinstance(arguments, dict) or body[end:].strip():
+        return None
+    return [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+
 @dataclass(frozen=True)
 class ToolCallParser:
     name: str
-    trtllm_name: str  # trtllm-serve's --tool_parser for the same format
+    trtllm_name: str | None  # trtllm-serve's --tool_parser for the same format (None: it reads it unasked)
     parse: Any  # (block's text, {tool name: its parameters' schema}) -> the calls, or None where it is no call
+    starts: tuple[str, ...] = (CALL_START,)  # what opens a call
+    end: str | None = CALL_END  # what closes it; None: the answer's end
+    before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
 
 
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
-                               ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls))}
-ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder"}  # TensorRT-LLM's and vLLM's other names
+                               ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls),
+                               # trtllm-serve reads a gpt-oss target's harmony itself
+                               ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None, True))}
+ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  # TensorRT-LLM's and vLLM's names
 
 
 def tool_call_parser(name: str | None) -> ToolCallParser | None:
@@ -120,6 +155,14 @@ def tool_call_parser(name: str | None) -> ToolCallParser | None:
     if key not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
     return PARSERS[key]
+
+
+def default_tool_parser(target) -> ToolCallParser | None:
+    """The parser a target's calls take whatever the server is told: gpt-oss's (its chat format is harmony's); None
+    for others, whose format the server cannot tell."""
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM
+
+    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
 
 
 class _Joint:
@@ -160,7 +203,7 @@ class ToolCallSplitter:
         self._parallel = parallel
         self._joint = _Joint()
         self._held = ""
-        self._in_call = False  # whether the held text is a call's, its opening tag read
+        self._opened: str | None = None  # the tag that opened the call whose text is held, if any
         self.num_calls = 0  # calls sent so far
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
@@ -168,25 +211,27 @@ class ToolCallSplitter:
         text, self._held = self._held + text, ""
         said: list[str] = []
         calls: list[FunctionCall] = []
+        starts, end = self.parser.starts, self.parser.end
         while True:
-            if not self._in_call:
-                at = text.find(CALL_START)
-                if at < 0:
-                    keep = 0 if final else partial_tag(text, CALL_START)
+            if self._opened is None:
+                found = [(at, -len(tag), tag) for tag in starts if (at := text.find(tag)) >= 0]
+                if not found:
+                    keep = 0 if final else max(partial_tag(text, tag) for tag in starts)
                     said.append(self._joint.say(text[:len(text) - keep]))
                     self._held = text[len(text) - keep:]
                     break
+                at, _, self._opened = min(found)  # the first, and of those at one place the longest
                 said.append(self._joint.say(text[:at]))
-                text, self._in_call = text[at + len(CALL_START):], True
-            at = text.find(CALL_END)
+                text = text[at + len(self._opened):]
+            at = text.find(end) if end is not None else -1
             if at < 0 and not final:
                 self._held = text  # the call's text so far, sent when it closes
                 break
-            block, closing = (text, "") if at < 0 else (text[:at], CALL_END)
-            text, self._in_call = text[len(block) + len(closing):], False
+            block, closing = (text, "") if at < 0 else (text[:at], end)
+            text, opened, self._opened = text[len(block) + len(closing):], self._opened, None
             found = self.parser.parse(block.strip(), self._schemas)
             if found is None:  # no call: the model's text, as it wrote it
-                said.append(self._joint.say(CALL_START + block + closing))
+                said.append(self._joint.say(opened + block + closing))
                 continue
             kept = found if self._parallel else found[:max(0, 1 - self.num_calls)]
             calls += kept

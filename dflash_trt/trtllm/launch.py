@@ -187,5 +187,6 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_p
     if tool_call_parser is not None:
         from dflash_trt.server.tool_calls import tool_call_parser as named
 
-        cmd += ["--tool_parser", named(tool_call_parser).trtllm_name]
+        if (trtllm_name := named(tool_call_parser).trtllm_name) is not None:  # (gpt-oss's: read unasked)
+            cmd += ["--tool_parser", trtllm_name]
     return cmd

@@ -89,16 +89,22 @@ def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkey
                                             "--port", str(free_port()), *flag])
     assert isinstance(result.exception, ValueError), result.output
     assert [p and p.name for p in seen] == [parser]
-    assert ("this target's default" in result.output) == (model == "gpt_oss" and not flag)
+    assert ("(--reasoning-parser gpt_oss, this target's default" in result.output) == (model == "gpt_oss" and not flag)
 
 
-@pytest.mark.parametrize("flag, parser", [([], None), (["--tool-call-parser", "none"], None),
-                                          (["--tool-call-parser", "qwen3"], "hermes"),
-                                          (["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"],
-                                           "qwen3_coder")])
-def test_serve_reads_tool_calls_only_with_a_tool_call_parser(monkeypatch, tiny_dirs, flag, parser):
+@pytest.mark.parametrize("model, flag, parser", [("qwen3", [], None), ("qwen3", ["--tool-call-parser", "none"], None),
+                                                 ("qwen3", ["--tool-call-parser", "qwen3"], "hermes"),
+                                                 ("qwen3", ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                            "qwen3_coder"], "qwen3_coder"),
+                                                 ("gpt_oss", [], "gpt_oss"),
+                                                 ("gpt_oss", ["--tool-call-parser", "none"], None)])
+def test_serve_reads_tool_calls_with_a_tool_call_parser_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path,
+                                                                                          tiny_dirs, model, flag,
+                                                                                          parser):
     from dflash_trt.server import app
+    from tests.models.test_gpt_oss import make_gpt_oss
 
+    target = tiny_dirs["qwen3"] if model == "qwen3" else make_gpt_oss(tmp_path / "gpt-oss", layers=2)
     seen = []
 
     def create_app(*args, **kwargs):
@@ -106,10 +112,12 @@ def test_serve_reads_tool_calls_only_with_a_tool_call_parser(monkeypatch, tiny_d
         raise ValueError("stop before serving")
 
     monkeypatch.setattr(app, "create_app", create_app)
-    result = CliRunner().invoke(cli.serve, ["--target", str(tiny_dirs["qwen3"]), "--no-spec", "--max-model-len", "64",
+    result = CliRunner().invoke(cli.serve, ["--target", str(target), "--no-spec", "--max-model-len", "64",
                                             "--port", str(free_port()), *flag])
     assert isinstance(result.exception, ValueError), result.output
     assert [p and p.name for p in seen] == [parser]
+    assert ("tools may be called (--tool-call-parser gpt_oss, this target's default" in result.output) == (
+        model == "gpt_oss" and not flag)
 
 
 def test_vllms_enable_auto_tool_choice_without_a_parser_is_refused_before_loading(tiny_dirs):

@@ -4,6 +4,7 @@ the text around them in `content`, the same whether it is streamed (in any delta
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -12,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_trt.sampling_params import SamplingParams
-from dflash_trt.server.tool_calls import CALL_START, PARSERS, ToolCallSplitter, tool_call_parser
+from dflash_trt.server.chat_answer import ChatAnswerSplitter
+from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
+from dflash_trt.server.tool_calls import CALL_START, HARMONY_STARTS, PARSERS, ToolCallSplitter, tool_call_parser
 from tests.conftest import make_drafter, make_target
 from tests.server.conftest import start_server
 
@@ -63,7 +66,8 @@ def _streamed(splitter: ToolCallSplitter, text: str, cuts: list[int]) -> tuple[s
 
 
 @settings(max_examples=400, deadline=None)
-@given(data=st.data(), name=st.sampled_from(sorted(PARSERS)), cuts=st.lists(st.integers(0, 400), max_size=16),
+@given(data=st.data(), name=st.sampled_from(["hermes", "qwen3_coder"]), cuts=st.lists(st.integers(0, 400),
+                                                                                      max_size=16),
        parallel=st.booleans())
 def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around_them(data, name, cuts, parallel):
     """An answer built of text and calls (in the parser's format, with JSON or typed values drawn at random): its
@@ -152,6 +156,71 @@ def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
                                               "mode": 644, "force": True, "extra": "3"}
 
 
+def _harmony_text(harmony: str) -> str:
+    return re.sub(r"<\|[a-z]+\|>", "", harmony)  # what decode(skip_special_tokens=True) leaves of harmony's tokens
+
+
+@pytest.mark.parametrize("harmony, tools, want", [
+    # harmony's documented call, after an analysis message
+    ("<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|>', ["get_weather"],
+     ("Need to use function get_weather.", None, [("get_weather", {"location": "San Francisco"})])),
+    # opening the answer, no space before its constraint, no tools named
+    ('<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "Oslo"}<|call|>', [],
+     (None, None, [("get_weather", {"city": "Oslo"})])),
+    # the recipient in the role's header, a dotted name
+    ("<|channel|>analysis<|message|>Mail it.<|end|><|start|>assistant to=functions.email.send<|channel|>commentary "
+     'json<|message|>{"to": "a@b.c"}<|call|>', ["email.send"], ("Mail it.", None, [("email.send", {"to": "a@b.c"})])),
+    # without a constraint; a name ending in "json" read as the request names it
+    ('<|channel|>commentary to=functions.fetch_json<|message|>{"url": "x"}<|call|>', ["fetch_json"],
+     (None, None, [("fetch_json", {"url": "x"})])),
+    # no call: the channels split as before
+    ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
+     ["get_weather"], ("User says hi.", "Hello!", [])),
+    # a call whose arguments are cut: no call, its text where it was (the reasoning, as without the parser)
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
+     '<|message|>{"a": ', ["f"], ('xassistantcommentary to=functions.f json{"a": ', None, [])),
+])
+def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_it(harmony, tools, want):
+    """gpt-oss calls a function in a commentary message addressed to it (OpenAI's harmony format), its turn's last
+    (<|call|> ends it); the text leaves harmony's special tokens out, and the reasoning is read from what precedes."""
+    text = _harmony_text(harmony)
+    schemas = [{"type": "function", "function": {"name": n}} for n in tools]
+    for cuts in ([], list(range(len(text)))):
+        splitter = ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ToolCallSplitter(PARSERS["gpt_oss"], schemas))
+        if not cuts:
+            thought, content, calls = splitter.split(text)
+        else:
+            parts = [splitter.feed(text[i:i + 1], final=i == len(text) - 1) for i in cuts]
+            thought, content = "".join(p[0] for p in parts) or None, "".join(p[1] for p in parts) or None
+            calls = [c for p in parts for c in p[2]]
+        assert (thought, content, [(c.name, json.loads(c.arguments)) for c in calls]) == want, cuts
+
+
+# text near every parser's tags, for the split's agreement with itself
+_NEAR = sorted({CALL_START, CALL_START[:5], "</tool_call>", "<function=f>", "<parameter=a>", "\n1\n", "</parameter>",
+                "</function>", *HARMONY_STARTS, HARMONY_STARTS[0][:12], "json", '{"name": "f", "arguments": {}}',
+                '{"a": 1}', "{", "}", "<think>", "</think>", "analysis", "assistantfinal", "assistantanalysis",
+                "final", " ", "\n", "é", "x"})
+
+
+@settings(max_examples=500, deadline=None)
+@given(reasoning=st.sampled_from([None, *sorted(REASONING_PARSERS)]), calls=st.sampled_from(sorted(PARSERS)),
+       text=st.lists(st.sampled_from(_NEAR), max_size=24).map("".join), cuts=st.lists(st.integers(0, 300), max_size=16))
+def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoning, calls, text, cuts):
+    def splitter():
+        return ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ToolCallSplitter(PARSERS[calls], [
+            {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}]))
+
+    thought, content, whole = splitter().split(text)
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    streaming = splitter()
+    parts = [streaming.feed(text[a:b], final=b == len(text)) for a, b in zip(bounds, bounds[1:])] or [
+        streaming.feed("", final=True)]
+    assert "".join(p[0] for p in parts) == (thought or "") and "".join(p[1] for p in parts) == (content or "")
+    assert [(c.name, c.arguments) for p in parts for c in p[2]] == [(c.name, c.arguments) for c in whole]
+
+
 def test_an_answer_without_calls_is_its_text_unchanged():
     text = "  Hello <tool_ there\n\n"
     assert ToolCallSplitter(PARSERS["hermes"]).split(text) == (text, [])
@@ -159,7 +228,7 @@ def test_an_answer_without_calls_is_its_text_unchanged():
 
 
 def test_an_unknown_parser_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match="hermes, qwen3, qwen3_coder, qwen3_xml"):
+    with pytest.raises(ValueError, match="gpt_oss, hermes, openai, qwen3, qwen3_coder, qwen3_xml"):
         tool_call_parser("llama3_json")
 
 

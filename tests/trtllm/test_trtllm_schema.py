@@ -152,10 +152,11 @@ def test_serve_passes_the_reasoning_parser_to_trtllm_serve_in_its_spelling(tiny_
 
 
 @pytest.mark.parametrize("given, passed", [("hermes", "qwen3"), ("qwen3", "qwen3"), ("qwen3_coder", "qwen3_coder"),
-                                           ("qwen3_xml", "qwen3_coder"), ("none", None)])
+                                           ("qwen3_xml", "qwen3_coder"), ("gpt_oss", None), ("none", None)])
 def test_serve_passes_the_tool_call_parser_to_trtllm_serve_by_its_name_for_the_format(tiny_trtllm_engine, tmp_path,
                                                                                       monkeypatch, given, passed):
-    """TensorRT-LLM's ToolParserFactory knows the hermes format as "qwen3", Qwen3-Coder's as "qwen3_coder"."""
+    """TensorRT-LLM's ToolParserFactory knows the hermes format as "qwen3", Qwen3-Coder's as "qwen3_coder"; its
+    server reads a gpt-oss target's harmony calls itself (harmony_adapter.py)."""
     from click.testing import CliRunner
 
     from dflash_trt.server import cli

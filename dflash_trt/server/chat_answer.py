@@ -1,0 +1,40 @@
+"""A chat answer's text split into what its message carries: reasoning (a reasoning parser's), content, and tool calls
+(a tool-call parser's), fed delta by delta or whole, alike."""
+
+from __future__ import annotations
+
+from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
+from dflash_trt.server.tool_calls import FunctionCall, ToolCallSplitter
+
+
+class ChatAnswerSplitter:
+    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCallSplitter | None) -> None:
+        self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self._calls = calls
+        # hermes's calls follow the reasoning (a call the model only thinks of is no call); harmony's are a message
+        # of their own, read out before the channels are
+        self._calls_first = calls is not None and calls.parser.before_reasoning
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer has made a call so far."""
+        return self._calls is not None and self._calls.num_calls > 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[FunctionCall]]:
+        """The reasoning, content and calls of text, the answer's next delta; `final` with its last."""
+        calls: list[FunctionCall] = []
+        if self._calls_first:
+            text, calls = self._calls.feed(text, final)
+        thought = ""
+        if self._reasoning is not None:
+            thought, text = self._reasoning.feed(text, final)
+        if self._calls is not None and not self._calls_first:
+            text, calls = self._calls.feed(text, final)
+        return thought, text, calls
+
+    def split(self, text: str) -> tuple[str | None, str | None, list[FunctionCall]]:
+        """A whole answer's (reasoning, content, calls): reasoning None where there is none; content None where the
+        answer reasoned or made calls and said nothing else, its text as it is otherwise (as without parsers)."""
+        thought, content, calls = self.feed(text, final=True)
+        reasoned = self._reasoning is not None and self._reasoning.thought
+        return thought or None, (content or None) if reasoned or calls else content, calls
