@@ -370,8 +370,8 @@ class ChatMessage(BaseModel):
     function_call: CalledFunction | None = None  # the deprecated form of one tool call
     tool_call_id: str | None = None
     name: str | None = None
-    # an assistant's reasoning as a reasoning parser answered it (vLLM's name, DeepSeek's): Qwen3's template renders
-    # it in a tool-calling turn, others drop it
+    # an assistant's reasoning as a reasoning parser answered it (vLLM's name, DeepSeek's): Qwen3's and gpt-oss's
+    # templates render it in a tool-calling turn (transformers passes it as gpt-oss's `thinking` too), others drop it
     reasoning: str | None = None
     reasoning_content: str | None = None
 

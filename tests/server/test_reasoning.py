@@ -176,10 +176,20 @@ def test_an_answer_cut_inside_its_reasoning_has_no_content_and_without_a_parser_
         server.stop()
 
 
-def test_an_assistant_messages_reasoning_reaches_the_chat_template_as_reasoning_content():
+def test_an_assistant_messages_reasoning_reaches_chat_templates_under_the_names_they_read(tiny_dirs):
+    """Qwen3's template reads `reasoning_content`, gpt-oss's `thinking` (the analysis it renders before a call):
+    passed as the first, transformers' apply_chat_template fills the second from it."""
+    from transformers import AutoTokenizer
+
     from dflash_trt.server.protocol import ChatMessage
 
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    template = "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.content }}]{% endfor %}"
+
+    def rendered(message: dict) -> str:
+        return tok.apply_chat_template([ChatMessage.model_validate(message).for_template()], chat_template=template,
+                                       tokenize=False)
+
     for key in ("reasoning", "reasoning_content"):
-        msg = ChatMessage.model_validate({"role": "assistant", "content": "4", key: "2 + 2"})
-        assert msg.for_template() == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
-    assert "reasoning_content" not in ChatMessage(role="assistant", content="4").for_template()
+        assert rendered({"role": "assistant", "content": "4", key: "2 + 2"}) == "[2 + 2|2 + 2|4]"
+    assert rendered({"role": "assistant", "content": "4"}) == "[||4]"
