@@ -31,8 +31,10 @@ from dflash_trt.server.reasoning import partial_tag
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
-# opening the answer; the recipient in the channel's header, as gpt-oss writes it, or in the role's
-HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.")
+# opening the answer; the recipient in the channel's header, as gpt-oss writes it, or in the role's, as gpt-oss's
+# template writes past calls (at the answer's start the prompt holds the role: " to=functions.")
+HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.",
+                  " to=functions.")
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,10 @@ def _harmony_text(harmony: str) -> str:
     # the recipient in the role's header, a dotted name
     ("<|channel|>analysis<|message|>Mail it.<|end|><|start|>assistant to=functions.email.send<|channel|>commentary "
      'json<|message|>{"to": "a@b.c"}<|call|>', ["email.send"], ("Mail it.", None, [("email.send", {"to": "a@b.c"})])),
+    # the recipient in the role's header at the answer's start (the prompt ends "<|start|>assistant"), as gpt-oss's
+    # template writes past calls
+    (' to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>', ["get_time"],
+     (None, None, [("get_time", {})])),
     # without a constraint; a name ending in "json" read as the request names it
     ('<|channel|>commentary to=functions.fetch_json<|message|>{"url": "x"}<|call|>', ["fetch_json"],
      (None, None, [("fetch_json", {"url": "x"})])),
