@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP routes over an EngineLoop: /v1/completions, /v1/chat/completions (SSE
+"""OpenAI-compatible HTTP routes over an EngineLoop: /v1/completions, /v1/chat/completions, /v1/responses (SSE
 streaming and not), /v1/models, vLLM's /tokenize, /detokenize and /version, /health, /metrics. Every refusal is an
 OpenAI-style JSON error."""
 
@@ -35,6 +35,8 @@ from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import ReasoningParser
+from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body, output_items
+from dflash_trt.server.responses import usage as response_usage
 from dflash_trt.server.tool_calls import ToolCallParser, ToolCallSplitter
 
 logger = logging.getLogger(__name__)
@@ -199,10 +201,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(req.model)
         _check_capacity(req, 1, "messages")
-        if req.calls_tools and tool_parser is None:
-            raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder); "
-                                'with tool_choice "none" the template renders the tools and the answer is text',
-                           param="tools")
+        _check_tools(req)
         ids = await _encode_chat(req)
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
@@ -211,6 +210,44 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         choices = [_chat_choice(i, o, req) for i, o in enumerate(outputs)]
         body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
         return JSONResponse(body.model_dump())
+
+    def _check_tools(req: p.ChatCompletionRequest) -> None:
+        if req.calls_tools and tool_parser is None:
+            raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder, "
+                                'gpt_oss); with tool_choice "none" the template renders the tools and the answer is text',
+                           param="tools")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, answered as the chat completion its input makes (server/responses.py)."""
+        try:
+            req = await _parse(request, p.ChatCompletionRequest, chat_body)
+        except ValueError as e:  # what the Responses API has and this server does not do
+            raise APIError(400, str(e)) from e
+        _check_model(req.model)
+        _check_tools(req)
+        ids = await _encode_chat(req)
+        submitted = _submit(req, [ids], req.max_new_tokens, "max_output_tokens", prompt_param="input")
+        response = ResponseObject(model_name, json.loads(request.state.body), req)
+        if req.stream:
+            return _sse(_stream_response(req, submitted, response), named=True)
+        o = (await _wait_all(request, submitted))[0]
+        output = output_items(*_splitter(req).split(o.text))
+        return JSONResponse(response.dump("completed", output, o.finish_reason, _response_usage(o, submitted)))
+
+    def _response_usage(o: RequestOutput, s: _Submitted) -> dict:
+        return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens)
+
+    async def _stream_response(req: p.ChatCompletionRequest, s: _Submitted, response: ResponseObject):
+        events, splitter = ResponseEvents(response), _splitter(req)
+        for event in events.start():
+            yield event
+        async for _, text, out, _, _ in _updates(s):
+            for event in events.feed(*splitter.feed(text, final=out is not None)):
+                yield event
+            if out is not None:
+                for event in events.finish(out.finish_reason, _response_usage(out, s)):
+                    yield event
 
     def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest) -> p.ChatChoice:
         thought, content, calls = _splitter(req).split(o.text)
@@ -558,11 +595,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _choice_usage(s: _Submitted, i: int, tokens: int) -> p.Usage:
         return p.Usage(prompt_tokens=s.prompt_lens[i], completion_tokens=tokens, total_tokens=s.prompt_lens[i] + tokens)
 
-    def _sse(chunks) -> StreamingResponse:
+    def _sse(chunks, named: bool = False) -> StreamingResponse:
+        """named: each event's type on an `event:` line too, as the Responses API sends its events."""
         async def events():
             try:
                 async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield (f"event: {chunk['type']}\n" if named else "") + f"data: {json.dumps(chunk)}\n\n"
             except APIError as e:  # the engine failed this request mid-stream: say so, then end the stream
                 metrics.errors.labels(str(e.status)).inc()
                 err = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, code=e.code))

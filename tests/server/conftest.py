@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -92,3 +93,42 @@ def oracle(tiny_dirs):
     """A separate engine, decoding plainly, whose generate() gives the expected answers: every server test that
     compares with it checks the speculative server against the target's own decoding (its samples too, by seed)."""
     return tiny_engine(tiny_dirs, max_batch_size=8, speculative=False)
+
+
+# --- a target whose own greedy answer is two tool calls -----------------------------------------------------
+
+CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+ANSWER = "I will look." + "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in CALLS)
+QUESTION = [{"role": "user", "content": "weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
+
+
+@pytest.fixture(scope="session")
+def caller(tmp_path_factory):
+    """A tiny target trained to answer QUESTION with ANSWER (a character tokenizer of 100 ids spells braces), and a
+    random drafter: the engine's greedy answer is the target's own."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from tests.conftest import make_drafter, make_target
+
+    root = tmp_path_factory.mktemp("caller")
+    target = make_target(root / "target", vocab=100)
+    tok = AutoTokenizer.from_pretrained(target)
+    model = Qwen3ForCausalLM.from_pretrained(target)
+    prompt = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+                  ["input_ids"])
+    ids = torch.tensor([prompt + tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]])
+    labels = ids.clone()
+    labels[0, :len(prompt)] = -100
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.005:
+            break
+    model.eval().save_pretrained(target)
+    return target, make_drafter(root / "drafter", target, block_size=16)

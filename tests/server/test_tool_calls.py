@@ -8,7 +8,6 @@ import re
 
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +15,7 @@ from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
 from dflash_trt.server.tool_calls import CALL_START, HARMONY_STARTS, PARSERS, ToolCallSplitter, tool_call_parser
-from tests.conftest import make_drafter, make_target
-from tests.server.conftest import start_server
+from tests.server.conftest import ANSWER, CALLS, QUESTION, TOOLS, start_server
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
                                                                                          allow_infinity=False)
@@ -237,40 +235,6 @@ def test_an_unknown_parser_is_refused_naming_the_known_ones():
 
 
 # --- served: a target whose own greedy answer is two tool calls --------------------------------------------------
-
-CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
-ANSWER = "I will look." + "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in CALLS)
-QUESTION = [{"role": "user", "content": "weather in Paris?"}]
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
-
-
-@pytest.fixture(scope="module")
-def caller(tmp_path_factory):
-    """A tiny target trained to answer QUESTION with ANSWER (a character tokenizer of 100 ids spells braces), and a
-    random drafter: the engine's greedy answer is the target's own."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-    root = tmp_path_factory.mktemp("caller")
-    target = make_target(root / "target", vocab=100)
-    tok = AutoTokenizer.from_pretrained(target)
-    model = Qwen3ForCausalLM.from_pretrained(target)
-    prompt = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
-                  ["input_ids"])
-    ids = torch.tensor([prompt + tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]])
-    labels = ids.clone()
-    labels[0, :len(prompt)] = -100
-    torch.manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = model(ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.005:
-            break
-    model.eval().save_pretrained(target)
-    return target, make_drafter(root / "drafter", target, block_size=16)
-
 
 def _engine(dirs, **cfg):
     from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
