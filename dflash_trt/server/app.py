@@ -214,8 +214,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _check_tools(req: p.ChatCompletionRequest) -> None:
         if req.calls_tools and tool_parser is None:
             raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder, "
-                                'gpt_oss); with tool_choice "none" the template renders the tools and the answer is text',
-                           param="tools")
+                                'gpt_oss); with tool_choice "none" the template renders the tools and the answer is '
+                                "text", param="tools")
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
