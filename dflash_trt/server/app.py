@@ -602,14 +602,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 async for chunk in chunks:
                     yield (f"event: {chunk['type']}\n" if named else "") + f"data: {json.dumps(chunk)}\n\n"
             except APIError as e:  # the engine failed this request mid-stream: say so, then end the stream
-                metrics.errors.labels(str(e.status)).inc()
-                err = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, code=e.code))
-                yield f"data: {json.dumps(err.model_dump())}\n\n"
+                yield _error_event(e)
             except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: a 499, as unstreamed
                 metrics.errors.labels("499").inc()
                 raise
+            except Exception as e:  # this server's own bug: said, as unstreamed (a 500), not a cut connection
+                logger.exception("a stream failed")
+                yield _error_event(APIError(500, f"internal error: {e}", "server_error"))
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _error_event(e: APIError) -> str:
+        metrics.errors.labels(str(e.status)).inc()
+        err = p.ErrorResponse(error=p.ErrorInfo(message=e.message, type=e.type, code=e.code))
+        return f"data: {json.dumps(err.model_dump())}\n\n"
 
     def _acceptance(out: RequestOutput) -> p.AcceptanceStats | None:
         if engine.drafter is None:

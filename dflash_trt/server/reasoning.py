@@ -15,7 +15,10 @@ held back until the next delta says whether it does.
   parser reads the same): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
   is "analysis...assistantfinal...": reasoning from "analysis" to "assistantfinal" (a second analysis message,
   "assistantanalysis...", goes on the reasoning on a new line); an answer that opens in the final channel
-  ("final...") is all content. The default for a gpt-oss target, whose answers are unreadable unsplit.
+  ("final...") is all content. A commentary message without a recipient (a preamble: "assistantcommentary...") is
+  content too, as vLLM shows it; a further final or commentary message goes on the content on a new line (a
+  commentary message to a function is a tool call, read out before: server/tool_calls.py). The default for a
+  gpt-oss target, whose answers are unreadable unsplit.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ class ReasoningParser:
     name: str
     starts_thinking: bool  # the answer is reasoning from its start, opened by the prompt
     start: str = THINK_START
-    end: str = THINK_END
-    content_start: str = ""  # what opens an answer without reasoning, dropped (harmony's final channel's name)
+    ends: tuple[str, ...] = (THINK_END,)  # what ends the reasoning, its content beginning
+    # what opens an answer without reasoning, dropped (harmony's final and commentary channels' names)
+    content_starts: tuple[str, ...] = ()
     reasoning_break: str = ""  # what begins a further message of reasoning (harmony's), read as a new line
+    content_breaks: tuple[str, ...] = ()  # what begins a further message of content (harmony's), read as a new line
 
 
+_HARMONY_CONTENT = ("assistantfinal", "assistantcommentary")
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
-                               ReasoningParser("gpt_oss", False, "analysis", "assistantfinal", "final",
-                                               "assistantanalysis"))}
+                               ReasoningParser("gpt_oss", False, "analysis", _HARMONY_CONTENT,
+                                               ("final", "commentary"), "assistantanalysis", _HARMONY_CONTENT))}
 ALIASES = {"deepseek-r1": "deepseek_r1", "gpt-oss": "gpt_oss"}  # TensorRT-LLM's spellings
 
 
@@ -74,27 +80,28 @@ class ReasoningSplitter:
         self.parser = parser
         self._state = "start"  # start (nothing read yet), reasoning, content
         self._thought = False  # whether the answer opened with reasoning
+        self._said = False  # whether its content has said anything
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and content of text, the answer's next delta; `final` with its last (nothing held back)."""
         text, self._held = self._held + text, ""
         reasoning = ""
-        start, end = self.parser.start, self.parser.end
+        start, ends = self.parser.start, self.parser.ends
         if self._state == "start":
-            openers = [o for o in (start, self.parser.content_start) if o]
+            openers = [o for o in (start, *self.parser.content_starts) if o]
             if not final and any(o.startswith(text) and text != o for o in openers):
                 self._held = text  # may yet be an opening tag
                 return "", ""
             opened = text.startswith(start)
             if opened:
                 text = text[len(start):]
-            elif self.parser.content_start and text.startswith(self.parser.content_start):
-                text = text[len(self.parser.content_start):]
+            elif opener := next((o for o in self.parser.content_starts if text.startswith(o)), None):
+                text = text[len(opener):]
             self._state = "reasoning" if opened or self.parser.starts_thinking else "content"
             self._thought = self._state == "reasoning"
         if self._state == "reasoning":
-            tags = [t for t in (end, self.parser.reasoning_break) if t]
+            tags = [*ends, *([self.parser.reasoning_break] if self.parser.reasoning_break else [])]
             parts = []
             while True:
                 found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
@@ -106,12 +113,30 @@ class ReasoningSplitter:
                 cut, tag = min(found)
                 parts.append(text[:cut])
                 text = text[cut + len(tag):]
-                if tag == end:
+                if tag in ends:
                     break
                 parts.append("\n")
             reasoning = "".join(parts)
             self._state = "content"
-        return reasoning, text
+        return reasoning, self._content(text, final) if self.parser.content_breaks else text
+
+    def _content(self, text: str, final: bool) -> str:
+        tags, parts = self.parser.content_breaks, []
+        while True:
+            found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+            if not found:
+                keep = 0 if final else max(partial_tag(text, tag) for tag in tags)
+                parts.append(text[:len(text) - keep])
+                self._held = text[len(text) - keep:]
+                break
+            cut, tag = min(found)
+            parts.append(text[:cut])
+            self._said |= bool(text[:cut])
+            parts.append("\n" if self._said else "")  # (a message after one that said nothing: no blank line)
+            text = text[cut + len(tag):]
+        said = "".join(parts)
+        self._said |= bool(said)
+        return said
 
     @property
     def thought(self) -> bool:

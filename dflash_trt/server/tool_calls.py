@@ -32,9 +32,9 @@ from dflash_trt.server.reasoning import partial_tag
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
 # opening the answer; the recipient in the channel's header, as gpt-oss writes it, or in the role's, as gpt-oss's
-# template writes past calls (at the answer's start the prompt holds the role: " to=functions.")
-HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.",
-                  " to=functions.")
+# template writes past calls (at the answer's start the prompt holds the role: " to=functions.", read only there)
+HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.")
+HARMONY_OPENING = (" to=functions.",)
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,30 @@ class FunctionCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
+def _json(value: Any) -> str | None:
+    """value as JSON text, or None where it has none (NaN, infinities); a lone surrogate's escape stays escaped, as
+    the response's UTF-8 cannot carry the character."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(value, allow_nan=False)
+    return text
+
+
 def _arguments(value: Any) -> str | None:
     """A call's arguments as a JSON object's text, or None where they are no object."""
+    if value is None:  # said to be none: no arguments
+        value = {}
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    return _json(value) if isinstance(value, dict) else None
 
 
 def _hermes_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
@@ -63,7 +79,7 @@ def _hermes_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | Non
     for call in parsed if isinstance(parsed, list) else [parsed]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             return None
-        arguments = _arguments(call.get("arguments", call.get("parameters", {})))
+        arguments = _arguments(call.get("arguments", call.get("parameters")))
         if arguments is None:
             return None
         calls.append(FunctionCall(call["name"], arguments))
@@ -74,11 +90,17 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
 
 
-def _typed(value: str, schema: dict | None) -> Any:
+def _types(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema names; a string's where it names none (or is no schema object)."""
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    kinds = kind if isinstance(kind, list) else [kind]
+    return {k for k in kinds if isinstance(k, str)} or {"string"}
+
+
+def _typed(value: str, schema: Any) -> Any:
     """A qwen3_coder parameter's text as its schema types it: a string where the schema allows one (or says nothing
     of the parameter), else its JSON value (the text itself where it is none)."""
-    types = (schema or {}).get("type", "string")
-    types = set(types) if isinstance(types, list) else {types}
+    types = _types(schema)
     if "string" in types and not (value == "null" and "null" in types):
         return value
     try:
@@ -90,22 +112,32 @@ def _typed(value: str, schema: dict | None) -> Any:
 
 
 def _coder_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
-    function = _FUNCTION.fullmatch(body)
-    if function is None:
-        return None
-    name, inner = function.group(1).strip(), function.group(2)
-    properties = (tools.get(name) or {}).get("properties") or {}
-    arguments, at = {}, 0
-    while at < len(inner):
-        parameter = _PARAMETER.match(inner, at)
-        if parameter is None:
-            return None if inner[at:].strip() else [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
-        key, value = parameter.group(1).strip(), parameter.group(2)
-        # the template writes each value on lines of its own: one newline either side is layout, not value
-        value = value.removeprefix("\n").removesuffix("\n")
-        arguments[key] = _typed(value, properties.get(key))
-        at = parameter.end()
-    return [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
+    calls, at = [], 0
+    while at < len(body):  # one function a call, or several in one block
+        function = _FUNCTION.match(body, at)
+        if function is None:
+            return None
+        name, inner, at = function.group(1).strip(), function.group(2), function.end()
+        schema = tools.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
+        arguments, inside = {}, 0
+        while inside < len(inner):
+            parameter = _PARAMETER.match(inner, inside)
+            if parameter is None:
+                if inner[inside:].strip():
+                    return None
+                break
+            key, value = parameter.group(1).strip(), parameter.group(2)
+            # the template writes each value on lines of its own: one newline either side is layout, not value
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, properties.get(key))
+            inside = parameter.end()
+        text = _json(arguments)
+        if text is None:
+            return None
+        calls.append(FunctionCall(name, text))
+    return calls or None
 
 
 # what may follow a harmony call's function name before its arguments: the role-header form's channel, and the
@@ -121,15 +153,16 @@ def _harmony_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | No
     # a function named in the request is read as named ("fetch_json", not "fetch_" and its constraint); others as
     # the shortest name the rest can follow
     known = [n for n in tools if head.startswith(n) and re.fullmatch(_HARMONY_SUFFIX, head[len(n):])]
-    name = max(known, key=len) if known else (m.group(1) if (m := re.fullmatch(r"(\S+?)" + _HARMONY_SUFFIX, head))
-                                              else None)
+    named = re.fullmatch(r"([\w.\-]+?)" + _HARMONY_SUFFIX, head)  # a name as functions are named
+    name = max(known, key=len) if known else named.group(1) if named else None
     try:
         arguments, end = json.JSONDecoder().raw_decode(body, brace)
     except ValueError:
         return None
     if not name or not isinstance(arguments, dict) or body[end:].strip():
         return None
-    return [FunctionCall(name, json.dumps(arguments, ensure_ascii=False))]
+    text = _json(arguments)
+    return [FunctionCall(name, text)] if text is not None else None
 
 
 @dataclass(frozen=True)
@@ -139,13 +172,15 @@ class ToolCallParser:
     parse: Any  # (block's text, {tool name: its parameters' schema}) -> the calls, or None where it is no call
     starts: tuple[str, ...] = (CALL_START,)  # what opens a call
     end: str | None = CALL_END  # what closes it; None: the answer's end
+    opening: tuple[str, ...] = ()  # what opens a call at the answer's start only
     before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
 
 
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
                                ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls),
                                # trtllm-serve reads a gpt-oss target's harmony itself
-                               ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None, True))}
+                               ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
+                                              HARMONY_OPENING, True))}
 ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  # TensorRT-LLM's and vLLM's names
 
 
@@ -168,29 +203,32 @@ def default_tool_parser(target) -> ToolCallParser | None:
 
 
 class _Joint:
-    """The content's text with the whitespace next to each call left out: trailing whitespace is held until text
-    follows it (sent with it) or a call does (dropped)."""
+    """The content's text with the whitespace between it and calls left out where the content begins or ends; between
+    two pieces of content it stays as written (a call's text taken out of it). Trailing whitespace is held until text
+    follows it (sent with it) or the answer ends after a call (dropped)."""
 
     def __init__(self) -> None:
         self._pending = ""
-        self._after_call = False
+        self._said = False  # whether content (not only whitespace) has been said
+        self._called = False  # whether a call came since the content last said
 
     def say(self, text: str) -> str:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._after_call = False
-        text = self._pending + text
         said = text.rstrip()
-        self._pending = text[len(said):]
+        if not said:
+            self._pending += text
+            return ""
+        if self._said or not self._called:
+            said = self._pending + said
+        else:  # the content's first text, after a call
+            said = said.lstrip()
+        self._pending, self._said, self._called = text[len(text.rstrip()):], True, False
         return said
 
     def call(self) -> None:
-        self._pending, self._after_call = "", True
+        self._called = True
 
     def end(self) -> str:
-        said, self._pending = self._pending, ""
+        said, self._pending = ("" if self._called else self._pending), ""
         return said
 
 
@@ -206,6 +244,7 @@ class ToolCallSplitter:
         self._joint = _Joint()
         self._held = ""
         self._opened: str | None = None  # the tag that opened the call whose text is held, if any
+        self._at_start = True  # nothing read yet
         self.num_calls = 0  # calls sent so far
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
@@ -214,6 +253,13 @@ class ToolCallSplitter:
         said: list[str] = []
         calls: list[FunctionCall] = []
         starts, end = self.parser.starts, self.parser.end
+        if self._at_start and text and self.parser.opening:
+            if not final and any(tag.startswith(text) and tag != text for tag in self.parser.opening):
+                self._held = text  # may yet open a call
+                return "", []
+            self._at_start = False
+            if opened := next((tag for tag in self.parser.opening if text.startswith(tag)), None):
+                self._opened, text = opened, text[len(opened):]
         while True:
             if self._opened is None:
                 found = [(at, -len(tag), tag) for tag in starts if (at := text.find(tag)) >= 0]

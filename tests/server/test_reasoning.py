@@ -18,11 +18,20 @@ from tests.server.conftest import MODEL, start_server, tiny_engine
 def _near_tags(parser: ReasoningParser):
     """Text near the parser's tags: their characters, their beginnings, whole opening ones (never a whole closing one:
     that would end the reasoning)."""
-    pieces = sorted({*parser.start, *parser.end, parser.start, parser.start[:3], parser.end[:-1], parser.end[:4],
+    end = parser.ends[0]
+    pieces = sorted({*parser.start, *end, parser.start, parser.start[:3], end[:-1], end[:4],
                      *([parser.reasoning_break, parser.reasoning_break[:-2]] if parser.reasoning_break else []),
-                     *([parser.content_start, parser.content_start[:2]] if parser.content_start else []),
+                     *(piece for opener in parser.content_starts for piece in (opener, opener[:2])),
+                     *(piece for tag in parser.content_breaks for piece in (tag, tag[:-3])),
                      " ", "\n", "é", "x"})
     return st.lists(st.sampled_from(pieces), max_size=20).map("".join)
+
+
+def _without(text: str, tags: list[str]) -> str:
+    while any(tag in text for tag in tags):  # (a removal may join one)
+        for tag in tags:
+            text = text.replace(tag, "")
+    return text
 
 
 def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str, bool]:
@@ -45,22 +54,24 @@ def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str,
        cuts=st.lists(st.integers(0, 120), max_size=12))
 def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, closed, cuts):
     parser = PARSERS[name]
-    reasoning = data.draw(_near_tags(parser))
-    while parser.end in reasoning:  # (a removal may join one)
-        reasoning = reasoning.replace(parser.end, "")
-    content = data.draw(_near_tags(parser))
+    end = parser.ends[0]
+    reasoning = _without(data.draw(_near_tags(parser)), [*parser.ends, *parser.content_breaks])
+    # (a further message of content, harmony's, is the examples' below)
+    content = _without(data.draw(_near_tags(parser)), parser.content_breaks)
     if not opened and reasoning.startswith(parser.start):
         reasoning = "x" + reasoning  # (an answer that opens with the tag opened it)
-    text = (parser.start if opened else "") + reasoning + (parser.end + content if closed else "")
+    text = (parser.start if opened else "") + reasoning + (end + content if closed else "")
+    openers = [o for o in parser.content_starts if text.startswith(o)]
     if opened or parser.starts_thinking:
-        if not opened and parser.content_start and text.startswith(parser.content_start):
+        if not opened and openers:
             return  # an answer that opens in the content's channel has no reasoning (below)
         # a further message of reasoning (harmony's) goes on on a new line
         thought = reasoning.replace(parser.reasoning_break, "\n") if parser.reasoning_break else reasoning
         want = (thought, content if closed else "", not closed)
     else:  # without an opening tag, all of it is content, less the content channel's name where it opens with it
-        cs = parser.content_start
-        want = ("", text[len(cs):] if cs and text.startswith(cs) else text, False)
+        if any(tag in text for tag in parser.content_breaks):
+            return
+        want = ("", text[len(openers[0]):] if openers else text, False)
     assert _streamed(parser, text, cuts) == want
     whole = ReasoningSplitter(parser).split(text)
     thought = opened or parser.starts_thinking  # (an answer opening in the content's channel returned above)
@@ -88,6 +99,11 @@ def test_whole_answers_split_as_trtllm_and_vllm_parsers_of_those_names(text, r1,
     ("<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
      "<|start|>assistant<|channel|>final<|message|>Hi<|return|>", ("One.\nTwo.", "Hi")),  # two analysis messages
     ("<|channel|>analysis<|message|>Cut by max_tokens", ("Cut by max_tokens", None)),
+    # a commentary message without a recipient (a preamble) is content, as vLLM shows it
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+     "check.<|end|>", ("Need weather.", "Let me check.")),
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
+     (None, "Checking.\nSunny.")),  # a further message of content goes on on a new line
 ])
 def test_gpt_oss_answers_split_at_harmonys_channels_as_its_text_holds_them(harmony, want):
     """gpt-oss's tokenizer marks harmony's <|...|> tokens special: the answer's text leaves them out, and the split
@@ -144,7 +160,7 @@ def test_served_chat_answers_split_at_tags_taken_from_the_targets_own_answer(tin
         assert len(text) >= 8, text
         end = text[len(text) // 2: len(text) // 2 + 2]
         for start in (text[:2], None):
-            parser = ReasoningParser("test", start is None, start or "\0", end)
+            parser = ReasoningParser("test", start is None, start or "\0", (end,))
             server = start_server(engine, reasoning=parser)
             try:
                 reasoning, _, content = text[len(start or ""):].partition(end)
@@ -162,7 +178,7 @@ def test_an_answer_cut_inside_its_reasoning_has_no_content_and_without_a_parser_
         tiny_dirs, answers):
     prompt, text = answers[0]
     engine = tiny_engine(tiny_dirs, max_batch_size=4)
-    server = start_server(engine, reasoning=ReasoningParser("test", True, "<never>", "</never>"))
+    server = start_server(engine, reasoning=ReasoningParser("test", True, "<never>", ("</never>",)))
     try:
         assert _chat(server, prompt, False)[:2] == (text, None)
         assert _chat(server, prompt, True)[:2] == (text, "")

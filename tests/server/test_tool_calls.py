@@ -69,8 +69,8 @@ def _streamed(splitter: ToolCallSplitter, text: str, cuts: list[int]) -> tuple[s
        parallel=st.booleans())
 def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around_them(data, name, cuts, parallel):
     """An answer built of text and calls (in the parser's format, with JSON or typed values drawn at random): its
-    calls are those, in order, and its content the text outside them with the whitespace next to each call left out;
-    fed in any deltas, the same."""
+    calls are those, in order, and its content the text outside them (less the whitespace between calls and the
+    content's ends); fed in any deltas, the same."""
     draw = data.draw
     parts = draw(st.lists(st.booleans(), max_size=5))  # True: a call, False: text
     text, want_calls, said, tools = "", [], [], []
@@ -95,9 +95,7 @@ def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around
             text += _coder(fname, params, draw)
         want_calls.append((fname, arguments))
         said.append(None)
-    # the oracle's content: each text's whitespace next to a call left out
-    want = "".join(_trimmed(s, i > 0 and said[i - 1] is None, i + 1 < len(said) and said[i + 1] is None)
-                   for i, s in enumerate(said) if s is not None)
+    want = _outside(said)
     if not parallel:
         want_calls = want_calls[:1]
     splitter = ToolCallSplitter(PARSERS[name], tools, parallel)
@@ -109,9 +107,17 @@ def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around
         (c.name, c.arguments) for c in calls]
 
 
-def _trimmed(text: str, after_call: bool, before_call: bool) -> str:
-    text = text.lstrip() if after_call else text
-    return text.rstrip() if before_call else text
+def _outside(pieces: list[str | None]) -> str:
+    """The oracle's content of an answer's pieces (None: a call): the text outside calls as written, less the
+    whitespace between a call and where the content begins or ends."""
+    joined = "".join(p for p in pieces if p is not None)
+    said = [i for i, p in enumerate(pieces) if p is not None and p.strip()]
+    if None not in pieces:
+        return joined
+    if not said:
+        return ""
+    joined = joined.lstrip() if None in pieces[:said[0]] else joined
+    return joined.rstrip() if None in pieces[said[-1] + 1:] else joined
 
 
 @pytest.mark.parametrize("name, text", [
@@ -163,6 +169,11 @@ def _harmony_text(harmony: str) -> str:
     ("<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary "
      'to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|>', ["get_weather"],
      ("Need to use function get_weather.", None, [("get_weather", {"location": "San Francisco"})])),
+    # a preamble before the call: content, as vLLM shows it
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+     "check.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     '{"city": "Paris"}<|call|>', ["get_weather"], ("Need weather.", "Let me check.", [("get_weather",
+                                                                                       {"city": "Paris"})])),
     # opening the answer, no space before its constraint, no tools named
     ('<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "Oslo"}<|call|>', [],
      (None, None, [("get_weather", {"city": "Oslo"})])),
@@ -179,9 +190,9 @@ def _harmony_text(harmony: str) -> str:
     # no call: the channels split as before
     ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
      ["get_weather"], ("User says hi.", "Hello!", [])),
-    # a call whose arguments are cut: no call, its text where it was (the reasoning, as without the parser)
+    # a call whose arguments are cut: no call, its text where it was (a commentary message: content)
     ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
-     '<|message|>{"a": ', ["f"], ('xassistantcommentary to=functions.f json{"a": ', None, [])),
+     '<|message|>{"a": ', ["f"], ("x", ' to=functions.f json{"a": ', [])),
 ])
 def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_it(harmony, tools, want):
     """gpt-oss calls a function in a commentary message addressed to it (OpenAI's harmony format), its turn's last
@@ -221,6 +232,58 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoni
         streaming.feed("", final=True)]
     assert "".join(p[0] for p in parts) == (thought or "") and "".join(p[1] for p in parts) == (content or "")
     assert [(c.name, c.arguments) for p in parts for c in p[2]] == [(c.name, c.arguments) for c in whole]
+
+
+def test_text_on_both_sides_of_a_call_keeps_what_separated_it():
+    text = 'Checking the weather\n<tool_call>{"name": "f"}</tool_call>\nand the time.\n'
+    content, calls = ToolCallSplitter(PARSERS["hermes"]).split(text)
+    assert (content, [c.name for c in calls]) == ("Checking the weather\n\nand the time.\n", ["f"])
+
+
+@pytest.mark.parametrize("schema", [{"properties": {"a": True}}, {"properties": ["a"]}, {"properties": "x"},
+                                    {"properties": {"a": {"type": {"not": "a type"}}}},
+                                    {"properties": {"a": {"type": [{"x": 1}]}}}, True, None])
+def test_a_schema_of_any_shape_reads_the_value_as_text_where_it_names_no_type(schema):
+    """JSON Schema allows `true` for a property's schema, and clients send what they send: none of it fails."""
+    text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    content, calls = ToolCallSplitter(PARSERS["qwen3_coder"], tools).split(text)
+    assert content is None and json.loads(calls[0].arguments) == {"a": "1"}
+
+
+def test_arguments_are_json_a_response_can_carry():
+    """A lone surrogate's escape stays an escape (UTF-8 cannot carry the character); NaN is no JSON: no call."""
+    content, calls = ToolCallSplitter(PARSERS["hermes"]).split('<tool_call>{"name": "f", "arguments": {"s": '
+                                                               '"\\ud800 \\u00e9"}}</tool_call>')
+    assert calls[0].arguments.encode() and json.loads(calls[0].arguments) == {"s": "\ud800 \u00e9"}
+    for text in ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+                 "<tool_call><function=f><parameter=x>Infinity</parameter></function></tool_call>",
+                 "to=functions.f json{\"x\": -Infinity}"):
+        schemas = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {
+            "type": "number"}}}}}]
+        for name in PARSERS:
+            content, calls = ToolCallSplitter(PARSERS[name], schemas).split(text)
+            assert not calls, (name, text)
+
+
+def test_the_formats_other_shapes_vllm_reads_too():
+    null = '<tool_call>{"name": "f", "arguments": null}</tool_call>'
+    content, calls = ToolCallSplitter(PARSERS["hermes"]).split(null)
+    assert [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    two = ("<tool_call>\n<function=a>\n</function>\n<function=b>\n<parameter=x>\ny\n</parameter>\n</function>\n"
+           "</tool_call>")
+    assert [(c.name, json.loads(c.arguments)) for c in ToolCallSplitter(PARSERS["qwen3_coder"]).split(two)[1]] == [
+        ("a", {}), ("b", {"x": "y"})]
+
+
+def test_a_role_header_recipient_opens_a_call_only_where_the_answer_begins():
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    prose = 'analysisQ.assistantfinalIn harmony a call is addressed to=functions.lookup json{"q": 1}'
+    splitter = ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ToolCallSplitter(PARSERS["gpt_oss"], tools))
+    assert splitter.split(prose) == ("Q.", prose.partition("assistantfinal")[2], [])
+    splitter = ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ToolCallSplitter(PARSERS["gpt_oss"], tools))
+    thought, content, calls = splitter.split(' to=functions.lookupcommentary json{"q": 1}')
+    assert (thought, content, [c.name for c in calls]) == (None, None, ["lookup"])
 
 
 def test_an_answer_without_calls_is_its_text_unchanged():
@@ -297,6 +360,25 @@ def test_a_served_targets_own_tool_calls_come_back_as_tool_calls_streamed_and_no
         r = httpx.post(server.base_url + "/chat/completions", json={**body, "messages": history, "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def test_a_stream_that_fails_in_the_server_ends_with_an_error_event_and_the_server_serves_on(caller, monkeypatch):
+    def broken(self, text, final=False):
+        raise RuntimeError("a bug")
+
+    server = start_server(_engine(caller, speculative=False), tool_parser=tool_call_parser("hermes"))
+    try:
+        monkeypatch.setattr(ChatAnswerSplitter, "feed", broken)
+        with httpx.stream("POST", server.base_url + "/chat/completions", timeout=60, json={
+                "messages": QUESTION, "tools": TOOLS, "max_tokens": 8, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["message"] == "internal error: a bug"
+        monkeypatch.undo()
+        assert server.wait_idle() and httpx.get(server.url + "/health", timeout=10).status_code == 200
+        r = httpx.post(server.base_url + "/chat/completions", json={"messages": QUESTION, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
     finally:
         server.stop()
 
