@@ -201,8 +201,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
           trust_request_chat_template, threads, api_key, max_request_mb, allowed_origins, allowed_hosts,
           reasoning_parser, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve ENGINE (or --target/--drafter) with an OpenAI-compatible API: /v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP (not under
-    nohup)."""
+    /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP
+    (not under nohup)."""
     if enable_auto_tool_choice and tool_call_parser in (None, "none"):
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder, gpt_oss): "
                                "the format the model writes its calls in")

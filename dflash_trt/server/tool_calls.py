@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +170,8 @@ def _harmony_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | No
 class ToolCallParser:
     name: str
     trtllm_name: str | None  # trtllm-serve's --tool_parser for the same format (None: it reads it unasked)
-    parse: Any  # (block's text, {tool name: its parameters' schema}) -> the calls, or None where it is no call
+    # (block's text, {tool name: its parameters' schema}) -> the calls, or None where it is no call
+    parse: Callable[[str, dict[str, Any]], list[FunctionCall] | None]
     starts: tuple[str, ...] = (CALL_START,)  # what opens a call
     end: str | None = CALL_END  # what closes it; None: the answer's end
     opening: tuple[str, ...] = ()  # what opens a call at the answer's start only
