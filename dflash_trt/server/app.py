@@ -35,7 +35,7 @@ from dflash_trt.server.metrics import ServerMetrics
 from dflash_trt.server.prompt_lanes import PromptLanes
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import ReasoningParser
-from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body, output_items
+from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body
 from dflash_trt.server.responses import usage as response_usage
 from dflash_trt.server.tool_calls import ToolCallParser, ToolCallSplitter
 
@@ -232,8 +232,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.stream:
             return _sse(_stream_response(req, submitted, response), named=True)
         o = (await _wait_all(request, submitted))[0]
-        output = output_items(*_splitter(req).split(o.text))
-        return JSONResponse(response.dump("completed", output, o.finish_reason, _response_usage(o, submitted)))
+        events = ResponseEvents(response)  # the stream's last event holds the response: the same items, unstreamed
+        events.feed(_splitter(req).parts(o.text, final=True))
+        return JSONResponse(events.finish(o.finish_reason, _response_usage(o, submitted))[-1]["response"])
 
     def _response_usage(o: RequestOutput, s: _Submitted) -> dict:
         return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens)
@@ -242,12 +243,22 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         events, splitter = ResponseEvents(response), _splitter(req)
         for event in events.start():
             yield event
-        async for _, text, out, _, _ in _updates(s):
-            for event in events.feed(*splitter.feed(text, final=out is not None)):
-                yield event
-            if out is not None:
-                for event in events.finish(out.finish_reason, _response_usage(out, s)):
+        try:
+            async for _, text, out, _, _ in _updates(s):
+                for event in events.feed(splitter.parts(text, final=out is not None)):
                     yield event
+                if out is not None:
+                    for event in events.finish(out.finish_reason, _response_usage(out, s)):
+                        yield event
+        except APIError as e:  # the engine failed it mid-stream: the API's error and failed events end the stream
+            metrics.errors.labels(str(e.status)).inc()
+            for event in events.failed(e.message):
+                yield event
+        except Exception as e:  # (a client gone is no Exception: it ends the stream as _sse counts it)
+            logger.exception("a stream failed")
+            metrics.errors.labels("500").inc()
+            for event in events.failed(f"internal error: {e}"):
+                yield event
 
     def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest) -> p.ChatChoice:
         thought, content, calls = _splitter(req).split(o.text)
@@ -259,7 +270,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
         """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
-        calls = ToolCallSplitter(tool_parser, req.template_tools, req.parallel_tool_calls) if req.calls_tools else None
+        calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
         return ChatAnswerSplitter(reasoning, calls)
 
     def _finish_reason(o: RequestOutput, called: bool) -> str:
@@ -609,7 +620,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             except Exception as e:  # this server's own bug: said, as unstreamed (a 500), not a cut connection
                 logger.exception("a stream failed")
                 yield _error_event(APIError(500, f"internal error: {e}", "server_error"))
-            yield "data: [DONE]\n\n"
+            if not named:  # (the Responses API's streams end with their last event)
+                yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _error_event(e: APIError) -> str:

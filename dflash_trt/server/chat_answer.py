@@ -22,15 +22,28 @@ class ChatAnswerSplitter:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[FunctionCall]]:
         """The reasoning, content and calls of text, the answer's next delta; `final` with its last."""
-        calls: list[FunctionCall] = []
+        parts = self.parts(text, final)
+        return ("".join(v for k, v in parts if k == "reasoning"), "".join(v for k, v in parts if k == "content"),
+                [v for k, v in parts if k == "call"])
+
+    def parts(self, text: str, final: bool = False) -> list[tuple[str, str | FunctionCall]]:
+        """feed's reasoning, content and calls in the order the answer has them, as (kind, text or call) pairs."""
         if self._calls_first:
-            text, calls = self._calls.feed(text, final)
-        thought = ""
-        if self._reasoning is not None:
-            thought, text = self._reasoning.feed(text, final)
-        if self._calls is not None and not self._calls_first:
-            text, calls = self._calls.feed(text, final)
-        return thought, text, calls
+            out = []
+            for piece in self._calls.parts(text, final):
+                out += [("call", piece)] if isinstance(piece, FunctionCall) else self._reasoned(piece, False)
+            return out + (self._reasoned("", True) if final else [])
+        out = self._reasoned(text, final)
+        if self._calls is None:
+            return out
+        content = "".join(v for k, v in out if k == "content")
+        return [p for p in out if p[0] == "reasoning"] + [
+            ("call", piece) if isinstance(piece, FunctionCall) else ("content", piece)
+            for piece in self._calls.parts(content, final)]
+
+    def _reasoned(self, text: str, final: bool) -> list[tuple[str, str]]:
+        thought, content = self._reasoning.feed(text, final) if self._reasoning is not None else ("", text)
+        return [(kind, piece) for kind, piece in (("reasoning", thought), ("content", content)) if piece]
 
     def split(self, text: str) -> tuple[str | None, str | None, list[FunctionCall]]:
         """A whole answer's (reasoning, content, calls): reasoning None where there is none; content None where the

@@ -442,6 +442,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's own too (the template writes its BOS itself)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    max_tool_calls: WholeInt | None = Field(None, ge=0)  # the Responses API's: an answer's first calls only
     reads_tools: ClassVar[bool] = True
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
     modalities: list[Any] | None = None
@@ -503,6 +504,12 @@ class ChatCompletionRequest(_SamplingRequest):
         """The tools as chat templates take them (OpenAI's shape; functions become tools), or None."""
         functions = [*(t.function for t in self.tools or ()), *(self.functions or ())]
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions] or None
+
+    @property
+    def call_limit(self) -> int | None:
+        """How many of an answer's calls are returned (its first), or None for all."""
+        limits = [n for n in (None if self.parallel_tool_calls else 1, self.max_tool_calls) if n is not None]
+        return min(limits) if limits else None
 
     @property
     def calls_tools(self) -> bool:

@@ -11,15 +11,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from dflash_trt.server.tool_calls import FunctionCall
 
 # sampling fields of vLLM's ResponsesRequest beside OpenAI's, passed on as chat takes them
 _EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "acceptance")
+
+
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -29,16 +35,21 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: StrictInt | None = None
+    max_tool_calls: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
     stream: StrictBool = False
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
     text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as chat takes them (Qwen3's enable_thinking)
     previous_response_id: str | None = None
     conversation: Any = None
     background: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    include: list[str] | None = None
 
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -49,24 +60,38 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
                          "send the conversation so far as input")
     if req.background:
         raise ValueError("background responses are not supported (nothing is stored to poll)")
-    if req.text and (req.text.get("format") or {}).get("type", "text") != "text":
-        raise ValueError(f"text.format: only type 'text' is supported, got {req.text['format'].get('type')!r}")
+    if req.text is not None and req.text.get("format") is not None:
+        kind = req.text["format"].get("type") if isinstance(req.text["format"], dict) else None
+        if kind != "text":
+            raise ValueError(f"text.format: only type 'text' is supported, got {kind or req.text['format']!r}")
+    if req.top_logprobs or "message.output_text.logprobs" in (req.include or ()):
+        raise ValueError("logprobs are not supported on /v1/responses (chat completions return them)")
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream}
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
+    if req.max_tool_calls is not None:
+        chat["max_tool_calls"] = req.max_tool_calls
     if req.tools:
         chat["tools"] = [_chat_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
-        choice = req.tool_choice
-        # a function named: chat's shape of it (refused there, as it forces a call)
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if isinstance(
-            choice, dict) else choice
+        chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.reasoning and req.reasoning.get("effort") is not None:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning is not None and req.reasoning.effort is not None:
         # gpt-oss's template reads it (its system message's "Reasoning: ..."); others ignore it
-        chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning["effort"]}
+        kwargs.setdefault("reasoning_effort", req.reasoning.effort)
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
     return chat | {k: body[k] for k in ("temperature", "top_p", *_EXTENSIONS) if body.get(k) is not None}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if not isinstance(choice, dict):
+        return choice  # "auto", "none", "required": chat's own
+    if choice.get("type") == "function":  # a function named: chat's shape of it (refused there: it forces a call)
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise ValueError(f"tool_choice: {choice.get('type')!r} is not supported (send \"auto\" or \"none\")")
 
 
 def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -77,49 +102,77 @@ def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input items as chat messages: an assistant's text, reasoning and calls of one turn in one message, as chat
+    sends them back (and renders them), so a response's output sent back as input makes the prompt chat would."""
     out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    thought = None  # a reasoning item's text, for the assistant turn it belongs to
+    turn: dict[str, Any] | None = None  # the assistant turn the items read so far belong to
     for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            message = {"role": item.get("role"), "content": item.get("content")}
-            if message["role"] == "assistant" and thought is not None:
-                message["reasoning"], thought = thought, None
-            out.append(message)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if out and out[-1].get("tool_calls") and thought is None:  # a turn's further call
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]}
-                           | ({"reasoning": thought} if thought is not None else {}))
-                thought = None
-        elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-        else:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") != "assistant":
+            out.append({"role": item.get("role"), "content": item.get("content")})
+            turn = None
+            continue
+        if kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _tool_output(i, item)})
+            turn = None
+            continue
+        if kind not in ("message", "function_call", "reasoning"):
             raise ValueError(f"input.{i}: items of type {kind!r} are not supported (message, function_call, "
                              "function_call_output, reasoning)")
+        said = turn is not None and (turn["content"] is not None or "tool_calls" in turn)
+        if turn is None or kind == "message" and said or kind == "reasoning" and (said or "reasoning" in turn):
+            turn = {"role": "assistant", "content": None}  # the item begins an assistant turn of its own
+            out.append(turn)
+        if kind == "message":
+            turn["content"] = item.get("content")
+        elif kind == "function_call":
+            turn.setdefault("tool_calls", []).append({"id": item.get("call_id"), "type": "function", "function": {
+                "name": item.get("name"), "arguments": item.get("arguments", "{}")}})
+        else:
+            turn["reasoning"] = _reasoning_text(i, item)
     return out
+
+
+def _texts(where: str, parts: Any, kinds: tuple[str, ...]) -> str:
+    """The text parts of an item's content (`kinds`), joined as chat joins a message's parts."""
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in kinds
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"{where}: a list of parts of type {' or '.join(kinds)}, each with its text, is supported")
+    return "\n".join(p["text"] for p in parts)
+
+
+def _reasoning_text(index: int, item: dict[str, Any]) -> str:
+    if item.get("content"):
+        return _texts(f"input.{index}.content", item["content"], ("reasoning_text",))
+    return _texts(f"input.{index}.summary", item.get("summary") or [], ("summary_text",))
+
+
+def _tool_output(index: int, item: dict[str, Any]) -> str:
+    output = item.get("output")
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):  # the API's text parts
+        return _texts(f"input.{index}.output", output, ("input_text", "output_text"))
+    return json.dumps(output)
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": "completed"}
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [_part("reasoning", text)], "status": status}
 
 
 def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = [] if text is None else [_part("message", text)]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
@@ -127,15 +180,6 @@ def call_item(item_id: str, call: FunctionCall, arguments: str | None = None) ->
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments,
             "status": "completed" if arguments is None else "in_progress"}
-
-
-def output_items(thought: str | None, content: str | None, calls: list[FunctionCall]) -> list[dict[str, Any]]:
-    """A whole answer's output: its reasoning, its text (where it said any, or where it did nothing else), its
-    calls."""
-    items = [reasoning_item(_id("rs"), thought)] if thought is not None else []
-    if content is not None or not (items or calls):
-        items.append(message_item(_id("msg"), content or ""))
-    return items + [call_item(_id("fc"), call) for call in calls]
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -153,26 +197,27 @@ class ResponseObject:
         self.id, self.created_at, self.model = _id("resp"), int(time.time()), model
         self._settings = {
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": body.get("metadata"), "parallel_tool_calls": chat.parallel_tool_calls,
-            "temperature": chat.temperature, "top_p": chat.top_p,
+            "max_tool_calls": body.get("max_tool_calls"), "metadata": body.get("metadata"),
+            "parallel_tool_calls": chat.parallel_tool_calls, "temperature": chat.temperature, "top_p": chat.top_p,
             "tool_choice": body.get("tool_choice") or ("auto" if chat.tools else "none"),
             "tools": body.get("tools") or [], "previous_response_id": None, "reasoning": body.get("reasoning"),
-            "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled", "error": None,
+            "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled",
         }
 
     def dump(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None,
-             usage: dict[str, Any] | None = None) -> dict[str, Any]:
+             usage: dict[str, Any] | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
         """status: in_progress while it is made; completed, or incomplete where max_output_tokens (or the context)
-        cut it."""
+        cut it; failed, with the error."""
         incomplete = finish_reason == "length"
         return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
-                "status": "incomplete" if incomplete else status, "output": output, "usage": usage,
+                "status": "incomplete" if incomplete else status, "output": output, "usage": usage, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, **self._settings}
 
 
 class ResponseEvents:
-    """A streamed answer's (reasoning, text, calls) deltas as the Responses API's events, in order: an item opened
-    (output_item.added, for text also content_part.added), its deltas, and closed (…done) before the next opens."""
+    """An answer's ordered parts (ChatAnswerSplitter.parts: reasoning, content, calls) as the Responses API's events:
+    an item opened (output_item.added, content_part.added), its deltas, and closed (…done) before the next opens. A
+    whole answer's response is the one its events end with, so streamed and not, its output items are the same."""
 
     def __init__(self, response: ResponseObject) -> None:
         self.response = response
@@ -189,63 +234,70 @@ class ResponseEvents:
         return [self._event("response.created", response=created),
                 self._event("response.in_progress", response=created)]
 
-    def feed(self, thought: str, text: str, calls: list[FunctionCall]) -> list[dict[str, Any]]:
+    def feed(self, parts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         events = []
-        for kind, delta in (("reasoning", thought), ("message", text)):
-            if not delta:
+        for kind, value in parts:
+            if kind == "call":
+                events += self._close() + self._call(value)
                 continue
+            kind = "reasoning" if kind == "reasoning" else "message"
             if self._open is None or self._open["type"] != kind:
                 events += self._close() + self._opened(kind)
-            self._open["text"] += delta
-            index = len(self.output)
+            self._open["text"] += value
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            events.append(self._event(name, item_id=self._open["id"], output_index=index, content_index=0,
-                                      delta=delta, **({"logprobs": []} if kind == "message" else {})))
-        for call in calls:
-            events += self._close()
-            item_id, index = _id("fc"), len(self.output)
-            events += [self._event("response.output_item.added", output_index=index,
-                                   item=call_item(item_id, call, arguments="")),
-                       self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                                   delta=call.arguments),
-                       self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                                   arguments=call.arguments, name=call.name)]
-            self.output.append(call_item(item_id, call))
-            events.append(self._event("response.output_item.done", output_index=index, item=self.output[-1]))
+            events.append(self._event(name, item_id=self._open["id"], output_index=len(self.output),
+                                      content_index=0, delta=value,
+                                      **({"logprobs": []} if kind == "message" else {})))
         return events
 
     def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self._close()
-        if not self.output:  # an empty answer: an empty message, as the whole answer has
+        # the item the answer was cut in is incomplete, as the response is
+        events = self._close("incomplete" if finish_reason == "length" else "completed")
+        if not self.output:  # an empty answer: an empty message
             events += self._opened("message") + self._close()
         done = self.response.dump("completed", self.output, finish_reason, usage)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=done)]
 
+    def failed(self, message: str) -> list[dict[str, Any]]:
+        """The events of a response that failed while it was made: the API's error event, then response.failed."""
+        error = {"code": "server_error", "message": message}
+        return [self._event("error", **error, param=None),
+                self._event("response.failed", response=self.response.dump("failed", self.output, error=error))]
+
+    def _call(self, call: FunctionCall) -> list[dict[str, Any]]:
+        item_id, index = _id("fc"), len(self.output)
+        events = [self._event("response.output_item.added", output_index=index,
+                              item=call_item(item_id, call, arguments="")),
+                  self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                              delta=call.arguments),
+                  self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                              arguments=call.arguments, name=call.name)]
+        self.output.append(call_item(item_id, call))
+        return events + [self._event("response.output_item.done", output_index=index, item=self.output[-1])]
+
     def _opened(self, kind: str) -> list[dict[str, Any]]:
         item_id, index = _id("rs" if kind == "reasoning" else "msg"), len(self.output)
         self._open = {"type": kind, "id": item_id, "text": ""}
-        if kind == "reasoning":
-            return [self._event("response.output_item.added", output_index=index,
-                                item={**reasoning_item(item_id, ""), "content": [], "status": "in_progress"})]
-        return [self._event("response.output_item.added", output_index=index,
-                            item=message_item(item_id, None, "in_progress")),
+        item = {**reasoning_item(item_id, "", "in_progress"), "content": []} if kind == "reasoning" else message_item(
+            item_id, None, "in_progress")
+        return [self._event("response.output_item.added", output_index=index, item=item),
                 self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+                            part=_part(kind, ""))]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         if self._open is None:
             return []
-        item_id, text, index = self._open["id"], self._open["text"], len(self.output)
-        if self._open["type"] == "reasoning":
-            self.output.append(reasoning_item(item_id, text))
+        item_id, kind, text, index = self._open["id"], self._open["type"], self._open["text"], len(self.output)
+        if kind == "reasoning":
+            self.output.append(reasoning_item(item_id, text, status))
             events = [self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
                                   content_index=0, text=text)]
         else:
-            self.output.append(message_item(item_id, text))
+            self.output.append(message_item(item_id, text, status))
             events = [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                  text=text, logprobs=[]),
-                      self._event("response.content_part.done", item_id=item_id, output_index=index,
-                                  content_index=0, part=self.output[-1]["content"][0])]
+                                  text=text, logprobs=[])]
         self._open = None
-        return events + [self._event("response.output_item.done", output_index=index, item=self.output[-1])]
+        return events + [self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                     content_index=0, part=_part(kind, text)),
+                         self._event("response.output_item.done", output_index=index, item=self.output[-1])]

@@ -237,12 +237,12 @@ class _Joint:
 class ToolCallSplitter:
     """One answer's text, fed in order, sent on as (content delta, calls complete in it)."""
 
-    def __init__(self, parser: ToolCallParser, tools: list[dict] | None = None, parallel: bool = True) -> None:
-        """tools: the request's, as chat templates take them (qwen3_coder reads their parameters' types). parallel:
-        OpenAI's parallel_tool_calls; false keeps the first call only."""
+    def __init__(self, parser: ToolCallParser, tools: list[dict] | None = None, max_calls: int | None = None) -> None:
+        """tools: the request's, as chat templates take them (qwen3_coder reads their parameters' types). max_calls:
+        the calls kept, the first (OpenAI's parallel_tool_calls false: 1; the Responses API's max_tool_calls)."""
         self.parser = parser
         self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
-        self._parallel = parallel
+        self._max_calls = max_calls
         self._joint = _Joint()
         self._held = ""
         self._opened: str | None = None  # the tag that opened the call whose text is held, if any
@@ -251,14 +251,18 @@ class ToolCallSplitter:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
         """The content and the calls of text, the answer's next delta; `final` with its last (nothing held back)."""
+        parts = self.parts(text, final)
+        return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, FunctionCall)]
+
+    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall]:
+        """feed's content and calls in the order the answer has them: text (never empty) and calls."""
         text, self._held = self._held + text, ""
-        said: list[str] = []
-        calls: list[FunctionCall] = []
+        out: list[str | FunctionCall] = []
         starts, end = self.parser.starts, self.parser.end
         if self._at_start and text and self.parser.opening:
             if not final and any(tag.startswith(text) and tag != text for tag in self.parser.opening):
                 self._held = text  # may yet open a call
-                return "", []
+                return []
             self._at_start = False
             if opened := next((tag for tag in self.parser.opening if text.startswith(tag)), None):
                 self._opened, text = opened, text[len(opened):]
@@ -267,11 +271,11 @@ class ToolCallSplitter:
                 found = [(at, -len(tag), tag) for tag in starts if (at := text.find(tag)) >= 0]
                 if not found:
                     keep = 0 if final else max(partial_tag(text, tag) for tag in starts)
-                    said.append(self._joint.say(text[:len(text) - keep]))
+                    out.append(self._joint.say(text[:len(text) - keep]))
                     self._held = text[len(text) - keep:]
                     break
                 at, _, self._opened = min(found)  # the first, and of those at one place the longest
-                said.append(self._joint.say(text[:at]))
+                out.append(self._joint.say(text[:at]))
                 text = text[at + len(self._opened):]
             at = text.find(end) if end is not None else -1
             if at < 0 and not final:
@@ -281,15 +285,15 @@ class ToolCallSplitter:
             text, opened, self._opened = text[len(block) + len(closing):], self._opened, None
             found = self.parser.parse(block.strip(), self._schemas)
             if found is None:  # no call: the model's text, as it wrote it
-                said.append(self._joint.say(opened + block + closing))
+                out.append(self._joint.say(opened + block + closing))
                 continue
-            kept = found if self._parallel else found[:max(0, 1 - self.num_calls)]
-            calls += kept
+            kept = found if self._max_calls is None else found[:max(0, self._max_calls - self.num_calls)]
+            out += kept
             self.num_calls += len(kept)
             self._joint.call()
         if final:
-            said.append(self._joint.end())
-        return "".join(said), calls
+            out.append(self._joint.end())
+        return [p for p in out if p]
 
     def split(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         """A whole answer's (content, calls): content None where the answer made calls and said nothing else, its

@@ -81,6 +81,15 @@ def test_an_answer_cut_by_max_output_tokens_is_incomplete(server):
     ({"tools": [{"type": "function", "name": "f"}]}, "--tool-call-parser"),  # no parser on this server
     ({"temperature": 3}, "temperature"),
     ({"input": 5}, "input"),
+    ({"text": {"format": "json_object"}}, "text.format"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": None}]}]}, "input.0.summary"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input.0.output"),
+    ({"max_output_tokens": "5"}, "max_output_tokens"),
+    ({"metadata": "x"}, "metadata"),
+    ({"reasoning": {"effort": "bogus"}}, "reasoning.effort"),
+    ({"top_logprobs": 2}, "logprobs are not supported"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice: 'allowed_tools'"),
 ])
 def test_what_this_server_does_not_do_is_refused_naming_it(server, extra, says):
     r = httpx.post(server.base_url + "/responses", json={"input": "hi", **extra}, timeout=60)
@@ -120,17 +129,68 @@ def test_function_calls_come_back_as_output_items_and_go_back_as_input_items(cal
         text = httpx.post(server.base_url + "/responses", json={**body, "tool_choice": "none"}, timeout=60).json()
         assert Response.model_validate(text).output_text == ANSWER
 
-        history = [*QUESTION, *({"type": "function_call", "call_id": c.call_id, "name": c.name,
-                                 "arguments": c.arguments} for c in calls),
-                   *({"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls)]
+        # the output sent back with the calls' outputs (an agent's loop): the turn renders as chat renders it, its
+        # text and calls one assistant message
+        history = [*QUESTION, *(o.model_dump(exclude_none=True) for o in whole.output),
+                   *({"type": "function_call_output", "call_id": c.call_id, "output": output}
+                     for c, output in zip(calls, ["sunny", [{"type": "input_text", "text": "sunny"}]]))]
         again = httpx.post(server.base_url + "/responses", json={**body, "input": history, "max_output_tokens": 4},
                            timeout=60)
         assert again.status_code == 200, again.text
-        # the same conversation in chat's shape counts the same prompt tokens: the turn rendered as chat renders it
-        chat = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        chat = [*QUESTION, {"role": "assistant", "content": "I will look.", "tool_calls": [
             {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]}, *({"role": "tool", "tool_call_id": c.call_id, "content": "sunny"} for c in calls)]
         counted = httpx.post(server.url + "/tokenize", json={"messages": chat, "tools": TOOLS}, timeout=30).json()
         assert again.json()["usage"]["input_tokens"] == counted["count"]
+        as_chat = server.client().chat.completions.create(model=MODEL, messages=chat, tools=TOOLS, max_tokens=4,
+                                                          temperature=0)
+        assert Response.model_validate(again.json()).output_text == as_chat.choices[0].message.content
+
+        one = httpx.post(server.base_url + "/responses", json={**body, "max_tool_calls": 1}, timeout=60).json()
+        assert [o["name"] for o in one["output"] if o["type"] == "function_call"] == ["get_weather"]
     finally:
         server.stop()
+
+
+def test_reasoning_is_a_reasoning_item_and_a_cut_item_is_incomplete(tiny_dirs, oracle):
+    """deepseek_r1 reads an answer without </think> as reasoning from its start: one reasoning item, cut by
+    max_output_tokens, incomplete as the response is; its text the target's own."""
+    from openai.types.responses import Response
+
+    from dflash_trt.server.reasoning import PARSERS
+
+    want = oracle.generate([oracle.prompt_encoder.encode_chat([{"role": "user", "content": "hi"}],
+                                                               add_generation_prompt=True)],
+                           SamplingParams(max_new_tokens=6))[0]
+    assert "</think>" not in want.text and want.finish_reason == "length"
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=4), reasoning=PARSERS["deepseek_r1"])
+    try:
+        body = {"input": "hi", "max_output_tokens": 6, "temperature": 0}
+        whole = Response.model_validate(httpx.post(server.base_url + "/responses", json=body, timeout=60).json())
+        events = _checked(_events(server, body))
+        for response in (whole, events[-1].response):
+            assert [(o.type, o.status, o.content[0].text) for o in response.output] == [
+                ("reasoning", "incomplete", want.text)]
+            assert response.status == "incomplete"
+        kinds = [e.type for e in events]
+        assert kinds.index("response.content_part.added") < kinds.index("response.reasoning_text.delta") < kinds.index(
+            "response.content_part.done")
+    finally:
+        server.stop()
+
+
+def test_a_stream_that_fails_ends_with_the_apis_error_and_failed_events(server, monkeypatch):
+    from dflash_trt.server.chat_answer import ChatAnswerSplitter
+
+    def broken(self, text, final=False):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ChatAnswerSplitter, "parts", broken)
+    with httpx.stream("POST", server.base_url + "/responses", json={"input": "hi", "max_output_tokens": 4,
+                                                                    "stream": True}, timeout=60) as r:
+        lines = list(r.iter_lines())
+    events = _checked([json.loads(line[6:]) for line in lines if line.startswith("data: ")])
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"] and events[-1].response.status == "failed"
+    assert events[-2].message == "internal error: a bug" and "data: [DONE]" not in lines
+    monkeypatch.undo()
+    assert server.wait_idle() and httpx.get(server.url + "/health", timeout=10).status_code == 200

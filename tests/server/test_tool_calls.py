@@ -98,11 +98,12 @@ def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around
     want = _outside(said)
     if not parallel:
         want_calls = want_calls[:1]
-    splitter = ToolCallSplitter(PARSERS[name], tools, parallel)
+    splitter = ToolCallSplitter(PARSERS[name], tools, None if parallel else 1)
     content, calls = splitter.split(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls, text
     assert content == ((want or None) if want_calls else want), text
-    streamed, streamed_calls = _streamed(ToolCallSplitter(PARSERS[name], tools, parallel), text, cuts)
+    streamed, streamed_calls = _streamed(ToolCallSplitter(PARSERS[name], tools, None if parallel else 1), text,
+                                         cuts)
     assert streamed == (content or "") and [(c.name, c.arguments) for c in streamed_calls] == [
         (c.name, c.arguments) for c in calls]
 
@@ -232,6 +233,21 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoni
         streaming.feed("", final=True)]
     assert "".join(p[0] for p in parts) == (thought or "") and "".join(p[1] for p in parts) == (content or "")
     assert [(c.name, c.arguments) for p in parts for c in p[2]] == [(c.name, c.arguments) for c in whole]
+    # in order, too (the Responses API's output items): the same runs of reasoning, content and calls
+    streaming = splitter()
+    ordered = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))]
+    assert _runs(ordered) == _runs(splitter().parts(text, final=True))
+
+
+def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
+    """Ordered parts with each run of one kind of text joined (a call: its name and arguments)."""
+    runs: list[tuple[str, str]] = []
+    for kind, value in parts:
+        if kind != "call" and runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1] + value)
+        else:
+            runs.append((kind, value if kind != "call" else f"{value.name}{value.arguments}"))
+    return runs
 
 
 def test_text_on_both_sides_of_a_call_keeps_what_separated_it():
