@@ -8,7 +8,7 @@ import re
 
 import httpx
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dflash_trt.sampling_params import SamplingParams
@@ -63,7 +63,7 @@ def _streamed(splitter: ToolCallSplitter, text: str, cuts: list[int]) -> tuple[s
     return "".join(said), calls
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), name=st.sampled_from(["hermes", "qwen3_coder"]), cuts=st.lists(st.integers(0, 400),
                                                                                       max_size=16),
        parallel=st.booleans())
@@ -82,6 +82,7 @@ def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around
             else:
                 said.append(piece)
             text += piece
+            assume(CALL_START not in said[-1])  # (two pieces may join into one)
             continue
         fname = f"{draw(_names)}{len(want_calls)}"  # each tool its own name (its own schema)
         if name == "hermes":
@@ -218,7 +219,7 @@ _NEAR = sorted({CALL_START, CALL_START[:5], "</tool_call>", "<function=f>", "<pa
                 "final", " ", "\n", "é", "x"})
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(reasoning=st.sampled_from([None, *sorted(REASONING_PARSERS)]), calls=st.sampled_from(sorted(PARSERS)),
        text=st.lists(st.sampled_from(_NEAR), max_size=24).map("".join), cuts=st.lists(st.integers(0, 300), max_size=16))
 def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoning, calls, text, cuts):
