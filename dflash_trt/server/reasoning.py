@@ -23,6 +23,7 @@ held back until the next delta says whether it does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -73,6 +74,17 @@ def partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def first_tag(text: str, tags: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first of tags in text begins and which (of those at one place the longest); None where none does."""
+    found = [(at, -len(tag), tag) for tag in tags if (at := text.find(tag)) >= 0]
+    return (min(found)[0], min(found)[2]) if found else None
+
+
+def held_back(text: str, tags: Sequence[str], final: bool) -> int:
+    """How much of text's end may begin one of tags: held until the next delta says, none after the last."""
+    return 0 if final else max(partial_tag(text, tag) for tag in tags)
+
+
 class ReasoningSplitter:
     """One answer's text, fed in order, sent on as (reasoning, content) deltas."""
 
@@ -104,13 +116,12 @@ class ReasoningSplitter:
             tags = [*ends, *([self.parser.reasoning_break] if self.parser.reasoning_break else [])]
             parts = []
             while True:
-                found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
-                if not found:
-                    keep = 0 if final else max(partial_tag(text, tag) for tag in tags)
+                if (found := first_tag(text, tags)) is None:
+                    keep = held_back(text, tags, final)
                     parts.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     return "".join(parts), ""
-                cut, tag = min(found)
+                cut, tag = found
                 parts.append(text[:cut])
                 text = text[cut + len(tag):]
                 if tag in ends:
@@ -123,13 +134,12 @@ class ReasoningSplitter:
     def _content(self, text: str, final: bool) -> str:
         tags, parts = self.parser.content_breaks, []
         while True:
-            found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
-            if not found:
-                keep = 0 if final else max(partial_tag(text, tag) for tag in tags)
+            if (found := first_tag(text, tags)) is None:
+                keep = held_back(text, tags, final)
                 parts.append(text[:len(text) - keep])
                 self._held = text[len(text) - keep:]
                 break
-            cut, tag = min(found)
+            cut, tag = found
             parts.append(text[:cut])
             self._said |= bool(text[:cut])
             parts.append("\n" if self._said else "")  # (a message after one that said nothing: no blank line)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_trt.server.reasoning import partial_tag
+from dflash_trt.server.reasoning import first_tag, held_back
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
@@ -268,13 +268,12 @@ class ToolCallSplitter:
                 self._opened, text = opened, text[len(opened):]
         while True:
             if self._opened is None:
-                found = [(at, -len(tag), tag) for tag in starts if (at := text.find(tag)) >= 0]
-                if not found:
-                    keep = 0 if final else max(partial_tag(text, tag) for tag in starts)
+                if (found := first_tag(text, starts)) is None:
+                    keep = held_back(text, starts, final)
                     out.append(self._joint.say(text[:len(text) - keep]))
                     self._held = text[len(text) - keep:]
                     break
-                at, _, self._opened = min(found)  # the first, and of those at one place the longest
+                at, self._opened = found
                 out.append(self._joint.say(text[:at]))
                 text = text[at + len(self._opened):]
             at = text.find(end) if end is not None else -1

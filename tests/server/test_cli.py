@@ -74,6 +74,13 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, t
 def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path, tiny_dirs, model,
                                                                            flag, parser):
     """gpt-oss's answers without their channels split read "analysis...assistantfinal...": split unless told not."""
+    seen, output = _app_options(monkeypatch, tmp_path, tiny_dirs, model, flag, "reasoning")
+    assert [p and p.name for p in seen] == [parser]
+    assert ("(--reasoning-parser gpt_oss, this target's default" in output) == (model == "gpt_oss" and not flag)
+
+
+def _app_options(monkeypatch, tmp_path, tiny_dirs, model: str, flag: list[str], option: str) -> tuple[list, str]:
+    """What `serve --target MODEL FLAG...` passes create_app as `option`, and what it says, stopped before serving."""
     from dflash_trt.server import app
     from tests.models.test_gpt_oss import make_gpt_oss
 
@@ -81,15 +88,14 @@ def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkey
     seen = []
 
     def create_app(*args, **kwargs):
-        seen.append(kwargs["reasoning"])
+        seen.append(kwargs[option])
         raise ValueError("stop before serving")
 
     monkeypatch.setattr(app, "create_app", create_app)
     result = CliRunner().invoke(cli.serve, ["--target", str(target), "--no-spec", "--max-model-len", "64",
                                             "--port", str(free_port()), *flag])
     assert isinstance(result.exception, ValueError), result.output
-    assert [p and p.name for p in seen] == [parser]
-    assert ("(--reasoning-parser gpt_oss, this target's default" in result.output) == (model == "gpt_oss" and not flag)
+    return seen, result.output
 
 
 @pytest.mark.parametrize("model, flag, parser", [("qwen3", [], None), ("qwen3", ["--tool-call-parser", "none"], None),
@@ -101,22 +107,9 @@ def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkey
 def test_serve_reads_tool_calls_with_a_tool_call_parser_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path,
                                                                                           tiny_dirs, model, flag,
                                                                                           parser):
-    from dflash_trt.server import app
-    from tests.models.test_gpt_oss import make_gpt_oss
-
-    target = tiny_dirs["qwen3"] if model == "qwen3" else make_gpt_oss(tmp_path / "gpt-oss", layers=2)
-    seen = []
-
-    def create_app(*args, **kwargs):
-        seen.append(kwargs["tool_parser"])
-        raise ValueError("stop before serving")
-
-    monkeypatch.setattr(app, "create_app", create_app)
-    result = CliRunner().invoke(cli.serve, ["--target", str(target), "--no-spec", "--max-model-len", "64",
-                                            "--port", str(free_port()), *flag])
-    assert isinstance(result.exception, ValueError), result.output
+    seen, output = _app_options(monkeypatch, tmp_path, tiny_dirs, model, flag, "tool_parser")
     assert [p and p.name for p in seen] == [parser]
-    assert ("tools may be called (--tool-call-parser gpt_oss, this target's default" in result.output) == (
+    assert ("tools may be called (--tool-call-parser gpt_oss, this target's default" in output) == (
         model == "gpt_oss" and not flag)
 
 
