@@ -565,7 +565,6 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         started = set()
         splitters = [_splitter(req) for _ in s.request_ids]
-        sent_calls = [0] * len(s.request_ids)  # each choice's calls so far: the next one's index
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -579,11 +578,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             if not (thought or text or calls or out is not None or new):  # all of it held back (a tag beginning)
                 continue
             delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None,
-                                   tool_calls=[p.DeltaToolCall.of(c, index=sent_calls[i] + k)
+                                   tool_calls=[p.DeltaToolCall.of(c, index=splitters[i].num_calls - len(calls) + k)
                                                for k, c in enumerate(calls)] or None)
-            sent_calls[i] += len(calls)
             choice = p.ChatChunkChoice(index=i, delta=delta,
-                                       finish_reason=_finish_reason(out, splitters[i].called) if out else None,
+                                       finish_reason=_finish_reason(out, splitters[i].num_calls > 0) if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)

@@ -16,9 +16,9 @@ class ChatAnswerSplitter:
         self._calls_first = calls is not None and calls.parser.before_reasoning
 
     @property
-    def called(self) -> bool:
-        """Whether the answer has made a call so far."""
-        return self._calls is not None and self._calls.num_calls > 0
+    def num_calls(self) -> int:
+        """The calls the answer has made so far."""
+        return self._calls.num_calls if self._calls is not None else 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[FunctionCall]]:
         """The reasoning, content and calls of text, the answer's next delta; `final` with its last."""

@@ -157,9 +157,3 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         """Whether the text read so far ends inside the reasoning (its content has not begun)."""
         return self._state == "reasoning"
-
-    def split(self, text: str) -> tuple[str | None, str | None]:
-        """A whole answer's (reasoning, content): reasoning None where there is none; content None where the answer
-        reasoned and said nothing after (vLLM's), "" where it is empty without reasoning (as without a parser)."""
-        reasoning, content = self.feed(text, final=True)
-        return reasoning or None, (content or None) if self.thought else content

@@ -293,9 +293,3 @@ class ToolCallSplitter:
         if final:
             out.append(self._joint.end())
         return [p for p in out if p]
-
-    def split(self, text: str) -> tuple[str | None, list[FunctionCall]]:
-        """A whole answer's (content, calls): content None where the answer made calls and said nothing else, its
-        text as it is where it made none."""
-        content, calls = self.feed(text, final=True)
-        return (content or None) if calls else content, calls

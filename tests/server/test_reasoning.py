@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS, ReasoningParser, ReasoningSplitter, reasoning_parser
 from tests.server.conftest import MODEL, start_server, tiny_engine
 
@@ -25,6 +26,11 @@ def _near_tags(parser: ReasoningParser):
                      *(piece for tag in parser.content_breaks for piece in (tag, tag[:-3])),
                      " ", "\n", "é", "x"})
     return st.lists(st.sampled_from(pieces), max_size=20).map("".join)
+
+
+def _whole(parser: ReasoningParser, text: str) -> tuple[str | None, str | None]:
+    """A whole answer's (reasoning, content), as the server splits one."""
+    return ChatAnswerSplitter(parser, None).split(text)[:2]
 
 
 def _without(text: str, tags: list[str]) -> str:
@@ -73,7 +79,7 @@ def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, 
             return
         want = ("", text[len(openers[0]):] if openers else text, False)
     assert _streamed(parser, text, cuts) == want
-    whole = ReasoningSplitter(parser).split(text)
+    whole = _whole(parser, text)
     thought = opened or parser.starts_thinking  # (an answer opening in the content's channel returned above)
     assert whole == (want[0] or None, (want[1] or None) if thought else want[1])
 
@@ -88,8 +94,8 @@ def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, 
     ("", (None, None), (None, "")),
 ])
 def test_whole_answers_split_as_trtllm_and_vllm_parsers_of_those_names(text, r1, qwen3):
-    assert ReasoningSplitter(reasoning_parser("deepseek-r1")).split(text) == r1
-    assert ReasoningSplitter(reasoning_parser("qwen3")).split(text) == qwen3
+    assert _whole(reasoning_parser("deepseek-r1"), text) == r1
+    assert _whole(reasoning_parser("qwen3"), text) == qwen3
 
 
 @pytest.mark.parametrize("harmony, want", [
@@ -109,7 +115,7 @@ def test_gpt_oss_answers_split_at_harmonys_channels_as_its_text_holds_them(harmo
     """gpt-oss's tokenizer marks harmony's <|...|> tokens special: the answer's text leaves them out, and the split
     reads the channels' names where they were (TensorRT-LLM's gpt-oss parser reads the same)."""
     text = re.sub(r"<\|[a-z]+\|>", "", harmony)  # what decode(skip_special_tokens=True) leaves of those tokens
-    assert ReasoningSplitter(reasoning_parser("gpt-oss")).split(text) == want
+    assert _whole(reasoning_parser("gpt-oss"), text) == want
 
 
 def test_a_gpt_oss_target_is_split_by_default_others_not(tiny_dirs):

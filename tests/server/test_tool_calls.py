@@ -53,6 +53,11 @@ def _coder(name: str, params: dict, draw) -> str:
     return f"{CALL_START}\n<function={name}>\n{inner}</function>\n</tool_call>"
 
 
+def _whole(splitter: ToolCallSplitter, text: str) -> tuple[str | None, list]:
+    """A whole answer's (content, calls), as the server splits one."""
+    return ChatAnswerSplitter(None, splitter).split(text)[1:]
+
+
 def _streamed(splitter: ToolCallSplitter, text: str, cuts: list[int]) -> tuple[str, list]:
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
     said, calls = [], []
@@ -99,8 +104,7 @@ def test_an_answer_splits_into_the_calls_it_was_written_with_and_the_text_around
     want = _outside(said)
     if not parallel:
         want_calls = want_calls[:1]
-    splitter = ToolCallSplitter(PARSERS[name], tools, None if parallel else 1)
-    content, calls = splitter.split(text)
+    content, calls = _whole(ToolCallSplitter(PARSERS[name], tools, None if parallel else 1), text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls, text
     assert content == ((want or None) if want_calls else want), text
     streamed, streamed_calls = _streamed(ToolCallSplitter(PARSERS[name], tools, None if parallel else 1), text,
@@ -136,7 +140,7 @@ def _outside(pieces: list[str | None]) -> str:
 def test_what_does_not_parse_as_a_call_stays_in_the_content_as_written(name, text):
     for cuts in ([], list(range(len(text)))):
         assert _streamed(ToolCallSplitter(PARSERS[name]), text, cuts) == (text, [])
-    assert ToolCallSplitter(PARSERS[name]).split(text) == (text, [])
+    assert _whole(ToolCallSplitter(PARSERS[name]), text) == (text, [])
 
 
 def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
@@ -144,7 +148,7 @@ def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
     blocks, as TensorRT-LLM's and vLLM's parsers take them)."""
     qwen3 = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
-    content, calls = ToolCallSplitter(tool_call_parser("qwen3")).split(qwen3)
+    content, calls = _whole(ToolCallSplitter(tool_call_parser("qwen3")), qwen3)
     assert content == "Let me check both."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"}),
                                                                   ("get_time", {"zone": "CET"})]
@@ -155,7 +159,7 @@ def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
         "force": {"type": "boolean"}}}}}]
-    content, calls = ToolCallSplitter(tool_call_parser("qwen3_xml"), tools).split(coder)
+    content, calls = _whole(ToolCallSplitter(tool_call_parser("qwen3_xml"), tools), coder)
     assert content is None and [c.name for c in calls] == ["write_file"]
     # a parameter the schema does not name stays text, as vLLM's parser reads it
     assert json.loads(calls[0].arguments) == {"path": "/tmp/a.py", "content": "def f():\n    return 1\n",
@@ -253,7 +257,7 @@ def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
 
 def test_text_on_both_sides_of_a_call_keeps_what_separated_it():
     text = 'Checking the weather\n<tool_call>{"name": "f"}</tool_call>\nand the time.\n'
-    content, calls = ToolCallSplitter(PARSERS["hermes"]).split(text)
+    content, calls = _whole(ToolCallSplitter(PARSERS["hermes"]), text)
     assert (content, [c.name for c in calls]) == ("Checking the weather\n\nand the time.\n", ["f"])
 
 
@@ -264,13 +268,13 @@ def test_a_schema_of_any_shape_reads_the_value_as_text_where_it_names_no_type(sc
     """JSON Schema allows `true` for a property's schema, and clients send what they send: none of it fails."""
     text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
-    content, calls = ToolCallSplitter(PARSERS["qwen3_coder"], tools).split(text)
+    content, calls = _whole(ToolCallSplitter(PARSERS["qwen3_coder"], tools), text)
     assert content is None and json.loads(calls[0].arguments) == {"a": "1"}
 
 
 def test_arguments_are_json_a_response_can_carry():
     """A lone surrogate's escape stays an escape (UTF-8 cannot carry the character); NaN is no JSON: no call."""
-    content, calls = ToolCallSplitter(PARSERS["hermes"]).split('<tool_call>{"name": "f", "arguments": {"s": '
+    content, calls = _whole(ToolCallSplitter(PARSERS["hermes"]), '<tool_call>{"name": "f", "arguments": {"s": '
                                                                '"\\ud800 \\u00e9"}}</tool_call>')
     assert calls[0].arguments.encode() and json.loads(calls[0].arguments) == {"s": "\ud800 \u00e9"}
     for text in ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
@@ -279,17 +283,17 @@ def test_arguments_are_json_a_response_can_carry():
         schemas = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {
             "type": "number"}}}}}]
         for name in PARSERS:
-            content, calls = ToolCallSplitter(PARSERS[name], schemas).split(text)
+            content, calls = _whole(ToolCallSplitter(PARSERS[name], schemas), text)
             assert not calls, (name, text)
 
 
 def test_the_formats_other_shapes_vllm_reads_too():
     null = '<tool_call>{"name": "f", "arguments": null}</tool_call>'
-    content, calls = ToolCallSplitter(PARSERS["hermes"]).split(null)
+    content, calls = _whole(ToolCallSplitter(PARSERS["hermes"]), null)
     assert [(c.name, c.arguments) for c in calls] == [("f", "{}")]
     two = ("<tool_call>\n<function=a>\n</function>\n<function=b>\n<parameter=x>\ny\n</parameter>\n</function>\n"
            "</tool_call>")
-    assert [(c.name, json.loads(c.arguments)) for c in ToolCallSplitter(PARSERS["qwen3_coder"]).split(two)[1]] == [
+    assert [(c.name, json.loads(c.arguments)) for c in _whole(ToolCallSplitter(PARSERS["qwen3_coder"]), two)[1]] == [
         ("a", {}), ("b", {"x": "y"})]
 
 
@@ -305,8 +309,8 @@ def test_a_role_header_recipient_opens_a_call_only_where_the_answer_begins():
 
 def test_an_answer_without_calls_is_its_text_unchanged():
     text = "  Hello <tool_ there\n\n"
-    assert ToolCallSplitter(PARSERS["hermes"]).split(text) == (text, [])
-    assert ToolCallSplitter(PARSERS["hermes"]).split("") == ("", [])
+    assert _whole(ToolCallSplitter(PARSERS["hermes"]), text) == (text, [])
+    assert _whole(ToolCallSplitter(PARSERS["hermes"]), "") == ("", [])
 
 
 def test_an_unknown_parser_is_refused_naming_the_known_ones():
