@@ -216,8 +216,7 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         # trtllm-serve takes these
         _refuse_unseen_by_trtllm({"backend", "host", "port", "reasoning_parser", "tool_call_parser",
                                   "enable_auto_tool_choice"})
-        _exec_trtllm_serve(engine, host, port, None if reasoning_parser == "none" else reasoning_parser,
-                           None if tool_call_parser in (None, "none") else tool_call_parser)
+        _exec_trtllm_serve(engine, host, port, reasoning_parser, tool_call_parser)
         return
     if api_key is not None and not api_key.strip():  # (else read as no key: the server open to all)
         raise click.UsageError("--api-key (or $DFLASH_TRT_API_KEY) is blank: give the key, or unset it")
@@ -263,12 +262,12 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         if note := capped_note(max_model_len, llm.max_position_embeddings):
             click.echo(note, err=True)
         reasoning = default_parser(llm.target) if reasoning_parser is None else reasoning_parser_named(
-            None if reasoning_parser == "none" else reasoning_parser)
+            reasoning_parser)
         if reasoning is not None and reasoning_parser is None:
             click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
                        "default; none to turn it off)", err=True)
         tools = default_tool_parser(llm.target) if tool_call_parser is None else tool_call_parser_named(
-            None if tool_call_parser == "none" else tool_call_parser)
+            tool_call_parser)
         if tools is not None and tool_call_parser is None:
             click.echo(f"chat requests' tools may be called (--tool-call-parser {tools.name}, this target's default; "
                        "none to turn it off)", err=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -48,14 +49,20 @@ PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningPa
 ALIASES = {"deepseek-r1": "deepseek_r1", "gpt-oss": "gpt_oss"}  # TensorRT-LLM's spellings
 
 
-def reasoning_parser(name: str | None) -> ReasoningParser | None:
-    """The parser named (vLLM's or TensorRT-LLM's spelling); None for None."""
-    if name is None:
+def parser_named(kind: str, parsers: dict[str, Any], aliases: dict[str, str], name: str | None) -> Any:
+    """The parser of `kind` (its registry and other names) named, by vLLM's or TensorRT-LLM's name; None for None
+    or "none" (the options' word for none)."""
+    if name is None or name == "none":
         return None
-    key = ALIASES.get(name, name)
-    if key not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
-    return PARSERS[key]
+    key = aliases.get(name, name)
+    if key not in parsers:
+        raise ValueError(f"unknown {kind} parser {name!r}; choose from {', '.join(sorted([*parsers, *aliases]))}")
+    return parsers[key]
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    """The parser named (vLLM's or TensorRT-LLM's spelling); None for None or "none"."""
+    return parser_named("reasoning", PARSERS, ALIASES, name)
 
 
 def default_parser(target) -> ReasoningParser | None:

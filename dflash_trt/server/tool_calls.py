@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_trt.server.reasoning import first_tag, held_back
+from dflash_trt.server.reasoning import first_tag, held_back, parser_named
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
@@ -187,13 +187,8 @@ ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  
 
 
 def tool_call_parser(name: str | None) -> ToolCallParser | None:
-    """The parser named (vLLM's or TensorRT-LLM's name); None for None."""
-    if name is None:
-        return None
-    key = ALIASES.get(name, name)
-    if key not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(sorted([*PARSERS, *ALIASES]))}")
-    return PARSERS[key]
+    """The parser named (vLLM's or TensorRT-LLM's name); None for None or "none"."""
+    return parser_named("tool-call", PARSERS, ALIASES, name)
 
 
 def default_tool_parser(target) -> ToolCallParser | None:

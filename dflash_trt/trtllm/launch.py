@@ -169,7 +169,7 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_p
     Options as `trtllm-serve serve` defines them (tensorrt_llm/commands/serve.py): MODEL, --tokenizer, --host,
     --port, and the YAML as --config (alias of --extra_llm_api_options), whose keys override the CLI defaults
     (tensor_parallel_size, max_batch_size, ... come from it); --reasoning_parser in its spelling (deepseek-r1), and
-    --tool_parser by its name for the format (hermes is its qwen3)."""
+    --tool_parser by its name for the format (hermes is its qwen3); parsers by any name serve takes ("none": none)."""
     check_planned_for_trtllm(engine)
     exe = shutil.which("trtllm-serve")
     if exe is None:
@@ -182,11 +182,11 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_p
         pass
     cmd = [exe, str(engine.target_dir), "--tokenizer", str(engine.tokenizer_dir), "--host", host, "--port", str(port),
            "--config", str(runtime_config(engine))]
-    if reasoning_parser is not None:
-        cmd += ["--reasoning_parser", reasoning_parser.replace("_", "-")]
-    if tool_call_parser is not None:
-        from dflash_trt.server.tool_calls import tool_call_parser as named
+    from dflash_trt.server.reasoning import reasoning_parser as reasoning_named
+    from dflash_trt.server.tool_calls import tool_call_parser as tools_named
 
-        if (trtllm_name := named(tool_call_parser).trtllm_name) is not None:  # (gpt-oss's: read unasked)
-            cmd += ["--tool_parser", trtllm_name]
+    if (reasoning := reasoning_named(reasoning_parser)) is not None:
+        cmd += ["--reasoning_parser", reasoning.name.replace("_", "-")]
+    if (tools := tools_named(tool_call_parser)) is not None and tools.trtllm_name is not None:  # (gpt-oss's: unasked)
+        cmd += ["--tool_parser", tools.trtllm_name]
     return cmd
