@@ -48,8 +48,13 @@ def cache_dir() -> Path:
     return project_cache() / "cpu_ops"
 
 
+def _march() -> str:
+    """The -march the kernels are built for: $DFLASH_TRT_MARCH, else this CPU's."""
+    return os.environ.get("DFLASH_TRT_MARCH", "native")
+
+
 def _flags() -> tuple[str, ...]:
-    march = os.environ.get("DFLASH_TRT_MARCH", "native")
+    march = _march()
     return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
 
 
@@ -68,7 +73,7 @@ _ISA_FLAGS = {"__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__"
 def _check_march(compiler: str) -> None:
     """Raise where $DFLASH_TRT_MARCH enables instruction sets this CPU lacks: its code would stop the process with
     SIGILL at the first kernel call (a server's first request), where it is refused here for torch's ops."""
-    march = os.environ.get("DFLASH_TRT_MARCH", "native")
+    march = _march()
     flags = cpu_flags()
     if march == "native" or not flags:
         return
