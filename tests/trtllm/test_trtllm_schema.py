@@ -134,21 +134,9 @@ def test_serve_names_the_model_id_trtllm_serve_will_answer_to(tiny_trtllm_engine
 def test_serve_passes_the_reasoning_parser_to_trtllm_serve_in_its_spelling(tiny_trtllm_engine, tmp_path, monkeypatch,
                                                                           given, passed):
     """TensorRT-LLM's ReasoningParserFactory knows "deepseek-r1" and "qwen3" (vLLM's "deepseek_r1" is taken too)."""
-    from click.testing import CliRunner
-
-    from dflash_trt.server import cli
-
-    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
-    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
-    ran = []
-    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
-    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm",
-                                            "--reasoning-parser", given])
-    assert result.exit_code == 0, result.output
-    assert parse_trtllm_serve(ran[0])[1]["--reasoning_parser"] == passed
-    ran.clear()
-    assert CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm"]).exit_code == 0
-    assert "--reasoning_parser" not in parse_trtllm_serve(ran[0])[1]
+    assert _served_options(tiny_trtllm_engine, tmp_path, monkeypatch, "--reasoning-parser", given)[
+        "--reasoning_parser"] == passed
+    assert "--reasoning_parser" not in _served_options(tiny_trtllm_engine, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("given, passed", [("hermes", "qwen3"), ("qwen3", "qwen3"), ("qwen3_coder", "qwen3_coder"),
@@ -157,6 +145,12 @@ def test_serve_passes_the_tool_call_parser_to_trtllm_serve_by_its_name_for_the_f
                                                                                       monkeypatch, given, passed):
     """TensorRT-LLM's ToolParserFactory knows the hermes format as "qwen3", Qwen3-Coder's as "qwen3_coder"; its
     server reads a gpt-oss target's harmony calls itself (harmony_adapter.py)."""
+    options = _served_options(tiny_trtllm_engine, tmp_path, monkeypatch, "--tool-call-parser", given)
+    assert options.get("--tool_parser") == passed
+
+
+def _served_options(engine, tmp_path, monkeypatch, *args: str) -> dict:
+    """The options of the trtllm-serve command `serve ENGINE --backend trtllm ARGS...` runs (its exec caught)."""
     from click.testing import CliRunner
 
     from dflash_trt.server import cli
@@ -165,10 +159,9 @@ def test_serve_passes_the_tool_call_parser_to_trtllm_serve_by_its_name_for_the_f
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
     ran = []
     monkeypatch.setattr(cli.os, "execv", lambda exe, argv: ran.append(argv))
-    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm",
-                                            "--tool-call-parser", given])
+    result = CliRunner().invoke(cli.serve, [str(engine), "--backend", "trtllm", *args])
     assert result.exit_code == 0, result.output
-    assert parse_trtllm_serve(ran[0])[1].get("--tool_parser") == passed
+    return parse_trtllm_serve(ran[0])[1]
 
 
 def _trtllm_serve_lines(script: str) -> list[list[str]]:
