@@ -8,9 +8,10 @@
 """
 
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.structured_output import StructuredOutput
 
 __all__ = ["EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams", "StreamChunk",
-           "open_engine"]
+           "StructuredOutput", "open_engine"]
 __version__ = "0.1.0"
 
 # torch loads on first use of these, not on `import dflash_trt` (the CLI's --help stays quick)

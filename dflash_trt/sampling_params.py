@@ -8,6 +8,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_trt.structured_output import StructuredOutput
+
 AcceptanceRule = Literal["match", "rejection"]
 
 # Temperatures below this decode greedily: logits divided by one overflow fp32 to inf, and the softmax of those is NaN
@@ -95,6 +97,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: a sampled token's probability must be at least this share of the likeliest's (0: off; greedy ignores it)
     min_p: float = 0.0
+    # what the answer must match (structured_output.py): the target's choice among the tokens that keep it matching
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
@@ -155,6 +159,18 @@ class SamplingParams:
                 raise ValueError(f"{name} token ids must be integers >= 0")
         if self.acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {self.acceptance!r}")
+        if self.structured is not None:
+            self._check_structured()
+
+    def _check_structured(self) -> None:
+        if not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        # each of these can leave no token the grammar allows: the grammar's end is the model's eos, which
+        # ignore_eos would not stop at and min_tokens masks; allowed_token_ids may hold none of a position's tokens
+        for name, unset in (("ignore_eos", False), ("min_tokens", 0), ("allowed_token_ids", None)):
+            if getattr(self, name) != unset:
+                raise ValueError(f"{name} cannot be combined with structured output (the grammar decides which tokens "
+                                 "may come, and where the answer ends)")
 
     def stop_ids(self, eos_token_ids: Collection[int]) -> set[int]:
         """The token ids that end the answer: stop_token_ids where given, else the model's eos unless ignore_eos."""

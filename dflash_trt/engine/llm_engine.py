@@ -17,6 +17,7 @@ import torch
 from dflash_trt.draft_schedule import check_table, expand
 from dflash_trt.engine.adaptive_draft import AdaptiveDraftLen
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer, client_text, find_stop, stop_search_start
+from dflash_trt.engine.grammar import GrammarCompiler
 from dflash_trt.engine.logprobs import TokenLogprob
 from dflash_trt.engine.model_runner import ModelRunner
 from dflash_trt.engine.prompt_encoder import PromptEncoder
@@ -281,6 +282,7 @@ class LLMEngine:
         self.max_position_embeddings = max_pos
         self.max_model_len = min(config.max_model_len, max_pos)
         self.prompt_encoder = PromptEncoder(tokenizer, self.max_model_len)
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, self.eos_token_ids)
         # both tables, whichever this CPU takes: the target cache keeps room for the larger
         trees = {key: getattr(config, key) or {} for key in ("draft_tree", "draft_tree_without_amx")}
         most_nodes = 0
@@ -419,6 +421,8 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, self.eos_token_ids)
         seq.uniforms = PositionalUniforms(params.seed)
         seq.generator = torch.Generator(device="cpu").manual_seed(seq.uniforms.derived_seed())
+        if params.structured is not None:
+            seq.grammar = self.grammars.grammar(params.structured)
         if params.stop and self.tokenizer is not None:
             stops = list(params.stop)
             # Only the output's tail is decoded: as many tokens as the longest stop string can span (a token that

@@ -361,8 +361,9 @@ class ModelRunner:
                 n = len(extras)
                 if s.token_sets is None:
                     s.token_sets = TokenSets.of(s.params, s.stop_ids, logits.shape[-1], logits.device)
+                refused = None if s.grammar is None else s.grammar.blocked(extras, logits.device)
                 logits[i, :n] = process_logits(logits[i, :n], s.params, s.prompt_ids, s.output_ids, extras,
-                                               sets=s.token_sets)
+                                               sets=s.token_sets, refused=refused)
         return logits
 
     def _note_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, emitted: list[list[int]],

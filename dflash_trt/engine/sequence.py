@@ -61,6 +61,7 @@ class Sequence:
         self.uniforms: Any = None  # layers.sampler.PositionalUniforms: the target's sampling uniforms
         self.generator: Any = None  # torch.Generator: the drafter's samples and the rejection rule's uniforms
         self.token_sets: Any = None  # layers.logits_processors.TokenSets, built at its first shaped step
+        self.grammar: Any = None  # engine.grammar.Grammar: with params.structured, what the answer must match
         # Target features ([n_i, F] each) of tokens not yet in the drafter cache, joined only when injected: a
         # stretch of plain steps adds one per step, and re-concatenating each time would copy O(n^2).
         self.pending_features: list = []
@@ -92,12 +93,12 @@ class Sequence:
     @property
     def shapes_logits(self) -> bool:
         """Whether this step changes the target's logits before its choice (layers/logits_processors.py): penalties,
-        logit_bias, allowed_token_ids, min_p where it samples, or min_tokens while the answer is short of it and has
-        stop tokens to hold (after that, or with none, the row is as fast as any: a batch's greedy rows take the
+        logit_bias, allowed_token_ids, min_p where it samples, a grammar, or min_tokens while the answer is short of it
+        and has stop tokens to hold (after that, or with none, the row is as fast as any: a batch's greedy rows take the
         head's int8 screen only where none of them shapes its logits)."""
         p = self.params
         return (p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None or (p.min_p > 0 and not p.greedy)
-                or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
+                or self.grammar is not None or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
 
     @property
     def plain_greedy(self) -> bool:
@@ -128,6 +129,8 @@ class Sequence:
         for t in tokens:
             self.output_ids.append(int(t))
             n += 1
+            if self.grammar is not None:
+                self.grammar.commit(int(t))
             if int(t) in self.stop_ids:
                 self.finish_reason = "stop"
             elif (self.stop_check is not None and len(self.output_ids) > self.params.min_tokens

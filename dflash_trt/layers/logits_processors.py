@@ -1,6 +1,7 @@
 """What a request does to the target's logits before its choice, position by position: logit_bias adds to some
 tokens, the repetition, frequency and presence penalties apply (vLLM's semantics), allowed_token_ids keep only those
-tokens, min_tokens masks the stop tokens until the answer holds that many, and min_p drops a sampled row's tokens
+tokens, min_tokens masks the stop tokens until the answer holds that many, structured output masks the tokens its grammar
+refuses (engine/grammar.py), and min_p drops a sampled row's tokens
 less likely than that share of its likeliest. vLLM masks before it penalizes; a
 masked logit is -inf either way, and masking last keeps it so (the repetition penalty's clamp would make it finite).
 
@@ -48,12 +49,12 @@ class TokenSets:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                   extras: list[list[int]], stop_ids: Collection[int] = (), sets: TokenSets | None = None
-                   ) -> torch.Tensor:
+                   extras: list[list[int]], stop_ids: Collection[int] = (), sets: TokenSets | None = None,
+                   refused: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, V] float at n positions; extras[j]: the tokens between the committed output and position j (a
     step's drafts before it) -> the logits the request's settings make of them (a new fp32 tensor); stop_ids are
     masked at the positions before params.min_tokens output tokens. sets: TokenSets.of(params, stop_ids, ...), where
-    the caller keeps them across steps."""
+    the caller keeps them across steps. refused: bool [n, V], the tokens a grammar refuses at each position."""
     out = logits.to(torch.float32, copy=True)
     if sets is None:
         sets = TokenSets.of(params, stop_ids, out.shape[-1], out.device)
@@ -63,6 +64,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
         out = _penalties(out, params, prompt_ids, output_ids, extras)
     if sets.blocked is not None:
         out.masked_fill_(sets.blocked, -torch.inf)
+    if refused is not None:
+        out.masked_fill_(refused, -torch.inf)
     if sets.stops is not None and len(output_ids) < params.min_tokens:
         held = [j for j, extra in enumerate(extras) if len(output_ids) + len(extra) < params.min_tokens]
         out[to_device(held, torch.long, out.device)[:, None], sets.stops] = -torch.inf

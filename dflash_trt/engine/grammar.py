@@ -1,0 +1,153 @@
+"""Structured output's token masks, by llguidance (the grammar engine vLLM and SGLang use).
+
+The contract stays lossless: a constrained answer is the target's own choice among the tokens the grammar allows at
+each position, whether decoded one token at a time or speculatively. A speculative step asks for the mask at every
+position it verifies, with the drafts before that position consumed tentatively and rolled back: a position behind a
+draft the grammar refuses gets no mask, for no accepted path reaches it (the target's masked choice never picks a
+refused token, so that draft is rejected, under every rule). Only committed tokens advance a request's matcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+
+from dflash_trt.device_copy import host_to_device
+from dflash_trt.structured_output import StructuredOutput
+
+# Rust regex's metacharacters, which a choice's text escapes to match as written
+_RUST_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot compile (a JSON schema it does not take, a malformed regex or Lark grammar)."""
+
+
+def _source(spec: StructuredOutput) -> tuple[str, str]:
+    """-> (which of llguidance's builders takes it, its text)."""
+    if spec.json_object:
+        return "json", '{"type": "object"}'
+    if spec.json is not None:
+        # (its keys in their order: a schema's properties come in the order it lists them)
+        return "json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.choice is not None:
+        text = "|".join(_RUST_META.sub(r"\\\1", c).replace("\n", r"\n") for c in spec.choice)
+        return "regex", f"(?:{text})"
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+    try:  # Lark as it is (it has a start rule); else GBNF, llama.cpp's and xgrammar's
+        return "lark", any_to_lark(spec.grammar)
+    except GbnfToLarkError as e:
+        raise GrammarError(f"the grammar is neither Lark (no start rule) nor GBNF: {e}") from None
+
+
+class GrammarCompiler:
+    """One engine's grammars: the tokenizer's table of token bytes (built on first use, about 0.5 s for a 49k
+    vocabulary) and a matcher per request, copied from the last 64 grammars' compiled ones."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._table = None
+        self._lock = threading.Lock()  # the server's threads may ask for the first grammar at once
+        # a server's clients send one schema again and again; a compile takes a millisecond and more
+        self._compiled = functools.lru_cache(maxsize=64)(self._compile)
+
+    def grammar(self, spec: StructuredOutput) -> "Grammar":
+        """A fresh matcher of spec (GrammarError where llguidance refuses it, with its reason)."""
+        if self._tokenizer is None:
+            raise GrammarError("structured output needs the engine's tokenizer")
+        how, text = _source(spec)
+        return Grammar(self._compiled(how, text, spec.kind).deep_copy(), self.vocab_size, self._eos)
+
+    def _compile(self, how: str, text: str, kind: str):
+        import llguidance
+
+        build = {"json": llguidance.LLMatcher.grammar_from_json_schema, "regex": llguidance.LLMatcher.grammar_from_regex,
+                 "lark": llguidance.LLMatcher.grammar_from_lark}[how]
+        try:
+            grammar = build(text)
+        except ValueError as e:
+            raise GrammarError(f"the {kind} does not compile: {e}") from None
+        with self._lock:
+            if self._table is None:
+                self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+        matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the {kind} does not compile: {matcher.get_error()}")
+        return matcher
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int, eos: list[int]):
+    import llguidance
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+    except ValueError:
+        # a decoder llguidance does not read (a character-level one): each token's bytes as it decodes alone
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, eos)), n_vocab=vocab_size,
+                                      eos_token=eos or None)
+
+
+class _DecodedTokens:
+    """What llguidance's TokenizerWrapper reads of a tokenizer whose decoder it does not know."""
+
+    def __init__(self, tokenizer, eos: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos[0] if eos else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = list(tokenizer.all_special_ids)
+        self.tokens = [tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class Grammar:
+    """One request's matcher: the tokens it allows next, and the committed tokens it has consumed."""
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self._matcher = matcher
+        self._vocab = vocab_size
+        self._eos = list(eos_token_ids)
+
+    def blocked(self, extras: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+        """bool [n, V]: the tokens the grammar refuses at each position j, extras[j] the drafts before it (all False
+        at a position no accepted path reaches)."""
+        m = self._matcher
+        if m.is_error():  # its masks would block every token
+            raise RuntimeError(f"the request's grammar matcher failed: {m.get_error()}")
+        allowed = np.ones((len(extras), self._vocab), dtype=bool)
+        for j, extra in enumerate(extras):
+            consumed = m.try_consume_tokens(list(extra)) if extra else 0
+            if consumed == len(extra):
+                allowed[j] = self._allowed()
+            if consumed:
+                m.rollback(consumed)
+        return host_to_device(torch.from_numpy(~allowed), device)
+
+    def _allowed(self) -> np.ndarray:
+        m = self._matcher
+        allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[: self._vocab]
+        allowed = allowed.astype(bool)
+        if allowed[0] and allowed.sum() == 1 and not m.validate_tokens([0]):
+            # llguidance's mask where no token continues the grammar (one that needs a character the vocabulary
+            # cannot write): the answer ends there, at the model's eos, rather than with a token the grammar refuses
+            allowed[0] = False
+            allowed[[t for t in self._eos if t < self._vocab]] = True
+        return allowed
+
+    def commit(self, token: int) -> None:
+        """An emitted token: every one the masks let through consumes (a stop token the grammar does not hold, which
+        leaves the matcher failed, ends the answer anyway)."""
+        self._matcher.consume_token(token)

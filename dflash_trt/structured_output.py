@@ -1,0 +1,56 @@
+"""What an answer must match (vLLM's structured outputs, OpenAI's response_format): a JSON schema, any JSON object, a
+regular expression, one of some strings, or a grammar. The engine masks the target's logits by it at every position
+it decodes or verifies (engine/grammar.py); no torch here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of: json (a JSON schema, as a dict or its text), json_object (any JSON object), regex (the whole
+    answer matches it; Rust's regex syntax, as vLLM's llguidance backend takes it), choice (the answer is one of these
+    strings) or grammar (a Lark grammar, with its start rule, or GBNF)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be True or False, got {self.json_object!r:.80}")
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured output takes exactly one of json, json_object, regex, choice and grammar, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"the JSON schema is no JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):  # true and false are schemas too (anything; nothing)
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if not (isinstance(self.choice, (list, tuple)) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> Kind:
+        return "json_object" if self.json_object else next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)

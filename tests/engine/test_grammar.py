@@ -1,0 +1,259 @@
+"""Structured output keeps the contract: the answer is the target's own choice among the tokens its grammar allows, at
+every position, speculative or not. Greedy: token for token against transformers' model masked by an independent
+oracle (Python's `regex` partial matching over the character tokenizer, or llguidance's own matcher for JSON
+schemas); sampling: in distribution, against the exact masked joint."""
+
+import json
+
+import llguidance
+import llguidance.hf
+import pytest
+import regex
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_trt import SamplingParams, StructuredOutput
+from dflash_trt.engine.grammar import GrammarError
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.models.dflash import load_drafter
+from dflash_trt.models.registry import load_target
+from dflash_trt.models.tokenizer import load_tokenizer
+from tests.conftest import EOS, make_drafter, make_target
+from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
+from tests.stats import assert_matches
+
+NEW = 40
+# a prompt per pattern; each allows several tokens at most positions, and ends where the model's eos is all it allows
+PATTERNS = [r"[a-e]{2}( [a-e]+)*\.", r"(yes|no|maybe)!", r"x[0-9]+(,[0-9]+)*;"]
+_hf: dict = {}
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(t, add_special_tokens=False) for t in ("Say: abc ", "Answer? ", "List 1,2 ")]
+
+
+def _engine(dirs, arch: str, k: int, rows: int, **cfg) -> LLMEngine:
+    config = EngineConfig(max_batch_size=rows, max_draft_len=k, **cfg)
+    target = load_target(dirs[arch], config.torch_dtype)
+    drafter = load_drafter(dirs[f"{arch}_drafter"], target.config, config.torch_dtype)
+    return LLMEngine(target, load_tokenizer(dirs[arch], target.config.vocab_size), drafter, config)
+
+
+def regex_allowed(tok, pattern: str, text: str) -> list[int]:
+    """The oracle's mask: the character tokens after which the text can still become a match, and eos where it is
+    one (Python's `regex`, not the grammar engine the runtime uses)."""
+    ok = [i for i in range(3, len(tok)) if regex.fullmatch(pattern, text + tok.decode([i]), partial=True)]
+    return ok + [EOS] * bool(regex.fullmatch(pattern, text))
+
+
+def hf_masked_greedy(target_dir, prompt: list[int], allowed_after, new: int = NEW) -> list[int]:
+    """transformers' greedy answer with every token but those allowed_after(output so far) masked out."""
+    key = str(target_dir)
+    if key not in _hf:
+        _hf[key] = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < new and (not out or out[-1] != EOS):
+            logits = _hf[key](torch.tensor([prompt + out])).logits[0, -1]
+            allowed = allowed_after(out)
+            out.append(allowed[int(logits[allowed].argmax())])
+    return out
+
+
+@pytest.fixture(scope="module")
+def regex_refs(tiny_dirs):
+    """Each arch's oracle answer to each prompt under its pattern."""
+    refs = {}
+    for arch in ("qwen3", "llama"):
+        tok = load_tokenizer(tiny_dirs[arch], 100)
+        refs[arch] = [hf_masked_greedy(tiny_dirs[arch], p, lambda out, pat=pat: regex_allowed(tok, pat, tok.decode(out)))
+                      for p, pat in zip(_prompts(tok), PATTERNS)]
+    return refs
+
+
+def _check_answers(engine, outs, refs) -> None:
+    for out, ref, pattern in zip(outs, refs, PATTERNS):
+        assert out.token_ids == ref
+        if out.finish_reason == "stop":
+            assert regex.fullmatch(pattern, out.text)
+    assert any(o.finish_reason == "stop" for o in outs)  # a grammar's end reached: eos is then all it allows
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("shape, cfg", [
+    ("chain K=3", dict(k=3)), ("chain K=7", dict(k=7)), ("chain K=3 with lookups", dict(k=3, lookup_nodes=3)),
+    ("tree of 5", dict(k=3, draft_tree={3: 5})), ("tree of 6 with lookups", dict(k=7, draft_tree={3: 6}, lookup_nodes=7)),
+])
+@pytest.mark.parametrize("forced", [False, True], ids=["drafter", "forced drafts"])
+def test_greedy_answers_under_a_regex_are_the_targets_masked_greedy(tiny_dirs, regex_refs, arch, shape, cfg, forced):
+    """Forced drafts carry the oracle's answer with a tenth of them wrong (many of those refused by the grammar, so
+    the positions behind them are never reached); the random drafter's are mostly refused or rejected."""
+    cfg = dict(cfg)
+    engine = _engine(tiny_dirs, arch, cfg.pop("k"), rows=3, **cfg)
+    prompts, refs = _prompts(engine.tokenizer), regex_refs[arch]
+    if forced:
+        truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+        if "draft_tree" in cfg:
+            force_tree_drafts(engine, truth)
+        else:
+            force_drafts(engine, truth, error_rate=0.1)
+        if cfg.get("lookup_nodes"):
+            force_lookup_drafts(engine, truth)
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(regex=p))
+                                     for p in PATTERNS])
+    _check_answers(engine, outs, refs)
+    if forced:
+        assert all(o.tau > 1.5 for o in outs if len(o.token_ids) > 10)
+
+
+def test_plain_decoding_under_a_regex_is_the_targets_masked_greedy(tiny_dirs, regex_refs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
+    outs = engine.generate(_prompts(engine.tokenizer), [
+        SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(regex=p)) for p in PATTERNS])
+    _check_answers(engine, outs, regex_refs["qwen3"])
+
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tag": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["id", "tag", "ok"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.fixture(scope="module")
+def braces_dirs(tmp_path_factory):
+    """A target whose 100 tokens reach "}" (the tiny targets' 96 end at "|") and its drafter."""
+    root = tmp_path_factory.mktemp("grammar_braces")
+    t = make_target(root / "qwen3", vocab=100, seed=23)
+    return {"qwen3": t, "qwen3_drafter": make_drafter(root / "d", t, block_size=8, seed=24)}
+
+
+def test_greedy_answers_under_a_json_schema_are_the_targets_masked_greedy_and_valid(braces_dirs):
+    """The oracle's masks come from llguidance's matcher driven by the oracle's own loop (not the runtime's)."""
+    engine = _engine(braces_dirs, "qwen3", 7, rows=2)
+    tok = engine.tokenizer
+    table = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Chars(tok)), n_vocab=100, eos_token=EOS)
+
+    def allowed_after(out):
+        m = llguidance.LLMatcher(table, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA))
+        assert m.consume_tokens(out)
+        bits = m.compute_bitmask()
+        return [i for i in range(100) if bits[i // 8] >> (i % 8) & 1]
+
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ('{"id": 7, ', "JSON please: ")]
+    refs = [hf_masked_greedy(braces_dirs["qwen3"], p, allowed_after, new=60) for p in prompts]
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}
+    force_drafts(engine, truth, error_rate=0.1)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=60, structured=StructuredOutput(json=SCHEMA)))
+    for out, ref in zip(outs, refs):
+        assert out.token_ids == ref and out.finish_reason == "stop"
+        value = json.loads(out.text)
+        assert set(value) == {"id", "tag", "ok"} and 0 <= value["id"] <= 999 and value["tag"] in ("red", "green", "blue")
+        assert isinstance(value["ok"], bool) and out.tau > 1.5
+
+
+class _Chars:
+    """The character tokenizer as llguidance's TokenizerWrapper reads a tokenizer: each id's bytes."""
+
+    def __init__(self, tok) -> None:
+        self.eos_token_id, self.bos_token_id, self.special_token_ids = EOS, 1, [0, 1, 2]
+        self.tokens = [b"<unk>", b"<s>", b"</s>"] + [tok.decode([i]).encode() for i in range(3, len(tok))]
+        self._tok = tok
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def test_a_choice_answer_is_one_of_the_choices_as_the_masked_target_picks_it(tiny_dirs):
+    engine = _engine(tiny_dirs, "llama", 3, rows=1)
+    tok = engine.tokenizer
+    choices = ["a+b", "a-b (x)", "[ok]", "b"]
+    pattern = "|".join(regex.escape(c) for c in choices)
+    prompt = tok.encode("Pick: ", add_special_tokens=False)
+    ref = hf_masked_greedy(tiny_dirs["llama"], prompt, lambda out: regex_allowed(tok, pattern, tok.decode(out)))
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=20, structured=StructuredOutput(choice=choices)))
+    assert out.token_ids == ref and out.text in choices
+
+
+@pytest.mark.parametrize("spec, says", [
+    (StructuredOutput(regex="[a-"), "regex"), (StructuredOutput(grammar="start: x"), "grammar"),
+    (StructuredOutput(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "json"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_with_its_reason_before_queueing(tiny_dirs, spec, says):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    with pytest.raises(GrammarError, match=f"the {says} does not compile: .+"):
+        engine.add_request([5, 6], SamplingParams(structured=spec))
+    assert not engine.has_unfinished()
+
+
+def test_an_answer_the_grammar_needs_a_character_the_vocabulary_lacks_for_ends_at_eos_where_it_gets_stuck(tiny_dirs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)  # its 96 tokens end at "|"
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, structured=StructuredOutput(regex=r"ab\}")))
+    assert out.text == "ab" and out.token_ids[-1] == EOS and out.finish_reason == "stop"
+
+
+def test_gbnf_is_read_as_lark(tiny_dirs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    gbnf = 'root ::= "x" digit digit\ndigit ::= [0-9]'
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, structured=StructuredOutput(grammar=gbnf)))
+    assert regex.fullmatch("x[0-9][0-9]", out.text) and out.finish_reason == "stop"
+
+
+# --- sampling: speculative samples under a grammar follow the masked target's distribution --------------------------
+
+V = 8  # ids 3..7: ' ', '!', '"', '#', '$'
+SMALL_PATTERN = r'(![ "]|#")[!"# ]*'
+CHARS = {3: " ", 4: "!", 5: '"', 6: "#", 7: "$"}
+
+
+@pytest.fixture(scope="module")
+def small_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grammar_small")
+    t = make_target(root / "t", vocab=V, seed=21)
+    return t, make_drafter(root / "d", t, block_size=8, target_layer_ids=(1, 3), seed=22)
+
+
+def _small_allowed(text: str) -> list[int]:
+    ok = [i for i, c in CHARS.items() if regex.fullmatch(SMALL_PATTERN, text + c, partial=True)]
+    return ok + [EOS] * bool(regex.fullmatch(SMALL_PATTERN, text))
+
+
+def _exact_masked_joint(target_dir, prompt, temperature, new=4) -> dict:
+    """P(answer) under the target with each position masked to the oracle's allowed tokens, by enumeration (answers
+    end at eos or after `new` tokens); the softmax at temperature is z-lab's."""
+    ref = pytest.importorskip("dflash.model")
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    joint: dict = {}
+
+    def walk(out: tuple, p: float) -> None:
+        if len(out) == new or (out and out[-1] == EOS):
+            joint[out] = p
+            return
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(out)])).logits[0, -1:]
+        masked = torch.full_like(logits, -torch.inf)
+        allowed = _small_allowed("".join(CHARS[t] for t in out))
+        masked[0, allowed] = logits[0, allowed]
+        probs = ref._sampling_probs(masked[None], temperature, 1.0, 0)[0, 0]
+        for t in allowed:
+            walk(out + (t,), p * float(probs[t]))
+
+    walk((), 1.0)
+    return joint
+
+
+@pytest.mark.parametrize("rule, tree", [("match", {}), ("rejection", {}), ("match", {1500: 5})],
+                         ids=["match", "rejection", "match in trees"])
+def test_sampled_answers_under_a_grammar_follow_the_masked_targets_distribution(small_dirs, rule, tree):
+    t, d = small_dirs
+    prompt = [1, 4, 3, 6, 5]
+    expected = _exact_masked_joint(t, prompt, 1.5)
+    target = load_target(t)
+    engine = LLMEngine(target, load_tokenizer(t, V), load_drafter(d, target.config),
+                       EngineConfig(max_batch_size=1500, max_draft_len=3, draft_tree=tree))
+    n = 3000
+    spec = StructuredOutput(regex=SMALL_PATTERN)
+    outs = engine.generate([prompt] * n, [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, acceptance=rule,
+                                                         structured=spec) for s in range(n)])
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
+    assert len(expected) > 20 and sum(expected.values()) == pytest.approx(1.0, abs=1e-5)
+    assert_matches([tuple(o.token_ids) for o in outs], expected)

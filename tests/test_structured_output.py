@@ -1,0 +1,41 @@
+"""StructuredOutput says what an answer must match, one way at a time; SamplingParams refuses the settings that
+could leave a grammar no token to choose."""
+
+import pytest
+
+from dflash_trt import SamplingParams, StructuredOutput
+
+
+@pytest.mark.parametrize("fields, kind", [
+    (dict(json={"type": "object"}), "json"), (dict(json='{"type": "integer"}'), "json"), (dict(json=True), "json"),
+    (dict(json_object=True), "json_object"), (dict(regex="a+"), "regex"), (dict(choice=("a", "b")), "choice"),
+    (dict(grammar='start: "x"'), "grammar"),
+])
+def test_each_way_is_told_by_its_kind(fields, kind):
+    assert StructuredOutput(**fields).kind == kind
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(), "exactly one of .* got none"), (dict(regex="a", choice=["a"]), "got regex, choice"),
+    (dict(json={"type": "object"}, json_object=True), "got json, json_object"),
+    (dict(json="{nope"), "the JSON schema is no JSON"), (dict(json="[1]"), "a JSON schema is an object, got list"),
+    (dict(json=3), "a JSON schema is an object, got int"), (dict(regex=""), "regex must be a non-empty string"),
+    (dict(grammar=b"x"), "grammar must be a non-empty string"), (dict(choice=[]), "choice must be a non-empty list"),
+    (dict(choice="ab"), "choice must be a non-empty list"), (dict(choice=["a", ""]), "non-empty strings"),
+    (dict(json_object="yes"), "json_object must be True or False"),
+])
+def test_malformed_ways_are_refused_naming_the_field(fields, says):
+    with pytest.raises(ValueError, match=says):
+        StructuredOutput(**fields)
+
+
+@pytest.mark.parametrize("setting", [dict(ignore_eos=True), dict(min_tokens=2), dict(allowed_token_ids=[5, 6])])
+def test_settings_that_could_leave_the_grammar_no_token_are_refused(setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"{name} cannot be combined with structured output"):
+        SamplingParams(structured=StructuredOutput(regex="a+"), **setting)
+
+
+def test_structured_takes_a_structured_output_only():
+    with pytest.raises(ValueError, match="structured must be a StructuredOutput, got dict"):
+        SamplingParams(structured={"regex": "a+"})
