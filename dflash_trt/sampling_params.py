@@ -56,8 +56,9 @@ def _is_real(x: object) -> bool:  # NaN is not in any range checked against it
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-class TokenIdError(ValueError):
-    """A request's token ids that the model cannot take, naming the field (`param`) that holds them."""
+class ParamError(ValueError):
+    """A request's setting the model cannot take (token ids past its vocabulary, a setting structured output cannot
+    have beside it), naming the field (`param`) that holds it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -169,8 +170,8 @@ class SamplingParams:
         # ignore_eos would not stop at and min_tokens masks; allowed_token_ids may hold none of a position's tokens
         for name, unset in (("ignore_eos", False), ("min_tokens", 0), ("allowed_token_ids", None)):
             if getattr(self, name) != unset:
-                raise ValueError(f"{name} cannot be combined with structured output (the grammar decides which tokens "
-                                 "may come, and where the answer ends)")
+                raise ParamError(name, f"{name} cannot be combined with structured output (the grammar decides which "
+                                 "tokens may come, and where the answer ends)")
 
     def stop_ids(self, eos_token_ids: Collection[int]) -> set[int]:
         """The token ids that end the answer: stop_token_ids where given, else the model's eos unless ignore_eos."""
@@ -179,21 +180,21 @@ class SamplingParams:
         return set() if self.ignore_eos else set(eos_token_ids)
 
     def check_token_ids(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
-        """TokenIdError where logit_bias or allowed_token_ids name a token past the vocabulary (in a step the index
+        """ParamError where logit_bias or allowed_token_ids name a token past the vocabulary (in a step the index
         would fail every request batched with this one), stop_token_ids one (it would never stop the answer), or
         min_tokens would mask every allowed token."""
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
-                raise TokenIdError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")
+                raise ParamError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")
         if not self.min_tokens:
             return
         stops = self.stop_ids(eos_token_ids)
         if self.allowed_token_ids and set(self.allowed_token_ids) <= stops:
-            raise TokenIdError("allowed_token_ids", "allowed_token_ids are all stop tokens, which min_tokens masks "
+            raise ParamError("allowed_token_ids", "allowed_token_ids are all stop tokens, which min_tokens masks "
                                f"until the answer holds {self.min_tokens}: no token could be chosen")
         if sum(0 <= t < vocab_size for t in stops) == vocab_size:
-            raise TokenIdError("stop_token_ids", f"stop_token_ids hold every token of the vocabulary ({vocab_size}), "
+            raise ParamError("stop_token_ids", f"stop_token_ids hold every token of the vocabulary ({vocab_size}), "
                                f"which min_tokens masks until the answer holds {self.min_tokens}: no token could be "
                                "chosen")
 

@@ -25,12 +25,12 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field, value, kin
 
 
 def test_stop_token_ids_are_token_ids_within_the_vocabulary():
-    from dflash_trt.sampling_params import TokenIdError
+    from dflash_trt.sampling_params import ParamError
 
     for bad in (["a"], [-1], [True]):
         with pytest.raises(ValueError, match="stop_token_ids token ids must be integers >= 0"):
             SamplingParams(stop_token_ids=bad)
-    with pytest.raises(TokenIdError, match=re.escape("stop_token_ids token ids must be in 0..99, got [100]")):
+    with pytest.raises(ParamError, match=re.escape("stop_token_ids token ids must be in 0..99, got [100]")):
         SamplingParams(stop_token_ids=[3, 100]).check_token_ids(100, [0])  # it would never stop the answer
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
 

@@ -469,7 +469,7 @@ class LLMEngine:
                     raise
                 # which of a batch's prompts: "empty prompt" or a context overrun named none of them
                 which = f"prompts[{i}]" + (f" with params[{i}]" if isinstance(params, (list, tuple)) else "")
-                e.args = (f"{which}: {e}", *e.args[1:])  # (its type and fields kept: TokenIdError's param)
+                e.args = (f"{which}: {e}", *e.args[1:])  # (its type and fields kept: ParamError's param)
                 raise
         pending = list(reversed(seqs))
         with self._aborted_unless_done(seqs):
