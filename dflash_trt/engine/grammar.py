@@ -72,8 +72,8 @@ class GrammarCompiler:
     def _compile(self, how: str, text: str, kind: str):
         import llguidance
 
-        build = {"json": llguidance.LLMatcher.grammar_from_json_schema, "regex": llguidance.LLMatcher.grammar_from_regex,
-                 "lark": llguidance.LLMatcher.grammar_from_lark}[how]
+        m = llguidance.LLMatcher
+        build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark}[how]
         try:
             grammar = build(text)
         except ValueError as e:

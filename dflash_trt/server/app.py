@@ -23,10 +23,12 @@ from starlette.requests import ClientDisconnect
 from dflash_trt import __version__
 from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped, RequestUpdate
+from dflash_trt.engine.grammar import GrammarError
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
-from dflash_trt.sampling_params import SamplingParams, TokenIdError, choice_seed
+from dflash_trt.sampling_params import SamplingParams, ParamError, choice_seed
+from dflash_trt.structured_output import StructuredOutput
 from dflash_trt.server import protocol as p
 from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
@@ -37,7 +39,7 @@ from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import ReasoningParser
 from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body
 from dflash_trt.server.responses import usage as response_usage
-from dflash_trt.server.tool_calls import ToolCallParser, ToolCallSplitter
+from dflash_trt.server.tool_calls import ForcedCallSplitter, ToolCallParser, ToolCallSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -264,17 +266,21 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         thought, content, calls = _splitter(req).split(o.text)
         message = p.AssistantMessage(content=content, reasoning=thought, reasoning_content=thought,
                                      tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
-        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, bool(calls)),
+        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, req, len(calls)),
                             stop_reason=o.stop_reason, acceptance=_acceptance(o),
                             logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
 
     def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
         """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
+        if req.forces_calls:
+            return ChatAnswerSplitter(None, ForcedCallSplitter(req.forced_function))
         calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
         return ChatAnswerSplitter(reasoning, calls)
 
-    def _finish_reason(o: RequestOutput, called: bool) -> str:
-        # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so
+    def _finish_reason(o: RequestOutput, req: p.ChatCompletionRequest, num_calls: int) -> str:
+        # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so;
+        # one whose tool_choice named the function "stop"s
+        called = num_calls > 0 and req.forced_function is None
         return "tool_calls" if called and o.finish_reason == "stop" else o.finish_reason
 
     @app.post("/tokenize")
@@ -436,6 +442,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         # a top_k of the whole vocabulary or more keeps every token; passed on, a huge one overflows the engine's
         # int64 tensor and fails every request in the step
         top_k = req.top_k if 0 < req.top_k < vocab else 0
+        field, structure = _structure(req)
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=top_k, seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
@@ -444,13 +451,28 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                                     logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids,
-                                    min_p=req.min_p)
+                                    min_p=req.min_p, structured=structure)
             params.check_token_ids(vocab, engine.eos_token_ids)  # here too, to name the field
-        except TokenIdError as e:
+        except ParamError as e:
             raise APIError(400, str(e), param=e.param) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
         return params
+
+    def _structure(req: p._SamplingRequest) -> tuple[str | None, StructuredOutput | None]:
+        """(the field that asks for it, what the answer must match), or Nones; APIError naming the field that cannot be
+        had."""
+        chat = isinstance(req, p.ChatCompletionRequest)
+        if chat and req.forces_calls and (why := req.forced_calls_error()):
+            raise APIError(400, why, param="tool_choice")
+        ways = req.structures()
+        if len(ways) > 1:
+            raise APIError(400, f"{ways[0][0]} and {ways[1][0]}: an answer takes one structure at a time",
+                           param=ways[1][0])
+        if ways and chat and reasoning is not None:
+            raise APIError(400, f"{ways[0][0]}: structured output is not supported on a server with a reasoning parser "
+                                "(the grammar would hold the model's reasoning too)", param=ways[0][0])
+        return ways[0] if ways else (None, None)
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                 max_param: str = "max_tokens", prompt_param: str = "prompt") -> _Submitted:
@@ -472,6 +494,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 raise APIError(503, str(e), "server_error", code="engine_failed") from e
             # a kept-alive connection's request during shutdown
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from e
+        except GrammarError as e:  # compiled as the request was queued: refused with its reason, nothing queued
+            field = _structure(req)[0]
+            raise APIError(400, f"{field}: {e}", param=field) from e
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list, req.min_tokens) for _ in prompts]
@@ -581,7 +606,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                    tool_calls=[p.DeltaToolCall.of(c, index=splitters[i].num_calls - len(calls) + k)
                                                for k, c in enumerate(calls)] or None)
             choice = p.ChatChunkChoice(index=i, delta=delta,
-                                       finish_reason=_finish_reason(out, splitters[i].num_calls > 0) if out else None,
+                                       finish_reason=_finish_reason(out, req, splitters[i].num_calls) if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)

@@ -4,16 +4,16 @@
 from __future__ import annotations
 
 from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
-from dflash_trt.server.tool_calls import FunctionCall, ToolCallSplitter
+from dflash_trt.server.tool_calls import ForcedCallSplitter, FunctionCall, ToolCallSplitter
 
 
 class ChatAnswerSplitter:
-    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCallSplitter | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCallSplitter | ForcedCallSplitter | None) -> None:
         self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
         self._calls = calls
         # hermes's calls follow the reasoning (a call the model only thinks of is no call); harmony's are a message
         # of their own, read out before the channels are
-        self._calls_first = calls is not None and calls.parser.before_reasoning
+        self._calls_first = calls is not None and calls.before_reasoning
 
     @property
     def num_calls(self) -> int:

@@ -20,6 +20,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
 from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, check_stop_strings, is_int
+from dflash_trt.server.structured import (GUIDED_FIELDS, forced_call_schema, from_guided, from_response_format,
+                                          from_structured_outputs)
+from dflash_trt.structured_output import StructuredOutput
 
 
 def _whole(v: Any) -> Any:
@@ -130,7 +133,8 @@ class _SamplingRequest(_NullIsUnset):
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # OpenAI features this server does not implement: refused unless off
+    # structured output (server/structured.py): one of response_format, vLLM's guided_* and structured_outputs (and
+    # chat's tool_choice where it forces calls)
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None  # before tools, whose validator reads it
     function_call: Any = None  # the deprecated spelling of tool_choice
@@ -193,18 +197,50 @@ class _SamplingRequest(_NullIsUnset):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"only response_format type 'text' is supported, got {v.get('type')!r}")
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from_response_format(v)
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator(*GUIDED_FIELDS)
     @classmethod
-    def _tool_choice_unforced(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise ValueError(f'{v!r} would force a call, which takes guided decoding (not supported): send "auto" (the '
-                             'model chooses; serve --tool-call-parser reads its calls) or "none" (the answer is text)')
+    def _guided(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            from_guided(info.field_name, v)
         return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, v: Any) -> Any:
+        if v is not None:
+            from_structured_outputs(v)
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) and \
+            isinstance(v["function"].get("name"), str)
+        if v not in (None, "none", "auto", "required") and not named:
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+                             f"got {v!r:.80}")
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call_unforced(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError(f'{v!r:.80}: the deprecated functions are rendered only; send tools, with tool_choice')
+        return v
+
+    def structures(self) -> list[tuple[str, StructuredOutput]]:
+        """(field, what the answer must match) for each field that asks for a structure (the app takes one)."""
+        out = [(f, from_guided(f, getattr(self, f))) for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if self.structured_outputs is not None:
+            out.append(("structured_outputs", from_structured_outputs(self.structured_outputs)))
+        if self.response_format is not None and (spec := from_response_format(self.response_format)):
+            out.append(("response_format", spec))
+        return out
 
     @field_validator("tools", "functions")
     @classmethod
@@ -221,9 +257,6 @@ class _SamplingRequest(_NullIsUnset):
 
     _no_stop_str = _refuse_set("include_stop_str_in_output", message="include_stop_str_in_output is not supported")
     _no_beam_search = _refuse_set("use_beam_search", message="beam search is not supported")
-    _no_guided = _refuse_set("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                             message="structured (guided) output is not supported")
-
     _no_vocab_limits = _refuse_set("bad_words", "logits_processors",
                                    message="bad_words and logits_processors are not supported (they would change the "
                                    "target's distribution)")
@@ -515,6 +548,34 @@ class ChatCompletionRequest(_SamplingRequest):
     def calls_tools(self) -> bool:
         """Whether the model may call the request's tools (OpenAI's default where tools are sent: "auto")."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named tool_choice makes the answer call, or None."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+
+    @property
+    def forces_calls(self) -> bool:
+        """Whether tool_choice makes the answer a call (named) or calls ("required"): JSON a grammar holds it to."""
+        return self.tool_choice == "required" or self.forced_function is not None
+
+    def forced_calls_error(self) -> str | None:
+        """Why the calls tool_choice forces cannot be made, or None."""
+        if not self.tools:
+            return f"tool_choice {self.tool_choice!r:.80} needs tools to call"
+        names = [t.function.name for t in self.tools]
+        if self.forced_function is not None and self.forced_function not in names:
+            return f"tool_choice names {self.forced_function!r:.80}, which is none of the tools ({names})"
+        if self.call_limit == 0:
+            return 'tool_choice "required" makes a call, and max_tool_calls 0 allows none'
+        return None
+
+    def structures(self) -> list[tuple[str, StructuredOutput]]:
+        forced = []
+        if self.forces_calls and self.forced_calls_error() is None:
+            schema = forced_call_schema(self.template_tools, self.forced_function, self.call_limit)
+            forced = [("tool_choice", StructuredOutput(json=schema))]
+        return forced + super().structures()
 
 
 class TokenizeRequest(_NullIsUnset):

@@ -60,10 +60,6 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
                          "send the conversation so far as input")
     if req.background:
         raise ValueError("background responses are not supported (nothing is stored to poll)")
-    if req.text is not None and req.text.get("format") is not None:
-        kind = req.text["format"].get("type") if isinstance(req.text["format"], dict) else None
-        if kind != "text":
-            raise ValueError(f"text.format: only type 'text' is supported, got {kind or req.text['format']!r}")
     if req.top_logprobs or "message.output_text.logprobs" in (req.include or ()):
         raise ValueError("logprobs are not supported on /v1/responses (chat completions return them)")
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream}
@@ -71,6 +67,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["max_tokens"] = req.max_output_tokens
     if req.max_tool_calls is not None:
         chat["max_tool_calls"] = req.max_tool_calls
+    if req.text is not None and req.text.get("format") is not None:
+        chat["response_format"] = _response_format(req.text["format"])
     if req.tools:
         chat["tools"] = [_chat_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -86,12 +84,24 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return chat | {k: body[k] for k in ("temperature", "top_p", *_EXTENSIONS) if body.get(k) is not None}
 
 
+def _response_format(form: Any) -> dict[str, Any]:
+    """text.format as chat's response_format (whose checks then apply): json_schema's fields sit in the format
+    itself."""
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"text.format: type must be 'text', 'json_object' or 'json_schema', got {kind or form!r:.80}")
+    if kind != "json_schema":
+        return {"type": kind}
+    return {"type": kind, "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
+
+
 def _chat_tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
         return choice  # "auto", "none", "required": chat's own
-    if choice.get("type") == "function":  # a function named: chat's shape of it (refused there: it forces a call)
+    if choice.get("type") == "function":  # a function named: chat's shape of it
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise ValueError(f"tool_choice: {choice.get('type')!r} is not supported (send \"auto\" or \"none\")")
+    raise ValueError(f"tool_choice: {choice.get('type')!r} is not supported (send \"auto\", \"none\", \"required\" "
+                     "or a function)")
 
 
 def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +211,7 @@ class ResponseObject:
             "parallel_tool_calls": chat.parallel_tool_calls, "temperature": chat.temperature, "top_p": chat.top_p,
             "tool_choice": body.get("tool_choice") or ("auto" if chat.tools else "none"),
             "tools": body.get("tools") or [], "previous_response_id": None, "reasoning": body.get("reasoning"),
-            "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled",
+            "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "truncation": "disabled",
         }
 
     def dump(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None,

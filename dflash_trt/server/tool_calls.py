@@ -244,6 +244,10 @@ class ToolCallSplitter:
         self._at_start = True  # nothing read yet
         self.num_calls = 0  # calls sent so far
 
+    @property
+    def before_reasoning(self) -> bool:
+        return self.parser.before_reasoning
+
     def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
         """The content and the calls of text, the answer's next delta; `final` with its last (nothing held back)."""
         parts = self.parts(text, final)
@@ -288,3 +292,31 @@ class ToolCallSplitter:
         if final:
             out.append(self._joint.end())
         return [p for p in out if p]
+
+
+class ForcedCallSplitter:
+    """The answer of a request whose tool_choice forces calls, written under server/structured.py's forced_call_schema:
+    a named function's arguments, or ("required") a list of {"name", "parameters"}. Its calls come whole with the
+    answer's end; an answer cut before its JSON closes stays content."""
+
+    before_reasoning = False
+
+    def __init__(self, function: str | None) -> None:
+        self._function = function
+        self._text = ""
+        self.num_calls = 0
+
+    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall]:
+        self._text += text
+        if not final:
+            return []
+        try:
+            value = json.loads(self._text)
+        except ValueError:
+            return [self._text] if self._text else []
+        if self._function is not None:
+            calls = [FunctionCall(self._function, self._text)]  # the arguments as the model wrote them
+        else:
+            calls = [FunctionCall(c["name"], _json(c["parameters"])) for c in value]
+        self.num_calls = len(calls)
+        return calls

@@ -344,7 +344,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ({"model": MODEL, "prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens"),
     ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
-    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}, "guided_regex": "a"}, 400, "guided_regex"),
     # OpenAI and vLLM: stream_options only with stream=true (a usage chunk asked for that never comes)
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     # tools are for a chat template
@@ -362,7 +362,7 @@ BAD_CHAT = [
     ({**CHAT, "tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools.0.function.name"),
     ({**CHAT, "tool_choice": "required"}, "tool_choice"),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),  # OpenAI would answer with an audio object too
     ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),

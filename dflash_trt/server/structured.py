@@ -1,0 +1,57 @@
+"""A request's structured output, as OpenAI's and vLLM's fields say it: response_format (json_object, json_schema),
+vLLM's guided_json / guided_regex / guided_choice / guided_grammar and its structured_outputs object, and a
+tool_choice that forces calls (vLLM's reading: the answer is JSON the call is made of). No torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_trt.structured_output import StructuredOutput
+
+# vLLM's structured_outputs keys this server reads, by StructuredOutput's field names
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def from_response_format(v: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's response_format: None for text. ValueError naming what is wrong."""
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ValueError("json_schema must be an object holding the schema: {\"name\": ..., \"schema\": {...}}")
+    return StructuredOutput(json=spec["schema"])
+
+
+def from_structured_outputs(v: Any) -> StructuredOutput:
+    """vLLM's structured_outputs object ({"json": schema}, {"regex": ...}, ...)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"structured_outputs must be an object, got {type(v).__name__}")
+    unknown = sorted(set(v) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported (this server reads {', '.join(_STRUCTURED_KEYS)})")
+    return StructuredOutput(**{_STRUCTURED_KEYS[k]: x for k, x in v.items() if x is not None and x is not False})
+
+
+def from_guided(field: str, v: Any) -> StructuredOutput:
+    return StructuredOutput(**{GUIDED_FIELDS[field]: v})
+
+
+def forced_call_schema(tools: list[dict[str, Any]], function: str | None, max_calls: int | None) -> dict[str, Any]:
+    """The JSON schema of an answer whose tool_choice forces calls: a named function's arguments, or ("required",
+    function None) a list of at least one {"name", "parameters"} of the tools (at most max_calls)."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if function is not None:
+        return params[function]
+    call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+             "required": ["name", "parameters"]} for name, schema in params.items()]
+    out: dict[str, Any] = {"type": "array", "minItems": 1, "items": call[0] if len(call) == 1 else {"anyOf": call}}
+    if max_calls is not None:
+        out["maxItems"] = max_calls
+    return out

@@ -1,0 +1,224 @@
+"""Structured output over HTTP: OpenAI's response_format (json_object, json_schema; the openai SDK's parse helper),
+vLLM's guided_* fields and structured_outputs, and a tool_choice that forces calls. Every answer is the one the same
+target gives decoding plainly under the same grammar (the engine's own tests hold that to transformers), and
+matches what it was asked to."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import pydantic
+import pytest
+import regex
+
+from dflash_trt import SamplingParams, StructuredOutput
+from dflash_trt.server.reasoning import reasoning_parser
+from dflash_trt.server.structured import forced_call_schema
+from tests.server.conftest import QUESTION, TOOLS, start_server
+
+# bounded, so that a small target's answer closes within the tokens asked for
+SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["tag", "n"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CALLABLE = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {
+                "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"],
+                "additionalProperties": False}}}]
+
+
+class Pick(pydantic.BaseModel):
+    tag: Literal["red", "green", "blue"]
+    n: int = pydantic.Field(ge=0, le=99)
+
+
+def _engine(dirs, **cfg):
+    from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_dirs(*dirs, EngineConfig(max_model_len=256, max_batch_size=4, **cfg))
+
+
+@pytest.fixture(scope="module")
+def plain(caller):
+    """The oracle: the same target decoding plainly, one token at a time."""
+    return _engine(caller, speculative=False)
+
+
+@pytest.fixture(scope="module")
+def served(caller):
+    server = start_server(_engine(caller))
+    yield server
+    server.stop()
+
+
+def _expected(plain, spec: StructuredOutput, messages=QUESTION, chat: bool = True, max_tokens: int = 80, **kw):
+    prompt = plain.prompt_encoder.encode_chat(messages, add_generation_prompt=True, **kw) if chat else messages
+    return plain.generate([prompt], SamplingParams(max_new_tokens=max_tokens, structured=spec))[0]
+
+
+def _chat(served, **body) -> httpx.Response:
+    return httpx.post(served.base_url + "/chat/completions", timeout=60,
+                      json={"messages": QUESTION, "max_tokens": 80, "temperature": 0} | body)
+
+
+def test_a_json_schema_answer_parses_into_the_sdks_model_and_is_the_plain_targets(served, plain):
+    sent = []
+    http = httpx.Client(event_hooks={"request": [lambda r: sent.append(json.loads(r.read()))]})
+    # the SDK's parse helper sends Pick's strict schema as response_format json_schema, and reads the answer back
+    completion = served.client(http_client=http).chat.completions.parse(
+        model="tiny-qwen3", messages=QUESTION, response_format=Pick, max_tokens=80, temperature=0)
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Pick) and completion.choices[0].finish_reason == "stop"
+    schema = sent[0]["response_format"]["json_schema"]["schema"]
+    assert message.content == _expected(plain, StructuredOutput(json=schema)).text
+
+
+@pytest.mark.parametrize("body, spec, check", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}},
+     StructuredOutput(json=SCHEMA), lambda t: set(json.loads(t)) == {"tag", "n"}),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True),
+     lambda t: isinstance(json.loads(t), dict)),
+    ({"guided_json": SCHEMA}, StructuredOutput(json=SCHEMA), lambda t: set(json.loads(t)) == {"tag", "n"}),
+    ({"guided_regex": r"[a-c]{3}-[0-9]"}, StructuredOutput(regex=r"[a-c]{3}-[0-9]"),
+     lambda t: regex.fullmatch(r"[a-c]{3}-[0-9]", t)),
+    ({"guided_choice": ["sunny", "rain (light)"]}, StructuredOutput(choice=["sunny", "rain (light)"]),
+     lambda t: t in ("sunny", "rain (light)")),
+    ({"guided_grammar": 'start: "x" D D\nD: /[0-9]/'}, StructuredOutput(grammar='start: "x" D D\nD: /[0-9]/'),
+     lambda t: regex.fullmatch("x[0-9]{2}", t)),
+    ({"structured_outputs": {"regex": "(yes|no)!"}}, StructuredOutput(regex="(yes|no)!"),
+     lambda t: t in ("yes!", "no!")),
+], ids=["json_schema", "json_object", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structured_outputs"])
+def test_each_way_of_asking_gives_the_plain_targets_answer_under_that_grammar(served, plain, body, spec, check):
+    want = _expected(plain, spec)
+    choice = _chat(served, **body).json()["choices"][0]
+    assert choice["message"]["content"] == want.text and check(want.text)
+    assert choice["finish_reason"] == want.finish_reason == "stop"
+
+
+def test_a_streamed_structured_answer_is_the_whole_one(served, plain):
+    body = {"messages": QUESTION, "max_tokens": 80, "temperature": 0, "stream": True, "guided_json": SCHEMA}
+    with httpx.stream("POST", served.base_url + "/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == _expected(plain, StructuredOutput(json=SCHEMA)).text
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completions_take_structured_output_too(served, plain):
+    prompt = plain.encode("The answer: ")
+    want = _expected(plain, StructuredOutput(regex="[0-9]{4}"), messages=prompt, chat=False, max_tokens=10)
+    r = httpx.post(served.base_url + "/completions", timeout=60, json={
+        "prompt": "The answer: ", "max_tokens": 10, "temperature": 0, "guided_regex": "[0-9]{4}"})
+    assert r.json()["choices"][0]["text"] == want.text and regex.fullmatch("[0-9]{4}", want.text)
+
+
+def test_a_sampled_structured_answer_is_the_plain_targets_sample_by_seed(served, plain):
+    spec = StructuredOutput(json=SCHEMA)
+    prompt = plain.prompt_encoder.encode_chat(QUESTION, add_generation_prompt=True)
+    for seed in range(3):
+        want = plain.generate([prompt], SamplingParams(max_new_tokens=80, temperature=1.0, seed=seed,
+                                                       structured=spec))[0]
+        got = _chat(served, temperature=1.0, seed=seed, guided_json=SCHEMA).json()["choices"][0]["message"]
+        assert got["content"] == want.text and set(json.loads(want.text)) == {"tag", "n"}
+
+
+# --- tool_choice that forces calls ------------------------------------------------------------------------------
+
+def test_a_named_tool_choice_makes_the_answer_that_functions_call(served, plain):
+    want = _expected(plain, StructuredOutput(json=WEATHER), tools=CALLABLE)
+    choice = served.client().chat.completions.create(
+        model="tiny-qwen3", messages=QUESTION, tools=CALLABLE, max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", want.text)
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    # OpenAI's: a call the request forced by name "stop"s; no content beside it
+    assert choice.finish_reason == "stop" and choice.message.content is None and call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_tool_choice_makes_calls_of_the_tools_streamed_and_not(served, plain, parallel):
+    limit = None if parallel else 1
+    want = _expected(plain, StructuredOutput(json=forced_call_schema(
+        [t for t in CALLABLE], None, limit)), tools=CALLABLE)
+    calls = [(c["name"], c["parameters"]) for c in json.loads(want.text)]
+    assert 1 <= len(calls) <= (limit or 99)
+    body = {"messages": QUESTION, "tools": CALLABLE, "tool_choice": "required", "max_tokens": 80, "temperature": 0,
+            "parallel_tool_calls": parallel}
+    choice = served.client().chat.completions.create(model="tiny-qwen3", **body).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    streamed = served.client().chat.completions.create(model="tiny-qwen3", stream=True, **body)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    sent = [(t.function.name, json.loads(t.function.arguments)) for d in deltas for t in d.tool_calls or ()]
+    assert sent == calls and not "".join(d.content or "" for d in deltas)
+
+
+def test_forced_calls_need_no_tool_call_parser_and_name_a_tool(served):
+    r = _chat(served, tools=CALLABLE, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert r.status_code == 400 and "none of the tools" in r.json()["error"]["message"]
+    r = _chat(served, tool_choice="required")
+    assert r.status_code == 400 and "needs tools" in r.json()["error"]["message"]
+    r = _chat(served, tools=TOOLS, tool_choice="required", guided_regex="a")
+    assert r.status_code == 400 and "one structure at a time" in r.json()["error"]["message"]
+
+
+def test_the_responses_api_takes_text_format_and_a_named_tool_choice(served, plain):
+    form = {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}
+    r = httpx.post(served.base_url + "/responses", timeout=60, json={
+        "input": QUESTION, "text": {"format": form}, "max_output_tokens": 80, "temperature": 0}).json()
+    assert r["output"][0]["content"][0]["text"] == _expected(plain, StructuredOutput(json=SCHEMA)).text
+    assert r["text"] == {"format": form} and r["status"] == "completed"
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    r = httpx.post(served.base_url + "/responses", timeout=60, json={
+        "input": QUESTION, "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 80, "temperature": 0}).json()
+    want = _expected(plain, StructuredOutput(json=WEATHER), tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}])
+    assert [(i["type"], i["name"], i["arguments"]) for i in r["output"]] == [("function_call", "get_weather",
+                                                                                want.text)]
+
+
+# --- refusals -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"guided_regex": "[a-"}, "guided_regex", "the regex does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format", "does not compile"),
+    ({"guided_grammar": "start: nothing_defined"}, "guided_grammar", "the grammar does not compile"),
+], ids=["regex", "schema", "lark"])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(served, body, param, says):
+    r = _chat(served, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.json()["error"]["message"].startswith(f"{param}: ") and says in r.json()["error"]["message"]
+    assert served.wait_idle()
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"response_format": {"type": "yaml"}}, "type must be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema must be an object holding the schema"),
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_json and guided_regex: an answer takes one structure"),
+    ({"guided_choice": []}, "choice must be a non-empty list"),
+    ({"structured_outputs": {"structural_tag": {}}}, "structural_tag: not supported"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos cannot be combined with structured output"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens cannot be combined with structured output"),
+])
+def test_malformed_or_clashing_requests_are_400s(served, body, says):
+    r = _chat(served, **body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_a_server_with_a_reasoning_parser_refuses_structured_chat(caller):
+    server = start_server(_engine(caller, speculative=False), reasoning=reasoning_parser("qwen3"))
+    try:
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                       json={"messages": QUESTION, "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert "reasoning parser" in r.json()["error"]["message"]
+    finally:
+        server.stop()
