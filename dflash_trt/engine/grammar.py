@@ -136,6 +136,19 @@ class Grammar:
                 m.rollback(consumed)
         return host_to_device(torch.from_numpy(~allowed), device)
 
+    def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor:
+        """bool [V] on the host: the tokens the grammar allows after the drafts (which it takes)."""
+        return ~self.blocked([drafts], "cpu")[0]
+
+    def allows(self, extra: Sequence[int], token: int) -> bool:
+        """Whether the grammar takes token after the drafts `extra` (True where it refuses those drafts: no accepted
+        path reaches that position)."""
+        m = self._matcher
+        consumed = m.try_consume_tokens([*extra, token])
+        if consumed:
+            m.rollback(consumed)
+        return consumed != len(extra)
+
     def _allowed(self) -> np.ndarray:
         m = self._matcher
         allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[: self._vocab]

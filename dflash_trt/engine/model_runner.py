@@ -23,6 +23,7 @@ from dflash_trt.engine.logprobs import token_logprobs
 from dflash_trt.engine.sequence import Sequence
 from dflash_trt.engine.step_clock import StepClock
 from dflash_trt.kernels.verify_block import GREEDY, MODE_OF_ACCEPTANCE, verify_block
+from dflash_trt.layers.argmax import argmax_last
 from dflash_trt.layers.attention import AttentionMetadata, HostRows, round_up
 from dflash_trt.layers.logits_processors import TokenSets, process_logits
 from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs
@@ -119,8 +120,9 @@ class ModelRunner:
 
     def _next_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[int]:
         # hidden: [B, H] final hidden states -> one token per row, by each row's own params and uniforms
-        if all(s.plain_greedy for s in seqs):
-            return self.target.greedy_tokens(hidden).tolist()
+        greedy = self._greedy_choices(seqs, hidden, lambda i: [[]])
+        if greedy is not None:
+            return greedy.tolist()
         logits = self._shaped(seqs, self.target.compute_logits(hidden)[:, None], lambda i: [[]])
         probs = self._sampling_probs(seqs, logits)[:, 0]
         return sample_from(probs, self._uniforms(seqs, 1)[:, 0]).tolist()
@@ -231,8 +233,11 @@ class ModelRunner:
         sampling = self._draft_sampling(seqs)
         lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
         # the drafter's log-probabilities only where a lookup competes with its chain
+        # a grammar's rows draft among what it allows (their "match" or greedy drafts are the argmax: any choice
+        # among the drafter's tokens keeps the rule lossless)
+        grammars = {i: s.grammar for i, s in enumerate(seqs) if s.grammar is not None and not s.params.samples_drafts}
         proposal = self.proposer.propose(rows, features, context, anchors, anchor_pos, num_draft, sampling,
-                                         with_logprobs=bool(lookups), host=host)
+                                         with_logprobs=bool(lookups), host=host, grammars=grammars)
         lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
         self._context_written(seqs)
         clock.drafted()
@@ -241,15 +246,16 @@ class ModelRunner:
         positions = anchor_pos[:, None] + torch.arange(num_draft + 1, device=dev)
         meta = AttentionMetadata.causal_step(rows, positions, host)
         hidden, target_features = self.target(block, meta, self.target_cache, self.capture)
-        if all(s.plain_greedy for s in seqs):
+        # position j's penalties and grammar count the drafts before it as output; read once for every row that asks
+        # (on a GPU each read waits for the step's kernels)
+        drafts = functools.cache(proposal.draft_tokens.tolist)
+        greedy = self._greedy_choices(seqs, hidden, lambda i: _prefixes(drafts()[i]))
+        if greedy is not None:
             # The GREEDY rule needs only the target's argmax: taken alone it skips the fp32 logits (on a GPU [B, K + 1,
             # V], 311 MB at 32 rows of Qwen3's vocabulary), the op's dispatch and the uniforms and modes a mixed batch
             # needs (~0.5 ms a step on the CPU); verify_block serves the batches that sample or shape their logits.
-            result = accept_greedy(proposal.draft_tokens, self.target.greedy_tokens(hidden))
+            result = accept_greedy(proposal.draft_tokens, greedy)
         else:
-            # position j's penalties count the drafts before it as output; read once for every row that asks (on a
-            # GPU each read waits for the step's kernels)
-            drafts = functools.cache(proposal.draft_tokens.tolist)
             logits = self._shaped(seqs, self.target.compute_logits(hidden), lambda i: _prefixes(drafts()[i]))
             result = self._verify(seqs, proposal, sampling, logits)
         emitted = result.emitted(proposal.draft_tokens)
@@ -331,8 +337,9 @@ class ModelRunner:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,
         drawn with the row's uniform for the output position at the node's depth, so each token the path emits is the
         target's own sample given the tokens before it (and penalized as if that path were the output)."""
-        if all(s.plain_greedy for s in seqs):
-            return self.target.greedy_tokens(hidden)
+        greedy = self._greedy_choices(seqs, hidden, lambda i: self._node_paths(tree, i))
+        if greedy is not None:
+            return greedy
         u = torch.zeros(len(seqs), depth + 1, device=self.device)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # none where every row is greedy and some shape their logits
@@ -340,6 +347,35 @@ class ModelRunner:
         logits = self._shaped(seqs, self.target.compute_logits(hidden), lambda i: self._node_paths(tree, i))
         probs = self._sampling_probs(seqs, logits)  # greedy rows: one-hot
         return sample_from(probs, u.gather(1, tree.depths))
+
+    def _greedy_choices(self, seqs: list[Sequence], hidden: torch.Tensor,
+                        extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor | None:
+        """The target's greedy token at every position [B, T] (hidden [B, T, H]; [B] of [B, H]) where each row is
+        greedy on its logits as they are, or under a grammar alone: the head's int8 screen serves them all, and a
+        grammar row's token is taken again from its masked logits only at the positions whose argmax the grammar
+        refuses (the masked argmax is the argmax wherever that is allowed). None where a row samples or shapes its
+        logits otherwise. extras_of as _shaped's."""
+        if not all(s.plain_greedy or s.greedy_in_grammar for s in seqs):
+            return None
+        choices = self.target.greedy_tokens(hidden)
+        if hidden.dim() == 2:  # one position a row
+            return self._within_grammars(seqs, hidden[:, None], choices[:, None], extras_of)[:, 0]
+        return self._within_grammars(seqs, hidden, choices, extras_of)
+
+    def _within_grammars(self, seqs: list[Sequence], hidden: torch.Tensor, choices: torch.Tensor,
+                         extras_of: Callable[[int], list[list[int]]]) -> torch.Tensor:
+        """choices [B, T] with each grammar row's refused argmaxes taken again, in place."""
+        rows = [i for i, s in enumerate(seqs) if s.greedy_in_grammar]
+        host = choices.tolist() if rows else []
+        for i in rows:
+            grammar, extras = seqs[i].grammar, extras_of(i)
+            refused = [j for j, extra in enumerate(extras) if not grammar.allows(extra, host[i][j])]
+            if refused:
+                at = to_device(refused, torch.long, self.device)
+                logits = self.target.compute_logits(hidden[i].index_select(0, at))
+                blocked = grammar.blocked([extras[j] for j in refused], self.device)
+                choices[i, at] = argmax_last(logits.masked_fill(blocked, -torch.inf))
+        return choices
 
     @staticmethod
     def _node_paths(tree, row: int) -> list[list[int]]:

@@ -95,15 +95,24 @@ class Sequence:
         """Whether this step changes the target's logits before its choice (layers/logits_processors.py): penalties,
         logit_bias, allowed_token_ids, min_p where it samples, a grammar, or min_tokens while the answer is short of it
         and has stop tokens to hold (after that, or with none, the row is as fast as any: a batch's greedy rows take the
-        head's int8 screen only where none of them shapes its logits)."""
+        head's int8 screen only where none of them shapes its logits otherwise than by a grammar)."""
+        return self.grammar is not None or self._shapes_otherwise
+
+    @property
+    def _shapes_otherwise(self) -> bool:
         p = self.params
         return (p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None or (p.min_p > 0 and not p.greedy)
-                or self.grammar is not None or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
+                or (len(self.output_ids) < p.min_tokens and bool(self.stop_ids)))
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy on the target's logits as they are: the argmax alone decides (the head's int8 screen serves it)."""
         return self.params.greedy and not self.shapes_logits
+
+    @property
+    def greedy_in_grammar(self) -> bool:
+        """Greedy with a grammar its only shaping: the target's argmax stands wherever the grammar allows it."""
+        return self.params.greedy and self.grammar is not None and not self._shapes_otherwise
 
     @property
     def num_tokens(self) -> int:

@@ -9,8 +9,9 @@ slots 1..3 predict the tokens at positions 11..13.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,11 @@ from dflash_trt.layers.sampler import known_flags, sample_from, sampling_probs, 
 from dflash_trt.models.dflash import DFlashDrafter
 from dflash_trt.spec.draft_tree import DraftTree, build_tree, max_nodes
 from dflash_trt.spec.draft_vocab import DraftHead
+
+
+class DraftGrammar(Protocol):
+    def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor:
+        """bool [V]: the tokens a request's grammar allows after its committed tokens and these drafts."""
 
 
 @dataclass
@@ -80,9 +86,12 @@ class DFlashProposer:
         sampling: DraftSampling | None = None,
         with_logprobs: bool = False,
         host: HostRows | None = None,  # the rows and anchor positions on the host (layers/attention.py)
+        grammars: dict[int, DraftGrammar] | None = None,  # rows that draft the argmax of what their grammar allows
     ) -> Proposal:
         logits = self._slot_logits(rows, features, context, anchors, anchor_positions, num_draft, host)
         draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
+        for i, grammar in (grammars or {}).items():
+            draft_tokens[i] = self._within(grammar, logits[i])
         logprobs = None
         if with_logprobs:  # before sampled rows replace their argmax: theirs are not argmax drafts
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_tokens[..., None])[..., 0]
@@ -122,6 +131,22 @@ class DFlashProposer:
         tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
         # a shallow block (the scheduler shortens K near a request's end) holds fewer paths
         return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)), branches)
+
+    def _within(self, grammar: DraftGrammar, logits: torch.Tensor) -> torch.Tensor:
+        """One row's chain [K] drafted slot by slot among the tokens its grammar allows after the drafts before
+        (a draft the grammar refuses would be rejected anyway); past a slot where it allows none of the drafter's
+        tokens, the plain argmax."""
+        chosen: list[int] = []
+        out = logits.argmax(dim=-1)
+        for j in range(logits.shape[0]):
+            allowed = grammar.allowed_after(chosen).to(logits.device)
+            if self.draft_vocab is not None:
+                allowed = allowed[self.draft_vocab]
+            if not bool(allowed.any()):
+                break
+            out[j] = logits[j].masked_fill(~allowed, -torch.inf).argmax()
+            chosen.append(int(out[j]) if self.draft_vocab is None else int(self.draft_vocab[out[j]]))
+        return out
 
     def _slot_logits(self, rows, features, context, anchors, anchor_positions, num_draft, host=None) -> torch.Tensor:
         """The drafter's step: [B, num_draft, V] logits of block slots 1..num_draft (over the draft vocabulary

@@ -108,6 +108,47 @@ def test_greedy_answers_under_a_regex_are_the_targets_masked_greedy(tiny_dirs, r
         assert all(o.tau > 1.5 for o in outs if len(o.token_ids) > 10)
 
 
+@pytest.mark.parametrize("tree", [{}, {4: 5}], ids=["chain", "tree"])
+def test_greedy_answers_under_a_regex_beside_a_sampled_row_are_the_targets_masked_greedy(tiny_dirs, regex_refs, tree):
+    """A sampled row takes the batch through the full head's masked logits (not the greedy rows' argmax, taken
+    again only where the grammar refuses it)."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=4, draft_tree=tree)
+    prompts = _prompts(engine.tokenizer)
+    truth = {i: p + r for i, (p, r) in enumerate(zip(prompts, regex_refs["qwen3"]))}
+    force_drafts(engine, truth | {3: [5, 6, 7] + [10] * NEW}, error_rate=0.1)
+    params = [SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(regex=p)) for p in PATTERNS]
+    outs = engine.generate(prompts + [[5, 6, 7]], params + [SamplingParams(max_new_tokens=NEW, temperature=1.0,
+                                                                            seed=3, ignore_eos=True)])
+    _check_answers(engine, outs[:3], regex_refs["qwen3"])
+
+
+def test_a_grammar_rows_chain_drafts_only_what_its_grammar_allows(tiny_dirs, regex_refs):
+    """The random drafter's chains would be refused at almost every slot; drafted among what the grammar allows after
+    the drafts before, each chain continues the answer within its pattern (the oracle's partial match), up to an eos
+    past which the grammar allows nothing."""
+    engine = _engine(tiny_dirs, "qwen3", 7, rows=3)
+    runner, tok, seen = engine.runner, engine.tokenizer, []
+    real_step, real_propose = runner.spec_step, runner.proposer.propose
+
+    def spec_step(seqs, k):
+        seen.append([(s.params.structured.regex, list(s.output_ids)) for s in seqs])
+        return real_step(seqs, k)
+
+    def propose(*args, **options):
+        out = real_propose(*args, **options)
+        seen[-1] = [(*row, drafts) for row, drafts in zip(seen[-1], out.draft_tokens.tolist())]
+        return out
+
+    runner.spec_step, runner.proposer.propose = spec_step, propose
+    outs = engine.generate(_prompts(tok), [SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(regex=p))
+                                           for p in PATTERNS])
+    _check_answers(engine, outs, regex_refs["qwen3"])
+    chains = [(pattern, done, d[: d.index(EOS)] if EOS in d else d) for step in seen for pattern, done, d in step]
+    assert len(chains) > 10 and sum(len(chain) for _, _, chain in chains) > 30
+    for pattern, done, chain in chains:
+        assert regex.fullmatch(pattern, tok.decode(done + chain), partial=True)
+
+
 def test_plain_decoding_under_a_regex_is_the_targets_masked_greedy(tiny_dirs, regex_refs):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
     outs = engine.generate(_prompts(engine.tokenizer), [
