@@ -233,11 +233,8 @@ class ModelRunner:
         sampling = self._draft_sampling(seqs)
         lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
         # the drafter's log-probabilities only where a lookup competes with its chain
-        # a grammar's rows draft among what it allows (their "match" or greedy drafts are the argmax: any choice
-        # among the drafter's tokens keeps the rule lossless)
-        grammars = {i: s.grammar for i, s in enumerate(seqs) if s.grammar is not None and not s.params.samples_drafts}
         proposal = self.proposer.propose(rows, features, context, anchors, anchor_pos, num_draft, sampling,
-                                         with_logprobs=bool(lookups), host=host, grammars=grammars)
+                                         with_logprobs=bool(lookups), host=host, grammars=self._draft_grammars(seqs))
         lookups = self._swap_in_lookups(proposal, lookups) if lookups else {}
         self._context_written(seqs)
         clock.drafted()
@@ -264,6 +261,12 @@ class ModelRunner:
             seqs[i].context_lookup().observe(drafted, min(drafted, len(emitted[i]) - 1))
         self._committed(seqs, [target_features[i, : len(e)] for i, e in enumerate(emitted)], *clock.split())
         return emitted
+
+    @staticmethod
+    def _draft_grammars(seqs: list[Sequence]) -> dict[int, object]:
+        """The rows whose grammar their drafts keep to: greedy and "match" ones, whose drafts are the drafter's top
+        tokens (any choice of drafts keeps those rules lossless; the "rejection" rule's are samples of its own q)."""
+        return {i: s.grammar for i, s in enumerate(seqs) if s.grammar is not None and not s.params.samples_drafts}
 
     def _chain_lookups(self, seqs: list[Sequence], num_draft: int) -> dict[int, list[tuple[int, float]]]:
         """A chain step's context lookups (spec/context_lookup.py): {row: its scored draft} for the greedy and
@@ -298,7 +301,7 @@ class ModelRunner:
         features, context = self._pending_batch(seqs, rows, anchor_pos, host)
         branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
         tree = self.proposer.propose_tree(rows, features, context, anchors, anchor_pos, depth, nodes, branches,
-                                          host=host)
+                                          host=host, grammars=self._draft_grammars(seqs))
         self._context_written(seqs)
         clock.drafted()
 

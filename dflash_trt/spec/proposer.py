@@ -89,9 +89,9 @@ class DFlashProposer:
         grammars: dict[int, DraftGrammar] | None = None,  # rows that draft the argmax of what their grammar allows
     ) -> Proposal:
         logits = self._slot_logits(rows, features, context, anchors, anchor_positions, num_draft, host)
-        draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
         for i, grammar in (grammars or {}).items():
-            draft_tokens[i] = self._within(grammar, logits[i])
+            logits[i] = self._within(grammar, logits[i])
+        draft_tokens = logits.argmax(dim=-1)  # indices into the draft vocabulary when there is one
         logprobs = None
         if with_logprobs:  # before sampled rows replace their argmax: theirs are not argmax drafts
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_tokens[..., None])[..., 0]
@@ -121,11 +121,14 @@ class DFlashProposer:
         branches: list[list[tuple[int, float]]] | None = None,
         width: int = 4,
         host: HostRows | None = None,
+        grammars: dict[int, DraftGrammar] | None = None,
     ) -> DraftTree:
         """One drafter forward over [anchor, MASK x depth] as in propose(); then per row the `nodes` likeliest of
         the paths through each slot's `width` most likely tokens and of the prefixes of the row's branch, where
-        given (spec/draft_tree.py build_tree)."""
+        given (spec/draft_tree.py build_tree); a grammar row's slots as propose() masks them."""
         logits = self._slot_logits(rows, features, context, anchors, anchor_positions, depth, host)
+        for i, grammar in (grammars or {}).items():
+            logits[i] = self._within(grammar, logits[i])
         width = min(width, nodes, logits.shape[-1])
         top = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)
         tokens = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
@@ -133,19 +136,21 @@ class DFlashProposer:
         return build_tree(anchors, tokens, top.values, min(nodes, max_nodes(depth, width)), branches)
 
     def _within(self, grammar: DraftGrammar, logits: torch.Tensor) -> torch.Tensor:
-        """One row's chain [K] drafted slot by slot among the tokens its grammar allows after the drafts before
-        (a draft the grammar refuses would be rejected anyway); past a slot where it allows none of the drafter's
-        tokens, the plain argmax."""
+        """One row's slot logits [K, V] with each slot's tokens the grammar refuses after the chain of the slots'
+        argmaxes before it masked out, so its chain drafts only what the grammar allows (a refused draft would be
+        rejected anyway), and a tree's first slot and its chain of top tokens too; past a slot where the grammar allows
+        none of the drafter's tokens, the logits as they are."""
         chosen: list[int] = []
-        out = logits.argmax(dim=-1)
+        out = logits.clone()
         for j in range(logits.shape[0]):
             allowed = grammar.allowed_after(chosen).to(logits.device)
             if self.draft_vocab is not None:
                 allowed = allowed[self.draft_vocab]
             if not bool(allowed.any()):
                 break
-            out[j] = logits[j].masked_fill(~allowed, -torch.inf).argmax()
-            chosen.append(int(out[j]) if self.draft_vocab is None else int(self.draft_vocab[out[j]]))
+            out[j] = logits[j].masked_fill(~allowed, -torch.inf)
+            top = int(out[j].argmax())
+            chosen.append(top if self.draft_vocab is None else int(self.draft_vocab[top]))
         return out
 
     def _slot_logits(self, rows, features, context, anchors, anchor_positions, num_draft, host=None) -> torch.Tensor:

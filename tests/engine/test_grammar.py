@@ -149,6 +149,34 @@ def test_a_grammar_rows_chain_drafts_only_what_its_grammar_allows(tiny_dirs, reg
         assert regex.fullmatch(pattern, tok.decode(done + chain), partial=True)
 
 
+def test_a_grammar_rows_tree_drafts_its_first_slot_within_its_grammar(tiny_dirs, regex_refs):
+    """A tree's first slot holds the likeliest tokens the grammar allows next (its deeper slots are masked along the
+    chain of top tokens): every depth-1 node continues the answer within its pattern."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=3, draft_tree={3: 3})
+    runner, tok, seen = engine.runner, engine.tokenizer, []
+    real_step, real_propose = runner.tree_step, runner.proposer.propose_tree
+
+    def tree_step(seqs, depth, nodes):
+        seen.append([(s.params.structured.regex, list(s.output_ids)) for s in seqs])
+        return real_step(seqs, depth, nodes)
+
+    def propose_tree(*args, **options):
+        tree = real_propose(*args, **options)
+        seen[-1] = [(*row, [t for t, d in zip(tokens, depths) if d == 1])
+                    for row, tokens, depths in zip(seen[-1], tree.node_tokens, tree.depths.tolist())]
+        return tree
+
+    runner.tree_step, runner.proposer.propose_tree = tree_step, propose_tree
+    outs = engine.generate(_prompts(tok), [SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(regex=p))
+                                           for p in PATTERNS])
+    _check_answers(engine, outs, regex_refs["qwen3"])
+    firsts = [(pattern, done, t) for step in seen for pattern, done, slot in step for t in slot]
+    assert len(firsts) > 20
+    for pattern, done, t in firsts:
+        assert regex.fullmatch(pattern, tok.decode(done + [t]), partial=True) or (t == EOS and regex.fullmatch(
+            pattern, tok.decode(done)))
+
+
 def test_plain_decoding_under_a_regex_is_the_targets_masked_greedy(tiny_dirs, regex_refs):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=3, speculative=False)
     outs = engine.generate(_prompts(engine.tokenizer), [
