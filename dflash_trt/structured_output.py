@@ -15,18 +15,22 @@ Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 class StructuredOutput:
     """Exactly one of: json (a JSON schema, as a dict or its text), json_object (any JSON object), regex (the whole
     answer matches it; Rust's regex syntax, as vLLM's llguidance backend takes it), choice (the answer is one of these
-    strings) or grammar (a Lark grammar, with its start rule, or GBNF)."""
+    strings) or grammar (a Lark grammar, with its start rule, or GBNF). any_whitespace: JSON may put whitespace between
+    its tokens (llguidance's default, vLLM's too); False: none (vLLM's disable_any_whitespace), which keeps a small
+    model from writing whitespace for ever."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        if not isinstance(self.json_object, bool):
-            raise ValueError(f"json_object must be True or False, got {self.json_object!r:.80}")
+        for name in ("json_object", "any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r:.80}")
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json, json_object, regex, choice and grammar, "

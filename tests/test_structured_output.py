@@ -23,6 +23,7 @@ def test_each_way_is_told_by_its_kind(fields, kind):
     (dict(grammar=b"x"), "grammar must be a non-empty string"), (dict(choice=[]), "choice must be a non-empty list"),
     (dict(choice="ab"), "choice must be a non-empty list"), (dict(choice=["a", ""]), "non-empty strings"),
     (dict(json_object="yes"), "json_object must be True or False"),
+    (dict(regex="a", any_whitespace=None), "any_whitespace must be True or False"),
 ])
 def test_malformed_ways_are_refused_naming_the_field(fields, says):
     with pytest.raises(ValueError, match=says):

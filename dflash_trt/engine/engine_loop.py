@@ -185,7 +185,7 @@ class EngineLoop:
             self._hook(self.on_step, result)
             for seq in result.updated:
                 if seq.is_finished:
-                    self._answer(seq)
+                    self._answer(seq, seq.error)
                 else:
                     self._deliver(RequestUpdate(seq.request_id, tuple(seq.output_ids), False,
                                                 logprobs=tuple(seq.output_logprobs)))

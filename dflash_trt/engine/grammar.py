@@ -31,11 +31,12 @@ class GrammarError(ValueError):
 
 def _source(spec: StructuredOutput) -> tuple[str, str]:
     """-> (which of llguidance's builders takes it, its text)."""
+    json_kind = "json" if spec.any_whitespace else "compact json"
     if spec.json_object:
-        return "json", '{"type": "object"}'
+        return json_kind, '{"type": "object"}'
     if spec.json is not None:
         # (its keys in their order: a schema's properties come in the order it lists them)
-        return "json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        return json_kind, spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
     if spec.regex is not None:
         return "regex", spec.regex
     if spec.choice is not None:
@@ -73,7 +74,8 @@ class GrammarCompiler:
         import llguidance
 
         m = llguidance.LLMatcher
-        build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark}[how]
+        build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark,
+                 "compact json": lambda s: m.grammar_from_json_schema(s, overrides={"whitespace_flexible": False})}[how]
         try:
             grammar = build(text)
         except ValueError as e:
@@ -83,7 +85,11 @@ class GrammarCompiler:
                 self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the {kind} does not compile: {matcher.get_error()}")
+            raise GrammarError(f"the {kind} does not compile: {matcher.get_error().strip().splitlines()[0][:300]}")
+        matcher.compute_bitmask()  # some grammars (a schema that is only a reference to itself) fail at their first
+        if matcher.is_error():
+            raise GrammarError(f"the {kind} allows no answer: llguidance fails at its first token "
+                               f"({matcher.get_error().strip().splitlines()[0][:300]})")
         return matcher
 
 
@@ -114,22 +120,31 @@ class _DecodedTokens:
 
 
 class Grammar:
-    """One request's matcher: the tokens it allows next, and the committed tokens it has consumed."""
+    """One request's matcher: the tokens it allows next, and the committed tokens it has consumed. A matcher that fails
+    mid-answer (a limit of llguidance's parser, a grammar it takes but cannot run) allows only eos from then on and
+    says why in `failure`: the request ends there, alone, where raising would fail every request in its step."""
 
     def __init__(self, matcher, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
-        self._eos = list(eos_token_ids)
+        self._eos = [t for t in eos_token_ids if t < vocab_size]
+        self.failure: str | None = None
+        self.ended = False  # it has taken the model's eos, its end
+
+    @property
+    def failed(self) -> bool:
+        if self.failure is None and self._matcher.is_error():
+            lines = self._matcher.get_error().strip().splitlines() or ["unknown error"]
+            self.failure = lines[0][:300]  # (its next lines dump the parser's state and the whole grammar)
+        return self.failure is not None
 
     def blocked(self, extras: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
         """bool [n, V]: the tokens the grammar refuses at each position j, extras[j] the drafts before it (all False
         at a position no accepted path reaches)."""
         m = self._matcher
-        if m.is_error():  # its masks would block every token
-            raise RuntimeError(f"the request's grammar matcher failed: {m.get_error()}")
         allowed = np.ones((len(extras), self._vocab), dtype=bool)
         for j, extra in enumerate(extras):
-            consumed = m.try_consume_tokens(list(extra)) if extra else 0
+            consumed = 0 if self.failed else m.try_consume_tokens(list(extra)) if extra else 0
             if consumed == len(extra):
                 allowed[j] = self._allowed()
             if consumed:
@@ -143,6 +158,8 @@ class Grammar:
     def allows(self, extra: Sequence[int], token: int) -> bool:
         """Whether the grammar takes token after the drafts `extra` (True where it refuses those drafts: no accepted
         path reaches that position)."""
+        if self.failed:
+            return token in self._eos
         m = self._matcher
         consumed = m.try_consume_tokens([*extra, token])
         if consumed:
@@ -151,16 +168,21 @@ class Grammar:
 
     def _allowed(self) -> np.ndarray:
         m = self._matcher
-        allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[: self._vocab]
-        allowed = allowed.astype(bool)
-        if allowed[0] and allowed.sum() == 1 and not m.validate_tokens([0]):
+        if not self.failed:
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            allowed = bits[: self._vocab].astype(bool)
             # llguidance's mask where no token continues the grammar (one that needs a character the vocabulary
-            # cannot write): the answer ends there, at the model's eos, rather than with a token the grammar refuses
-            allowed[0] = False
-            allowed[[t for t in self._eos if t < self._vocab]] = True
+            # cannot write) holds token 0 alone: the answer ends there, at the model's eos, rather than with a token
+            # the grammar refuses
+            dead_end = allowed[0] and allowed.sum() == 1 and not m.validate_tokens([0])
+            if not dead_end and not self.failed:  # (computing the mask may fail the matcher too)
+                return allowed
+        allowed = np.zeros(self._vocab, dtype=bool)
+        allowed[self._eos] = True
         return allowed
 
     def commit(self, token: int) -> None:
         """An emitted token: every one the masks let through consumes (a stop token the grammar does not hold, which
         leaves the matcher failed, ends the answer anyway)."""
         self._matcher.consume_token(token)
+        self.ended = token in self._eos

@@ -153,6 +153,7 @@ class RequestOutput:
     latency: float | None = None  # seconds from arrival to the last token; None: it did not finish with one
     logprobs: list[TokenLogprob] | None = None  # one per generated id, where the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt id after the first, where asked for
+    error: str | None = None  # why it ended, where finish_reason is "error"
 
     @property
     def num_tokens(self) -> int:
@@ -685,6 +686,7 @@ class LLMEngine:
             latency=s.stats.latency,
             logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
             prompt_logprobs=list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None,
+            error=s.error,
         )
 
 

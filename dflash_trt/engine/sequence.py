@@ -53,6 +53,7 @@ class Sequence:
         # the runner's last step's logprobs for the tokens it emitted, which append commits as far as it commits them
         self.new_logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended, where finish_reason is "error" (a step's failure, or its own)
         self.slot: int = -1
         self.num_prefilled = 0  # prompt tokens whose K/V the target holds (chunked prefill advances it)
         self.num_reused = 0  # of those, the ones its row held from an earlier request (the scheduler's reuse)
@@ -141,6 +142,11 @@ class Sequence:
             if self.grammar is not None:
                 self.grammar.commit(int(t))
             if int(t) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.grammar is not None and self.grammar.failed:
+                self.finish_reason = "error"
+                self.error = f"the request's grammar failed while decoding: {self.grammar.failure}"
+            elif self.grammar is not None and self.grammar.ended:  # its eos, where that is no stop token
                 self.finish_reason = "stop"
             elif (self.stop_check is not None and len(self.output_ids) > self.params.min_tokens
                   and self.stop_check(self.output_ids)):

@@ -226,10 +226,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             req = await _parse(request, p.ChatCompletionRequest, chat_body)
         except ValueError as e:  # what the Responses API has and this server does not do
             raise APIError(400, str(e)) from e
+        except APIError as e:
+            raise _as_responses(e) from e
         _check_model(req.model)
         _check_tools(req)
         ids = await _encode_chat(req)
-        submitted = _submit(req, [ids], req.max_new_tokens, "max_output_tokens", prompt_param="input")
+        try:
+            submitted = _submit(req, [ids], req.max_new_tokens, "max_output_tokens", prompt_param="input")
+        except APIError as e:
+            raise _as_responses(e) from e
         response = ResponseObject(model_name, json.loads(request.state.body), req)
         if req.stream:
             return _sse(_stream_response(req, submitted, response), named=True)
@@ -237,6 +242,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         events = ResponseEvents(response)  # the stream's last event holds the response: the same items, unstreamed
         events.feed(_splitter(req).parts(o.text, final=True))
         return JSONResponse(events.finish(o.finish_reason, _response_usage(o, submitted))[-1]["response"])
+
+    def _as_responses(e: APIError) -> APIError:
+        """An error of the chat request a Responses body became, naming the Responses field (text.format for chat's
+        response_format)."""
+        if e.param == "response_format":
+            e.param, e.message = "text.format", "text.format" + e.message.removeprefix("response_format")
+        return e
 
     def _response_usage(o: RequestOutput, s: _Submitted) -> dict:
         return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens)

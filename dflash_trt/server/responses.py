@@ -92,6 +92,9 @@ def _response_format(form: Any) -> dict[str, Any]:
         raise ValueError(f"text.format: type must be 'text', 'json_object' or 'json_schema', got {kind or form!r:.80}")
     if kind != "json_schema":
         return {"type": kind}
+    if "schema" not in form:
+        raise ValueError("text.format: a json_schema format holds its schema: {\"type\": \"json_schema\", \"name\": "
+                         "..., \"schema\": {...}}")
     return {"type": kind, "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
 
 

@@ -11,6 +11,8 @@ from dflash_trt.structured_output import StructuredOutput
 # vLLM's structured_outputs keys this server reads, by StructuredOutput's field names
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
                     "json_object": "json_object"}
+# and its options: whitespace in JSON; a fallback to another grammar engine (there is one here)
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_fallback")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -33,10 +35,16 @@ def from_structured_outputs(v: Any) -> StructuredOutput:
     """vLLM's structured_outputs object ({"json": schema}, {"regex": ...}, ...)."""
     if not isinstance(v, dict):
         raise ValueError(f"structured_outputs must be an object, got {type(v).__name__}")
-    unknown = sorted(set(v) - set(_STRUCTURED_KEYS))
+    unknown = sorted(set(v) - set(_STRUCTURED_KEYS) - set(_STRUCTURED_OPTIONS))
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not supported (this server reads {', '.join(_STRUCTURED_KEYS)})")
-    return StructuredOutput(**{_STRUCTURED_KEYS[k]: x for k, x in v.items() if x is not None and x is not False})
+        raise ValueError(f"{', '.join(unknown)}: not supported (this server reads "
+                         f"{', '.join([*_STRUCTURED_KEYS, *_STRUCTURED_OPTIONS])})")
+    for option in _STRUCTURED_OPTIONS:
+        if not isinstance(v.get(option, False), bool):
+            raise ValueError(f"{option} must be true or false, got {v[option]!r:.80}")
+    return StructuredOutput(**{_STRUCTURED_KEYS[k]: x for k, x in v.items()
+                               if k in _STRUCTURED_KEYS and x is not None and x is not False},
+                            any_whitespace=not v.get("disable_any_whitespace", False))
 
 
 def from_guided(field: str, v: Any) -> StructuredOutput:
@@ -49,8 +57,9 @@ def forced_call_schema(tools: list[dict[str, Any]], function: str | None, max_ca
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if function is not None:
         return params[function]
+    # (vLLM's, closed: its keys are the server's own, and a small model's extra ones ran on past max_tokens)
     call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-             "required": ["name", "parameters"]} for name, schema in params.items()]
+             "required": ["name", "parameters"], "additionalProperties": False} for name, schema in params.items()]
     out: dict[str, Any] = {"type": "array", "minItems": 1, "items": call[0] if len(call) == 1 else {"anyOf": call}}
     if max_calls is not None:
         out["maxItems"] = max_calls

@@ -263,6 +263,31 @@ def test_an_answer_the_grammar_needs_a_character_the_vocabulary_lacks_for_ends_a
     assert out.text == "ab" and out.token_ids[-1] == EOS and out.finish_reason == "stop"
 
 
+def test_a_grammar_that_fails_while_decoding_ends_its_request_alone_with_the_reason(tiny_dirs):
+    """llguidance takes this grammar, then hits its parser's limit a few tokens in: that request ends in an error that
+    says so, and the request beside it answers as it would alone (a raise in the step failed both)."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=2)
+    alone = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    failing = SamplingParams(max_new_tokens=NEW, structured=StructuredOutput(grammar='start: "a"+ start'))
+    outs = engine.generate([[8, 9], [5, 6, 7]], [failing, SamplingParams(max_new_tokens=NEW, ignore_eos=True)])
+    assert outs[0].finish_reason == "error" and "Too many items" in outs[0].error
+    assert set(outs[0].text) == {"a"} and "\n" not in outs[0].error  # its first line, not llguidance's state dump
+    assert outs[1].token_ids == alone.token_ids and outs[1].error is None
+
+
+def test_an_answer_ends_where_its_grammar_does_even_where_eos_is_no_stop_token(tiny_dirs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=NEW, stop_token_ids=[40],
+                                                         structured=StructuredOutput(choice=["ab", "ba"])))
+    assert out.text in ("ab", "ba") and out.token_ids[-1] == EOS and out.finish_reason == "stop"
+
+
+def test_a_schema_that_fails_at_its_first_token_is_refused_before_queueing(tiny_dirs):
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    with pytest.raises(GrammarError, match="the json allows no answer"):
+        engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(json={"$ref": "#"})))
+
+
 def test_gbnf_is_read_as_lark(tiny_dirs):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
     gbnf = 'root ::= "x" digit digit\ndigit ::= [0-9]'

@@ -77,7 +77,7 @@ def test_an_answer_cut_by_max_output_tokens_is_incomplete(server):
     ({"previous_response_id": "resp_1"}, "stores no responses"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format: type must be 'text', 'json_object' or 'json_schema'"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "json_schema must be an object holding the schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format: a json_schema format holds its schema"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0: items of type 'image_generation_call'"),
     ({"tools": [{"type": "function", "name": "f"}]}, "--tool-call-parser"),  # no parser on this server
     ({"temperature": 3}, "temperature"),

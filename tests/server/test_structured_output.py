@@ -91,8 +91,11 @@ def test_a_json_schema_answer_parses_into_the_sdks_model_and_is_the_plain_target
      lambda t: regex.fullmatch("x[0-9]{2}", t)),
     ({"structured_outputs": {"regex": "(yes|no)!"}}, StructuredOutput(regex="(yes|no)!"),
      lambda t: t in ("yes!", "no!")),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True, "disable_fallback": True}},
+     StructuredOutput(json=SCHEMA, any_whitespace=False),
+     lambda t: " " not in t and set(json.loads(t)) == {"tag", "n"}),
 ], ids=["json_schema", "json_object", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "structured_outputs"])
+        "structured_outputs", "no whitespace"])
 def test_each_way_of_asking_gives_the_plain_targets_answer_under_that_grammar(served, plain, body, spec, check):
     want = _expected(plain, spec)
     choice = _chat(served, **body).json()["choices"][0]
@@ -211,6 +214,21 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(served, body,
 def test_malformed_or_clashing_requests_are_400s(served, body, says):
     r = _chat(served, **body)
     assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_a_grammar_that_fails_while_decoding_is_that_requests_500_and_the_server_serves_on(served):
+    r = _chat(served, guided_grammar='start: "a"+ start', max_tokens=40)
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith(
+        "the request's grammar failed while decoding: parser error: Too many items")
+    assert served.wait_idle() and _chat(served, max_tokens=4).status_code == 200
+
+
+def test_responses_errors_name_text_format(served):
+    r = httpx.post(served.base_url + "/responses", timeout=60, json={
+        "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+    assert r.json()["error"]["message"].startswith("text.format: the json does not compile")
 
 
 def test_a_server_with_a_reasoning_parser_refuses_structured_chat(caller):
