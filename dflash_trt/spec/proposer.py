@@ -27,6 +27,9 @@ class DraftGrammar(Protocol):
     def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor:
         """bool [V]: the tokens a request's grammar allows after its committed tokens and these drafts."""
 
+    def allows(self, drafts: Sequence[int], token: int) -> bool:
+        """Whether it takes token after these drafts."""
+
 
 @dataclass
 class DraftSampling:
@@ -139,10 +142,16 @@ class DFlashProposer:
         """One row's slot logits [K, V] with each slot's tokens the grammar refuses after the chain of the slots'
         argmaxes before it masked out, so its chain drafts only what the grammar allows (a refused draft would be
         rejected anyway), and a tree's first slot and its chain of top tokens too; past a slot where the grammar allows
-        none of the drafter's tokens, the logits as they are."""
+        none of the drafter's tokens, the logits as they are. Past the first slot (whose alternatives a tree drafts), a
+        slot whose argmax the grammar takes keeps its logits: a whole mask costs ~0.1 ms, a check a few us."""
         chosen: list[int] = []
         out = logits.clone()
-        for j in range(logits.shape[0]):
+        top_ids = logits.argmax(dim=-1).tolist()
+        for j, top in enumerate(top_ids):
+            token = top if self.draft_vocab is None else int(self.draft_vocab[top])
+            if j and grammar.allows(chosen, token):
+                chosen.append(token)
+                continue
             allowed = grammar.allowed_after(chosen).to(logits.device)
             if self.draft_vocab is not None:
                 allowed = allowed[self.draft_vocab]
