@@ -29,6 +29,12 @@ class GrammarError(ValueError):
     """A grammar llguidance cannot compile (a JSON schema it does not take, a malformed regex or Lark grammar)."""
 
 
+def _reason(matcher) -> str:
+    """A failed matcher's error, its first line (the next ones dump the parser's state and the whole grammar)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0][:300] if lines else "unknown error"
+
+
 def _source(spec: StructuredOutput) -> tuple[str, str]:
     """-> (which of llguidance's builders takes it, its text)."""
     json_kind = "json" if spec.any_whitespace else "compact json"
@@ -85,11 +91,10 @@ class GrammarCompiler:
                 self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the {kind} does not compile: {matcher.get_error().strip().splitlines()[0][:300]}")
+            raise GrammarError(f"the {kind} does not compile: {_reason(matcher)}")
         matcher.compute_bitmask()  # some grammars (a schema that is only a reference to itself) fail at their first
         if matcher.is_error():
-            raise GrammarError(f"the {kind} allows no answer: llguidance fails at its first token "
-                               f"({matcher.get_error().strip().splitlines()[0][:300]})")
+            raise GrammarError(f"the {kind} allows no answer: llguidance fails at its first token ({_reason(matcher)})")
         return matcher
 
 
@@ -134,8 +139,7 @@ class Grammar:
     @property
     def failed(self) -> bool:
         if self.failure is None and self._matcher.is_error():
-            lines = self._matcher.get_error().strip().splitlines() or ["unknown error"]
-            self.failure = lines[0][:300]  # (its next lines dump the parser's state and the whole grammar)
+            self.failure = _reason(self._matcher)
         return self.failure is not None
 
     def blocked(self, extras: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

@@ -27,8 +27,7 @@ from dflash_trt.engine.grammar import GrammarError
 from dflash_trt.engine.llm_engine import RequestOutput
 from dflash_trt.engine.prompt_encoder import PromptTooLong, chat_chars
 from dflash_trt.engine.scheduler import QueueFullError
-from dflash_trt.sampling_params import SamplingParams, ParamError, choice_seed
-from dflash_trt.structured_output import StructuredOutput
+from dflash_trt.sampling_params import ParamError, SamplingParams, choice_seed
 from dflash_trt.server import protocol as p
 from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
@@ -40,6 +39,7 @@ from dflash_trt.server.reasoning import ReasoningParser
 from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body
 from dflash_trt.server.responses import usage as response_usage
 from dflash_trt.server.tool_calls import ForcedCallSplitter, ToolCallParser, ToolCallSplitter
+from dflash_trt.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

@@ -567,7 +567,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.forced_function is not None and self.forced_function not in names:
             return f"tool_choice names {self.forced_function!r:.80}, which is none of the tools ({names})"
         if self.call_limit == 0:
-            return 'tool_choice "required" makes a call, and max_tool_calls 0 allows none'
+            return f"tool_choice {self.tool_choice!r:.80} makes a call, and max_tool_calls 0 allows none"
         return None
 
     def structures(self) -> list[tuple[str, StructuredOutput]]:
