@@ -1,5 +1,6 @@
 """Structured output at one stream: plain decoding under a grammar against DFlash under the same grammar, side by side
-in one run (decode tokens/s: each answer's tokens after its first over its decode time), on the CPU default engine (SmolLM2-135M-Instruct, bf16, the shipped drafter, its default tree and lookups).
+in one run (decode tokens/s: each answer's tokens after its first over its decode time), on the CPU default engine
+(SmolLM2-135M-Instruct, bf16, the shipped drafter, its default tree and lookups).
 Tasks are chat prompts asking for what the grammar holds them to (JSON by a schema, a date by a regex, one of some
 labels); each answer is checked identical to the plain one, and the grammar's own time (its masks, engine/grammar.py)
 is counted. The same prompts unconstrained give the drafter's tau without a grammar, for comparison.
@@ -37,7 +38,8 @@ TASKS = [
     ("json", "Return JSON describing a shopping order: one laptop and two mice, and its total.", ORDER),
     ("regex", "When did the Berlin Wall fall? Answer with the date as YYYY-MM-DD.", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
     ("regex", "What is the date of the first Moon landing? Answer as YYYY-MM-DD.", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
-    ("choice", "Is this review positive or negative? 'The food was cold and the staff rude.'", ["positive", "negative"]),
+    ("choice", "Is this review positive or negative? 'The food was cold and the staff rude.'",
+     ["positive", "negative"]),
     ("choice", "Classify the topic of: 'The central bank raised interest rates again.'",
      ["sports", "finance", "science", "politics"]),
 ]

@@ -1,8 +1,8 @@
 """What a request does to the target's logits before its choice, position by position: logit_bias adds to some
 tokens, the repetition, frequency and presence penalties apply (vLLM's semantics), allowed_token_ids keep only those
-tokens, min_tokens masks the stop tokens until the answer holds that many, structured output masks the tokens its grammar
-refuses (engine/grammar.py), and min_p drops a sampled row's tokens
-less likely than that share of its likeliest. vLLM masks before it penalizes; a
+tokens, min_tokens masks the stop tokens until the answer holds that many, structured output masks the tokens its
+grammar refuses (engine/grammar.py), and min_p drops a sampled row's tokens less likely than that share of its
+likeliest. vLLM masks before it penalizes; a
 masked logit is -inf either way, and masking last keeps it so (the repetition penalty's clamp would make it finite).
 
 repetition_penalty divides a positive logit (multiplies a negative one) of every token the prompt or the output
