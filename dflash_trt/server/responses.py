@@ -85,17 +85,14 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _response_format(form: Any) -> dict[str, Any]:
-    """text.format as chat's response_format (whose checks then apply): json_schema's fields sit in the format
-    itself."""
-    kind = form.get("type") if isinstance(form, dict) else None
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(f"text.format: type must be 'text', 'json_object' or 'json_schema', got {kind or form!r:.80}")
-    if kind != "json_schema":
-        return {"type": kind}
-    if "schema" not in form:
+    """text.format as chat's response_format, whose checks then apply (their errors named text.format by the app):
+    json_schema's fields sit in the format itself."""
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        return form
+    if "schema" not in form:  # (said here: chat's message would describe chat's nesting)
         raise ValueError("text.format: a json_schema format holds its schema: {\"type\": \"json_schema\", \"name\": "
                          "..., \"schema\": {...}}")
-    return {"type": kind, "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
+    return {"type": "json_schema", "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
 
 
 def _chat_tool_choice(choice: Any) -> Any:

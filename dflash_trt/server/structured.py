@@ -8,9 +8,8 @@ from typing import Any
 
 from dflash_trt.structured_output import StructuredOutput
 
-# vLLM's structured_outputs keys this server reads, by StructuredOutput's field names
-_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                    "json_object": "json_object"}
+# vLLM's structured_outputs keys this server reads: StructuredOutput's field names
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # and its options: whitespace in JSON; a fallback to another grammar engine (there is one here)
 _STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_fallback")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -42,7 +41,7 @@ def from_structured_outputs(v: Any) -> StructuredOutput:
     for option in _STRUCTURED_OPTIONS:
         if not isinstance(v.get(option, False), bool):
             raise ValueError(f"{option} must be true or false, got {v[option]!r:.80}")
-    return StructuredOutput(**{_STRUCTURED_KEYS[k]: x for k, x in v.items()
+    return StructuredOutput(**{k: x for k, x in v.items()
                                if k in _STRUCTURED_KEYS and x is not None and x is not False},
                             any_whitespace=not v.get("disable_any_whitespace", False))
 
