@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+# the formats a thinking model reasons in before its answer, by vLLM's reasoning parsers' names (server/reasoning.py)
+REASONING_FORMATS = ("deepseek_r1", "qwen3", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,12 @@ class StructuredOutput:
     answer matches it; Rust's regex syntax, as vLLM's llguidance backend takes it), choice (the answer is one of these
     strings) or grammar (a Lark grammar, with its start rule, or GBNF). any_whitespace: JSON may put whitespace between
     its tokens (llguidance's default, vLLM's too); False: none (vLLM's disable_any_whitespace), which keeps a small
-    model from writing whitespace for ever."""
+    model from writing whitespace for ever.
+
+    reasoning: the answer first reasons, freely, in that format of REASONING_FORMATS, and the structure holds what
+    follows (as vLLM applies it once a reasoning parser's reasoning ends): deepseek_r1, reasoning up to `</think>`
+    (the prompt opened it); qwen3, an optional `<think>...</think>` block; gpt_oss, harmony's analysis messages
+    before its final one. The answer cannot end inside its reasoning."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -25,12 +32,16 @@ class StructuredOutput:
     choice: list[str] | None = None
     grammar: str | None = None
     any_whitespace: bool = True
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         for name in ("json_object", "any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r:.80}")
+        if self.reasoning is not None and self.reasoning not in REASONING_FORMATS:
+            raise ValueError(f"reasoning must be one of {', '.join(REASONING_FORMATS)} or None, "
+                             f"got {self.reasoning!r:.80}")
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json, json_object, regex, choice and grammar, "

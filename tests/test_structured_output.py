@@ -24,6 +24,7 @@ def test_each_way_is_told_by_its_kind(fields, kind):
     (dict(choice="ab"), "choice must be a non-empty list"), (dict(choice=["a", ""]), "non-empty strings"),
     (dict(json_object="yes"), "json_object must be True or False"),
     (dict(regex="a", any_whitespace=None), "any_whitespace must be True or False"),
+    (dict(regex="a", reasoning="granite"), "reasoning must be one of deepseek_r1, qwen3, gpt_oss or None"),
 ])
 def test_malformed_ways_are_refused_naming_the_field(fields, says):
     with pytest.raises(ValueError, match=says):

@@ -74,14 +74,16 @@ class GrammarCompiler:
         if self._tokenizer is None:
             raise GrammarError("structured output needs the engine's tokenizer")
         how, text = _source(spec)
-        return Grammar(self._compiled(how, text, spec.kind).deep_copy(), self.vocab_size, self._eos)
+        return Grammar(self._compiled(how, text, spec.kind, spec.reasoning).deep_copy(), self.vocab_size, self._eos)
 
-    def _compile(self, how: str, text: str, kind: str):
+    def _compile(self, how: str, text: str, kind: str, reasoning: str | None):
         import llguidance
 
         m = llguidance.LLMatcher
         build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark,
                  "compact json": lambda s: m.grammar_from_json_schema(s, overrides={"whitespace_flexible": False})}[how]
+        if reasoning is not None:
+            self._compiled(how, text, kind, None)  # the structure alone: its own errors, and whether it has answers
         try:
             grammar = build(text)
         except ValueError as e:
@@ -89,6 +91,8 @@ class GrammarCompiler:
         with self._lock:
             if self._table is None:
                 self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+        if reasoning is not None:
+            grammar = _reasoning_first(reasoning, grammar, self._special_token)
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {kind} does not compile: {_reason(matcher)}")
@@ -96,6 +100,49 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"the {kind} allows no answer: llguidance fails at its first token ({_reason(matcher)})")
         return matcher
+
+    def _special_token(self, tag: str) -> str | None:
+        """The grammar's reference to tag where the tokenizer writes it as one special token, else None."""
+        ids = self._tokenizer.encode(tag, add_special_tokens=False)
+        return f"<[{ids[0]}]>" if len(ids) == 1 and self._table.is_special_token(ids[0]) else None
+
+
+_HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+
+
+def _reasoning_first(fmt: str, answer: str, special_token) -> str:
+    """The grammar of an answer that reasons first, freely, in fmt's format (StructuredOutput.reasoning), then gives
+    the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None (its
+    text; a special token's bytes are no text, so a text pattern never matches it)."""
+    if fmt == "gpt_oss":
+        refs = [special_token(t) for t in _HARMONY_TOKENS]
+        if None in refs:
+            missing = [t for t, r in zip(_HARMONY_TOKENS, refs) if r is None]
+            raise GrammarError(f"gpt_oss reasoning needs harmony's special tokens; the tokenizer lacks {missing}")
+        channel, message, end, start = refs
+        top = (f'start: analysis* {channel} "final" {message} @answer\n'
+               f'analysis: {channel} "analysis" {message} REASONING {end} {start} "assistant"\n'
+               "REASONING: /(?s:.*)/\n")
+    else:
+        opened, closed = special_token("<think>"), special_token("</think>")
+        # reasoning up to its close: any text, then the close token; written as text, the first "</think>"
+        thought = (f"thought: REASONING {closed}\nREASONING: /(?s:.*)/\n" if closed
+                   else "thought[lazy]: /(?s:.*<\\/think>)/\n")
+        if fmt == "qwen3":  # a block that opens the answer, or none
+            top = f"start: ({opened or json.dumps('<think>')} thought)? @answer\n" + thought
+        else:  # deepseek_r1: reasoning from the start (the prompt opened it; an opening the model writes is dropped,
+            # and as text the lazy pattern takes it)
+            top = f"start: {opened + '? ' if opened else ''}thought @answer\n" + thought
+    return json.dumps({"grammars": [{"lark_grammar": top}, {**_only_grammar(answer), "name": "answer"}]})
+
+
+def _only_grammar(built: str) -> dict:
+    """llguidance's one grammar of a builder's output: a top-level grammar's JSON, or Lark's text as it is."""
+    if not built.lstrip().startswith("{"):
+        return {"lark_grammar": built}
+    grammars = json.loads(built)["grammars"]
+    assert len(grammars) == 1, grammars
+    return {k: v for k, v in grammars[0].items() if v is not None and k != "name"}
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos: list[int]):
@@ -117,7 +164,9 @@ class _DecodedTokens:
         self._tokenizer = tokenizer
         self.eos_token_id = eos[0] if eos else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = list(tokenizer.all_special_ids)
+        # (tokens added as special, as harmony's are, count too: all_special_ids leaves them out)
+        self.special_token_ids = sorted({*tokenizer.all_special_ids,
+                                         *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)})
         self.tokens = [tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
 
     def __call__(self, text: str) -> list[int]:

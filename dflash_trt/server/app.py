@@ -285,7 +285,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
         """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
         if req.forces_calls:
-            return ChatAnswerSplitter(None, ForcedCallSplitter(req.forced_function))
+            return ChatAnswerSplitter(reasoning, ForcedCallSplitter(req.forced_function))
         calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
         return ChatAnswerSplitter(reasoning, calls)
 
@@ -481,10 +481,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if len(ways) > 1:
             raise APIError(400, f"{ways[0][0]} and {ways[1][0]}: an answer takes one structure at a time",
                            param=ways[1][0])
-        if ways and chat and reasoning is not None:
-            raise APIError(400, f"{ways[0][0]}: structured output is not supported on a server with a reasoning parser "
-                                "(the grammar would hold the model's reasoning too)", param=ways[0][0])
-        return ways[0] if ways else (None, None)
+        if not ways:
+            return None, None
+        field, structure = ways[0]
+        if chat and reasoning is not None:  # the model reasons first, freely; the structure holds its content
+            structure = dataclasses.replace(structure, reasoning=reasoning.name)
+        return field, structure
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                 max_param: str = "max_tokens", prompt_param: str = "prompt") -> _Submitted:

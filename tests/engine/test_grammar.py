@@ -286,6 +286,13 @@ def test_a_schema_that_fails_at_its_first_token_is_refused_before_queueing(tiny_
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
     with pytest.raises(GrammarError, match="the json allows no answer"):
         engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(json={"$ref": "#"})))
+    # after reasoning too, where its first token is the reasoning's
+    with pytest.raises(GrammarError, match="the json allows no answer"):
+        engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(json={"$ref": "#"}, reasoning="qwen3")))
+    with pytest.raises(GrammarError, match=r"gpt_oss reasoning needs harmony's special tokens; the tokenizer lacks "
+                                           r"\['<\|channel\|>', '<\|message\|>', '<\|end\|>', '<\|start\|>'\]"):
+        engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(regex="a", reasoning="gpt_oss")))
+    assert not engine.has_unfinished()
 
 
 def test_gbnf_is_read_as_lark(tiny_dirs):
@@ -293,6 +300,84 @@ def test_gbnf_is_read_as_lark(tiny_dirs):
     gbnf = 'root ::= "x" digit digit\ndigit ::= [0-9]'
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, structured=StructuredOutput(grammar=gbnf)))
     assert regex.fullmatch("x[0-9][0-9]", out.text) and out.finish_reason == "stop"
+
+
+# --- reasoning first: the grammar holds what follows a thinking model's reasoning ------------------------------------
+
+THINK_TAGS = ("<think>", "</think>")
+HARMONY = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+# the oracle's whole answer, the tags written as placeholders where they are special tokens (no text)
+REASONED = {
+    ("qwen3", False): r"(?s:(?:<think>(?:(?!</think>).)*</think>)?)",
+    ("qwen3", True): r"(?:\x01[^\x01\x02]*\x02)?",
+    ("deepseek_r1", False): r"(?s:(?:(?!</think>).)*</think>)",
+    ("deepseek_r1", True): r"\x01?[^\x01\x02]*\x02",
+    ("gpt_oss", True): r"(?:\x01analysis\x02[^\x01-\x05]*\x03\x04assistant)*\x01final\x02",
+}
+_thinking: dict = {}
+
+
+def _thinking_dirs(root, tags: tuple[str, ...], special: bool) -> dict:
+    """A target whose tokenizer adds tags as tokens past its characters, ids 100 - len(tags) on: as Qwen3's and
+    DeepSeek-R1's add <think> and </think> (llguidance reads them as special tokens; the runtime's reader of a
+    character tokenizer reads them as text unless special), and gpt-oss's harmony has its special tokens."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from tests.conftest import save_char_tokenizer
+
+    key = (tags, special)
+    if key not in _thinking:
+        t = make_target(root / f"t{len(_thinking)}", vocab=100, seed=31)
+        save_char_tokenizer(t, 100 - len(tags))
+        tok = AutoTokenizer.from_pretrained(t)
+        tok.add_tokens([AddedToken(tag, special=special) for tag in tags], special_tokens=special)
+        tok.save_pretrained(t)
+        _thinking[key] = {"qwen3": t, "qwen3_drafter": make_drafter(root / f"d{len(_thinking)}", t, block_size=8,
+                                                                     seed=32)}
+    return _thinking[key]
+
+
+@pytest.mark.parametrize("fmt, special", list(REASONED), ids=[f"{f}{' special' * s}" for f, s in REASONED])
+def test_greedy_answers_that_reason_first_are_the_targets_masked_greedy(tmp_path_factory, fmt, special):
+    """A bias on the token that ends the reasoning makes the random target end it now and then: answers that reason
+    and go on to the pattern (gpt-oss's: another analysis message), answers without reasoning (qwen3's without a
+    block, gpt-oss's final at once) and ones still reasoning at the end. The oracle: Python's `regex` partial matching
+    of the whole answer (REASONED, then the pattern)."""
+    tags = HARMONY if fmt == "gpt_oss" else THINK_TAGS
+    dirs = _thinking_dirs(tmp_path_factory.getbasetemp(), tags, special)
+    engine = _engine(dirs, "qwen3", 7, rows=4)
+    tok, ids = engine.tokenizer, range(100 - len(tags), 100)
+    marks = {i: chr(1 + j) if special else tag for j, (i, tag) in enumerate(zip(ids, tags))}
+    ends = tok.convert_tokens_to_ids(tags[2 if fmt == "gpt_oss" else 1])  # </think>, harmony's <|end|>
+    whole = REASONED[fmt, special] + f"(?:{PATTERNS[0]})"
+
+    def text(out: list[int]) -> str:
+        return "".join(marks.get(i) or tok.decode([i]) for i in out)
+
+    def allowed_after(out: list[int]) -> list[int]:
+        said = text(out)
+        return ([i for i in range(3, 100) if regex.fullmatch(whole, said + text([i]), partial=True)]
+                + [EOS] * bool(regex.fullmatch(whole, said)))
+
+    hf = AutoModelForCausalLM.from_pretrained(dirs["qwen3"]).eval()
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("Say: abc ", "Answer? ", "List 1,2 ", "Hi ")]
+    refs = []
+    for prompt in prompts:  # transformers' masked greedy, the bias added to its logits
+        out: list[int] = []
+        with torch.no_grad():
+            while len(out) < NEW and (not out or out[-1] != EOS):
+                logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+                logits[ends] += 1.5
+                allowed = allowed_after(out)
+                out.append(allowed[int(logits[allowed].argmax())])
+        refs.append(out)
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
+    spec = StructuredOutput(regex=PATTERNS[0], reasoning=fmt)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, logit_bias={ends: 1.5}, structured=spec))
+    assert [o.token_ids for o in outs] == refs
+    # (a reasoning ended past its first tokens, and an answer that ended under the pattern)
+    assert any(ends in r[2:] for r in refs) and any(r[-1] == EOS for r in refs)
 
 
 # --- sampling: speculative samples under a grammar follow the masked target's distribution --------------------------

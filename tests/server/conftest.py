@@ -103,22 +103,20 @@ QUESTION = [{"role": "user", "content": "weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
 
 
-@pytest.fixture(scope="session")
-def caller(tmp_path_factory):
-    """A tiny target trained to answer QUESTION with ANSWER (a character tokenizer of 100 ids spells braces), and a
+def trained_to_answer(root, messages: list[dict], answer: str) -> tuple:
+    """A tiny target trained to answer messages with answer (a character tokenizer of 100 ids spells braces), and a
     random drafter: the engine's greedy answer is the target's own."""
     import torch
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from tests.conftest import make_drafter, make_target
 
-    root = tmp_path_factory.mktemp("caller")
     target = make_target(root / "target", vocab=100)
     tok = AutoTokenizer.from_pretrained(target)
     model = Qwen3ForCausalLM.from_pretrained(target)
-    prompt = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
                   ["input_ids"])
-    ids = torch.tensor([prompt + tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]])
+    ids = torch.tensor([prompt + tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]])
     labels = ids.clone()
     labels[0, :len(prompt)] = -100
     torch.manual_seed(0)
@@ -132,3 +130,9 @@ def caller(tmp_path_factory):
             break
     model.eval().save_pretrained(target)
     return target, make_drafter(root / "drafter", target, block_size=16)
+
+
+@pytest.fixture(scope="session")
+def caller(tmp_path_factory):
+    """A tiny target trained to answer QUESTION with ANSWER, and a random drafter."""
+    return trained_to_answer(tmp_path_factory.mktemp("caller"), QUESTION, ANSWER)

@@ -126,6 +126,12 @@ def test_a_gpt_oss_target_is_split_by_default_others_not(tiny_dirs):
     assert default_parser(tiny_engine(tiny_dirs).target) is None
 
 
+def test_each_parser_has_a_grammar_that_leaves_its_reasoning_free_before_a_structure():
+    from dflash_trt.structured_output import REASONING_FORMATS
+
+    assert sorted(PARSERS) == sorted(REASONING_FORMATS)  # the server passes its parser's name on to the grammar
+
+
 def test_an_unknown_parser_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown reasoning parser 'granite'; choose from deepseek-r1, deepseek_r1"):
         reasoning_parser("granite")

@@ -16,7 +16,7 @@ import regex
 from dflash_trt import SamplingParams, StructuredOutput
 from dflash_trt.server.reasoning import reasoning_parser
 from dflash_trt.server.structured import forced_call_schema
-from tests.server.conftest import QUESTION, TOOLS, start_server
+from tests.server.conftest import QUESTION, TOOLS, start_server, trained_to_answer
 
 # bounded, so that a small target's answer closes within the tokens asked for
 SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["red", "green", "blue"]},
@@ -231,12 +231,47 @@ def test_responses_errors_name_text_format(served):
     assert r.json()["error"]["message"].startswith("text.format: the json does not compile")
 
 
-def test_a_server_with_a_reasoning_parser_refuses_structured_chat(caller):
-    server = start_server(_engine(caller, speculative=False), reasoning=reasoning_parser("qwen3"))
-    try:
-        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
-                       json={"messages": QUESTION, "response_format": {"type": "json_object"}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-        assert "reasoning parser" in r.json()["error"]["message"]
-    finally:
-        server.stop()
+# --- beside a reasoning parser: the model reasons freely, the structure holds its content ------------------------
+
+THOUGHT = "I will look."
+THINKING = f'<think>{THOUGHT}</think>{{"city": "Paris", "days": 2}}'
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A target trained to think before its JSON, served with qwen3's reasoning parser, and its plain oracle."""
+    dirs = trained_to_answer(tmp_path_factory.mktemp("thinker"), QUESTION, THINKING)
+    server = start_server(_engine(dirs), reasoning=reasoning_parser("qwen3"))
+    yield server, _engine(dirs, speculative=False)
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_thinking_models_structured_answer_reasons_freely_and_its_content_matches(thinker, stream):
+    served, plain = thinker
+    want = _expected(plain, StructuredOutput(json=WEATHER, reasoning="qwen3"))
+    assert want.text == THINKING  # its own answer, which the grammar allows
+    form = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    body = {"messages": QUESTION, "max_tokens": 80, "temperature": 0, "response_format": form}
+    if stream:
+        with httpx.stream("POST", served.base_url + "/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        message = {k: "".join(d.get(k) or "" for d in deltas) for k in ("reasoning", "content")}
+    else:
+        message = _chat(served, response_format=form).json()["choices"][0]["message"]
+    assert message["reasoning"] == THOUGHT and json.loads(message["content"]) == {"city": "Paris", "days": 2}
+    # without the reasoning in its grammar the answer opens with "{": the content is then the structure alone
+    alone = _expected(plain, StructuredOutput(json=WEATHER))
+    assert alone.text.startswith("{") and alone.text != want.text
+
+
+def test_a_thinking_models_forced_call_follows_its_reasoning(thinker):
+    served, plain = thinker
+    want = _expected(plain, StructuredOutput(json=WEATHER, reasoning="qwen3"), tools=CALLABLE)
+    choice = served.client().chat.completions.create(
+        model="tiny-qwen3", messages=QUESTION, tools=CALLABLE, max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    (call,) = choice.message.tool_calls
+    assert want.text.startswith(f"<think>{choice.message.reasoning}</think>")
+    assert call.function.arguments == want.text.split("</think>", 1)[1] and choice.message.content is None
