@@ -184,14 +184,16 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
               "answer opens with (Qwen3; none with enable_thinking off); gpt_oss: harmony's analysis channel (the "
               "torch backend's default for a gpt-oss target). Default: none (gpt-oss: gpt_oss).")
-@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "gpt_oss",
-                                                       "openai", "none"]), default=None,
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "llama3_json",
+                                                       "gpt_oss", "openai", "none"]), default=None,
               help="Chat requests' tools may be called (tool_choice auto, OpenAI's default with tools): the calls "
               "the model writes come back in the message's `tool_calls`, finish_reason tool_calls, as vLLM's option "
               "(trtllm-serve's --tool_parser). hermes (TensorRT-LLM's qwen3): <tool_call>{JSON}</tool_call>, Qwen2.5 "
-              "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder); gpt_oss (vLLM's openai): harmony's "
-              "commentary channel to=functions.NAME (the torch backend's default for a gpt-oss target). Default: none "
-              "(tools only with tool_choice none: rendered by the template, the answer is text; gpt-oss: gpt_oss).")
+              "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder); llama3_json: an answer that opens "
+              "with {\"name\": ..., \"parameters\": ...} (Llama 3.1-3.3; the torch backend only); gpt_oss (vLLM's "
+              "openai): harmony's commentary channel to=functions.NAME (the torch backend's default for a gpt-oss "
+              "target). Default: none (tools only with tool_choice none: rendered by the template, the answer is "
+              "text; gpt-oss: gpt_oss).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's companion of --tool-call-parser, taken so its command lines run; the parser alone enables "
               "tool calling here.")
@@ -204,8 +206,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
     /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics. Stops cleanly on Ctrl-C / SIGTERM / SIGHUP
     (not under nohup)."""
     if enable_auto_tool_choice and tool_call_parser in (None, "none"):
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder, gpt_oss): "
-                               "the format the model writes its calls in")
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder, llama3_json, "
+                               "gpt_oss): the format the model writes its calls in")
     if backend == "trtllm":
         if api_key is not None:  # refused, not dropped: trtllm-serve would answer anyone who reaches --host
             source = click.get_current_context().get_parameter_source("api_key")

@@ -89,7 +89,7 @@ def first_tag(text: str, tags: Sequence[str]) -> tuple[int, str] | None:
 
 def held_back(text: str, tags: Sequence[str], final: bool) -> int:
     """How much of text's end may begin one of tags: held until the next delta says, none after the last."""
-    return 0 if final else max(partial_tag(text, tag) for tag in tags)
+    return 0 if final else max((partial_tag(text, tag) for tag in tags), default=0)
 
 
 class ReasoningSplitter:

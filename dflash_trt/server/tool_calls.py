@@ -7,6 +7,9 @@ as a JSON string), the text around them its `content`, and the choice finishes w
 - qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`, each value read as the tool's schema types it (a string stays a string; numbers, booleans,
   objects and arrays as JSON);
+- llama3_json (Llama 3.1, 3.2 and 3.3 with JSON tool calling): an answer that opens with a call, `{"name": ...,
+  "parameters": {...}}` ("arguments" for "parameters" too), several separated by `;`, after `<|python_tag|>` where the
+  text holds it; an answer that opens otherwise, or does not parse whole as calls, is content (vLLM's reading);
 - gpt_oss: harmony's commentary channel addressed to a function, as the answer's text holds it without harmony's
   special tokens (as the gpt_oss reasoning parser reads its channels): `<|start|>assistant<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` is "assistantcommentary to=functions.NAME json{...}",
@@ -71,20 +74,42 @@ def _arguments(value: Any) -> str | None:
     return _json(value) if isinstance(value, dict) else None
 
 
+def _named_call(call: Any) -> FunctionCall | None:
+    """{"name": ..., "arguments": {...}} ("parameters" for "arguments" too) as a call; None where it is none."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = _arguments(call.get("arguments", call.get("parameters")))
+    return FunctionCall(call["name"], arguments) if arguments is not None else None
+
+
 def _hermes_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
-    calls = []
-    for call in parsed if isinstance(parsed, list) else [parsed]:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+    calls = [_named_call(call) for call in (parsed if isinstance(parsed, list) else [parsed])]
+    return calls if calls and None not in calls else None
+
+
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a call (special: most answers' text leaves it out)
+_CALLS_APART = re.compile(r"\s*;\s*")
+
+
+def _llama_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
+    body, decoder, calls, at = body.removeprefix(PYTHON_TAG).lstrip(), json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
             return None
-        arguments = _arguments(call.get("arguments", call.get("parameters")))
-        if arguments is None:
+        if (call := _named_call(value)) is None:
             return None
-        calls.append(FunctionCall(call["name"], arguments))
-    return calls or None
+        calls.append(call)
+        if at == len(body):
+            return calls
+        if (apart := _CALLS_APART.match(body, at)) is None or apart.end() == len(body):
+            return None
+        at = apart.end()
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -176,10 +201,14 @@ class ToolCallParser:
     end: str | None = CALL_END  # what closes it; None: the answer's end
     opening: tuple[str, ...] = ()  # what opens a call at the answer's start only
     before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
+    keeps_opening: bool = False  # the opening is the call's own text (Llama's "{"), parsed with it
+    in_trtllm: bool = True  # whether trtllm-serve reads the format at all
 
 
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
                                ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls),
+                               ToolCallParser("llama3_json", None, _llama_calls, (), None, (PYTHON_TAG, "{"),
+                                              keeps_opening=True, in_trtllm=False),
                                # trtllm-serve reads a gpt-oss target's harmony itself
                                ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
                                               HARMONY_OPENING, True))}
@@ -264,7 +293,7 @@ class ToolCallSplitter:
                 return []
             self._at_start = False
             if opened := next((tag for tag in self.parser.opening if text.startswith(tag)), None):
-                self._opened, text = opened, text[len(opened):]
+                self._opened, text = ("", text) if self.parser.keeps_opening else (opened, text[len(opened):])
         while True:
             if self._opened is None:
                 if (found := first_tag(text, starts)) is None:

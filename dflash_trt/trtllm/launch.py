@@ -187,6 +187,9 @@ def serve_command(engine, host: str = "127.0.0.1", port: int = 8000, reasoning_p
 
     if (reasoning := reasoning_named(reasoning_parser)) is not None:
         cmd += ["--reasoning_parser", reasoning.name.replace("_", "-")]
-    if (tools := tools_named(tool_call_parser)) is not None and tools.trtllm_name is not None:  # (gpt-oss's: unasked)
+    if (tools := tools_named(tool_call_parser)) is not None and not tools.in_trtllm:
+        raise ValueError(f"trtllm-serve has no tool parser for {tools.name}'s format: serve this engine with "
+                         "--backend torch to read its calls")
+    if tools is not None and tools.trtllm_name is not None:  # (gpt-oss's: unasked)
         cmd += ["--tool_parser", tools.trtllm_name]
     return cmd

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
-from dflash_trt.server.tool_calls import CALL_START, HARMONY_STARTS, PARSERS, ToolCallSplitter, tool_call_parser
+from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ToolCallSplitter,
+                                         tool_call_parser)
 from tests.server.conftest import ANSWER, CALLS, QUESTION, TOOLS, start_server
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
@@ -126,7 +127,32 @@ def _outside(pieces: list[str | None]) -> str:
     return joined.rstrip() if None in pieces[said[-1] + 1:] else joined
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), cuts=st.lists(st.integers(0, 300), max_size=16))
+def test_a_llama_answer_of_calls_splits_into_those_calls_in_any_deltas(data, cuts):
+    """Llama 3's JSON tool calling: an answer that is calls, one or several apart by ";" (vLLM writes "; "), after
+    the python tag where the text holds it."""
+    draw = data.draw
+    calls = draw(st.lists(st.tuples(_names, st.dictionaries(st.text(max_size=5), _json, max_size=3)), min_size=1,
+                          max_size=3))
+    written = [json.dumps({"name": n, draw(st.sampled_from(["parameters", "arguments"])): a},
+                          ensure_ascii=draw(st.booleans())) for n, a in calls]
+    text = draw(st.sampled_from(["", PYTHON_TAG])) + "".join(
+        w + (draw(st.sampled_from(["; ", ";", " ;\n"])) if i < len(written) - 1 else "") for i, w in enumerate(written))
+    want = [(n, json.loads(json.dumps(a))) for n, a in calls]
+    for content, got in (_whole(ToolCallSplitter(PARSERS["llama3_json"]), text),
+                         _streamed(ToolCallSplitter(PARSERS["llama3_json"]), text, cuts)):
+        assert not content and [(c.name, json.loads(c.arguments)) for c in got] == want
+
+
 @pytest.mark.parametrize("name, text", [
+    ("llama3_json", 'Sure. {"name": "f", "parameters": {}}'),  # a call only where the answer opens with it
+    ("llama3_json", ' {"name": "f", "parameters": {}}'),
+    ("llama3_json", '{"name": "f", "parameters": {}} and more'),  # all of it calls, or none
+    ("llama3_json", '{"name": "f", "parameters": {}};'),
+    ("llama3_json", '{"city": "Paris"}'),  # no name: JSON the model answered with
+    ("llama3_json", '[{"name": "f", "parameters": {}}]'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": '),  # cut inside the call
     ("hermes", "<tool_call>not json</tool_call> then"),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
     ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments no object
@@ -220,7 +246,7 @@ def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_i
 _NEAR = sorted({CALL_START, CALL_START[:5], "</tool_call>", "<function=f>", "<parameter=a>", "\n1\n", "</parameter>",
                 "</function>", *HARMONY_STARTS, HARMONY_STARTS[0][:12], "json", '{"name": "f", "arguments": {}}',
                 '{"a": 1}', "{", "}", "<think>", "</think>", "analysis", "assistantfinal", "assistantanalysis",
-                "final", " ", "\n", "é", "x"})
+                "final", " ", "\n", "é", "x", PYTHON_TAG, ";"})
 
 
 @settings(max_examples=250, deadline=None)
@@ -314,8 +340,8 @@ def test_an_answer_without_calls_is_its_text_unchanged():
 
 
 def test_an_unknown_parser_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match="gpt_oss, hermes, openai, qwen3, qwen3_coder, qwen3_xml"):
-        tool_call_parser("llama3_json")
+    with pytest.raises(ValueError, match="gpt_oss, hermes, llama3_json, openai, qwen3, qwen3_coder, qwen3_xml"):
+        tool_call_parser("mistral")
 
 
 # --- served: a target whose own greedy answer is two tool calls --------------------------------------------------

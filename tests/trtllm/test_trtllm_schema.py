@@ -149,6 +149,20 @@ def test_serve_passes_the_tool_call_parser_to_trtllm_serve_by_its_name_for_the_f
     assert options.get("--tool_parser") == passed
 
 
+def test_a_tool_call_format_trtllm_serve_cannot_read_is_refused_before_it_runs(tiny_trtllm_engine, tmp_path,
+                                                                                monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_trt.server import cli
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: pytest.fail("trtllm-serve ran"))
+    result = CliRunner().invoke(cli.serve, [str(tiny_trtllm_engine), "--backend", "trtllm", "--tool-call-parser",
+                                            "llama3_json"])
+    assert result.exit_code == 1 and "trtllm-serve has no tool parser for llama3_json's format" in result.output
+
+
 def _served_options(engine, tmp_path, monkeypatch, *args: str) -> dict:
     """The options of the trtllm-serve command `serve ENGINE --backend trtllm ARGS...` runs (its exec caught)."""
     from click.testing import CliRunner
