@@ -194,14 +194,10 @@ class Grammar:
     def blocked(self, extras: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
         """bool [n, V]: the tokens the grammar refuses at each position j, extras[j] the drafts before it (all False
         at a position no accepted path reaches)."""
-        m = self._matcher
         allowed = np.ones((len(extras), self._vocab), dtype=bool)
         for j, extra in enumerate(extras):
-            consumed = 0 if self.failed else m.try_consume_tokens(list(extra)) if extra else 0
-            if consumed == len(extra):
-                allowed[j] = self._allowed()
-            if consumed:
-                m.rollback(consumed)
+            if (m := self._after(extra)) is not None:
+                allowed[j] = self._mask(m, committed=not extra)
         return host_to_device(torch.from_numpy(~allowed), device)
 
     def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor:
@@ -211,25 +207,34 @@ class Grammar:
     def allows(self, extra: Sequence[int], token: int) -> bool:
         """Whether the grammar takes token after the drafts `extra` (True where it refuses those drafts: no accepted
         path reaches that position)."""
-        if self.failed:
+        if (m := self._after(extra)) is None:
+            return True
+        if self.failed or m.is_error():
             return token in self._eos
-        m = self._matcher
-        consumed = m.try_consume_tokens([*extra, token])
-        if consumed:
-            m.rollback(consumed)
-        return consumed != len(extra)
+        return m.try_consume_tokens([token]) == 1
 
-    def _allowed(self) -> np.ndarray:
-        m = self._matcher
-        if not self.failed:
+    def _after(self, extra: Sequence[int]):
+        """A copy of the matcher with the drafts consumed, None where it refuses them. A copy (3 us): a parser limit
+        the drafts run into, or a rollback that fails, leaves llguidance's matcher failed for good, and a failure
+        only a draft met must not end the request (the matcher sees the committed tokens alone)."""
+        m = self._matcher.deep_copy()
+        return m if self.failed or not extra or m.try_consume_tokens(list(extra)) == len(extra) else None
+
+    def _mask(self, m, committed: bool) -> np.ndarray:
+        """The tokens m allows next: eos alone where the request has failed, or m fails (computing the mask may fail
+        it too; where m holds the committed tokens alone, the request's grammar has failed, as it would decoding
+        plainly)."""
+        if not (self.failed or m.is_error()):
             bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
             allowed = bits[: self._vocab].astype(bool)
             # llguidance's mask where no token continues the grammar (one that needs a character the vocabulary
             # cannot write) holds token 0 alone: the answer ends there, at the model's eos, rather than with a token
             # the grammar refuses
             dead_end = allowed[0] and allowed.sum() == 1 and not m.validate_tokens([0])
-            if not dead_end and not self.failed:  # (computing the mask may fail the matcher too)
+            if not (dead_end or m.is_error()):
                 return allowed
+        if committed and m.is_error() and self.failure is None:
+            self.failure = _reason(m)
         allowed = np.zeros(self._vocab, dtype=bool)
         allowed[self._eos] = True
         return allowed

@@ -275,6 +275,21 @@ def test_a_grammar_that_fails_while_decoding_ends_its_request_alone_with_the_rea
     assert outs[1].token_ids == alone.token_ids and outs[1].error is None
 
 
+def test_a_parser_limit_only_a_draft_runs_into_leaves_the_request_as_plain_decoding_finds_it(tiny_dirs):
+    """Three a's take llguidance's parser past its limit (and a rollback from there fails, sticky); the target that
+    answers "b" never writes them, and decoding plainly never meets the limit."""
+    engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
+    tok = engine.tokenizer
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    spec = StructuredOutput(grammar='start: "b" | x\nx: "a"+ x')
+    grammar, fresh = engine.grammars.grammar(spec), engine.grammars.grammar(spec)
+    grammar.blocked([[], [a], [a, a], [a, a, a]], "cpu")
+    assert grammar.allows([a, a, a], b) is False and not grammar.failed
+    assert torch.equal(grammar.allowed_after([]), fresh.allowed_after([]))
+    grammar.commit(b)
+    assert not grammar.failed and grammar.allowed_after([]).nonzero().flatten().tolist() == [EOS]
+
+
 def test_an_answer_ends_where_its_grammar_does_even_where_eos_is_no_stop_token(tiny_dirs):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=NEW, stop_token_ids=[40],
