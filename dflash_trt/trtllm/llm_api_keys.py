@@ -70,7 +70,7 @@ TOP_LEVEL_KEYS = frozenset({
     "moe_tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp", "enable_lm_head_tp_in_adp",
     "kv_cache_config", "enable_chunked_prefill", "scheduler_config", "speculative_config", "max_batch_size",
     "max_input_len", "max_seq_len", "max_beam_width", "max_num_tokens", "num_postprocess_workers",
-    "reasoning_parser", "return_perf_metrics", "env_overrides",
+    "reasoning_parser", "return_perf_metrics", "env_overrides", "guided_decoding_backend",
     # TorchLlmArgs
     "cuda_graph_config", "attention_dp_config", "disable_overlap_scheduler", "moe_config", "attn_backend",
     "enable_iter_perf_stats", "print_iter_log", "stream_interval", "enable_autotuner", "torch_compile_config",
@@ -106,6 +106,7 @@ ALLOWED_VALUES: dict[str, frozenset] = {
     "moe_config.backend": frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA",
                                      "TRITON", "MARLIN", "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"}),
     "dtype": frozenset({"auto", "float16", "bfloat16", "float32"}),
+    "guided_decoding_backend": frozenset({"xgrammar", "llguidance"}),
 }
 
 

@@ -71,6 +71,7 @@ def test_throughput_config_uses_attention_dp_and_a_draft_schedule():
     # LLM(model=..., tokenizer=..., **options) would get them twice; trtllm-serve would serve another model
     ("model: /elsewhere", "trtllm_options.model: set by the launcher from the engine directory"),
     ("tokenizer: /elsewhere", "trtllm_options.tokenizer: set by the launcher from the engine directory"),
+    ("guided_decoding_backend: outlines", "guided_decoding_backend='outlines' (accepted: ['llguidance', 'xgrammar'])"),
 ])
 def test_a_passthrough_key_that_is_not_accepted_or_not_the_passthroughs_is_refused(tmp_path, options, message):
     path = tmp_path / "c.yaml"
@@ -106,6 +107,14 @@ def test_passthrough_keys_of_a_section_the_build_config_writes_join_that_section
     o = prepare_build(path, allow_bundled=True).trtllm_options
     assert o["kv_cache_config"] == {**written["kv_cache_config"], "host_cache_size": 10**9}
     assert o["moe_config"] == {**written["moe_config"], "max_num_tokens": 8192}
+
+
+def test_a_guided_decoder_for_structured_output_comes_through_the_passthrough(tmp_path):
+    """trtllm-serve enforces response_format and the guided_* fields only with a guided decoding backend."""
+    path = tmp_path / "c.yaml"
+    path.write_text((CONFIGS / "qwen3-8b-1xh200.yaml").read_text()
+                    + "trtllm_options:\n  guided_decoding_backend: llguidance\n")
+    assert prepare_build(path, allow_bundled=True).trtllm_options["guided_decoding_backend"] == "llguidance"
 
 
 def test_llama_config_without_its_drafter_on_disk_says_how_to_fetch_it():
