@@ -21,10 +21,11 @@ class StructuredOutput:
     its tokens (llguidance's default, vLLM's too); False: none (vLLM's disable_any_whitespace), which keeps a small
     model from writing whitespace for ever.
 
-    reasoning: the answer first reasons, freely, in that format of REASONING_FORMATS, and the structure holds what
-    follows (as vLLM applies it once a reasoning parser's reasoning ends): deepseek_r1, reasoning up to `</think>`
-    (the prompt opened it); qwen3, an optional `<think>...</think>` block; gpt_oss, harmony's analysis messages
-    before its final one. The answer cannot end inside its reasoning."""
+    reasoning: the answer first reasons, in any text, in that format of REASONING_FORMATS, and the structure holds
+    what follows (as vLLM applies it once a reasoning parser's reasoning ends): deepseek_r1, reasoning up to
+    `</think>` (the prompt opened it); qwen3, an optional `<think>...</think>` block; gpt_oss, harmony's analysis
+    messages before its final one. The answer cannot end inside its reasoning, nor put special or added tokens
+    there (llguidance reads them as no text)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False

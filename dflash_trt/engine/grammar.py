@@ -58,7 +58,8 @@ def _source(spec: StructuredOutput) -> tuple[str, str]:
 
 class GrammarCompiler:
     """One engine's grammars: the tokenizer's table of token bytes (built on first use, about 0.5 s for a 49k
-    vocabulary) and a matcher per request, copied from the last 64 grammars' compiled ones."""
+    vocabulary) and a matcher per request, copied from the last 64 compiled ones (a structure after reasoning is
+    two: itself, checked alone, and the whole)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self._tokenizer = tokenizer

@@ -205,6 +205,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_capacity(req, 1, "messages")
         _check_tools(req)
         ids = await _encode_chat(req)
+        _read_prompt_reasoning(req, ids)
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
@@ -216,8 +217,16 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _check_tools(req: p.ChatCompletionRequest) -> None:
         if req.calls_tools and tool_parser is None:
             raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder, "
-                                'gpt_oss); with tool_choice "none" the template renders the tools and the answer is '
-                                "text", param="tools")
+                                'llama3_json, gpt_oss); with tool_choice "none" the template renders the tools and the '
+                                "answer is text", param="tools")
+
+    def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
+        if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
+            req.prompt_closed_reasoning = reasoning.closed_in(engine.tokenizer.decode(ids))
+
+    def _reasoning(req: p.ChatCompletionRequest) -> ReasoningParser | None:
+        """The parser of a chat request's answer: the server's, unless the prompt closed the reasoning."""
+        return None if req.prompt_closed_reasoning else reasoning
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -231,6 +240,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_model(req.model)
         _check_tools(req)
         ids = await _encode_chat(req)
+        _read_prompt_reasoning(req, ids)
         try:
             submitted = _submit(req, [ids], req.max_new_tokens, "max_output_tokens", prompt_param="input")
         except APIError as e:
@@ -285,9 +295,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
         """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
         if req.forces_calls:
-            return ChatAnswerSplitter(reasoning, ForcedCallSplitter(req.forced_function))
+            return ChatAnswerSplitter(_reasoning(req), ForcedCallSplitter(req.forced_function))
         calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
-        return ChatAnswerSplitter(reasoning, calls)
+        return ChatAnswerSplitter(_reasoning(req), calls)
 
     def _finish_reason(o: RequestOutput, req: p.ChatCompletionRequest, num_calls: int) -> str:
         # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so;
@@ -484,8 +494,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if not ways:
             return None, None
         field, structure = ways[0]
-        if chat and reasoning is not None:  # the model reasons first, freely; the structure holds its content
-            structure = dataclasses.replace(structure, reasoning=reasoning.name)
+        if chat and (parser := _reasoning(req)) is not None:  # the model reasons first; the structure holds the rest
+            structure = dataclasses.replace(structure, reasoning=parser.name)
         return field, structure
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,

@@ -16,8 +16,8 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
-                      StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
+                      StrictFloat, StrictInt, ValidationInfo, field_validator, model_serializer, model_validator)
 
 from dflash_trt.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, check_stop_strings, is_int
 from dflash_trt.server.structured import (GUIDED_FIELDS, forced_call_schema, from_guided, from_response_format,
@@ -477,6 +477,17 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
     max_tool_calls: WholeInt | None = Field(None, ge=0)  # the Responses API's: an answer's first calls only
     reads_tools: ClassVar[bool] = True
+    _closed_reasoning: bool = PrivateAttr(default=False)
+
+    @property
+    def prompt_closed_reasoning(self) -> bool:
+        """Whether the prompt the server made of it closes the model's reasoning (ReasoningParser.closed_in): the
+        answer is all content then."""
+        return self._closed_reasoning
+
+    @prompt_closed_reasoning.setter
+    def prompt_closed_reasoning(self, closed: bool) -> None:
+        self._closed_reasoning = closed
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
     modalities: list[Any] | None = None
     audio: Any = None

@@ -42,6 +42,14 @@ class ReasoningParser:
     content_breaks: tuple[str, ...] = ()  # what begins a further message of content (harmony's), read as a new line
 
 
+    def closed_in(self, prompt: str) -> bool:
+        """Whether a prompt (its text with special tokens written out) leaves a reasoning it opens closed, as vLLM
+        reads a prompt's tags: deepseek_r1's, where the prompt's last tag ends the block (a template that turns
+        thinking off writes it closed; a continued message after it). The answer is all content then, and a
+        structure holds it from its start. Others: never (qwen3's block is the answer's own to open)."""
+        return self.starts_thinking and max(prompt.rfind(end) for end in self.ends) > prompt.rfind(self.start)
+
+
 _HARMONY_CONTENT = ("assistantfinal", "assistantcommentary")
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
                                ReasoningParser("gpt_oss", False, "analysis", _HARMONY_CONTENT,

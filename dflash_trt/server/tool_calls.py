@@ -8,8 +8,10 @@ as a JSON string), the text around them its `content`, and the choice finishes w
   </function></tool_call>`, each value read as the tool's schema types it (a string stays a string; numbers, booleans,
   objects and arrays as JSON);
 - llama3_json (Llama 3.1, 3.2 and 3.3 with JSON tool calling): an answer that opens with a call, `{"name": ...,
-  "parameters": {...}}` ("arguments" for "parameters" too), several separated by `;`, after `<|python_tag|>` where the
-  text holds it; an answer that opens otherwise, or does not parse whole as calls, is content (vLLM's reading);
+  "parameters": {...}}` ("arguments" for "parameters" too; one of them: JSON with a "name" alone is an answer),
+  several separated by `;`, after `<|python_tag|>` where the text holds it; an answer that opens otherwise, or does
+  not parse whole as calls, is content (vLLM's streaming reading; its whole-answer reader of late takes calls amid
+  text);
 - gpt_oss: harmony's commentary channel addressed to a function, as the answer's text holds it without harmony's
   special tokens (as the gpt_oss reasoning parser reads its channels): `<|start|>assistant<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` is "assistantcommentary to=functions.NAME json{...}",
@@ -101,6 +103,8 @@ def _llama_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None
         try:
             value, at = decoder.raw_decode(body, at)
         except ValueError:
+            return None
+        if not ({"parameters", "arguments"} & set(value if isinstance(value, dict) else ())):
             return None
         if (call := _named_call(value)) is None:
             return None
@@ -201,7 +205,7 @@ class ToolCallParser:
     end: str | None = CALL_END  # what closes it; None: the answer's end
     opening: tuple[str, ...] = ()  # what opens a call at the answer's start only
     before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
-    keeps_opening: bool = False  # the opening is the call's own text (Llama's "{"), parsed with it
+    keeps_opening: bool = False  # the opening is parsed with the call (Llama's "{" is its JSON's; its python tag)
     in_trtllm: bool = True  # whether trtllm-serve reads the format at all
 
 

@@ -126,6 +126,16 @@ def test_a_gpt_oss_target_is_split_by_default_others_not(tiny_dirs):
     assert default_parser(tiny_engine(tiny_dirs).target) is None
 
 
+@pytest.mark.parametrize("prompt, closed", [
+    ("<｜User｜>hi<｜Assistant｜><think>\n", False), ("<｜User｜>hi<｜Assistant｜><think>\n\n</think>\n\n", True),
+    ("...<think>plan</think>The answer is", True), ("a question", False),
+    ("<think>old</think> then a new turn: <think>\n", False),
+])
+def test_a_prompt_closes_deepseek_r1s_reasoning_where_its_last_tag_ends_it(prompt, closed):
+    assert PARSERS["deepseek_r1"].closed_in(prompt) is closed
+    assert not PARSERS["qwen3"].closed_in(prompt)  # its block is the answer's own to open, or not
+
+
 def test_each_parser_has_a_grammar_that_leaves_its_reasoning_free_before_a_structure():
     from dflash_trt.structured_output import REASONING_FORMATS
 

@@ -56,7 +56,7 @@ def served(caller):
 
 
 def _expected(plain, spec: StructuredOutput, messages=QUESTION, chat: bool = True, max_tokens: int = 80, **kw):
-    prompt = plain.prompt_encoder.encode_chat(messages, add_generation_prompt=True, **kw) if chat else messages
+    prompt = plain.prompt_encoder.encode_chat(messages, **{"add_generation_prompt": True, **kw}) if chat else messages
     return plain.generate([prompt], SamplingParams(max_new_tokens=max_tokens, structured=spec))[0]
 
 
@@ -238,11 +238,16 @@ THINKING = f'<think>{THOUGHT}</think>{{"city": "Paris", "days": 2}}'
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    """A target trained to think before its JSON, served with qwen3's reasoning parser, and its plain oracle."""
-    dirs = trained_to_answer(tmp_path_factory.mktemp("thinker"), QUESTION, THINKING)
-    server = start_server(_engine(dirs), reasoning=reasoning_parser("qwen3"))
-    yield server, _engine(dirs, speculative=False)
+def thinking_dirs(tmp_path_factory):
+    """A target trained to think before its JSON."""
+    return trained_to_answer(tmp_path_factory.mktemp("thinker"), QUESTION, THINKING)
+
+
+@pytest.fixture(scope="module")
+def thinker(thinking_dirs):
+    """The thinking target served with qwen3's reasoning parser, and its plain oracle."""
+    server = start_server(_engine(thinking_dirs), reasoning=reasoning_parser("qwen3"))
+    yield server, _engine(thinking_dirs, speculative=False)
     server.stop()
 
 
@@ -275,3 +280,22 @@ def test_a_thinking_models_forced_call_follows_its_reasoning(thinker):
     (call,) = choice.message.tool_calls
     assert want.text.startswith(f"<think>{choice.message.reasoning}</think>")
     assert call.function.arguments == want.text.split("</think>", 1)[1] and choice.message.content is None
+
+
+def test_a_prompt_that_closed_the_reasoning_leaves_the_answer_content_held_by_the_structure(thinking_dirs):
+    """deepseek_r1's reasoning is the prompt's to open; a continued assistant message that closed it (as a template
+    that turns thinking off writes it) leaves the answer content, as vLLM reads the prompt's last tag."""
+    server = start_server(_engine(thinking_dirs), reasoning=reasoning_parser("deepseek_r1"))
+    try:
+        messages = QUESTION + [{"role": "assistant", "content": f"<think>{THOUGHT}</think>"}]
+        form = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+        r = _chat(server, messages=messages, continue_final_message=True, add_generation_prompt=False,
+                  response_format=form)
+        plain = _engine(thinking_dirs, speculative=False)
+        want = _expected(plain, StructuredOutput(json=WEATHER), messages=messages, add_generation_prompt=False,
+                         continue_final_message=True)
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == want.text and json.loads(want.text) == {"city": "Paris", "days": 2}
+        assert "reasoning" not in choice["message"] and choice["finish_reason"] == "stop"
+    finally:
+        server.stop()

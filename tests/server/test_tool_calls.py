@@ -151,6 +151,7 @@ def test_a_llama_answer_of_calls_splits_into_those_calls_in_any_deltas(data, cut
     ("llama3_json", '{"name": "f", "parameters": {}} and more'),  # all of it calls, or none
     ("llama3_json", '{"name": "f", "parameters": {}};'),
     ("llama3_json", '{"city": "Paris"}'),  # no name: JSON the model answered with
+    ("llama3_json", '{"name": "Alice", "age": 30}'),  # a name but neither parameters nor arguments: an answer too
     ("llama3_json", '[{"name": "f", "parameters": {}}]'),
     ("llama3_json", '{"name": "f", "parameters": {"a": '),  # cut inside the call
     ("hermes", "<tool_call>not json</tool_call> then"),

@@ -11,6 +11,7 @@ import pytest
 from dflash_trt.train.prompts import (
     HELDOUT_PERCENT,
     Prompt,
+    _all_prompts,
     all_prompts,
     chatterbot_prompts,
     python_doc_prompts,
@@ -62,6 +63,7 @@ def test_the_stdlib_prompts_do_not_depend_on_what_the_process_has_patched(monkey
 
     monkeypatch.setattr(inspect, "getfile", getfile)
     monkeypatch.setattr(inspect, "extra_public_function", lambda: None, raising=False)
+    _all_prompts.cache_clear()  # read again, in the patched process
     assert all_prompts(num_shakespeare=30, more_shakespeare=30) == before
 
 
