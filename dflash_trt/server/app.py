@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -614,6 +615,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         outputs: list[RequestOutput | None] = [None] * len(s.request_ids)  # by choice: _usage reads each prompt's first
         started = set()
         splitters = [_splitter(req) for _ in s.request_ids]
+        calls_begun = [0] * len(s.request_ids)  # by choice
         async for i, text, out, new, tokens in _updates(s):
             if i not in started:
                 # each choice's role with its first output, as vLLM's: benchmark clients time the first token from the
@@ -623,12 +625,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[first],
                                             usage=_choice_usage(s, i, 0) if continuous else None
                                             ).model_dump(exclude=no_usage)
-            thought, text, calls = splitters[i].feed(text, final=out is not None)
+            parts = splitters[i].parts(text, final=out is not None)
+            thought, text = ("".join(v for k, v in parts if k == kind) for kind in ("reasoning", "content"))
+            calls = _call_deltas(parts, calls_begun, i)
             if not (thought or text or calls or out is not None or new):  # all of it held back (a tag beginning)
                 continue
             delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None,
-                                   tool_calls=[p.DeltaToolCall.of(c, index=splitters[i].num_calls - len(calls) + k)
-                                               for k, c in enumerate(calls)] or None)
+                                   tool_calls=calls or None)
             choice = p.ChatChunkChoice(index=i, delta=delta,
                                        finish_reason=_finish_reason(out, req, splitters[i].num_calls) if out else None,
                                        stop_reason=out.stop_reason if out else None,
@@ -642,6 +645,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
                                         usage=_usage(outputs, s)).model_dump()
+
+    def _call_deltas(parts: list[tuple[str, Any]], begun: list[int], choice: int) -> list[p.DeltaToolCall]:
+        """A chunk's tool-call deltas: each call begun in it (whole, or its first delta), and the pieces of the
+        arguments of a call streamed as they come (with its first delta where they come in one chunk)."""
+        out: list[p.DeltaToolCall] = []
+        for kind, value in parts:
+            if kind in ("call", "call_opened"):
+                out.append(p.DeltaToolCall.of(value, index=begun[choice]))
+                begun[choice] += 1
+            elif kind == "arguments" and out and out[-1].index == begun[choice] - 1:
+                out[-1].function.arguments += value
+            elif kind == "arguments":
+                out.append(p.DeltaToolCall(index=begun[choice] - 1, function=p.DeltaFunction(arguments=value)))
+        return out
 
     def _include_usage(req: p._SamplingRequest) -> tuple[bool, set[str] | None, bool]:
         """Whether a stream ends with a usage chunk, what its other chunks leave out (OpenAI's carry `"usage": null`

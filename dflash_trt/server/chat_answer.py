@@ -1,10 +1,30 @@
 """A chat answer's text split into what its message carries: reasoning (a reasoning parser's), content, and tool calls
-(a tool-call parser's), fed delta by delta or whole, alike."""
+(a tool-call parser's), fed delta by delta or whole, alike.
+
+Its ordered parts are (kind, value) pairs: ("reasoning", text), ("content", text), ("call", FunctionCall) for a call
+sent whole, and, for a call whose arguments are sent as they come (a named function's, where tool_choice forces it),
+("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed", FunctionCall whole).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
-from dflash_trt.server.tool_calls import ForcedCallSplitter, FunctionCall, ToolCallSplitter
+from dflash_trt.server.tool_calls import (ArgumentsPiece, ClosedCall, ForcedCallSplitter, FunctionCall, OpenedCall,
+                                         ToolCallSplitter)
+
+# the calls' pieces as parts: (kind, what the part carries)
+_KINDS = {FunctionCall: ("call", lambda c: c), OpenedCall: ("call_opened", lambda p: p.call),
+          ArgumentsPiece: ("arguments", lambda p: p.text), ClosedCall: ("call_closed", lambda p: p.call)}
+WHOLE_CALLS = ("call", "call_closed")  # the parts that carry a call whole
+
+
+def _part(piece: Any, text_kind: str) -> tuple[str, Any]:
+    if isinstance(piece, str):
+        return text_kind, piece
+    kind, value = _KINDS[type(piece)]
+    return kind, value(piece)
 
 
 class ChatAnswerSplitter:
@@ -21,25 +41,25 @@ class ChatAnswerSplitter:
         return self._calls.num_calls if self._calls is not None else 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[FunctionCall]]:
-        """The reasoning, content and calls of text, the answer's next delta; `final` with its last."""
+        """The reasoning, content and calls (those whole in it) of text, the answer's next delta; `final` with its
+        last."""
         parts = self.parts(text, final)
         return ("".join(v for k, v in parts if k == "reasoning"), "".join(v for k, v in parts if k == "content"),
-                [v for k, v in parts if k == "call"])
+                [v for k, v in parts if k in WHOLE_CALLS])
 
     def parts(self, text: str, final: bool = False) -> list[tuple[str, str | FunctionCall]]:
         """feed's reasoning, content and calls in the order the answer has them, as (kind, text or call) pairs."""
         if self._calls_first:
             out = []
             for piece in self._calls.parts(text, final):
-                out += [("call", piece)] if isinstance(piece, FunctionCall) else self._reasoned(piece, False)
+                out += self._reasoned(piece, False) if isinstance(piece, str) else [_part(piece, "content")]
             return out + (self._reasoned("", True) if final else [])
         out = self._reasoned(text, final)
         if self._calls is None:
             return out
         content = "".join(v for k, v in out if k == "content")
-        return [p for p in out if p[0] == "reasoning"] + [
-            ("call", piece) if isinstance(piece, FunctionCall) else ("content", piece)
-            for piece in self._calls.parts(content, final)]
+        return [p for p in out if p[0] == "reasoning"] + [_part(piece, "content")
+                                                          for piece in self._calls.parts(content, final)]
 
     def _reasoned(self, text: str, final: bool) -> list[tuple[str, str]]:
         thought, content = self._reasoning.feed(text, final) if self._reasoning is not None else ("", text)

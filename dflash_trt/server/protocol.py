@@ -705,8 +705,30 @@ class ToolCallOut(BaseModel):
         return cls(id=call.id, function=CalledFunctionOut(name=call.name, arguments=call.arguments), **fields)
 
 
-class DeltaToolCall(ToolCallOut):
-    index: int  # the call's place among its choice's calls (a stream sends each whole, in one delta)
+class DeltaFunction(BaseModel):
+    name: str | None = None  # (a call's first delta names it)
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A stream's delta of one call: the call whole, or its first delta (id, name, arguments so far) and then the
+    next pieces of its arguments (a named function's, where tool_choice forces it, come as the model writes them)."""
+    index: int  # the call's place among its choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @classmethod
+    def of(cls, call: Any, index: int) -> "DeltaToolCall":
+        """A tool-call parser's FunctionCall, with its arguments so far."""
+        return cls(index=index, id=call.id, type="function",
+                   function=DeltaFunction(name=call.name, arguments=call.arguments))
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        out = {k: v for k, v in handler(self).items() if v is not None}
+        out["function"] = {k: v for k, v in out["function"].items() if v is not None}
+        return out
 
 
 class AssistantMessage(BaseModel):

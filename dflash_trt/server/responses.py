@@ -233,6 +233,7 @@ class ResponseEvents:
         self.response = response
         self.output: list[dict[str, Any]] = []  # the items closed so far
         self._open: dict[str, Any] | None = None  # the item its deltas go to: {"type", "id", "text"}
+        self._calling = ""  # the id of the call item whose arguments come
         self._sequence = 0
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -248,7 +249,17 @@ class ResponseEvents:
         events = []
         for kind, value in parts:
             if kind == "call":
-                events += self._close() + self._call(value)
+                events += self._close() + self._call_opened(value) + self._call_arguments(value.arguments)
+                events += self._call_closed(value)
+                continue
+            if kind == "call_opened":
+                events += self._close() + self._call_opened(value)
+                continue
+            if kind == "arguments":
+                events += self._call_arguments(value)
+                continue
+            if kind == "call_closed":
+                events += self._call_closed(value)
                 continue
             kind = "reasoning" if kind == "reasoning" else "message"
             if self._open is None or self._open["type"] != kind:
@@ -275,16 +286,21 @@ class ResponseEvents:
         return [self._event("error", **error, param=None),
                 self._event("response.failed", response=self.response.dump("failed", self.output, error=error))]
 
-    def _call(self, call: FunctionCall) -> list[dict[str, Any]]:
-        item_id, index = _id("fc"), len(self.output)
-        events = [self._event("response.output_item.added", output_index=index,
-                              item=call_item(item_id, call, arguments="")),
-                  self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                              delta=call.arguments),
-                  self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                              arguments=call.arguments, name=call.name)]
+    def _call_opened(self, call: FunctionCall) -> list[dict[str, Any]]:
+        self._calling = _id("fc")
+        return [self._event("response.output_item.added", output_index=len(self.output),
+                            item=call_item(self._calling, call, arguments=""))]
+
+    def _call_arguments(self, piece: str) -> list[dict[str, Any]]:
+        return [self._event("response.function_call_arguments.delta", item_id=self._calling,
+                            output_index=len(self.output), delta=piece)] if piece else []
+
+    def _call_closed(self, call: FunctionCall) -> list[dict[str, Any]]:
+        item_id, index = self._calling, len(self.output)
         self.output.append(call_item(item_id, call))
-        return events + [self._event("response.output_item.done", output_index=index, item=self.output[-1])]
+        return [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                            arguments=call.arguments, name=call.name),
+                self._event("response.output_item.done", output_index=index, item=self.output[-1])]
 
     def _opened(self, kind: str) -> list[dict[str, Any]]:
         item_id, index = _id("rs" if kind == "reasoning" else "msg"), len(self.output)

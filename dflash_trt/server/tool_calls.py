@@ -327,29 +327,60 @@ class ToolCallSplitter:
         return [p for p in out if p]
 
 
+@dataclass(frozen=True)
+class OpenedCall:
+    """A call whose arguments come after it in pieces (ArgumentsPiece), then whole (ClosedCall)."""
+    call: FunctionCall  # (its arguments: none yet)
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    text: str  # the next piece of the arguments of the call opened last
+
+
+@dataclass(frozen=True)
+class ClosedCall:
+    call: FunctionCall  # the call opened last, its arguments whole
+
+
 class ForcedCallSplitter:
-    """The answer of a request whose tool_choice forces calls, written under server/structured.py's forced_call_schema:
-    a named function's arguments, or ("required") a list of {"name", "parameters"}. Its calls come whole with the
-    answer's end; an answer cut before its JSON closes stays content."""
+    """The answer of a request whose tool_choice forces calls, written under server/structured.py's forced_call_schema.
+
+    - A named function: the answer is its arguments, sent as they come (as OpenAI streams a call's arguments), the
+      call whole at the answer's end; an answer cut by max_tokens is a call with its arguments cut, as OpenAI's (one
+      cut before any, inside its reasoning, none).
+    - "required": a list of {"name", "parameters"}, whose calls come whole with the answer's end; an answer cut
+      before its JSON closes stays content."""
 
     before_reasoning = False
 
     def __init__(self, function: str | None) -> None:
         self._function = function
         self._text = ""
+        self._opened: FunctionCall | None = None
         self.num_calls = 0
 
-    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall]:
+    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece
+                                                              | ClosedCall]:
         self._text += text
+        if self._function is not None:
+            return self._arguments(text, final)
         if not final:
             return []
         try:
-            value = json.loads(self._text)
+            calls = [FunctionCall(c["name"], _json(c["parameters"])) for c in json.loads(self._text)]
         except ValueError:
             return [self._text] if self._text else []
-        if self._function is not None:
-            calls = [FunctionCall(self._function, self._text)]  # the arguments as the model wrote them
-        else:
-            calls = [FunctionCall(c["name"], _json(c["parameters"])) for c in value]
         self.num_calls = len(calls)
         return calls
+
+    def _arguments(self, text: str, final: bool) -> list[OpenedCall | ArgumentsPiece | ClosedCall]:
+        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
+        if self._opened is None and text:
+            self._opened, self.num_calls = FunctionCall(self._function, ""), 1
+            out.append(OpenedCall(self._opened))
+        if text:
+            out.append(ArgumentsPiece(text))
+        if final and self._opened is not None:  # the arguments as the model wrote them (none written: no call)
+            out.append(ClosedCall(FunctionCall(self._function, self._text, self._opened.id)))
+        return out

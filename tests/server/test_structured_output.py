@@ -144,6 +144,27 @@ def test_a_named_tool_choice_makes_the_answer_that_functions_call(served, plain)
     assert choice.finish_reason == "stop" and choice.message.content is None and call.id.startswith("call_")
 
 
+def test_a_named_calls_arguments_stream_as_the_model_writes_them_and_a_cut_call_stays_a_call(served, plain):
+    """As OpenAI's: the call's first delta names it, the next ones carry pieces of its arguments; an answer cut by
+    max_tokens is the call with its arguments cut."""
+    want = _expected(plain, StructuredOutput(json=WEATHER), tools=CALLABLE)
+    body = {"model": "tiny-qwen3", "messages": QUESTION, "tools": CALLABLE, "max_tokens": 80, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    deltas = [c.choices[0].delta for c in served.client().chat.completions.create(stream=True, **body) if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert len(calls) > 2 and {t.index for t in calls} == {0} and not "".join(d.content or "" for d in deltas)
+    assert (calls[0].id.startswith("call_"), calls[0].type, calls[0].function.name) == (True, "function",
+                                                                                        "get_weather")
+    assert all((t.id, t.type, t.function.name) == (None, None, None) for t in calls[1:])
+    assert "".join(t.function.arguments for t in calls) == want.text
+    with served.client().chat.completions.stream(**body) as stream:  # the SDK's helper puts them together
+        (call,) = stream.get_final_completion().choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", want.text)
+    cut = _expected(plain, StructuredOutput(json=WEATHER), tools=CALLABLE, max_tokens=6)
+    choice = served.client().chat.completions.create(**body | {"max_tokens": 6}).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls[0].function.arguments == cut.text
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_required_tool_choice_makes_calls_of_the_tools_streamed_and_not(served, plain, parallel):
     limit = None if parallel else 1
@@ -185,6 +206,20 @@ def test_the_responses_api_takes_text_format_and_a_named_tool_choice(served, pla
         "name": "get_weather", "parameters": WEATHER}}])
     assert [(i["type"], i["name"], i["arguments"]) for i in r["output"]] == [("function_call", "get_weather",
                                                                                 want.text)]
+    with httpx.stream("POST", served.base_url + "/responses", timeout=60, json={
+            "input": QUESTION, "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 80, "temperature": 0, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == want.text  # as the model writes them
+    assert [e["type"] for e in events if e["type"].startswith("response.output_item")] == [
+        "response.output_item.added", "response.output_item.done"]
+    (item,) = events[-1]["response"]["output"]
+
+    def _unnamed(i: dict) -> dict:  # (each response names its items afresh)
+        return {k: v for k, v in i.items() if k not in ("id", "call_id")}
+
+    assert _unnamed(item) == _unnamed(r["output"][0]) and item["status"] == "completed"
 
 
 # --- refusals -----------------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
-from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ToolCallSplitter,
-                                         tool_call_parser)
+from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ForcedCallSplitter,
+                                         ToolCallSplitter, tool_call_parser)
 from tests.server.conftest import ANSWER, CALLS, QUESTION, TOOLS, start_server
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
@@ -271,6 +271,31 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoni
     assert _runs(ordered) == _runs(splitter().parts(text, final=True))
 
 
+@settings(max_examples=100, deadline=None)
+@given(reasoning=st.sampled_from([None, "qwen3", "deepseek_r1"]), text=st.lists(st.sampled_from(_NEAR), max_size=16)
+       .map("".join), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_holds(reasoning, text, cuts):
+    """The call opens with the answer's first text after any reasoning, each delta's text is the next piece of its
+    arguments, and it closes whole with the answer's end, as the whole answer's call."""
+    def splitter():
+        return ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter("f"))
+
+    thought, content, whole = splitter().split(text)
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    streaming = splitter()
+    parts = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))] or \
+        streaming.parts("", final=True)
+    kinds = [k for k, _ in parts if k != "reasoning"]
+    assert "".join(v for k, v in parts if k == "reasoning") == (thought or "")
+    if not kinds:  # nothing after the reasoning: no call
+        assert not whole and not content
+        return
+    assert content is None and kinds[0] == "call_opened" and kinds[-1] == "call_closed" and set(kinds[1:-1]) <= {"arguments"}
+    opened, closed = parts[[k for k, _ in parts].index("call_opened")][1], parts[-1][1]
+    assert (opened.name, opened.arguments, closed.id) == ("f", "", opened.id)
+    assert "".join(v for k, v in parts if k == "arguments") == closed.arguments == whole[0].arguments
+
+
 def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
     """Ordered parts with each run of one kind of text joined (a call: its name and arguments)."""
     runs: list[tuple[str, str]] = []
@@ -418,7 +443,7 @@ def test_a_stream_that_fails_in_the_server_ends_with_an_error_event_and_the_serv
 
     server = start_server(_engine(caller, speculative=False), tool_parser=tool_call_parser("hermes"))
     try:
-        monkeypatch.setattr(ChatAnswerSplitter, "feed", broken)
+        monkeypatch.setattr(ChatAnswerSplitter, "parts", broken)
         with httpx.stream("POST", server.base_url + "/chat/completions", timeout=60, json={
                 "messages": QUESTION, "tools": TOOLS, "max_tokens": 8, "stream": True}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
