@@ -290,7 +290,8 @@ def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_ho
     if not kinds:  # nothing after the reasoning: no call
         assert not whole and not content
         return
-    assert content is None and kinds[0] == "call_opened" and kinds[-1] == "call_closed" and set(kinds[1:-1]) <= {"arguments"}
+    assert content is None and (kinds[0], kinds[-1]) == ("call_opened", "call_closed")
+    assert set(kinds[1:-1]) <= {"arguments"}
     opened, closed = parts[[k for k, _ in parts].index("call_opened")][1], parts[-1][1]
     assert (opened.name, opened.arguments, closed.id) == ("f", "", opened.id)
     assert "".join(v for k, v in parts if k == "arguments") == closed.arguments == whole[0].arguments
