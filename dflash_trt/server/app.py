@@ -206,7 +206,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_capacity(req, 1, "messages")
         _check_tools(req)
         ids = await _encode_chat(req)
-        _read_prompt_reasoning(req, ids)
+        await _read_prompt_reasoning(req, ids)
         submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
         if req.stream:
             return _sse(_stream_chat(req, submitted))
@@ -221,9 +221,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                 'llama3_json, gpt_oss); with tool_choice "none" the template renders the tools and the '
                                 "answer is text", param="tools")
 
-    def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
+    async def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
         if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
-            req.prompt_closed_reasoning = reasoning.closed_in(engine.tokenizer.decode(ids))
+            # off the event loop, on a tokenizer's lane (a long prompt's decode takes tens of milliseconds)
+            encoder, thread = lanes.lane(len(ids))
+            text = await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, ids)
+            req.prompt_closed_reasoning = reasoning.closed_in(text)
 
     def _reasoning(req: p.ChatCompletionRequest) -> ReasoningParser | None:
         """The parser of a chat request's answer: the server's, unless the prompt closed the reasoning."""
@@ -241,7 +244,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_model(req.model)
         _check_tools(req)
         ids = await _encode_chat(req)
-        _read_prompt_reasoning(req, ids)
+        await _read_prompt_reasoning(req, ids)
         try:
             submitted = _submit(req, [ids], req.max_new_tokens, "max_output_tokens", prompt_param="input")
         except APIError as e:
@@ -251,7 +254,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return _sse(_stream_response(req, submitted, response), named=True)
         o = (await _wait_all(request, submitted))[0]
         events = ResponseEvents(response)  # the stream's last event holds the response: the same items, unstreamed
-        events.feed(_splitter(req).parts(o.text, final=True))
+        events.feed(_splitter(req).parts(o.text, final=True), cut=o.finish_reason == "length")
         return JSONResponse(events.finish(o.finish_reason, _response_usage(o, submitted))[-1]["response"])
 
     def _as_responses(e: APIError) -> APIError:
@@ -270,7 +273,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             yield event
         try:
             async for _, text, out, _, _ in _updates(s):
-                for event in events.feed(splitter.parts(text, final=out is not None)):
+                cut = out is not None and out.finish_reason == "length"
+                for event in events.feed(splitter.parts(text, final=out is not None), cut=cut):
                     yield event
                 if out is not None:
                     for event in events.finish(out.finish_reason, _response_usage(out, s)):

@@ -477,6 +477,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
     max_tool_calls: WholeInt | None = Field(None, ge=0)  # the Responses API's: an answer's first calls only
     reads_tools: ClassVar[bool] = True
+    # OpenAI's audio output: the answer would carry an audio object, which this server never makes
+    modalities: list[Any] | None = None
+    audio: Any = None
     _closed_reasoning: bool = PrivateAttr(default=False)
 
     @property
@@ -488,9 +491,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @prompt_closed_reasoning.setter
     def prompt_closed_reasoning(self, closed: bool) -> None:
         self._closed_reasoning = closed
-    # OpenAI's audio output: the answer would carry an audio object, which this server never makes
-    modalities: list[Any] | None = None
-    audio: Any = None
 
     _no_echo = _refuse_set("echo", message="echo is supported on /v1/completions, not on chat")
     _no_audio = _refuse_set("audio", message="audio output is not supported (this server answers in text)")

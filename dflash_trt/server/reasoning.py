@@ -41,12 +41,12 @@ class ReasoningParser:
     reasoning_break: str = ""  # what begins a further message of reasoning (harmony's), read as a new line
     content_breaks: tuple[str, ...] = ()  # what begins a further message of content (harmony's), read as a new line
 
-
     def closed_in(self, prompt: str) -> bool:
         """Whether a prompt (its text with special tokens written out) leaves a reasoning it opens closed, as vLLM
         reads a prompt's tags: deepseek_r1's, where the prompt's last tag ends the block (a template that turns
         thinking off writes it closed; a continued message after it). The answer is all content then, and a
-        structure holds it from its start. Others: never (qwen3's block is the answer's own to open)."""
+        structure holds it from its start. Others: never (qwen3's block is the answer's own to open). As vLLM's, a
+        `</think>` a message quotes counts too, where the template does not open the answer's block after it."""
         return self.starts_thinking and max(prompt.rfind(end) for end in self.ends) > prompt.rfind(self.start)
 
 

@@ -186,10 +186,11 @@ def message_item(item_id: str, text: str | None, status: str = "completed") -> d
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def call_item(item_id: str, call: FunctionCall, arguments: str | None = None) -> dict[str, Any]:
+def call_item(item_id: str, call: FunctionCall, arguments: str | None = None, status: str = "completed"
+              ) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments,
-            "status": "completed" if arguments is None else "in_progress"}
+            "status": status if arguments is None else "in_progress"}
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -245,7 +246,9 @@ class ResponseEvents:
         return [self._event("response.created", response=created),
                 self._event("response.in_progress", response=created)]
 
-    def feed(self, parts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    def feed(self, parts: list[tuple[str, Any]], cut: bool = False) -> list[dict[str, Any]]:
+        """The events of the answer's next parts; cut: its last, where max_tokens cut it (a call closed in them is
+        incomplete, as the response is)."""
         events = []
         for kind, value in parts:
             if kind == "call":
@@ -259,7 +262,7 @@ class ResponseEvents:
                 events += self._call_arguments(value)
                 continue
             if kind == "call_closed":
-                events += self._call_closed(value)
+                events += self._call_closed(value, "incomplete" if cut else "completed")
                 continue
             kind = "reasoning" if kind == "reasoning" else "message"
             if self._open is None or self._open["type"] != kind:
@@ -295,9 +298,9 @@ class ResponseEvents:
         return [self._event("response.function_call_arguments.delta", item_id=self._calling,
                             output_index=len(self.output), delta=piece)] if piece else []
 
-    def _call_closed(self, call: FunctionCall) -> list[dict[str, Any]]:
+    def _call_closed(self, call: FunctionCall, status: str = "completed") -> list[dict[str, Any]]:
         item_id, index = self._calling, len(self.output)
-        self.output.append(call_item(item_id, call))
+        self.output.append(call_item(item_id, call, status=status))
         return [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                             arguments=call.arguments, name=call.name),
                 self._event("response.output_item.done", output_index=index, item=self.output[-1])]

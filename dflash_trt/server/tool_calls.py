@@ -348,7 +348,7 @@ class ForcedCallSplitter:
 
     - A named function: the answer is its arguments, sent as they come (as OpenAI streams a call's arguments), the
       call whole at the answer's end; an answer cut by max_tokens is a call with its arguments cut, as OpenAI's (one
-      cut before any, inside its reasoning, none).
+      cut before its JSON begins, inside its reasoning, none).
     - "required": a list of {"name", "parameters"}, whose calls come whole with the answer's end; an answer cut
       before its JSON closes stays content."""
 
@@ -358,13 +358,14 @@ class ForcedCallSplitter:
         self._function = function
         self._text = ""
         self._opened: FunctionCall | None = None
+        self._sent = 0  # the arguments' characters sent
         self.num_calls = 0
 
-    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece
-                                                              | ClosedCall]:
+    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
+                                                              ClosedCall]:
         self._text += text
         if self._function is not None:
-            return self._arguments(text, final)
+            return self._arguments(final)
         if not final:
             return []
         try:
@@ -374,13 +375,18 @@ class ForcedCallSplitter:
         self.num_calls = len(calls)
         return calls
 
-    def _arguments(self, text: str, final: bool) -> list[OpenedCall | ArgumentsPiece | ClosedCall]:
-        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
-        if self._opened is None and text:
-            self._opened, self.num_calls = FunctionCall(self._function, ""), 1
+    def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
+        out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []
+        if self._opened is None:
+            # the call opens with its JSON: what the answer holds before it (the start of a reasoning tag that
+            # max_tokens cut) is content, and whitespace waits for the JSON
+            if not self._text.lstrip().startswith("{"):
+                return [self._text] if final and self._text else []
+            self._opened, self.num_calls, self._sent = FunctionCall(self._function, ""), 1, 0
             out.append(OpenedCall(self._opened))
-        if text:
-            out.append(ArgumentsPiece(text))
-        if final and self._opened is not None:  # the arguments as the model wrote them (none written: no call)
+        if len(self._text) > self._sent:
+            out.append(ArgumentsPiece(self._text[self._sent:]))
+            self._sent = len(self._text)
+        if final:  # the arguments as the model wrote them
             out.append(ClosedCall(FunctionCall(self._function, self._text, self._opened.id)))
         return out

@@ -220,6 +220,11 @@ def test_the_responses_api_takes_text_format_and_a_named_tool_choice(served, pla
         return {k: v for k, v in i.items() if k not in ("id", "call_id")}
 
     assert _unnamed(item) == _unnamed(r["output"][0]) and item["status"] == "completed"
+    cut = httpx.post(served.base_url + "/responses", timeout=60, json={
+        "input": QUESTION, "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 6, "temperature": 0}).json()
+    assert cut["status"] == "incomplete" and [(i["status"], i["arguments"]) for i in cut["output"]] == [
+        ("incomplete", want.text[:len(cut["output"][0]["arguments"])])] and cut["output"][0]["arguments"]
 
 
 # --- refusals -----------------------------------------------------------------------------------------------------

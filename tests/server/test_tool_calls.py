@@ -271,30 +271,38 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoni
     assert _runs(ordered) == _runs(splitter().parts(text, final=True))
 
 
+_free = st.lists(st.sampled_from(_NEAR), max_size=10).map("".join).filter(lambda t: "think>" not in t)
+
+
 @settings(max_examples=100, deadline=None)
-@given(reasoning=st.sampled_from([None, "qwen3", "deepseek_r1"]), text=st.lists(st.sampled_from(_NEAR), max_size=16)
-       .map("".join), cuts=st.lists(st.integers(0, 200), max_size=12))
-def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_holds(reasoning, text, cuts):
-    """The call opens with the answer's first text after any reasoning, each delta's text is the next piece of its
-    arguments, and it closes whole with the answer's end, as the whole answer's call."""
+@given(reasoning=st.sampled_from([None, "qwen3", "deepseek_r1"]), thought=_free, pad=st.sampled_from(["", " ", "\n"]),
+       arguments=_free.map(lambda t: "{" + t), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_holds(reasoning, thought, pad, arguments,
+                                                                                    cuts):
+    """The call opens with its JSON after any reasoning, each delta's text is the next piece of its arguments, and
+    it closes whole with the answer's end, as the whole answer's call."""
     def splitter():
         return ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter("f"))
 
-    thought, content, whole = splitter().split(text)
+    opened = {"qwen3": f"<think>{thought}</think>", "deepseek_r1": f"{thought}</think>"}.get(reasoning, "")
+    text = opened + pad + arguments
+    said, content, (whole,) = splitter().split(text)
+    assert (said or "", content, whole.arguments) == (thought if reasoning else "", None, pad + arguments)
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
     streaming = splitter()
-    parts = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))] or \
-        streaming.parts("", final=True)
+    parts = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))]
     kinds = [k for k, _ in parts if k != "reasoning"]
-    assert "".join(v for k, v in parts if k == "reasoning") == (thought or "")
-    if not kinds:  # nothing after the reasoning: no call
-        assert not whole and not content
-        return
-    assert content is None and (kinds[0], kinds[-1]) == ("call_opened", "call_closed")
-    assert set(kinds[1:-1]) <= {"arguments"}
-    opened, closed = parts[[k for k, _ in parts].index("call_opened")][1], parts[-1][1]
-    assert (opened.name, opened.arguments, closed.id) == ("f", "", opened.id)
-    assert "".join(v for k, v in parts if k == "arguments") == closed.arguments == whole[0].arguments
+    assert (kinds[0], kinds[-1]) == ("call_opened", "call_closed") and set(kinds[1:-1]) <= {"arguments"}
+    call, closed = next(v for k, v in parts if k == "call_opened"), parts[-1][1]
+    assert (call.name, call.arguments, closed.id) == ("f", "", call.id)
+    assert "".join(v for k, v in parts if k == "arguments") == closed.arguments == whole.arguments
+    assert "".join(v for k, v in parts if k == "reasoning") == (said or "")
+
+
+def test_a_named_forced_call_cut_before_its_json_is_no_call():
+    for reasoning, text in (("qwen3", "<thin"), ("qwen3", "<think>plan"), ("deepseek_r1", "plan</thi"), (None, "")):
+        _, content, calls = ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter("f")).split(text)
+        assert not calls, text
 
 
 def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
