@@ -327,6 +327,9 @@ class ToolCallSplitter:
         return [p for p in out if p]
 
 
+_LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
+
+
 @dataclass(frozen=True)
 class OpenedCall:
     """A call whose arguments come after it in pieces (ArgumentsPiece), then whole (ClosedCall)."""
@@ -349,8 +352,9 @@ class ForcedCallSplitter:
     - A named function: the answer is its arguments, sent as they come (as OpenAI streams a call's arguments), the
       call whole at the answer's end; an answer cut by max_tokens is a call with its arguments cut, as OpenAI's (one
       cut before its JSON begins, inside its reasoning, none).
-    - "required": a list of {"name", "parameters"}, whose calls come whole with the answer's end; an answer cut
-      before its JSON closes stays content."""
+    - "required": a list of {"name", "parameters"}, each call sent whole once its object closes; what an answer cut
+      by max_tokens holds after its last whole call (an object cut; all of it where it made none) is content, as
+      written."""
 
     before_reasoning = False
 
@@ -359,21 +363,34 @@ class ForcedCallSplitter:
         self._text = ""
         self._opened: FunctionCall | None = None
         self._sent = 0  # the arguments' characters sent
+        self._next: int | None = None  # where the list's next call (or its end) begins, once the list has
         self.num_calls = 0
 
     def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
                                                               ClosedCall]:
         self._text += text
-        if self._function is not None:
-            return self._arguments(final)
-        if not final:
-            return []
-        try:
-            calls = [FunctionCall(c["name"], _json(c["parameters"])) for c in json.loads(self._text)]
-        except ValueError:
-            return [self._text] if self._text else []
-        self.num_calls = len(calls)
-        return calls
+        return self._arguments(final) if self._function is not None else self._listed(final)
+
+    def _listed(self, final: bool) -> list[str | FunctionCall]:
+        out: list[str | FunctionCall] = []
+        if self._next is None:
+            if not self._text.lstrip().startswith("["):
+                return [self._text] if final and self._text else []
+            self._next = self._text.index("[") + 1
+        decoder = json.JSONDecoder()
+        while True:
+            at = _LISTED.match(self._text, self._next).end()
+            try:  # (the grammar keeps each call's object whole: it parses once it closes)
+                value, end = decoder.raw_decode(self._text, at)
+            except ValueError:
+                break
+            out.append(FunctionCall(value["name"], _json(value["parameters"])))
+            self._next = end
+        self.num_calls += len(out)
+        rest = self._text[self._next:] if self.num_calls else self._text
+        if final and rest.strip() and not re.fullmatch(r"\s*\]\s*", rest):
+            out.append(rest)  # cut: what it holds after its last call (all of it, where it made none)
+        return out
 
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []

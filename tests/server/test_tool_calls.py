@@ -299,6 +299,40 @@ def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_ho
     assert "".join(v for k, v in parts if k == "reasoning") == (said or "")
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), reasoning=st.sampled_from([None, "qwen3"]), cuts=st.lists(st.integers(0, 300), max_size=12))
+def test_required_calls_come_each_once_its_object_closes_and_a_cut_list_keeps_its_whole_ones(data, reasoning, cuts):
+    """tool_choice "required": the answer is a list of {"name", "parameters"}; each call goes out in the delta its
+    object closes in, and an answer cut anywhere has made the calls whose objects closed before the cut."""
+    draw = data.draw
+    calls = draw(st.lists(st.tuples(_names, st.dictionaries(st.text(max_size=5), _json, max_size=3)), min_size=1,
+                          max_size=3))
+    gap = st.sampled_from(["", " ", "\n  "])
+    opened = f"<think>{draw(_free)}</think>" if reasoning else ""
+    text, ends = opened + "[" + draw(gap), []
+    for k, (name, parameters) in enumerate(calls):
+        text += json.dumps({"name": name, "parameters": parameters}, ensure_ascii=draw(st.booleans()))
+        ends.append(len(text))
+        text += (draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]"
+    cut = draw(st.integers(len(opened), len(text)))
+
+    def splitter():
+        return ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter(None))
+
+    whole = [(name, json.loads(json.dumps(parameters))) for name, parameters in calls]
+    made = [(c.name, json.loads(c.arguments)) for c in splitter().split(text)[2]]
+    assert made == whole
+    _, content, some = splitter().split(text[:cut])
+    assert [(c.name, json.loads(c.arguments)) for c in some] == whole[:sum(end <= cut for end in ends)]
+    rest = text[len(opened):cut] if not some else text[ends[len(some) - 1]:cut]  # (a closed list's "]" is no text)
+    assert (content or "").strip() == ("" if re.fullmatch(r"\s*\]\s*", rest) else rest.strip())
+    streaming = splitter()
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):  # each call in the delta its object closes in
+        sent = [c.name for c in streaming.feed(text[a:b], final=b == len(text))[2]]
+        assert sent == [name for (name, _), end in zip(calls, ends) if a < end <= b]
+
+
 def test_a_named_forced_call_cut_before_its_json_is_no_call():
     for reasoning, text in (("qwen3", "<thin"), ("qwen3", "<think>plan"), ("deepseek_r1", "plan</thi"), (None, "")):
         _, content, calls = ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter("f")).split(text)
