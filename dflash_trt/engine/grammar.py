@@ -2,9 +2,10 @@
 
 The contract stays lossless: a constrained answer is the target's own choice among the tokens the grammar allows at
 each position, whether decoded one token at a time or speculatively. A speculative step asks for the mask at every
-position it verifies, with the drafts before that position consumed tentatively and rolled back: a position behind a
-draft the grammar refuses gets no mask, for no accepted path reaches it (the target's masked choice never picks a
-refused token, so that draft is rejected, under every rule). Only committed tokens advance a request's matcher.
+position it verifies, with the drafts before that position consumed by a copy of the request's matcher: a position
+behind a draft the grammar refuses gets no mask, for no accepted path reaches it (the target's masked choice never
+picks a refused token, so that draft is rejected, under every rule). Only committed tokens advance a request's own
+matcher.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ _HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
 
 
 def _reasoning_first(fmt: str, answer: str, special_token) -> str:
-    """The grammar of an answer that reasons first, freely, in fmt's format (StructuredOutput.reasoning), then gives
-    the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None (its
+    """The grammar of an answer that reasons first, in any text, in fmt's format (StructuredOutput.reasoning), then
+    gives the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None (its
     text; a special token's bytes are no text, so a text pattern never matches it)."""
     if fmt == "gpt_oss":
         refs = [special_token(t) for t in _HARMONY_TOKENS]
