@@ -114,8 +114,8 @@ _HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
 
 def _reasoning_first(fmt: str, answer: str, special_token) -> str:
     """The grammar of an answer that reasons first, in any text, in fmt's format (StructuredOutput.reasoning), then
-    gives the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None (its
-    text; a special token's bytes are no text, so a text pattern never matches it)."""
+    gives the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None
+    (its text; a special token's bytes are no text, so a text pattern never matches it)."""
     if fmt == "gpt_oss":
         refs = [special_token(t) for t in _HARMONY_TOKENS]
         if None in refs:

@@ -247,8 +247,8 @@ class ResponseEvents:
                 self._event("response.in_progress", response=created)]
 
     def feed(self, parts: list[tuple[str, Any]], cut: bool = False) -> list[dict[str, Any]]:
-        """The events of the answer's next parts; cut: its last, where max_tokens cut it (a call closed in them is
-        incomplete, as the response is)."""
+        """The events of the answer's next parts; cut: its last, where max_tokens cut it (a named call that closes in
+        them, its arguments cut, is incomplete, as the response is; a whole call is complete)."""
         events = []
         for kind, value in parts:
             if kind == "call":
@@ -276,9 +276,10 @@ class ResponseEvents:
 
     def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
         # the item the answer was cut in is incomplete, as the response is
-        events = self._close("incomplete" if finish_reason == "length" else "completed")
-        if not self.output:  # an empty answer: an empty message
-            events += self._opened("message") + self._close()
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events = self._close(status)
+        if not self.output:  # an empty answer: an empty message (cut, where the answer was cut in held-back text)
+            events += self._opened("message") + self._close(status)
         done = self.response.dump("completed", self.output, finish_reason, usage)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=done)]

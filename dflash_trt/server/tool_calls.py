@@ -328,6 +328,7 @@ class ToolCallSplitter:
 
 
 _LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
+_JSON_STARTS = frozenset('{["-0123456789tfn')  # what a JSON value begins with
 
 
 @dataclass(frozen=True)
@@ -353,8 +354,8 @@ class ForcedCallSplitter:
       call whole at the answer's end; an answer cut by max_tokens is a call with its arguments cut, as OpenAI's (one
       cut before its JSON begins, inside its reasoning, none).
     - "required": a list of {"name", "parameters"}, each call sent whole once its object closes; what an answer cut
-      by max_tokens holds after its last whole call (an object cut; all of it where it made none) is content, as
-      written."""
+      by max_tokens holds after its last whole call and the comma after it (an object cut; all of it where it made
+      none) is content, as written."""
 
     before_reasoning = False
 
@@ -363,7 +364,10 @@ class ForcedCallSplitter:
         self._text = ""
         self._opened: FunctionCall | None = None
         self._sent = 0  # the arguments' characters sent
-        self._next: int | None = None  # where the list's next call (or its end) begins, once the list has
+        # the list's: where its last call ends (past its "[" before any), how far it is read, and the reader's state
+        self._next: int | None = None
+        self._read = 0
+        self._depth, self._in_string, self._escaped, self._element = 0, False, False, 0
         self.num_calls = 0
 
     def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
@@ -376,30 +380,45 @@ class ForcedCallSplitter:
         if self._next is None:
             if not self._text.lstrip().startswith("["):
                 return [self._text] if final and self._text else []
-            self._next = self._text.index("[") + 1
-        decoder = json.JSONDecoder()
-        while True:
-            at = _LISTED.match(self._text, self._next).end()
-            try:  # (the grammar keeps each call's object whole: it parses once it closes)
-                value, end = decoder.raw_decode(self._text, at)
-            except ValueError:
-                break
-            out.append(FunctionCall(value["name"], _json(value["parameters"])))
-            self._next = end
-        self.num_calls += len(out)
-        rest = self._text[self._next:] if self.num_calls else self._text
+            self._next = self._read = self._text.index("[") + 1
+        out += self._closed_calls()
+        rest = self._text[_LISTED.match(self._text, self._next).end():] if self.num_calls else self._text
         if final and rest.strip() and not re.fullmatch(r"\s*\]\s*", rest):
             out.append(rest)  # cut: what it holds after its last call (all of it, where it made none)
+        return out
+
+    def _closed_calls(self) -> list[FunctionCall]:
+        """The calls whose objects closed in the text read since the last delta, each parsed once (one pass over the
+        text: a long call's arguments, read anew with each delta, took quadratic time)."""
+        out, text = [], self._text
+        for at in range(self._read, len(text)):
+            c = text[at]
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._element = at if self._depth == 0 else self._element
+                self._depth += 1
+            elif c in "}]" and self._depth:  # (at depth 0: the list's own "]")
+                self._depth -= 1
+                if self._depth == 0:
+                    value = json.loads(text[self._element:at + 1])
+                    out.append(FunctionCall(value["name"], _json(value["parameters"])))
+                    self._next = at + 1
+        self._read = len(text)
+        self.num_calls += len(out)
         return out
 
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []
         if self._opened is None:
-            # the call opens with its JSON: what the answer holds before it (the start of a reasoning tag that
-            # max_tokens cut) is content, and whitespace waits for the JSON
-            if not self._text.lstrip().startswith("{"):
+            # the call opens with its JSON (an object, as a function's parameters are; any JSON value, as a schema
+            # may say): what the answer holds before it (the start of a reasoning tag that max_tokens cut) is
+            # content, and whitespace waits for the JSON
+            if self._text.lstrip()[:1] not in _JSON_STARTS:
                 return [self._text] if final and self._text else []
-            self._opened, self.num_calls, self._sent = FunctionCall(self._function, ""), 1, 0
+            self._opened, self.num_calls = FunctionCall(self._function, ""), 1
             out.append(OpenedCall(self._opened))
         if len(self._text) > self._sent:
             out.append(ArgumentsPiece(self._text[self._sent:]))

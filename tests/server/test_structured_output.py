@@ -311,6 +311,14 @@ def test_a_thinking_models_structured_answer_reasons_freely_and_its_content_matc
     assert alone.text.startswith("{") and alone.text != want.text
 
 
+def test_a_response_cut_inside_its_reasoning_tag_is_an_incomplete_empty_message(thinker):
+    served, _ = thinker
+    r = httpx.post(served.base_url + "/responses", timeout=60, json={"input": QUESTION, "max_output_tokens": 7,
+                                                                    "temperature": 0}).json()
+    assert r["status"] == "incomplete" and [(i["type"], i["status"]) for i in r["output"]] == [
+        ("message", "incomplete")]
+
+
 def test_a_thinking_models_forced_call_follows_its_reasoning(thinker):
     served, plain = thinker
     want = _expected(plain, StructuredOutput(json=WEATHER, reasoning="qwen3"), tools=CALLABLE)

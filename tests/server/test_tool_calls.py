@@ -324,7 +324,8 @@ def test_required_calls_come_each_once_its_object_closes_and_a_cut_list_keeps_it
     assert made == whole
     _, content, some = splitter().split(text[:cut])
     assert [(c.name, json.loads(c.arguments)) for c in some] == whole[:sum(end <= cut for end in ends)]
-    rest = text[len(opened):cut] if not some else text[ends[len(some) - 1]:cut]  # (a closed list's "]" is no text)
+    # what follows the last call and its comma (all of the answer, where it made none); a closed list's "]" is no text
+    rest = text[len(opened):cut] if not some else re.sub(r"^\s*,?\s*", "", text[ends[len(some) - 1]:cut])
     assert (content or "").strip() == ("" if re.fullmatch(r"\s*\]\s*", rest) else rest.strip())
     streaming = splitter()
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
@@ -337,6 +338,22 @@ def test_a_named_forced_call_cut_before_its_json_is_no_call():
     for reasoning, text in (("qwen3", "<thin"), ("qwen3", "<think>plan"), ("deepseek_r1", "plan</thi"), (None, "")):
         _, content, calls = ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter("f")).split(text)
         assert not calls, text
+    # a schema of parameters other than an object's (a schema may say so) is a call all the same
+    for text in ("[2]", '"x"', " 3"):
+        assert [c.arguments for c in ChatAnswerSplitter(None, ForcedCallSplitter("f")).split(text)[2]] == [text]
+
+
+def test_required_calls_are_each_parsed_once_however_the_answer_comes(monkeypatch):
+    """One pass over the answer: a call's object read anew with each delta took time quadratic in its length."""
+    from dflash_trt.server import tool_calls
+
+    parsed = []
+    monkeypatch.setattr(tool_calls.json, "loads", lambda text, _loads=json.loads: parsed.append(text) or _loads(text))
+    text = json.dumps([{"name": "f", "parameters": {"q": "}{" * 50, "n": list(range(50))}}, {"name": "g",
+                                                                                             "parameters": {}}])
+    splitter = ForcedCallSplitter(None)
+    calls = [c for i in range(len(text)) for c in splitter.parts(text[i], final=i == len(text) - 1)]
+    assert [c.name for c in calls] == ["f", "g"] and len(parsed) == 2
 
 
 def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
