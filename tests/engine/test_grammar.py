@@ -46,8 +46,10 @@ def regex_allowed(tok, pattern: str, text: str) -> list[int]:
     return ok + [EOS] * bool(regex.fullmatch(pattern, text))
 
 
-def hf_masked_greedy(target_dir, prompt: list[int], allowed_after, new: int = NEW) -> list[int]:
-    """transformers' greedy answer with every token but those allowed_after(output so far) masked out."""
+def hf_masked_greedy(target_dir, prompt: list[int], allowed_after, new: int = NEW,
+                     bias: dict[int, float] | None = None) -> list[int]:
+    """transformers' greedy answer with every token but those allowed_after(output so far) masked out (bias: added
+    to the logits first, as a request's logit_bias)."""
     key = str(target_dir)
     if key not in _hf:
         _hf[key] = AutoModelForCausalLM.from_pretrained(target_dir).eval()
@@ -55,6 +57,8 @@ def hf_masked_greedy(target_dir, prompt: list[int], allowed_after, new: int = NE
     with torch.no_grad():
         while len(out) < new and (not out or out[-1] != EOS):
             logits = _hf[key](torch.tensor([prompt + out])).logits[0, -1]
+            for token, add in (bias or {}).items():
+                logits[token] += add
             allowed = allowed_after(out)
             out.append(allowed[int(logits[allowed].argmax())])
     return out
@@ -375,21 +379,12 @@ def test_greedy_answers_that_reason_first_are_the_targets_masked_greedy(tmp_path
         return ([i for i in range(3, 100) if regex.fullmatch(whole, said + text([i]), partial=True)]
                 + [EOS] * bool(regex.fullmatch(whole, said)))
 
-    hf = AutoModelForCausalLM.from_pretrained(dirs["qwen3"]).eval()
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("Say: abc ", "Answer? ", "List 1,2 ", "Hi ")]
-    refs = []
-    for prompt in prompts:  # transformers' masked greedy, the bias added to its logits
-        out: list[int] = []
-        with torch.no_grad():
-            while len(out) < NEW and (not out or out[-1] != EOS):
-                logits = hf(torch.tensor([prompt + out])).logits[0, -1]
-                logits[ends] += 1.5
-                allowed = allowed_after(out)
-                out.append(allowed[int(logits[allowed].argmax())])
-        refs.append(out)
+    bias = {ends: 1.5}
+    refs = [hf_masked_greedy(dirs["qwen3"], prompt, allowed_after, bias=bias) for prompt in prompts]
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
     spec = StructuredOutput(regex=PATTERNS[0], reasoning=fmt)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, logit_bias={ends: 1.5}, structured=spec))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, logit_bias=bias, structured=spec))
     assert [o.token_ids for o in outs] == refs
     # (a reasoning ended past its first tokens, and an answer that ended under the pattern)
     assert any(ends in r[2:] for r in refs) and any(r[-1] == EOS for r in refs)
