@@ -118,6 +118,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         return await asyncio.get_running_loop().run_in_executor(thread, functools.partial(getattr(encoder, method),
                                                                                           *args, **kwargs))
 
+    async def detokenized(ids: list[int]) -> str:
+        """ids' text, decoded on a tokenizer's lane (a body's worth of ids takes seconds: on the big prompts' lane, as
+        ids decode to a character or more each, but for special tokens and a character's bytes)."""
+        encoder, thread = lanes.lane(len(ids))
+        return await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, ids)
+
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
         # a message may quote what the client sent (a model's name, a field's value): 10 MB came back in a 400
@@ -223,10 +229,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     async def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
         if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
-            # off the event loop, on a tokenizer's lane (a long prompt's decode takes tens of milliseconds)
-            encoder, thread = lanes.lane(len(ids))
-            text = await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, ids)
-            req.prompt_closed_reasoning = reasoning.closed_in(text)
+            req.prompt_closed_reasoning = reasoning.closed_in(await detokenized(ids))
 
     def _reasoning(req: p.ChatCompletionRequest) -> ReasoningParser | None:
         """The parser of a chat request's answer: the server's, unless the prompt closed the reasoning."""
@@ -330,11 +333,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens must be in 0..{vocab - 1}, got {bad[:5]}", param="tokens")
-        # off the event loop, on a tokenizer's lane (a body's worth of ids takes seconds: on the big prompts' lane, as
-        # ids decode to a character or more each, but for special tokens and a character's bytes)
-        encoder, thread = lanes.lane(len(req.tokens))
-        text = await asyncio.get_running_loop().run_in_executor(thread, encoder.tokenizer.decode, req.tokens)
-        return JSONResponse({"prompt": text})
+        return JSONResponse({"prompt": await detokenized(req.tokens)})
 
     @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
