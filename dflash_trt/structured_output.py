@@ -5,10 +5,11 @@ it decodes or verifies (engine/grammar.py); no torch here."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+Kind = Literal["json", "json_object", "regex", "choice", "grammar", "calls"]
 # the formats a thinking model reasons in before its answer, by vLLM's reasoning parsers' names (server/reasoning.py)
 REASONING_FORMATS = ("deepseek_r1", "qwen3", "gpt_oss")
 
@@ -25,7 +26,12 @@ class StructuredOutput:
     what follows (as vLLM applies it once a reasoning parser's reasoning ends): deepseek_r1, reasoning up to
     `</think>` (the prompt opened it); qwen3, an optional `<think>...</think>` block; gpt_oss, harmony's analysis
     messages before its final one. The answer cannot end inside its reasoning, nor put special or added tokens
-    there (llguidance reads them as no text)."""
+    there (llguidance reads them as no text).
+
+    calls, in place of the one structure: the answer calls one of these functions ({name: its parameters' JSON
+    schema}) in its reasoning format's own form of a call, the arguments held to the function's schema: gpt_oss
+    only, a harmony commentary message to the function (`<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>{...}`), as gpt-oss is trained to call, after its analysis messages."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -34,9 +40,10 @@ class StructuredOutput:
     grammar: str | None = None
     any_whitespace: bool = True
     reasoning: str | None = None
+    calls: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "choice", "grammar", "calls") if getattr(self, k) is not None]
         for name in ("json_object", "any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r:.80}")
@@ -45,17 +52,21 @@ class StructuredOutput:
                              f"got {self.reasoning!r:.80}")
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError("structured output takes exactly one of json, json_object, regex, choice and grammar, "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar and "
+                             f"calls, got {', '.join(given) or 'none'}")
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise ValueError(f"the JSON schema is no JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):  # true and false are schemas too (anything; nothing)
-                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            _check_schema(self.json, "the JSON schema")
+        if self.calls is not None:
+            if self.reasoning != "gpt_oss":
+                raise ValueError(f"calls are made in gpt_oss's form (harmony's), with reasoning 'gpt_oss', got "
+                                 f"reasoning {self.reasoning!r:.80}; other formats call in JSON (json)")
+            if not (isinstance(self.calls, dict) and self.calls):
+                raise ValueError(f"calls must be a non-empty object of function names and schemas, got "
+                                 f"{self.calls!r:.80}")
+            for name, schema in self.calls.items():
+                if not (isinstance(name, str) and re.fullmatch(r"[\w.\-]+", name)):
+                    raise ValueError(f"a function's name is letters, digits, '_', '.' and '-', got {name!r:.80}")
+                _check_schema(schema, f"{name!r}'s parameters' schema")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -69,4 +80,14 @@ class StructuredOutput:
     @property
     def kind(self) -> Kind:
         return "json_object" if self.json_object else next(
-            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+            k for k in ("json", "regex", "choice", "grammar", "calls") if getattr(self, k) is not None)
+
+
+def _check_schema(schema: Any, what: str) -> None:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"{what} is no JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):  # true and false are schemas too (anything; nothing)
+        raise ValueError(f"{what} must be an object, got {type(schema).__name__}")

@@ -39,6 +39,8 @@ def _reason(matcher) -> str:
 def _source(spec: StructuredOutput) -> tuple[str, str]:
     """-> (which of llguidance's builders takes it, its text)."""
     json_kind = "json" if spec.any_whitespace else "compact json"
+    if spec.calls is not None:  # each function's parameters' schema, by the JSON builder
+        return f"{json_kind} calls", json.dumps(spec.calls)
     if spec.json_object:
         return json_kind, '{"type": "object"}'
     if spec.json is not None:
@@ -81,20 +83,18 @@ class GrammarCompiler:
     def _compile(self, how: str, text: str, kind: str, reasoning: str | None):
         import llguidance
 
-        m = llguidance.LLMatcher
-        build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark,
-                 "compact json": lambda s: m.grammar_from_json_schema(s, overrides={"whitespace_flexible": False})}[how]
-        if reasoning is not None:
-            self._compiled(how, text, kind, None)  # the structure alone: its own errors, and whether it has answers
-        try:
-            grammar = build(text)
-        except ValueError as e:
-            raise GrammarError(f"the {kind} does not compile: {e}") from None
         with self._lock:
             if self._table is None:
                 self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
-        if reasoning is not None:
-            grammar = _reasoning_first(reasoning, grammar, self._special_token)
+        if how.endswith(" calls"):
+            how = how.removesuffix(" calls")
+            arguments = {name: self._checked(how, json.dumps(schema), f"parameters' schema of {name!r}")
+                         for name, schema in json.loads(text).items()}
+            grammar = _harmony_call(arguments, self._special_token, self._call_end())
+        elif reasoning is not None:
+            grammar = _reasoning_first(reasoning, self._checked(how, text, kind), self._special_token)
+        else:
+            grammar = _built(how, text, kind)
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {kind} does not compile: {_reason(matcher)}")
@@ -102,6 +102,18 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"the {kind} allows no answer: llguidance fails at its first token ({_reason(matcher)})")
         return matcher
+
+    def _checked(self, how: str, text: str, kind: str) -> str:
+        """The grammar of a structure a larger grammar holds, checked alone first: its own errors, and whether it
+        has answers."""
+        self._compiled(how, text, kind, None)
+        return _built(how, text, kind)
+
+    def _call_end(self) -> str | None:
+        """harmony's <|call|> where the grammar writes it after a call: a special token that is no eos (gpt-oss's
+        generation config makes it one, and the answer's eos is the grammar's end)."""
+        ids = self._tokenizer.encode("<|call|>", add_special_tokens=False)
+        return None if len(ids) == 1 and ids[0] in self._eos else self._special_token("<|call|>")
 
     def _special_token(self, tag: str) -> str | None:
         """The grammar's reference to tag where the tokenizer writes it as one special token, else None."""
@@ -112,19 +124,26 @@ class GrammarCompiler:
 _HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
 
 
+def _harmony(special_token, *more: str) -> tuple[list[str], str]:
+    """The references of harmony's special tokens (_HARMONY_TOKENS, then more), and the rules of its analysis
+    messages (gpt-oss's reasoning: any text), each followed by the next message's header."""
+    tags = (*_HARMONY_TOKENS, *more)
+    refs = [special_token(t) for t in tags]
+    if None in refs:
+        missing = [t for t, r in zip(tags, refs) if r is None]
+        raise GrammarError(f"gpt_oss reasoning needs harmony's special tokens; the tokenizer lacks {missing}")
+    channel, message, end, start = refs[:4]
+    return refs, (f'analysis: {channel} "analysis" {message} REASONING {end} {start} "assistant"\n'
+                  "REASONING: /(?s:.*)/\n")
+
+
 def _reasoning_first(fmt: str, answer: str, special_token) -> str:
     """The grammar of an answer that reasons first, in any text, in fmt's format (StructuredOutput.reasoning), then
     gives the answer grammar. special_token(tag): the Lark reference to tag where it is one special token, else None
     (its text; a special token's bytes are no text, so a text pattern never matches it)."""
     if fmt == "gpt_oss":
-        refs = [special_token(t) for t in _HARMONY_TOKENS]
-        if None in refs:
-            missing = [t for t, r in zip(_HARMONY_TOKENS, refs) if r is None]
-            raise GrammarError(f"gpt_oss reasoning needs harmony's special tokens; the tokenizer lacks {missing}")
-        channel, message, end, start = refs
-        top = (f'start: analysis* {channel} "final" {message} @answer\n'
-               f'analysis: {channel} "analysis" {message} REASONING {end} {start} "assistant"\n'
-               "REASONING: /(?s:.*)/\n")
+        (channel, message, *_), analysis = _harmony(special_token)
+        top = f'start: analysis* {channel} "final" {message} @answer\n' + analysis
     else:
         opened, closed = special_token("<think>"), special_token("</think>")
         # reasoning up to its close: any text, then the close token; written as text, the first "</think>"
@@ -136,6 +155,31 @@ def _reasoning_first(fmt: str, answer: str, special_token) -> str:
             # and as text the lazy pattern takes it)
             top = f"start: {opened + '? ' if opened else ''}thought @answer\n" + thought
     return json.dumps({"grammars": [{"lark_grammar": top}, {**_only_grammar(answer), "name": "answer"}]})
+
+
+def _harmony_call(arguments: dict[str, str], special_token, call_end: str | None) -> str:
+    """The grammar of gpt-oss's call of one of some functions ({name: its arguments' grammar}): its analysis
+    messages, then a commentary message to the function, as gpt-oss writes one (`<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>`), holding its arguments; call_end after them where it is given."""
+    (channel, message, _, _, constrain), analysis = _harmony(special_token, "<|constrain|>")
+    calls = " | ".join(f'{channel} {json.dumps("commentary to=functions." + name)} " "? {constrain} "json" {message} '
+                       f"@arguments{i}" for i, name in enumerate(arguments))
+    top = f"start: analysis* ({calls}){' ' + call_end if call_end else ''}\n" + analysis
+    return json.dumps({"grammars": [{"lark_grammar": top}, *({**_only_grammar(g), "name": f"arguments{i}"}
+                                                              for i, g in enumerate(arguments.values()))]})
+
+
+def _built(how: str, text: str, kind: str) -> str:
+    """A structure's grammar by llguidance's builder `how` takes it with (_source)."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    build = {"json": m.grammar_from_json_schema, "regex": m.grammar_from_regex, "lark": m.grammar_from_lark,
+             "compact json": lambda s: m.grammar_from_json_schema(s, overrides={"whitespace_flexible": False})}[how]
+    try:
+        return build(text)
+    except ValueError as e:
+        raise GrammarError(f"the {kind} does not compile: {e}") from None
 
 
 def _only_grammar(built: str) -> dict:

@@ -39,7 +39,8 @@ from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import ReasoningParser
 from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_body
 from dflash_trt.server.responses import usage as response_usage
-from dflash_trt.server.tool_calls import ForcedCallSplitter, ToolCallParser, ToolCallSplitter
+from dflash_trt.server.structured import forced_functions
+from dflash_trt.server.tool_calls import PARSERS, ForcedCallSplitter, ToolCallParser, ToolCallSplitter
 from dflash_trt.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         """The parser of a chat request's answer: the server's, unless the prompt closed the reasoning."""
         return None if req.prompt_closed_reasoning else reasoning
 
+    def _harmony_calls(req: p.ChatCompletionRequest) -> bool:
+        """Whether the calls tool_choice forces come in harmony's form (gpt-oss's, as it is trained to call), not as
+        JSON in its final channel: where the server reads gpt-oss's calls and channels."""
+        parser = _reasoning(req)
+        return (req.forces_calls and tool_parser is PARSERS["gpt_oss"]
+                and parser is not None and parser.name == "gpt_oss")
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, answered as the chat completion its input makes (server/responses.py)."""
@@ -303,7 +311,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     def _splitter(req: p.ChatCompletionRequest) -> ChatAnswerSplitter:
         """A choice's reader of reasoning and of tool calls (where its request's tools may be called)."""
         if req.forces_calls:
-            return ChatAnswerSplitter(_reasoning(req), ForcedCallSplitter(req.forced_function))
+            harmony = list(forced_functions(req.template_tools, req.forced_function)) if _harmony_calls(req) else ()
+            return ChatAnswerSplitter(_reasoning(req), ForcedCallSplitter(req.forced_function, harmony))
         calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
         return ChatAnswerSplitter(_reasoning(req), calls)
 
@@ -498,7 +507,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if not ways:
             return None, None
         field, structure = ways[0]
-        if chat and (parser := _reasoning(req)) is not None:  # the model reasons first; the structure holds the rest
+        if chat and _harmony_calls(req):
+            # (harmony's one call a turn, as gpt-oss is trained: "required" is one call; max_tool_calls has no say)
+            structure = StructuredOutput(calls=forced_functions(req.template_tools, req.forced_function),
+                                         reasoning="gpt_oss")
+        elif chat and (parser := _reasoning(req)) is not None:  # the model reasons first; the structure holds the rest
             structure = dataclasses.replace(structure, reasoning=parser.name)
         return field, structure
 

@@ -50,10 +50,17 @@ def from_guided(field: str, v: Any) -> StructuredOutput:
     return StructuredOutput(**{GUIDED_FIELDS[field]: v})
 
 
+def forced_functions(tools: list[dict[str, Any]], function: str | None) -> dict[str, Any]:
+    """{name: its parameters' schema} of the functions a tool_choice that forces calls lets the answer call: the one
+    it names, or ("required", function None) all of the tools."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    return params if function is None else {function: params[function]}
+
+
 def forced_call_schema(tools: list[dict[str, Any]], function: str | None, max_calls: int | None) -> dict[str, Any]:
     """The JSON schema of an answer whose tool_choice forces calls: a named function's arguments, or ("required",
     function None) a list of at least one {"name", "parameters"} of the tools (at most max_calls)."""
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    params = forced_functions(tools, function)
     if function is not None:
         return params[function]
     # (vLLM's, closed: its keys are the server's own, and a small model's extra ones ran on past max_tokens)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,6 +329,7 @@ class ToolCallSplitter:
 
 _LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
 _JSON_STARTS = frozenset('{["-0123456789tfn')  # what a JSON value begins with
+_JSON_START = f"[{re.escape(''.join(sorted(_JSON_STARTS)))}]"
 
 
 @dataclass(frozen=True)
@@ -355,14 +356,22 @@ class ForcedCallSplitter:
       cut before its JSON begins, inside its reasoning, none).
     - "required": a list of {"name", "parameters"}, each call sent whole once its object closes; what an answer cut
       by max_tokens holds after its last whole call and the comma after it (an object cut; all of it where it made
-      none) is content, as written."""
+      none) is content, as written.
+    - harmony (gpt-oss, under a StructuredOutput's calls): a commentary message to one of these functions, as the
+      answer's content holds it past the gpt_oss reasoning split (" to=functions.NAME json{...}"), its arguments
+      sent as a named function's are."""
 
     before_reasoning = False
 
-    def __init__(self, function: str | None) -> None:
+    def __init__(self, function: str | None, harmony: Sequence[str] = ()) -> None:
         self._function = function
+        names = "|".join(re.escape(n) for n in sorted(harmony, key=len, reverse=True))  # (the longest name first)
+        # the call's header; its arguments begin where JSON does
+        self._header = (re.compile(rf"\s*to=functions\.(?P<name>{names}) ?(?:json)?(?={_JSON_START})") if harmony
+                        else None)
         self._text = ""
         self._opened: FunctionCall | None = None
+        self._arguments_at = 0  # where the arguments begin
         self._sent = 0  # the arguments' characters sent
         # the list's: where its last call ends (past its "[" before any), how far it is read, and the reader's state
         self._next: int | None = None
@@ -373,7 +382,7 @@ class ForcedCallSplitter:
     def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
                                                               ClosedCall]:
         self._text += text
-        return self._arguments(final) if self._function is not None else self._listed(final)
+        return self._listed(final) if self._function is None and self._header is None else self._arguments(final)
 
     def _listed(self, final: bool) -> list[str | FunctionCall]:
         out: list[str | FunctionCall] = []
@@ -413,16 +422,24 @@ class ForcedCallSplitter:
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []
         if self._opened is None:
-            # the call opens with its JSON (an object, as a function's parameters are; any JSON value, as a schema
-            # may say): what the answer holds before it (the start of a reasoning tag that max_tokens cut) is
-            # content, and whitespace waits for the JSON
-            if self._text.lstrip()[:1] not in _JSON_STARTS:
+            if (opening := self._opening()) is None:
                 return [self._text] if final and self._text else []
-            self._opened, self.num_calls = FunctionCall(self._function, ""), 1
+            name, self._arguments_at = opening
+            self._opened, self._sent, self.num_calls = FunctionCall(name, ""), self._arguments_at, 1
             out.append(OpenedCall(self._opened))
         if len(self._text) > self._sent:
             out.append(ArgumentsPiece(self._text[self._sent:]))
             self._sent = len(self._text)
         if final:  # the arguments as the model wrote them
-            out.append(ClosedCall(FunctionCall(self._function, self._text, self._opened.id)))
+            out.append(ClosedCall(FunctionCall(self._opened.name, self._text[self._arguments_at:], self._opened.id)))
         return out
+
+    def _opening(self) -> tuple[str, int] | None:
+        """(the function called, where its arguments begin), once the text has opened the call."""
+        if self._header is not None:
+            header = self._header.match(self._text)
+            return (header["name"], header.end()) if header else None
+        # the call opens with its JSON (an object, as a function's parameters are; any JSON value, as a schema may
+        # say): what the answer holds before it (the start of a reasoning tag that max_tokens cut) is content, and
+        # whitespace waits for the JSON
+        return (self._function, 0) if self._text.lstrip()[:1] in _JSON_STARTS else None

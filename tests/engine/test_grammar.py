@@ -301,7 +301,7 @@ def test_an_answer_ends_where_its_grammar_does_even_where_eos_is_no_stop_token(t
     assert out.text in ("ab", "ba") and out.token_ids[-1] == EOS and out.finish_reason == "stop"
 
 
-def test_a_schema_that_fails_at_its_first_token_is_refused_before_queueing(tiny_dirs):
+def test_a_schema_that_fails_at_its_first_token_is_refused_before_queueing(tiny_dirs, tmp_path_factory):
     engine = _engine(tiny_dirs, "qwen3", 3, rows=1)
     with pytest.raises(GrammarError, match="the json allows no answer"):
         engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(json={"$ref": "#"})))
@@ -311,6 +311,14 @@ def test_a_schema_that_fails_at_its_first_token_is_refused_before_queueing(tiny_
     with pytest.raises(GrammarError, match=r"gpt_oss reasoning needs harmony's special tokens; the tokenizer lacks "
                                            r"\['<\|channel\|>', '<\|message\|>', '<\|end\|>', '<\|start\|>'\]"):
         engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(regex="a", reasoning="gpt_oss")))
+    # a call's: its function's schema, named; harmony's <|constrain|> too
+    with pytest.raises(GrammarError, match="the parameters' schema of 'g' allows no answer"):
+        engine.add_request([5, 6], SamplingParams(structured=StructuredOutput(
+            calls={"f": {"type": "object"}, "g": {"$ref": "#"}}, reasoning="gpt_oss")))
+    harmony = _thinking_dirs(tmp_path_factory.getbasetemp(), HARMONY, True)
+    with pytest.raises(GrammarError, match=r"the tokenizer lacks \['<\|constrain\|>'\]"):
+        _engine(harmony, "qwen3", 3, rows=1).add_request([5, 6], SamplingParams(structured=StructuredOutput(
+            calls={"f": {"type": "object"}}, reasoning="gpt_oss")))
     assert not engine.has_unfinished()
 
 
@@ -336,8 +344,8 @@ REASONED = {
 _thinking: dict = {}
 
 
-def _thinking_dirs(root, tags: tuple[str, ...], special: bool) -> dict:
-    """A target whose tokenizer adds tags as tokens past its characters, ids 100 - len(tags) on: as Qwen3's and
+def _thinking_dirs(root, tags: tuple[str, ...], special: bool, vocab: int = 100) -> dict:
+    """A target whose tokenizer adds tags as tokens past its characters, ids vocab - len(tags) on: as Qwen3's and
     DeepSeek-R1's add <think> and </think> (llguidance reads them as special tokens; the runtime's reader of a
     character tokenizer reads them as text unless special), and gpt-oss's harmony has its special tokens."""
     from tokenizers import AddedToken
@@ -345,10 +353,10 @@ def _thinking_dirs(root, tags: tuple[str, ...], special: bool) -> dict:
 
     from tests.conftest import save_char_tokenizer
 
-    key = (tags, special)
+    key = (tags, special, vocab)
     if key not in _thinking:
-        t = make_target(root / f"t{len(_thinking)}", vocab=100, seed=31)
-        save_char_tokenizer(t, 100 - len(tags))
+        t = make_target(root / f"t{len(_thinking)}", vocab=vocab, seed=31)
+        save_char_tokenizer(t, vocab - len(tags))
         tok = AutoTokenizer.from_pretrained(t)
         tok.add_tokens([AddedToken(tag, special=special) for tag in tags], special_tokens=special)
         tok.save_pretrained(t)
@@ -388,6 +396,47 @@ def test_greedy_answers_that_reason_first_are_the_targets_masked_greedy(tmp_path
     assert [o.token_ids for o in outs] == refs
     # (a reasoning ended past its first tokens, and an answer that ended under the pattern)
     assert any(ends in r[2:] for r in refs) and any(r[-1] == EOS for r in refs)
+
+
+CALL_TAGS = (*HARMONY, "<|constrain|>", "<|call|>")  # (<|call|> no eos here: the grammar writes it)
+# the oracle's arguments (no whitespace: any_whitespace off) by function
+ARGUMENTS = {"f": ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                    "required": ["n"], "additionalProperties": False}, r'\{"n":(?:[0-9]|[1-9][0-9])\}'),
+             "g.h": ({"type": "object", "properties": {"s": {"enum": ["ab", "ba"]}}, "required": ["s"],
+                      "additionalProperties": False}, r'\{"s":"(?:ab|ba)"\}')}
+
+
+@pytest.mark.parametrize("functions", [["f"], ["f", "g.h"]], ids=["named", "either"])
+def test_greedy_harmony_calls_are_the_targets_masked_greedy(tmp_path_factory, functions):
+    """gpt-oss's own form of a call: analysis messages, then a commentary message to one of the functions with
+    <|constrain|>json, its arguments held to the function's schema, then <|call|>. The oracle: Python's `regex`
+    partial matching of the whole answer, harmony's special tokens as placeholders."""
+    dirs = _thinking_dirs(tmp_path_factory.getbasetemp(), CALL_TAGS, True, vocab=98 + len(CALL_TAGS))
+    engine = _engine(dirs, "qwen3", 7, rows=4)
+    tok, vocab = engine.tokenizer, 98 + len(CALL_TAGS)
+    marks = {i: chr(1 + j) for j, i in enumerate(range(98, vocab))}
+    headers = "|".join(regex.escape(f) + rf' ?\x06json\x02{ARGUMENTS[f][1]}' for f in functions)
+    whole = rf"(?:\x01analysis\x02[^\x01-\x07]*\x03\x04assistant)*\x01commentary to=functions\.(?:{headers})\x07"
+
+    def text(out: list[int]) -> str:
+        return "".join(marks.get(i) or tok.decode([i]) for i in out)
+
+    def allowed_after(out: list[int]) -> list[int]:
+        said = text(out)
+        return ([i for i in range(3, vocab) if regex.fullmatch(whole, said + text([i]), partial=True)]
+                + [EOS] * bool(regex.fullmatch(whole, said)))
+
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("Hi ", "Tell me ", "Name? ", "x ")]
+    bias = {tok.convert_tokens_to_ids("<|end|>"): 0.3}
+    refs = [hf_masked_greedy(dirs["qwen3"], prompt, allowed_after, new=70, bias=bias) for prompt in prompts]
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
+    spec = StructuredOutput(calls={f: ARGUMENTS[f][0] for f in functions}, any_whitespace=False, reasoning="gpt_oss")
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=70, logit_bias=bias, structured=spec))
+    assert [o.token_ids for o in outs] == refs
+    # (answers that reasoned before their call, and calls written whole, to each function asked for)
+    said = [text(r) for r in refs if r[-1] == EOS]
+    assert any(t.startswith("\x01analysis") for t in said)
+    assert {regex.search(r"functions\.([\w.]+?) ?\x06", t)[1] for t in said} == set(functions)
 
 
 # --- sampling: speculative samples under a grammar follow the masked target's distribution --------------------------

@@ -103,16 +103,21 @@ QUESTION = [{"role": "user", "content": "weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
 
 
-def trained_to_answer(root, messages: list[dict], answer: str) -> tuple:
-    """A tiny target trained to answer messages with answer (a character tokenizer of 100 ids spells braces), and a
-    random drafter: the engine's greedy answer is the target's own."""
+def trained_to_answer(root, messages: list[dict], answer: str, specials: tuple[str, ...] = ()) -> tuple:
+    """A tiny target trained to answer messages with answer (a character tokenizer of 100 ids spells braces; specials
+    are added past the characters as special tokens, as harmony's are), and a random drafter: the engine's greedy
+    answer is the target's own."""
     import torch
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from tests.conftest import make_drafter, make_target
 
-    target = make_target(root / "target", vocab=100)
+    target = make_target(root / "target", vocab=98 + len(specials) if specials else 100)
     tok = AutoTokenizer.from_pretrained(target)
+    if specials:
+        tok.add_tokens([AddedToken(t, special=True) for t in specials], special_tokens=True)
+        tok.save_pretrained(target)
     model = Qwen3ForCausalLM.from_pretrained(target)
     prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
                   ["input_ids"])

@@ -15,6 +15,7 @@ import regex
 
 from dflash_trt import SamplingParams, StructuredOutput
 from dflash_trt.server.reasoning import reasoning_parser
+from dflash_trt.server.tool_calls import tool_call_parser
 from dflash_trt.server.structured import forced_call_schema
 from tests.server.conftest import QUESTION, TOOLS, start_server, trained_to_answer
 
@@ -347,3 +348,64 @@ def test_a_prompt_that_closed_the_reasoning_leaves_the_answer_content_held_by_th
         assert "reasoning" not in choice["message"] and choice["finish_reason"] == "stop"
     finally:
         server.stop()
+
+
+# --- gpt-oss: forced calls in harmony's own form ---------------------------------------------------------------------
+
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>")
+HARMONY_ARGUMENTS = '{"city": "Oslo", "days": 3}'
+HARMONY_CALL = ("<|channel|>analysis<|message|>I will look.<|end|><|start|>assistant<|channel|>commentary "
+                f"to=functions.get_weather <|constrain|>json<|message|>{HARMONY_ARGUMENTS}<|call|>")
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """A target trained to call as gpt-oss does, in harmony's special tokens, served with gpt-oss's parsers (a
+    gpt-oss target's defaults); its plain oracle."""
+    dirs = trained_to_answer(tmp_path_factory.mktemp("harmony"), QUESTION, HARMONY_CALL, HARMONY_TOKENS)
+    server = start_server(_engine(dirs), reasoning=reasoning_parser("gpt_oss"), tool_parser=tool_call_parser("gpt_oss"))
+    yield server, _engine(dirs, speculative=False)
+    server.stop()
+
+
+@pytest.mark.parametrize("tool_choice, finish", [({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+                                                 ("required", "tool_calls")], ids=["named", "required"])
+def test_a_gpt_oss_forced_call_is_harmonys_commentary_message_to_the_function(harmony, tool_choice, finish):
+    """gpt-oss is trained to call a function in a commentary message addressed to it, after its analysis: a forced
+    call is held to that form (not JSON in its final channel), and the target's own call is the answer."""
+    served, plain = harmony
+    names = ["get_weather"] if finish == "stop" else ["get_weather", "get_time"]
+    spec = StructuredOutput(calls={t["function"]["name"]: t["function"]["parameters"] for t in CALLABLE
+                                   if t["function"]["name"] in names}, reasoning="gpt_oss")
+    want = _expected(plain, spec, tools=CALLABLE, max_tokens=160)
+    assert want.finish_reason == "stop"  # its own call, which the grammar allows, whole:
+    assert want.token_ids == _expected(plain, None, tools=CALLABLE, max_tokens=160).token_ids
+    body = {"model": "tiny-qwen3", "messages": QUESTION, "tools": CALLABLE, "max_tokens": 160, "temperature": 0,
+            "tool_choice": tool_choice}
+    choice = served.client().chat.completions.create(**body).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", HARMONY_ARGUMENTS)
+    assert (choice.message.reasoning, choice.message.content, choice.finish_reason) == ("I will look.", None, finish)
+    # streamed: the reasoning, then the call named in its first delta, its arguments in the next ones
+    deltas = [c.choices[0].delta for c in served.client().chat.completions.create(stream=True, **body) if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "I will look."
+    assert [t.function.name for t in calls if t.function.name] == ["get_weather"] and len(calls) > 2
+    assert "".join(t.function.arguments for t in calls) == HARMONY_ARGUMENTS
+    assert not "".join(d.content or "" for d in deltas)
+
+
+def test_a_gpt_oss_forced_call_cut_short_is_a_cut_call_and_the_responses_api_makes_it_a_function_call(harmony):
+    served, plain = harmony
+    body = {"model": "tiny-qwen3", "messages": QUESTION, "tools": CALLABLE, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    n = len(plain.tokenizer.encode(HARMONY_CALL, add_special_tokens=False)) - 5  # cut inside the arguments
+    choice = served.client().chat.completions.create(max_tokens=n, **body).choices[0]
+    assert choice.finish_reason == "length" and HARMONY_ARGUMENTS.startswith(
+        choice.message.tool_calls[0].function.arguments) and choice.message.tool_calls[0].function.arguments
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    r = httpx.post(served.base_url + "/responses", timeout=60, json={
+        "input": QUESTION, "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 160, "temperature": 0}).json()
+    assert [(i["type"], i.get("name"), i.get("arguments")) for i in r["output"]] == [
+        ("reasoning", None, None), ("function_call", "get_weather", HARMONY_ARGUMENTS)]

@@ -299,6 +299,35 @@ def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_ho
     assert "".join(v for k, v in parts if k == "reasoning") == (said or "")
 
 
+_plain = st.lists(st.sampled_from([t for t in _NEAR if "assistant" not in t]), max_size=10).map("".join).filter(
+    lambda t: "assistant" not in t)
+
+
+@settings(max_examples=100, deadline=None)
+@given(thoughts=st.lists(_plain, max_size=2), name=st.sampled_from(["get", "get_json", "g.h"]), space=st.booleans(),
+       arguments=_plain.map(lambda t: "{" + t), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_harmony_forced_call_is_read_from_its_header_its_arguments_in_pieces(thoughts, name, space, arguments,
+                                                                                cuts):
+    """gpt-oss's call, as its text holds it past its analysis messages ("commentary to=functions.NAME json{...}",
+    harmony's special tokens left out): the function it names (of names that begin one another), its arguments sent
+    as a named call's."""
+    def splitter():
+        return ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ForcedCallSplitter(None, ["get", "get_json", "g.h"]))
+
+    analysis = "".join(f"analysis{t}assistant" for t in thoughts)
+    text = f"{analysis}commentary to=functions.{name}{' ' * space}json{arguments}"
+    said, content, (whole,) = splitter().split(text)
+    assert (said or "", content, whole.name, whole.arguments) == ("\n".join(thoughts), None, name, arguments)
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
+    streaming = splitter()
+    parts = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))]
+    kinds = [k for k, _ in parts if k != "reasoning"]
+    assert (kinds[0], kinds[-1]) == ("call_opened", "call_closed") and set(kinds[1:-1]) <= {"arguments"}
+    assert next(v for k, v in parts if k == "call_opened").name == name
+    assert "".join(v for k, v in parts if k == "arguments") == parts[-1][1].arguments == arguments
+    assert "".join(v for k, v in parts if k == "reasoning") == (said or "")
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), reasoning=st.sampled_from([None, "qwen3"]), cuts=st.lists(st.integers(0, 300), max_size=12))
 def test_required_calls_come_each_once_its_object_closes_and_a_cut_list_keeps_its_whole_ones(data, reasoning, cuts):
