@@ -28,7 +28,7 @@ from dflash_trt.engine_dir import (BUILD_REPLACED, BUILD_WRITING, FORMAT_VERSION
                                    manifest_digest, read_manifest)
 from dflash_trt.hardware import HardwareProfile, profile
 from dflash_trt.model_source import ModelSource, resolve_model
-from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, generation_eos_ids
+from dflash_trt.models.config import DecoderConfig, decoder_config_from_dict, generation_eos_ids, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.tokenizer import load_tokenizer, require_tokenizer_files
 from dflash_trt.models.weights import CheckpointError, open_safetensors, read_index, safetensors_files
@@ -115,7 +115,7 @@ def prepare_build(config_path: str | Path, overrides: dict | None = None, allow_
     if not plan.fits:
         raise PlanError(f"{config_path}: " + "; ".join(problem.rstrip(".") for problem in plan.problems) + ".")
     try:
-        options = llm_api_options(cfg, plan, has_experts=bool(tcfg.extra.get("num_local_experts")))
+        options = llm_api_options(cfg, plan, has_experts=moe_shape(tcfg) is not None)
     except ValueError as e:  # trtllm_options' keys and values: the file they are written in
         raise ValueError(f"{config_path}: {e}") from e
     return PreparedBuild(cfg, base_dir, hw, target, drafter, tcfg, dcfg, k, plan, options)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import HardwareProfile, has_amx_tiles
-from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.config import DecoderConfig, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.plan import (DTYPE_BYTES, KV_DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype,
                              target_weight_parts)
@@ -125,16 +125,16 @@ class PerfModel:
         parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=self.hw.kind == "gpu")
         tokens = batch * tokens_per_row  # on this rank
         tp = attention_tp(cfg)
-        experts = t.extra.get("num_local_experts")
+        moe = moe_shape(t)
         weight_bytes = parts.layer_dense_bytes * t.num_hidden_layers + parts.head_bytes + parts.final_norm_bytes
         flops = 2 * (parts.layer_dense_bytes / dtype_b) * t.num_hidden_layers * tokens
-        if experts:
-            e, top_k = int(experts), int(t.extra.get("num_experts_per_tok") or 1)
+        if moe:
+            e, top_k = moe.num_experts, moe.experts_per_token
             routed = tokens * self.dp  # every attention-DP rank's tokens reach the experts
             active = expected_experts(e, top_k, routed) / cfg.moe_ep  # this rank holds 1/ep of them
-            weight_bytes += t.num_hidden_layers * active * parts.expert_bytes
-            values = 3 * t.hidden_size * t.intermediate_size / cfg.moe_tp
-            flops += 2 * values * routed * top_k / cfg.moe_ep * t.num_hidden_layers
+            weight_bytes += t.num_hidden_layers * active * parts.expert_bytes  # (expert_bytes: a layer's average)
+            values = 3 * t.hidden_size * moe.intermediate_size / cfg.moe_tp
+            flops += 2 * values * routed * top_k / cfg.moe_ep * moe.sparse_layers
         flops += 2 * (parts.head_bytes / dtype_b) * tokens
         # Attention: K/V of the context, sliding layers only their window.
         window = t.extra.get("sliding_window")
@@ -147,7 +147,7 @@ class PerfModel:
         kv_bytes = batch * attended * 2 * kv_heads * t.head_dim * kv_b
         flops += 4 * (t.num_attention_heads // tp) * t.head_dim * attended * tokens
         overhead = self.hw.step_overhead_s + self.hw.layer_overhead_s * t.num_hidden_layers
-        comm = self._collectives_s(t.num_hidden_layers, tokens, moe=bool(experts))
+        comm = self._collectives_s(t.num_hidden_layers, tokens, moe=moe is not None)
         return ForwardCost(weight_bytes + kv_bytes, flops, comm, overhead)
 
     def drafter_cost(self, batch: int, k: int, context: int | None = None) -> ForwardCost:

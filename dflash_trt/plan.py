@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import GB, HardwareProfile, has_amx_tiles
-from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.config import DecoderConfig, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.validate import attention_tp
 
@@ -157,18 +157,22 @@ def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
         dense += 2 * hd
     if t.model_type == "gpt_oss":
         dense += t.num_attention_heads // tp  # attention sinks, one per head
-    experts = t.extra.get("num_local_experts")
+    moe = moe_shape(t)
     per_rank, one_expert = 0, 0.0
-    if experts:
-        e, i = int(experts), t.intermediate_size
-        dense += h * e + e  # router, replicated
+    if moe:
+        e, i = moe.num_experts, moe.intermediate_size
         per_rank = e // cfg.moe_ep
         quant = (t.extra.get("quantization_config") or {}).get("quant_method")
         if quant == "mxfp4" and keep_mxfp4:
             one_expert = mxfp4_expert_bytes(h, i // cfg.moe_tp)
         else:
             one_expert = 3 * h * i / cfg.moe_tp * dtype_b  # gate_up [h, 2i] and down [i, h], this rank's share
-            one_expert += (2 * i // cfg.moe_tp + h) * dtype_b  # its biases
+            one_expert += (2 * i // cfg.moe_tp + h) * dtype_b if moe.biases else 0  # its biases
+        # per layer on average where only some layers route (Qwen3-MoE's mlp_only_layers): the sparse ones' router
+        # (replicated) and experts, the others' dense MLP
+        share = moe.sparse_layers / t.num_hidden_layers
+        dense += (h * e + (e if moe.biases else 0)) * share + 3 * h * t.intermediate_size // tp * (1 - share)
+        one_expert *= share
     else:
         dense += 3 * h * t.intermediate_size // tp
     vocab = t.vocab_size * h // tp * dtype_b
@@ -291,8 +295,9 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         comps["packed_weight_copies"] = int(projections * (2 if has_amx_tiles() else 1) + head + drafter / 2)
     # Activations (estimate): per token in flight, the residual streams, q/k/v, MLP intermediates
     # (top-k experts for MoE), plus fp32 logits for every verified and drafted position.
-    i_rank = t.intermediate_size // (cfg.moe_tp if t.extra.get("num_local_experts") else tp)
-    fanout = int(t.extra.get("num_experts_per_tok") or 1)
+    moe = moe_shape(t)
+    i_rank = moe.intermediate_size // cfg.moe_tp if moe else t.intermediate_size // tp
+    fanout = moe.experts_per_token if moe else 1
     per_tok = (4 * t.hidden_size + (t.num_attention_heads // tp + 2 * kv_heads) * t.head_dim + 3 * i_rank * fanout)
     tokens = min(cfg.max_num_tokens, batch * seq) if trtllm else batch * seq
     # TensorRT-LLM's steps hold at most max_num_tokens tokens, verified drafts included

@@ -7,7 +7,7 @@ import logging
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
-from dflash_trt.models.config import DecoderConfig
+from dflash_trt.models.config import DecoderConfig, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.draft_tree import check_tree_nodes
@@ -90,15 +90,15 @@ def check_mapping(target: DecoderConfig, drafter: DFlashConfig | None, cfg: Buil
             raise ValueError(
                 f"tensor_parallel_size={tp}: the {name}'s num_key_value_heads={kv} neither divides nor is divisible by it"
             )
-    experts = target.extra.get("num_local_experts")
-    if experts:
-        if experts % cfg.moe_ep:
+    moe = moe_shape(target)
+    if moe:
+        if moe.num_experts % cfg.moe_ep:
             raise ValueError(
-                f"moe_expert_parallel_size={cfg.moe_ep}: num_local_experts={experts} is not divisible by it"
+                f"moe_expert_parallel_size={cfg.moe_ep}: the target's {moe.num_experts} experts are not divisible by it"
             )
-        if target.intermediate_size % cfg.moe_tp:
+        if moe.intermediate_size % cfg.moe_tp:
             raise ValueError(
-                f"moe_tensor_parallel_size={cfg.moe_tp}: the expert intermediate_size={target.intermediate_size} is "
+                f"moe_tensor_parallel_size={cfg.moe_tp}: the expert intermediate_size={moe.intermediate_size} is "
                 "not divisible by it"
             )
     elif cfg.moe_expert_parallel_size not in (None, 1) or cfg.moe_config is not None:

@@ -147,7 +147,7 @@ def _models(target_id, drafter_id=None):
         ("Qwen/Qwen3-8B", None, {"tensor_parallel_size": 3}, "num_attention_heads=32 is not divisible"),
         # With attention DP the heads are not split, so the experts are what fails: 128 % 6 != 0.
         ("openai/gpt-oss-120b", None, {"hardware": "b300", "tensor_parallel_size": 6, "enable_attention_dp": True,
-                                      "moe_expert_parallel_size": 6}, "num_local_experts=128 is not divisible"),
+                                      "moe_expert_parallel_size": 6}, "the target.s 128 experts are not divisible"),
         ("Qwen/Qwen3-8B", None, {"moe_config": {"backend": "CUTLASS"}}, "has no experts"),
         # The gpt-oss drafter has 64 query heads; TP 3 cannot split the target's 64 either.
         ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", {"hardware": "b300", "tensor_parallel_size": 3,

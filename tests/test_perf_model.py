@@ -98,16 +98,21 @@ def test_moe_reads_only_the_experts_the_batch_routes_to():
     moe = {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2}
     m = _tiny(target=moe, moe_expert_parallel_size=2)
     dense = _tiny(target={**TINY, "intermediate_size": 0}, moe_expert_parallel_size=2)  # attention only
-    # Per rank: 2 of 4 experts (EP2), one expert 3 x 64 x 128 values x 2 B = 49,152 B + biases (2 x 128 + 64) x 2 B
-    # = 640 B; the router 64 x 4 + 4 = 260 values = 520 B per layer, read every step.
-    one_expert = 49_152 + 640
+    # Per rank: 2 of 4 experts (EP2), one expert 3 x 64 x 128 values x 2 B = 49,152 B (a family without biases,
+    # Mixtral's; gpt-oss's are counted below); the router 64 x 4 = 256 values = 512 B per layer, read every step.
+    one_expert = 49_152
     for tokens in (1, 3):
         active = 4 * (1 - (1 - 2 / 4) ** tokens) / 2
         extra = m.target_cost(tokens, 1).bytes - dense.target_cost(tokens, 1).bytes
-        assert extra == pytest.approx(2 * (active * one_expert + 520)), tokens
+        assert extra == pytest.approx(2 * (active * one_expert + 512)), tokens
     # Expert FLOPs: each token's 2 experts, 2 x 3 x 64 x 128 each, shared by the 2 expert ranks.
     f = m.target_cost(3, 1).flops - dense.target_cost(3, 1).flops
-    assert f == pytest.approx(2 * (2 * 3 * 64 * 128 * 3 * 2 / 2 + 2 * 260 * 3))
+    assert f == pytest.approx(2 * (2 * 3 * 64 * 128 * 3 * 2 / 2 + 2 * 256 * 3))
+    # gpt-oss's experts and router have biases: (2 x 128 + 64) x 2 B = 640 B an expert, 4 values (8 B) the router's
+    oss = {**moe, "model_type": "gpt_oss"}
+    gap = _tiny(target=oss, moe_expert_parallel_size=2).target_cost(1, 1).bytes - m.target_cost(1, 1).bytes
+    sinks = 2 * (4 // 2) * 2  # (and its attention sinks: a value per head of the rank's 2 (TP2), per layer)
+    assert gap == pytest.approx(2 * (4 * (1 - (1 - 2 / 4)) / 2 * 640 + 8) + sinks)
 
 
 def test_attention_dp_gathers_every_ranks_tokens_for_the_experts():

@@ -337,3 +337,19 @@ def test_the_drafter_arena_must_fit_in_what_the_kv_caches_carve_leaves():
     # layers at 9,472 tokens, the sliding ones too)
     roomy = _cfg(**{**cfg.model_dump(), "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.69}})
     assert plan_build(GPT_OSS, GPT_OSS_DRAFTER, roomy, profile("b300"), 7).fits
+
+
+def test_qwen3_moe_weights_are_its_checkpoints_bytes():
+    """Qwen3-Coder-30B-A3B, bf16 on one H200: the plan's target weights are the checkpoint's own total_size
+    (model.safetensors.index.json: 61,064,245,248 B), every layer's 128 experts of 768 counted, not the dense
+    intermediate_size (5,472) its config.json also lists. With two layers dense (mlp_only_layers) those hold Qwen3's
+    MLP of 5,472 instead: 2 x (3 x 2,048 x 5,472 - (128 x 3 x 2,048 x 768 + 2,048 x 128)) x 2 B fewer."""
+    raw = bundled_config("Qwen/Qwen3-Coder-30B-A3B-Instruct")
+    cfg = dict(model="Qwen/Qwen3-Coder-30B-A3B-Instruct", hardware="h200", kv_cache_config={"dtype": "bfloat16"},
+               speculative_config=None, max_batch_size=1, max_seq_len=4096)
+    plan = plan_build(decoder_config_from_dict(raw), None, _cfg(**cfg), profile("h200"), max_draft_len=0)
+    assert plan.components["target_weights"] == 61_064_245_248
+    mixed = decoder_config_from_dict({**raw, "mlp_only_layers": [0, 47]})
+    fewer = 2 * (3 * 2048 * 768 * 128 + 2048 * 128 - 3 * 2048 * 5472) * 2
+    assert plan_build(mixed, None, _cfg(**cfg), profile("h200"), 0).components["target_weights"] == (
+        61_064_245_248 - fewer)

@@ -183,13 +183,17 @@ def qwen3_layer_types(cfg: dict, layers: int, source: str) -> tuple[list[str], i
 
 def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers' model of that family applies it: Mistral on every layer (4096
-    where config.json has no sliding_window), Qwen3 on its sliding layers (qwen3_layer_types), Llama on none."""
+    where config.json has no sliding_window), Qwen3 on its sliding layers (qwen3_layer_types), Qwen3-MoE on every
+    layer where use_sliding_window says so, Llama on none."""
     if model_type == "mistral":
         window = cfg.get("sliding_window", 4096)
         windows = (None if window is None else as_int(window, "sliding_window", source, minimum=1),) * layers
     elif model_type == "qwen3" and as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source, False):
         layer_types, window = qwen3_layer_types(cfg, layers, source)
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif model_type == "qwen3_moe" and as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source, False):
+        window = cfg.get("sliding_window", 4096)  # (transformers' Qwen3-MoE: every layer, as Mistral)
+        windows = (None if window is None else as_int(window, "sliding_window", source, minimum=1),) * layers
     else:
         return ()
     return windows if any(w is not None for w in windows) else ()
@@ -257,3 +261,61 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         layer_windows=_target_windows(cfg, model_type, layers, source),
         extra=cfg,
     )
+
+
+@dataclass(frozen=True)
+class Qwen3MoeParams:
+    """Qwen3-MoE's facts, read from DecoderConfig.extra (the config.json dict) with transformers' defaults."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]  # per layer: whether it routes to experts
+
+    @classmethod
+    def from_config(cls, cfg: DecoderConfig) -> "Qwen3MoeParams":
+        raw, source = cfg.extra, "config.json (qwen3_moe)"
+        # (Qwen's config.json says num_experts; transformers 5 saves it as num_local_experts, gpt-oss's name)
+        key = "num_experts" if "num_experts" in raw else "num_local_experts"
+        experts = as_int(raw.get(key, 128), key, source, minimum=0)
+        top_k = as_int(raw.get("num_experts_per_tok", 8), "num_experts_per_tok", source, minimum=1)
+        if experts and not 1 <= top_k <= experts:
+            raise ValueError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        step = as_int(raw.get("decoder_sparse_step", 1), "decoder_sparse_step", source, minimum=1)
+        dense = raw.get("mlp_only_layers") or []
+        if not (isinstance(dense, list) and all(isinstance(i, int) for i in dense)):
+            raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices, got {dense!r}")
+        return cls(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=as_int(raw.get("moe_intermediate_size", 768), "moe_intermediate_size", source,
+                                         minimum=1),
+            norm_topk_prob=as_bool(raw.get("norm_topk_prob"), "norm_topk_prob", source, False),
+            sparse=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)),
+        )
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A target's mixture of experts as the planner reads it."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int  # one expert's
+    sparse_layers: int  # the layers that route to experts; the others' MLP is dense, of the intermediate_size
+    biases: bool  # the router's and the experts' (gpt-oss's)
+
+
+def moe_shape(t: DecoderConfig) -> MoeShape | None:
+    """The target's experts (None for a dense model): Qwen3-MoE's as its runtime reads them (Qwen3MoeParams), other
+    families' where config.json says num_local_experts (gpt-oss's, on every layer)."""
+    if t.model_type == "qwen3_moe":
+        p = Qwen3MoeParams.from_config(t)
+        return MoeShape(p.num_experts, p.num_experts_per_tok, p.moe_intermediate_size, sum(p.sparse), False) \
+            if p.num_experts else None
+    experts = t.extra.get("num_local_experts")
+    if not experts:
+        return None
+    return MoeShape(int(experts), int(t.extra.get("num_experts_per_tok") or 1), t.intermediate_size,
+                    t.num_hidden_layers, t.model_type == "gpt_oss")

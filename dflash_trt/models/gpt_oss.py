@@ -22,7 +22,8 @@ from torch import nn
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import (KERNEL_MAX_QUERIES, AttentionMetadata, attend, kernel_attention,
                                          kernel_step, kernel_step_tokens)
-from dflash_trt.layers.linear import PackedLinear, can_pack, kernel_serves
+from dflash_trt.layers.experts import ExpertBank
+from dflash_trt.layers.linear import PackedLinear, kernel_serves
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
@@ -129,73 +130,17 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out)
 
 
-class GptOssExperts(nn.Module):
-    """The experts this rank holds (all of them unless expert-parallel), each a clamped SwiGLU with biases."""
+class GptOssExperts(ExpertBank):
+    """Clamped SwiGLU experts with biases."""
 
     def __init__(self, hidden: int, intermediate: int, experts: range, alpha: float, limit: float) -> None:
-        super().__init__()
-        self.experts = experts
+        super().__init__(hidden, intermediate, experts, bias=True)
         self.alpha, self.limit = alpha, limit
-        e = len(experts)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * intermediate, hidden))  # [E_local, 2I (gate ; up), H]
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * intermediate))  # [E_local, 2I]
-        self.down_proj = nn.Parameter(torch.empty(e, hidden, intermediate))  # [E_local, H, I]
-        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden))  # [E_local, H]
-        self.packed: nn.ModuleList | None = None  # per local expert (gate_up, down), set by pack()
 
-    def pack(self) -> None:
-        """Prepack every expert's two projections, one copy each, and drop the stacked weights: the bf16 kernel's
-        where it serves both (an expert's rows then come out alike whether one token or a verify block routes to it:
-        oneDNN's blocked products round a row apart by how many share the call, and greedy speculative output parted
-        from plain decoding's at near-ties), oneDNN's elsewhere (float32, or no kernel on this CPU)."""
-        if self.packed is not None:
-            return
-        kernel = kernel_serves(self.gate_up_proj[0]) and kernel_serves(self.down_proj[0])
-        if not kernel and not can_pack(self.gate_up_proj, with_kernel=False):
-            return
-        self.packed = nn.ModuleList(
-            nn.ModuleList([PackedLinear(self.gate_up_proj[e], self.gate_up_proj_bias[e], kernel, onednn=not kernel),
-                           PackedLinear(self.down_proj[e], self.down_proj_bias[e], kernel, onednn=not kernel)])
-            for e in range(len(self.experts))
-        )
-        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            delattr(self, name)
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, H] -> [N, H] through local expert e
-        if self.packed is not None:
-            gate_up = self.packed[e][0](x)
-        else:
-            gate_up = F.linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e])
-        gate, up = gate_up.chunk(2, dim=-1)
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        if self.packed is not None:
-            return self.packed[e][1](h)
-        return F.linear(h, self.down_proj[e], self.down_proj_bias[e])
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], expert_ids/expert_weights [T, k] (global ids) -> this rank's share of the output [T, H]."""
-        out = torch.zeros_like(x)
-        count, k = len(self.experts), expert_ids.shape[1]
-        local = (expert_ids - self.experts.start).flatten()  # [T * k], entry t * k + s: token t's slot s
-        local = torch.where((local >= 0) & (local < count), local, count)  # another rank's experts: past the last
-        # Grouped on the device, read back once (how many each expert has): on a GPU every read waits for the
-        # layer's kernels, and a read per routed expert made a verify step wait hundreds of times. A stable sort
-        # keeps ascending expert order and tokens ascending within one, as transformers accumulates (its float
-        # summation order).
-        order = torch.argsort(local, stable=True)
-        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
-        start = 0
-        for e, n in enumerate(routed[:count].tolist()):
-            if n:
-                entries = order[start : start + n]
-                token, slot = entries // k, entries % k
-                y = self._expert(e, x[token]) * expert_weights[token, slot, None]
-                out.index_add_(0, token, y.to(x.dtype))
-            start += n
-        return out
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssMoE(nn.Module):

@@ -177,15 +177,19 @@ class LlamaForCausalLM(CausalLM):
             if c.qk_norm:
                 own[f"layers.{i}.self_attn.q_norm.weight"].data.copy_(weights.get(a + "q_norm.weight", (c.head_dim,)))
                 own[f"layers.{i}.self_attn.k_norm.weight"].data.copy_(weights.get(a + "k_norm.weight", (c.head_dim,)))
-            m = p + "mlp."
-            gate = weights.get(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size))
-            up = weights.get(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))
-            own[f"layers.{i}.mlp.gate_up_proj.weight"].data.copy_(torch.cat([gate, up]))
-            own[f"layers.{i}.mlp.down_proj.weight"].data.copy_(
-                weights.get(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))
-            )
-            if c.mlp_bias:
-                gb = weights.get(m + "gate_proj.bias", (c.intermediate_size,))
-                ub = weights.get(m + "up_proj.bias", (c.intermediate_size,))
-                own[f"layers.{i}.mlp.gate_up_proj.bias"].data.copy_(torch.cat([gb, ub]))
-                own[f"layers.{i}.mlp.down_proj.bias"].data.copy_(weights.get(m + "down_proj.bias", (c.hidden_size,)))
+            self._load_mlp(weights, i, own)
+
+    def _load_mlp(self, weights: WeightSet, i: int, own: dict[str, nn.Parameter]) -> None:
+        """Layer i's MLP: gate and up fused."""
+        c, m = self.config, f"model.layers.{i}.mlp."
+        gate = weights.get(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        up = weights.get(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))
+        own[f"layers.{i}.mlp.gate_up_proj.weight"].data.copy_(torch.cat([gate, up]))
+        own[f"layers.{i}.mlp.down_proj.weight"].data.copy_(
+            weights.get(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))
+        )
+        if c.mlp_bias:
+            gb = weights.get(m + "gate_proj.bias", (c.intermediate_size,))
+            ub = weights.get(m + "up_proj.bias", (c.intermediate_size,))
+            own[f"layers.{i}.mlp.gate_up_proj.bias"].data.copy_(torch.cat([gb, ub]))
+            own[f"layers.{i}.mlp.down_proj.bias"].data.copy_(weights.get(m + "down_proj.bias", (c.hidden_size,)))

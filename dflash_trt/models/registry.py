@@ -13,6 +13,7 @@ from dflash_trt.models.config import (SILU_NAMES, DecoderConfig, decoder_config_
                                      read_config_json)
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
+from dflash_trt.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash_trt.models.weights import WeightSet
 
 
@@ -21,6 +22,7 @@ TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -32,7 +34,7 @@ def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
     if cls is None:
         raise ValueError(f"{source}: architectures={[cfg.architecture] if cfg.architecture else []!r} is not "
                          f"supported by this project's runtime; supported: {', '.join(sorted(TARGET_ARCHITECTURES))}")
-    if cls is LlamaForCausalLM and cfg.hidden_act not in SILU_NAMES:
+    if issubclass(cls, LlamaForCausalLM) and cfg.hidden_act not in SILU_NAMES:
         raise ValueError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported by this project's runtime "
                          "(its Llama-family MLP is SiLU-gated)")
     if cfg.rope["rope_type"] not in SUPPORTED_ROPE_TYPES:  # else refused as the model is built, naming no file
