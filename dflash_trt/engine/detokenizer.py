@@ -23,6 +23,21 @@ def client_text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
 
 
+def tokens_writing(tokenizer, ids: Sequence[int], chars: int) -> int:
+    """How many of ids it takes to write the first `chars` characters of their text: the fewest whose client_text is
+    that long (all of them where it never is). A binary search: log2(len(ids)) decodes, not one a token."""
+    if chars <= 0:
+        return 0
+    fewest, most = 1, len(ids)
+    while fewest < most:
+        middle = (fewest + most) // 2
+        if len(client_text(tokenizer, ids[:middle])) >= chars:
+            most = middle
+        else:
+            fewest = middle + 1
+    return most
+
+
 def find_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str | None]:
     """Where the answer's text ends and the stop string that ends it: the first that ends past character `after`
     (the first listed of those starting there); (-1, None) where none does."""

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dflash_trt import __version__
-from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer, tokens_writing
 from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.grammar import GrammarError
 from dflash_trt.engine.llm_engine import RequestOutput
@@ -218,9 +218,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         outputs = await _wait_all(request, submitted)
-        choices = [_chat_choice(i, o, req) for i, o in enumerate(outputs)]
-        body = p.ChatCompletionResponse(model=model_name, choices=choices, usage=_usage(outputs, submitted))
-        return JSONResponse(body.model_dump())
+        splitters = [_splitter(req) for _ in outputs]
+        choices = [_chat_choice(i, o, req, splitter) for i, (o, splitter) in enumerate(zip(outputs, splitters))]
+        usage = _usage(outputs, submitted, await _reasoning_tokens(outputs, splitters))
+        return JSONResponse(p.ChatCompletionResponse(model=model_name, choices=choices, usage=usage).model_dump())
 
     def _check_tools(req: p.ChatCompletionRequest) -> None:
         if req.calls_tools and tool_parser is None:
@@ -265,8 +266,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return _sse(_stream_response(req, submitted, response), named=True)
         o = (await _wait_all(request, submitted))[0]
         events = ResponseEvents(response)  # the stream's last event holds the response: the same items, unstreamed
-        events.feed(_splitter(req).parts(o.text, final=True), cut=o.finish_reason == "length")
-        return JSONResponse(events.finish(o.finish_reason, _response_usage(o, submitted))[-1]["response"])
+        splitter = _splitter(req)
+        events.feed(splitter.parts(o.text, final=True), cut=o.finish_reason == "length")
+        usage = await _response_usage(o, submitted, splitter)
+        return JSONResponse(events.finish(o.finish_reason, usage)[-1]["response"])
 
     def _as_responses(e: APIError) -> APIError:
         """An error of the chat request a Responses body became, naming the Responses field (text.format for chat's
@@ -275,8 +278,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             e.param, e.message = "text.format", "text.format" + e.message.removeprefix("response_format")
         return e
 
-    def _response_usage(o: RequestOutput, s: _Submitted) -> dict:
-        return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens)
+    async def _response_usage(o: RequestOutput, s: _Submitted, splitter: ChatAnswerSplitter) -> dict:
+        reasoned = await _reasoning_tokens([o], [splitter])
+        return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens, reasoned)
+
+    async def _reasoning_tokens(outputs: list[RequestOutput], splitters: list[ChatAnswerSplitter]) -> int:
+        """The answers' tokens of reasoning (its tags included), fed whole to their splitters: the fewest tokens that
+        write the reasoning's characters, counted on a tokenizer's lane (a few decodes an answer)."""
+        total = 0
+        for o, splitter in zip(outputs, splitters):
+            if chars := splitter.reasoning_chars:
+                encoder, thread = lanes.lane(len(o.token_ids))
+                total += await asyncio.get_running_loop().run_in_executor(
+                    thread, tokens_writing, encoder.tokenizer, o.token_ids, chars)
+        return total
 
     async def _stream_response(req: p.ChatCompletionRequest, s: _Submitted, response: ResponseObject):
         events, splitter = ResponseEvents(response), _splitter(req)
@@ -288,7 +303,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 for event in events.feed(splitter.parts(text, final=out is not None), cut=cut):
                     yield event
                 if out is not None:
-                    for event in events.finish(out.finish_reason, _response_usage(out, s)):
+                    for event in events.finish(out.finish_reason, await _response_usage(out, s, splitter)):
                         yield event
         except APIError as e:  # the engine failed it mid-stream: the API's error and failed events end the stream
             metrics.errors.labels(str(e.status)).inc()
@@ -300,8 +315,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             for event in events.failed(f"internal error: {e}"):
                 yield event
 
-    def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest) -> p.ChatChoice:
-        thought, content, calls = _splitter(req).split(o.text)
+    def _chat_choice(index: int, o: RequestOutput, req: p.ChatCompletionRequest,
+                     splitter: ChatAnswerSplitter) -> p.ChatChoice:
+        thought, content, calls = splitter.split(o.text)
         message = p.AssistantMessage(content=content, reasoning=thought, reasoning_content=thought,
                                      tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
         return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, req, len(calls)),
@@ -660,7 +676,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             yield chunk.model_dump(exclude=no_usage)
         if usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                        usage=_usage(outputs, s)).model_dump()
+                                        usage=_usage(outputs, s, await _reasoning_tokens(outputs, splitters))
+                                        ).model_dump()
 
     def _call_deltas(parts: list[tuple[str, Any]], begun: list[int], choice: int) -> list[p.DeltaToolCall]:
         """A chunk's tool-call deltas: each call begun in it (whole, or its first delta), and the pieces of the
@@ -723,12 +740,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             draft_time_s=out.draft_time, verify_time_s=out.verify_time,
         )
 
-    def _usage(outputs: list[RequestOutput], s: _Submitted) -> p.Usage:
-        """outputs: in choice order, n answers a prompt (the first of each reports the prompt's reuse)."""
+    def _usage(outputs: list[RequestOutput], s: _Submitted, reasoning_tokens: int | None = None) -> p.Usage:
+        """outputs: in choice order, n answers a prompt (the first of each reports the prompt's reuse).
+        reasoning_tokens: a chat request's (None for completions, whose usage has no completion_tokens_details)."""
         prompt = sum(s.prompt_lens[:: s.n])  # each prompt once, however many answers it got (OpenAI's count)
         completion = sum(o.num_tokens for o in outputs)
         cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs[:: s.n]))
+        details = None if reasoning_tokens is None else p.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=cached)
+                       prompt_tokens_details=cached, completion_tokens_details=details)
 
     return app

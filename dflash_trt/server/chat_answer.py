@@ -40,6 +40,12 @@ class ChatAnswerSplitter:
         """The calls the answer has made so far."""
         return self._calls.num_calls if self._calls is not None else 0
 
+    @property
+    def reasoning_chars(self) -> int:
+        """How many leading characters of the answer (of its text past its calls, where they are read first) are its
+        reasoning and its tags: ReasoningSplitter.reasoning_chars."""
+        return self._reasoning.reasoning_chars if self._reasoning is not None else 0
+
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[FunctionCall]]:
         """The reasoning, content and calls (those whole in it) of text, the answer's next delta; `final` with its
         last."""

@@ -642,11 +642,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose K/V another request's cache row held (not computed again)
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # the answers' tokens of reasoning, its tags included (a reasoning parser's split)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # OpenAI's; on a request's final usage
+    # OpenAI's, on a chat request's final usage (a completion's has none)
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):

@@ -109,10 +109,14 @@ class ReasoningSplitter:
         self._thought = False  # whether the answer opened with reasoning
         self._said = False  # whether its content has said anything
         self._held = ""
+        self._fed = 0  # the characters fed so far
+        self._content_at: int | None = None  # the character its content begins at, once it has
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and content of text, the answer's next delta; `final` with its last (nothing held back)."""
+        at, self._fed = self._fed - len(self._held), self._fed + len(text)  # (at: where the text read now begins)
         text, self._held = self._held + text, ""
+        whole = len(text)
         reasoning = ""
         start, ends = self.parser.start, self.parser.ends
         if self._state == "start":
@@ -143,7 +147,7 @@ class ReasoningSplitter:
                     break
                 parts.append("\n")
             reasoning = "".join(parts)
-            self._state = "content"
+            self._state, self._content_at = "content", at + whole - len(text)
         return reasoning, self._content(text, final) if self.parser.content_breaks else text
 
     def _content(self, text: str, final: bool) -> str:
@@ -167,6 +171,14 @@ class ReasoningSplitter:
     def thought(self) -> bool:
         """Whether the answer opened with reasoning (read so far)."""
         return self._thought
+
+    @property
+    def reasoning_chars(self) -> int:
+        """How many of the characters fed so far are the answer's reasoning and its tags (all of them while it
+        reasons; none where it opened without reasoning)."""
+        if not self._thought:
+            return 0
+        return self._fed if self._content_at is None else self._content_at
 
     @property
     def in_reasoning(self) -> bool:

@@ -193,11 +193,11 @@ def call_item(item_id: str, call: FunctionCall, arguments: str | None = None, st
             "status": status if arguments is None else "in_progress"}
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
     # (cache_write_tokens: OpenAI's for tokens its cache is paid to keep; a prompt's rows here are kept unasked)
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer, tokens_writing
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,18 @@ def test_arbitrary_ids_never_stream_text_the_whole_decode_lacks(tokenizer, ids, 
     want = tokenizer.decode(ids, skip_special_tokens=True)
     assert want.startswith(got)
     assert got == want or want.endswith("\ufffd")
+
+
+@SETTINGS
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60), data=st.data())
+def test_the_tokens_writing_a_texts_first_characters_are_the_fewest_whose_decode_is_that_long(tokenizer, text, data):
+    """A reasoning's tokens: the oracle reads every prefix of the ids (the binary search reads a few)."""
+    ids = tokenizer(text)["input_ids"]
+    whole = len(tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd"))
+    chars = data.draw(st.integers(0, whole + 2))
+    lengths = [len(tokenizer.decode(ids[:m], skip_special_tokens=True).rstrip("\ufffd")) for m in range(len(ids) + 1)]
+    want = next((m for m, n in enumerate(lengths) if n >= chars), len(ids))
+    assert tokens_writing(tokenizer, ids, chars) == want
 
 
 def test_only_a_window_is_decoded_per_update(tokenizer):

@@ -40,8 +40,9 @@ def _without(text: str, tags: list[str]) -> str:
     return text
 
 
-def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str, bool]:
-    """The reasoning and content deltas of text fed in pieces at `cuts`, joined; and whether it ended in reasoning."""
+def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str, bool, int]:
+    """The reasoning and content deltas of text fed in pieces at `cuts`, joined; whether it ended in reasoning; and
+    how many of its characters the splitter counts as reasoning (tags included)."""
     splitter, thought, said = ReasoningSplitter(parser), [], []
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -52,7 +53,7 @@ def _streamed(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str,
         r, c = splitter.feed("", final=True)
         thought.append(r)
         said.append(c)
-    return "".join(thought), "".join(said), splitter.in_reasoning
+    return "".join(thought), "".join(said), splitter.in_reasoning, splitter.reasoning_chars
 
 
 @settings(max_examples=600, deadline=None)
@@ -73,11 +74,12 @@ def test_the_split_is_the_answers_think_block_in_any_deltas(data, name, opened, 
             return  # an answer that opens in the content's channel has no reasoning (below)
         # a further message of reasoning (harmony's) goes on on a new line
         thought = reasoning.replace(parser.reasoning_break, "\n") if parser.reasoning_break else reasoning
-        want = (thought, content if closed else "", not closed)
+        # (its characters of reasoning: all but the content)
+        want = (thought, content if closed else "", not closed, len(text) - len(content) if closed else len(text))
     else:  # without an opening tag, all of it is content, less the content channel's name where it opens with it
         if any(tag in text for tag in parser.content_breaks):
             return
-        want = ("", text[len(openers[0]):] if openers else text, False)
+        want = ("", text[len(openers[0]):] if openers else text, False, 0)
     assert _streamed(parser, text, cuts) == want
     whole = _whole(parser, text)
     thought = opened or parser.starts_thinking  # (an answer opening in the content's channel returned above)
@@ -231,3 +233,38 @@ def test_an_assistant_messages_reasoning_reaches_chat_templates_under_the_names_
     for key in ("reasoning", "reasoning_content"):
         assert rendered({"role": "assistant", "content": "4", key: "2 + 2"}) == "[2 + 2|2 + 2|4]"
     assert rendered({"role": "assistant", "content": "4"}) == "[||4]"
+
+
+def test_usage_counts_the_reasoning_tokens_chat_streamed_and_responses(tiny_dirs, answers):
+    """OpenAI's completion_tokens_details.reasoning_tokens (the Responses API's output_tokens_details): the answer's
+    tokens up to its content, tags included; the tiny target's tokenizer writes a character a token, so the oracle is
+    the oracle answer's reasoning and tags, counted in characters."""
+    prompt, text = answers[0]
+    end = text[len(text) // 2: len(text) // 2 + 2]
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=4), reasoning=ReasoningParser("test", True, "\0",
+                                                                                              (end,)))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0}
+    want = text.index(end) + len(end)
+    try:
+        usage = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": want} and want < usage["completion_tokens"]
+        with httpx.stream("POST", server.base_url + "/chat/completions", timeout=60, json=body | {
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+        two = httpx.post(server.base_url + "/chat/completions", json=body | {"n": 2}, timeout=60).json()["usage"]
+        assert two["completion_tokens_details"] == {"reasoning_tokens": 2 * want}  # (greedy: the same answer twice)
+        r = httpx.post(server.base_url + "/responses", timeout=60, json={"input": prompt, "max_output_tokens": 24,
+                                                                         "temperature": 0}).json()
+        assert r["usage"]["output_tokens_details"] == {"reasoning_tokens": want}
+        completion = httpx.post(server.base_url + "/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 4}).json()["usage"]
+        assert "completion_tokens_details" not in completion  # (no reasoning split there)
+    finally:
+        server.stop()
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=4))
+    try:
+        usage = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+    finally:
+        server.stop()
