@@ -3,11 +3,15 @@ weight, its down projection in another, and the routed tokens run through them e
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.layers.linear import PackedLinear, can_pack, kernel_serves
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertBank(nn.Module):
@@ -23,6 +27,11 @@ class ExpertBank(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * intermediate)) if bias else None  # [E_local, 2I]
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden)) if bias else None  # [E_local, H]
         self.packed: nn.ModuleList | None = None  # per local expert (gate_up, down), set by pack()
+        # the routed tokens through every expert in two grouped GEMMs (torch._grouped_mm): None, on a GPU (one
+        # product a projection for the whole step, and no host read: a loop of an expert's products at a time
+        # launches hundreds of small kernels a layer, after reading the counts back); False where torch's grouped
+        # GEMM failed here (a GPU or dtype it does not take), True to take it anywhere
+        self.grouped: bool | None = None
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -64,10 +73,16 @@ class ExpertBank(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids/expert_weights [T, k] (global ids) -> this rank's share of the output [T, H]."""
-        out = torch.zeros_like(x)
         count, k = len(self.experts), expert_ids.shape[1]
         local = (expert_ids - self.experts.start).flatten()  # [T * k], entry t * k + s: token t's slot s
         local = torch.where((local >= 0) & (local < count), local, count)  # another rank's experts: past the last
+        if self.packed is None and (self.grouped or (self.grouped is None and x.is_cuda)):
+            try:
+                return self._grouped_forward(x, local, k, expert_weights)
+            except (RuntimeError, NotImplementedError) as e:
+                logger.warning("experts run one at a time: torch's grouped GEMM failed here (%s)", str(e)[:200])
+                self.grouped = False
+        out = torch.zeros_like(x)
         # Grouped on the device, read back once (how many each expert has): on a GPU every read waits for the
         # layer's kernels, and a read per routed expert made a verify step wait hundreds of times. A stable sort
         # keeps ascending expert order and tokens ascending within one, as transformers accumulates (its float
@@ -83,6 +98,26 @@ class ExpertBank(nn.Module):
                 out.index_add_(0, token, y.to(x.dtype))
             start += n
         return out
+
+
+    def _grouped_forward(self, x: torch.Tensor, local: torch.Tensor, k: int,
+                         expert_weights: torch.Tensor) -> torch.Tensor:
+        """forward's sum by two grouped GEMMs over the routed entries sorted by expert (local: each entry's expert,
+        len(experts) for another rank's)."""
+        count = len(self.experts)
+        order = torch.argsort(local, stable=True)  # as forward's loop: experts ascending, tokens ascending in one
+        token, expert = order // k, local[order]
+        ends = torch.cumsum(torch.bincount(local, minlength=count + 1)[:count], 0).to(torch.int32)
+        held = expert < count  # (another rank's entries come last, past every group: no product writes their rows)
+        at = expert.clamp(max=count - 1)
+        gate_up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[at]
+        y = torch._grouped_mm(self.activate(*gate_up.chunk(2, dim=-1)), self.down_proj.transpose(1, 2), offs=ends)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[at]
+        y = torch.where(held[:, None], y * expert_weights.flatten()[order, None], 0)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 class SiluExperts(ExpertBank):

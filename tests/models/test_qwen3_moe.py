@@ -78,6 +78,12 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
     assert (logits - ref.logits).abs().max() < TOL
     assert (feats[..., :HIDDEN] - ref.hidden_states[2]).abs().max() < TOL
     assert (feats[..., HIDDEN:] - ref.hidden_states[4]).abs().max() < TOL
+    for layer, sparse in zip(ours.layers, ours.params.sparse):  # the experts in grouped GEMMs, as on a GPU
+        if sparse:
+            layer.mlp.experts.grouped = True
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(2, 32))[0])
+    assert (logits - ref.logits).abs().max() < TOL
 
 
 def test_packed_incremental_decode_equals_transformers(moe_dir, hf_model):
