@@ -12,6 +12,7 @@ from typing import Any, Literal
 Kind = Literal["json", "json_object", "regex", "choice", "grammar", "calls"]
 # the formats a thinking model reasons in before its answer, by vLLM's reasoning parsers' names (server/reasoning.py)
 REASONING_FORMATS = ("deepseek_r1", "qwen3", "gpt_oss")
+HARMONY_NAME = re.compile(r"[\w.\-]+")  # a function's name as harmony's recipient holds it (to=functions.NAME)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class StructuredOutput:
                 raise ValueError(f"calls must be a non-empty object of function names and schemas, got "
                                  f"{self.calls!r:.80}")
             for name, schema in self.calls.items():
-                if not (isinstance(name, str) and re.fullmatch(r"[\w.\-]+", name)):
+                if not (isinstance(name, str) and HARMONY_NAME.fullmatch(name)):
                     raise ValueError(f"a function's name is letters, digits, '_', '.' and '-', got {name!r:.80}")
                 _check_schema(schema, f"{name!r}'s parameters' schema")
         for name in ("regex", "grammar"):

@@ -88,7 +88,8 @@ class GrammarCompiler:
                 self._table = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
         if how.endswith(" calls"):
             how = how.removesuffix(" calls")
-            arguments = {name: self._checked(how, json.dumps(schema), f"parameters' schema of {name!r}")
+            arguments = {name: self._checked(how, schema if isinstance(schema, str) else json.dumps(schema),
+                                             f"parameters' schema of {name!r}")
                          for name, schema in json.loads(text).items()}
             grammar = _harmony_call(arguments, self._special_token, self._call_end())
         elif reasoning is not None:

@@ -41,7 +41,7 @@ from dflash_trt.server.responses import ResponseEvents, ResponseObject, chat_bod
 from dflash_trt.server.responses import usage as response_usage
 from dflash_trt.server.structured import forced_functions
 from dflash_trt.server.tool_calls import PARSERS, ForcedCallSplitter, ToolCallParser, ToolCallSplitter
-from dflash_trt.structured_output import StructuredOutput
+from dflash_trt.structured_output import HARMONY_NAME, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -241,8 +241,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         """Whether the calls tool_choice forces come in harmony's form (gpt-oss's, as it is trained to call), not as
         JSON in its final channel: where the server reads gpt-oss's calls and channels."""
         parser = _reasoning(req)
-        return (req.forces_calls and tool_parser is PARSERS["gpt_oss"]
-                and parser is not None and parser.name == "gpt_oss")
+        if not (req.forces_calls and tool_parser is PARSERS["gpt_oss"] and parser is not None
+                and parser.name == "gpt_oss") or req.forced_calls_error():
+            return False
+        # (a name harmony's recipient cannot hold, "get weather", keeps the JSON form)
+        return all(HARMONY_NAME.fullmatch(n) for n in forced_functions(req.template_tools, req.forced_function))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

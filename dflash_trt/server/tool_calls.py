@@ -327,6 +327,8 @@ class ToolCallSplitter:
         return [p for p in out if p]
 
 
+# a forced harmony call (ForcedCallSplitter) as its text holds it: after an analysis message, or opening the answer
+HARMONY_CALL, HARMONY_FIRST_CALL = "assistantcommentary to=functions.", "commentary to=functions."
 _LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
 _JSON_STARTS = frozenset('{["-0123456789tfn')  # what a JSON value begins with
 _JSON_START = f"[{re.escape(''.join(sorted(_JSON_STARTS)))}]"
@@ -357,18 +359,20 @@ class ForcedCallSplitter:
     - "required": a list of {"name", "parameters"}, each call sent whole once its object closes; what an answer cut
       by max_tokens holds after its last whole call and the comma after it (an object cut; all of it where it made
       none) is content, as written.
-    - harmony (gpt-oss, under a StructuredOutput's calls): a commentary message to one of these functions, as the
-      answer's content holds it past the gpt_oss reasoning split (" to=functions.NAME json{...}"), its arguments
-      sent as a named function's are."""
-
-    before_reasoning = False
+    - harmony (gpt-oss, under a StructuredOutput's calls): a commentary message to one of these functions after the
+      analysis, as the answer's text holds it ("...assistantcommentary to=functions.NAME json{...}"), read before the
+      reasoning split (which takes the text before it: the reasoning's rewriting of harmony's message breaks would
+      reach the arguments otherwise), its arguments sent as a named function's are; an answer cut before its
+      arguments begin is content (and reasoning), as written."""
 
     def __init__(self, function: str | None, harmony: Sequence[str] = ()) -> None:
         self._function = function
+        self.before_reasoning = bool(harmony)
         names = "|".join(re.escape(n) for n in sorted(harmony, key=len, reverse=True))  # (the longest name first)
-        # the call's header; its arguments begin where JSON does
-        self._header = (re.compile(rf"\s*to=functions\.(?P<name>{names}) ?(?:json)?(?={_JSON_START})") if harmony
-                        else None)
+        # the function a harmony call's header names, then <|constrain|>json (its text: "json"), then its arguments
+        self._header = re.compile(rf"(?P<name>{names}) ?json(?={_JSON_START})") if harmony else None
+        self._call_at: int | None = None  # where a harmony call's header begins (past "...to=functions.")
+        self._said = 0  # the characters before a harmony call sent as text
         self._text = ""
         self._opened: FunctionCall | None = None
         self._arguments_at = 0  # where the arguments begin
@@ -422,8 +426,11 @@ class ForcedCallSplitter:
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []
         if self._opened is None:
+            if self._header is not None:
+                out += self._before_harmony_call(final)
             if (opening := self._opening()) is None:
-                return [self._text] if final and self._text else []
+                rest = self._text[self._said:]
+                return out + ([rest] if final and rest else [])
             name, self._arguments_at = opening
             self._opened, self._sent, self.num_calls = FunctionCall(name, ""), self._arguments_at, 1
             out.append(OpenedCall(self._opened))
@@ -434,10 +441,28 @@ class ForcedCallSplitter:
             out.append(ClosedCall(FunctionCall(self._opened.name, self._text[self._arguments_at:], self._opened.id)))
         return out
 
+    def _before_harmony_call(self, final: bool) -> list[str]:
+        """The text before a harmony call, sent on as it comes (the reasoning's), but for what may begin the call's
+        message; finds where the call's header begins."""
+        text = self._text
+        if self._call_at is None:
+            if text.startswith(HARMONY_FIRST_CALL):  # the answer's first message
+                self._call_at = len(HARMONY_FIRST_CALL)
+            elif not final and HARMONY_FIRST_CALL.startswith(text):
+                return []
+            elif (found := text.find(HARMONY_CALL, self._said)) >= 0:
+                said, self._said, self._call_at = text[self._said:found], found, found + len(HARMONY_CALL)
+                return [said] if said else []
+            else:
+                end = len(text) - held_back(text[self._said:], (HARMONY_CALL,), final)
+                said, self._said = text[self._said:end], end
+                return [said] if said else []
+        return []
+
     def _opening(self) -> tuple[str, int] | None:
         """(the function called, where its arguments begin), once the text has opened the call."""
         if self._header is not None:
-            header = self._header.match(self._text)
+            header = self._header.match(self._text, self._call_at) if self._call_at is not None else None
             return (header["name"], header.end()) if header else None
         # the call opens with its JSON (an object, as a function's parameters are; any JSON value, as a schema may
         # say): what the answer holds before it (the start of a reasoning tag that max_tokens cut) is content, and

@@ -430,7 +430,9 @@ def test_greedy_harmony_calls_are_the_targets_masked_greedy(tmp_path_factory, fu
     bias = {tok.convert_tokens_to_ids("<|end|>"): 0.3}
     refs = [hf_masked_greedy(dirs["qwen3"], prompt, allowed_after, new=70, bias=bias) for prompt in prompts]
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.1)
-    spec = StructuredOutput(calls={f: ARGUMENTS[f][0] for f in functions}, any_whitespace=False, reasoning="gpt_oss")
+    # (a schema as its JSON text too, as json= takes one)
+    schemas = {f: json.dumps(ARGUMENTS[f][0]) if f == "f" else ARGUMENTS[f][0] for f in functions}
+    spec = StructuredOutput(calls=schemas, any_whitespace=False, reasoning="gpt_oss")
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=70, logit_bias=bias, structured=spec))
     assert [o.token_ids for o in outs] == refs
     # (answers that reasoned before their call, and calls written whole, to each function asked for)

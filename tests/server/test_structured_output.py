@@ -14,6 +14,7 @@ import pytest
 import regex
 
 from dflash_trt import SamplingParams, StructuredOutput
+from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import reasoning_parser
 from dflash_trt.server.tool_calls import tool_call_parser
 from dflash_trt.server.structured import forced_call_schema
@@ -409,3 +410,19 @@ def test_a_gpt_oss_forced_call_cut_short_is_a_cut_call_and_the_responses_api_mak
         "max_output_tokens": 160, "temperature": 0}).json()
     assert [(i["type"], i.get("name"), i.get("arguments")) for i in r["output"]] == [
         ("reasoning", None, None), ("function_call", "get_weather", HARMONY_ARGUMENTS)]
+
+
+def test_a_function_name_harmony_cannot_address_keeps_the_json_form(harmony):
+    """harmony's recipient holds letters, digits, '_', '.' and '-': a tool named otherwise ("get weather") is called
+    in JSON in the final channel, as without harmony's form (it was a 500)."""
+    served, plain = harmony
+    tools = [{"type": "function", "function": {"name": "get weather", "parameters": WEATHER}}]
+    r = httpx.post(served.base_url + "/chat/completions", timeout=60, json={
+        "messages": QUESTION, "tools": tools, "tool_choice": "required", "max_tokens": 160, "temperature": 0})
+    want = _expected(plain, StructuredOutput(json=forced_call_schema(tools, None, None), reasoning="gpt_oss"),
+                     tools=tools, max_tokens=160)
+    assert r.status_code == 200, r.text
+    # the answer is plain decoding's under the JSON form (here it reasons on till max_tokens: away from its training)
+    message = r.json()["choices"][0]["message"]
+    thought, content, _ = ChatAnswerSplitter(reasoning_parser("gpt_oss"), None).split(want.text)
+    assert (message.get("reasoning"), message["content"]) == (thought, content)

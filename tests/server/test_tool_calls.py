@@ -301,18 +301,19 @@ def test_a_named_forced_calls_arguments_come_in_pieces_the_whole_answers_call_ho
 
 _plain = st.lists(st.sampled_from([t for t in _NEAR if "assistant" not in t]), max_size=10).map("".join).filter(
     lambda t: "assistant" not in t)
+_NAMES = ["get", "get_json", "getjson", "g.h", "lookup", "lookup-v2"]  # (names that begin one another)
 
 
-@settings(max_examples=100, deadline=None)
-@given(thoughts=st.lists(_plain, max_size=2), name=st.sampled_from(["get", "get_json", "g.h"]), space=st.booleans(),
-       arguments=_plain.map(lambda t: "{" + t), cuts=st.lists(st.integers(0, 200), max_size=12))
+@settings(max_examples=150, deadline=None)
+@given(thoughts=st.lists(_plain, max_size=2), name=st.sampled_from(_NAMES), space=st.booleans(),
+       arguments=_free.map(lambda t: "{" + t), cuts=st.lists(st.integers(0, 200), max_size=12))
 def test_a_harmony_forced_call_is_read_from_its_header_its_arguments_in_pieces(thoughts, name, space, arguments,
                                                                                 cuts):
     """gpt-oss's call, as its text holds it past its analysis messages ("commentary to=functions.NAME json{...}",
-    harmony's special tokens left out): the function it names (of names that begin one another), its arguments sent
-    as a named call's."""
+    harmony's special tokens left out): the function it names (of names that begin one another, however the deltas
+    cut them), its arguments as written (harmony's words in them too) and sent as a named call's."""
     def splitter():
-        return ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ForcedCallSplitter(None, ["get", "get_json", "g.h"]))
+        return ChatAnswerSplitter(REASONING_PARSERS["gpt_oss"], ForcedCallSplitter(None, _NAMES))
 
     analysis = "".join(f"analysis{t}assistant" for t in thoughts)
     text = f"{analysis}commentary to=functions.{name}{' ' * space}json{arguments}"
