@@ -5,7 +5,7 @@ import pytest
 from dflash_trt.config import build_config_from_dict
 from dflash_trt.hardware import has_amx_tiles, profile
 from dflash_trt.model_configs import bundled_config
-from dflash_trt.models.config import decoder_config_from_dict
+from dflash_trt.models.config import decoder_config_from_dict, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.plan import cuda_graph_batch_sizes, plan_build
 
@@ -353,3 +353,5 @@ def test_qwen3_moe_weights_are_its_checkpoints_bytes():
     fewer = 2 * (3 * 2048 * 768 * 128 + 2048 * 128 - 3 * 2048 * 5472) * 2
     assert plan_build(mixed, None, _cfg(**cfg), profile("h200"), 0).components["target_weights"] == (
         61_064_245_248 - fewer)
+    # experts on no layer: a dense model, as the runtime runs it (no expert parallelism to check, none to plan)
+    assert moe_shape(decoder_config_from_dict({**raw, "mlp_only_layers": list(range(48))})) is None

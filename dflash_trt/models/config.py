@@ -312,8 +312,9 @@ def moe_shape(t: DecoderConfig) -> MoeShape | None:
     families' where config.json says num_local_experts (gpt-oss's, on every layer)."""
     if t.model_type == "qwen3_moe":
         p = Qwen3MoeParams.from_config(t)
+        # (experts on no layer, mlp_only_layers listing them all: a dense model, as the runtime runs it)
         return MoeShape(p.num_experts, p.num_experts_per_tok, p.moe_intermediate_size, sum(p.sparse), False) \
-            if p.num_experts else None
+            if any(p.sparse) else None
     experts = t.extra.get("num_local_experts")
     if not experts:
         return None

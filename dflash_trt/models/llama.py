@@ -17,8 +17,8 @@ from torch import nn
 
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.kernels import cpu_ops
-from dflash_trt.layers.attention import (AttentionMetadata, cached_attention, kernel_attention, kernel_step,
-                                         kernel_step_tokens)
+from dflash_trt.layers.attention import (KERNEL_MAX_QUERIES, AttentionMetadata, cached_attention, kernel_attention,
+                                         kernel_step, kernel_step_tokens)
 from dflash_trt.layers.linear import kernel_weights
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        step = kernel_step(meta, cache, qkv, cos)
+        whole = b * n <= kernel_step_tokens(self.qkv_proj)  # a step the kernels attend whatever its rows' queries
+        step = kernel_step(meta, cache, qkv, cos, max_queries=None if whole else KERNEL_MAX_QUERIES)
         if step is not None:  # the CPU kernels: rotary + cache write, then attention, one call each
             norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = kernel_attention(step, cache, self.layer_idx, qkv, cos, sin, self.num_heads, self.scale,
@@ -128,10 +129,10 @@ class LlamaForCausalLM(CausalLM):
     def pack_for_inference(self, screen_head: bool = True) -> None:
         super().pack_for_inference(screen_head)
         self.kernel_table = self._build_layer_table()
-        if self.kernel_table is not None:
-            # every layer in one call as far as the kernels' attention serves whole steps
-            self.one_call_max_tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
-            self.kernel_attention_tokens = self.one_call_max_tokens
+        # the layers' attention runs through the kernels whatever a row's queries up to this many tokens a step
+        self.kernel_attention_tokens = kernel_step_tokens(self.layers[0].self_attn.qkv_proj)
+        if self.kernel_table is not None:  # every layer in one call as far as the kernels' attention serves whole steps
+            self.one_call_max_tokens = self.kernel_attention_tokens
 
     def _build_layer_table(self) -> cpu_ops.LayerTable | None:
         """The layers' weights for cpu_ops.llama_layers when every projection runs on the bf16 linear kernel."""

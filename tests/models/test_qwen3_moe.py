@@ -18,7 +18,7 @@ from dflash_trt.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
-from tests.forced_drafts import force_drafts
+from tests.forced_drafts import force_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
 HIDDEN = 64
@@ -182,15 +182,23 @@ def test_greedy_speculative_equals_transformers_greedy(moe_dir, moe_drafter, hf_
 
 
 @needs_bf16_kernels
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_bf16_speculative_equals_bf16_plain_decoding(moe_dir, moe_drafter, temperature):
+@pytest.mark.parametrize("temperature, tree", [(0.0, None), (1.0, None), (0.0, 24)],
+                         ids=["greedy chain", "sampled chain", "greedy tree of 24"])
+def test_bf16_speculative_equals_bf16_plain_decoding(moe_dir, moe_drafter, temperature, tree):
     """In bf16 the oracle is the same runtime decoding one token a step: verify blocks of forced, mostly-right
-    drafts give the same tokens (greedy, and seeded samples under the "match" rule)."""
+    drafts give the same tokens (greedy, and seeded samples under the "match" rule). A tree of 24 nodes verifies more
+    queries a row than the kernels' attention takes by default (16): its layers, run one by one, attend whole steps
+    through the kernels (they cut such a tree to 15 nodes before)."""
     prompts = _prompts(4)
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     plain = LLMEngine(load_target(moe_dir, torch.bfloat16), None, None, EngineConfig(
         max_batch_size=4, max_model_len=96, dtype="bfloat16", speculative=False)).generate(prompts, params)
-    engine = _engine(moe_dir, moe_drafter, 7, 4, torch.bfloat16)
-    force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    engine = _engine(moe_dir, moe_drafter, 7, 4, torch.bfloat16, **({"draft_tree": {4: tree}} if tree else {}))
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    if tree:
+        assert engine._within_exact_rows(4, 7, tree) == (7, tree)
+        force_tree_drafts(engine, truth)
+    else:
+        force_drafts(engine, truth, error_rate=0.15)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and all(o.tau > 1.5 for o in outs)
