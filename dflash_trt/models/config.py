@@ -31,6 +31,7 @@ class DecoderConfig:
     # per layer, the keys a query sees back from its own position (None: all of them); empty where none slides
     layer_windows: tuple[int | None, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)  # family-specific keys (e.g. gpt-oss)
+    source: str = field(default="config.json", compare=False)  # where it was read: errors name it
 
     @property
     def rope_type(self) -> str:
@@ -260,6 +261,7 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         hidden_act=act,
         layer_windows=_target_windows(cfg, model_type, layers, source),
         extra=cfg,
+        source=source,
     )
 
 
@@ -275,7 +277,7 @@ class Qwen3MoeParams:
 
     @classmethod
     def from_config(cls, cfg: DecoderConfig) -> "Qwen3MoeParams":
-        raw, source = cfg.extra, "config.json (qwen3_moe)"
+        raw, source = cfg.extra, f"{cfg.source} (qwen3_moe)"
         # (Qwen's config.json says num_experts; transformers 5 saves it as num_local_experts, gpt-oss's name)
         key = "num_experts" if "num_experts" in raw else "num_local_experts"
         experts = as_int(raw.get(key, 128), key, source, minimum=0)

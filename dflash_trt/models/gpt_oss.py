@@ -54,7 +54,7 @@ class GptOssParams:
     def from_config(cls, cfg: DecoderConfig) -> "GptOssParams":
         raw = cfg.extra
         n = cfg.num_hidden_layers
-        source = "config.json (gpt_oss)"
+        source = f"{cfg.source} (gpt_oss)"
         layer_types = raw.get("layer_types") or [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
         ]

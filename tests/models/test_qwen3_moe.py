@@ -146,8 +146,9 @@ def test_malformed_moe_keys_are_refused_naming_them(moe_dir, tmp_path, change, s
     cfg = json.loads((moe_dir / "config.json").read_text()) | change
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "model.safetensors").symlink_to(moe_dir / "model.safetensors")
-    with pytest.raises(ValueError, match=says):
+    with pytest.raises(ValueError, match=says) as raised:
         load_target(d)
+    assert str(d / "config.json") in str(raised.value)  # (the file it is in)
 
 
 @pytest.fixture(scope="module")
