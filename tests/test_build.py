@@ -1621,3 +1621,29 @@ def test_an_engine_of_a_newer_format_says_to_upgrade_not_which_key_or_file_it_la
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1, r.output
         assert "format_version=2, this dflash-trt reads 1; upgrade dflash-trt" in r.output, r.output
+
+
+def test_a_qwen3_moe_engine_builds_and_generates_transformers_greedy(tmp_path):
+    """A Qwen3-MoE target (tiny, random; an expert layer's tensors each expert's own) with a DFlash drafter: the
+    engine's greedy tokens are transformers' own; a checkpoint missing an expert fails the build, naming it, before
+    anything is written."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.models.test_qwen3_moe import make_qwen3_moe
+
+    target = make_qwen3_moe(tmp_path / "t")
+    drafter = make_drafter(tmp_path / "d", target, layers=1, block_size=8, target_layer_ids=(0, 2, 3))
+    engine = build_engine(write_config(tmp_path, target, drafter, max_seq_len=128), tmp_path / "engines" / "moe",
+                          progress=False)
+    got = _gen(str(engine))
+    ids = torch.tensor([AutoTokenizer.from_pretrained(target)("hello")["input_ids"]])
+    want = AutoModelForCausalLM.from_pretrained(target).generate(ids, max_new_tokens=24, do_sample=False,
+                                                                 pad_token_id=0, eos_token_id=None)
+    assert got["token_ids"] == want[0, ids.shape[1]:].tolist() and got["tau"] >= 1.0
+    tensors = load_file(target / "model.safetensors")
+    del tensors["model.layers.3.mlp.experts.6.down_proj.weight"]
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.3\.mlp\.experts\.6\.down_proj\.weight'"):
+        build_engine(write_config(tmp_path, target, drafter, max_seq_len=128), tmp_path / "out" / "e", progress=False)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
