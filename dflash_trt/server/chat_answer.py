@@ -2,8 +2,9 @@
 (a tool-call parser's), fed delta by delta or whole, alike.
 
 Its ordered parts are (kind, value) pairs: ("reasoning", text), ("content", text), ("call", FunctionCall) for a call
-sent whole, and, for a call whose arguments are sent as they come (a named function's, where tool_choice forces it),
-("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed", FunctionCall whole).
+sent whole, and, for a call whose arguments are sent as they come (a call tool_choice forces: named, "required" or harmony's),
+("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed", FunctionCall whole) as
+the answer ends (cut by max_tokens, or not), or ("call_finished", FunctionCall whole) where its JSON closed.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from dflash_trt.server.tool_calls import (ArgumentsPiece, ClosedCall, ForcedCall
 
 # the calls' pieces as parts: (kind, what the part carries)
 _KINDS = {FunctionCall: ("call", lambda c: c), OpenedCall: ("call_opened", lambda p: p.call),
-          ArgumentsPiece: ("arguments", lambda p: p.text), ClosedCall: ("call_closed", lambda p: p.call)}
-WHOLE_CALLS = ("call", "call_closed")  # the parts that carry a call whole
+          ArgumentsPiece: ("arguments", lambda p: p.text)}
+WHOLE_CALLS = ("call", "call_closed", "call_finished")  # the parts that carry a call whole
 
 
 def _part(piece: Any, text_kind: str) -> tuple[str, Any]:
     if isinstance(piece, str):
         return text_kind, piece
+    if isinstance(piece, ClosedCall):  # its JSON seen to close, or closed as the answer ended (cut, or not)
+        return "call_finished" if piece.finished else "call_closed", piece.call
     kind, value = _KINDS[type(piece)]
     return kind, value(piece)
 

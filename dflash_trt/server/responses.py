@@ -247,8 +247,8 @@ class ResponseEvents:
                 self._event("response.in_progress", response=created)]
 
     def feed(self, parts: list[tuple[str, Any]], cut: bool = False) -> list[dict[str, Any]]:
-        """The events of the answer's next parts; cut: its last, where max_tokens cut it (a named call that closes in
-        them, its arguments cut, is incomplete, as the response is; a whole call is complete)."""
+        """The events of the answer's next parts; cut: its last, where max_tokens cut it (a call that closes in them
+        as the answer ends, its arguments cut, is incomplete, as the response is; a whole call is complete)."""
         events = []
         for kind, value in parts:
             if kind == "call":
@@ -261,8 +261,8 @@ class ResponseEvents:
             if kind == "arguments":
                 events += self._call_arguments(value)
                 continue
-            if kind == "call_closed":
-                events += self._call_closed(value, "incomplete" if cut else "completed")
+            if kind in ("call_closed", "call_finished"):
+                events += self._call_closed(value, "incomplete" if cut and kind == "call_closed" else "completed")
                 continue
             kind = "reasoning" if kind == "reasoning" else "message"
             if self._open is None or self._open["type"] != kind:

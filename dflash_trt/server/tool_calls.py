@@ -330,6 +330,8 @@ class ToolCallSplitter:
 # a forced harmony call (ForcedCallSplitter) as its text holds it: after an analysis message, or opening the answer
 HARMONY_CALL, HARMONY_FIRST_CALL = "assistantcommentary to=functions.", "commentary to=functions."
 _LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
+# a list call's object up to its parameters' value: its name first, as the forced schema lists it
+_LISTED_CALL = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 _JSON_STARTS = frozenset('{["-0123456789tfn')  # what a JSON value begins with
 _JSON_START = f"[{re.escape(''.join(sorted(_JSON_STARTS)))}]"
 
@@ -348,6 +350,7 @@ class ArgumentsPiece:
 @dataclass(frozen=True)
 class ClosedCall:
     call: FunctionCall  # the call opened last, its arguments whole
+    finished: bool = False  # its JSON seen to close (a "required" list's object); else as the answer ended
 
 
 class ForcedCallSplitter:
@@ -356,9 +359,11 @@ class ForcedCallSplitter:
     - A named function: the answer is its arguments, sent as they come (as OpenAI streams a call's arguments), the
       call whole at the answer's end; an answer cut by max_tokens is a call with its arguments cut, as OpenAI's (one
       cut before its JSON begins, inside its reasoning, none).
-    - "required": a list of {"name", "parameters"}, each call sent whole once its object closes; what an answer cut
-      by max_tokens holds after its last whole call and the comma after it (an object cut; all of it where it made
-      none) is content, as written.
+    - "required": a list of {"name", "parameters"} (in that order, as the schema lists them), each call opened once its
+      parameters' object or array begins, its arguments sent as they come and the call closed with its object (a
+      call whose parameters are some other JSON value comes whole as its object closes); an answer cut by max_tokens
+      in a call's arguments is that call with them cut, and what it holds after its last call and the comma after it
+      otherwise (an object cut before its parameters; all of it where it made none) is content, as written.
     - harmony (gpt-oss, under a StructuredOutput's calls): a commentary message to one of these functions after the
       analysis, as the answer's text holds it ("...assistantcommentary to=functions.NAME json{...}"), read before the
       reasoning split (which takes the text before it: the reasoning's rewriting of harmony's message breaks would
@@ -381,6 +386,7 @@ class ForcedCallSplitter:
         self._next: int | None = None
         self._read = 0
         self._depth, self._in_string, self._escaped, self._element = 0, False, False, 0
+        self._arguments_end: int | None = None  # where the open list call's arguments close, once they have
         self.num_calls = 0
 
     def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
@@ -388,21 +394,24 @@ class ForcedCallSplitter:
         self._text += text
         return self._listed(final) if self._function is None and self._header is None else self._arguments(final)
 
-    def _listed(self, final: bool) -> list[str | FunctionCall]:
-        out: list[str | FunctionCall] = []
+    def _listed(self, final: bool) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece | ClosedCall]:
+        out: list[str | FunctionCall | OpenedCall | ArgumentsPiece | ClosedCall] = []
         if self._next is None:
             if not self._text.lstrip().startswith("["):
                 return [self._text] if final and self._text else []
             self._next = self._read = self._text.index("[") + 1
-        out += self._closed_calls()
+        out += self._list_calls()
+        if final and self._opened is not None:  # cut in a call's arguments: that call, its arguments cut
+            return out + [self._close_listed(len(self._text), finished=False)]
         rest = self._text[_LISTED.match(self._text, self._next).end():] if self.num_calls else self._text
         if final and rest.strip() and not re.fullmatch(r"\s*\]\s*", rest):
             out.append(rest)  # cut: what it holds after its last call (all of it, where it made none)
         return out
 
-    def _closed_calls(self) -> list[FunctionCall]:
-        """The calls whose objects closed in the text read since the last delta, each parsed once (one pass over the
-        text: a long call's arguments, read anew with each delta, took quadratic time)."""
+    def _list_calls(self) -> list[FunctionCall | OpenedCall | ArgumentsPiece | ClosedCall]:
+        """The list's calls in the text read since the last delta, in one pass over it (a long call's arguments,
+        read anew with each delta, took quadratic time): each opened where its parameters' object or array begins,
+        its arguments sent as they come, closed with its object."""
         out, text = [], self._text
         for at in range(self._read, len(text)):
             c = text[at]
@@ -413,15 +422,39 @@ class ForcedCallSplitter:
             elif c in "{[":
                 self._element = at if self._depth == 0 else self._element
                 self._depth += 1
+                if self._depth == 2 and self._opened is None and (head := _LISTED_CALL.match(text, self._element)) \
+                        and head.end() == at:
+                    self._opened = FunctionCall(json.loads(head["name"]), "")
+                    self._arguments_at = self._sent = at
+                    self.num_calls += 1
+                    out.append(OpenedCall(self._opened))
             elif c in "}]" and self._depth:  # (at depth 0: the list's own "]")
                 self._depth -= 1
+                if self._depth == 1 and self._opened is not None and self._arguments_end is None:
+                    self._arguments_end = at + 1
                 if self._depth == 0:
-                    value = json.loads(text[self._element:at + 1])
-                    out.append(FunctionCall(value["name"], _json(value["parameters"])))
+                    if self._opened is not None:
+                        out += self._pieces(self._arguments_end) + [self._close_listed(self._arguments_end, True)]
+                    else:
+                        value = json.loads(text[self._element:at + 1])
+                        out.append(FunctionCall(value["name"], _json(value["parameters"])))
+                        self.num_calls += 1
                     self._next = at + 1
         self._read = len(text)
-        self.num_calls += len(out)
+        if self._opened is not None:
+            out += self._pieces(self._arguments_end or len(text))
         return out
+
+    def _pieces(self, end: int) -> list[ArgumentsPiece]:
+        """The open call's arguments read since they were last sent, up to end."""
+        piece, self._sent = self._text[self._sent:end], max(self._sent, end)
+        return [ArgumentsPiece(piece)] if piece else []
+
+    def _close_listed(self, end: int, finished: bool) -> ClosedCall:
+        closed = ClosedCall(FunctionCall(self._opened.name, self._text[self._arguments_at:end], self._opened.id),
+                            finished)
+        self._opened, self._arguments_end = None, None
+        return closed
 
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []

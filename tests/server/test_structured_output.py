@@ -179,10 +179,41 @@ def test_a_required_tool_choice_makes_calls_of_the_tools_streamed_and_not(served
     choice = served.client().chat.completions.create(model="tiny-qwen3", **body).choices[0]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == calls
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # streamed: each call's first delta names it, its arguments come in pieces (as OpenAI streams them); the SDK's
+    # helper puts them together
     streamed = served.client().chat.completions.create(model="tiny-qwen3", stream=True, **body)
     deltas = [c.choices[0].delta for c in streamed if c.choices]
-    sent = [(t.function.name, json.loads(t.function.arguments)) for d in deltas for t in d.tool_calls or ()]
-    assert sent == calls and not "".join(d.content or "" for d in deltas)
+    pieces = [t for d in deltas for t in d.tool_calls or ()]
+    sent = {}
+    for t in pieces:
+        name, arguments = sent.get(t.index, (None, ""))
+        sent[t.index] = (name or t.function.name, arguments + (t.function.arguments or ""))
+    assert [(name, json.loads(arguments)) for _, (name, arguments) in sorted(sent.items())] == calls
+    assert len(pieces) > len(calls) and not "".join(d.content or "" for d in deltas)
+    with served.client().chat.completions.stream(model="tiny-qwen3", **body) as stream:
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final] == calls
+
+
+def test_the_responses_api_streams_required_calls_arguments_and_a_cut_one_is_incomplete(served, plain):
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in CALLABLE]
+    body = {"input": QUESTION, "tools": tools, "tool_choice": "required", "max_output_tokens": 80, "temperature": 0}
+    text = _expected(plain, StructuredOutput(json=forced_call_schema(CALLABLE, None, None)), tools=CALLABLE).text
+    want = [(c["name"], c["parameters"]) for c in json.loads(text)]
+    with httpx.stream("POST", served.base_url + "/responses", timeout=60, json=body | {"stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    items = events[-1]["response"]["output"]
+    assert [(i["name"], json.loads(i["arguments"]), i["status"]) for i in items] == [(n, a, "completed")
+                                                                                     for n, a in want]
+    deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > len(want) and "".join(e["delta"] for e in deltas) == "".join(i["arguments"] for i in items)
+    # cut in the first call's arguments (a character a token): that call, incomplete, its arguments cut
+    inside = text.index('"parameters"') + 16
+    cut = httpx.post(served.base_url + "/responses", timeout=60, json=body | {"max_output_tokens": inside}).json()
+    assert cut["status"] == "incomplete" and [(i["type"], i["status"]) for i in cut["output"]] == [
+        ("function_call", "incomplete")]
+    assert items[0]["arguments"].startswith(cut["output"][0]["arguments"])
 
 
 def test_forced_calls_need_no_tool_call_parser_and_name_a_tool(served):

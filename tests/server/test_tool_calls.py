@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
-from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ForcedCallSplitter,
-                                         ToolCallSplitter, tool_call_parser)
+from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ClosedCall,
+                                         ForcedCallSplitter, ToolCallSplitter, tool_call_parser)
 from tests.server.conftest import ANSWER, CALLS, QUESTION, TOOLS, start_server
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
@@ -331,37 +331,53 @@ def test_a_harmony_forced_call_is_read_from_its_header_its_arguments_in_pieces(t
 
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), reasoning=st.sampled_from([None, "qwen3"]), cuts=st.lists(st.integers(0, 300), max_size=12))
-def test_required_calls_come_each_once_its_object_closes_and_a_cut_list_keeps_its_whole_ones(data, reasoning, cuts):
-    """tool_choice "required": the answer is a list of {"name", "parameters"}; each call goes out in the delta its
-    object closes in, and an answer cut anywhere has made the calls whose objects closed before the cut."""
+def test_required_calls_stream_their_arguments_and_a_cut_list_keeps_what_it_made(data, reasoning, cuts):
+    """tool_choice "required": the answer is a list of {"name", "parameters"}; each call opens in the delta its
+    parameters' object begins in, its arguments come as written, piece by piece, and it finishes in the delta its
+    object closes in. An answer cut anywhere has made the calls whose parameters began before the cut, the last one's
+    arguments cut there; cut before any parameters began, what follows the last call and its comma is content."""
     draw = data.draw
     calls = draw(st.lists(st.tuples(_names, st.dictionaries(st.text(max_size=5), _json, max_size=3)), min_size=1,
                           max_size=3))
     gap = st.sampled_from(["", " ", "\n  "])
     opened = f"<think>{draw(_free)}</think>" if reasoning else ""
-    text, ends = opened + "[" + draw(gap), []
+    text, spans = opened + "[" + draw(gap), []  # spans: (where its parameters begin, end, its object's end)
     for k, (name, parameters) in enumerate(calls):
-        text += json.dumps({"name": name, "parameters": parameters}, ensure_ascii=draw(st.booleans()))
-        ends.append(len(text))
-        text += (draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]"
+        ascii_only = draw(st.booleans())
+        text += '{"name": ' + json.dumps(name, ensure_ascii=ascii_only) + ', "parameters": '
+        written = json.dumps(parameters, ensure_ascii=ascii_only)
+        spans.append((len(text), len(text) + len(written), len(text) + len(written) + 1))
+        text += written + "}" + ((draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]")
     cut = draw(st.integers(len(opened), len(text)))
 
     def splitter():
         return ChatAnswerSplitter(REASONING_PARSERS.get(reasoning), ForcedCallSplitter(None))
 
-    whole = [(name, json.loads(json.dumps(parameters))) for name, parameters in calls]
-    made = [(c.name, json.loads(c.arguments)) for c in splitter().split(text)[2]]
-    assert made == whole
+    assert [(c.name, c.arguments) for c in splitter().split(text)[2]] == [
+        (name, text[at:end]) for (name, _), (at, end, _) in zip(calls, spans)]
     _, content, some = splitter().split(text[:cut])
-    assert [(c.name, json.loads(c.arguments)) for c in some] == whole[:sum(end <= cut for end in ends)]
-    # what follows the last call and its comma (all of the answer, where it made none); a closed list's "]" is no text
-    rest = text[len(opened):cut] if not some else re.sub(r"^\s*,?\s*", "", text[ends[len(some) - 1]:cut])
-    assert (content or "").strip() == ("" if re.fullmatch(r"\s*\]\s*", rest) else rest.strip())
+    assert [(c.name, c.arguments) for c in some] == [(name, text[at:min(end, cut)])
+                                                       for (name, _), (at, end, _) in zip(calls, spans) if at < cut]
+    if some and spans[len(some) - 1][2] > cut:  # cut in the last call: that call, nothing besides
+        assert content is None
+    else:  # what follows the last call and its comma (all of it, where it made none); a list's "]" is no text
+        rest = text[len(opened):cut] if not some else re.sub(r"^\s*,?\s*", "", text[spans[len(some) - 1][2]:cut])
+        assert (content or "").strip() == ("" if re.fullmatch(r"\s*\]\s*", rest) else rest.strip())
     streaming = splitter()
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
-    for a, b in zip(bounds, bounds[1:]):  # each call in the delta its object closes in
-        sent = [c.name for c in streaming.feed(text[a:b], final=b == len(text))[2]]
-        assert sent == [name for (name, _), end in zip(calls, ends) if a < end <= b]
+    pieces = []
+    for a, b in zip(bounds, bounds[1:]):
+        parts = streaming.parts(text[a:b], final=b == len(text))
+        assert [v.name for k, v in parts if k == "call_opened"] == [
+            name for (name, _), (at, _, _) in zip(calls, spans) if a <= at < b]
+        assert [v.name for k, v in parts if k == "call_finished"] == [
+            name for (name, _), (_, _, done) in zip(calls, spans) if a < done <= b]
+        pieces += [(k, v) for k, v in parts if k in ("call_opened", "arguments")]
+    streamed = []
+    for kind, value in pieces:
+        streamed += [[value.name, ""]] if kind == "call_opened" else []
+        streamed[-1][1] += value if kind == "arguments" else ""
+    assert streamed == [[name, text[at:end]] for (name, _), (at, end, _) in zip(calls, spans)]
 
 
 def test_a_named_forced_call_cut_before_its_json_is_no_call():
@@ -374,7 +390,8 @@ def test_a_named_forced_call_cut_before_its_json_is_no_call():
 
 
 def test_required_calls_are_each_parsed_once_however_the_answer_comes(monkeypatch):
-    """One pass over the answer: a call's object read anew with each delta took time quadratic in its length."""
+    """One pass over the answer: a call's object read anew with each delta took time quadratic in its length (its
+    name is what is parsed, once; its arguments are sent as written)."""
     from dflash_trt.server import tool_calls
 
     parsed = []
@@ -383,7 +400,7 @@ def test_required_calls_are_each_parsed_once_however_the_answer_comes(monkeypatc
                                                                                              "parameters": {}}])
     splitter = ForcedCallSplitter(None)
     calls = [c for i in range(len(text)) for c in splitter.parts(text[i], final=i == len(text) - 1)]
-    assert [c.name for c in calls] == ["f", "g"] and len(parsed) == 2
+    assert [c.call.name for c in calls if isinstance(c, ClosedCall)] == ["f", "g"] and len(parsed) == 2
 
 
 def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
