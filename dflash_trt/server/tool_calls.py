@@ -16,12 +16,14 @@ as a JSON string), the text around them its `content`, and the choice finishes w
   special tokens (as the gpt_oss reasoning parser reads its channels): `<|start|>assistant<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` is "assistantcommentary to=functions.NAME json{...}",
   the answer's last message (`<|call|>` ends gpt-oss's turn). Read before the reasoning split, which then takes the
-  text before it. The default for a gpt-oss target.
+  text before it. The call opens where its arguments begin, which are sent as they come (as written, to the answer's
+  end: cut by max_tokens, as far as they came). The default for a gpt-oss target.
 
 Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin
 a call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
-ends). A block that does not parse as a call stays in the content as written, so nothing the model said is lost;
-whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is none).
+ends; gpt_oss's, in pieces). A block that does not parse as a call stays in the content as written, so nothing the
+model said is lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None
+where there is none).
 """
 
 from __future__ import annotations
@@ -175,16 +177,21 @@ def _coder_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None
 _HARMONY_SUFFIX = r"\s*(?:commentary)?\s*(?:json)?\s*"
 
 
+def _harmony_name(head: str, tools: dict[str, dict]) -> str | None:
+    """The function a harmony call's header (its text up to the arguments) names, or None: a function named in the
+    request as named ("fetch_json", not "fetch_" and its constraint); others as the shortest name the rest can
+    follow."""
+    head = head.strip()
+    known = [n for n in tools if head.startswith(n) and re.fullmatch(_HARMONY_SUFFIX, head[len(n):])]
+    named = re.fullmatch(r"([\w.\-]+?)" + _HARMONY_SUFFIX, head)  # a name as functions are named
+    return max(known, key=len) if known else named.group(1) if named else None
+
+
 def _harmony_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
     brace = body.find("{")
     if brace < 0:
         return None
-    head = body[:brace].strip()
-    # a function named in the request is read as named ("fetch_json", not "fetch_" and its constraint); others as
-    # the shortest name the rest can follow
-    known = [n for n in tools if head.startswith(n) and re.fullmatch(_HARMONY_SUFFIX, head[len(n):])]
-    named = re.fullmatch(r"([\w.\-]+?)" + _HARMONY_SUFFIX, head)  # a name as functions are named
-    name = max(known, key=len) if known else named.group(1) if named else None
+    name = _harmony_name(body[:brace], tools)
     try:
         arguments, end = json.JSONDecoder().raw_decode(body, brace)
     except ValueError:
@@ -207,6 +214,9 @@ class ToolCallParser:
     before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
     keeps_opening: bool = False  # the opening is parsed with the call (Llama's "{" is its JSON's; its python tag)
     in_trtllm: bool = True  # whether trtllm-serve reads the format at all
+    # (a call's header, the function named) while its text runs to the answer's end: the call opens there, and its
+    # arguments are sent as they come (harmony's call, the turn's last message), not held to the end
+    streams: Callable[[str, dict[str, Any]], str | None] | None = None
 
 
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
@@ -215,7 +225,7 @@ PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
                                               keeps_opening=True, in_trtllm=False),
                                # trtllm-serve reads a gpt-oss target's harmony itself
                                ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
-                                              HARMONY_OPENING, True))}
+                                              HARMONY_OPENING, True, streams=_harmony_name))}
 ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  # TensorRT-LLM's and vLLM's names
 
 
@@ -275,6 +285,8 @@ class ToolCallSplitter:
         self._held = ""
         self._opened: str | None = None  # the tag that opened the call whose text is held, if any
         self._at_start = True  # nothing read yet
+        self._streaming: FunctionCall | None = None  # a call whose arguments are being sent as they come
+        self._arguments = ""  # its arguments so far
         self.num_calls = 0  # calls sent so far
 
     @property
@@ -284,12 +296,16 @@ class ToolCallSplitter:
     def feed(self, text: str, final: bool = False) -> tuple[str, list[FunctionCall]]:
         """The content and the calls of text, the answer's next delta; `final` with its last (nothing held back)."""
         parts = self.parts(text, final)
-        return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, FunctionCall)]
+        return "".join(p for p in parts if isinstance(p, str)), [p.call if isinstance(p, ClosedCall) else p
+                                                                 for p in parts if isinstance(p, (FunctionCall,
+                                                                                                  ClosedCall))]
 
-    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall]:
-        """feed's content and calls in the order the answer has them: text (never empty) and calls."""
+    def parts(self, text: str, final: bool = False) -> list[str | FunctionCall | OpenedCall | ArgumentsPiece |
+                                                              ClosedCall]:
+        """feed's content and calls in the order the answer has them: text (never empty), calls whole, and (a
+        parser's that streams) a call opened, the pieces of its arguments, and it closed."""
         text, self._held = self._held + text, ""
-        out: list[str | FunctionCall] = []
+        out: list[str | FunctionCall | OpenedCall | ArgumentsPiece | ClosedCall] = []
         starts, end = self.parser.starts, self.parser.end
         if self._at_start and text and self.parser.opening:
             if not final and any(tag.startswith(text) and tag != text for tag in self.parser.opening):
@@ -308,6 +324,9 @@ class ToolCallSplitter:
                 at, self._opened = found
                 out.append(self._joint.say(text[:at]))
                 text = text[at + len(self._opened):]
+            if self.parser.streams is not None and (streamed := self._stream(text, final)) is not None:
+                out += streamed
+                break  # (the call runs to the answer's end)
             at = text.find(end) if end is not None else -1
             if at < 0 and not final:
                 self._held = text  # the call's text so far, sent when it closes
@@ -325,6 +344,30 @@ class ToolCallSplitter:
         if final:
             out.append(self._joint.end())
         return [p for p in out if p]
+
+    def _stream(self, text: str, final: bool) -> list[OpenedCall | ArgumentsPiece | ClosedCall] | None:
+        """The call's text so far (past its start tag): the call opened where its header names a function and its
+        arguments begin, then their pieces, and the call closed, as written, with the answer's end. None where it
+        has not opened by the answer's end (the block is read whole then: a call, or the model's text)."""
+        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
+        if self._streaming is None:
+            brace = text.find("{")
+            name = self.parser.streams(text[:brace], self._schemas) if brace >= 0 else None
+            if name is None or (self._max_calls is not None and self.num_calls >= self._max_calls):
+                if final:
+                    return None
+                self._held = text
+                return out
+            self._streaming, self._arguments, text = FunctionCall(name, ""), "", text[brace:]
+            self.num_calls += 1
+            self._joint.call()
+            out.append(OpenedCall(self._streaming))
+        self._arguments += text
+        out += [ArgumentsPiece(text)] if text else []
+        if final:
+            out.append(ClosedCall(FunctionCall(self._streaming.name, self._arguments, self._streaming.id)))
+            self._streaming = self._opened = None
+        return out
 
 
 # a forced harmony call (ForcedCallSplitter) as its text holds it: after an analysis message, or opening the answer

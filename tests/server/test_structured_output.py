@@ -457,3 +457,20 @@ def test_a_function_name_harmony_cannot_address_keeps_the_json_form(harmony):
     message = r.json()["choices"][0]["message"]
     thought, content, _ = ChatAnswerSplitter(reasoning_parser("gpt_oss"), None).split(want.text)
     assert (message.get("reasoning"), message["content"]) == (thought, content)
+
+
+def test_a_gpt_oss_call_the_model_chooses_streams_its_arguments_as_it_writes_them(harmony):
+    """tool_choice auto: the call is the answer's last message, running to its end; its arguments come in pieces as
+    the model writes them (they came whole with the answer's last delta), the whole answer's call the same."""
+    served, plain = harmony
+    body = {"model": "tiny-qwen3", "messages": QUESTION, "tools": CALLABLE, "max_tokens": 160, "temperature": 0}
+    assert _expected(plain, None, tools=CALLABLE, max_tokens=160).finish_reason == "stop"
+    choice = served.client().chat.completions.create(**body).choices[0]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", HARMONY_ARGUMENTS)]
+    assert (choice.message.reasoning, choice.message.content, choice.finish_reason) == ("I will look.", None,
+                                                                                       "tool_calls")
+    deltas = [c.choices[0].delta for c in served.client().chat.completions.create(stream=True, **body) if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert [t.function.name for t in calls if t.function.name] == ["get_weather"] and len(calls) > 2
+    assert "".join(t.function.arguments for t in calls) == HARMONY_ARGUMENTS

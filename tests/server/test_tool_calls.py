@@ -223,13 +223,17 @@ def _harmony_text(harmony: str) -> str:
     # no call: the channels split as before
     ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
      ["get_weather"], ("User says hi.", "Hello!", [])),
-    # a call whose arguments are cut: no call, its text where it was (a commentary message: content)
+    # a call whose arguments are cut: that call, its arguments as far as they came (as a forced call's)
     ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
-     '<|message|>{"a": ', ["f"], ("x", ' to=functions.f json{"a": ', [])),
+     '<|message|>{"a": ', ["f"], ("x", None, [("f", '{"a": ')])),
+    # cut before its arguments begin: no call, its text where it was (a commentary message: content)
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json",
+     ["f"], ("x", " to=functions.f json", [])),
 ])
 def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_it(harmony, tools, want):
     """gpt-oss calls a function in a commentary message addressed to it (OpenAI's harmony format), its turn's last
-    (<|call|> ends it); the text leaves harmony's special tokens out, and the reasoning is read from what precedes."""
+    (<|call|> ends it); the text leaves harmony's special tokens out, and the reasoning is read from what precedes.
+    The call opens where its arguments begin, which come as written, in pieces, to the answer's end."""
     text = _harmony_text(harmony)
     schemas = [{"type": "function", "function": {"name": n}} for n in tools]
     for cuts in ([], list(range(len(text)))):
@@ -240,7 +244,10 @@ def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_i
             parts = [splitter.feed(text[i:i + 1], final=i == len(text) - 1) for i in cuts]
             thought, content = "".join(p[0] for p in parts) or None, "".join(p[1] for p in parts) or None
             calls = [c for p in parts for c in p[2]]
-        assert (thought, content, [(c.name, json.loads(c.arguments)) for c in calls]) == want, cuts
+        # (arguments the oracle gives as text, cut, compare as text; whole ones as JSON)
+        got = [(c.name, c.arguments if isinstance(w, str) else json.loads(c.arguments))
+               for c, (_, w) in zip(calls, want[2])]
+        assert (thought, content, got, len(calls)) == (*want, len(want[2])), cuts
 
 
 # text near every parser's tags, for the split's agreement with itself
