@@ -444,8 +444,8 @@ class ForcedCallSplitter:
                 return [self._text] if final and self._text else []
             self._next = self._read = self._text.index("[") + 1
         out += self._list_calls()
-        if final and self._opened is not None:  # cut in a call's arguments: that call, its arguments cut
-            return out + [self._close_listed(len(self._text), finished=False)]
+        if final and self._opened is not None:  # cut in a call: that call, its arguments as far as they came
+            return out + [self._close_listed(self._arguments_end or len(self._text), finished=False)]
         rest = self._text[_LISTED.match(self._text, self._next).end():] if self.num_calls else self._text
         if final and rest.strip() and not re.fullmatch(r"\s*\]\s*", rest):
             out.append(rest)  # cut: what it holds after its last call (all of it, where it made none)

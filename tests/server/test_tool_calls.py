@@ -352,9 +352,9 @@ def test_required_calls_stream_their_arguments_and_a_cut_list_keeps_what_it_made
     for k, (name, parameters) in enumerate(calls):
         ascii_only = draw(st.booleans())
         text += '{"name": ' + json.dumps(name, ensure_ascii=ascii_only) + ', "parameters": '
-        written = json.dumps(parameters, ensure_ascii=ascii_only)
-        spans.append((len(text), len(text) + len(written), len(text) + len(written) + 1))
-        text += written + "}" + ((draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]")
+        written, closing = json.dumps(parameters, ensure_ascii=ascii_only), draw(gap) + "}"  # (whitespace: the grammar's)
+        spans.append((len(text), len(text) + len(written), len(text) + len(written) + len(closing)))
+        text += written + closing + ((draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]")
     cut = draw(st.integers(len(opened), len(text)))
 
     def splitter():
@@ -394,6 +394,16 @@ def test_a_named_forced_call_cut_before_its_json_is_no_call():
     # a schema of parameters other than an object's (a schema may say so) is a call all the same
     for text in ("[2]", '"x"', " 3"):
         assert [c.arguments for c in ChatAnswerSplitter(None, ForcedCallSplitter("f")).split(text)[2]] == [text]
+
+
+@pytest.mark.parametrize("text", ['[{"name": "f", "parameters": {"a": 1} ', '[{"name": "f", "parameters": {"a": 1}\n'])
+def test_a_required_call_cut_after_its_parameters_closed_has_them_whole(text):
+    """Whitespace the grammar allows between the parameters and the call's "}": a cut there leaves the arguments as
+    they closed, streamed or not (the whole answer's took the whitespace in)."""
+    whole = ChatAnswerSplitter(None, ForcedCallSplitter(None)).split(text)[2]
+    streaming = ChatAnswerSplitter(None, ForcedCallSplitter(None))
+    parts = [p for i, c in enumerate(text) for p in streaming.parts(c, final=i == len(text) - 1)]
+    assert [c.arguments for c in whole] == ['{"a": 1}'] == ["".join(v for k, v in parts if k == "arguments")]
 
 
 def test_required_calls_are_each_parsed_once_however_the_answer_comes(monkeypatch):
