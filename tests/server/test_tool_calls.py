@@ -352,7 +352,8 @@ def test_required_calls_stream_their_arguments_and_a_cut_list_keeps_what_it_made
     for k, (name, parameters) in enumerate(calls):
         ascii_only = draw(st.booleans())
         text += '{"name": ' + json.dumps(name, ensure_ascii=ascii_only) + ', "parameters": '
-        written, closing = json.dumps(parameters, ensure_ascii=ascii_only), draw(gap) + "}"  # (whitespace: the grammar's)
+        # (whitespace before the "}": the grammar allows it)
+        written, closing = json.dumps(parameters, ensure_ascii=ascii_only), draw(gap) + "}"
         spans.append((len(text), len(text) + len(written), len(text) + len(written) + len(closing)))
         text += written + closing + ((draw(gap) + "," + draw(gap)) if k < len(calls) - 1 else draw(gap) + "]")
     cut = draw(st.integers(len(opened), len(text)))
