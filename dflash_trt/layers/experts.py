@@ -3,15 +3,13 @@ weight, its down projection in another, and the routed tokens run through them e
 
 from __future__ import annotations
 
-import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.layers.linear import PackedLinear, can_pack, kernel_serves
-
-logger = logging.getLogger(__name__)
 
 
 class ExpertBank(nn.Module):
@@ -29,8 +27,9 @@ class ExpertBank(nn.Module):
         self.packed: nn.ModuleList | None = None  # per local expert (gate_up, down), set by pack()
         # the routed tokens through every expert in two grouped GEMMs (torch._grouped_mm): None, on a GPU (one
         # product a projection for the whole step, and no host read: a loop of an expert's products at a time
-        # launches hundreds of small kernels a layer, after reading the counts back); False where torch's grouped
-        # GEMM failed here (a GPU or dtype it does not take), True to take it anywhere
+        # launches hundreds of small kernels a layer, after reading the counts back; where torch has no grouped
+        # kernel for the GPU or dtype, before SM90, it loops over the groups itself); False where torch's grouped
+        # GEMM failed here, True to take it anywhere
         self.grouped: bool | None = None
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -80,7 +79,10 @@ class ExpertBank(nn.Module):
             try:
                 return self._grouped_forward(x, local, k, expert_weights)
             except (RuntimeError, NotImplementedError) as e:
-                logger.warning("experts run one at a time: torch's grouped GEMM failed here (%s)", str(e)[:200])
+                if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "AcceleratorError":
+                    raise  # (the device's trouble, not the grouped GEMM's)
+                warnings.warn(f"MoE experts run one at a time: torch's grouped GEMM failed here ({str(e)[:200]})",
+                              RuntimeWarning, stacklevel=2)  # (once, not once a layer: the warnings filter's)
                 self.grouped = False
         out = torch.zeros_like(x)
         # Grouped on the device, read back once (how many each expert has): on a GPU every read waits for the
@@ -103,11 +105,14 @@ class ExpertBank(nn.Module):
     def _grouped_forward(self, x: torch.Tensor, local: torch.Tensor, k: int,
                          expert_weights: torch.Tensor) -> torch.Tensor:
         """forward's sum by two grouped GEMMs over the routed entries sorted by expert (local: each entry's expert,
-        len(experts) for another rank's)."""
-        count = len(self.experts)
-        order = torch.argsort(local, stable=True)  # as forward's loop: experts ascending, tokens ascending in one
+        len(experts) for another rank's). Nothing is read back (the counts are summed by index_add_, where bincount
+        on a GPU reads its input's range), and each token's experts are added in ascending order, one slot at a time,
+        as forward's loop adds them (an index_add_ of every row at once adds by GPU atomics, in no fixed order)."""
+        count, tokens = len(self.experts), x.shape[0]
+        order = torch.argsort(local, stable=True)  # experts ascending, tokens ascending in one
         token, expert = order // k, local[order]
-        ends = torch.cumsum(torch.bincount(local, minlength=count + 1)[:count], 0).to(torch.int32)
+        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
+        ends = torch.cumsum(routed[:count], 0).to(torch.int32)
         held = expert < count  # (another rank's entries come last, past every group: no product writes their rows)
         at = expert.clamp(max=count - 1)
         gate_up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends)
@@ -116,8 +121,14 @@ class ExpertBank(nn.Module):
         y = torch._grouped_mm(self.activate(*gate_up.chunk(2, dim=-1)), self.down_proj.transpose(1, 2), offs=ends)
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[at]
-        y = torch.where(held[:, None], y * expert_weights.flatten()[order, None], 0)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        y = torch.where(held[:, None], y * expert_weights.flatten()[order, None], 0).to(x.dtype)
+        by_entry = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)  # back to [token, slot]
+        slots = torch.argsort(local.view(tokens, k), dim=1, stable=True)  # each token's slots by expert
+        by_expert = by_entry.gather(1, slots[..., None].expand_as(by_entry))
+        out = torch.zeros_like(x)
+        for s in range(k):
+            out += by_expert[:, s]
+        return out
 
 
 class SiluExperts(ExpertBank):

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dflash_trt import __version__
-from dflash_trt.engine.detokenizer import IncrementalDetokenizer, tokens_writing
+from dflash_trt.engine.detokenizer import IncrementalDetokenizer
 from dflash_trt.engine.engine_loop import SHUTTING_DOWN, EngineLoop, LoopStopped, RequestUpdate
 from dflash_trt.engine.grammar import GrammarError
 from dflash_trt.engine.llm_engine import RequestOutput
@@ -286,14 +286,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens, reasoned)
 
     async def _reasoning_tokens(outputs: list[RequestOutput], splitters: list[ChatAnswerSplitter]) -> int:
-        """The answers' tokens of reasoning (its tags included), fed whole to their splitters: the fewest tokens that
-        write the reasoning's characters, counted on a tokenizer's lane (a few decodes an answer)."""
+        """The answers' tokens of reasoning (ChatAnswerSplitter.reasoning_tokens, each fed whole), counted on a
+        tokenizer's lane (a few decodes an answer)."""
         total = 0
         for o, splitter in zip(outputs, splitters):
-            if chars := splitter.reasoning_chars:
+            if splitter.reasoning_chars:
                 encoder, thread = lanes.lane(len(o.token_ids))
+                ended_by_token = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
                 total += await asyncio.get_running_loop().run_in_executor(
-                    thread, tokens_writing, encoder.tokenizer, o.token_ids, chars)
+                    thread, splitter.reasoning_tokens, encoder.tokenizer, o.token_ids, ended_by_token)
         return total
 
     async def _stream_response(req: p.ChatCompletionRequest, s: _Submitted, response: ResponseObject):

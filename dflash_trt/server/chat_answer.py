@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_trt.engine.detokenizer import tokens_writing
 from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
 from dflash_trt.server.tool_calls import (ArgumentsPiece, ClosedCall, ForcedCallSplitter, FunctionCall, OpenedCall,
                                          ToolCallSplitter)
@@ -43,6 +44,20 @@ class ChatAnswerSplitter:
     def num_calls(self) -> int:
         """The calls the answer has made so far."""
         return self._calls.num_calls if self._calls is not None else 0
+
+    @property
+    def reasoning_open(self) -> bool:
+        """Whether the answer fed so far ends in its reasoning, having made no call (every token of it is then the
+        reasoning's, those that write no whole character too: a character's first bytes, special tokens)."""
+        return self._reasoning is not None and self._reasoning.in_reasoning and self.num_calls == 0
+
+    def reasoning_tokens(self, tokenizer, token_ids: list[int], ended_by_token: bool) -> int:
+        """The answer's tokens of reasoning, its tags included (the answer fed whole): all of them where it ends in
+        its reasoning, but the eos or stop token that ended it (ended_by_token); else the fewest that write the
+        reasoning's characters."""
+        if self.reasoning_open:
+            return len(token_ids) - ended_by_token
+        return tokens_writing(tokenizer, token_ids, self.reasoning_chars)
 
     @property
     def reasoning_chars(self) -> int:

@@ -268,3 +268,44 @@ def test_usage_counts_the_reasoning_tokens_chat_streamed_and_responses(tiny_dirs
         assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     finally:
         server.stop()
+    # an answer that ends inside its reasoning: every token of it (those that write no whole character too)
+    server = start_server(tiny_engine(tiny_dirs, max_batch_size=4), reasoning=ReasoningParser("test", True, "\0",
+                                                                                              ("<never>",)))
+    try:
+        usage = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": usage["completion_tokens"]} == {
+            "reasoning_tokens": 24}
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("parser, answer, cut", [
+    ("deepseek_r1", "thinking ünïcode😀😀</think>\n\nAnswer", 7),  # cut inside an emoji's bytes
+    ("deepseek_r1", "thinking ünïcode😀😀</think>\n\nAnswer", 8),
+    ("deepseek_r1", "thinking ünïcode😀😀</think>\n\nAnswer", None),
+    ("qwen3", "<think>ok 你好</think>hi", 5),
+    ("qwen3", "<think>ok 你好</think>hi", None),
+    ("gpt_oss", "<|channel|>analysis<|message|>think ok<|end|><|start|>assistant<|channel|>final<|message|>hi", 6),
+])
+def test_reasoning_tokens_are_all_of_an_answer_cut_in_its_reasoning_else_those_up_to_its_end_tag(smollm2_dir, parser,
+                                                                                             answer, cut):
+    """SmolLM2's byte-level BPE (harmony's tokens added as special): an answer cut inside its reasoning is reasoning
+    to its last token, a character's first bytes and special tokens too (they write no whole character); a whole
+    answer's reasoning is the fewest tokens whose text ends in the tag that closes it."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from dflash_trt.engine.detokenizer import client_text
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    tok.add_tokens([AddedToken(t, special=True) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")],
+                   special_tokens=True)
+    ids = tok.encode(answer, add_special_tokens=False)[:cut]
+    splitter = ChatAnswerSplitter(PARSERS[parser], None)
+    splitter.split(client_text(tok, ids))
+    got = splitter.reasoning_tokens(tok, ids, ended_by_token=False)
+    if cut is not None:
+        assert got == len(ids) == cut
+    else:
+        closing = "</think>"
+        assert client_text(tok, ids[:got]).endswith(closing) and not client_text(tok, ids[:got - 1]).endswith(closing)
