@@ -50,6 +50,17 @@ def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
     return round(statistics.median(samples), 2)
 
 
+def device_name(device: str) -> str:
+    """A short name of the device a benchmark ran on, for its record's name: "cpu", or the GPU's ("NVIDIA H100 80GB
+    HBM3" -> h100, "NVIDIA GH200 480GB" -> gh200)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    words = torch.cuda.get_device_name().split()
+    return next((w for w in words if w[0].isalpha() and any(ch.isdigit() for ch in w)), "gpu").lower()
+
+
 def record(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),

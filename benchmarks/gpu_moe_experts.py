@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import device_name, record  # noqa: E402
 from dflash_trt.layers.experts import SiluExperts  # noqa: E402
 from dflash_trt.models.gpt_oss import GptOssExperts  # noqa: E402
 
@@ -95,12 +95,8 @@ def main() -> None:
             row["speedup"] = round(row["one_at_a_time_ms"] / row["grouped_ms"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    gpu = "cpu"
-    if args.device.startswith("cuda"):
-        words = torch.cuda.get_device_name().split()
-        gpu = next((w for w in words if w[0].isalpha() and any(c.isdigit() for c in w)), "gpu").lower()
-    path = record(args.out or f"gpu_moe_experts_{gpu}", {"dtype": "bfloat16", "repeats": args.repeats,
-                                                          "torch": torch.__version__, "rows": rows})
+    path = record(args.out or f"gpu_moe_experts_{device_name(args.device)}", {
+        "dtype": "bfloat16", "repeats": args.repeats, "torch": torch.__version__, "rows": rows})
     print(f"wrote {path}")
 
 

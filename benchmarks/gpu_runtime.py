@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import device_name, record  # noqa: E402
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
@@ -161,12 +161,8 @@ def main() -> None:
                                                 batch, args.steps, args.prompt_len, args.k, **config)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    gpu = "cpu"
-    if args.device.startswith("cuda"):  # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA GH200 480GB" -> gh200
-        words = torch.cuda.get_device_name().split()
-        gpu = next((w for w in words if w[0].isalpha() and any(c.isdigit() for c in w)), "gpu").lower()
-    path = record(args.out or f"gpu_runtime_{gpu}", {"model": args.model, "dtype": "bfloat16", "prompt_len":
-                                                     args.prompt_len, "steps": args.steps, "rows": rows})
+    path = record(args.out or f"gpu_runtime_{device_name(args.device)}", {
+        "model": args.model, "dtype": "bfloat16", "prompt_len": args.prompt_len, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")
 
 
