@@ -7,6 +7,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -50,13 +51,18 @@ def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
     return round(statistics.median(samples), 2)
 
 
+def require_device(device: str, dry_run: str) -> None:
+    """Exit (status 2) where a CUDA device is asked for and there is none, saying how to dry-run the script."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"no CUDA device (use {dry_run} for a dry run)", file=sys.stderr)
+        sys.exit(2)
+
+
 def device_name(device: str) -> str:
     """A short name of the device a benchmark ran on, for its record's name: "cpu", or the GPU's ("NVIDIA H100 80GB
     HBM3" -> h100, "NVIDIA GH200 480GB" -> gh200)."""
     if not device.startswith("cuda"):
         return "cpu"
-    import torch
-
     words = torch.cuda.get_device_name().split()
     return next((w for w in words if w[0].isalpha() and any(ch.isdigit() for ch in w)), "gpu").lower()
 

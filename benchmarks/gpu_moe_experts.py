@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import device_name, record  # noqa: E402
+from benchmarks.common import device_name, record, require_device  # noqa: E402
 from dflash_trt.layers.experts import SiluExperts  # noqa: E402
 from dflash_trt.models.gpt_oss import GptOssExperts  # noqa: E402
 
@@ -70,9 +70,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device (use --device cpu --smoke for a dry run)", file=sys.stderr)
-        sys.exit(2)
+    require_device(args.device, "--device cpu --smoke")
     dtype = torch.bfloat16
     rows = []
     for name, (hidden, inter, experts, top_k) in (SMOKE if args.smoke else SHAPES).items():

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import device_name, record  # noqa: E402
+from benchmarks.common import device_name, record, require_device  # noqa: E402
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from dflash_trt.models.config import decoder_config_from_dict  # noqa: E402
 from dflash_trt.models.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
@@ -144,9 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device (use --device cpu --model smoke for a dry run)", file=sys.stderr)
-        sys.exit(2)
+    require_device(args.device, "--device cpu --model smoke")
     dtype = torch.bfloat16
     target, drafter = build(args.model, args.device, dtype)
     systems = {
