@@ -3,7 +3,8 @@ trtllm-serve): each call the model writes becomes an entry of the message's `too
 as a JSON string), the text around them its `content`, and the choice finishes with "tool_calls".
 
 - hermes (Qwen2.5, Qwen3, Hermes; TensorRT-LLM's `qwen3`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  ("parameters" for "arguments" too), or a list of such objects in one block;
+  ("parameters" for "arguments" too), or a list of such objects in one block; a call that names its function first
+  opens once its arguments' object begins, its arguments sent as they come, as written;
 - qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`, each value read as the tool's schema types it (a string stays a string; numbers, booleans,
   objects and arrays as JSON);
@@ -19,11 +20,11 @@ as a JSON string), the text around them its `content`, and the choice finishes w
   text before it. The call opens where its arguments begin, which are sent as they come (as written, to the answer's
   end: cut by max_tokens, as far as they came). The default for a gpt-oss target.
 
-Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin
-a call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
-ends; gpt_oss's, in pieces). A block that does not parse as a call stays in the content as written, so nothing the
-model said is lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None
-where there is none).
+Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin a
+call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
+ends; gpt_oss's and hermes's, in pieces). A block that does not parse as a call stays in the content as written, so
+nothing the model said is lost; whitespace next to a call is dropped, the rest of the text outside calls is the content
+(None where there is none).
 """
 
 from __future__ import annotations
@@ -217,9 +218,15 @@ class ToolCallParser:
     # (a call's header, the function named) while its text runs to the answer's end: the call opens there, and its
     # arguments are sent as they come (harmony's call, the turn's last message), not held to the end
     streams: Callable[[str, dict[str, Any]], str | None] | None = None
+    # a call's JSON up to its arguments' object, the function's name (JSON) its group "name" (hermes's): such a call
+    # opens there, and its arguments are sent as they come, the call closed with its end tag
+    call_head: re.Pattern | None = None
 
 
-PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls),
+# a hermes call's JSON up to its arguments' object (its name first, as Qwen's templates write it)
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
+                          r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls, call_head=_HERMES_HEAD),
                                ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls),
                                ToolCallParser("llama3_json", None, _llama_calls, (), None, (PYTHON_TAG, "{"),
                                               keeps_opening=True, in_trtllm=False),
@@ -287,6 +294,10 @@ class ToolCallSplitter:
         self._at_start = True  # nothing read yet
         self._streaming: FunctionCall | None = None  # a call whose arguments are being sent as they come
         self._arguments = ""  # its arguments so far
+        # a tagged call's (call_head's), in its held block: where its arguments begin, end, how far they are sent
+        # and read, and the reader's state
+        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
+        self._depth, self._in_string, self._escaped = 0, False, False
         self.num_calls = 0  # calls sent so far
 
     @property
@@ -327,6 +338,12 @@ class ToolCallSplitter:
             if self.parser.streams is not None and (streamed := self._stream(text, final)) is not None:
                 out += streamed
                 break  # (the call runs to the answer's end)
+            if self.parser.call_head is not None and (tagged := self._stream_tagged(text, final)) is not None:
+                streamed, text = tagged
+                out += streamed
+                if text is None:
+                    break  # (the call still open, or the answer ended in it)
+                continue  # the text after the call
             at = text.find(end) if end is not None else -1
             if at < 0 and not final:
                 self._held = text  # the call's text so far, sent when it closes
@@ -344,6 +361,52 @@ class ToolCallSplitter:
         if final:
             out.append(self._joint.end())
         return [p for p in out if p]
+
+    def _stream_tagged(self, text: str, final: bool) -> tuple[list[OpenedCall | ArgumentsPiece | ClosedCall],
+                                                              str | None] | None:
+        """A call_head call's block so far (past its start tag): (the call opened where its arguments' object begins,
+        their pieces as written, the call closed where its end tag comes, the text after it, or None while it is
+        open). None where the block is no such call (read whole at its end tag, as before)."""
+        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
+        if self._streaming is None:
+            head = self.parser.call_head.match(text)
+            if head is None or (self._max_calls is not None and self.num_calls >= self._max_calls):
+                return None
+            try:
+                name = json.loads(head["name"])
+            except ValueError:
+                return None
+            self._streaming, self._at = FunctionCall(name, ""), head.end()
+            self._end, self._sent, self._scanned, self._depth = None, head.end(), head.end(), 0
+            self.num_calls += 1
+            self._joint.call()
+            out.append(OpenedCall(self._streaming))
+        for at in range(self._scanned, len(text) if self._end is None else 0):
+            c = text[at]
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = at + 1
+                    break
+        self._scanned = len(text) if self._end is None else self._end
+        upto = self._end if self._end is not None else len(text)
+        if upto > self._sent:
+            out.append(ArgumentsPiece(text[self._sent:upto]))
+            self._sent = upto
+        closing = text.find(self.parser.end, self._end) if self._end is not None else -1
+        if closing < 0 and not final:
+            self._held = text
+            return out, None
+        call = FunctionCall(self._streaming.name, text[self._at:upto], self._streaming.id)
+        out.append(ClosedCall(call, finished=closing >= 0))
+        self._streaming = self._opened = None
+        return out, (text[closing + len(self.parser.end):] if closing >= 0 else None)
 
     def _stream(self, text: str, final: bool) -> list[OpenedCall | ArgumentsPiece | ClosedCall] | None:
         """The call's text so far (past its start tag): the call opened where its header names a function and its

@@ -425,10 +425,11 @@ def _runs(parts: list[tuple[str, object]]) -> list[tuple[str, str]]:
     """Ordered parts with each run of one kind of text joined (a call: its name and arguments)."""
     runs: list[tuple[str, str]] = []
     for kind, value in parts:
-        if kind != "call" and runs and runs[-1][0] == kind:
+        whole = kind.startswith("call")  # (a call, whole or opened or closed: its name and arguments, not its id)
+        if not whole and runs and runs[-1][0] == kind:
             runs[-1] = (kind, runs[-1][1] + value)
         else:
-            runs.append((kind, value if kind != "call" else f"{value.name}{value.arguments}"))
+            runs.append((kind, f"{value.name}{value.arguments}" if whole else value))
     return runs
 
 
@@ -450,7 +451,8 @@ def test_a_schema_of_any_shape_reads_the_value_as_text_where_it_names_no_type(sc
 
 
 def test_arguments_are_json_a_response_can_carry():
-    """A lone surrogate's escape stays an escape (UTF-8 cannot carry the character); NaN is no JSON: no call."""
+    """A lone surrogate's escape stays an escape (UTF-8 cannot carry the character); NaN is no JSON: no call (but
+    where a call's arguments are sent as written, as they come: hermes's)."""
     content, calls = _whole(ToolCallSplitter(PARSERS["hermes"]), '<tool_call>{"name": "f", "arguments": {"s": '
                                                                '"\\ud800 \\u00e9"}}</tool_call>')
     assert calls[0].arguments.encode() and json.loads(calls[0].arguments) == {"s": "\ud800 \u00e9"}
@@ -461,7 +463,8 @@ def test_arguments_are_json_a_response_can_carry():
             "type": "number"}}}}}]
         for name in PARSERS:
             content, calls = _whole(ToolCallSplitter(PARSERS[name], schemas), text)
-            assert not calls, (name, text)
+            written = name == "hermes" and "NaN" in text
+            assert [c.arguments for c in calls] == (['{"x": NaN}'] if written else []), (name, text)
 
 
 def test_the_formats_other_shapes_vllm_reads_too():
@@ -538,8 +541,11 @@ def test_a_served_targets_own_tool_calls_come_back_as_tool_calls_streamed_and_no
         assert content == "I will look."
         assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == CALLS
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-        # each call sent whole, once: OpenAI's SDK puts deltas together by index
-        assert sum(len(e["choices"][0]["delta"].get("tool_calls", [])) for e in events) == 2
+        # each call named once, in its first delta, its arguments in pieces as they come: OpenAI's SDK puts deltas
+        # together by index
+        deltas = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls") or ()]
+        assert [t["function"]["name"] for t in deltas if t["function"].get("name")] == [n for n, _ in CALLS]
+        assert len(deltas) > len(CALLS)
 
         one = server.client().chat.completions.create(model="tiny-qwen3", parallel_tool_calls=False, **body)
         assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
@@ -589,3 +595,22 @@ def test_tools_the_model_may_call_need_a_tool_call_parser(caller):
         assert r.json()["error"]["param"] == "tools"
     finally:
         server.stop()
+
+
+def test_a_hermes_calls_arguments_stream_as_written_and_a_call_cut_in_them_stays_a_call():
+    """A hermes call opens once its arguments' object begins (its name first, as Qwen writes it), its arguments come
+    in pieces as written, and it closes with </tool_call>; one cut by max_tokens in its arguments is that call with
+    them cut. A JSON string may hold the end tag; a block that begins otherwise (a list, its name last) comes whole."""
+    text = ('Sure.\n<tool_call>\n{"name": "run", "arguments": {"code": "print(\'</tool_call>\')", "n": [1, {}]}}\n'
+            '</tool_call>\n<tool_call>\n{"arguments": {"q": 1}, "name": "find"}\n</tool_call>')
+    arguments = '{"code": "print(\'</tool_call>\')", "n": [1, {}]}'
+    splitter = ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["hermes"]))
+    parts = [p for i, c in enumerate(text) for p in splitter.parts(c, final=i == len(text) - 1)]
+    kinds = [k for k, _ in parts if k != "content"]
+    assert kinds[0] == "call_opened" and kinds[-2:] == ["call_finished", "call"]
+    assert "".join(v for k, v in parts if k == "arguments") == arguments
+    assert [(c.name, c.arguments) for c in ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["hermes"])).split(
+        text)[2]] == [("run", arguments), ("find", '{"q": 1}')]
+    cut = text[:text.index("[1,")]
+    assert [(c.name, c.arguments) for c in ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["hermes"])).split(
+        cut)[2]] == [("run", arguments[:arguments.index("[1,")])]
