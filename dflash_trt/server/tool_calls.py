@@ -249,6 +249,28 @@ def default_tool_parser(target) -> ToolCallParser | None:
     return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
 
 
+class _JsonNesting:
+    """How deep a JSON text nests, read a character at a time (strings, and the escapes in them, skipped)."""
+
+    def __init__(self) -> None:
+        self.depth, self._in_string, self._escaped = 0, False, False
+
+    def read(self, c: str) -> int:
+        """+1 where c opens an object or array, -1 where it closes one (none below depth 0: a list's own "]" read
+        from inside it), else 0."""
+        if self._in_string:
+            self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
+        elif c == '"':
+            self._in_string = True
+        elif c in "{[":
+            self.depth += 1
+            return 1
+        elif c in "}]" and self.depth:
+            self.depth -= 1
+            return -1
+        return 0
+
+
 class _Joint:
     """The content's text with the whitespace between it and calls left out where the content begins or ends; between
     two pieces of content it stays as written (a call's text taken out of it). Trailing whitespace is held until text
@@ -295,9 +317,9 @@ class ToolCallSplitter:
         self._streaming: FunctionCall | None = None  # a call whose arguments are being sent as they come
         self._arguments = ""  # its arguments so far
         # a tagged call's (call_head's), in its held block: where its arguments begin, end, how far they are sent
-        # and read, and the reader's state
+        # and read, and how deep they nest there
         self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
-        self._depth, self._in_string, self._escaped = 0, False, False
+        self._nesting = _JsonNesting()
         self.num_calls = 0  # calls sent so far
 
     @property
@@ -377,23 +399,14 @@ class ToolCallSplitter:
             except ValueError:
                 return None
             self._streaming, self._at = FunctionCall(name, ""), head.end()
-            self._end, self._sent, self._scanned, self._depth = None, head.end(), head.end(), 0
+            self._end, self._sent, self._scanned, self._nesting = None, head.end(), head.end(), _JsonNesting()
             self.num_calls += 1
             self._joint.call()
             out.append(OpenedCall(self._streaming))
         for at in range(self._scanned, len(text) if self._end is None else 0):
-            c = text[at]
-            if self._in_string:
-                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._end = at + 1
-                    break
+            if self._nesting.read(text[at]) < 0 and self._nesting.depth == 0:
+                self._end = at + 1
+                break
         self._scanned = len(text) if self._end is None else self._end
         upto = self._end if self._end is not None else len(text)
         if upto > self._sent:
@@ -491,7 +504,7 @@ class ForcedCallSplitter:
         # the list's: where its last call ends (past its "[" before any), how far it is read, and the reader's state
         self._next: int | None = None
         self._read = 0
-        self._depth, self._in_string, self._escaped, self._element = 0, False, False, 0
+        self._nesting, self._element = _JsonNesting(), 0
         self._arguments_end: int | None = None  # where the open list call's arguments close, once they have
         self.num_calls = 0
 
@@ -520,25 +533,19 @@ class ForcedCallSplitter:
         its arguments sent as they come, closed with its object."""
         out, text = [], self._text
         for at in range(self._read, len(text)):
-            c = text[at]
-            if self._in_string:
-                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._element = at if self._depth == 0 else self._element
-                self._depth += 1
-                if self._depth == 2 and self._opened is None and (head := _LISTED_CALL.match(text, self._element)) \
+            moved, depth = self._nesting.read(text[at]), self._nesting.depth
+            if moved > 0:
+                self._element = at if depth == 1 else self._element
+                if depth == 2 and self._opened is None and (head := _LISTED_CALL.match(text, self._element)) \
                         and head.end() == at:
                     self._opened = FunctionCall(json.loads(head["name"]), "")
                     self._arguments_at = self._sent = at
                     self.num_calls += 1
                     out.append(OpenedCall(self._opened))
-            elif c in "}]" and self._depth:  # (at depth 0: the list's own "]")
-                self._depth -= 1
-                if self._depth == 1 and self._opened is not None and self._arguments_end is None:
+            elif moved < 0:  # (the list's own "]", at depth 0, moves nothing)
+                if depth == 1 and self._opened is not None and self._arguments_end is None:
                     self._arguments_end = at + 1
-                if self._depth == 0:
+                if depth == 0:
                     if self._opened is not None:
                         out += self._pieces(self._arguments_end) + [self._close_listed(self._arguments_end, True)]
                     else:
