@@ -75,9 +75,14 @@ class ExpertBank(nn.Module):
         count, k = len(self.experts), expert_ids.shape[1]
         local = (expert_ids - self.experts.start).flatten()  # [T * k], entry t * k + s: token t's slot s
         local = torch.where((local >= 0) & (local < count), local, count)  # another rank's experts: past the last
+        # Grouped on the device: a stable sort keeps ascending expert order and tokens ascending within one, as
+        # transformers accumulates (its float summation order); the counts by index_add_, where bincount on a GPU
+        # reads its input's range back
+        order = torch.argsort(local, stable=True)
+        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
         if self.packed is None and (self.grouped or (self.grouped is None and x.is_cuda)):
             try:
-                return self._grouped_forward(x, local, k, expert_weights)
+                return self._grouped_forward(x, local, order, routed, expert_weights)
             except (RuntimeError, NotImplementedError) as e:
                 if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "AcceleratorError":
                     raise  # (the device's trouble, not the grouped GEMM's)
@@ -85,12 +90,8 @@ class ExpertBank(nn.Module):
                               RuntimeWarning, stacklevel=2)  # (once, not once a layer: the warnings filter's)
                 self.grouped = False
         out = torch.zeros_like(x)
-        # Grouped on the device, read back once (how many each expert has): on a GPU every read waits for the
-        # layer's kernels, and a read per routed expert made a verify step wait hundreds of times. A stable sort
-        # keeps ascending expert order and tokens ascending within one, as transformers accumulates (its float
-        # summation order).
-        order = torch.argsort(local, stable=True)
-        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
+        # the counts read back once: on a GPU every read waits for the layer's kernels, and a read per routed expert
+        # made a verify step wait hundreds of times
         start = 0
         for e, n in enumerate(routed[:count].tolist()):
             if n:
@@ -101,17 +102,14 @@ class ExpertBank(nn.Module):
             start += n
         return out
 
-
-    def _grouped_forward(self, x: torch.Tensor, local: torch.Tensor, k: int,
+    def _grouped_forward(self, x: torch.Tensor, local: torch.Tensor, order: torch.Tensor, routed: torch.Tensor,
                          expert_weights: torch.Tensor) -> torch.Tensor:
         """forward's sum by two grouped GEMMs over the routed entries sorted by expert (local: each entry's expert,
-        len(experts) for another rank's). Nothing is read back (the counts are summed by index_add_, where bincount
-        on a GPU reads its input's range), and each token's experts are added in ascending order, one slot at a time,
-        as forward's loop adds them (an index_add_ of every row at once adds by GPU atomics, in no fixed order)."""
-        count, tokens = len(self.experts), x.shape[0]
-        order = torch.argsort(local, stable=True)  # experts ascending, tokens ascending in one
+        len(experts) for another rank's; order: the entries by expert; routed: how many each expert has), nothing
+        read back. Each token's experts are added in ascending order, one slot at a time, as forward's loop adds them
+        (an index_add_ of every row at once adds by GPU atomics, in no fixed order)."""
+        count, (tokens, k) = len(self.experts), expert_weights.shape
         token, expert = order // k, local[order]
-        routed = torch.zeros(count + 1, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
         ends = torch.cumsum(routed[:count], 0).to(torch.int32)
         held = expert < count  # (another rank's entries come last, past every group: no product writes their rows)
         at = expert.clamp(max=count - 1)

@@ -186,15 +186,14 @@ def _target_windows(cfg: dict, model_type: str, layers: int, source: str) -> tup
     """Each layer's sliding window as transformers' model of that family applies it: Mistral on every layer (4096
     where config.json has no sliding_window), Qwen3 on its sliding layers (qwen3_layer_types), Qwen3-MoE on every
     layer where use_sliding_window says so, Llama on none."""
-    if model_type == "mistral":
+    slides = model_type in ("qwen3", "qwen3_moe") and as_bool(cfg.get("use_sliding_window"), "use_sliding_window",
+                                                               source, False)
+    if model_type == "mistral" or (slides and model_type == "qwen3_moe"):  # every layer (4096 where it says none)
         window = cfg.get("sliding_window", 4096)
         windows = (None if window is None else as_int(window, "sliding_window", source, minimum=1),) * layers
-    elif model_type == "qwen3" and as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source, False):
+    elif slides:
         layer_types, window = qwen3_layer_types(cfg, layers, source)
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    elif model_type == "qwen3_moe" and as_bool(cfg.get("use_sliding_window"), "use_sliding_window", source, False):
-        window = cfg.get("sliding_window", 4096)  # (transformers' Qwen3-MoE: every layer, as Mistral)
-        windows = (None if window is None else as_int(window, "sliding_window", source, minimum=1),) * layers
     else:
         return ()
     return windows if any(w is not None for w in windows) else ()

@@ -718,7 +718,7 @@ class DeltaFunction(BaseModel):
 
 class DeltaToolCall(BaseModel):
     """A stream's delta of one call: the call whole, or its first delta (id, name, arguments so far) and then the
-    next pieces of its arguments (a named function's, where tool_choice forces it, come as the model writes them)."""
+    next pieces of its arguments (where they come as the model writes them: server/chat_answer.py)."""
     index: int  # the call's place among its choice's calls
     id: str | None = None
     type: Literal["function"] | None = None
