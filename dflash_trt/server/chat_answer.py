@@ -2,10 +2,10 @@
 (a tool-call parser's), fed delta by delta or whole, alike.
 
 Its ordered parts are (kind, value) pairs: ("reasoning", text), ("content", text), ("call", FunctionCall) for a call
-sent whole, and, for a call whose arguments are sent as they come (a call tool_choice forces; a gpt_oss or hermes
-call), ("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed", FunctionCall
-whole) as the answer ends (cut by max_tokens, or not), or ("call_finished", FunctionCall whole) where its JSON or end
-tag closed it.
+sent whole, and, for a call whose arguments are sent as they come (a call tool_choice forces; a gpt_oss, hermes or
+qwen3_coder call), ("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed",
+FunctionCall whole) as the answer ends (cut by max_tokens, or not), or ("call_finished", FunctionCall whole) where its
+JSON or end tag closed it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from dflash_trt.engine.detokenizer import tokens_writing
 from dflash_trt.server.reasoning import ReasoningParser, ReasoningSplitter
-from dflash_trt.server.tool_calls import (ArgumentsPiece, ClosedCall, ForcedCallSplitter, FunctionCall, OpenedCall,
-                                         ToolCallSplitter)
+from dflash_trt.server.call_parts import ArgumentsPiece, ClosedCall, FunctionCall, OpenedCall
+from dflash_trt.server.tool_calls import ForcedCallSplitter, ToolCallSplitter
 
 # the calls' pieces as parts: (kind, what the part carries)
 _KINDS = {FunctionCall: ("call", lambda c: c), OpenedCall: ("call_opened", lambda p: p.call),

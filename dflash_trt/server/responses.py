@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from dflash_trt.server.tool_calls import FunctionCall
+from dflash_trt.server.call_parts import FunctionCall
 
 # sampling fields of vLLM's ResponsesRequest beside OpenAI's, passed on as chat takes them
 _EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",

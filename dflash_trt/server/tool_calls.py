@@ -7,7 +7,8 @@ as a JSON string), the text around them its `content`, and the choice finishes w
   opens once its arguments' object begins, its arguments sent as they come, as written;
 - qwen3_coder (Qwen3-Coder; vLLM's `qwen3_xml` too): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`, each value read as the tool's schema types it (a string stays a string; numbers, booleans,
-  objects and arrays as JSON);
+  objects and arrays as JSON; server/coder_calls.py); a call opens at its first parameter, its arguments sent as a
+  JSON object piece by piece, a string's as the model writes it;
 - llama3_json (Llama 3.1, 3.2 and 3.3 with JSON tool calling): an answer that opens with a call, `{"name": ...,
   "parameters": {...}}` ("arguments" for "parameters" too; one of them: JSON with a "name" alone is an answer),
   several separated by `;`, after `<|python_tag|>` where the text holds it; an answer that opens otherwise, or does
@@ -22,20 +23,23 @@ as a JSON string), the text around them its `content`, and the choice finishes w
 
 Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin a
 call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
-ends; gpt_oss's and hermes's, in pieces). A block that does not parse as a call stays in the content as written, so
-nothing the model said is lost; whitespace next to a call is dropped, the rest of the text outside calls is the content
-(None where there is none).
+ends; but for llama3_json's, in pieces as they come: a cut call is that call, its arguments as far as they came). A
+block that does not parse as a call (or opens none) stays in the content as written, so nothing the model said is
+lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is
+none).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from dflash_trt.server.call_parts import (ArgumentsPiece, BlockReader, CallPart, ClosedCall, FunctionCall, OpenedCall,
+                                          json_text)
+from dflash_trt.server.coder_calls import CoderCallReader, coder_calls
 from dflash_trt.server.reasoning import first_tag, held_back, parser_named
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -44,27 +48,6 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # template writes past calls (at the answer's start the prompt holds the role: " to=functions.", read only there)
 HARMONY_STARTS = ("assistantcommentary to=functions.", "commentary to=functions.", "assistant to=functions.")
 HARMONY_OPENING = (" to=functions.",)
-
-
-@dataclass(frozen=True)
-class FunctionCall:
-    name: str
-    arguments: str  # a JSON object, as OpenAI's API sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-def _json(value: Any) -> str | None:
-    """value as JSON text, or None where it has none (NaN, infinities); a lone surrogate's escape stays escaped, as
-    the response's UTF-8 cannot carry the character."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        return None
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        text = json.dumps(value, allow_nan=False)
-    return text
 
 
 def _arguments(value: Any) -> str | None:
@@ -76,7 +59,7 @@ def _arguments(value: Any) -> str | None:
             value = json.loads(value)
         except ValueError:
             return None
-    return _json(value) if isinstance(value, dict) else None
+    return json_text(value) if isinstance(value, dict) else None
 
 
 def _named_call(call: Any) -> FunctionCall | None:
@@ -119,60 +102,6 @@ def _llama_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None
         at = apart.end()
 
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
-
-
-def _types(schema: Any) -> set[str]:
-    """The JSON types a parameter's schema names; a string's where it names none (or is no schema object)."""
-    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
-    kinds = kind if isinstance(kind, list) else [kind]
-    return {k for k in kinds if isinstance(k, str)} or {"string"}
-
-
-def _typed(value: str, schema: Any) -> Any:
-    """A qwen3_coder parameter's text as its schema types it: a string where the schema allows one (or says nothing
-    of the parameter), else its JSON value (the text itself where it is none)."""
-    types = _types(schema)
-    if "string" in types and not (value == "null" and "null" in types):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        if "boolean" in types and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return value
-
-
-def _coder_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | None:
-    calls, at = [], 0
-    while at < len(body):  # one function a call, or several in one block
-        function = _FUNCTION.match(body, at)
-        if function is None:
-            return None
-        name, inner, at = function.group(1).strip(), function.group(2), function.end()
-        schema = tools.get(name)
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
-        arguments, inside = {}, 0
-        while inside < len(inner):
-            parameter = _PARAMETER.match(inner, inside)
-            if parameter is None:
-                if inner[inside:].strip():
-                    return None
-                break
-            key, value = parameter.group(1).strip(), parameter.group(2)
-            # the template writes each value on lines of its own: one newline either side is layout, not value
-            value = value.removeprefix("\n").removesuffix("\n")
-            arguments[key] = _typed(value, properties.get(key))
-            inside = parameter.end()
-        text = _json(arguments)
-        if text is None:
-            return None
-        calls.append(FunctionCall(name, text))
-    return calls or None
-
-
 # what may follow a harmony call's function name before its arguments: the role-header form's channel, and the
 # <|constrain|>json its text leaves as "json"
 _HARMONY_SUFFIX = r"\s*(?:commentary)?\s*(?:json)?\s*"
@@ -199,7 +128,7 @@ def _harmony_calls(body: str, tools: dict[str, dict]) -> list[FunctionCall] | No
         return None
     if not name or not isinstance(arguments, dict) or body[end:].strip():
         return None
-    text = _json(arguments)
+    text = json_text(arguments)
     return [FunctionCall(name, text)] if text is not None else None
 
 
@@ -215,38 +144,9 @@ class ToolCallParser:
     before_reasoning: bool = False  # read before the reasoning split (its calls are outside the reasoning's tags)
     keeps_opening: bool = False  # the opening is parsed with the call (Llama's "{" is its JSON's; its python tag)
     in_trtllm: bool = True  # whether trtllm-serve reads the format at all
-    # (a call's header, the function named) while its text runs to the answer's end: the call opens there, and its
-    # arguments are sent as they come (harmony's call, the turn's last message), not held to the end
-    streams: Callable[[str, dict[str, Any]], str | None] | None = None
-    # a call's JSON up to its arguments' object, the function's name (JSON) its group "name" (hermes's): such a call
-    # opens there, and its arguments are sent as they come, the call closed with its end tag
-    call_head: re.Pattern | None = None
-
-
-# a hermes call's JSON up to its arguments' object (its name first, as Qwen's templates write it)
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
-                          r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
-PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls, call_head=_HERMES_HEAD),
-                               ToolCallParser("qwen3_coder", "qwen3_coder", _coder_calls),
-                               ToolCallParser("llama3_json", None, _llama_calls, (), None, (PYTHON_TAG, "{"),
-                                              keeps_opening=True, in_trtllm=False),
-                               # trtllm-serve reads a gpt-oss target's harmony itself
-                               ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
-                                              HARMONY_OPENING, True, streams=_harmony_name))}
-ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  # TensorRT-LLM's and vLLM's names
-
-
-def tool_call_parser(name: str | None) -> ToolCallParser | None:
-    """The parser named (vLLM's or TensorRT-LLM's name); None for None or "none"."""
-    return parser_named("tool-call", PARSERS, ALIASES, name)
-
-
-def default_tool_parser(target) -> ToolCallParser | None:
-    """The parser a target's calls take whatever the server is told: gpt-oss's (its chat format is harmony's); None
-    for others, whose format the server cannot tell."""
-    from dflash_trt.models.gpt_oss import GptOssForCausalLM
-
-    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
+    # ({tool name: its parameters' schema}, the calls it may still make or None) -> a reader of one call block whose
+    # calls it sends as they come (opened, their arguments in pieces, closed), where it streams them
+    reader: Callable[[dict[str, Any], int | None], BlockReader] | None = None
 
 
 class _JsonNesting:
@@ -269,6 +169,103 @@ class _JsonNesting:
             self.depth -= 1
             return -1
         return 0
+
+
+# a hermes call's JSON up to its arguments' object (its name first, as Qwen's templates write it)
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
+                          r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class _HermesCallReader:
+    """A hermes block whose JSON names its function before its arguments' object (as Qwen writes it): the call opens
+    where that object begins, its arguments are sent as written, piece by piece, and it closes with the end tag (the
+    answer's end: cut, as far as they came). A block that begins otherwise (a list, its name last) is read whole."""
+
+    def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
+        self._room = room
+        self._call: FunctionCall | None = None
+        # where its arguments begin, end, how far they are sent and read, and how deep they nest there
+        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
+        self._nesting = _JsonNesting()
+
+    def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
+        out: list[CallPart] = []
+        if self._call is None:
+            head = _HERMES_HEAD.match(block)
+            if head is None or self._room == 0:
+                return None
+            try:
+                name = json.loads(head["name"])
+            except ValueError:
+                return None
+            self._call, self._at = FunctionCall(name, ""), head.end()
+            self._sent = self._scanned = head.end()
+            out.append(OpenedCall(self._call))
+        for at in range(self._scanned, len(block) if self._end is None else 0):
+            if self._nesting.read(block[at]) < 0 and self._nesting.depth == 0:
+                self._end = at + 1
+                break
+        self._scanned = len(block) if self._end is None else self._end
+        upto = self._end if self._end is not None else len(block)
+        if upto > self._sent:
+            out.append(ArgumentsPiece(block[self._sent:upto]))
+            self._sent = upto
+        closing = block.find(CALL_END, self._end) if self._end is not None else -1
+        if closing < 0 and not final:
+            return out, None
+        out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), closing >= 0))
+        return out, (block[closing + len(CALL_END):] if closing >= 0 else None)
+
+
+class _HarmonyCallReader:
+    """harmony's call, the answer's last message: it opens where its header names a function and its arguments begin,
+    which are sent as written, piece by piece, and it closes with the answer's end. One that has not opened by then
+    is read whole (a call, or the model's text)."""
+
+    def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
+        self._schemas, self._room = schemas, room
+        self._call: FunctionCall | None = None
+        self._at = self._sent = 0  # where its arguments begin, and how far they are sent
+
+    def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
+        out: list[CallPart] = []
+        if self._call is None:
+            brace = block.find("{")
+            name = _harmony_name(block[:brace], self._schemas) if brace >= 0 else None
+            if name is None or self._room == 0:
+                return None if final else (out, None)
+            self._call, self._at = FunctionCall(name, ""), brace
+            self._sent = brace
+            out.append(OpenedCall(self._call))
+        if len(block) > self._sent:
+            out.append(ArgumentsPiece(block[self._sent:]))
+            self._sent = len(block)
+        if final:
+            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:], self._call.id)))
+        return out, None
+
+
+PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls, reader=_HermesCallReader),
+                               ToolCallParser("qwen3_coder", "qwen3_coder", coder_calls, reader=CoderCallReader),
+                               ToolCallParser("llama3_json", None, _llama_calls, (), None, (PYTHON_TAG, "{"),
+                                              keeps_opening=True, in_trtllm=False),
+                               # trtllm-serve reads a gpt-oss target's harmony itself
+                               ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
+                                              HARMONY_OPENING, True, reader=_HarmonyCallReader))}
+ALIASES = {"qwen3": "hermes", "qwen3_xml": "qwen3_coder", "openai": "gpt_oss"}  # TensorRT-LLM's and vLLM's names
+
+
+def tool_call_parser(name: str | None) -> ToolCallParser | None:
+    """The parser named (vLLM's or TensorRT-LLM's name); None for None or "none"."""
+    return parser_named("tool-call", PARSERS, ALIASES, name)
+
+
+def default_tool_parser(target) -> ToolCallParser | None:
+    """The parser a target's calls take whatever the server is told: gpt-oss's (its chat format is harmony's); None
+    for others, whose format the server cannot tell."""
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM
+
+    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
 
 
 class _Joint:
@@ -314,12 +311,7 @@ class ToolCallSplitter:
         self._held = ""
         self._opened: str | None = None  # the tag that opened the call whose text is held, if any
         self._at_start = True  # nothing read yet
-        self._streaming: FunctionCall | None = None  # a call whose arguments are being sent as they come
-        self._arguments = ""  # its arguments so far
-        # a tagged call's (call_head's), in its held block: where its arguments begin, end, how far they are sent
-        # and read, and how deep they nest there
-        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
-        self._nesting = _JsonNesting()
+        self._block: BlockReader | None = None  # the parser's reader of the block read now, where it streams
         self.num_calls = 0  # calls sent so far
 
     @property
@@ -357,15 +349,12 @@ class ToolCallSplitter:
                 at, self._opened = found
                 out.append(self._joint.say(text[:at]))
                 text = text[at + len(self._opened):]
-            if self.parser.streams is not None and (streamed := self._stream(text, final)) is not None:
-                out += streamed
-                break  # (the call runs to the answer's end)
-            if self.parser.call_head is not None and (tagged := self._stream_tagged(text, final)) is not None:
-                streamed, text = tagged
+            if self.parser.reader is not None and (read := self._read_block(text, final)) is not None:
+                streamed, text = read
                 out += streamed
                 if text is None:
-                    break  # (the call still open, or the answer ended in it)
-                continue  # the text after the call
+                    break  # (the block still open, or the answer ended in it)
+                continue  # the text after the block
             at = text.find(end) if end is not None else -1
             if at < 0 and not final:
                 self._held = text  # the call's text so far, sent when it closes
@@ -384,66 +373,27 @@ class ToolCallSplitter:
             out.append(self._joint.end())
         return [p for p in out if p]
 
-    def _stream_tagged(self, text: str, final: bool) -> tuple[list[OpenedCall | ArgumentsPiece | ClosedCall],
-                                                              str | None] | None:
-        """A call_head call's block so far (past its start tag): (the call opened where its arguments' object begins,
-        their pieces as written, the call closed where its end tag comes, the text after it, or None while it is
-        open). None where the block is no such call (read whole at its end tag, as before)."""
-        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
-        if self._streaming is None:
-            head = self.parser.call_head.match(text)
-            if head is None or (self._max_calls is not None and self.num_calls >= self._max_calls):
-                return None
-            try:
-                name = json.loads(head["name"])
-            except ValueError:
-                return None
-            self._streaming, self._at = FunctionCall(name, ""), head.end()
-            self._end, self._sent, self._scanned, self._nesting = None, head.end(), head.end(), _JsonNesting()
-            self.num_calls += 1
-            self._joint.call()
-            out.append(OpenedCall(self._streaming))
-        for at in range(self._scanned, len(text) if self._end is None else 0):
-            if self._nesting.read(text[at]) < 0 and self._nesting.depth == 0:
-                self._end = at + 1
-                break
-        self._scanned = len(text) if self._end is None else self._end
-        upto = self._end if self._end is not None else len(text)
-        if upto > self._sent:
-            out.append(ArgumentsPiece(text[self._sent:upto]))
-            self._sent = upto
-        closing = text.find(self.parser.end, self._end) if self._end is not None else -1
-        if closing < 0 and not final:
-            self._held = text
-            return out, None
-        call = FunctionCall(self._streaming.name, text[self._at:upto], self._streaming.id)
-        out.append(ClosedCall(call, finished=closing >= 0))
-        self._streaming = self._opened = None
-        return out, (text[closing + len(self.parser.end):] if closing >= 0 else None)
-
-    def _stream(self, text: str, final: bool) -> list[OpenedCall | ArgumentsPiece | ClosedCall] | None:
-        """The call's text so far (past its start tag): the call opened where its header names a function and its
-        arguments begin, then their pieces, and the call closed, as written, with the answer's end. None where it
-        has not opened by the answer's end (the block is read whole then: a call, or the model's text)."""
-        out: list[OpenedCall | ArgumentsPiece | ClosedCall] = []
-        if self._streaming is None:
-            brace = text.find("{")
-            name = self.parser.streams(text[:brace], self._schemas) if brace >= 0 else None
-            if name is None or (self._max_calls is not None and self.num_calls >= self._max_calls):
-                if final:
-                    return None
-                self._held = text
-                return out
-            self._streaming, self._arguments, text = FunctionCall(name, ""), "", text[brace:]
-            self.num_calls += 1
-            self._joint.call()
-            out.append(OpenedCall(self._streaming))
-        self._arguments += text
-        out += [ArgumentsPiece(text)] if text else []
-        if final:
-            out.append(ClosedCall(FunctionCall(self._streaming.name, self._arguments, self._streaming.id)))
-            self._streaming = self._opened = None
-        return out
+    def _read_block(self, text: str, final: bool) -> tuple[list[CallPart], str | None] | None:
+        """The parser's reader's parts of the block read now (its text so far, past its start tag) and the text after
+        it (None while it is open, or where the answer ended in it); None where it holds no call the reader streams
+        (read whole at its end)."""
+        if self._block is None:
+            room = None if self._max_calls is None else max(0, self._max_calls - self.num_calls)
+            self._block = self.parser.reader(self._schemas, room)
+        read = self._block.read(text, final)
+        if read is None:
+            self._block = None  # (it opened no call: it holds nothing of this block's)
+            return None
+        parts, rest = read
+        for part in parts:
+            if isinstance(part, OpenedCall):
+                self.num_calls += 1
+                self._joint.call()
+        if rest is None and not final:
+            self._held = text  # the block so far, read on with the next delta
+        else:
+            self._block = self._opened = None
+        return parts, rest
 
 
 # a forced harmony call (ForcedCallSplitter) as its text holds it: after an analysis message, or opening the answer
@@ -453,23 +403,6 @@ _LISTED = re.compile(r"\s*,?\s*")  # what comes between a list's calls
 _LISTED_CALL = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 _JSON_STARTS = frozenset('{["-0123456789tfn')  # what a JSON value begins with
 _JSON_START = f"[{re.escape(''.join(sorted(_JSON_STARTS)))}]"
-
-
-@dataclass(frozen=True)
-class OpenedCall:
-    """A call whose arguments come after it in pieces (ArgumentsPiece), then whole (ClosedCall)."""
-    call: FunctionCall  # (its arguments: none yet)
-
-
-@dataclass(frozen=True)
-class ArgumentsPiece:
-    text: str  # the next piece of the arguments of the call opened last
-
-
-@dataclass(frozen=True)
-class ClosedCall:
-    call: FunctionCall  # the call opened last, its arguments whole
-    finished: bool = False  # its JSON seen to close (a "required" list's object); else as the answer ended
 
 
 class ForcedCallSplitter:
@@ -550,7 +483,7 @@ class ForcedCallSplitter:
                         out += self._pieces(self._arguments_end) + [self._close_listed(self._arguments_end, True)]
                     else:
                         value = json.loads(text[self._element:at + 1])
-                        out.append(FunctionCall(value["name"], _json(value["parameters"])))
+                        out.append(FunctionCall(value["name"], json_text(value["parameters"])))
                         self.num_calls += 1
                     self._next = at + 1
         self._read = len(text)

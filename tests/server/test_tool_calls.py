@@ -39,8 +39,8 @@ def _hermes(name: str, arguments: dict, draw) -> str:
 
 # qwen3_coder's parameters: (schema type, value, as the model writes it)
 _typed_values = st.one_of(
-    st.tuples(st.just("string"), st.text(st.characters(blacklist_categories=["Cs"]), max_size=12).filter(
-        lambda s: "</" not in s)).map(lambda t: (*t, t[1])),
+    st.tuples(st.just("string"), st.text(st.sampled_from('ab"\\\n\t<>/é\x00') | st.characters(
+        blacklist_categories=["Cs"]), max_size=12).filter(lambda s: "</parameter>" not in s)).map(lambda t: (*t, t[1])),
     st.integers(-10**9, 10**9).map(lambda v: ("integer", v, str(v))),
     st.booleans().map(lambda v: ("boolean", v, json.dumps(v))),
     st.floats(allow_nan=False, allow_infinity=False).map(lambda v: ("number", v, json.dumps(v))),
@@ -160,7 +160,7 @@ def test_a_llama_answer_of_calls_splits_into_those_calls_in_any_deltas(data, cut
     ("hermes", '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>'),
     ("hermes", "I will call <tool_call>"),  # the answer ends where the call would begin
     ("hermes", '<tool_call>{"name": "f", "argu'),  # cut inside the call
-    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"),  # no </function>
+    ("qwen3_coder", "<tool_call>\n<function=f>\n"),  # cut before its first parameter
     ("qwen3_coder", "<tool_call>\n<function=f>\nstray<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
     ("qwen3_coder", '<tool_call>{"name": "f", "arguments": {}}</tool_call>'),  # the other format
 ])
@@ -252,7 +252,7 @@ def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_i
 
 # text near every parser's tags, for the split's agreement with itself
 _NEAR = sorted({CALL_START, CALL_START[:5], "</tool_call>", "<function=f>", "<parameter=a>", "\n1\n", "</parameter>",
-                "</function>", *HARMONY_STARTS, HARMONY_STARTS[0][:12], "json", '{"name": "f", "arguments": {}}',
+                "</function>", "<parameter=b>", "</param", "<function=", '"', *HARMONY_STARTS, HARMONY_STARTS[0][:12], "json", '{"name": "f", "arguments": {}}',
                 '{"a": 1}', "{", "}", "<think>", "</think>", "analysis", "assistantfinal", "assistantanalysis",
                 "final", " ", "\n", "é", "x", PYTHON_TAG, ";"})
 
@@ -276,6 +276,24 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_deltas(reasoni
     streaming = splitter()
     ordered = [p for a, b in zip(bounds, bounds[1:]) for p in streaming.parts(text[a:b], final=b == len(text))]
     assert _runs(ordered) == _runs(splitter().parts(text, final=True))
+    _check_pieces(ordered)
+
+
+def _check_pieces(parts: list[tuple[str, object]]) -> None:
+    """A call sent in pieces: opened, its arguments' pieces, closed, nothing else between; the closed call is the
+    opened one, its arguments the pieces joined."""
+    opened = None
+    for kind, value in parts:
+        if kind == "call_opened":
+            assert opened is None
+            opened, pieces = value, []
+        elif kind == "arguments":
+            pieces.append(value)
+        elif kind in ("call_closed", "call_finished"):
+            assert (value.name, value.id, value.arguments) == (opened.name, opened.id, "".join(pieces))
+            opened = None
+        else:
+            assert opened is None, (kind, value)
 
 
 _free = st.lists(st.sampled_from(_NEAR), max_size=10).map("".join).filter(lambda t: "think>" not in t)
@@ -452,19 +470,20 @@ def test_a_schema_of_any_shape_reads_the_value_as_text_where_it_names_no_type(sc
 
 def test_arguments_are_json_a_response_can_carry():
     """A lone surrogate's escape stays an escape (UTF-8 cannot carry the character); NaN is no JSON: no call (but
-    where a call's arguments are sent as written, as they come: hermes's)."""
-    content, calls = _whole(ToolCallSplitter(PARSERS["hermes"]), '<tool_call>{"name": "f", "arguments": {"s": '
-                                                               '"\\ud800 \\u00e9"}}</tool_call>')
-    assert calls[0].arguments.encode() and json.loads(calls[0].arguments) == {"s": "\ud800 \u00e9"}
-    for text in ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-                 "<tool_call><function=f><parameter=x>Infinity</parameter></function></tool_call>",
-                 "to=functions.f json{\"x\": -Infinity}"):
+    where a call's arguments are sent as written, as they come: hermes's and qwen3_coder's)."""
+    for name, text in [("hermes", '<tool_call>{"name": "f", "arguments": {"s": "\\ud800 \\u00e9"}}</tool_call>'),
+                       ("qwen3_coder", "<tool_call><function=f><parameter=s>\ud800 \u00e9</parameter></function>")]:
+        content, calls = _whole(ToolCallSplitter(PARSERS[name]), text)
+        assert calls[0].arguments.encode() and json.loads(calls[0].arguments) == {"s": "\ud800 \u00e9"}
+    for text, written in (('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', {"hermes": "NaN"}),
+                          ("<tool_call><function=f><parameter=x>Infinity</parameter></function></tool_call>",
+                           {"qwen3_coder": "Infinity"}),
+                          ("to=functions.f json{\"x\": -Infinity}", {})):
         schemas = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {
             "type": "number"}}}}}]
         for name in PARSERS:
             content, calls = _whole(ToolCallSplitter(PARSERS[name], schemas), text)
-            written = name == "hermes" and "NaN" in text
-            assert [c.arguments for c in calls] == (['{"x": NaN}'] if written else []), (name, text)
+            assert [c.arguments for c in calls] == ([f'{{"x": {written[name]}}}'] if name in written else []), text
 
 
 def test_the_formats_other_shapes_vllm_reads_too():
@@ -614,3 +633,55 @@ def test_a_hermes_calls_arguments_stream_as_written_and_a_call_cut_in_them_stays
     cut = text[:text.index("[1,")]
     assert [(c.name, c.arguments) for c in ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["hermes"])).split(
         cut)[2]] == [("run", arguments[:arguments.index("[1,")])]
+
+
+def test_a_qwen3_coder_calls_arguments_stream_as_json_and_a_call_cut_in_them_stays_a_call():
+    """A qwen3_coder call opens at its function's first parameter; its arguments come as a JSON object in pieces, a
+    string's value as the model writes it (before its </parameter> has come), other values whole, typed by the tool's
+    schema; </function> closes it. A string may hold any tag but </parameter>. One cut by max_tokens in its arguments
+    is that call with them cut; one cut before its first parameter is the model's text."""
+    code = 'print("</tool_call>")\n\tx = "\\n" </function>\n'
+    text = ("Writing it.\n<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
+            f"<parameter=content>\n{code}\n</parameter>\n<parameter=mode>\n420\n</parameter>\n<parameter=meta>\n"
+            '{"a": [1, null]}\n</parameter>\n</function>\n<function=sync>\n</function>\n</tool_call>\nDone.')
+    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+        "meta": {"type": "object"}}}}}]
+    want = [("write_file", {"path": "/tmp/a.py", "content": code, "mode": 420, "meta": {"a": [1, None]}}),
+            ("sync", {})]
+
+    def splitter():
+        return ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["qwen3_coder"], tools))
+
+    streaming = splitter()
+    parts = [(i, p) for i, c in enumerate(text) for p in streaming.parts(c, final=i == len(text) - 1)]
+    kinds = [k for _, (k, _) in parts if k != "content"]
+    assert [k for i, k in enumerate(kinds) if k != "arguments" or kinds[i - 1] != "arguments"] == [
+        "call_opened", "arguments", "call_finished"] * 2 and kinds.count("arguments") > len(code)
+    first = "".join(v for i, (k, v) in parts if k == "arguments" and i < text.index("<function=sync>"))
+    assert json.loads(first) == want[0][1]
+    # the code came as it was written: before its </parameter>
+    code_end = text.index("</parameter>", text.index("<parameter=content>"))
+    assert json.loads('"' + "".join(v for i, (k, v) in parts if k == "arguments" and i < code_end).split(
+        '"content": "')[1] + '"') == code
+    assert "".join(v for _, (k, v) in parts if k == "content") == "Writing it.\n\nDone."
+    thought, content, calls = splitter().split(text)
+    assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == ("Writing it.\n\nDone.", want)
+    assert calls[0].arguments == first
+
+    cut = text[:text.index(" </function>")]  # in the code
+    _, content, (call,) = splitter().split(cut)
+    assert (content, call.name) == ("Writing it.", "write_file")
+    assert call.arguments == '{"path": "/tmp/a.py", "content": ' + json.dumps(code[:code.index(" </")])[:-1]
+    assert splitter().split(text[:text.index("<parameter=path>")]) == (None, text[:text.index("<parameter=path>")],
+                                                                       [])
+
+
+def test_text_amid_a_qwen3_coder_calls_elements_is_left_out_in_any_deltas():
+    """Once a block's call has opened, what it holds between elements that is no element is left out, up to the next
+    one (whose name may come in pieces); where the block's first call has not opened, the block is the model's text."""
+    text = ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nstray <\n<parameter=bb>\nx\n</parameter>\n"
+            "</function>\nmore</tool_call>")
+    for cuts in ([], list(range(len(text)))):
+        content, calls = _streamed(ToolCallSplitter(PARSERS["qwen3_coder"]), text, cuts)
+        assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == ("", [("f", {"a": "1", "bb": "x"})])
