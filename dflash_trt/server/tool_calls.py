@@ -11,9 +11,10 @@ as a JSON string), the text around them its `content`, and the choice finishes w
   JSON object piece by piece, a string's as the model writes it;
 - llama3_json (Llama 3.1, 3.2 and 3.3 with JSON tool calling): an answer that opens with a call, `{"name": ...,
   "parameters": {...}}` ("arguments" for "parameters" too; one of them: JSON with a "name" alone is an answer),
-  several separated by `;`, after `<|python_tag|>` where the text holds it; an answer that opens otherwise, or does
-  not parse whole as calls, is content (vLLM's streaming reading; its whole-answer reader of late takes calls amid
-  text);
+  several separated by `;`, after `<|python_tag|>` where the text holds it. A call that names its function first (as
+  Llama's template writes it) opens where its parameters' object begins, its arguments sent as they come; once one
+  has, the text after the calls that is no call is content. An answer that opens otherwise, and does not parse
+  whole as calls, is content (vLLM's streaming reading; its whole-answer reader of late takes calls amid text);
 - gpt_oss: harmony's commentary channel addressed to a function, as the answer's text holds it without harmony's
   special tokens (as the gpt_oss reasoning parser reads its channels): `<|start|>assistant<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` is "assistantcommentary to=functions.NAME json{...}",
@@ -23,7 +24,8 @@ as a JSON string), the text around them its `content`, and the choice finishes w
 
 Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin a
 call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
-ends; but for llama3_json's, in pieces as they come: a cut call is that call, its arguments as far as they came). A
+ends; or in pieces as they come, where the parser reads them so: a cut call is that call, its arguments as far as
+they came). A
 block that does not parse as a call (or opens none) stays in the content as written, so nothing the model said is
 lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is
 none).
@@ -171,9 +173,17 @@ class _JsonNesting:
         return 0
 
 
-# a hermes call's JSON up to its arguments' object (its name first, as Qwen's templates write it)
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
+# a call's JSON up to its arguments' object, its name first (as Qwen's and Llama's templates write it)
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
                           r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def _named(head: re.Match | None) -> tuple[re.Match, str] | None:
+    """A _NAME_FIRST head and the function it names; None where there is none, or its name is no JSON string."""
+    try:
+        return (head, json.loads(head["name"])) if head else None
+    except ValueError:
+        return None
 
 
 class _HermesCallReader:
@@ -191,13 +201,10 @@ class _HermesCallReader:
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
         if self._call is None:
-            head = _HERMES_HEAD.match(block)
-            if head is None or self._room == 0:
+            named = _named(_NAME_FIRST.match(block))
+            if named is None or self._room == 0:
                 return None
-            try:
-                name = json.loads(head["name"])
-            except ValueError:
-                return None
+            head, name = named
             self._call, self._at = FunctionCall(name, ""), head.end()
             self._sent = self._scanned = head.end()
             out.append(OpenedCall(self._call))
@@ -245,10 +252,92 @@ class _HarmonyCallReader:
         return out, None
 
 
+_COMPACT_HEAD = '{"name":"'  # what a call's JSON opens with, whitespace left out
+
+
+def _may_open_call(text: str) -> bool:
+    """Whether text, the answer's text so far past a call and the ";" after it, may yet open a call whose name comes
+    first (it has not come to its arguments' object)."""
+    compact = re.sub(r"\s+", "", text)
+    return _COMPACT_HEAD.startswith(compact) or (compact.startswith(_COMPACT_HEAD) and "{" not in compact[1:])
+
+
+class _LlamaCallReader:
+    """Llama 3's answer of calls, `{"name": ..., "parameters": {...}}` apart by ";" (after <|python_tag|> where the
+    text holds it). Each call whose JSON names its function before its parameters' object (as Llama's template writes
+    it) opens where that object begins, its arguments are sent as written, piece by piece, and it closes with its JSON
+    (the answer's end: cut, as far as they came). Once the first has opened, what follows the calls that is no call is
+    content (";" at the answer's end, nothing); an answer that opens otherwise is read whole (all calls, or none)."""
+
+    def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
+        self._room = room
+        self._made = 0  # calls opened
+        self._next = 0  # where the text after the last call begins
+        self._call: FunctionCall | None = None  # the call read now, where it is sent (within the room)
+        self._reading = False  # whether a call is read now
+        # its arguments': where they begin, end, are sent to; how far its JSON is read, and how deep it nests there
+        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
+        self._nesting = _JsonNesting()
+
+    def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
+        out: list[CallPart] = []
+        while True:
+            if not self._reading:
+                if not self._made:
+                    head = _named(_NAME_FIRST.match(block, len(PYTHON_TAG) if block.startswith(PYTHON_TAG) else 0))
+                    if head is None or self._room == 0:
+                        return None
+                else:
+                    apart = _CALLS_APART.match(block, self._next)
+                    head = _named(_NAME_FIRST.match(block, apart.end())) if apart else None
+                    if head is None:
+                        if not final and (not block[self._next:].strip() or apart and _may_open_call(
+                                block[apart.end():])):
+                            return out, None
+                        rest = block[self._next:]
+                        return out, ("" if re.fullmatch(r"\s*;\s*", rest) else rest)
+                self._open(out, block, *head)
+            for at in range(self._scanned, len(block)):
+                moved, depth = self._nesting.read(block[at]), self._nesting.depth
+                if moved < 0 and depth == 1 and self._end is None:
+                    self._end = at + 1  # (its arguments' object: its JSON's only one at depth 2 past its head)
+                if moved < 0 and depth == 0:
+                    self._next = at + 1
+                    break
+            self._scanned = len(block) if self._next <= self._at else self._next
+            self._send(out, block, self._end if self._end is not None else len(block))
+            if self._next <= self._at:  # (its JSON still open)
+                if final:
+                    self._close(out, block, finished=False)
+                return out, None
+            self._close(out, block, finished=True)
+
+    def _open(self, out: list[CallPart], block: str, head: re.Match, name: str) -> None:
+        keeps = self._room is None or self._made < self._room
+        self._call = FunctionCall(name, "") if keeps else None
+        self._made += keeps
+        self._reading, self._nesting = True, _JsonNesting()
+        self._scanned = block.index("{", head.start())
+        self._at, self._end, self._sent = head.end(), None, head.end()
+        if self._call is not None:
+            out.append(OpenedCall(self._call))
+
+    def _send(self, out: list[CallPart], block: str, upto: int) -> None:
+        if self._call is not None and upto > self._sent:
+            out.append(ArgumentsPiece(block[self._sent:upto]))
+        self._sent = max(self._sent, upto)
+
+    def _close(self, out: list[CallPart], block: str, finished: bool) -> None:
+        if self._call is not None:
+            upto = self._end if self._end is not None else len(block)
+            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), finished))
+        self._call, self._reading = None, False
+
+
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls, reader=_HermesCallReader),
                                ToolCallParser("qwen3_coder", "qwen3_coder", coder_calls, reader=CoderCallReader),
                                ToolCallParser("llama3_json", None, _llama_calls, (), None, (PYTHON_TAG, "{"),
-                                              keeps_opening=True, in_trtllm=False),
+                                              keeps_opening=True, in_trtllm=False, reader=_LlamaCallReader),
                                # trtllm-serve reads a gpt-oss target's harmony itself
                                ToolCallParser("gpt_oss", None, _harmony_calls, HARMONY_STARTS, None,
                                               HARMONY_OPENING, True, reader=_HarmonyCallReader))}

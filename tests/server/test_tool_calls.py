@@ -148,12 +148,11 @@ def test_a_llama_answer_of_calls_splits_into_those_calls_in_any_deltas(data, cut
 @pytest.mark.parametrize("name, text", [
     ("llama3_json", 'Sure. {"name": "f", "parameters": {}}'),  # a call only where the answer opens with it
     ("llama3_json", ' {"name": "f", "parameters": {}}'),
-    ("llama3_json", '{"name": "f", "parameters": {}} and more'),  # all of it calls, or none
-    ("llama3_json", '{"name": "f", "parameters": {}};'),
+    ("llama3_json", '{"parameters": {}, "name": "f"} and more'),  # all of it calls, or none (its name last)
     ("llama3_json", '{"city": "Paris"}'),  # no name: JSON the model answered with
     ("llama3_json", '{"name": "Alice", "age": 30}'),  # a name but neither parameters nor arguments: an answer too
     ("llama3_json", '[{"name": "f", "parameters": {}}]'),
-    ("llama3_json", '{"name": "f", "parameters": {"a": '),  # cut inside the call
+    ("llama3_json", '{"name": "f", "parameters": [1]}'),  # parameters no object
     ("hermes", "<tool_call>not json</tool_call> then"),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
     ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments no object
@@ -685,3 +684,28 @@ def test_text_amid_a_qwen3_coder_calls_elements_is_left_out_in_any_deltas():
     for cuts in ([], list(range(len(text)))):
         content, calls = _streamed(ToolCallSplitter(PARSERS["qwen3_coder"]), text, cuts)
         assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == ("", [("f", {"a": "1", "bb": "x"})])
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"name": "f", "parameters": {"q": "a}b", "n": [1, {}]}}', ("", [("f", '{"q": "a}b", "n": [1, {}]}', True)])),
+    (PYTHON_TAG + '{"name": "f", "arguments": {}}; {"name": "g", "parameters": {"x": 1}};',
+     ("", [("f", "{}", True), ("g", '{"x": 1}', True)])),
+    ('{"name": "f", "parameters": {"a": ', ("", [("f", '{"a": ', False)])),  # cut in its arguments
+    ('{"name": "f", "parameters": {}} and more', ("and more", [("f", "{}", True)])),  # text after the calls: content
+    ('{"name": "f", "parameters": {}}; {"name": "g"} and', ('; {"name": "g"} and', [("f", "{}", True)])),
+    ('{"name": "f", "parameters": {}}; {"parameters": {}, "name": "g"}', ('; {"parameters": {}, "name": "g"}',
+                                                                        [("f", "{}", True)])),
+])
+def test_a_llama_calls_arguments_stream_as_written_and_what_follows_its_calls_is_content(text, want):
+    """A Llama call whose JSON names its function first (as Llama's template writes it) opens where its parameters'
+    object begins, its arguments come in pieces as written, and it closes with its JSON; one cut in its arguments is
+    that call with them cut; once a call has opened, the text after the calls that is no call is content."""
+    for cuts in ([], list(range(len(text)))):
+        splitter = ChatAnswerSplitter(None, ToolCallSplitter(PARSERS["llama3_json"]))
+        bounds = [0, *cuts[1:], len(text)] if cuts else [0, len(text)]
+        parts = [p for a, b in zip(bounds, bounds[1:]) for p in splitter.parts(text[a:b], final=b == len(text))]
+        _check_pieces(parts)
+        closed = [(v.name, v.arguments, k == "call_finished") for k, v in parts if k in ("call_finished", "call_closed")]
+        assert ("".join(v for k, v in parts if k == "content"), closed) == want, cuts
+        if cuts:
+            assert sum(k == "arguments" for k, _ in parts) >= len(want[1][0][1])  # in pieces, as they came
