@@ -380,7 +380,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return await tokenized(chat_chars(messages, req.template_tools), "encode_chat", messages,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                                   template_kwargs=req.chat_template_kwargs, add_special_tokens=req.add_special_tokens,
+                                   template_kwargs=req.template_variables, add_special_tokens=req.add_special_tokens,
                                    tools=req.template_tools)
         except PromptTooLong as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e

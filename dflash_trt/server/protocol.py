@@ -463,6 +463,10 @@ def template_call_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
 
 
+# OpenAI's reasoning_effort (chat) and reasoning.effort (Responses): the chat template's variable reasoning_effort
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: WholeInt | None = None
@@ -475,6 +479,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's own too (the template writes its BOS itself)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    # OpenAI's: gpt-oss's template writes it in its system message ("Reasoning: low"); templates that read no such
+    # variable leave it out, as OpenAI's models without reasoning do
+    reasoning_effort: ReasoningEffort | None = None
     max_tool_calls: WholeInt | None = Field(None, ge=0)  # the Responses API's: an answer's first calls only
     reads_tools: ClassVar[bool] = True
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
@@ -528,6 +535,13 @@ class ChatCompletionRequest(_SamplingRequest):
         if v and not info.data.get("logprobs"):  # OpenAI's rule
             raise ValueError("top_logprobs needs logprobs=true")
         return v
+
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template reads beside the conversation and tools: chat_template_kwargs, and reasoning_effort
+        where chat_template_kwargs do not say it (as vLLM passes it)."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return effort | (self.chat_template_kwargs or {})
 
     @property
     def num_logprobs(self) -> int | None:
@@ -608,7 +622,7 @@ class TokenizeRequest(_NullIsUnset):
 
 # What vLLM's TokenizeChatRequest reads of a body: the conversation and how its template renders it
 TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                        "chat_template", "chat_template_kwargs", "tools")
+                        "chat_template", "chat_template_kwargs", "reasoning_effort", "tools")
 
 
 def tokenize_chat_fields(body: dict) -> dict:

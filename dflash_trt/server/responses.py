@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from dflash_trt.server.call_parts import FunctionCall
+from dflash_trt.server.protocol import ReasoningEffort
 
 # sampling fields of vLLM's ResponsesRequest beside OpenAI's, passed on as chat takes them
 _EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
@@ -25,7 +26,7 @@ _EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty
 class ReasoningOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    effort: ReasoningEffort | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -75,12 +76,10 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = req.parallel_tool_calls
-    kwargs = dict(req.chat_template_kwargs or {})
+    if req.chat_template_kwargs is not None:
+        chat["chat_template_kwargs"] = req.chat_template_kwargs
     if req.reasoning is not None and req.reasoning.effort is not None:
-        # gpt-oss's template reads it (its system message's "Reasoning: ..."); others ignore it
-        kwargs.setdefault("reasoning_effort", req.reasoning.effort)
-    if kwargs:
-        chat["chat_template_kwargs"] = kwargs
+        chat["reasoning_effort"] = req.reasoning.effort
     return chat | {k: body[k] for k in ("temperature", "top_p", *_EXTENSIONS) if body.get(k) is not None}
 
 

@@ -90,6 +90,29 @@ def test_a_chat_template_and_its_kwargs_render_the_prompt_where_the_server_trust
         assert r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
 
 
+def test_reasoning_effort_reaches_the_template_as_its_variable(server, oracle):
+    """OpenAI's reasoning_effort is the chat template's variable of that name (gpt-oss's template writes it in its
+    system message); chat_template_kwargs say it first where they do, as vLLM passes them."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if reasoning_effort is defined %}" \
+               "{{ reasoning_effort }}{% endif %}"
+    messages = [{"role": "user", "content": "hi"}]
+    trusted = _local(create_app(server.loop, MODEL, trust_request_chat_template=True))
+    for extra, effort in (({}, None), ({"reasoning_effort": "low"}, "low"),
+                          ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "high")):
+        body = {**CHAT, "messages": messages, "chat_template": template, **extra}
+        r = trusted.post("/v1/chat/completions", json=body)
+        ids = oracle.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                                   add_generation_prompt=True,
+                                                   **({"reasoning_effort": effort} if effort else {}))
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids) == 4 + len(effort or "")
+        assert r.json()["choices"][0]["message"]["content"] == _answer(oracle, ids)
+        counted = trusted.post("/tokenize", json={k: v for k, v in body.items() if k != "max_tokens"})
+        assert counted.status_code == 200 and counted.json()["tokens"] == ids, counted.text
+    bogus = trusted.post("/v1/chat/completions", json={**CHAT, "messages": messages, "reasoning_effort": "lots"})
+    assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "reasoning_effort"
+
+
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     parts = [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}]
     r = httpx.post(server.base_url + "/chat/completions", timeout=60,
