@@ -40,6 +40,8 @@ class BlockReader(Protocol):
     """One call block's calls read as they come (a parser's whose calls stream), the block's text given whole so far
     each time (past its start tag)."""
 
+    called: bool  # whether it has read the block as calls (opened one: sent, or left out past the calls' room)
+
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         """(the calls' parts read since the last time, the text after the block's end or None while it runs on or the
         answer ended in it); None where the block holds no call this reader streams: it has opened none, and the

@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from dflash_trt.server.call_parts import (ArgumentsPiece, BlockReader, CallPart, ClosedCall, FunctionCall, OpenedCall,
                                           json_text)
 from dflash_trt.server.coder_calls import CoderCallReader, coder_calls
@@ -173,105 +175,112 @@ class _JsonNesting:
         return 0
 
 
-# a call's JSON up to its arguments' object, its name first (as Qwen's and Llama's templates write it)
-_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
-                          r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+# a call's JSON up to its arguments' object, its name first (as Qwen's and Llama's templates write it); the regex
+# module's, whose partial matches say whether text so far may yet be one
+_NAME_FIRST = regex.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*'
+                            r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
-def _named(head: re.Match | None) -> tuple[re.Match, str] | None:
-    """A _NAME_FIRST head and the function it names; None where there is none, or its name is no JSON string."""
+def _head(block: str, at: int, final: bool) -> tuple[int, str] | bool | None:
+    """Where the arguments of a call whose JSON begins at `at` (past whitespace) begin, and the function it names;
+    True where the text so far may yet be such a head (the answer goes on); None where it is none (its name no
+    JSON string, or empty)."""
+    head = _NAME_FIRST.match(block, at, partial=not final)
+    if head is None or head.partial:
+        return head is not None or None
     try:
-        return (head, json.loads(head["name"])) if head else None
+        name = json.loads(head["name"])
     except ValueError:
         return None
+    return (head.end(), name) if name else None
 
 
 class _HermesCallReader:
     """A hermes block whose JSON names its function before its arguments' object (as Qwen writes it): the call opens
     where that object begins, its arguments are sent as written, piece by piece, and it closes with the end tag (the
-    answer's end: cut, as far as they came). A block that begins otherwise (a list, its name last) is read whole."""
+    answer's end: cut, as far as they came); past the room it is read on and left out. A block that begins otherwise
+    (a list, its name last) is read whole."""
 
     def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
-        self._room = room
-        self._call: FunctionCall | None = None
+        self._keeps = room != 0
+        self.called = False  # whether the block's call has opened (sent, or past the room)
+        self._call: FunctionCall | None = None  # where sent
         # where its arguments begin, end, how far they are sent and read, and how deep they nest there
         self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
         self._nesting = _JsonNesting()
 
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
-        if self._call is None:
-            named = _named(_NAME_FIRST.match(block))
-            if named is None or self._room == 0:
+        if not self.called:
+            head = _head(block, 0, final)
+            if head is True:
+                return out, None  # (what it is, the next delta says)
+            if head is None:
                 return None
-            head, name = named
-            self._call, self._at = FunctionCall(name, ""), head.end()
-            self._sent = self._scanned = head.end()
-            out.append(OpenedCall(self._call))
+            self._at, name = head
+            self.called, self._sent, self._scanned = True, self._at, self._at
+            if self._keeps:
+                self._call = FunctionCall(name, "")
+                out.append(OpenedCall(self._call))
         for at in range(self._scanned, len(block) if self._end is None else 0):
             if self._nesting.read(block[at]) < 0 and self._nesting.depth == 0:
                 self._end = at + 1
                 break
         self._scanned = len(block) if self._end is None else self._end
         upto = self._end if self._end is not None else len(block)
-        if upto > self._sent:
+        if upto > self._sent and self._call is not None:
             out.append(ArgumentsPiece(block[self._sent:upto]))
-            self._sent = upto
+        self._sent = max(self._sent, upto)
         closing = block.find(CALL_END, self._end) if self._end is not None else -1
         if closing < 0 and not final:
             return out, None
-        out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), closing >= 0))
+        if self._call is not None:
+            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), closing >= 0))
         return out, (block[closing + len(CALL_END):] if closing >= 0 else None)
 
 
 class _HarmonyCallReader:
     """harmony's call, the answer's last message: it opens where its header names a function and its arguments begin,
-    which are sent as written, piece by piece, and it closes with the answer's end. One that has not opened by then
-    is read whole (a call, or the model's text)."""
+    which are sent as written, piece by piece, and it closes with the answer's end (past the room, read on and left
+    out). One that has not opened by then is read whole (a call, or the model's text)."""
 
     def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
-        self._schemas, self._room = schemas, room
-        self._call: FunctionCall | None = None
+        self._schemas, self._keeps = schemas, room != 0
+        self.called = False
+        self._call: FunctionCall | None = None  # where sent
         self._at = self._sent = 0  # where its arguments begin, and how far they are sent
 
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
-        if self._call is None:
+        if not self.called:
             brace = block.find("{")
             name = _harmony_name(block[:brace], self._schemas) if brace >= 0 else None
-            if name is None or self._room == 0:
+            if name is None:
                 return None if final else (out, None)
-            self._call, self._at = FunctionCall(name, ""), brace
-            self._sent = brace
-            out.append(OpenedCall(self._call))
-        if len(block) > self._sent:
+            self.called, self._at, self._sent = True, brace, brace
+            if self._keeps:
+                self._call = FunctionCall(name, "")
+                out.append(OpenedCall(self._call))
+        if len(block) > self._sent and self._call is not None:
             out.append(ArgumentsPiece(block[self._sent:]))
-            self._sent = len(block)
-        if final:
+        self._sent = len(block)
+        if final and self._call is not None:
             out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:], self._call.id)))
         return out, None
-
-
-_COMPACT_HEAD = '{"name":"'  # what a call's JSON opens with, whitespace left out
-
-
-def _may_open_call(text: str) -> bool:
-    """Whether text, the answer's text so far past a call and the ";" after it, may yet open a call whose name comes
-    first (it has not come to its arguments' object)."""
-    compact = re.sub(r"\s+", "", text)
-    return _COMPACT_HEAD.startswith(compact) or (compact.startswith(_COMPACT_HEAD) and "{" not in compact[1:])
 
 
 class _LlamaCallReader:
     """Llama 3's answer of calls, `{"name": ..., "parameters": {...}}` apart by ";" (after <|python_tag|> where the
     text holds it). Each call whose JSON names its function before its parameters' object (as Llama's template writes
     it) opens where that object begins, its arguments are sent as written, piece by piece, and it closes with its JSON
-    (the answer's end: cut, as far as they came). Once the first has opened, what follows the calls that is no call is
-    content (";" at the answer's end, nothing); an answer that opens otherwise is read whole (all calls, or none)."""
+    (the answer's end: cut, as far as they came); past the room, read on and left out. Once the first has opened,
+    what follows the calls that is no call is content (";" at the answer's end, nothing); an answer that opens
+    otherwise is read whole (all calls, or none)."""
 
     def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
         self._room = room
-        self._made = 0  # calls opened
+        self.called = False  # whether a call has opened (sent, or past the room)
+        self._made = 0  # calls sent
         self._next = 0  # where the text after the last call begins
         self._call: FunctionCall | None = None  # the call read now, where it is sent (within the room)
         self._reading = False  # whether a call is read now
@@ -283,20 +292,23 @@ class _LlamaCallReader:
         out: list[CallPart] = []
         while True:
             if not self._reading:
-                if not self._made:
-                    head = _named(_NAME_FIRST.match(block, len(PYTHON_TAG) if block.startswith(PYTHON_TAG) else 0))
-                    if head is None or self._room == 0:
+                if not self.called:
+                    start = len(PYTHON_TAG) if block.startswith(PYTHON_TAG) else 0
+                    head = _head(block, start, final)
+                    if head is True:
+                        return out, None
+                    if head is None:
                         return None
                 else:
                     apart = _CALLS_APART.match(block, self._next)
-                    head = _named(_NAME_FIRST.match(block, apart.end())) if apart else None
+                    start = apart.end() if apart else 0
+                    head = _head(block, start, final) if apart else None
+                    if head is True or (head is None and not final and not block[self._next:].strip()):
+                        return out, None  # (what comes, the next delta says)
                     if head is None:
-                        if not final and (not block[self._next:].strip() or apart and _may_open_call(
-                                block[apart.end():])):
-                            return out, None
                         rest = block[self._next:]
                         return out, ("" if re.fullmatch(r"\s*;\s*", rest) else rest)
-                self._open(out, block, *head)
+                self._open(out, block.index("{", start), *head)
             for at in range(self._scanned, len(block)):
                 moved, depth = self._nesting.read(block[at]), self._nesting.depth
                 if moved < 0 and depth == 1 and self._end is None:
@@ -312,13 +324,13 @@ class _LlamaCallReader:
                 return out, None
             self._close(out, block, finished=True)
 
-    def _open(self, out: list[CallPart], block: str, head: re.Match, name: str) -> None:
+    def _open(self, out: list[CallPart], opens: int, at: int, name: str) -> None:
+        """The call whose JSON opens at `opens`, its arguments at `at`."""
         keeps = self._room is None or self._made < self._room
         self._call = FunctionCall(name, "") if keeps else None
         self._made += keeps
-        self._reading, self._nesting = True, _JsonNesting()
-        self._scanned = block.index("{", head.start())
-        self._at, self._end, self._sent = head.end(), None, head.end()
+        self.called, self._reading, self._nesting, self._scanned = True, True, _JsonNesting(), opens
+        self._at, self._end, self._sent = at, None, at
         if self._call is not None:
             out.append(OpenedCall(self._call))
 
@@ -385,6 +397,17 @@ class _Joint:
     def end(self) -> str:
         said, self._pending = ("" if self._called else self._pending), ""
         return said
+
+
+def _joined(parts: list[CallPart]) -> list[CallPart]:
+    """parts with each run of argument pieces one piece (a reader's pieces of one read: one delta of the answer)."""
+    out: list[CallPart] = []
+    for part in parts:
+        if isinstance(part, ArgumentsPiece) and out and isinstance(out[-1], ArgumentsPiece):
+            out[-1] = ArgumentsPiece(out[-1].text + part.text)
+        else:
+            out.append(part)
+    return out
 
 
 class ToolCallSplitter:
@@ -481,8 +504,10 @@ class ToolCallSplitter:
         if rest is None and not final:
             self._held = text  # the block so far, read on with the next delta
         else:
+            if self._block.called:  # (its calls past the room too: text around it is as around a call)
+                self._joint.call()
             self._block = self._opened = None
-        return parts, rest
+        return _joined(parts), rest
 
 
 # a forced harmony call (ForcedCallSplitter) as its text holds it: after an analysis message, or opening the answer

@@ -709,3 +709,46 @@ def test_a_llama_calls_arguments_stream_as_written_and_what_follows_its_calls_is
         assert ("".join(v for k, v in parts if k == "content"), closed) == want, cuts
         if cuts:
             assert sum(k == "arguments" for k, _ in parts) >= len(want[1][0][1])  # in pieces, as they came
+
+
+_F1 = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("name, text, room, want", [
+    # a value the model did not close: it ends at its function's end on a line of its own, and what follows the block
+    # is content; a value holding such an end and then its </parameter> holds it
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n</function>\n</tool_call>\nDone.", None,
+     ("Done.", [("f", '{"a": "x"}')])),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=n>\n5\n</tool_call>\nDone.", None, ("Done.", [("f", '{"n": 5}')])),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n</function>\ny\n</parameter>\n</function>\n</tool_call>",
+     None, (None, [("f", '{"a": "x\\n</function>\\ny"}')])),
+    # past the room (parallel_tool_calls false), a block cut, or holding its end tag in a string, is left out whole
+    ("qwen3_coder", _F1 + "\n<tool_call>\n<function=g>\n<parameter=a>\n2", 1, (None, [("f", '{"a": 1}')])),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"s": '
+     '"</tool_call>"}}</tool_call>', 1, (None, [("f", "{}")])),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>{"name": "g", "arguments": {"a', 1,
+     (None, [("f", "{}")])),
+    ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": ', 1, (None, [("f", "{}")])),
+    # a name holding what else would end or open things
+    ("llama3_json", '{"name":"f","parameters":{}};{"name":"{","parameters":{}}', None,
+     (None, [("f", "{}"), ("{", "{}")])),
+    ("hermes", '<tool_call>{"name": "</tool_call>", "arguments": {}}</tool_call>', None, (None, [("</tool_call>", "{}")])),
+    # a lone surrogate is escaped alike whatever delta it comes in
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>\ud800\u00e9</parameter></function></tool_call>", None,
+     (None, [("f", '{"a": "\\ud800\u00e9"}')])),
+    # no name, no call
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter= >\n1\n</parameter>\n</function>\n</tool_call>", None,
+     ("<tool_call>\n<function=f>\n<parameter= >\n1\n</parameter>\n</function>\n</tool_call>", [])),
+    ("llama3_json", '{"name": "", "parameters": {}}', None, ('{"name": "", "parameters": {}}', [])),
+    ("hermes", '<tool_call>{"name": "", "arguments": {}}</tool_call>', None,
+     ('<tool_call>{"name": "", "arguments": {}}</tool_call>', [])),
+    # a block that ends inside a function before its first parameter: no call of it (as where it is the first)
+    ("qwen3_coder", _F1[:-len("</tool_call>")] + "<function=g>\n</tool_call>", None, (None, [("f", '{"a": 1}')])),
+])
+def test_calls_read_alike_in_any_deltas_where_the_model_wrote_them_oddly(name, text, room, want):
+    schemas = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "a": {"type": "integer"} if name == "qwen3_coder" and "\n1\n" in text else {"type": "string"},
+        "n": {"type": "integer"}}}}}]
+    for cuts in ([], list(range(len(text)))):
+        content, calls = _streamed(ToolCallSplitter(PARSERS[name], schemas, room), text, cuts)
+        assert (content or None, [(c.name, c.arguments) for c in calls]) == want, cuts
