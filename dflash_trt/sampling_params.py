@@ -100,6 +100,9 @@ class SamplingParams:
     min_p: float = 0.0
     # what the answer must match (structured_output.py): the target's choice among the tokens that keep it matching
     structured: StructuredOutput | None = None
+    # OpenAI's predicted outputs: the answer's expected tokens (a file the answer rewrites with a few changes),
+    # drafted where the answer follows them (spec/context_lookup.py); the answer is the target's own whatever they are
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # else each of its characters would stop the answer
@@ -110,7 +113,7 @@ class SamplingParams:
         if not (isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r:.80}")
         self.stop = list(self.stop)
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "prediction"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (list, tuple, set)):
                 raise ValueError(f"{name} must be a list of token ids, got {getattr(self, name)!r:.80}")
         if not isinstance(self.ignore_eos, bool):
@@ -155,7 +158,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {list(self.logit_bias.values())}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty (no token could be chosen)")
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        if isinstance(self.prediction, set):  # (its order is the answer's)
+            raise ValueError("prediction must be a list of token ids in the order the answer would have them")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids", "prediction"):
             if not all(is_int(t) and t >= 0 for t in getattr(self, name) or ()):
                 raise ValueError(f"{name} token ids must be integers >= 0")
         if self.acceptance not in ("match", "rejection"):
@@ -180,10 +185,10 @@ class SamplingParams:
         return set() if self.ignore_eos else set(eos_token_ids)
 
     def check_token_ids(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
-        """ParamError where logit_bias or allowed_token_ids name a token past the vocabulary (in a step the index
-        would fail every request batched with this one), stop_token_ids one (it would never stop the answer), or
-        min_tokens would mask every allowed token."""
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        """ParamError where logit_bias, allowed_token_ids or prediction name a token past the vocabulary (in a step
+        the index would fail every request batched with this one), stop_token_ids one (it would never stop the
+        answer), or min_tokens would mask every allowed token."""
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids", "prediction"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise ParamError(name, f"{name} token ids must be in 0..{vocab_size - 1}, got {bad[:5]}")

@@ -231,7 +231,7 @@ class ModelRunner:
         clock = StepClock(dev)
         features, context = self._pending_batch(seqs, rows, anchor_pos, host)
         sampling = self._draft_sampling(seqs)
-        lookups = self._chain_lookups(seqs, num_draft) if self.lookup_nodes else {}
+        lookups = self._chain_lookups(seqs, num_draft) if self._looks_up(seqs) else {}
         # the drafter's log-probabilities only where a lookup competes with its chain
         proposal = self.proposer.propose(rows, features, context, anchors, anchor_pos, num_draft, sampling,
                                          with_logprobs=bool(lookups), host=host, grammars=self._draft_grammars(seqs))
@@ -272,7 +272,7 @@ class ModelRunner:
         """A chain step's context lookups (spec/context_lookup.py): {row: its scored draft} for the greedy and
         "match" rows that have one (the "rejection" rule needs the drafter's distribution)."""
         rows = [i for i, s in enumerate(seqs) if not s.params.samples_drafts]
-        branches = self._lookup_branches([seqs[i] for i in rows], min(num_draft, self.lookup_nodes))
+        branches = self._lookup_branches([seqs[i] for i in rows], num_draft)
         return {i: branch for i, branch in zip(rows, branches) if branch}
 
     @staticmethod
@@ -299,7 +299,7 @@ class ModelRunner:
 
         clock = StepClock(self.device)
         features, context = self._pending_batch(seqs, rows, anchor_pos, host)
-        branches = self._lookup_branches(seqs, min(depth, self.lookup_nodes)) if self.lookup_nodes else None
+        branches = self._lookup_branches(seqs, depth) if self._looks_up(seqs) else None
         tree = self.proposer.propose_tree(rows, features, context, anchors, anchor_pos, depth, nodes, branches,
                                           host=host, grammars=self._draft_grammars(seqs))
         self._context_written(seqs)
@@ -330,11 +330,16 @@ class ModelRunner:
         self._committed(seqs, features, *clock.split())
         return emitted, tree.num_nodes
 
-    @staticmethod
-    def _lookup_branches(seqs: list[Sequence], max_len: int) -> list[list[tuple[int, float]]]:
-        """Each row's context lookup draft after its last committed token, with its scores
-        (spec/context_lookup.py)."""
-        return [s.context_lookup().scored_draft(max_len) for s in seqs]
+    def _looks_up(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's rows draft context lookups: the engine's lookup_nodes, or a row's predicted output."""
+        return bool(self.lookup_nodes) or any(s.params.prediction for s in seqs)
+
+    def _lookup_branches(self, seqs: list[Sequence], depth: int) -> list[list[tuple[int, float]]]:
+        """Each row's context lookup draft after its last committed token, with its scores (spec/context_lookup.py),
+        lookup_nodes deep in a step of `depth` drafts; a whole step deep where the request predicts its output (a
+        prediction is accepted far deeper than a lookup into the context: a file rewritten with a few changes)."""
+        return [s.context_lookup().scored_draft(depth if s.params.prediction else min(depth, self.lookup_nodes))
+                for s in seqs]
 
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, tree, depth: int) -> torch.Tensor:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,

@@ -79,7 +79,7 @@ class Sequence:
         """The n-gram index of this request's tokens (spec/context_lookup.py), built on first use, caught up with
         the tokens committed since the last."""
         if self._lookup is None:
-            self._lookup = ContextLookup()
+            self._lookup = ContextLookup(prediction=self.params.prediction or ())
         self._lookup.extend(self.prompt_ids, self.output_ids)
         return self._lookup
 

@@ -34,6 +34,7 @@ from dflash_trt.server.access import Access
 from dflash_trt.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from dflash_trt.server.latest_updates import LatestUpdates
 from dflash_trt.server.metrics import ServerMetrics
+from dflash_trt.server.prediction import prediction_tokens
 from dflash_trt.server.prompt_lanes import PromptLanes
 from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import ReasoningParser
@@ -65,6 +66,7 @@ class _Submitted:
     updates: LatestUpdates  # by choice index
     detoks: list[IncrementalDetokenizer]
     n: int = 1
+    prediction: list[int] | None = None  # the request's predicted output's tokens (server/prediction.py)
 
 
 def _is_union_tag(loc: str | int) -> bool:
@@ -214,7 +216,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_tools(req)
         ids = await _encode_chat(req)
         await _read_prompt_reasoning(req, ids)
-        submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages")
+        submitted = _submit(req, [ids], req.max_new_tokens, req.max_tokens_param, prompt_param="messages",
+                            prediction=await _prediction_ids(req))
         if req.stream:
             return _sse(_stream_chat(req, submitted))
         outputs = await _wait_all(request, submitted)
@@ -228,6 +231,16 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             raise APIError(400, "tool calling needs a server started with --tool-call-parser (hermes, qwen3_coder, "
                                 'llama3_json, gpt_oss); with tool_choice "none" the template renders the tools and the '
                                 "answer is text", param="tools")
+
+    async def _prediction_ids(req: p.ChatCompletionRequest) -> list[int] | None:
+        """The tokens of a chat request's predicted output (server/prediction.py), or None where it predicts none."""
+        if req.prediction is None or not req.prediction.text:
+            return None
+        text = req.prediction.text
+        try:
+            return await tokenized(len(text), "encode", text, add_special_tokens=False)
+        except ValueError as e:  # past what the server tokenizes
+            raise APIError(400, f"prediction: {e}", param="prediction") from e
 
     async def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
         if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
@@ -465,7 +478,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                            param="n" if req.n > 1 else prompt_param)
 
     def _params(req: p._SamplingRequest, prompt_len: int, max_tokens: int | None, max_param: str,
-                prompt_param: str) -> SamplingParams:
+                prompt_param: str, prediction: list[int] | None = None) -> SamplingParams:
         limit = engine.max_model_len
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -506,7 +519,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                                     logit_bias=req.biases, allowed_token_ids=req.allowed_token_ids,
-                                    min_p=req.min_p, structured=structure)
+                                    min_p=req.min_p, structured=structure, prediction=prediction)
             params.check_token_ids(vocab, engine.eos_token_ids)  # here too, to name the field
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from e
@@ -536,9 +549,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         return field, structure
 
     def _submit(req: p._SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                max_param: str = "max_tokens", prompt_param: str = "prompt") -> _Submitted:
+                max_param: str = "max_tokens", prompt_param: str = "prompt",
+                prediction: list[int] | None = None) -> _Submitted:
         # validate all before queueing any
-        params = [_params(req, len(ids), max_tokens, max_param, prompt_param) for ids in prompts]
+        params = [_params(req, len(ids), max_tokens, max_param, prompt_param, prediction) for ids in prompts]
         # n answers of each prompt, each sampled with a seed of its own (choice_seed), in OpenAI's order
         params = [sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=choice_seed(sp.seed, j))
                   for sp in params for j in range(req.n)]
@@ -561,7 +575,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from e
         detoks = [IncrementalDetokenizer(engine.tokenizer, req.stop_list, req.min_tokens) for _ in prompts]
-        return _Submitted(ids, [len(x) for x in prompts], updates, detoks, req.n)
+        return _Submitted(ids, [len(x) for x in prompts], updates, detoks, req.n, prediction)
 
     # --- engine -> response -----------------------------------------------------------------------
 
@@ -751,6 +765,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         completion = sum(o.num_tokens for o in outputs)
         cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs[:: s.n]))
         details = None if reasoning_tokens is None else p.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        if details is not None and s.prediction:
+            counts = [prediction_tokens(s.prediction, o.token_ids) for o in outputs]
+            details.accepted_prediction_tokens = sum(a for a, _ in counts)
+            details.rejected_prediction_tokens = sum(r for _, r in counts)
         return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        prompt_tokens_details=cached, completion_tokens_details=details)
 

@@ -367,6 +367,18 @@ def _as_text_part(part: Any) -> Any:
     return part
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output (server/prediction.py): text the answer is expected to repeat much of."""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["content"]
+    content: Text | list[Annotated[ContentPart, BeforeValidator(_as_text_part)]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -482,6 +494,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's: gpt-oss's template writes it in its system message ("Reasoning: low"); templates that read no such
     # variable leave it out, as OpenAI's models without reasoning do
     reasoning_effort: ReasoningEffort | None = None
+    prediction: Prediction | None = None  # OpenAI's predicted outputs: drafted where the answer repeats it
     max_tool_calls: WholeInt | None = Field(None, ge=0)  # the Responses API's: an answer's first calls only
     reads_tools: ClassVar[bool] = True
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
@@ -658,6 +671,9 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int  # the answers' tokens of reasoning, its tags included (a reasoning parser's split)
+    # OpenAI's, where the request predicted its output: the prediction's tokens each answer repeated, and the rest
+    accepted_prediction_tokens: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    rejected_prediction_tokens: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Usage(BaseModel):

@@ -8,11 +8,18 @@ how often this request's lookups were accepted that deep, the drafter's paths by
 nodes go to the likeliest of both; a chain step drafts the lookup instead of the drafter's chain where its prefixes'
 probabilities sum higher (the tokens each is expected to get accepted; engine/model_runner.py). The target verifies
 the drafts in one forward and keeps what it agrees with, so the output stays the target's own whatever the draft.
+
+A request may predict its output (OpenAI's predicted outputs: a file it rewrites with a few changes). Its lookups
+copy the prediction first: from where the output, which starts aligned with the prediction's start, still follows
+it; where the output has left it (an edit), from the first occurrence of the output's last tokens in the prediction
+past where they were last aligned (the rest of the file after the edit); else from the context as above.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 
 # P(a lookup is accepted at least d tokens deep) before a request has any: about what SmolLM2's lookups reach on the
 # `cpu-small` prompts (0.41 at depth 1, then ~0.75 per token; benchmarks/README.md, "Context lookup").
@@ -24,10 +31,20 @@ class ContextLookup:
     """One request's n-gram index (where each n-gram last occurred, so a lookup is a dict probe) and how deep its
     lookups have been accepted."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, prediction: Sequence[int] = ()) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"context lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first: the most specific match wins
+        self.prediction = list(prediction)
+        # n-gram -> where the token after each of its occurrences in the prediction sits, in order
+        self._predicted: dict[tuple[int, ...], list[int]] = {}
+        for n in self.ngrams:
+            for i in range(n, len(self.prediction)):
+                self._predicted.setdefault(tuple(self.prediction[i - n:i]), []).append(i)
+        self._prompt_len: int | None = None
+        self._aligned: int | None = 0  # where the output goes on in the prediction, while it follows it
+        self._reached = 0  # the furthest place in the prediction it has followed it to
+        self._compared = 0  # output tokens compared with the prediction so far
         self.tokens: list[int] = []  # the request's tokens so far (its own copy: extended, never rebuilt)
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence sits
         self._indexed = 0  # continuation starts indexed so far: positions < _indexed
@@ -36,6 +53,8 @@ class ContextLookup:
 
     def extend(self, prompt: list[int], output: list[int]) -> None:
         """Catch up with the request: its prompt and output so far, which only ever grow."""
+        if self._prompt_len is None:
+            self._prompt_len = len(prompt)
         seen = len(self.tokens)
         if seen < len(prompt):
             self.tokens += prompt[seen:]
@@ -47,6 +66,8 @@ class ContextLookup:
         so far (n-grams from max_ngram down to min_ngram tokens); [] without one. Where the occurrence is the
         request's own recent text (a loop), the copy runs on through what it has copied."""
         tokens, end = self.tokens, len(self.tokens)
+        if self.prediction and max_len > 0 and (predicted := self._predicted_draft(max_len)):
+            return predicted
         for i in range(self._indexed, end):  # the n-grams ending just before each new continuation start
             for n in self.ngrams:
                 if i >= n:
@@ -63,6 +84,33 @@ class ContextLookup:
                         out.append(out[len(out) - (end - start)])
                     return out
         return []
+
+    def _predicted_draft(self, max_len: int) -> list[int]:
+        """Up to max_len tokens of the prediction from where the output follows it, or re-found it; [] where it
+        does neither."""
+        prediction, start = self.prediction, self._prompt_len or 0
+        for t in self.tokens[start + self._compared:]:
+            if self._aligned is not None and self._aligned < len(prediction) and prediction[self._aligned] == t:
+                self._aligned += 1
+            else:
+                self._aligned = None
+        self._compared = len(self.tokens) - start
+        if self._aligned is None:
+            self._aligned = self._refound()
+        if self._aligned is None:
+            return []
+        self._reached = max(self._reached, self._aligned)
+        return prediction[self._aligned:self._aligned + max_len]
+
+    def _refound(self) -> int | None:
+        """Where the output's last tokens (the longest n-gram found) occur in the prediction: their first occurrence
+        at or past where the output last followed it, else their last before."""
+        end = len(self.tokens)
+        for n in self.ngrams:
+            if end >= n and (after := self._predicted.get(tuple(self.tokens[end - n:]))):
+                at = bisect.bisect_left(after, self._reached)
+                return after[at] if at < len(after) else after[-1]
+        return None
 
     def scored_draft(self, max_len: int) -> list[tuple[int, float]]:
         """draft()'s tokens, each with the log-probability that the target accepts the draft up to it: this

@@ -163,6 +163,24 @@ def test_greedy_with_context_lookup_equals_target_greedy(tiny_dirs, monkeypatch)
     assert max(a for _, a in lookups) >= 1  # lookups were verified and accepted
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_with_predicted_outputs_equals_target_greedy_and_a_near_prediction_takes_fewer_steps(tiny_dirs, tree):
+    """OpenAI's predicted outputs: a prediction is drafted where the answer follows it, a whole step deep, on an
+    engine that drafts no lookups of its own, in chains and in trees. Whatever it predicts (the answer with an edit
+    in it, nothing like it), every token is transformers' greedy token; the answer with an edit takes under half the
+    steps it takes without."""
+    prompts = _prompts(2)
+    refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
+    engine = _engine(tiny_dirs, "qwen3", 7, rows=2, **({"draft_tree": {2: 8}} if tree else {}))
+    predictions = [refs[0][:10] + [(t + 1) % 90 for t in refs[0][10:13]] + refs[0][13:], [7] * NEW]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW, ignore_eos=True, prediction=p)
+                                     for p in predictions])
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] == refs
+    assert len(outs[0].acceptance_lengths) < len(plain[0].acceptance_lengths) / 2
+    assert max(outs[0].acceptance_lengths) == 8  # a step accepted all 7 drafts and its bonus
+
+
 def test_a_context_lookup_deeper_than_the_drafters_block_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="lookup_nodes"):
         _engine(tiny_dirs, "qwen3", 3, draft_tree={1: 3}, lookup_nodes=16)
@@ -705,6 +723,24 @@ def test_sampled_chains_with_context_lookups_follow_the_target_distribution(smal
     lookups = _recorded_lookups(monkeypatch)
     outs = engine.generate([prompt] * n, params)
     assert sum(a for _, a in lookups) > n / 20  # lookups drafted and accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+def test_sampled_answers_with_a_predicted_output_follow_the_target_distribution(small_vocab, monkeypatch):
+    """The "match" rule with a prediction drafted (on an engine that drafts no lookups of its own): the target samples
+    each token and a draft carrying the sample is kept, whatever the prediction."""
+    t, d = small_vocab
+    prompt = [1, 3, 0, 2, 1]
+    expected = _exact_joint(t, prompt, 1.5, 0, 1.0)
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=1500,
+                                                                                  max_draft_len=3))
+    n = 4500
+    params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, ignore_eos=True, prediction=[2, 0, 1, 3])
+              for s in range(n)]
+    lookups = _recorded_lookups(monkeypatch)
+    outs = engine.generate([prompt] * n, params)
+    assert sum(a for _, a in lookups) > n / 20  # the prediction drafted and accepted
     assert_matches([tuple(o.token_ids) for o in outs], expected)
 
 

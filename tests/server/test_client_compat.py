@@ -113,6 +113,33 @@ def test_reasoning_effort_reaches_the_template_as_its_variable(server, oracle):
     assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "reasoning_effort"
 
 
+def test_a_predicted_output_is_drafted_and_usage_counts_what_the_answer_repeated(server, oracle):
+    """OpenAI's predicted outputs: the answer is the target's own whatever the prediction (greedy: its tokens); one
+    that is the answer but for an edit is drafted (the answer takes fewer steps than without), and usage counts the
+    prediction's tokens the answer repeated and the rest; a prediction of the wrong type is refused by name."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True}
+    ids = oracle.encode_chat(body["messages"])
+    answer = _answer(oracle, ids, 40)
+    # (the character tokenizer: a character a token; the answer's special tokens write none)
+    size = len(oracle.tokenizer.encode(answer, add_special_tokens=False))
+    edited = answer[:12] + "".join(c for c in "abcdefghij" if c not in answer)[:3] + answer[15:]
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    for prediction, rejected in ((answer, 0), (edited, 3), ([{"type": "text", "text": edited[:20]},
+                                                             {"type": "text", "text": edited[20:]}], 3)):
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                       json={**body, "prediction": {"type": "content", "content": prediction}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == answer
+        details = r.json()["usage"]["completion_tokens_details"]
+        assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (size - rejected,
+                                                                                                  rejected)
+        assert r.json()["choices"][0]["acceptance"]["num_steps"] < plain["choices"][0]["acceptance"]["num_steps"] / 2
+    assert "accepted_prediction_tokens" not in plain["usage"]["completion_tokens_details"]
+    bad = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                     json={**body, "prediction": {"type": "audio", "content": "x"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction")
+
+
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):
     parts = [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}]
     r = httpx.post(server.base_url + "/chat/completions", timeout=60,

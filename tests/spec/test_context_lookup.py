@@ -82,3 +82,44 @@ def test_scores_start_at_the_prior_and_follow_what_the_target_accepted():
     assert all(g > f[1] > b for g, f, b in zip(good_scores, fresh, bad_scores))
     assert good_scores[0] > math.log(0.8) and bad_scores[0] < math.log(0.1)
     assert good_scores == sorted(good_scores, reverse=True) and bad_scores == sorted(bad_scores, reverse=True)
+
+
+def _predicting(prediction: list[int], prompt: list[int]) -> tuple[ContextLookup, callable]:
+    """A lookup predicting its output, and a function that hands it the output so far and returns its draft."""
+    lookup = ContextLookup(prediction=prediction)
+
+    def draft(output: list[int], max_len: int = 4) -> list[int]:
+        lookup.extend(prompt, output)
+        return lookup.draft(max_len)
+    return lookup, draft
+
+
+def test_a_predicted_output_is_drafted_from_its_start_and_while_the_output_follows_it():
+    """The output starts aligned with the prediction (whatever the prompt ends with), and drafts it from where the
+    output has followed it to."""
+    prediction = [20, 21, 22, 23, 24, 25, 26]
+    _, draft = _predicting(prediction, [1, 2, 3])
+    assert draft([]) == [20, 21, 22, 23]
+    assert draft([20, 21]) == [22, 23, 24, 25]
+    assert draft([20, 21, 22, 23, 24, 25], 4) == [26]
+    assert draft([20, 21, 22, 23, 24, 25, 26], 4) == []  # followed to its end: the context has nothing either
+
+
+def test_after_an_edit_the_prediction_is_drafted_again_from_where_the_output_rejoins_it():
+    """A file rewritten with a change: past the changed tokens, the output's last tokens are found in the prediction
+    at their first occurrence past where the output last followed it (not an earlier repeat), and drafted on from
+    there; where they occur nowhere in it, the context's lookup drafts."""
+    prediction = [30, 31, 7, 8, 40, 41, 42, 7, 8, 50, 51, 52]  # "7 8" twice
+    _, draft = _predicting(prediction, [1, 2])
+    assert draft([30, 31, 7, 8, 40]) == [41, 42, 7, 8]
+    # 41 42 replaced by 60 61: no 2-gram of "40 60 61" is in the prediction, nor earlier in the context
+    assert draft([30, 31, 7, 8, 40, 60, 61]) == []
+    # the output rejoins it at "7 8": drafted from its second "7 8" (past the edit), not its first
+    assert draft([30, 31, 7, 8, 40, 60, 61, 7, 8]) == [50, 51, 52]
+    assert draft([30, 31, 7, 8, 40, 60, 61, 7, 8, 50]) == [51, 52]
+
+
+def test_an_output_that_never_follows_its_prediction_drafts_from_its_context():
+    _, draft = _predicting([70, 71, 72], [5, 6, 7, 8, 9])
+    assert draft([1, 6, 7]) == [8, 9, 1, 6]  # the context's lookup, as without a prediction
+    assert _lookup([5, 6, 7, 8, 9], [1, 6, 7]).draft(4) == [8, 9, 1, 6]
