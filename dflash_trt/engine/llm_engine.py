@@ -579,8 +579,10 @@ class LLMEngine:
         if batch.decodes:
             active = batch.decodes
             # cut first: adaptive measures and chooses between the K that runs and plain steps
-            k, nodes = self._within_exact_rows(len(active), batch.num_draft,
-                                               self._tree_nodes(active) if batch.num_draft > 0 else 0)
+            k, nodes = batch.num_draft, self._tree_nodes(active) if batch.num_draft > 0 else 0
+            if self.drafter is not None and self._following_predictions(active):
+                k, nodes = self.max_draft_len, 0
+            k, nodes = self._within_exact_rows(len(active), k, nodes)
             if self.adaptive is not None:
                 k = self.adaptive.choose(len(active), k)
                 nodes = nodes if k > 0 else 0
@@ -647,6 +649,15 @@ class LLMEngine:
                         "linears and attention, where each row comes out as in a one-token step): at %s requests it "
                         "drafts fewer tokens than its tables ask for", rows, self.attention_tokens, KERNEL_MAX_QUERIES,
                         sizes)
+
+    @staticmethod
+    def _following_predictions(active: list[Sequence]) -> bool:
+        """Whether every row of a step follows its predicted output (OpenAI's predicted outputs;
+        spec/context_lookup.py): such a step drafts a chain as deep as the drafter reaches, the prediction drafted
+        where likelier than the drafter's chain, as it is expected to be accepted far deeper than the schedule's K
+        plans for."""
+        return all(s.params.prediction and not s.params.samples_drafts and s.context_lookup().follows_prediction()
+                   for s in active)
 
     def _tree_nodes(self, active: list[Sequence]) -> int:
         """Draft tree nodes for this step's batch: the engine's draft_tree for its size when every row is greedy or

@@ -85,9 +85,9 @@ class ContextLookup:
                     return out
         return []
 
-    def _predicted_draft(self, max_len: int) -> list[int]:
-        """Up to max_len tokens of the prediction from where the output follows it, or re-found it; [] where it
-        does neither."""
+    def follows_prediction(self) -> bool:
+        """Whether the output so far follows its prediction (from its start, or since it rejoined it), which has
+        tokens left."""
         prediction, start = self.prediction, self._prompt_len or 0
         for t in self.tokens[start + self._compared:]:
             if self._aligned is not None and self._aligned < len(prediction) and prediction[self._aligned] == t:
@@ -95,12 +95,18 @@ class ContextLookup:
             else:
                 self._aligned = None
         self._compared = len(self.tokens) - start
+        return self._aligned is not None and self._aligned < len(prediction)
+
+    def _predicted_draft(self, max_len: int) -> list[int]:
+        """Up to max_len tokens of the prediction from where the output follows it, or re-found it; [] where it
+        does neither."""
+        self.follows_prediction()
         if self._aligned is None:
             self._aligned = self._refound()
         if self._aligned is None:
             return []
         self._reached = max(self._reached, self._aligned)
-        return prediction[self._aligned:self._aligned + max_len]
+        return self.prediction[self._aligned:self._aligned + max_len]
 
     def _refound(self) -> int | None:
         """Where the output's last tokens (the longest n-gram found) occur in the prediction: their first occurrence

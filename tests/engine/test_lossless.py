@@ -166,19 +166,24 @@ def test_greedy_with_context_lookup_equals_target_greedy(tiny_dirs, monkeypatch)
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_with_predicted_outputs_equals_target_greedy_and_a_near_prediction_takes_fewer_steps(tiny_dirs, tree):
     """OpenAI's predicted outputs: a prediction is drafted where the answer follows it, a whole step deep, on an
-    engine that drafts no lookups of its own, in chains and in trees. Whatever it predicts (the answer with an edit
-    in it, nothing like it), every token is transformers' greedy token; the answer with an edit takes under half the
-    steps it takes without."""
+    engine that drafts no lookups of its own, in chains and in trees; a step whose rows all follow their predictions
+    drafts as deep as the drafter reaches (7), past the schedule's K (3). Whatever it predicts (the answer with an
+    edit in it, nothing like it), every token is transformers' greedy token; the answer with an edit takes under half
+    the steps it takes without."""
     prompts = _prompts(2)
     refs = [hf_greedy(tiny_dirs["qwen3"], p) for p in prompts]
-    engine = _engine(tiny_dirs, "qwen3", 7, rows=2, **({"draft_tree": {2: 8}} if tree else {}))
-    predictions = [refs[0][:10] + [(t + 1) % 90 for t in refs[0][10:13]] + refs[0][13:], [7] * NEW]
-    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW, ignore_eos=True, prediction=p)
+    engine = _engine(tiny_dirs, "qwen3", 7, rows=2, draft_len_schedule={1: 3, 2: 3},
+                     **({"draft_tree": {2: 4}} if tree else {}))
+    absent = next(t for t in range(3, 90) if t not in refs[1])
+    predictions = [refs[0][:10] + [(t + 1) % 90 for t in refs[0][10:13]] + refs[0][13:], [absent] * NEW]
+    both = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW, ignore_eos=True, prediction=p)
                                      for p in predictions])
-    plain = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] == refs
-    assert len(outs[0].acceptance_lengths) < len(plain[0].acceptance_lengths) / 2
-    assert max(outs[0].acceptance_lengths) == 8  # a step accepted all 7 drafts and its bonus
+    alone = engine.generate(prompts[:1], SamplingParams(max_new_tokens=NEW, ignore_eos=True, prediction=predictions[0]))
+    plain = engine.generate(prompts[:1], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in both] == refs and alone[0].token_ids == plain[0].token_ids == refs[0]
+    assert max(both[1].acceptance_lengths) <= 4  # (it follows no prediction: the schedule's K wherever it is)
+    assert max(alone[0].acceptance_lengths) == 8  # a step accepted all 7 drafts and its bonus
+    assert len(alone[0].acceptance_lengths) < len(plain[0].acceptance_lengths) / 2
 
 
 def test_a_context_lookup_deeper_than_the_drafters_block_is_refused(tiny_dirs):
