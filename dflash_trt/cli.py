@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -103,6 +104,10 @@ def _as_flags(message: str) -> str:
               help="Steps also weigh up to N tokens copied from the prompt or output where its last tokens occurred "
               "before (spec/context_lookup.py): in a tree's nodes, or as a chain's drafts, where likelier than the "
               "drafter's; 0: none. Default: the engine's speculative_config.lookup_nodes, else none.")
+@click.option("--prediction", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A file the answer is expected to repeat much of (one it rewrites with a few changes; OpenAI's "
+              "predicted outputs): drafted where the answer follows it. The answer is the target's own whatever it "
+              "holds.")
 @click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding in the same runtime (no drafter needed).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help=DTYPE_HELP)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help=DEVICE_HELP)
@@ -119,7 +124,8 @@ def _as_flags(message: str) -> str:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
-             seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, no_spec, dtype, device, max_model_len,
+             seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, prediction, no_spec, dtype, device,
+             max_model_len,
              repetition_penalty, presence_penalty, frequency_penalty, logprobs, threads, as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
@@ -130,7 +136,8 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
     engine_path = engine
     if no_spec:
         refuse_drafting_flags({"--max-draft-len": max_draft_len, "--tree-nodes": tree_nodes,
-                               "--lookup-nodes": lookup_nodes, "--acceptance rejection": acceptance != "match"})
+                               "--lookup-nodes": lookup_nodes, "--prediction": prediction,
+                               "--acceptance rejection": acceptance != "match"})
     if acceptance == "rejection" and temperature > 0 and (tree_nodes or lookup_nodes):
         # that rule's drafts are samples of the drafter, verified as chains: trees and lookups would be dropped unseen
         flags = [f for f, v in (("--tree-nodes", tree_nodes), ("--lookup-nodes", lookup_nodes)) if v]
@@ -138,6 +145,12 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
                                "--acceptance rejection drafts chains")
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs come in the --json output: add --json")
+    if prediction is not None:
+        try:
+            prediction = Path(prediction).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise click.BadParameter(f"{prediction} is not UTF-8 text (a byte at position {e.start})",
+                                     param_hint="'--prediction'") from None
     if prompt == "-":
         try:  # bytes, decoded here: the text stream's UnicodeDecodeError would end in a traceback
             prompt = click.get_binary_stream("stdin").read().decode("utf-8").removesuffix("\n")  # `echo`'s newline
@@ -199,6 +212,9 @@ def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ign
         no_spec = no_spec or engine.drafter is None  # an engine built without a drafter decodes plainly
         if note := capped_note(max_model_len, engine.max_position_embeddings):
             click.echo(note, err=True)
+        if prediction:
+            params = dataclasses.replace(params, prediction=engine.tokenizer.encode(prediction,
+                                                                                    add_special_tokens=False))
         try:
             ids = engine.encode(prompt, chat=chat)
         except TemplateError as e:  # jinja2's syntax and undefined errors, a template's own raise_exception

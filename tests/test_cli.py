@@ -499,3 +499,20 @@ def test_a_reader_that_goes_away_ends_the_answer_quietly(tiny_dirs, flag, reader
            f"--max-new-tokens 120 {flag} | {reader}; echo \" ${{PIPESTATUS[0]}}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert r.stdout.endswith(" 141\n") and "Error" not in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_a_predicted_answer_from_a_file_is_drafted_and_changes_no_token(tiny_dirs, tmp_path):
+    """--prediction: a file the answer is expected to repeat; the answer its own answer is drafted deeper (fewer
+    steps), and is the same tokens; beside --no-spec it is refused, as the drafting flags are."""
+    args = ["generate", "--target", str(tiny_dirs["qwen3"]), "--drafter", str(tiny_dirs["qwen3_drafter"]), "-p", "x",
+            "--max-new-tokens", "30", "--ignore-eos", "--json"]
+    plain = json.loads(_run(*args).stdout)
+    (tmp_path / "answer.txt").write_text(plain["text"], encoding="utf-8")
+    predicted = json.loads(_run(*args, "--prediction", str(tmp_path / "answer.txt")).stdout)
+    assert predicted["token_ids"] == plain["token_ids"]
+    assert len(predicted["acceptance_lengths"]) < len(plain["acceptance_lengths"]) / 2
+    r = CliRunner().invoke(main, [*args[:3], "--no-spec", "-p", "x", "--prediction", str(tmp_path / "answer.txt")])
+    assert r.exit_code == 2 and "--prediction" in r.output, r.output
+    (tmp_path / "bytes.bin").write_bytes(b"\xff\xfe")
+    r = CliRunner().invoke(main, [*args, "--prediction", str(tmp_path / "bytes.bin")])
+    assert r.exit_code == 2 and "not UTF-8" in r.output and "--prediction" in r.output, r.output
