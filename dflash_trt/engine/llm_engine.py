@@ -580,8 +580,9 @@ class LLMEngine:
             active = batch.decodes
             # cut first: adaptive measures and chooses between the K that runs and plain steps
             k, nodes = batch.num_draft, self._tree_nodes(active) if batch.num_draft > 0 else 0
-            if self.drafter is not None and self._following_predictions(active):
-                k, nodes = self.max_draft_len, 0
+            deep = min(self.max_draft_len, self.scheduler.draft_room(active))
+            if self.drafter is not None and 0 < k < deep and self._following_predictions(active):
+                k, nodes = deep, 0
             k, nodes = self._within_exact_rows(len(active), k, nodes)
             if self.adaptive is not None:
                 k = self.adaptive.choose(len(active), k)
@@ -653,9 +654,10 @@ class LLMEngine:
     @staticmethod
     def _following_predictions(active: list[Sequence]) -> bool:
         """Whether every row of a step follows its predicted output (OpenAI's predicted outputs;
-        spec/context_lookup.py): such a step drafts a chain as deep as the drafter reaches, the prediction drafted
-        where likelier than the drafter's chain, as it is expected to be accepted far deeper than the schedule's K
-        plans for."""
+        spec/context_lookup.py): such a step drafts a chain as deep as the drafter reaches (and the rows' room)
+        rather than the schedule's K (> 0), the prediction drafted where likelier than the drafter's chain, as it is
+        expected to be accepted far deeper than the schedule's K plans for. (Context lookups that expect more than K
+        accepted drafts, taken so too, lost: benchmarks/README.md, "Predicted outputs at one stream".)"""
         return all(s.params.prediction and not s.params.samples_drafts and s.context_lookup().follows_prediction()
                    for s in active)
 

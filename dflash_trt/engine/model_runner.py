@@ -338,8 +338,9 @@ class ModelRunner:
         """Each row's context lookup draft after its last committed token, with its scores (spec/context_lookup.py),
         lookup_nodes deep in a step of `depth` drafts; a whole step deep where the request predicts its output (a
         prediction is accepted far deeper than a lookup into the context: a file rewritten with a few changes)."""
-        return [s.context_lookup().scored_draft(depth if s.params.prediction else min(depth, self.lookup_nodes))
-                for s in seqs]
+        depths = [depth if s.params.prediction else min(depth, self.lookup_nodes) for s in seqs]
+        # (a row that drafts none builds no index: a batch mate's prediction costs it nothing)
+        return [s.context_lookup().scored_draft(d) if d else [] for s, d in zip(seqs, depths)]
 
     def _tree_choices(self, seqs: list[Sequence], hidden: torch.Tensor, tree, depth: int) -> torch.Tensor:
         """The target's token after every node [B, N + 1]: its argmax for greedy rows; for sampled rows its sample,

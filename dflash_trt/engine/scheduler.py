@@ -439,11 +439,15 @@ class Scheduler:
 
     def _draft_len(self, decodes: list[Sequence]) -> int:
         """K for this step: the schedule's K for the load (the most requests running over the last load_window
-        steps), capped by what any row still needs and by the context room of the fullest row (the verify block
-        must fit)."""
+        steps), capped by draft_room."""
         if not decodes:
             return 0
         k = self.config.draft_len_for(max(self._recent_load))  # this step's entry counts the decodes among others
+        return min(k, self.draft_room(decodes))
+
+    def draft_room(self, decodes: list[Sequence]) -> int:
+        """The most drafts a step of these rows can take: what any row still needs, and the context room of the
+        fullest row (the verify block must fit)."""
         need = max(s.remaining for s in decodes)
         room = min(self.config.max_model_len - 1 - s.num_cached for s in decodes)
-        return max(0, min(k, need, room))
+        return max(0, min(need, room))

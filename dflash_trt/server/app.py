@@ -223,7 +223,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         outputs = await _wait_all(request, submitted)
         splitters = [_splitter(req) for _ in outputs]
         choices = [_chat_choice(i, o, req, splitter) for i, (o, splitter) in enumerate(zip(outputs, splitters))]
-        usage = _usage(outputs, submitted, await _reasoning_tokens(outputs, splitters))
+        usage = _usage(outputs, submitted, await _reasoning_tokens(outputs, splitters),
+                       await _prediction_counts(outputs, submitted))
         return JSONResponse(p.ChatCompletionResponse(model=model_name, choices=choices, usage=usage).model_dump())
 
     def _check_tools(req: p.ChatCompletionRequest) -> None:
@@ -233,14 +234,21 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                                 "answer is text", param="tools")
 
     async def _prediction_ids(req: p.ChatCompletionRequest) -> list[int] | None:
-        """The tokens of a chat request's predicted output (server/prediction.py), or None where it predicts none."""
+        """The tokens of a chat request's predicted output (server/prediction.py), or None where it predicts none;
+        APIError where it holds more than the context (no answer could repeat it; its index and its usage count
+        would grow with it unbounded)."""
         if req.prediction is None or not req.prediction.text:
             return None
-        text = req.prediction.text
+        text, limit = req.prediction.text, engine.max_model_len
         try:
-            return await tokenized(len(text), "encode", text, add_special_tokens=False)
-        except ValueError as e:  # past what the server tokenizes
-            raise APIError(400, f"prediction: {e}", param="prediction") from e
+            ids = await tokenized(len(text), "encode", text, add_special_tokens=False)
+        except ValueError:  # (past what the server tokenizes: more characters than the context could hold)
+            ids = None
+        if ids is None or len(ids) > limit:
+            size = f"{len(ids)} tokens" if ids is not None else f"{len(text)} characters"
+            raise APIError(400, f"the prediction has {size}, more than this model's maximum context length ({limit} "
+                                "tokens): no answer could repeat it", param="prediction")
+        return ids
 
     async def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
         if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
@@ -297,6 +305,16 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     async def _response_usage(o: RequestOutput, s: _Submitted, splitter: ChatAnswerSplitter) -> dict:
         reasoned = await _reasoning_tokens([o], [splitter])
         return response_usage(s.prompt_lens[0], o.num_tokens, o.num_cached_tokens, reasoned)
+
+    async def _prediction_counts(outputs: list[RequestOutput], s: _Submitted) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction tokens of the answers (server/prediction.py), counted on a tokenizer's lane
+        (a diff of two sequences of up to the context's length: off the event loop); None without a prediction."""
+        if not s.prediction:
+            return None
+        _, thread = lanes.lane(len(s.prediction))
+        counts = [await asyncio.get_running_loop().run_in_executor(thread, prediction_tokens, s.prediction, o.token_ids)
+                  for o in outputs]
+        return sum(a for a, _ in counts), sum(r for _, r in counts)
 
     async def _reasoning_tokens(outputs: list[RequestOutput], splitters: list[ChatAnswerSplitter]) -> int:
         """The answers' tokens of reasoning (ChatAnswerSplitter.reasoning_tokens, each fed whole), counted on a
@@ -694,8 +712,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             yield chunk.model_dump(exclude=no_usage)
         if usage:
             yield p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                        usage=_usage(outputs, s, await _reasoning_tokens(outputs, splitters))
-                                        ).model_dump()
+                                        usage=_usage(outputs, s, await _reasoning_tokens(outputs, splitters),
+                                                     await _prediction_counts(outputs, s))).model_dump()
 
     def _call_deltas(parts: list[tuple[str, Any]], begun: list[int], choice: int) -> list[p.DeltaToolCall]:
         """A chunk's tool-call deltas: each call begun in it (whole, or its first delta), and the pieces of the
@@ -758,17 +776,17 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             draft_time_s=out.draft_time, verify_time_s=out.verify_time,
         )
 
-    def _usage(outputs: list[RequestOutput], s: _Submitted, reasoning_tokens: int | None = None) -> p.Usage:
+    def _usage(outputs: list[RequestOutput], s: _Submitted, reasoning_tokens: int | None = None,
+               predicted: tuple[int, int] | None = None) -> p.Usage:
         """outputs: in choice order, n answers a prompt (the first of each reports the prompt's reuse).
-        reasoning_tokens: a chat request's (None for completions, whose usage has no completion_tokens_details)."""
+        reasoning_tokens: a chat request's (None for completions, whose usage has no completion_tokens_details);
+        predicted: its accepted and rejected prediction tokens, where it predicted its output."""
         prompt = sum(s.prompt_lens[:: s.n])  # each prompt once, however many answers it got (OpenAI's count)
         completion = sum(o.num_tokens for o in outputs)
         cached = p.PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs[:: s.n]))
         details = None if reasoning_tokens is None else p.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
-        if details is not None and s.prediction:
-            counts = [prediction_tokens(s.prediction, o.token_ids) for o in outputs]
-            details.accepted_prediction_tokens = sum(a for a, _ in counts)
-            details.rejected_prediction_tokens = sum(r for _, r in counts)
+        if details is not None and predicted is not None:
+            details.accepted_prediction_tokens, details.rejected_prediction_tokens = predicted
         return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        prompt_tokens_details=cached, completion_tokens_details=details)
 

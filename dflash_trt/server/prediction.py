@@ -1,7 +1,9 @@
-"""OpenAI's predicted outputs (`prediction: {"type": "content", "content": ...}`): text the answer is expected to repeat
-much of (a file it rewrites with a few changes). The engine drafts it where the answer follows it
-(spec/context_lookup.py): the answer is the target's own whatever it predicts, and comes sooner the more of it it
-repeats. Usage says how much of it the answer repeated, as OpenAI counts it.
+"""OpenAI's predicted outputs (`prediction: {"type": "content", "content": ...}`, text parts joined as written): text
+the answer is expected to repeat much of (a file it rewrites with a few changes), at most the context's length. The
+engine drafts it where the answer follows it (spec/context_lookup.py): the answer is the target's own whatever it
+predicts, and comes sooner the more of it it repeats. Usage says how many of its tokens the answer repeated and how
+many it did not, OpenAI's two counts (the answer's tokens, its reasoning's and its stop token too, are compared;
+unlike OpenAI, rejected tokens are not billed as completion tokens: completion_tokens counts the answer's own).
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ class ContextLookup:
         for t in self.tokens[start + self._compared:]:
             if self._aligned is not None and self._aligned < len(prediction) and prediction[self._aligned] == t:
                 self._aligned += 1
+                self._reached = max(self._reached, self._aligned)
             else:
                 self._aligned = None
         self._compared = len(self.tokens) - start

@@ -184,6 +184,12 @@ def test_greedy_with_predicted_outputs_equals_target_greedy_and_a_near_predictio
     assert max(both[1].acceptance_lengths) <= 4  # (it follows no prediction: the schedule's K wherever it is)
     assert max(alone[0].acceptance_lengths) == 8  # a step accepted all 7 drafts and its bonus
     assert len(alone[0].acceptance_lengths) < len(plain[0].acceptance_lengths) / 2
+    # two rows, each predicting its own answer: their steps are deep together; and no deeper than a row needs
+    exact = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW, ignore_eos=True, prediction=r) for r in refs])
+    assert [o.token_ids for o in exact] == refs and all(max(o.acceptance_lengths) == 8 for o in exact)
+    short = engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True, prediction=refs[0]))
+    # (the prefill's token, then 3 to go: K=3, the schedule's step, its tree's 4 nodes where it drafts trees)
+    assert short[0].token_ids == refs[0][:4] and short[0].draft_lens == ([4] if tree else [3])
 
 
 def test_a_context_lookup_deeper_than_the_drafters_block_is_refused(tiny_dirs):

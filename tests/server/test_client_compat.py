@@ -4,6 +4,7 @@ apply_chat_template is the oracle), text parts, CORS for browser clients, and vL
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -135,9 +136,17 @@ def test_a_predicted_output_is_drafted_and_usage_counts_what_the_answer_repeated
                                                                                                   rejected)
         assert r.json()["choices"][0]["acceptance"]["num_steps"] < plain["choices"][0]["acceptance"]["num_steps"] / 2
     assert "accepted_prediction_tokens" not in plain["usage"]["completion_tokens_details"]
-    bad = httpx.post(server.base_url + "/chat/completions", timeout=60,
-                     json={**body, "prediction": {"type": "audio", "content": "x"}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction")
+    with httpx.stream("POST", server.base_url + "/chat/completions", timeout=60, json={
+            **body, "prediction": {"type": "content", "content": edited}, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == answer
+    assert events[-1]["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 3
+    for prediction, param in (({"type": "audio", "content": "x"}, "prediction"),
+                              ({"type": "content", "content": "x" * 300}, "prediction")):  # past the context's 256
+        bad = httpx.post(server.base_url + "/chat/completions", timeout=60, json={**body, "prediction": prediction})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(param), bad.text
+    assert "maximum context length" in bad.json()["error"]["message"]
 
 
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(server, oracle):

@@ -123,3 +123,12 @@ def test_an_output_that_never_follows_its_prediction_drafts_from_its_context():
     _, draft = _predicting([70, 71, 72], [5, 6, 7, 8, 9])
     assert draft([1, 6, 7]) == [8, 9, 1, 6]  # the context's lookup, as without a prediction
     assert _lookup([5, 6, 7, 8, 9], [1, 6, 7]).draft(4) == [8, 9, 1, 6]
+
+
+def test_an_edit_rejoins_the_prediction_past_what_the_output_followed_step_by_step():
+    """Where the output left the prediction is counted as it follows it, token by token, not as drafts were asked
+    for: an edit after a repeated n-gram the output followed past rejoins at its next occurrence."""
+    prediction = [30, 31, 7, 8, 40, 41, 42, 43, 44, 7, 8, 50, 51, 52]
+    lookup, draft = _predicting(prediction, [1, 2])
+    assert draft([30]) == [31, 7, 8, 40]
+    assert draft([30, 31, 7, 8, 40, 41, 42, 43, 44, 99, 7, 8], 3) == [50, 51, 52]
