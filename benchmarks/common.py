@@ -67,6 +67,13 @@ def device_name(device: str) -> str:
     return next((w for w in words if w[0].isalpha() and any(ch.isdigit() for ch in w)), "gpu").lower()
 
 
+def one_stream(engine, prompts: list[list[int]], params: list) -> tuple[list, float, int]:
+    """Each request alone, in turn -> outputs, decode seconds and the tokens decoded in them (each answer's first
+    token is the prefill's, as `bench speed` counts)."""
+    outs = [engine.generate([prompt], p)[0] for prompt, p in zip(prompts, params)]
+    return outs, sum(o.decode_time for o in outs), sum(max(0, o.num_tokens - 1) for o in outs)
+
+
 def record(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),

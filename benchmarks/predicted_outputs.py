@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import one_stream, record  # noqa: E402
 
 from dflash_trt import SamplingParams, open_engine  # noqa: E402
 from dflash_trt.server.prediction import prediction_tokens  # noqa: E402
@@ -36,13 +36,6 @@ ASKS = ["Add a docstring to each function and return the whole code:", "Rename t
         "Use an f-string in this function and return the whole function:"]
 
 
-def _run(engine, prompts, params) -> tuple[list, float, int]:
-    """One stream (each request alone) -> outputs, decode seconds and the tokens decoded in them (each answer's
-    first token is the prefill's, as `bench speed` counts)."""
-    outs = [engine.generate([prompt], p)[0] for prompt, p in zip(prompts, params)]
-    return outs, sum(o.decode_time for o in outs), sum(max(0, o.num_tokens - 1) for o in outs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="engines/smollm2-135m-cpu")
@@ -58,8 +51,8 @@ def main() -> None:
     tok = spec_engine.tokenizer
     prompts = [spec_engine.encode(f"{ask}\n\n```python\n{code}```", chat=True) for ask, code in zip(ASKS, CODE)]
     plain = [SamplingParams(max_new_tokens=args.max_tokens) for _ in CODE]
-    answers = [o.token_ids for o in _run(plain_engine, prompts, plain)[0]]  # (and warm-up)
-    _run(spec_engine, prompts[:2], plain[:2])
+    answers = [o.token_ids for o in one_stream(plain_engine, prompts, plain)[0]]  # (and warm-up)
+    one_stream(spec_engine, prompts[:2], plain[:2])
     files = [tok.encode(f"```python\n{code}```", add_special_tokens=False) for code in CODE]
     perfect = [tok.encode(tok.decode(a, skip_special_tokens=True), add_special_tokens=False) for a in answers]
     arms = {"plain": (plain_engine, plain), "dflash": (spec_engine, plain),
@@ -70,7 +63,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
             engine, params = arms[name]
-            outs, wall, tokens = _run(engine, prompts, params)
+            outs, wall, tokens = one_stream(engine, prompts, params)
             arm = totals.setdefault(name, {"tokens": 0, "wall_s": 0.0, "steps": 0, "committed": 0, "outputs": []})
             arm["tokens"] += tokens
             arm["wall_s"] += wall

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record  # noqa: E402
+from common import one_stream, record  # noqa: E402
 
 from dflash_trt import SamplingParams, StructuredOutput, open_engine  # noqa: E402
 from dflash_trt.engine.grammar import Grammar  # noqa: E402
@@ -65,13 +65,6 @@ def _timed_grammar() -> list[float]:
     return spent
 
 
-def _run(engine, prompts, params) -> tuple[list, float, int]:
-    """One stream (each request alone) -> outputs, decode seconds and the tokens decoded in them (each answer's
-    first token is the prefill's, as `bench speed` counts)."""
-    outs = [engine.generate([prompt], p)[0] for prompt, p in zip(prompts, params)]
-    return outs, sum(o.decode_time for o in outs), sum(max(0, o.num_tokens - 1) for o in outs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="engines/smollm2-135m-cpu")
@@ -90,15 +83,15 @@ def main() -> None:
     guided = [SamplingParams(max_new_tokens=args.max_tokens, structured=_spec(kind, what)) for kind, _, what in TASKS]
     free = [SamplingParams(max_new_tokens=args.max_tokens) for _ in TASKS]
     spent = _timed_grammar()
-    _run(spec_engine, prompts[:2], guided[:2])  # warm-up: the grammar's token table, kernels, shapes
-    _run(plain_engine, prompts[:2], guided[:2])
+    one_stream(spec_engine, prompts[:2], guided[:2])  # warm-up: the grammar's token table, kernels, shapes
+    one_stream(plain_engine, prompts[:2], guided[:2])
     arms: dict[str, dict] = {}
     for r in range(args.rounds):
         order = [("plain", plain_engine, guided), ("dflash", spec_engine, guided),
                  ("plain_free", plain_engine, free), ("dflash_free", spec_engine, free)]
         for name, engine, params in order if r % 2 == 0 else order[::-1]:
             spent[0] = 0.0
-            outs, wall, tokens = _run(engine, prompts, params)
+            outs, wall, tokens = one_stream(engine, prompts, params)
             arm = arms.setdefault(name, {"tokens": 0, "wall_s": 0.0, "grammar_s": 0.0, "steps": 0, "accepted": 0,
                                          "outputs": []})
             arm["tokens"] += tokens
