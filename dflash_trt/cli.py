@@ -125,8 +125,8 @@ def _as_flags(message: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(engine, backend, target, drafter, prompt, chat, max_new_tokens, ignore_eos, temperature, top_p, top_k,
              seed, stop, acceptance, max_draft_len, tree_nodes, lookup_nodes, prediction, no_spec, dtype, device,
-             max_model_len,
-             repetition_penalty, presence_penalty, frequency_penalty, logprobs, threads, as_json) -> None:
+             max_model_len, repetition_penalty, presence_penalty, frequency_penalty, logprobs, threads,
+             as_json) -> None:
     """Generate once (from ENGINE, a `dflash-trt build` directory, or --target/--drafter) and print the text
     with acceptance statistics."""
     from jinja2 import TemplateError

@@ -3,9 +3,9 @@
 
 Its ordered parts are (kind, value) pairs: ("reasoning", text), ("content", text), ("call", FunctionCall) for a call
 sent whole, and, for a call whose arguments are sent as they come (a call tool_choice forces; a gpt_oss, hermes,
-llama3_json or qwen3_coder call), ("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then ("call_closed",
-FunctionCall whole) as the answer ends (cut by max_tokens, or not), or ("call_finished", FunctionCall whole) where its
-JSON or end tag closed it.
+llama3_json or qwen3_coder call), ("call_opened", FunctionCall without arguments), ("arguments", text) pieces, then
+("call_closed", FunctionCall whole) as the answer ends (cut by max_tokens, or not), or ("call_finished", FunctionCall
+whole) where its JSON or end tag closed it.
 """
 
 from __future__ import annotations

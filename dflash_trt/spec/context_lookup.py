@@ -28,8 +28,8 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many observed lookups at each dep
 
 
 class ContextLookup:
-    """One request's n-gram index (where each n-gram last occurred, so a lookup is a dict probe) and how deep its
-    lookups have been accepted."""
+    """One request's n-gram index (where each n-gram last occurred, so a lookup is a dict probe), its predicted
+    output's where it has one, and how deep its lookups have been accepted."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, prediction: Sequence[int] = ()) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -64,7 +64,8 @@ class ContextLookup:
     def draft(self, max_len: int) -> list[int]:
         """Up to max_len tokens following the latest earlier occurrence of the longest matching suffix of the tokens
         so far (n-grams from max_ngram down to min_ngram tokens); [] without one. Where the occurrence is the
-        request's own recent text (a loop), the copy runs on through what it has copied."""
+        request's own recent text (a loop), the copy runs on through what it has copied. A predicted output is drafted
+        first, where the output follows it or rejoins it (_predicted_draft)."""
         tokens, end = self.tokens, len(self.tokens)
         if self.prediction and max_len > 0 and (predicted := self._predicted_draft(max_len)):
             return predicted

@@ -251,9 +251,9 @@ def test_gpt_oss_calls_read_from_harmonys_commentary_channel_as_its_text_holds_i
 
 # text near every parser's tags, for the split's agreement with itself
 _NEAR = sorted({CALL_START, CALL_START[:5], "</tool_call>", "<function=f>", "<parameter=a>", "\n1\n", "</parameter>",
-                "</function>", "<parameter=b>", "</param", "<function=", '"', *HARMONY_STARTS, HARMONY_STARTS[0][:12], "json", '{"name": "f", "arguments": {}}',
-                '{"a": 1}', "{", "}", "<think>", "</think>", "analysis", "assistantfinal", "assistantanalysis",
-                "final", " ", "\n", "é", "x", PYTHON_TAG, ";"})
+                "</function>", "<parameter=b>", "</param", "<function=", '"', *HARMONY_STARTS, HARMONY_STARTS[0][:12],
+                "json", '{"name": "f", "arguments": {}}', '{"a": 1}', "{", "}", "<think>", "</think>", "analysis",
+                "assistantfinal", "assistantanalysis", "final", " ", "\n", "é", "x", PYTHON_TAG, ";"})
 
 
 @settings(max_examples=250, deadline=None)
@@ -705,7 +705,8 @@ def test_a_llama_calls_arguments_stream_as_written_and_what_follows_its_calls_is
         bounds = [0, *cuts[1:], len(text)] if cuts else [0, len(text)]
         parts = [p for a, b in zip(bounds, bounds[1:]) for p in splitter.parts(text[a:b], final=b == len(text))]
         _check_pieces(parts)
-        closed = [(v.name, v.arguments, k == "call_finished") for k, v in parts if k in ("call_finished", "call_closed")]
+        closed = [(v.name, v.arguments, k == "call_finished") for k, v in parts
+                  if k in ("call_finished", "call_closed")]
         assert ("".join(v for k, v in parts if k == "content"), closed) == want, cuts
         if cuts:
             assert sum(k == "arguments" for k, _ in parts) >= len(want[1][0][1])  # in pieces, as they came
@@ -719,9 +720,11 @@ _F1 = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n<
     # is content; a value holding such an end and then its </parameter> holds it
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n</function>\n</tool_call>\nDone.", None,
      ("Done.", [("f", '{"a": "x"}')])),
-    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=n>\n5\n</tool_call>\nDone.", None, ("Done.", [("f", '{"n": 5}')])),
-    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n</function>\ny\n</parameter>\n</function>\n</tool_call>",
-     None, (None, [("f", '{"a": "x\\n</function>\\ny"}')])),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=n>\n5\n</tool_call>\nDone.", None,
+     ("Done.", [("f", '{"n": 5}')])),
+    ("qwen3_coder",
+     "<tool_call>\n<function=f>\n<parameter=a>\nx\n</function>\ny\n</parameter>\n</function>\n</tool_call>", None,
+     (None, [("f", '{"a": "x\\n</function>\\ny"}')])),
     # past the room (parallel_tool_calls false), a block cut, or holding its end tag in a string, is left out whole
     ("qwen3_coder", _F1 + "\n<tool_call>\n<function=g>\n<parameter=a>\n2", 1, (None, [("f", '{"a": 1}')])),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"s": '
@@ -732,7 +735,8 @@ _F1 = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n<
     # a name holding what else would end or open things
     ("llama3_json", '{"name":"f","parameters":{}};{"name":"{","parameters":{}}', None,
      (None, [("f", "{}"), ("{", "{}")])),
-    ("hermes", '<tool_call>{"name": "</tool_call>", "arguments": {}}</tool_call>', None, (None, [("</tool_call>", "{}")])),
+    ("hermes", '<tool_call>{"name": "</tool_call>", "arguments": {}}</tool_call>', None,
+     (None, [("</tool_call>", "{}")])),
     # a lone surrogate is escaped alike whatever delta it comes in
     ("qwen3_coder", "<tool_call><function=f><parameter=a>\ud800\u00e9</parameter></function></tool_call>", None,
      (None, [("f", '{"a": "\\ud800\u00e9"}')])),
