@@ -60,3 +60,26 @@ def json_text(value: Any) -> str | None:
     except UnicodeEncodeError:
         text = json.dumps(value, allow_nan=False)
     return text
+
+
+class WrittenCall:
+    """A call whose arguments are the answer's text as the model writes it, from `at` on: opened, sent piece by piece
+    as far as the text so far allows, closed (where it is sent: a call past the calls' room is read and left out)."""
+
+    def __init__(self, out: list[CallPart], name: str, at: int, sent: bool = True) -> None:
+        self.call = FunctionCall(name, "") if sent else None
+        self.at = self.sent_to = at  # where its arguments begin, and how far they are sent
+        if self.call is not None:
+            out.append(OpenedCall(self.call))
+
+    def send(self, out: list[CallPart], text: str, upto: int) -> None:
+        """Its arguments from where they were last sent up to `upto`."""
+        if self.call is not None and upto > self.sent_to:
+            out.append(ArgumentsPiece(text[self.sent_to:upto]))
+        self.sent_to = max(self.sent_to, upto)
+
+    def close(self, out: list[CallPart], text: str, upto: int, finished: bool = False) -> None:
+        """Sends its arguments up to `upto` and closes it with them whole (finished: its JSON or end tag seen)."""
+        self.send(out, text, upto)
+        if self.call is not None:
+            out.append(ClosedCall(FunctionCall(self.call.name, text[self.at:upto], self.call.id), finished))

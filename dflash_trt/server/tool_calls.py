@@ -25,10 +25,9 @@ as a JSON string), the text around them its `content`, and the choice finishes w
 Like the reasoning split, it reads the text as the client gets it, delta by delta or whole, alike: text that may begin a
 call is held back until the next delta says whether it does, and a call is sent whole once it closes (or the answer
 ends; or in pieces as they come, where the parser reads them so: a cut call is that call, its arguments as far as
-they came). A
-block that does not parse as a call (or opens none) stays in the content as written, so nothing the model said is
-lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None where there is
-none).
+they came). A block that does not parse as a call (or opens none) stays in the content as written, so nothing the
+model said is lost; whitespace next to a call is dropped, the rest of the text outside calls is the content (None
+where there is none).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from typing import Any
 import regex
 
 from dflash_trt.server.call_parts import (ArgumentsPiece, BlockReader, CallPart, ClosedCall, FunctionCall, OpenedCall,
-                                          json_text)
+                                          WrittenCall, json_text)
 from dflash_trt.server.coder_calls import CoderCallReader, coder_calls
 from dflash_trt.server.reasoning import first_tag, held_back, parser_named
 
@@ -203,39 +202,36 @@ class _HermesCallReader:
 
     def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
         self._keeps = room != 0
-        self.called = False  # whether the block's call has opened (sent, or past the room)
-        self._call: FunctionCall | None = None  # where sent
-        # where its arguments begin, end, how far they are sent and read, and how deep they nest there
-        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
+        self._call: WrittenCall | None = None
+        # where its arguments end, how far they are read, and how deep they nest there
+        self._end, self._scanned = None, 0
         self._nesting = _JsonNesting()
+
+    @property
+    def called(self) -> bool:
+        return self._call is not None
 
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
-        if not self.called:
+        if self._call is None:
             head = _head(block, 0, final)
             if head is True:
                 return out, None  # (what it is, the next delta says)
             if head is None:
                 return None
-            self._at, name = head
-            self.called, self._sent, self._scanned = True, self._at, self._at
-            if self._keeps:
-                self._call = FunctionCall(name, "")
-                out.append(OpenedCall(self._call))
+            self._scanned, name = head
+            self._call = WrittenCall(out, name, self._scanned, self._keeps)
         for at in range(self._scanned, len(block) if self._end is None else 0):
             if self._nesting.read(block[at]) < 0 and self._nesting.depth == 0:
                 self._end = at + 1
                 break
         self._scanned = len(block) if self._end is None else self._end
         upto = self._end if self._end is not None else len(block)
-        if upto > self._sent and self._call is not None:
-            out.append(ArgumentsPiece(block[self._sent:upto]))
-        self._sent = max(self._sent, upto)
         closing = block.find(CALL_END, self._end) if self._end is not None else -1
         if closing < 0 and not final:
+            self._call.send(out, block, upto)
             return out, None
-        if self._call is not None:
-            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), closing >= 0))
+        self._call.close(out, block, upto, finished=closing >= 0)
         return out, (block[closing + len(CALL_END):] if closing >= 0 else None)
 
 
@@ -246,26 +242,24 @@ class _HarmonyCallReader:
 
     def __init__(self, schemas: dict[str, Any], room: int | None) -> None:
         self._schemas, self._keeps = schemas, room != 0
-        self.called = False
-        self._call: FunctionCall | None = None  # where sent
-        self._at = self._sent = 0  # where its arguments begin, and how far they are sent
+        self._call: WrittenCall | None = None
+
+    @property
+    def called(self) -> bool:
+        return self._call is not None
 
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
-        if not self.called:
+        if self._call is None:
             brace = block.find("{")
             name = _harmony_name(block[:brace], self._schemas) if brace >= 0 else None
             if name is None:
                 return None if final else (out, None)
-            self.called, self._at, self._sent = True, brace, brace
-            if self._keeps:
-                self._call = FunctionCall(name, "")
-                out.append(OpenedCall(self._call))
-        if len(block) > self._sent and self._call is not None:
-            out.append(ArgumentsPiece(block[self._sent:]))
-        self._sent = len(block)
-        if final and self._call is not None:
-            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:], self._call.id)))
+            self._call = WrittenCall(out, name, brace, self._keeps)
+        if final:
+            self._call.close(out, block, len(block))
+        else:
+            self._call.send(out, block, len(block))
         return out, None
 
 
@@ -282,16 +276,15 @@ class _LlamaCallReader:
         self.called = False  # whether a call has opened (sent, or past the room)
         self._made = 0  # calls sent
         self._next = 0  # where the text after the last call begins
-        self._call: FunctionCall | None = None  # the call read now, where it is sent (within the room)
-        self._reading = False  # whether a call is read now
-        # its arguments': where they begin, end, are sent to; how far its JSON is read, and how deep it nests there
-        self._at, self._end, self._sent, self._scanned = 0, None, 0, 0
+        self._call: WrittenCall | None = None  # the call read now
+        # where its arguments end; how far its JSON is read, and how deep it nests there
+        self._end, self._scanned = None, 0
         self._nesting = _JsonNesting()
 
     def read(self, block: str, final: bool) -> tuple[list[CallPart], str | None] | None:
         out: list[CallPart] = []
         while True:
-            if not self._reading:
+            if self._call is None:
                 if not self.called:
                     start = len(PYTHON_TAG) if block.startswith(PYTHON_TAG) else 0
                     head = _head(block, start, final)
@@ -316,34 +309,24 @@ class _LlamaCallReader:
                 if moved < 0 and depth == 0:
                     self._next = at + 1
                     break
-            self._scanned = len(block) if self._next <= self._at else self._next
-            self._send(out, block, self._end if self._end is not None else len(block))
-            if self._next <= self._at:  # (its JSON still open)
-                if final:
-                    self._close(out, block, finished=False)
-                return out, None
-            self._close(out, block, finished=True)
+            closed = self._next > self._call.at
+            self._scanned = self._next if closed else len(block)
+            upto = self._end if self._end is not None else len(block)
+            if closed or final:
+                self._call.close(out, block, upto, finished=closed)
+                self._call = None
+                if closed:
+                    continue
+            else:
+                self._call.send(out, block, upto)
+            return out, None
 
     def _open(self, out: list[CallPart], opens: int, at: int, name: str) -> None:
         """The call whose JSON opens at `opens`, its arguments at `at`."""
         keeps = self._room is None or self._made < self._room
-        self._call = FunctionCall(name, "") if keeps else None
+        self._call = WrittenCall(out, name, at, keeps)
         self._made += keeps
-        self.called, self._reading, self._nesting, self._scanned = True, True, _JsonNesting(), opens
-        self._at, self._end, self._sent = at, None, at
-        if self._call is not None:
-            out.append(OpenedCall(self._call))
-
-    def _send(self, out: list[CallPart], block: str, upto: int) -> None:
-        if self._call is not None and upto > self._sent:
-            out.append(ArgumentsPiece(block[self._sent:upto]))
-        self._sent = max(self._sent, upto)
-
-    def _close(self, out: list[CallPart], block: str, finished: bool) -> None:
-        if self._call is not None:
-            upto = self._end if self._end is not None else len(block)
-            out.append(ClosedCall(FunctionCall(self._call.name, block[self._at:upto], self._call.id), finished))
-        self._call, self._reading = None, False
+        self.called, self._nesting, self._scanned, self._end = True, _JsonNesting(), opens, None
 
 
 PARSERS = {p.name: p for p in (ToolCallParser("hermes", "qwen3", _hermes_calls, reader=_HermesCallReader),
@@ -545,9 +528,7 @@ class ForcedCallSplitter:
         self._call_at: int | None = None  # where a harmony call's header begins (past "...to=functions.")
         self._said = 0  # the characters before a harmony call sent as text
         self._text = ""
-        self._opened: FunctionCall | None = None
-        self._arguments_at = 0  # where the arguments begin
-        self._sent = 0  # the arguments' characters sent
+        self._call: WrittenCall | None = None  # the call read now
         # the list's: where its last call ends (past its "[" before any), how far it is read, and the reader's state
         self._next: int | None = None
         self._read = 0
@@ -567,8 +548,9 @@ class ForcedCallSplitter:
                 return [self._text] if final and self._text else []
             self._next = self._read = self._text.index("[") + 1
         out += self._list_calls()
-        if final and self._opened is not None:  # cut in a call: that call, its arguments as far as they came
-            return out + [self._close_listed(self._arguments_end or len(self._text), finished=False)]
+        if final and self._call is not None:  # cut in a call: that call, its arguments as far as they came
+            self._close_listed(out, self._arguments_end or len(self._text), finished=False)
+            return out
         rest = self._text[_LISTED.match(self._text, self._next).end():] if self.num_calls else self._text
         if final and rest.strip() and not re.fullmatch(r"\s*\]\s*", rest):
             out.append(rest)  # cut: what it holds after its last call (all of it, where it made none)
@@ -583,55 +565,43 @@ class ForcedCallSplitter:
             moved, depth = self._nesting.read(text[at]), self._nesting.depth
             if moved > 0:
                 self._element = at if depth == 1 else self._element
-                if depth == 2 and self._opened is None and (head := _LISTED_CALL.match(text, self._element)) \
+                if depth == 2 and self._call is None and (head := _LISTED_CALL.match(text, self._element)) \
                         and head.end() == at:
-                    self._opened = FunctionCall(json.loads(head["name"]), "")
-                    self._arguments_at = self._sent = at
+                    self._call = WrittenCall(out, json.loads(head["name"]), at)
                     self.num_calls += 1
-                    out.append(OpenedCall(self._opened))
             elif moved < 0:  # (the list's own "]", at depth 0, moves nothing)
-                if depth == 1 and self._opened is not None and self._arguments_end is None:
+                if depth == 1 and self._call is not None and self._arguments_end is None:
                     self._arguments_end = at + 1
                 if depth == 0:
-                    if self._opened is not None:
-                        out += self._pieces(self._arguments_end) + [self._close_listed(self._arguments_end, True)]
+                    if self._call is not None:
+                        self._close_listed(out, self._arguments_end, finished=True)
                     else:
                         value = json.loads(text[self._element:at + 1])
                         out.append(FunctionCall(value["name"], json_text(value["parameters"])))
                         self.num_calls += 1
                     self._next = at + 1
         self._read = len(text)
-        if self._opened is not None:
-            out += self._pieces(self._arguments_end or len(text))
+        if self._call is not None:
+            self._call.send(out, text, self._arguments_end or len(text))
         return out
 
-    def _pieces(self, end: int) -> list[ArgumentsPiece]:
-        """The open call's arguments read since they were last sent, up to end."""
-        piece, self._sent = self._text[self._sent:end], max(self._sent, end)
-        return [ArgumentsPiece(piece)] if piece else []
-
-    def _close_listed(self, end: int, finished: bool) -> ClosedCall:
-        closed = ClosedCall(FunctionCall(self._opened.name, self._text[self._arguments_at:end], self._opened.id),
-                            finished)
-        self._opened, self._arguments_end = None, None
-        return closed
+    def _close_listed(self, out: list[CallPart], end: int, finished: bool) -> None:
+        self._call.close(out, self._text, end, finished)
+        self._call, self._arguments_end = None, None
 
     def _arguments(self, final: bool) -> list[str | OpenedCall | ArgumentsPiece | ClosedCall]:
         out: list[str | OpenedCall | ArgumentsPiece | ClosedCall] = []
-        if self._opened is None:
+        if self._call is None:
             if self._header is not None:
                 out += self._before_harmony_call(final)
             if (opening := self._opening()) is None:
                 rest = self._text[self._said:]
                 return out + ([rest] if final and rest else [])
-            name, self._arguments_at = opening
-            self._opened, self._sent, self.num_calls = FunctionCall(name, ""), self._arguments_at, 1
-            out.append(OpenedCall(self._opened))
-        if len(self._text) > self._sent:
-            out.append(ArgumentsPiece(self._text[self._sent:]))
-            self._sent = len(self._text)
+            self._call, self.num_calls = WrittenCall(out, *opening), 1
         if final:  # the arguments as the model wrote them
-            out.append(ClosedCall(FunctionCall(self._opened.name, self._text[self._arguments_at:], self._opened.id)))
+            self._call.close(out, self._text, len(self._text))
+        else:
+            self._call.send(out, self._text, len(self._text))
         return out
 
     def _before_harmony_call(self, final: bool) -> list[str]:
