@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,6 +73,31 @@ def one_stream(engine, prompts: list[list[int]], params: list) -> tuple[list, fl
     token is the prefill's, as `bench speed` counts)."""
     outs = [engine.generate([prompt], p)[0] for prompt, p in zip(prompts, params)]
     return outs, sum(o.decode_time for o in outs), sum(max(0, o.num_tokens - 1) for o in outs)
+
+
+@dataclass
+class Arm:
+    """One arm of a one-stream comparison, its rounds (one_stream's results) summed."""
+    tokens: int = 0
+    wall_s: float = 0.0
+    steps: int = 0  # speculative steps
+    committed: int = 0  # tokens they committed
+    outputs: list[list[int]] = field(default_factory=list)  # the last round's answers
+
+    def add(self, outs: list, wall_s: float, tokens: int) -> None:
+        self.tokens += tokens
+        self.wall_s += wall_s
+        self.steps += sum(len(o.acceptance_lengths) for o in outs)
+        self.committed += sum(sum(o.acceptance_lengths) for o in outs)
+        self.outputs = [o.token_ids for o in outs]
+
+    @property
+    def tok_per_s(self) -> float:
+        return round(self.tokens / self.wall_s, 1)
+
+    @property
+    def tau(self) -> float | None:
+        return round(self.committed / self.steps, 3) if self.steps else None
 
 
 def record(name: str, payload: dict) -> Path:

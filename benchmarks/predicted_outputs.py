@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import one_stream, record  # noqa: E402
+from common import Arm, one_stream, record  # noqa: E402
 
 from dflash_trt import SamplingParams, open_engine  # noqa: E402
 from dflash_trt.server.prediction import prediction_tokens  # noqa: E402
@@ -59,32 +59,26 @@ def main() -> None:
             "dflash_file": (spec_engine, [SamplingParams(max_new_tokens=args.max_tokens, prediction=f) for f in files]),
             "dflash_answer": (spec_engine, [SamplingParams(max_new_tokens=args.max_tokens, prediction=a)
                                             for a in perfect])}
-    totals: dict[str, dict] = {}
+    totals = {name: Arm() for name in arms}
     for r in range(args.rounds):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
             engine, params = arms[name]
             outs, wall, tokens = one_stream(engine, prompts, params)
-            arm = totals.setdefault(name, {"tokens": 0, "wall_s": 0.0, "steps": 0, "committed": 0, "outputs": []})
-            arm["tokens"] += tokens
-            arm["wall_s"] += wall
-            arm["steps"] += sum(len(o.acceptance_lengths) for o in outs)
-            arm["committed"] += sum(sum(o.acceptance_lengths) for o in outs)
-            arm["outputs"] = [o.token_ids for o in outs]
+            totals[name].add(outs, wall, tokens)
             print(f"round {r} {name}: {tokens / wall:.1f} tok/s decoding", flush=True)
     summary = {}
     for name, arm in totals.items():
-        summary[name] = {"tok_per_s": round(arm["tokens"] / arm["wall_s"], 1),
-                         "tau": round(arm["committed"] / arm["steps"], 3) if arm["steps"] else None,
-                         "identical": sum(a == b for a, b in zip(arm["outputs"], totals["plain"]["outputs"])),
+        summary[name] = {"tok_per_s": arm.tok_per_s, "tau": arm.tau,
+                         "identical": sum(a == b for a, b in zip(arm.outputs, totals["plain"].outputs)),
                          "of": len(CODE)}
         summary[name]["speedup"] = round(summary[name]["tok_per_s"] / summary["plain"]["tok_per_s"], 3)
     for name, predictions in (("dflash_file", files), ("dflash_answer", perfect)):
-        counts = [prediction_tokens(p, o) for p, o in zip(predictions, totals[name]["outputs"])]
+        counts = [prediction_tokens(p, o) for p, o in zip(predictions, totals[name].outputs)]
         summary[name]["accepted_prediction_tokens"] = sum(a for a, _ in counts)
         summary[name]["rejected_prediction_tokens"] = sum(r for _, r in counts)
     for name, s in summary.items():
         print(name, s)
-    texts = [tok.decode(ids, skip_special_tokens=True) for ids in totals["plain"]["outputs"]]
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in totals["plain"].outputs]
     path = record(args.name, {"config": vars(args), "summary": summary, "answers": texts})
     print(f"wrote {path}")
 

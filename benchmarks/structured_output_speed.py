@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import one_stream, record  # noqa: E402
+from common import Arm, one_stream, record  # noqa: E402
 
 from dflash_trt import SamplingParams, StructuredOutput, open_engine  # noqa: E402
 from dflash_trt.engine.grammar import Grammar  # noqa: E402
@@ -85,32 +85,26 @@ def main() -> None:
     spent = _timed_grammar()
     one_stream(spec_engine, prompts[:2], guided[:2])  # warm-up: the grammar's token table, kernels, shapes
     one_stream(plain_engine, prompts[:2], guided[:2])
-    arms: dict[str, dict] = {}
+    arms: dict[str, Arm] = {}
+    grammar_s: dict[str, float] = {}
     for r in range(args.rounds):
         order = [("plain", plain_engine, guided), ("dflash", spec_engine, guided),
                  ("plain_free", plain_engine, free), ("dflash_free", spec_engine, free)]
         for name, engine, params in order if r % 2 == 0 else order[::-1]:
             spent[0] = 0.0
             outs, wall, tokens = one_stream(engine, prompts, params)
-            arm = arms.setdefault(name, {"tokens": 0, "wall_s": 0.0, "grammar_s": 0.0, "steps": 0, "accepted": 0,
-                                         "outputs": []})
-            arm["tokens"] += tokens
-            arm["wall_s"] += wall
-            arm["grammar_s"] += spent[0] if params is guided else 0.0
-            arm["steps"] += sum(len(o.acceptance_lengths) for o in outs)
-            arm["accepted"] += sum(sum(o.acceptance_lengths) for o in outs)
-            arm["outputs"] = [o.token_ids for o in outs]
+            arms.setdefault(name, Arm()).add(outs, wall, tokens)
+            grammar_s[name] = grammar_s.get(name, 0.0) + (spent[0] if params is guided else 0.0)
             print(f"round {r} {name}: {tokens / wall:.1f} tok/s decoding", flush=True)
     summary = {}
     for name, arm in arms.items():
-        summary[name] = {"tok_per_s": round(arm["tokens"] / arm["wall_s"], 1),
-                         "tau": round(arm["accepted"] / arm["steps"], 3) if arm["steps"] else None,
-                         "grammar_ms_per_token": round(1e3 * arm["grammar_s"] / arm["tokens"], 3)}
+        summary[name] = {"tok_per_s": arm.tok_per_s, "tau": arm.tau,
+                         "grammar_ms_per_token": round(1e3 * grammar_s[name] / arm.tokens, 3)}
     for spec, base in (("dflash", "plain"), ("dflash_free", "plain_free")):
         summary[spec]["speedup"] = round(summary[spec]["tok_per_s"] / summary[base]["tok_per_s"], 3)
-        summary[spec]["identical"] = sum(a == b for a, b in zip(arms[spec]["outputs"], arms[base]["outputs"]))
+        summary[spec]["identical"] = sum(a == b for a, b in zip(arms[spec].outputs, arms[base].outputs))
         summary[spec]["of"] = len(TASKS)
-    texts = [spec_engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in arms["dflash"]["outputs"]]
+    texts = [spec_engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in arms["dflash"].outputs]
     for name, s in summary.items():
         print(name, s)
     path = record(args.name, {"config": vars(args), "summary": summary, "answers": texts})
