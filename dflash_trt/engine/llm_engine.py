@@ -312,6 +312,13 @@ class LLMEngine:
 
         schedule = this_cpu(config.draft_len_schedule, config.draft_len_schedule_without_amx)
         self.draft_tree = this_cpu(config.draft_tree, config.draft_tree_without_amx)
+        # A hybrid target's recurrent state takes a step's tokens in order and holds only the last forward's states
+        # (engine/hybrid_cache.py): chains of drafts, and no prompt taken from another row.
+        recurrent = getattr(target, "keeps_recurrent_state", False)
+        if recurrent and self.draft_tree:
+            logger.warning("engine: draft_tree %s is off: %s verifies chains of drafts (its linear-attention layers "
+                           "keep a recurrent state)", self.draft_tree, target.config.architecture)
+            self.draft_tree = {}
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):  # both, whichever this CPU takes
             table = getattr(config, key) or {}
             if self.drafter is not None and max(table.values(), default=0) > self.max_draft_len:
@@ -321,7 +328,7 @@ class LLMEngine:
             draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             prefill_chunk=_prefill_chunk(config, target, layout), load_window=config.load_window,
-            reuse_rows=config.prefix_reuse,
+            reuse_rows=config.prefix_reuse and not recurrent,
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "

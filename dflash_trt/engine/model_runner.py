@@ -69,7 +69,8 @@ class ModelRunner:
         block = drafter.config.block_size if drafter is not None else 1
         self.lookup_nodes = lookup_nodes
         # room past a row's last position for a step's verify rows: a drafter block, or a larger draft tree's nodes
-        self.target_cache = target.make_cache(num_rows, max_model_len + max(block, max_tree_nodes + 1) + 1)
+        self.target_cache = target.make_cache(num_rows, max_model_len + max(block, max_tree_nodes + 1) + 1,
+                                              queries=block)
         self.proposer = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
@@ -97,8 +98,9 @@ class ModelRunner:
         return to_device([s.slot for s in seqs], torch.long, self.device)
 
     @staticmethod
-    def _host(seqs: list[Sequence], starts: list[int], limit: int | None = None) -> HostRows:
-        return HostRows([s.slot for s in seqs], starts, limit)
+    def _host(seqs: list[Sequence], starts: list[int], limit: int | None = None,
+              lens: list[int] | None = None) -> HostRows:
+        return HostRows([s.slot for s in seqs], starts, limit, lens)
 
     @staticmethod
     def _settings(seqs: list[Sequence]) -> tuple[list[float], list[int], list[float]]:
@@ -166,7 +168,7 @@ class ModelRunner:
         # keeps it inside the cache (the last position is never a live one: the cache has spare room).
         positions = (first[:, None] + torch.arange(n, device=self.device)).clamp_max(self.target_cache.max_len - 1)
         meta = AttentionMetadata.causal_step(self._rows(seqs), positions,
-                                             self._host(seqs, starts, self.target_cache.max_len))
+                                             self._host(seqs, starts, self.target_cache.max_len, lens))
         hidden, features = self.target(ids, meta, self.target_cache, self.capture)
         for i, s in enumerate(seqs):  # the chunk's K/V (their K/V before `start` already equal it)
             if copies[i]:

@@ -61,6 +61,7 @@ class HostRows:
     slots: list[int]
     starts: list[int]
     limit: int | None = None
+    lens: list[int] | None = None  # each row's real queries where fewer than the step's (a prompt chunk's padding)
 
     def kv_len(self, queries: int) -> int:
         end = max(self.starts) + queries

@@ -62,7 +62,9 @@ class CausalLM(nn.Module):
         """Extra per-forward arguments every decoder layer receives after (x, cos, sin, meta, cache)."""
         return ()
 
-    def make_cache(self, num_rows: int, max_len: int) -> KVCache:
+    def make_cache(self, num_rows: int, max_len: int, queries: int = 16) -> KVCache:
+        """A cache of num_rows rows of max_len positions; queries: the most a row's step verifies (a hybrid target
+        keeps its recurrent states after that many: engine/hybrid_cache.py)."""
         c = self.config
         p = self.embed_tokens.weight
         return KVCache(c.num_hidden_layers, num_rows, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)

@@ -13,6 +13,7 @@ from dflash_trt.models.config import (SILU_NAMES, DecoderConfig, decoder_config_
                                      read_config_json)
 from dflash_trt.models.gpt_oss import GptOssForCausalLM
 from dflash_trt.models.llama import LlamaForCausalLM
+from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 from dflash_trt.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash_trt.models.weights import WeightSet
 
@@ -22,6 +23,8 @@ TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its language model; the vision tower is not read
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 

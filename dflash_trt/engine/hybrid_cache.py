@@ -1,0 +1,147 @@
+"""The cache of a hybrid target (Qwen3.5: linear-attention layers between full-attention ones): K/V for the attention
+layers, as engine/kv_cache.py keeps them, and for each linear layer its recurrent state and convolution inputs.
+
+A K/V cache rolls back for free (rejected positions are masked, then overwritten); a recurrent state does not: it
+has taken in every token of the verify block, rejected ones too. So each forward keeps, per row and linear layer, the
+state after each of its last `snapshots` real positions, and the next forward starts from the state after the
+position before its first query, wherever the last one stopped accepting. A verify block of K + 1 queries needs
+K + 1 snapshots; a prompt chunk its last one. The engine needs no rollback call, as with K/V; what it may not do is
+start a row anywhere else (a draft tree's branches, or a freed row's prompt taken over once its answer has moved the
+state on): HybridCache.move refuses, and copy_rows copies only a state it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LinearStateShape:
+    conv_channels: int  # the channels the causal convolution runs over (q, k and v of every head)
+    conv_history: int  # inputs a convolution reads before the current one (its kernel size - 1)
+    heads: int  # value heads: one [key_dim, value_dim] state each
+    key_dim: int
+    value_dim: int
+
+
+@dataclass(frozen=True)
+class RowStates:
+    """One forward's rows as a linear layer reads and keeps their states."""
+
+    rows: list[int]
+    starts: list[int]  # each row's first query position
+    lens: list[int]  # each row's real queries (the rest of the forward's Q are padding)
+
+
+def row_states(meta: AttentionMetadata) -> RowStates:
+    """The forward's rows, first positions and real query counts, from the host copies where the engine gave them."""
+    queries = meta.positions.shape[1]
+    host = meta.host
+    if host is not None:
+        lens = list(host.lens) if host.lens is not None else [queries] * len(host.slots)
+        return RowStates(list(host.slots), list(host.starts), lens)
+    rows = meta.rows.tolist()
+    return RowStates(rows, meta.positions[:, 0].tolist(), [queries] * len(rows))
+
+
+class LinearStates:
+    """One linear-attention layer's states: for each row, those after positions first[row] .. first[row] + count - 1,
+    in slots 0 .. count - 1."""
+
+    def __init__(self, shape: LinearStateShape, rows: int, snapshots: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.shape = shape
+        self.snapshots = snapshots
+        # the convolution's inputs in the model dtype, as the layer computes them; the recurrent state in fp32
+        self.conv = torch.zeros(rows, snapshots, shape.conv_history, shape.conv_channels, dtype=dtype, device=device)
+        self.state = torch.zeros(rows, snapshots, shape.heads, shape.key_dim, shape.value_dim, dtype=torch.float32,
+                                 device=device)
+        self.first = [0] * rows
+        self.count = [0] * rows
+
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size()
+
+    def slot_after(self, row: int, position: int) -> int:
+        """The slot of the row's state after `position`; RuntimeError where it holds none (a bug in the caller: a
+        forward must start where one of the last one's real positions left off)."""
+        slot = position - self.first[row]
+        if not 0 <= slot < self.count[row]:
+            held = (f"positions {self.first[row]}..{self.first[row] + self.count[row] - 1}" if self.count[row]
+                    else "no position")
+            raise RuntimeError(f"row {row}: a linear-attention layer holds no state after position {position} (it "
+                               f"holds {held}); a hybrid target's rows must start where their last forward's real "
+                               "positions end or inside its last verify block")
+        return slot
+
+    def initial(self, rs: RowStates) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's convolution history [B, history, channels] and recurrent state [B, heads, key, value] before its
+        first query (zeros at position 0)."""
+        b = len(rs.rows)
+        conv = self.conv.new_zeros(b, *self.conv.shape[2:])
+        state = self.state.new_zeros(b, *self.state.shape[2:])
+        for i, (row, start) in enumerate(zip(rs.rows, rs.starts)):
+            if start > 0:
+                slot = self.slot_after(row, start - 1)
+                conv[i] = self.conv[row, slot]
+                state[i] = self.state[row, slot]
+        return conv, state
+
+    def keep_from(self, rs: RowStates) -> int:
+        """The first query index any row keeps a state after (the forward need not hold states before it)."""
+        return max(0, min(n - self.snapshots for n in rs.lens))
+
+    def keep(self, rs: RowStates, history: torch.Tensor, states: torch.Tensor, offset: int) -> None:
+        """history [B, Q + conv_history, channels]: the convolution inputs before and of this forward; states
+        [B, Q - offset, heads, key, value]: the recurrent state after each query from `offset` on. Each row keeps
+        those after its last `snapshots` real queries."""
+        h = self.shape.conv_history
+        for i, (row, start, n) in enumerate(zip(rs.rows, rs.starts, rs.lens)):
+            lo = max(0, n - self.snapshots)
+            count = n - lo
+            self.state[row, :count] = states[i, lo - offset:n - offset]
+            # the history after query t is the inputs of queries t - h + 1 .. t: history[t + 1 .. t + h]
+            for j in range(count):
+                self.conv[row, j] = history[i, lo + j + 1:lo + j + 1 + h]
+            self.first[row], self.count[row] = start + lo, count
+
+    def copy_row(self, src: int, dst: torch.Tensor, after: int) -> None:
+        """Row src's state after position `after` to rows dst, as their only one."""
+        slot = self.slot_after(src, after)
+        for row in dst.tolist():
+            self.conv[row, 0] = self.conv[src, slot]
+            self.state[row, 0] = self.state[src, slot]
+            self.first[row], self.count[row] = after, 1
+
+
+class HybridCache:
+    def __init__(self, kv: KVCache, linear: list[LinearStates]) -> None:
+        self.kv = kv
+        self.linear = linear
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    @property
+    def num_rows(self) -> int:
+        return self.kv.num_rows
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + sum(s.nbytes() for s in self.linear)
+
+    def copy_rows(self, src: int, dst: torch.Tensor, start: int, end: int) -> None:
+        """Row src's K/V at positions [start, end) and its linear layers' states after end - 1 to rows dst (the
+        state sums every position before it: it is the whole prefix's, wherever start is)."""
+        self.kv.copy_rows(src, dst, start, end)
+        for states in self.linear:
+            states.copy_row(src, dst, end - 1)
+
+    def move(self, moves: list) -> None:
+        raise ValueError("a hybrid target (linear-attention layers) verifies chains of drafts, not draft trees: its "
+                         "recurrent state takes its tokens in order")

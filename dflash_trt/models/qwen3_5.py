@@ -1,0 +1,281 @@
+"""Qwen3.5 target (Qwen3_5ForCausalLM, and the language model of Qwen3_5ForConditionalGeneration: Qwen3.5-4B ... 27B,
+Qwen3.6-27B), this project's own code. A hybrid: most layers mix tokens by a gated delta rule (linear attention with a
+recurrent state per head and a short causal convolution before it), every few a full attention layer with an output
+gate; norms are zero-centred (scaled by 1 + weight); rotary covers a quarter of each head.
+
+Same contract as models/llama.py over a HybridCache (engine/hybrid_cache.py), which keeps the linear layers' states
+after the last positions of each forward so that a verify block's rejected tokens roll back. The delta rule runs
+token by token: a verify step takes each token in as a one-token step does, so both round alike. Text only: the
+vision tower's weights are left unread, and a text-only prompt's multimodal rotary positions are the plain ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.engine.hybrid_cache import HybridCache, LinearStates, LinearStateShape, row_states
+from dflash_trt.engine.kv_cache import KVCache
+from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
+from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_trt.models.causal_lm import CausalLM
+from dflash_trt.models.config import DecoderConfig, as_int
+from dflash_trt.models.llama import GatedMLP
+from dflash_trt.models.weights import WeightSet
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen3_5Params:
+    """Qwen3.5's own keys, read from DecoderConfig.extra with transformers' defaults."""
+
+    layer_types: tuple[str, ...]
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def from_config(cls, cfg: DecoderConfig) -> "Qwen3_5Params":
+        raw, source = cfg.extra, f"{cfg.source} (qwen3_5)"
+        types = raw.get("layer_types")
+        if types is None:
+            interval = as_int(raw.get("full_attention_interval", 4), "full_attention_interval", source, minimum=1)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(cfg.num_hidden_layers)]
+        if not isinstance(types, list) or len(types) != cfg.num_hidden_layers:
+            raise ValueError(f"{source}: 'layer_types' must list one type per layer ({cfg.num_hidden_layers}), got "
+                             f"{types!r}")
+        unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"{source}: layer_types {unknown} are not supported; layers are one of {LAYER_TYPES}")
+
+        def whole(key: str, default: int) -> int:
+            return as_int(raw.get(key, default), key, source, minimum=1)
+
+        p = cls(tuple(types), whole("linear_conv_kernel_dim", 4), whole("linear_num_key_heads", 16),
+                whole("linear_num_value_heads", 32), whole("linear_key_head_dim", 128),
+                whole("linear_value_head_dim", 128))
+        if p.value_heads % p.key_heads:
+            raise ValueError(f"{source}: linear_num_value_heads={p.value_heads} must be a multiple of "
+                             f"linear_num_key_heads={p.key_heads}")
+        return p
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by 1 + weight, in fp32 then cast back (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, times SiLU of its gate (the delta rule's output norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated per channel by a sigmoid of a second half of q_proj (per head: q, gate)."""
+
+    def __init__(self, cfg: DecoderConfig, kv_layer: int) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer  # its index among the attention layers (the K/V cache holds only theirs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (2 * q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        b, n, _ = x.shape
+        q_gate, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, gate = q_gate.view(b, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        k, v = k.transpose(1, 2), v.view(b, n, self.num_kv_heads, self.head_dim)
+        step = kernel_step(meta, cache, q)
+        if step is None:
+            out = cached_attention(cache, self.kv_layer, meta, q, k, v, self.scale)
+        else:  # the CPU kernels attend query by query: a verify step's queries round as one-token steps' do
+            ops, keys = step
+            cache.write(self.kv_layer, meta, k, v)
+            out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim),
+                                       cache.k[self.kv_layer], cache.v[self.kv_layer], keys.rows, keys.lens,
+                                       self.scale).view(b, n, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(b, n, -1)))
+
+
+def _l2_normed(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention by the gated delta rule: per value head a [key, value] state S, decayed by exp(g) and corrected
+    towards each token's value, S <- S exp(g) + beta k (v - S^T k exp(g))^T, read by the query; q, k and v come
+    through a causal depthwise convolution with SiLU."""
+
+    def __init__(self, cfg: DecoderConfig, p: Qwen3_5Params, state_layer: int) -> None:
+        super().__init__()
+        self.state_layer = state_layer  # its index among the linear layers
+        self.p = p
+        key_size, value_size = p.key_heads * p.key_dim, p.value_heads * p.value_dim
+        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a in one
+        self.split = (p.conv_channels, value_size, p.value_heads, p.value_heads)
+        self.key_size = key_size
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(p.conv_channels, p.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.empty(p.value_heads))
+        self.A_log = nn.Parameter(torch.empty(p.value_heads))
+        self.norm = GatedRMSNorm(p.value_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: HybridCache) -> torch.Tensor:
+        b, n, _ = x.shape
+        p = self.p
+        states = cache.linear[self.state_layer]
+        rs = row_states(meta)
+        mixed, z, beta, a = self.in_proj(x).split(self.split, dim=-1)
+        conv_before, state = states.initial(rs)
+        history = torch.cat([conv_before, mixed], dim=1)  # [B, history + Q, channels]
+        w = self.conv_weight.float()
+        taps = p.conv_kernel
+        conv = sum(history[:, j:j + n].float() * w[:, j] for j in range(taps))
+        qkv = F.silu(conv).to(x.dtype)
+        q, k, v = qkv.split((self.key_size, self.key_size, p.value_heads * p.value_dim), dim=-1)
+        repeat = p.value_heads // p.key_heads
+        q = _l2_normed(q.reshape(b, n, p.key_heads, p.key_dim).float()).repeat_interleave(repeat, dim=2)
+        k = _l2_normed(k.reshape(b, n, p.key_heads, p.key_dim).float()).repeat_interleave(repeat, dim=2)
+        q = q / p.key_dim**0.5
+        v = v.reshape(b, n, p.value_heads, p.value_dim).float()
+        beta = torch.sigmoid(beta).float()
+        decay = torch.exp(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))  # [B, Q, heads]
+        keep_from = states.keep_from(rs)
+        outputs, kept = [], []
+        for t in range(n):  # token by token: a verify step takes each token in as a one-token step does
+            state = state * decay[:, t, :, None, None]
+            k_t = k[:, t, :, :, None]
+            remembered = (state * k_t).sum(dim=-2)
+            state = state + k_t * ((v[:, t] - remembered) * beta[:, t, :, None])[:, :, None, :]
+            outputs.append((state * q[:, t, :, :, None]).sum(dim=-2))
+            if t >= keep_from:
+                kept.append(state)
+        states.keep(rs, history, torch.stack(kept, dim=1), keep_from)
+        out = torch.stack(outputs, dim=1).to(x.dtype)  # [B, Q, heads, value]
+        out = self.norm(out, z.reshape(b, n, p.value_heads, p.value_dim))
+        return self.out_proj(out.reshape(b, n, -1))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, p: Qwen3_5Params, mixer: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = mixer
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, meta, cache: HybridCache):
+        own = cache.kv if isinstance(self.mixer, GatedAttention) else cache
+        x = x + self.mixer(self.input_layernorm(x), cos, sin, meta, own)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    keeps_recurrent_state = True  # the engine verifies chains only and shares no prompt rows (hybrid_cache.py)
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.params = p = Qwen3_5Params.from_config(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        kinds = p.layer_types
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(cfg, p, GatedAttention(cfg, kinds[:i].count("full_attention"))
+                                if kind == "full_attention" else GatedDeltaNet(cfg, p, kinds[:i].count(kind)))
+            for i, kind in enumerate(kinds))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def make_cache(self, num_rows: int, max_len: int, queries: int = 16) -> HybridCache:
+        c, p = self.config, self.params
+        w = self.embed_tokens.weight
+        kv = KVCache(p.layer_types.count("full_attention"), num_rows, max_len, c.num_key_value_heads, c.head_dim,
+                     w.dtype, w.device)
+        shape = LinearStateShape(p.conv_channels, p.conv_kernel - 1, p.value_heads, p.key_dim, p.value_dim)
+        return HybridCache(kv, [LinearStates(shape, num_rows, max(queries, 1), w.dtype, w.device)
+                                for _ in range(p.layer_types.count("linear_attention"))])
+
+    def load_weights(self, weights: WeightSet) -> None:
+        """HF names: model.layers.N... (Qwen3_5ForCausalLM) or model.language_model.layers.N... (the language model of
+        Qwen3_5ForConditionalGeneration); q/k/v and the linear layers' four input projections fused."""
+        c, p = self.config, self.params
+        h = c.hidden_size
+        base = "model.language_model." if "model.language_model.embed_tokens.weight" in weights else "model."
+        own = dict(self.named_parameters())
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            own[name].data.copy_(tensor)
+
+        put("embed_tokens.weight", weights.get(base + "embed_tokens.weight", (c.vocab_size, h)))
+        put("norm.weight", weights.get(base + "norm.weight", (h,)))
+        if self.lm_head is not None:
+            put("lm_head.weight", weights.get("lm_head.weight", (c.vocab_size, h)))
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        value_size = p.value_heads * p.value_dim
+        for i, layer in enumerate(self.layers):
+            src, dst = f"{base}layers.{i}.", f"layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{dst}{norm}.weight", weights.get(f"{src}{norm}.weight", (h,)))
+            gate = weights.get(src + "mlp.gate_proj.weight", (c.intermediate_size, h))
+            up = weights.get(src + "mlp.up_proj.weight", (c.intermediate_size, h))
+            put(dst + "mlp.gate_up_proj.weight", torch.cat([gate, up]))
+            put(dst + "mlp.down_proj.weight", weights.get(src + "mlp.down_proj.weight", (h, c.intermediate_size)))
+            if isinstance(layer.mixer, GatedAttention):
+                a = src + "self_attn."
+                shapes = {"q_proj": 2 * q_size, "k_proj": kv_size, "v_proj": kv_size}
+                put(dst + "mixer.qkv_proj.weight", torch.cat([weights.get(f"{a}{n}.weight", (rows, h))
+                                                              for n, rows in shapes.items()]))
+                if c.attention_bias:
+                    put(dst + "mixer.qkv_proj.bias", torch.cat([weights.get(f"{a}{n}.bias", (rows,))
+                                                                for n, rows in shapes.items()]))
+                    put(dst + "mixer.o_proj.bias", weights.get(a + "o_proj.bias", (h,)))
+                put(dst + "mixer.o_proj.weight", weights.get(a + "o_proj.weight", (h, q_size)))
+                put(dst + "mixer.q_norm.weight", weights.get(a + "q_norm.weight", (c.head_dim,)))
+                put(dst + "mixer.k_norm.weight", weights.get(a + "k_norm.weight", (c.head_dim,)))
+                continue
+            a = src + "linear_attn."
+            shapes = {"in_proj_qkv": p.conv_channels, "in_proj_z": value_size, "in_proj_b": p.value_heads,
+                      "in_proj_a": p.value_heads}
+            put(dst + "mixer.in_proj.weight", torch.cat([weights.get(f"{a}{n}.weight", (rows, h))
+                                                         for n, rows in shapes.items()]))
+            put(dst + "mixer.conv_weight", weights.get(a + "conv1d.weight", (p.conv_channels, 1, p.conv_kernel))[:, 0])
+            put(dst + "mixer.dt_bias", weights.get(a + "dt_bias", (p.value_heads,)))
+            put(dst + "mixer.A_log", weights.get(a + "A_log", (p.value_heads,)))
+            put(dst + "mixer.norm.weight", weights.get(a + "norm.weight", (p.value_dim,)))
+            put(dst + "mixer.out_proj.weight", weights.get(a + "out_proj.weight", (h, value_size)))

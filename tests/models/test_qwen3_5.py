@@ -1,0 +1,263 @@
+"""The Qwen3.5 target (hybrid: gated delta rule layers between gated full-attention ones) against transformers'
+Qwen3_5ForCausalLM (fp32) on tiny random configs: logits and captured layers, steps of any width, a verify block's
+rejected tokens rolled back out of the recurrent state, the multimodal checkpoint's language model; DFlash on top
+stays lossless, token for token against transformers' greedy and in distribution when sampling."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5ForCausalLM as HFQwen3_5
+from transformers import Qwen3_5TextConfig
+
+from dflash_trt import SamplingParams
+from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
+from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.models.dflash import load_drafter
+from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
+from dflash_trt.models.registry import load_target
+from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
+from tests.forced_drafts import force_drafts
+from tests.stats import assert_matches
+
+TOL = 1e-4  # fp32
+HIDDEN = 64
+NEW = 24
+
+
+def make_qwen3_5(path: Path, seed: int = 0, vocab: int = VOCAB, **overrides) -> Path:
+    """A random Qwen3.5 language model saved by transformers: three linear-attention layers, then a full-attention one
+    (its default pattern), value heads twice the key heads; its norms away from their initial values."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256, eos_token_id=EOS,
+              bos_token_id=1, tie_word_embeddings=False)
+    kw.update(overrides)
+    model = HFQwen3_5(Qwen3_5TextConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif "norm" in name:  # zero-centred: the scale is 1 + weight
+                p.uniform_(-0.3, 0.3)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    save_char_tokenizer(path, vocab)
+    return path
+
+
+def _meta(ids, start=0):
+    b, n = ids.shape
+    return AttentionMetadata.causal_step(torch.arange(b), start + torch.arange(n).expand(b, n))
+
+
+@pytest.fixture(scope="module")
+def q35_dir(tmp_path_factory) -> Path:
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "t")
+
+
+@pytest.fixture(scope="module")
+def hf_model(q35_dir):
+    return HFQwen3_5.from_pretrained(q35_dir).eval()
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"],
+     "linear_num_value_heads": 2, "attention_bias": True},
+    {"num_hidden_layers": 6, "full_attention_interval": 3, "linear_conv_kernel_dim": 3},
+], ids=["every 4th full", "alternating, biased attention, as many value as key heads", "every 3rd full, kernel 3"])
+def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
+    d = make_qwen3_5(tmp_path / "t", **config)
+    hf = HFQwen3_5.from_pretrained(d).eval()
+    ours = load_target(d)
+    assert isinstance(ours, Qwen3_5ForCausalLM)
+    assert list(ours.params.layer_types) == hf.config.layer_types
+    ids = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 32), capture_layer_ids=(1, 3))
+        logits = ours.compute_logits(hidden)
+    assert (logits - ref.logits).abs().max() < TOL
+    assert (feats[..., :HIDDEN] - ref.hidden_states[2]).abs().max() < TOL
+    assert (feats[..., HIDDEN:] - ref.hidden_states[4]).abs().max() < TOL
+
+
+def test_steps_of_any_width_continue_the_recurrent_state(q35_dir, hf_model):
+    ours = load_target(q35_dir)
+    ours.pack_for_inference()
+    ids = torch.randint(0, VOCAB, (2, 33))
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        cache = ours.make_cache(2, 40, queries=8)
+        parts = [ours.compute_logits(ours(ids[:, :12], _meta(ids[:, :12]), cache)[0])]
+        for a, b in ((12, 13), (13, 20), (20, 21), (21, 28), (28, 33)):
+            parts.append(ours.compute_logits(ours(ids[:, a:b], _meta(ids[:, a:b], a), cache)[0]))
+    assert (torch.cat(parts, 1) - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("accepted", [0, 3, 6])
+def test_a_verify_blocks_rejected_tokens_leave_the_recurrent_state(q35_dir, hf_model, accepted):
+    """A block of 7 whose tokens after `accepted` are wrong: the next step, from the first wrong position, sees the
+    state the right tokens leave (the wrong ones were taken in, then dropped)."""
+    ours = load_target(q35_dir)
+    ids = torch.randint(3, VOCAB, (2, 30))
+    block = ids[:, 12:19].clone()
+    block[:, accepted + 1:] = (block[:, accepted + 1:] + 1) % VOCAB
+    nxt = 12 + accepted + 1
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        cache = ours.make_cache(2, 40, queries=7)
+        ours(ids[:, :12], _meta(ids[:, :12]), cache)
+        ours(block, _meta(block, 12), cache)
+        logits = ours.compute_logits(ours(ids[:, nxt:nxt + 5], _meta(ids[:, nxt:nxt + 5], nxt), cache)[0])
+    assert (logits - ref[:, nxt:nxt + 5]).abs().max() < TOL
+
+
+def test_a_step_from_a_position_no_state_is_held_after_is_refused(q35_dir):
+    ours = load_target(q35_dir)
+    ids = torch.randint(3, VOCAB, (1, 20))
+    cache = ours.make_cache(1, 40, queries=4)
+    with torch.no_grad():
+        ours(ids[:, :12], _meta(ids[:, :12]), cache)
+        with pytest.raises(RuntimeError, match=r"row 0: .* no state after position 4 \(it holds positions 8..11\)"):
+            ours(ids[:, 5:8], _meta(ids[:, 5:8], 5), cache)
+
+
+def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tmp_path):
+    """Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the language model's keys under
+    text_config, its tensors under model.language_model., a vision tower beside it (not read)."""
+    d = tmp_path / "vl"
+    d.mkdir()
+    text = json.loads((q35_dir / "config.json").read_text())
+    eos = text.pop("eos_token_id")
+    text.pop("architectures")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "eos_token_id": eos,
+        "tie_word_embeddings": False, "text_config": text, "vision_config": {"depth": 1, "hidden_size": 32}}))
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(q35_dir / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(32, 3, 2, 16, 16)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    ours = load_target(d)
+    assert ours.config.eos_token_ids == (EOS,) and ours.config.num_hidden_layers == 4
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(1, 20))[0])
+        assert (logits - hf_model(ids).logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, r"layer_types \['mamba'\]"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    ({"full_attention_interval": 0, "layer_types": None}, "'full_attention_interval' must be >= 1")])
+def test_malformed_hybrid_keys_are_refused_naming_them(q35_dir, tmp_path, change, says):
+    d = tmp_path / "t"
+    d.mkdir()
+    cfg = json.loads((q35_dir / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    (d / "model.safetensors").symlink_to(q35_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=says) as raised:
+        load_target(d)
+    assert str(d / "config.json") in str(raised.value)
+
+
+# --- DFlash on top ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q35_drafter(q35_dir, tmp_path_factory) -> Path:
+    return make_drafter(tmp_path_factory.mktemp("qwen3_5_drafter") / "d", q35_dir, layers=1, block_size=8,
+                        target_layer_ids=(0, 2, 3))
+
+
+def _prompts(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
+
+
+def _engine(target_dir, drafter_dir, k, rows, dtype=torch.float32, **cfg):
+    target = load_target(target_dir, dtype)
+    drafter = load_drafter(drafter_dir, target.config, dtype)
+    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96,
+                                                         dtype=str(dtype).removeprefix("torch."), **cfg))
+
+
+def _greedy_refs(hf_model, prompts):
+    return [hf_model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_transformers_greedy(q35_dir, q35_drafter, hf_model, batch):
+    prompts = _prompts(batch)
+    refs = _greedy_refs(hf_model, prompts)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    assert [o.token_ids for o in _engine(q35_dir, q35_drafter, 7, batch).generate(prompts, params)] == refs
+    engine = _engine(q35_dir, q35_drafter, 7, batch)  # mostly-right drafts: long acceptances and rollbacks
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs and max(max(o.acceptance_lengths) for o in outs) >= 4
+
+
+def test_chunked_prompts_shared_chunks_and_asked_for_trees_stay_exact(q35_dir, q35_drafter, hf_model, caplog):
+    """Prompts in chunks of 16 (padded in their forwards), one prompt twice (the second copies the chunks the first
+    computes, with their states), and a draft tree asked for: the engine says it drafts chains, and every answer is
+    transformers' greedy one."""
+    long = _prompts(4)[3] + _prompts(4)[1]
+    prompts = [long, long, _prompts(4)[2]]
+    refs = _greedy_refs(hf_model, prompts)
+    engine = _engine(q35_dir, q35_drafter, 7, 4, prefill_chunk=16, draft_tree={1: 6, 4: 6})
+    assert "draft_tree {1: 6, 4: 6} is off: Qwen3_5ForCausalLM verifies chains" in caplog.text
+    assert engine.draft_tree == {} and not engine.scheduler.config.reuse_rows
+    copied = []
+    real_copy = engine.runner.target_cache.copy_rows
+    engine.runner.target_cache.copy_rows = lambda *a: copied.append(a[2:]) or real_copy(*a)
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs and copied == [(0, 16), (16, 32), (32, 47)]
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_sampled_output_follows_the_target_distribution(tmp_path, rule):
+    """Four tokens over a four-token vocabulary (256 outcomes, enumerated by transformers) sampled 3,000 times with
+    K=3: speculative samples follow the target's joint distribution."""
+    t = make_qwen3_5(tmp_path / "t", seed=11, vocab=4)
+    d = make_drafter(tmp_path / "d", t, block_size=8, target_layer_ids=(1, 3), seed=12)
+    prompt = [1, 3, 0, 2, 1]
+    hf = HFQwen3_5.from_pretrained(t).eval()
+    import itertools
+
+    seqs = list(itertools.product(range(4), repeat=4))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        probs = torch.softmax(hf(ids).logits[:, len(prompt) - 1:-1] / 1.5, dim=-1)
+    picked = probs.gather(-1, ids[:, len(prompt):, None])[..., 0].prod(-1)
+    expected = {s: float(p) for s, p in zip(seqs, picked)}
+    target = load_target(t)
+    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=1000, max_draft_len=3))
+    n = 3000
+    params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, acceptance=rule, ignore_eos=True)
+              for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > n / 10  # drafts accepted
+    assert_matches([tuple(o.token_ids) for o in outs], expected)
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, temperature):
+    """In bf16 the oracle is the same runtime decoding one token a step: verify blocks of forced, mostly-right drafts
+    give the same tokens (greedy, and seeded samples under the "match" rule); the delta rule takes a block's tokens
+    one by one, as one-token steps do."""
+    prompts = _prompts(4)
+    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
+    plain = LLMEngine(load_target(q35_dir, torch.bfloat16), None, None, EngineConfig(
+        max_batch_size=4, max_model_len=96, dtype="bfloat16", speculative=False)).generate(prompts, params)
+    engine = _engine(q35_dir, q35_drafter, 7, 4, torch.bfloat16)
+    force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and all(o.tau > 1.5 for o in outs)
