@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import HardwareProfile, has_amx_tiles
-from dflash_trt.models.config import DecoderConfig, moe_shape
+from dflash_trt.models.config import DecoderConfig, Qwen3_5Params, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
-from dflash_trt.plan import (DTYPE_BYTES, KV_DTYPE_BYTES, drafter_weight_bytes, kv_dtype, model_dtype,
+from dflash_trt.plan import (DTYPE_BYTES, KV_DTYPE_BYTES, drafter_weight_bytes, kv_dtype, layer_kinds, model_dtype,
                              target_weight_parts)
 from dflash_trt.spec.acceptance_model import tau_from_acceptance
 from dflash_trt.validate import attention_tp
@@ -137,14 +137,13 @@ class PerfModel:
             flops += 2 * values * routed * top_k / cfg.moe_ep * moe.sparse_layers
         flops += 2 * (parts.head_bytes / dtype_b) * tokens
         # Attention: K/V of the context, sliding layers only their window.
-        window = t.extra.get("sliding_window")
-        types = t.extra.get("layer_types") or []
-        sliding = sum(1 for x in types[: t.num_hidden_layers] if x == "sliding_attention") if window else 0
-        full = t.num_hidden_layers - sliding
-        attended = full * ctx + sliding * min(ctx, int(window or 0))  # context tokens over all layers
+        kinds = layer_kinds(t)
+        attended = kinds.full * ctx + kinds.sliding * min(ctx, kinds.window or 0)  # context tokens over all layers
         kv_heads = max(1, t.num_key_value_heads // tp)
         kv_b = KV_DTYPE_BYTES[kv_dtype(cfg, model_dtype(cfg, t.extra), t.extra)]
         kv_bytes = batch * attended * 2 * kv_heads * t.head_dim * kv_b
+        if kinds.linear:  # a hybrid's linear layers read each row's state and write it back
+            kv_bytes += 2 * batch * kinds.linear * Qwen3_5Params.from_config(t).state_bytes(dtype_b) / tp
         flops += 4 * (t.num_attention_heads // tp) * t.head_dim * attended * tokens
         overhead = self.hw.step_overhead_s + self.hw.layer_overhead_s * t.num_hidden_layers
         comm = self._collectives_s(t.num_hidden_layers, tokens, moe=moe is not None)

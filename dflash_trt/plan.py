@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.hardware import GB, HardwareProfile, has_amx_tiles
-from dflash_trt.models.config import DecoderConfig, moe_shape
+from dflash_trt.models.config import DecoderConfig, Qwen3_5Params, is_hybrid, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.validate import attention_tp
 
@@ -103,14 +103,25 @@ def cuda_graph_batch_sizes(cfg: BuildConfig) -> list[int]:
     return sizes
 
 
-def _layer_kinds(t: DecoderConfig) -> tuple[int, int, int | None]:
-    """(full-attention layers, sliding-window layers, window) of the target."""
+@dataclass(frozen=True)
+class LayerKinds:
+    full: int  # full-attention layers
+    sliding: int  # sliding-window layers
+    window: int | None
+    linear: int = 0  # linear-attention layers (a hybrid target's): a recurrent state a row, no K/V
+
+
+def layer_kinds(t: DecoderConfig) -> LayerKinds:
+    """The target's layers by what their attention keeps."""
+    if is_hybrid(t):
+        linear = Qwen3_5Params.from_config(t).linear_layers
+        return LayerKinds(t.num_hidden_layers - linear, 0, None, linear)
     window = t.extra.get("sliding_window")
     types = t.extra.get("layer_types")
     if not window or not types:
-        return t.num_hidden_layers, 0, None
+        return LayerKinds(t.num_hidden_layers, 0, None)
     sliding = sum(1 for x in types[: t.num_hidden_layers] if x == "sliding_attention")
-    return t.num_hidden_layers - sliding, sliding, int(window)
+    return LayerKinds(t.num_hidden_layers - sliding, sliding, int(window))
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
@@ -155,6 +166,13 @@ def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
         dense += q_out + 2 * kv_out + h  # o_proj's bias is replicated
     if t.qk_norm:
         dense += 2 * hd
+    if is_hybrid(t):
+        # Qwen3.5: the attention layers' q_proj doubles as their output gate (and they norm q and k); the linear
+        # layers hold their own mixer instead: per layer on average
+        hybrid = Qwen3_5Params.from_config(t)
+        share = hybrid.linear_layers / t.num_hidden_layers
+        attention = 3 * h * q_out + 2 * h * kv_out + 2 * hd
+        dense += (hybrid.mixer_values(h) // tp) * share + attention * (1 - share) - 2 * h * q_out - 2 * h * kv_out
     if t.model_type == "gpt_oss":
         dense += t.num_attention_heads // tp  # attention sinks, one per head
     moe = moe_shape(t)
@@ -248,7 +266,8 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     trtllm = hw.kind == "gpu"
     kv_heads = _kv_heads_per_rank(t.num_key_value_heads, tp)
     per_token_layer = math.ceil(2 * kv_heads * t.head_dim * kv_b)  # K and V of one token in one layer
-    full, sliding, window = _layer_kinds(t)
+    kinds = layer_kinds(t)
+    full, sliding, window = kinds.full, kinds.sliding, kinds.window
     details: dict = {"target_kv_bytes_per_token_per_layer": per_token_layer}
     if trtllm:
         # TensorRT-LLM through the targeted release puts every layer of a model with mixed layer_types in one pool of
@@ -261,14 +280,22 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         # room past a row's last position for a step's verify rows, as the runtime keeps it (engine/model_runner.py):
         # a drafter block, or a larger draft tree's nodes and its root
         spec = cfg.speculative_config
-        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] if spec else []
+        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] \
+            if spec and not kinds.linear else []
         block = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
-        target_kv = batch * per_token_layer * t.num_hidden_layers * (seq + block + 1)
+        target_kv = batch * per_token_layer * (full + sliding) * (seq + block + 1)
     parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=trtllm)
     comps = {
         "target_weights": parts.total,
         "target_kv_cache": int(target_kv),
     }
+    if kinds.linear:
+        # A hybrid target's linear layers: each row's state after each of a verify block's positions, as this
+        # runtime keeps them (engine/hybrid_cache.py); TensorRT-LLM's own cache manager holds them its way
+        snapshots = d.block_size if d is not None else 1
+        per_row = kinds.linear * snapshots * Qwen3_5Params.from_config(t).state_bytes(dtype_b)
+        comps["target_recurrent_states"] = batch * per_row // tp
+        details.update(linear_attention_layers=kinds.linear, state_snapshots_per_row=snapshots)
     if d is not None:
         comps["drafter_weights"] = drafter_weight_bytes(d, t, cfg, dtype_b)
         d_heads = _kv_heads_per_rank(d.num_key_value_heads, tp)
@@ -283,7 +310,7 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
             # one-model DFlash without attention DP gets a KV cache manager of its own, which takes a share of the KV
             # budget by bytes per token (_torch/pyexecutor/_util.py: _should_create_separate_draft_kv_cache,
             # _compute_draft_budget_shares), in the drafter's dtype
-            details.update(target_kv_bytes_per_token=per_token_layer * t.num_hidden_layers,
+            details.update(target_kv_bytes_per_token=per_token_layer * (full + sliding),
                            draft_kv_bytes_per_token=d_token)
     if not trtllm:
         # The CPU runtime packs every projection and the head (layers/linear.py): oneDNN's copy beside the bf16
@@ -374,6 +401,11 @@ def plan_build(
     )
     if note := cpu_dtype_note(cfg, target.extra):
         plan.notes.append(note)
+    spec = cfg.speculative_config
+    trees = {**(spec.draft_tree or {}), **(spec.draft_tree_without_amx or {})} if spec else {}
+    if is_hybrid(target) and trees and hw.kind != "gpu":
+        plan.notes.append(f"draft trees are off: {target.architecture} verifies chains of drafts in this runtime "
+                          "(its linear-attention layers' recurrent state takes a step's tokens in order)")
     if seq > target.max_position_embeddings:
         plan.problems.append(
             f"max_seq_len={seq} exceeds the target's max_position_embeddings={target.max_position_embeddings}; "

@@ -355,3 +355,48 @@ def test_qwen3_moe_weights_are_its_checkpoints_bytes():
         61_064_245_248 - fewer)
     # experts on no layer: a dense model, as the runtime runs it (no expert parallelism to check, none to plan)
     assert moe_shape(decoder_config_from_dict({**raw, "mlp_only_layers": list(range(48))})) is None
+
+
+def _qwen3_5_text(**overrides) -> dict:
+    """Qwen3.5's language model config as transformers writes it (its defaults: 32 layers, every fourth full
+    attention), in a Qwen3_5ForConditionalGeneration config.json beside a vision tower's."""
+    from transformers import Qwen3_5TextConfig
+
+    text = Qwen3_5TextConfig(**overrides).to_dict()
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "vision_config": {"depth": 27}, "tie_word_embeddings": False}
+
+
+def test_a_hybrid_targets_weights_are_the_parameters_transformers_builds():
+    """Qwen3.5 (bf16 on one H200): the plan's target weights are the language model's parameters as transformers
+    counts them, its gated attention's doubled q_proj and its linear layers' own projections included."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    raw = _qwen3_5_text()
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Qwen3_5ForCausalLM(Qwen3_5TextConfig(**raw["text_config"])).parameters())
+    cfg = dict(model="Qwen/Qwen3.5-27B", hardware="h200", kv_cache_config={"dtype": "bfloat16"},
+               speculative_config=None, max_batch_size=1, max_seq_len=4096)
+    plan = plan_build(decoder_config_from_dict(raw), None, _cfg(**cfg), profile("h200"), max_draft_len=0)
+    assert plan.components["target_weights"] == pytest.approx(2 * params, rel=1e-4)
+
+
+def test_a_hybrid_targets_cpu_caches_are_what_its_runtime_allocates(tmp_path):
+    """K/V for the attention layers only, and for each linear layer a state per row after each position of a
+    verify block: the plan's two components sum to the bytes of the cache the runtime makes (2 rows of 64 positions,
+    a drafter block of 8)."""
+    from dflash_trt.models.registry import load_target
+    from tests.conftest import make_drafter
+    from tests.models.test_qwen3_5 import make_qwen3_5
+
+    t = make_qwen3_5(tmp_path / "t")
+    d = DFlashConfig.from_dict(__import__("json").loads(
+        (make_drafter(tmp_path / "d", t, block_size=8, target_layer_ids=(0, 3)) / "config.json").read_text()))
+    target = decoder_config_from_dict(__import__("json").loads((t / "config.json").read_text()))
+    raw = dict(model=str(t), hardware="cpu", dtype="float32", kv_cache_config={"dtype": "float32"}, max_batch_size=2,
+               max_seq_len=64, speculative_config={"speculative_model": str(tmp_path / "d"), "max_draft_len": 7})
+    comps = plan_build(target, d, _cfg(**raw), profile("cpu"), max_draft_len=7).components
+    cache = load_target(t).make_cache(2, 64 + 8 + 1, queries=8)
+    assert comps["target_kv_cache"] + comps["target_recurrent_states"] == cache.nbytes()
+    assert comps["target_kv_cache"] == cache.kv.nbytes()

@@ -315,6 +315,74 @@ class Qwen3MoeParams:
         )
 
 
+def is_hybrid(cfg: DecoderConfig) -> bool:
+    """Whether the target mixes linear-attention layers in (Qwen3.5's language model)."""
+    return cfg.architecture in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration") or \
+        cfg.model_type in ("qwen3_5_text", "qwen3_5")
+
+
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen3_5Params:
+    """Qwen3.5's own keys, read from DecoderConfig.extra with transformers' defaults."""
+
+    layer_types: tuple[str, ...]
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def from_config(cls, cfg: DecoderConfig) -> "Qwen3_5Params":
+        raw, source = cfg.extra, f"{cfg.source} (qwen3_5)"
+        types = raw.get("layer_types")
+        if types is None:
+            interval = as_int(raw.get("full_attention_interval", 4), "full_attention_interval", source, minimum=1)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(cfg.num_hidden_layers)]
+        if not isinstance(types, list) or len(types) != cfg.num_hidden_layers:
+            raise ValueError(f"{source}: 'layer_types' must list one type per layer ({cfg.num_hidden_layers}), got "
+                             f"{types!r}")
+        unknown = sorted({str(t) for t in types if t not in HYBRID_LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"{source}: layer_types {unknown} are not supported; layers are one of "
+                             f"{HYBRID_LAYER_TYPES}")
+
+        def whole(key: str, default: int) -> int:
+            return as_int(raw.get(key, default), key, source, minimum=1)
+
+        p = cls(tuple(types), whole("linear_conv_kernel_dim", 4), whole("linear_num_key_heads", 16),
+                whole("linear_num_value_heads", 32), whole("linear_key_head_dim", 128),
+                whole("linear_value_head_dim", 128))
+        if p.value_heads % p.key_heads:
+            raise ValueError(f"{source}: linear_num_value_heads={p.value_heads} must be a multiple of "
+                             f"linear_num_key_heads={p.key_heads}")
+        return p
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def linear_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """One row's state in one linear layer: the fp32 recurrent state and the convolution's history."""
+        return 4 * self.value_heads * self.key_dim * self.value_dim + (self.conv_kernel - 1) * self.conv_channels * \
+            dtype_bytes
+
+    def mixer_values(self, hidden: int) -> int:
+        """One linear layer's mixer weights (its input and output projections, convolution, norm and gates)."""
+        value = self.value_heads * self.value_dim
+        return hidden * (self.conv_channels + value + 2 * self.value_heads) + value * hidden + \
+            self.conv_channels * self.conv_kernel + self.value_dim + 2 * self.value_heads
+
+
+
 @dataclass(frozen=True)
 class MoeShape:
     """A target's mixture of experts as the planner reads it."""

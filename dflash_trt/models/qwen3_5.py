@@ -11,8 +11,6 @@ vision tower's weights are left unread, and a text-only prompt's multimodal rota
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,54 +20,9 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
-from dflash_trt.models.config import DecoderConfig, as_int
+from dflash_trt.models.config import DecoderConfig, Qwen3_5Params
 from dflash_trt.models.llama import GatedMLP
 from dflash_trt.models.weights import WeightSet
-
-LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-@dataclass(frozen=True)
-class Qwen3_5Params:
-    """Qwen3.5's own keys, read from DecoderConfig.extra with transformers' defaults."""
-
-    layer_types: tuple[str, ...]
-    conv_kernel: int
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-
-    @classmethod
-    def from_config(cls, cfg: DecoderConfig) -> "Qwen3_5Params":
-        raw, source = cfg.extra, f"{cfg.source} (qwen3_5)"
-        types = raw.get("layer_types")
-        if types is None:
-            interval = as_int(raw.get("full_attention_interval", 4), "full_attention_interval", source, minimum=1)
-            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                     for i in range(cfg.num_hidden_layers)]
-        if not isinstance(types, list) or len(types) != cfg.num_hidden_layers:
-            raise ValueError(f"{source}: 'layer_types' must list one type per layer ({cfg.num_hidden_layers}), got "
-                             f"{types!r}")
-        unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"{source}: layer_types {unknown} are not supported; layers are one of {LAYER_TYPES}")
-
-        def whole(key: str, default: int) -> int:
-            return as_int(raw.get(key, default), key, source, minimum=1)
-
-        p = cls(tuple(types), whole("linear_conv_kernel_dim", 4), whole("linear_num_key_heads", 16),
-                whole("linear_num_value_heads", 32), whole("linear_key_head_dim", 128),
-                whole("linear_value_head_dim", 128))
-        if p.value_heads % p.key_heads:
-            raise ValueError(f"{source}: linear_num_value_heads={p.value_heads} must be a multiple of "
-                             f"linear_num_key_heads={p.key_heads}")
-        return p
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm scaled by 1 + weight, in fp32 then cast back (transformers' Qwen3_5RMSNorm)."""
@@ -103,7 +56,8 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig, kv_layer: int) -> None:
         super().__init__()
         self.kv_layer = kv_layer  # its index among the attention layers (the K/V cache holds only theirs)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (2 * q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
