@@ -354,7 +354,7 @@ def _check_tensors(p: PreparedBuild) -> None:
         weights = WeightSet(p.target.path, check_finite=cpu, headers_only=not cpu)
         target.load_weights(weights)
         weights.check_no_layers_beyond(p.target_config.num_hidden_layers)
-        weights.warn_unused(type(target).__name__)
+        weights.warn_unused(type(target).__name__, getattr(target, "unread_prefixes", ()))
 
 
 def build_engine(config_path: str | Path, out_dir: str | Path, overrides: dict | None = None, force: bool = False,

@@ -161,6 +161,8 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 class Qwen3_5ForCausalLM(CausalLM):
     keeps_recurrent_state = True  # the engine verifies chains only and shares no prompt rows (hybrid_cache.py)
+    # the vision tower, and the multi-token prediction head (the drafter here is DFlash's)
+    unread_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()

@@ -61,5 +61,5 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     with torch.no_grad():
         model.load_weights(weights)
     weights.check_no_layers_beyond(cfg.num_hidden_layers)
-    weights.warn_unused(cls.__name__)
+    weights.warn_unused(cls.__name__, getattr(cls, "unread_prefixes", ()))
     return model.eval()

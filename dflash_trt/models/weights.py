@@ -142,10 +142,11 @@ class WeightSet:
     def unused(self) -> list[str]:
         return sorted(set(self._file_of) - self.used)
 
-    def warn_unused(self, reader: str) -> None:
+    def warn_unused(self, reader: str, unread: tuple[str, ...] = ()) -> None:
         """Log the tensors `reader` (a model class) left unread: a checkpoint of another variant whose extra
-        weights would be dropped silently (HF's rotary inv_freq buffers are derived, not weights)."""
-        skipped = [n for n in self.unused() if not n.endswith("rotary_emb.inv_freq")]
+        weights would be dropped silently (HF's rotary inv_freq buffers are derived, not weights; tensors under the
+        prefixes `unread` are parts the reader knows it does not run)."""
+        skipped = [n for n in self.unused() if not n.endswith("rotary_emb.inv_freq") and not n.startswith(unread)]
         if skipped:
             logger.warning("%s: %d tensors not used by %s, e.g. %s", self.model_dir, len(skipped), reader, skipped[:3])
 

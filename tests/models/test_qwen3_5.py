@@ -127,9 +127,10 @@ def test_a_step_from_a_position_no_state_is_held_after_is_refused(q35_dir):
             ours(ids[:, 5:8], _meta(ids[:, 5:8], 5), cache)
 
 
-def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tmp_path):
+def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tmp_path, caplog):
     """Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the language model's keys under
-    text_config, its tensors under model.language_model., a vision tower beside it (not read)."""
+    text_config, its tensors under model.language_model., a vision tower and a multi-token prediction head beside
+    it (not read, and not warned of)."""
     d = tmp_path / "vl"
     d.mkdir()
     text = json.loads((q35_dir / "config.json").read_text())
@@ -141,9 +142,11 @@ def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tm
     tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
                for k, v in load_file(q35_dir / "model.safetensors").items()}
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(32, 3, 2, 16, 16)
+    tensors["mtp.layers.0.mlp.up_proj.weight"] = torch.zeros(96, HIDDEN)
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     ours = load_target(d)
     assert ours.config.eos_token_ids == (EOS,) and ours.config.num_hidden_layers == 4
+    assert "not used" not in caplog.text
     ids = torch.randint(0, VOCAB, (1, 20))
     with torch.no_grad():
         logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(1, 20))[0])
