@@ -20,6 +20,11 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata
 
 
+# The most states a row keeps a forward (a verify block's queries): a layer takes a prompt's tokens before its last
+# this many by chunks, whatever an engine keeps.
+MAX_SNAPSHOTS = 64
+
+
 @dataclass(frozen=True)
 class LinearStateShape:
     conv_channels: int  # the channels the causal convolution runs over (q, k and v of every head)
@@ -55,6 +60,8 @@ class LinearStates:
 
     def __init__(self, shape: LinearStateShape, rows: int, snapshots: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
+        if not 1 <= snapshots <= MAX_SNAPSHOTS:
+            raise ValueError(f"a linear-attention layer keeps 1..{MAX_SNAPSHOTS} states a row, not {snapshots}")
         self.shape = shape
         self.snapshots = snapshots
         # the convolution's inputs in the model dtype, as the layer computes them; the recurrent state in fp32

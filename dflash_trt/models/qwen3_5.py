@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.engine.hybrid_cache import HybridCache, LinearStates, LinearStateShape, row_states
+from dflash_trt.engine.hybrid_cache import MAX_SNAPSHOTS, HybridCache, LinearStates, LinearStateShape, row_states
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
+from dflash_trt.layers.delta_rule import CHUNK, delta_rule_chunked, delta_rule_steps
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig, Qwen3_5Params
@@ -128,19 +129,21 @@ class GatedDeltaNet(nn.Module):
         q = q / p.key_dim**0.5
         v = v.reshape(b, n, p.value_heads, p.value_dim).float()
         beta = torch.sigmoid(beta).float()
-        decay = torch.exp(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))  # [B, Q, heads]
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [B, Q, heads]
         keep_from = states.keep_from(rs)
-        outputs, kept = [], []
-        for t in range(n):  # token by token: a verify step takes each token in as a one-token step does
-            state = state * decay[:, t, :, None, None]
-            k_t = k[:, t, :, :, None]
-            remembered = (state * k_t).sum(dim=-2)
-            state = state + k_t * ((v[:, t] - remembered) * beta[:, t, :, None])[:, :, None, :]
-            outputs.append((state * q[:, t, :, :, None]).sum(dim=-2))
-            if t >= keep_from:
-                kept.append(state)
-        states.keep(rs, history, torch.stack(kept, dim=1), keep_from)
-        out = torch.stack(outputs, dim=1).to(x.dtype)  # [B, Q, heads, value]
+        # A prompt's tokens whose states nobody keeps go by chunks, up to a point that depends on the prompt alone
+        # (not on how many states an engine keeps), so plain and speculative engines take a prompt in alike; the
+        # rest token by token, as one-token steps do, keeping the states wanted.
+        split = max(0, min(rs.lens) - MAX_SNAPSHOTS) // CHUNK * CHUNK
+        head = []
+        if split:
+            out, state = delta_rule_chunked(q[:, :split], k[:, :split], v[:, :split], beta[:, :split],
+                                            log_decay[:, :split], state)
+            head.append(out)
+        tail, kept = delta_rule_steps(q[:, split:], k[:, split:], v[:, split:], beta[:, split:],
+                                      log_decay[:, split:].exp(), state, keep_from - split)
+        states.keep(rs, history, kept, keep_from)
+        out = torch.cat([*head, tail], dim=1).to(x.dtype)  # [B, Q, heads, value]
         out = self.norm(out, z.reshape(b, n, p.value_heads, p.value_dim))
         return self.out_proj(out.reshape(b, n, -1))
 

@@ -99,6 +99,27 @@ def test_steps_of_any_width_continue_the_recurrent_state(q35_dir, hf_model):
     assert (torch.cat(parts, 1) - ref).abs().max() < TOL
 
 
+def test_a_long_prompt_taken_in_by_chunks_then_steps_equals_transformers(q35_dir, hf_model):
+    """200 prompt tokens of rows of 200 and 150: each row's first 128 and 64 by chunks (up to 64 before its last
+    token), the rest token by token; then steps continue from the states kept."""
+    ours = load_target(q35_dir)
+    ids = torch.randint(0, VOCAB, (2, 206))
+    lens = [200, 150]
+    with torch.no_grad():
+        cache = ours.make_cache(2, 216, queries=8)
+        rows = torch.arange(2)
+        for i, n in enumerate(lens):  # each row alone: its chunked part is its own length's
+            meta = AttentionMetadata.causal_step(rows[i:i + 1], torch.arange(n)[None])
+            hidden = ours(ids[i:i + 1, :n], meta, cache)[0]
+            assert (ours.compute_logits(hidden) - hf_model(ids[i:i + 1, :n]).logits).abs().max() < TOL
+        starts = torch.tensor(lens)[:, None]
+        step = torch.stack([ids[0, 200:206], ids[1, 150:156]])
+        logits = ours.compute_logits(ours(step, AttentionMetadata.causal_step(rows, starts + torch.arange(6)),
+                                          cache)[0])
+        assert (logits[0] - hf_model(ids[:1, :206]).logits[0, 200:]).abs().max() < TOL
+        assert (logits[1] - hf_model(ids[1:, :156]).logits[0, 150:]).abs().max() < TOL
+
+
 @pytest.mark.parametrize("accepted", [0, 3, 6])
 def test_a_verify_blocks_rejected_tokens_leave_the_recurrent_state(q35_dir, hf_model, accepted):
     """A block of 7 whose tokens after `accepted` are wrong: the next step, from the first wrong position, sees the
@@ -185,7 +206,7 @@ def _prompts(n, seed=5):
 def _engine(target_dir, drafter_dir, k, rows, dtype=torch.float32, **cfg):
     target = load_target(target_dir, dtype)
     drafter = load_drafter(drafter_dir, target.config, dtype)
-    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96,
+    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=224,
                                                          dtype=str(dtype).removeprefix("torch."), **cfg))
 
 
@@ -257,9 +278,10 @@ def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, tempe
     give the same tokens (greedy, and seeded samples under the "match" rule); the delta rule takes a block's tokens
     one by one, as one-token steps do."""
     prompts = _prompts(4)
+    prompts[3] = (prompts[3] * 6)[:170]  # taken in partly by chunks
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     plain = LLMEngine(load_target(q35_dir, torch.bfloat16), None, None, EngineConfig(
-        max_batch_size=4, max_model_len=96, dtype="bfloat16", speculative=False)).generate(prompts, params)
+        max_batch_size=4, max_model_len=224, dtype="bfloat16", speculative=False)).generate(prompts, params)
     engine = _engine(q35_dir, q35_drafter, 7, 4, torch.bfloat16)
     force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
     outs = engine.generate(prompts, params)
