@@ -173,6 +173,8 @@ def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_m
         share = hybrid.linear_layers / t.num_hidden_layers
         attention = 3 * h * q_out + 2 * h * kv_out + 2 * hd
         dense += (hybrid.mixer_values(h) // tp) * share + attention * (1 - share) - 2 * h * q_out - 2 * h * kv_out
+        if hybrid.experts is not None:  # Qwen3.5-MoE's shared expert and its gate, beside the routed ones
+            dense += 3 * h * hybrid.shared_expert_intermediate // tp + h
     if t.model_type == "gpt_oss":
         dense += t.num_attention_heads // tp  # attention sinks, one per head
     moe = moe_shape(t)

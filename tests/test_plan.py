@@ -357,25 +357,31 @@ def test_qwen3_moe_weights_are_its_checkpoints_bytes():
     assert moe_shape(decoder_config_from_dict({**raw, "mlp_only_layers": list(range(48))})) is None
 
 
-def _qwen3_5_text(**overrides) -> dict:
-    """Qwen3.5's language model config as transformers writes it (its defaults: 32 layers, every fourth full
-    attention), in a Qwen3_5ForConditionalGeneration config.json beside a vision tower's."""
+def _qwen3_5_text(config=None) -> dict:
+    """Qwen3.5's language model config as transformers writes it (its defaults: every fourth layer full attention),
+    in a Qwen3_5ForConditionalGeneration config.json beside a vision tower's."""
     from transformers import Qwen3_5TextConfig
 
-    text = Qwen3_5TextConfig(**overrides).to_dict()
+    text = (config or Qwen3_5TextConfig)().to_dict()
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
             "vision_config": {"depth": 27}, "tie_word_embeddings": False}
 
 
-def test_a_hybrid_targets_weights_are_the_parameters_transformers_builds():
-    """Qwen3.5 (bf16 on one H200): the plan's target weights are the language model's parameters as transformers
-    counts them, its gated attention's doubled q_proj and its linear layers' own projections included."""
+@pytest.mark.parametrize("moe", [False, True], ids=["Qwen3.5", "Qwen3.5-MoE"])
+def test_a_hybrid_targets_weights_are_the_parameters_transformers_builds(moe):
+    """Qwen3.5 and Qwen3.5-MoE (bf16 on one H200): the plan's target weights are the language model's parameters as
+    transformers counts them, its gated attention's doubled q_proj, its linear layers' own projections and the MoE's
+    routed and shared experts included."""
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
 
-    raw = _qwen3_5_text()
+    config, model = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+    raw = _qwen3_5_text(config)
+    if moe:
+        raw.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
     with torch.device("meta"):
-        params = sum(p.numel() for p in Qwen3_5ForCausalLM(Qwen3_5TextConfig(**raw["text_config"])).parameters())
+        params = sum(p.numel() for p in model(config(**raw["text_config"])).parameters())
     cfg = dict(model="Qwen/Qwen3.5-27B", hardware="h200", kv_cache_config={"dtype": "bfloat16"},
                speculative_config=None, max_batch_size=1, max_seq_len=4096)
     plan = plan_build(decoder_config_from_dict(raw), None, _cfg(**cfg), profile("h200"), max_draft_len=0)

@@ -261,7 +261,8 @@ def decoder_config_from_dict(cfg: dict, source: str = "config.json") -> DecoderC
         architecture=archs[0] if archs else "",
         vocab_size=whole("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=whole("intermediate_size", minimum=0),  # 0: the perf model's attention-only stand-in
+        # 0: the perf model's attention-only stand-in, or a model of experts alone (Qwen3.5-MoE lists none)
+        intermediate_size=whole("intermediate_size", 0 if model_type in HYBRID_MOE_MODEL_TYPES else None, minimum=0),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=whole("num_key_value_heads", heads),
@@ -315,10 +316,15 @@ class Qwen3MoeParams:
         )
 
 
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration")
+HYBRID_MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+
+
 def is_hybrid(cfg: DecoderConfig) -> bool:
-    """Whether the target mixes linear-attention layers in (Qwen3.5's language model)."""
-    return cfg.architecture in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration") or \
-        cfg.model_type in ("qwen3_5_text", "qwen3_5")
+    """Whether the target mixes linear-attention layers in (Qwen3.5's language model, dense or MoE)."""
+    return cfg.architecture in HYBRID_ARCHITECTURES or \
+        cfg.model_type in ("qwen3_5_text", "qwen3_5", *HYBRID_MOE_MODEL_TYPES)
 
 
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
@@ -334,6 +340,8 @@ class Qwen3_5Params:
     value_heads: int
     key_dim: int
     value_dim: int
+    experts: "Qwen3MoeParams | None" = None  # Qwen3.5-MoE's routed experts, on every layer
+    shared_expert_intermediate: int = 0  # and its gated shared expert
 
     @classmethod
     def from_config(cls, cfg: DecoderConfig) -> "Qwen3_5Params":
@@ -354,9 +362,18 @@ class Qwen3_5Params:
         def whole(key: str, default: int) -> int:
             return as_int(raw.get(key, default), key, source, minimum=1)
 
+        experts, shared = None, 0
+        if cfg.model_type in HYBRID_MOE_MODEL_TYPES or "Moe" in cfg.architecture:
+            # its router always renormalises the top k (no norm_topk_prob key)
+            e, top_k = whole("num_experts", 256), whole("num_experts_per_tok", 8)
+            if top_k > e:
+                raise ValueError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_experts={e}")
+            experts = Qwen3MoeParams(e, top_k, whole("moe_intermediate_size", 512), True,
+                                     (True,) * cfg.num_hidden_layers)
+            shared = whole("shared_expert_intermediate_size", 512)
         p = cls(tuple(types), whole("linear_conv_kernel_dim", 4), whole("linear_num_key_heads", 16),
                 whole("linear_num_value_heads", 32), whole("linear_key_head_dim", 128),
-                whole("linear_value_head_dim", 128))
+                whole("linear_value_head_dim", 128), experts, shared)
         if p.value_heads % p.key_heads:
             raise ValueError(f"{source}: linear_num_value_heads={p.value_heads} must be a multiple of "
                              f"linear_num_key_heads={p.key_heads}")
@@ -397,6 +414,10 @@ class MoeShape:
 def moe_shape(t: DecoderConfig) -> MoeShape | None:
     """The target's experts (None for a dense model): Qwen3-MoE's as its runtime reads them (Qwen3MoeParams), other
     families' where config.json says num_local_experts (gpt-oss's, on every layer)."""
+    if is_hybrid(t):
+        experts = Qwen3_5Params.from_config(t).experts
+        return None if experts is None else MoeShape(experts.num_experts, experts.num_experts_per_tok,
+                                                      experts.moe_intermediate_size, t.num_hidden_layers, False)
     if t.model_type == "qwen3_moe":
         p = Qwen3MoeParams.from_config(t)
         # (experts on no layer, mlp_only_layers listing them all: a dense model, as the runtime runs it)

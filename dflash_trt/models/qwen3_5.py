@@ -1,12 +1,15 @@
-"""Qwen3.5 target (Qwen3_5ForCausalLM, and the language model of Qwen3_5ForConditionalGeneration: Qwen3.5-4B ... 27B,
-Qwen3.6-27B), this project's own code. A hybrid: most layers mix tokens by a gated delta rule (linear attention with a
-recurrent state per head and a short causal convolution before it), every few a full attention layer with an output
-gate; norms are zero-centred (scaled by 1 + weight); rotary covers a quarter of each head.
+"""Qwen3.5 targets (Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM, and the language models of their
+...ForConditionalGeneration checkpoints: Qwen3.5-4B ... 27B, Qwen3.5-35B-A3B and 122B-A10B, Qwen3.6-27B and 35B-A3B),
+this project's own code. A hybrid: most layers mix tokens by a gated delta rule (linear attention with a recurrent
+state per head and a short causal convolution before it), every few a full attention layer with an output gate; norms
+are zero-centred (scaled by 1 + weight); rotary covers a quarter of each head. The MoE models' MLP is Qwen3-MoE's
+routed experts plus a gated shared expert.
 
 Same contract as models/llama.py over a HybridCache (engine/hybrid_cache.py), which keeps the linear layers' states
 after the last positions of each forward so that a verify block's rejected tokens roll back. The delta rule runs
-token by token: a verify step takes each token in as a one-token step does, so both round alike. Text only: the
-vision tower's weights are left unread, and a text-only prompt's multimodal rotary positions are the plain ones.
+token by token past a prompt's chunks (layers/delta_rule.py): a verify step takes each token in as a one-token step
+does, so both round alike. Text only: the vision tower's weights are left unread, and a text-only prompt's
+multimodal rotary positions are the plain ones.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig, Qwen3_5Params
 from dflash_trt.models.llama import GatedMLP
+from dflash_trt.models.qwen3_moe import Qwen3MoE, load_routed_experts
 from dflash_trt.models.weights import WeightSet
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -148,13 +152,27 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(b, n, -1))
 
 
+class SharedExpertMoE(nn.Module):
+    """Qwen3.5-MoE's MLP: routed experts (Qwen3-MoE's, the top k renormalised) plus a shared expert weighed by a
+    sigmoid gate of its own."""
+
+    def __init__(self, cfg: DecoderConfig, p: Qwen3_5Params) -> None:
+        super().__init__()
+        self.routed = Qwen3MoE(cfg, p.experts)
+        self.shared_expert = GatedMLP(cfg.hidden_size, p.shared_expert_intermediate)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, p: Qwen3_5Params, mixer: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = mixer
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size) if p.experts is None else SharedExpertMoE(cfg, p)
 
     def forward(self, x, cos, sin, meta, cache: HybridCache):
         own = cache.kv if isinstance(self.mixer, GatedAttention) else cache
@@ -180,6 +198,11 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _pack_extra(self) -> None:
+        if self.params.experts is not None:
+            for layer in self.layers:
+                layer.mlp.routed.experts.pack()
 
     def make_cache(self, num_rows: int, max_len: int, queries: int = 16) -> HybridCache:
         c, p = self.config, self.params
@@ -211,10 +234,7 @@ class Qwen3_5ForCausalLM(CausalLM):
             src, dst = f"{base}layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(f"{dst}{norm}.weight", weights.get(f"{src}{norm}.weight", (h,)))
-            gate = weights.get(src + "mlp.gate_proj.weight", (c.intermediate_size, h))
-            up = weights.get(src + "mlp.up_proj.weight", (c.intermediate_size, h))
-            put(dst + "mlp.gate_up_proj.weight", torch.cat([gate, up]))
-            put(dst + "mlp.down_proj.weight", weights.get(src + "mlp.down_proj.weight", (h, c.intermediate_size)))
+            self._load_mlp(weights, src + "mlp.", layer.mlp)
             if isinstance(layer.mixer, GatedAttention):
                 a = src + "self_attn."
                 shapes = {"q_proj": 2 * q_size, "k_proj": kv_size, "v_proj": kv_size}
@@ -238,3 +258,16 @@ class Qwen3_5ForCausalLM(CausalLM):
             put(dst + "mixer.A_log", weights.get(a + "A_log", (p.value_heads,)))
             put(dst + "mixer.norm.weight", weights.get(a + "norm.weight", (p.value_dim,)))
             put(dst + "mixer.out_proj.weight", weights.get(a + "out_proj.weight", (h, value_size)))
+
+    def _load_mlp(self, weights: WeightSet, m: str, mlp: nn.Module) -> None:
+        """A dense MLP (gate and up fused), or Qwen3.5-MoE's routed experts and gated shared expert."""
+        c, p = self.config, self.params
+        if p.experts is not None:
+            load_routed_experts(weights, m, mlp.routed, p.experts, c.hidden_size)
+            mlp.shared_expert_gate.weight.data.copy_(weights.get(m + "shared_expert_gate.weight", (1, c.hidden_size)))
+            mlp, m = mlp.shared_expert, m + "shared_expert."
+        inter = mlp.down_proj.weight.shape[1]
+        gate = weights.get(m + "gate_proj.weight", (inter, c.hidden_size))
+        up = weights.get(m + "up_proj.weight", (inter, c.hidden_size))
+        mlp.gate_up_proj.weight.data.copy_(torch.cat([gate, up]))
+        mlp.down_proj.weight.data.copy_(weights.get(m + "down_proj.weight", (c.hidden_size, inter)))

@@ -63,19 +63,25 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         save them, or stacked, as transformers holds them: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
         if not self.params.sparse[i]:
             return super()._load_mlp(weights, i, own)
-        c, p, m = self.config, self.params, f"model.layers.{i}.mlp."
-        e, h, inter = p.num_experts, c.hidden_size, p.moe_intermediate_size
-        own[f"layers.{i}.mlp.gate.weight"].data.copy_(weights.get(m + "gate.weight", (e, h)))
-        gate_up, down = own[f"layers.{i}.mlp.experts.gate_up_proj"], own[f"layers.{i}.mlp.experts.down_proj"]
-        if m + "experts.gate_up_proj" in weights:
-            gate_up.data.copy_(weights.get(m + "experts.gate_up_proj", (e, 2 * inter, h)))
-            down.data.copy_(weights.get(m + "experts.down_proj", (e, h, inter)))
-            return
-        if m + "experts.0.gate_proj.weight" not in weights:
-            raise CheckpointError(f"{weights.model_dir}: missing tensor {m + 'experts.0.gate_proj.weight'!r} "
-                                  f"(each expert's) or {m + 'experts.gate_up_proj'!r} (stacked)")
-        for x in range(e):
-            ex = f"{m}experts.{x}."
-            gate_up.data[x, :inter].copy_(weights.get(ex + "gate_proj.weight", (inter, h)))
-            gate_up.data[x, inter:].copy_(weights.get(ex + "up_proj.weight", (inter, h)))
-            down.data[x].copy_(weights.get(ex + "down_proj.weight", (h, inter)))
+        load_routed_experts(weights, f"model.layers.{i}.mlp.", self.layers[i].mlp, self.params,
+                            self.config.hidden_size)
+
+
+def load_routed_experts(weights: WeightSet, m: str, moe: Qwen3MoE, p: Qwen3MoeParams, h: int) -> None:
+    """A sparse layer's router and experts under prefix m (each expert's own tensors, as Qwen's checkpoints and
+    transformers save them, or stacked, as transformers holds them: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    e, inter = p.num_experts, p.moe_intermediate_size
+    moe.gate.weight.data.copy_(weights.get(m + "gate.weight", (e, h)))
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    if m + "experts.gate_up_proj" in weights:
+        gate_up.data.copy_(weights.get(m + "experts.gate_up_proj", (e, 2 * inter, h)))
+        down.data.copy_(weights.get(m + "experts.down_proj", (e, h, inter)))
+        return
+    if m + "experts.0.gate_proj.weight" not in weights:
+        raise CheckpointError(f"{weights.model_dir}: missing tensor {m + 'experts.0.gate_proj.weight'!r} "
+                              f"(each expert's) or {m + 'experts.gate_up_proj'!r} (stacked)")
+    for x in range(e):
+        ex = f"{m}experts.{x}."
+        gate_up.data[x, :inter].copy_(weights.get(ex + "gate_proj.weight", (inter, h)))
+        gate_up.data[x, inter:].copy_(weights.get(ex + "up_proj.weight", (inter, h)))
+        down.data[x].copy_(weights.get(ex + "down_proj.weight", (h, inter)))

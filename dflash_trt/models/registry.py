@@ -25,6 +25,8 @@ TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its language model; the vision tower is not read
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 

@@ -189,6 +189,80 @@ def test_malformed_hybrid_keys_are_refused_naming_them(q35_dir, tmp_path, change
     assert str(d / "config.json") in str(raised.value)
 
 
+def make_qwen3_5_moe(path: Path, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3.5-MoE language model saved by transformers: 8 experts, top-2, a shared expert; its router's
+    logits far from ties."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=256,
+              eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=False)
+    kw.update(overrides)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or "experts" in name:
+                p.normal_(0, 0.5 if name.endswith("gate.weight") else 0.1)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif "norm" in name:
+                p.uniform_(-0.3, 0.3)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    save_char_tokenizer(path, VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return make_qwen3_5_moe(tmp_path_factory.mktemp("qwen3_5_moe") / "t")
+
+
+def test_the_moe_models_logits_equal_transformers_in_either_expert_layout(moe_dir, tmp_path):
+    """Qwen3.5-MoE: routed experts (top 2 of 8, renormalised) and a gated shared expert on every layer; its experts
+    each their own, as Qwen's checkpoints and transformers save them, or stacked, as transformers holds them."""
+    from transformers import Qwen3_5MoeForCausalLM as HFMoe
+
+    hf = HFMoe.from_pretrained(moe_dir).eval()
+    ids = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    tensors = load_file(moe_dir / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in tensors
+    for i in range(4):
+        m = f"model.layers.{i}.mlp.experts."
+        tensors[m + "gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{m}{e}.gate_proj.weight"),
+                                                              tensors.pop(f"{m}{e}.up_proj.weight")])
+                                                   for e in range(8)])
+        tensors[m + "down_proj"] = torch.stack([tensors.pop(f"{m}{e}.down_proj.weight") for e in range(8)])
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_bytes((moe_dir / "config.json").read_bytes())
+    save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})
+    for d in (moe_dir, stacked):
+        ours = load_target(d)
+        ours.pack_for_inference()
+        with torch.no_grad():
+            logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(2, 32))[0])
+        assert (logits - ref).abs().max() < TOL
+
+
+def test_the_moe_models_greedy_speculative_output_equals_transformers(moe_dir, tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM as HFMoe
+
+    hf = HFMoe.from_pretrained(moe_dir).eval()
+    drafter = make_drafter(tmp_path / "d", moe_dir, layers=1, block_size=8, target_layer_ids=(0, 2, 3))
+    prompts = _prompts(4)
+    refs = _greedy_refs(hf, prompts)
+    engine = _engine(moe_dir, drafter, 7, 4)
+    force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs and max(max(o.acceptance_lengths) for o in outs) >= 4
+
+
 # --- DFlash on top ---------------------------------------------------------------------------------------------
 
 
