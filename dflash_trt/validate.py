@@ -7,7 +7,7 @@ import logging
 
 from dflash_trt.config import BuildConfig
 from dflash_trt.layers.rotary import SUPPORTED_ROPE_TYPES
-from dflash_trt.models.config import DecoderConfig, moe_shape
+from dflash_trt.models.config import DecoderConfig, Qwen3_5Params, is_hybrid, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.draft_tree import check_tree_nodes
@@ -90,6 +90,12 @@ def check_mapping(target: DecoderConfig, drafter: DFlashConfig | None, cfg: Buil
             raise ValueError(
                 f"tensor_parallel_size={tp}: the {name}'s num_key_value_heads={kv} neither divides nor is divisible by it"
             )
+    if is_hybrid(target):  # the linear layers' heads split across the same ranks
+        hybrid = Qwen3_5Params.from_config(target)
+        for key, heads in (("linear_num_key_heads", hybrid.key_heads), ("linear_num_value_heads", hybrid.value_heads)):
+            if heads % tp:
+                raise ValueError(f"tensor_parallel_size={tp}: the target's {key}={heads} is not divisible by it; "
+                                 f"choose a tensor_parallel_size that divides {heads} (or enable_attention_dp)")
     moe = moe_shape(target)
     if moe:
         if moe.num_experts % cfg.moe_ep:

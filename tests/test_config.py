@@ -250,3 +250,17 @@ def test_config_values_that_mean_no_window_or_a_derived_factor_still_read(edit):
     t = decoder_config_from_dict({**bundled_config("Qwen/Qwen3-8B"), **edit})
     inv_freq, _ = rope_inv_freq(t.head_dim, t.rope, t.max_position_embeddings)
     assert inv_freq.shape == (t.head_dim // 2,) and bool(inv_freq.isfinite().all())
+
+
+def test_a_hybrid_targets_linear_heads_must_split_across_the_ranks():
+    """Qwen3.5 with 16 attention heads and linear heads of 6 key / 12 value: TP 4 splits the attention heads but not
+    the linear layers' key heads."""
+    t = decoder_config_from_dict({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+                                  "vocab_size": 1000, "hidden_size": 1024, "intermediate_size": 2048,
+                                  "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+                                  "head_dim": 64, "linear_num_key_heads": 6, "linear_num_value_heads": 12})
+    cfg = build_config_from_dict({**BASE, "model": "Qwen/Qwen3.5-4B", "hardware": "h200", "tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="the target's linear_num_key_heads=6 is not divisible by it"):
+        check_mapping(t, None, cfg)
+    check_mapping(t, None, build_config_from_dict({**BASE, "model": "Qwen/Qwen3.5-4B", "hardware": "h200",
+                                                   "tensor_parallel_size": 2}))

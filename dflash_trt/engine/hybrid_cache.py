@@ -20,9 +20,9 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata
 
 
-# The most states a row keeps a forward (a verify block's queries): a layer takes a prompt's tokens before its last
-# this many by chunks, whatever an engine keeps.
-MAX_SNAPSHOTS = 64
+# The most states a row keeps a forward (a verify block's queries; z-lab's drafters' blocks are 16 at most): a layer
+# takes a prompt's tokens before its last this many by chunks, whatever an engine keeps.
+MAX_SNAPSHOTS = 32
 
 
 @dataclass(frozen=True)

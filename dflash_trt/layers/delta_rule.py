@@ -21,7 +21,12 @@ CHUNK = 64
 def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
                      state: torch.Tensor, keep_from: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k [B, T, H, K], v [B, T, H, V], beta and decay (exp(g)) [B, T, H], state [B, H, K, V] -> (outputs
-    [B, T, H, V], the states after tokens keep_from.. [B, T - keep_from, H, K, V], None where there are none)."""
+    [B, T, H, V], the states after tokens keep_from.. [B, T - keep_from, H, K, V], None where there are none).
+    On a GPU one Triton kernel runs them (kernels/delta_rule_triton.py)."""
+    if q.is_cuda:
+        from dflash_trt.kernels.delta_rule_triton import delta_rule_steps_triton
+
+        return delta_rule_steps_triton(q, k, v, beta, decay, state, keep_from)
     outputs, kept = [], []
     for t in range(q.shape[1]):
         state = state * decay[:, t, :, None, None]

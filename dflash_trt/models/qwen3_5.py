@@ -1,5 +1,5 @@
 """Qwen3.5 targets (Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM, and the language models of their
-...ForConditionalGeneration checkpoints: Qwen3.5-4B ... 27B, Qwen3.5-35B-A3B and 122B-A10B, Qwen3.6-27B and 35B-A3B),
+...ForConditionalGeneration checkpoints: Qwen3.5-4B ... 27B, Qwen3.5-35B-A3B and 122B-A10B),
 this project's own code. A hybrid: most layers mix tokens by a gated delta rule (linear attention with a recurrent
 state per head and a short causal convolution before it), every few a full attention layer with an output gate; norms
 are zero-centred (scaled by 1 + weight); rotary covers a quarter of each head. The MoE models' MLP is Qwen3-MoE's
@@ -21,7 +21,7 @@ from torch import nn
 from dflash_trt.engine.hybrid_cache import MAX_SNAPSHOTS, HybridCache, LinearStates, LinearStateShape, row_states
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
-from dflash_trt.layers.delta_rule import CHUNK, delta_rule_chunked, delta_rule_steps
+from dflash_trt.layers.delta_rule import delta_rule_chunked, delta_rule_steps
 from dflash_trt.layers.rotary import RotaryEmbedding, apply_rotary
 from dflash_trt.models.causal_lm import CausalLM
 from dflash_trt.models.config import DecoderConfig, Qwen3_5Params
@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         # A prompt's tokens whose states nobody keeps go by chunks, up to a point that depends on the prompt alone
         # (not on how many states an engine keeps), so plain and speculative engines take a prompt in alike; the
         # rest token by token, as one-token steps do, keeping the states wanted.
-        split = max(0, min(rs.lens) - MAX_SNAPSHOTS) // CHUNK * CHUNK
+        split = max(0, min(rs.lens) - MAX_SNAPSHOTS)
         head = []
         if split:
             out, state = delta_rule_chunked(q[:, :split], k[:, :split], v[:, :split], beta[:, :split],

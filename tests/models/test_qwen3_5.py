@@ -100,8 +100,8 @@ def test_steps_of_any_width_continue_the_recurrent_state(q35_dir, hf_model):
 
 
 def test_a_long_prompt_taken_in_by_chunks_then_steps_equals_transformers(q35_dir, hf_model):
-    """200 prompt tokens of rows of 200 and 150: each row's first 128 and 64 by chunks (up to 64 before its last
-    token), the rest token by token; then steps continue from the states kept."""
+    """Rows of 200 and 150 prompt tokens, each alone: the first 168 and 118 by chunks (all but the last 32), the rest
+    token by token; then steps continue from the states kept."""
     ours = load_target(q35_dir)
     ids = torch.randint(0, VOCAB, (2, 206))
     lens = [200, 150]
