@@ -20,6 +20,7 @@ from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 from dflash_trt.models.registry import load_target
 from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
 from tests.forced_drafts import force_drafts
+from tests.models.helpers import meta, sample_prompts, spec_engine
 from tests.stats import assert_matches
 
 TOL = 1e-4  # fp32
@@ -36,7 +37,11 @@ def make_qwen3_5(path: Path, seed: int = 0, vocab: int = VOCAB, **overrides) -> 
               linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256, eos_token_id=EOS,
               bos_token_id=1, tie_word_embeddings=False)
     kw.update(overrides)
-    model = HFQwen3_5(Qwen3_5TextConfig(**kw)).eval()
+    return _saved(HFQwen3_5(Qwen3_5TextConfig(**kw)).eval(), path, vocab)
+
+
+def _saved(model, path: Path, vocab: int) -> Path:
+    """model saved with its norms away from their initial values (a missing norm shows) and a sharper head."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
@@ -47,11 +52,6 @@ def make_qwen3_5(path: Path, seed: int = 0, vocab: int = VOCAB, **overrides) -> 
     model.save_pretrained(path)
     save_char_tokenizer(path, vocab)
     return path
-
-
-def _meta(ids, start=0):
-    b, n = ids.shape
-    return AttentionMetadata.causal_step(torch.arange(b), start + torch.arange(n).expand(b, n))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
     ids = torch.randint(0, VOCAB, (2, 30))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 32), capture_layer_ids=(1, 3))
+        hidden, feats = ours(ids, meta(ids), ours.make_cache(2, 32), capture_layer_ids=(1, 3))
         logits = ours.compute_logits(hidden)
     assert (logits - ref.logits).abs().max() < TOL
     assert (feats[..., :HIDDEN] - ref.hidden_states[2]).abs().max() < TOL
@@ -93,9 +93,9 @@ def test_steps_of_any_width_continue_the_recurrent_state(q35_dir, hf_model):
     with torch.no_grad():
         ref = hf_model(ids).logits
         cache = ours.make_cache(2, 40, queries=8)
-        parts = [ours.compute_logits(ours(ids[:, :12], _meta(ids[:, :12]), cache)[0])]
+        parts = [ours.compute_logits(ours(ids[:, :12], meta(ids[:, :12]), cache)[0])]
         for a, b in ((12, 13), (13, 20), (20, 21), (21, 28), (28, 33)):
-            parts.append(ours.compute_logits(ours(ids[:, a:b], _meta(ids[:, a:b], a), cache)[0]))
+            parts.append(ours.compute_logits(ours(ids[:, a:b], meta(ids[:, a:b], a), cache)[0]))
     assert (torch.cat(parts, 1) - ref).abs().max() < TOL
 
 
@@ -132,9 +132,9 @@ def test_a_verify_blocks_rejected_tokens_leave_the_recurrent_state(q35_dir, hf_m
     with torch.no_grad():
         ref = hf_model(ids).logits
         cache = ours.make_cache(2, 40, queries=7)
-        ours(ids[:, :12], _meta(ids[:, :12]), cache)
-        ours(block, _meta(block, 12), cache)
-        logits = ours.compute_logits(ours(ids[:, nxt:nxt + 5], _meta(ids[:, nxt:nxt + 5], nxt), cache)[0])
+        ours(ids[:, :12], meta(ids[:, :12]), cache)
+        ours(block, meta(block, 12), cache)
+        logits = ours.compute_logits(ours(ids[:, nxt:nxt + 5], meta(ids[:, nxt:nxt + 5], nxt), cache)[0])
     assert (logits - ref[:, nxt:nxt + 5]).abs().max() < TOL
 
 
@@ -143,9 +143,9 @@ def test_a_step_from_a_position_no_state_is_held_after_is_refused(q35_dir):
     ids = torch.randint(3, VOCAB, (1, 20))
     cache = ours.make_cache(1, 40, queries=4)
     with torch.no_grad():
-        ours(ids[:, :12], _meta(ids[:, :12]), cache)
+        ours(ids[:, :12], meta(ids[:, :12]), cache)
         with pytest.raises(RuntimeError, match=r"row 0: .* no state after position 4 \(it holds positions 8..11\)"):
-            ours(ids[:, 5:8], _meta(ids[:, 5:8], 5), cache)
+            ours(ids[:, 5:8], meta(ids[:, 5:8], 5), cache)
 
 
 def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tmp_path, caplog):
@@ -170,7 +170,7 @@ def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tm
     assert "not used" not in caplog.text
     ids = torch.randint(0, VOCAB, (1, 20))
     with torch.no_grad():
-        logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(1, 20))[0])
+        logits = ours.compute_logits(ours(ids, meta(ids), ours.make_cache(1, 20))[0])
         assert (logits - hf_model(ids).logits).abs().max() < TOL
 
 
@@ -206,14 +206,7 @@ def make_qwen3_5_moe(path: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") or "experts" in name:
                 p.normal_(0, 0.5 if name.endswith("gate.weight") else 0.1)
-            elif name.endswith("linear_attn.norm.weight"):
-                p.uniform_(0.8, 1.2)
-            elif "norm" in name:
-                p.uniform_(-0.3, 0.3)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
-    save_char_tokenizer(path, VOCAB)
-    return path
+    return _saved(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +239,7 @@ def test_the_moe_models_logits_equal_transformers_in_either_expert_layout(moe_di
         ours = load_target(d)
         ours.pack_for_inference()
         with torch.no_grad():
-            logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(2, 32))[0])
+            logits = ours.compute_logits(ours(ids, meta(ids), ours.make_cache(2, 32))[0])
         assert (logits - ref).abs().max() < TOL
 
 
@@ -255,7 +248,7 @@ def test_the_moe_models_greedy_speculative_output_equals_transformers(moe_dir, t
 
     hf = HFMoe.from_pretrained(moe_dir).eval()
     drafter = make_drafter(tmp_path / "d", moe_dir, layers=1, block_size=8, target_layer_ids=(0, 2, 3))
-    prompts = _prompts(4)
+    prompts = sample_prompts(4)
     refs = _greedy_refs(hf, prompts)
     engine = _engine(moe_dir, drafter, 7, 4)
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
@@ -272,16 +265,8 @@ def q35_drafter(q35_dir, tmp_path_factory) -> Path:
                         target_layer_ids=(0, 2, 3))
 
 
-def _prompts(n, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
-
-
 def _engine(target_dir, drafter_dir, k, rows, dtype=torch.float32, **cfg):
-    target = load_target(target_dir, dtype)
-    drafter = load_drafter(drafter_dir, target.config, dtype)
-    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=224,
-                                                         dtype=str(dtype).removeprefix("torch."), **cfg))
+    return spec_engine(target_dir, drafter_dir, k, rows, dtype, max_model_len=224, **cfg)
 
 
 def _greedy_refs(hf_model, prompts):
@@ -291,7 +276,7 @@ def _greedy_refs(hf_model, prompts):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_speculative_equals_transformers_greedy(q35_dir, q35_drafter, hf_model, batch):
-    prompts = _prompts(batch)
+    prompts = sample_prompts(batch)
     refs = _greedy_refs(hf_model, prompts)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     assert [o.token_ids for o in _engine(q35_dir, q35_drafter, 7, batch).generate(prompts, params)] == refs
@@ -305,8 +290,8 @@ def test_chunked_prompts_shared_chunks_and_asked_for_trees_stay_exact(q35_dir, q
     """Prompts in chunks of 16 (padded in their forwards), one prompt twice (the second copies the chunks the first
     computes, with their states), and a draft tree asked for: the engine says it drafts chains, and every answer is
     transformers' greedy one."""
-    long = _prompts(4)[3] + _prompts(4)[1]
-    prompts = [long, long, _prompts(4)[2]]
+    long = sample_prompts(4)[3] + sample_prompts(4)[1]
+    prompts = [long, long, sample_prompts(4)[2]]
     refs = _greedy_refs(hf_model, prompts)
     engine = _engine(q35_dir, q35_drafter, 7, 4, prefill_chunk=16, draft_tree={1: 6, 4: 6})
     assert "draft_tree {1: 6, 4: 6} is off: Qwen3_5ForCausalLM verifies chains" in caplog.text
@@ -351,7 +336,7 @@ def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, tempe
     """In bf16 the oracle is the same runtime decoding one token a step: verify blocks of forced, mostly-right drafts
     give the same tokens (greedy, and seeded samples under the "match" rule); the delta rule takes a block's tokens
     one by one, as one-token steps do."""
-    prompts = _prompts(4)
+    prompts = sample_prompts(4)
     prompts[3] = (prompts[3] * 6)[:170]  # taken in partly by chunks
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     plain = LLMEngine(load_target(q35_dir, torch.bfloat16), None, None, EngineConfig(

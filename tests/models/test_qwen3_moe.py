@@ -12,13 +12,12 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
 from dflash_trt import SamplingParams
 from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
-from dflash_trt.layers.attention import AttentionMetadata
-from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
 from tests.forced_drafts import force_drafts, force_tree_drafts
+from tests.models.helpers import meta, sample_prompts, spec_engine
 
 TOL = 1e-4  # fp32
 HIDDEN = 64
@@ -42,11 +41,6 @@ def make_qwen3_moe(path: Path, seed: int = 0, layers: int = 4, **overrides) -> P
     model.save_pretrained(path)
     save_char_tokenizer(path, VOCAB)
     return path
-
-
-def _meta(ids, start=0):
-    b, n = ids.shape
-    return AttentionMetadata.causal_step(torch.arange(b), start + torch.arange(n).expand(b, n))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
     ids = torch.randint(0, VOCAB, (2, 30))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-        hidden, feats = ours(ids, _meta(ids), ours.make_cache(2, 32), capture_layer_ids=(1, 3))
+        hidden, feats = ours(ids, meta(ids), ours.make_cache(2, 32), capture_layer_ids=(1, 3))
         logits = ours.compute_logits(hidden)
     assert (logits - ref.logits).abs().max() < TOL
     assert (feats[..., :HIDDEN] - ref.hidden_states[2]).abs().max() < TOL
@@ -82,7 +76,7 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
         if sparse:
             layer.mlp.experts.grouped = True
     with torch.no_grad():
-        logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(2, 32))[0])
+        logits = ours.compute_logits(ours(ids, meta(ids), ours.make_cache(2, 32))[0])
     assert (logits - ref.logits).abs().max() < TOL
 
 
@@ -93,8 +87,8 @@ def test_packed_incremental_decode_equals_transformers(moe_dir, hf_model):
     with torch.no_grad():
         ref = hf_model(ids).logits
         cache = ours.make_cache(1, 40)
-        ours(ids[:, :12], _meta(ids[:, :12]), cache)
-        parts = [ours.compute_logits(ours(ids[:, i:i + 7], _meta(ids[:, i:i + 7], i), cache)[0]) for i in (12, 19, 26)]
+        ours(ids[:, :12], meta(ids[:, :12]), cache)
+        parts = [ours.compute_logits(ours(ids[:, i:i + 7], meta(ids[:, i:i + 7], i), cache)[0]) for i in (12, 19, 26)]
     assert (torch.cat(parts, 1) - ref[:, 12:]).abs().max() < TOL
 
 
@@ -115,7 +109,7 @@ def test_stacked_experts_as_transformers_holds_them_load_alike(moe_dir, hf_model
     ids = torch.randint(0, VOCAB, (1, 20))
     ours = load_target(d)
     with torch.no_grad():
-        logits = ours.compute_logits(ours(ids, _meta(ids), ours.make_cache(1, 20))[0])
+        logits = ours.compute_logits(ours(ids, meta(ids), ours.make_cache(1, 20))[0])
         assert (logits - hf_model(ids).logits).abs().max() < TOL
 
 
@@ -157,26 +151,14 @@ def moe_drafter(moe_dir, tmp_path_factory) -> Path:
                         target_layer_ids=(0, 2, 3))
 
 
-def _prompts(n, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (length,), generator=g).tolist() for length in (5, 17, 9, 30)[:n]]
-
-
-def _engine(target_dir, drafter_dir, k, rows, dtype=torch.float32, **cfg):
-    target = load_target(target_dir, dtype)
-    drafter = load_drafter(drafter_dir, target.config, dtype)
-    return LLMEngine(target, None, drafter, EngineConfig(max_batch_size=rows, max_draft_len=k, max_model_len=96,
-                                                         dtype=str(dtype).removeprefix("torch."), **cfg))
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_speculative_equals_transformers_greedy(moe_dir, moe_drafter, hf_model, batch):
-    prompts = _prompts(batch)
+    prompts = sample_prompts(batch)
     refs = [hf_model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    assert [o.token_ids for o in _engine(moe_dir, moe_drafter, 7, batch).generate(prompts, params)] == refs
-    engine = _engine(moe_dir, moe_drafter, 7, batch)  # mostly-right drafts: long acceptances and rollbacks
+    assert [o.token_ids for o in spec_engine(moe_dir, moe_drafter, 7, batch).generate(prompts, params)] == refs
+    engine = spec_engine(moe_dir, moe_drafter, 7, batch)  # mostly-right drafts: long acceptances and rollbacks
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.15)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == refs and max(max(o.acceptance_lengths) for o in outs) >= 4
@@ -190,11 +172,11 @@ def test_bf16_speculative_equals_bf16_plain_decoding(moe_dir, moe_drafter, tempe
     drafts give the same tokens (greedy, and seeded samples under the "match" rule). A tree of 24 nodes verifies more
     queries a row than the kernels' attention takes by default (16): its layers, run one by one, attend whole steps
     through the kernels (they cut such a tree to 15 nodes before)."""
-    prompts = _prompts(4)
+    prompts = sample_prompts(4)
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     plain = LLMEngine(load_target(moe_dir, torch.bfloat16), None, None, EngineConfig(
         max_batch_size=4, max_model_len=96, dtype="bfloat16", speculative=False)).generate(prompts, params)
-    engine = _engine(moe_dir, moe_drafter, 7, 4, torch.bfloat16, **({"draft_tree": {4: tree}} if tree else {}))
+    engine = spec_engine(moe_dir, moe_drafter, 7, 4, torch.bfloat16, **({"draft_tree": {4: tree}} if tree else {}))
     truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
     if tree:
         assert engine._within_exact_rows(4, 7, tree) == (7, tree)
