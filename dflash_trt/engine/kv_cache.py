@@ -18,13 +18,14 @@ from dflash_trt.layers.attention import AttentionMetadata
 CACHE_SHARE = 0.9
 
 
-def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, row_bytes: int = 0) -> None:
     """ValueError saying what fits where a cache of `shape` ([layers, rows, kv_heads, positions, head_dim], K and V)
     would not fit in the memory free on `device`: torch's out-of-memory error names neither the rows nor the length,
-    and on the CPU a cache past the free memory swaps, or is killed by the kernel, without a word."""
+    and on the CPU a cache past the free memory swaps, or is killed by the kernel, without a word. row_bytes: what
+    each row holds beside its K/V, whatever its length (a hybrid target's recurrent states)."""
     layers, rows, heads, positions, head_dim = shape
     per_position = 2 * layers * heads * head_dim * dtype.itemsize
-    need = per_position * rows * positions
+    need = (per_position * positions + row_bytes) * rows
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -39,10 +40,12 @@ def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     usable = int(free * CACHE_SHARE)
     if need <= usable:
         return
+    beside = f" and {row_bytes / 1e9:.2f} GB a row of recurrent states" if row_bytes else ""
+    longest = max(0, usable // rows - row_bytes) // per_position
     raise ValueError(
-        f"a K/V cache of {layers} layers for {rows} rows x {positions:,} positions needs {need / 1e9:.1f} GB; {where} "
-        f"({CACHE_SHARE:.0%} of it for the cache): at most {usable // (per_position * positions)} rows at this length "
-        f"(--max-batch-size), or {usable // (per_position * rows):,} positions a row at {rows} rows (--max-model-len)")
+        f"a K/V cache of {layers} layers{beside} for {rows} rows x {positions:,} positions needs {need / 1e9:.1f} GB; "
+        f"{where} ({CACHE_SHARE:.0%} of it for the cache): at most {usable // (per_position * positions + row_bytes)} "
+        f"rows at this length (--max-batch-size), or {longest:,} positions a row at {rows} rows (--max-model-len)")
 
 
 class KVCache:
@@ -55,9 +58,11 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        row_bytes: int = 0,
     ) -> None:
+        """row_bytes: what each row will hold beside its K/V (checked to fit with it, allocated by the caller)."""
         shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
-        check_fits(shape, dtype, device)
+        check_fits(shape, dtype, device, row_bytes)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_rows = num_rows

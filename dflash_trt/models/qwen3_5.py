@@ -207,11 +207,13 @@ class Qwen3_5ForCausalLM(CausalLM):
     def make_cache(self, num_rows: int, max_len: int, queries: int = 16) -> HybridCache:
         c, p = self.config, self.params
         w = self.embed_tokens.weight
+        snapshots = max(queries, 1)
+        states = p.linear_layers * snapshots * p.state_bytes(w.dtype.itemsize)  # a row's (hybrid_cache.py)
         kv = KVCache(p.layer_types.count("full_attention"), num_rows, max_len, c.num_key_value_heads, c.head_dim,
-                     w.dtype, w.device)
+                     w.dtype, w.device, row_bytes=states)
         shape = LinearStateShape(p.conv_channels, p.conv_kernel - 1, p.value_heads, p.key_dim, p.value_dim)
-        return HybridCache(kv, [LinearStates(shape, num_rows, max(queries, 1), w.dtype, w.device)
-                                for _ in range(p.layer_types.count("linear_attention"))])
+        return HybridCache(kv, [LinearStates(shape, num_rows, snapshots, w.dtype, w.device)
+                                for _ in range(p.linear_layers)])
 
     def load_weights(self, weights: WeightSet) -> None:
         """HF names: model.layers.N... (Qwen3_5ForCausalLM) or model.language_model.layers.N... (the language model of

@@ -51,3 +51,20 @@ def test_a_cpu_cache_past_the_available_memory_is_refused_saying_what_fits(monke
 
 def test_the_available_memory_is_some_of_the_machines():
     assert 0 < cpu_available_bytes() <= cpu_ram_bytes()
+
+
+def test_a_hybrid_targets_recurrent_states_count_in_what_must_fit(monkeypatch):
+    """Qwen3.5-27B-like: 16 attention layers' K/V (4 heads of 256, bf16) for 8 rows x 32k positions is 17.2 GB, and
+    each row's recurrent states another 2.4 GB: 36.4 GB with them, past 20 GB free, though the K/V alone fit; 3 rows
+    would."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(20e9), int(80e9)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    row = int(2.4e9)
+    kv_cache.check_fits((16, 8, 4, 32768, 256), torch.bfloat16, "cuda")  # the K/V alone
+    with pytest.raises(ValueError) as e:
+        kv_cache.check_fits((16, 8, 4, 32768, 256), torch.bfloat16, "cuda", row_bytes=row)
+    per_position = 2 * 16 * 4 * 256 * 2
+    message = str(e.value)
+    assert "and 2.40 GB a row of recurrent states for 8 rows x 32,768 positions needs 36.4 GB" in message
+    assert int(20e9 * 0.9) // (per_position * 32768 + row) == 3 and "at most 3 rows at this length" in message
