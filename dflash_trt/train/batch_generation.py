@@ -18,7 +18,7 @@ import torch
 
 from dflash_trt.engine.llm_engine import LLMEngine
 from dflash_trt.layers.argmax import argmax_last
-from dflash_trt.layers.attention import AttentionMetadata
+from dflash_trt.layers.attention import AttentionMetadata, HostRows
 from dflash_trt.layers.sampler import sampling_probs
 from dflash_trt.sampling_params import SamplingParams
 
@@ -62,7 +62,9 @@ class BatchGenerator:
 
         cache = target.make_cache(n, longest + max_new)
         rows = torch.arange(n, device=dev)
-        meta = AttentionMetadata.causal_step(rows, torch.arange(longest, device=dev).expand(n, longest))
+        # each row's prompt length: a hybrid target keeps its recurrent state after the row's last prompt token
+        host = HostRows(list(range(n)), [0] * n, lens=[len(p) for p in prompts])
+        meta = AttentionMetadata.causal_step(rows, torch.arange(longest, device=dev).expand(n, longest), host)
         hidden, _ = target(ids.to(dev), meta, cache)
         token = self._pick(hidden[rows, lens - 1], temps, gen)
         positions = lens.clone()

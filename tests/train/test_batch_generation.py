@@ -39,6 +39,25 @@ def test_greedy_rows_equal_transformers_greedy_at_any_prompt_length(target_dir, 
         assert out.token_ids == ref
 
 
+def test_a_hybrid_targets_greedy_rows_equal_transformers_greedy_at_any_prompt_length(tmp_path):
+    """Qwen3.5 (recurrent states): rows of 3 and 40 prompt tokens in one padded prefill, each then decoding from its
+    own length, as transformers decodes it alone."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from tests.models.test_qwen3_5 import make_qwen3_5
+
+    d = make_qwen3_5(tmp_path / "t")
+    hf = Qwen3_5ForCausalLM.from_pretrained(d).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (3, 40, 22)]
+    hybrid = LLMEngine.from_dirs(d, None, EngineConfig(max_batch_size=4, speculative=False, dtype="float32"))
+    got = BatchGenerator(hybrid).generate(prompts, [SamplingParams(max_new_tokens=12, stop_token_ids=[999])] * 3)
+    for p, out in zip(prompts, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert out.token_ids == ref
+
+
 def test_sampled_rows_follow_the_tempered_distribution(target_dir, engine):
     """One sampled token from 6,000 copies of a prompt: its frequencies against softmax(logits / T) of transformers'
     model, in total variation (expected ~0.5 * sum sqrt(p (1 - p) / N) < 0.05 here)."""
