@@ -10,9 +10,16 @@ from dflash_trt.train.teacher import Teacher, distill_loss
 from tests.conftest import make_target
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_teacher_logits_are_the_targets_next_token_logits(tmp_path, arch):
-    t = make_target(tmp_path / "target", arch=arch, layers=4, seed=3)
+    """Also for a hybrid target (Qwen3.5): its features of two sequences padded into one batch, and the layers after
+    the deepest feature run from a fresh recurrent state."""
+    if arch == "qwen3_5":
+        from tests.models.test_qwen3_5 import make_qwen3_5
+
+        t = make_qwen3_5(tmp_path / "target", seed=3)
+    else:
+        t = make_target(tmp_path / "target", arch=arch, layers=4, seed=3)
     target = load_target(t)
     hf = AutoModelForCausalLM.from_pretrained(t).eval()
     seqs = [list(range(5, 30)), list(range(40, 52))]
