@@ -67,8 +67,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     ddir = random_drafter(tmp / "drafter")
     dirs = {"qwen3_5": random_target(tmp / "qwen3_5", True), "qwen3": random_target(tmp / "qwen3", False)}
-    # prefix_reuse off for both: the Qwen3 would otherwise take the repeated prompt over from its last run (a hybrid
-    # target shares no prompt rows), and its prefill would time nothing
+    # prefix_reuse off for both: each would otherwise take the repeated prompt over from its last run, and its
+    # prefill would time nothing
     dtype, cfg = torch.bfloat16, dict(max_batch_size=1, dtype="bfloat16", max_model_len=512, prefix_reuse=False)
     engines = {}
     for family, d in dirs.items():

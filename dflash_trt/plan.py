@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from dflash_trt.config import BuildConfig
+from dflash_trt.engine.hybrid_cache import MAX_MARKS
 from dflash_trt.hardware import GB, HardwareProfile, has_amx_tiles
 from dflash_trt.models.config import DecoderConfig, Qwen3_5Params, is_hybrid, moe_shape
 from dflash_trt.models.dflash import DFlashConfig
@@ -292,9 +293,10 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         "target_kv_cache": int(target_kv),
     }
     if kinds.linear:
-        # A hybrid target's linear layers: each row's state after each of a verify block's positions, as this
-        # runtime keeps them (engine/hybrid_cache.py); TensorRT-LLM's own cache manager holds them its way
-        snapshots = d.block_size if d is not None else 1
+        # A hybrid target's linear layers: each row's state after each of a verify block's positions and after its
+        # last prompt chunks, as this runtime keeps them (engine/hybrid_cache.py); TensorRT-LLM's own cache manager
+        # holds them its way
+        snapshots = (d.block_size if d is not None else 1) + MAX_MARKS
         per_row = kinds.linear * snapshots * Qwen3_5Params.from_config(t).state_bytes(dtype_b)
         comps["target_recurrent_states"] = batch * per_row // tp
         details.update(linear_attention_layers=kinds.linear, state_snapshots_per_row=snapshots)

@@ -6,8 +6,11 @@ has taken in every token of the verify block, rejected ones too. So each forward
 state after each of its last `snapshots` real positions, and the next forward starts from the state after the
 position before its first query, wherever the last one stopped accepting. A verify block of K + 1 queries needs
 K + 1 snapshots; a prompt chunk its last one. The engine needs no rollback call, as with K/V; what it may not do is
-start a row anywhere else (a draft tree's branches, or a freed row's prompt taken over once its answer has moved the
-state on): HybridCache.move refuses, and copy_rows copies only a state it holds.
+start a row anywhere else: a draft tree's branches (HybridCache.move refuses).
+
+A row also keeps, as "marks", its state after the last position of each of its last MAX_MARKS prompt chunks: a later
+request whose prompt starts with those chunks takes them over or copies them (scheduler.py's row reuse: a chat's next
+turn, a shared system prompt), as far as the row still holds a mark (HybridCache.holds_prefix).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dflash_trt.layers.attention import AttentionMetadata
 # The most states a row keeps a forward (a verify block's queries; z-lab's drafters' blocks are 16 at most): a layer
 # takes a prompt's tokens before its last this many by chunks, whatever an engine keeps.
 MAX_SNAPSHOTS = 32
+# The prompt chunks' ends a row keeps its state after, the latest (a chat's next turn takes over its last turn's
+# prompt up to its last whole chunk; the earliest go first)
+MAX_MARKS = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class RowStates:
     rows: list[int]
     starts: list[int]  # each row's first query position
     lens: list[int]  # each row's real queries (the rest of the forward's Q are padding)
+    prompt: bool = False  # a prompt chunk (its rows mark their state after its last token)
 
 
 def row_states(meta: AttentionMetadata) -> RowStates:
@@ -49,7 +56,7 @@ def row_states(meta: AttentionMetadata) -> RowStates:
     host = meta.host
     if host is not None:
         lens = list(host.lens) if host.lens is not None else [queries] * len(host.slots)
-        return RowStates(list(host.slots), list(host.starts), lens)
+        return RowStates(list(host.slots), list(host.starts), lens, host.lens is not None)
     rows = meta.rows.tolist()
     return RowStates(rows, meta.positions[:, 0].tolist(), [queries] * len(rows))
 
@@ -70,21 +77,37 @@ class LinearStates:
                                  device=device)
         self.first = [0] * rows
         self.count = [0] * rows
+        # per row: position -> (convolution history, state) after it, at its last prompt chunks' ends
+        self.marks: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(rows)]
 
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size()
+        """The snapshots' bytes and room for every row's marks."""
+        per_state = self.conv[0, 0].numel() * self.conv.element_size() + self.state[0, 0].numel() * 4
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size() + \
+            MAX_MARKS * per_state * len(self.marks)
 
-    def slot_after(self, row: int, position: int) -> int:
-        """The slot of the row's state after `position`; RuntimeError where it holds none (a bug in the caller: a
-        forward must start where one of the last one's real positions left off)."""
+    def holds(self, row: int, position: int) -> bool:
+        return 0 <= position - self.first[row] < self.count[row] or position in self.marks[row]
+
+    def state_after(self, row: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's convolution history and state after `position`; RuntimeError where it holds none (a bug in the
+        caller: a forward must start where one of the last one's real positions left off, or at a mark)."""
         slot = position - self.first[row]
-        if not 0 <= slot < self.count[row]:
-            held = (f"positions {self.first[row]}..{self.first[row] + self.count[row] - 1}" if self.count[row]
-                    else "no position")
-            raise RuntimeError(f"row {row}: a linear-attention layer holds no state after position {position} (it "
-                               f"holds {held}); a hybrid target's rows must start where their last forward's real "
-                               "positions end or inside its last verify block")
-        return slot
+        if 0 <= slot < self.count[row]:
+            return self.conv[row, slot], self.state[row, slot]
+        if position in self.marks[row]:
+            return self.marks[row][position]
+        held = (f"positions {self.first[row]}..{self.first[row] + self.count[row] - 1}" if self.count[row]
+                else "no position")
+        raise RuntimeError(f"row {row}: a linear-attention layer holds no state after position {position} (it holds "
+                           f"{held}, and marks at {sorted(self.marks[row])}); a hybrid target's rows must start where "
+                           "their last forward's real positions end, inside its last verify block, or at a mark")
+
+    def _mark(self, row: int, position: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        marks = self.marks[row]
+        marks[position] = (conv, state)
+        while len(marks) > MAX_MARKS:
+            del marks[min(marks)]
 
     def initial(self, rs: RowStates) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's convolution history [B, history, channels] and recurrent state [B, heads, key, value] before its
@@ -93,10 +116,10 @@ class LinearStates:
         conv = self.conv.new_zeros(b, *self.conv.shape[2:])
         state = self.state.new_zeros(b, *self.state.shape[2:])
         for i, (row, start) in enumerate(zip(rs.rows, rs.starts)):
+            # the forward rewrites positions from start on: marks there are of what the row held before
+            self.marks[row] = {p: m for p, m in self.marks[row].items() if p < start}
             if start > 0:
-                slot = self.slot_after(row, start - 1)
-                conv[i] = self.conv[row, slot]
-                state[i] = self.state[row, slot]
+                conv[i], state[i] = self.state_after(row, start - 1)
         return conv, state
 
     def keep_from(self, rs: RowStates) -> int:
@@ -116,14 +139,19 @@ class LinearStates:
             for j in range(count):
                 self.conv[row, j] = history[i, lo + j + 1:lo + j + 1 + h]
             self.first[row], self.count[row] = start + lo, count
+            if rs.prompt:
+                self._mark(row, start + n - 1, self.conv[row, count - 1].clone(), self.state[row, count - 1].clone())
 
-    def copy_row(self, src: int, dst: torch.Tensor, after: int) -> None:
-        """Row src's state after position `after` to rows dst, as their only one."""
-        slot = self.slot_after(src, after)
+    def copy_row(self, src: int, dst: torch.Tensor, start: int, end: int) -> None:
+        """Row src's state after position end - 1 to rows dst, as their only snapshot and a mark, with src's marks in
+        [start, end) (their own marks before start stay: positions the copy leaves as they are)."""
+        conv, state = (x.clone() for x in self.state_after(src, end - 1))
+        copied = {p: m for p, m in self.marks[src].items() if start <= p < end - 1}
         for row in dst.tolist():
-            self.conv[row, 0] = self.conv[src, slot]
-            self.state[row, 0] = self.state[src, slot]
-            self.first[row], self.count[row] = after, 1
+            self.conv[row, 0], self.state[row, 0] = conv, state
+            self.first[row], self.count[row] = end - 1, 1
+            self.marks[row] = {p: m for p, m in self.marks[row].items() if p < start} | copied
+            self._mark(row, end - 1, conv, state)
 
 
 class HybridCache:
@@ -147,7 +175,12 @@ class HybridCache:
         state sums every position before it: it is the whole prefix's, wherever start is)."""
         self.kv.copy_rows(src, dst, start, end)
         for states in self.linear:
-            states.copy_row(src, dst, end - 1)
+            states.copy_row(src, dst, start, end)
+
+    def holds_prefix(self, row: int, end: int) -> bool:
+        """Whether a request may take over (or copy) the row's first `end` prompt positions: their K/V are the
+        scheduler's to know; the linear layers must hold the state after end - 1."""
+        return all(states.holds(row, end - 1) for states in self.linear)
 
     def move(self, moves: list) -> None:
         raise ValueError("a hybrid target (linear-attention layers) verifies chains of drafts, not draft trees: its "

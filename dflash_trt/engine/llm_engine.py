@@ -312,8 +312,8 @@ class LLMEngine:
 
         schedule = this_cpu(config.draft_len_schedule, config.draft_len_schedule_without_amx)
         self.draft_tree = this_cpu(config.draft_tree, config.draft_tree_without_amx)
-        # A hybrid target's recurrent state takes a step's tokens in order and holds only the last forward's states
-        # (engine/hybrid_cache.py): chains of drafts, and no prompt taken from another row.
+        # A hybrid target's recurrent state takes a step's tokens in order (engine/hybrid_cache.py): chains of drafts,
+        # and prompts taken from other rows only as far as those hold the state after them.
         recurrent = getattr(target, "keeps_recurrent_state", False)
         if recurrent and self.draft_tree:
             logger.warning("engine: draft_tree %s is off: %s verifies chains of drafts (its linear-attention layers "
@@ -328,7 +328,8 @@ class LLMEngine:
             draft_len_schedule=dict(schedule) if self.drafter is not None else {},
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             prefill_chunk=_prefill_chunk(config, target, layout), load_window=config.load_window,
-            reuse_rows=config.prefix_reuse and not recurrent,
+            reuse_rows=config.prefix_reuse,
+            holds_prefix=self.runner.target_cache.holds_prefix if recurrent else None,
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "

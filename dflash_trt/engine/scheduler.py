@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash_trt.draft_schedule import check_table, expand
@@ -62,6 +63,10 @@ class SchedulerConfig:
     # the requests whose prompts start with them. False: every request prefills its own prompt, bar a chunk another
     # request computes in the same step (vLLM's --no-enable-prefix-caching).
     reuse_rows: bool = True
+    # Where given, whether a row still holds what a request taking over (or copying) its first `end` prompt positions
+    # needs beside their K/V (a hybrid target's recurrent state after end - 1: engine/hybrid_cache.py's marks); the
+    # chunks up to an end it does not hold are not given.
+    holds_prefix: Callable[[int, int], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -423,6 +428,9 @@ class Scheduler:
             reused = end
         if self.config.max_draft_len and reused > resident.drafter_len:  # the drafter needs context for them
             reused = min(reused, resident.drafter_reach(reused) // size * size)
+        holds = self.config.holds_prefix
+        while reused and holds is not None and not holds(resident.row, reused):
+            reused -= size
         return reused
 
     def _chunk(self, seq: Sequence, computed: dict[tuple[int, int], list[Sequence]], start: int,

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.engine.hybrid_cache import MAX_SNAPSHOTS, HybridCache, LinearStates, LinearStateShape, row_states
+from dflash_trt.engine.hybrid_cache import (MAX_MARKS, MAX_SNAPSHOTS, HybridCache, LinearStates, LinearStateShape,
+                                            row_states)
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
 from dflash_trt.layers.delta_rule import delta_rule_chunked, delta_rule_steps
@@ -181,7 +182,8 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    keeps_recurrent_state = True  # the engine verifies chains only and shares no prompt rows (hybrid_cache.py)
+    # the engine verifies chains only; rows share prompts as far as their marks hold (hybrid_cache.py)
+    keeps_recurrent_state = True
     # the vision tower, and the multi-token prediction head (the drafter here is DFlash's)
     unread_prefixes = ("model.visual.", "mtp.")
 
@@ -208,7 +210,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         c, p = self.config, self.params
         w = self.embed_tokens.weight
         snapshots = max(queries, 1)
-        states = p.linear_layers * snapshots * p.state_bytes(w.dtype.itemsize)  # a row's (hybrid_cache.py)
+        # a row's: its snapshots and marks (hybrid_cache.py)
+        states = p.linear_layers * (snapshots + MAX_MARKS) * p.state_bytes(w.dtype.itemsize)
         kv = KVCache(p.layer_types.count("full_attention"), num_rows, max_len, c.num_key_value_heads, c.head_dim,
                      w.dtype, w.device, row_bytes=states)
         shape = LinearStateShape(p.conv_channels, p.conv_kernel - 1, p.value_heads, p.key_dim, p.value_dim)

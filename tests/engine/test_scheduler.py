@@ -204,6 +204,23 @@ def test_a_freed_row_gives_its_prompts_whole_chunks_to_a_request_that_starts_wit
     assert first_chunk(Sequence(list(range(90, 120)), params)) == (1, 0, 8, 0)
 
 
+@pytest.mark.parametrize("held, reused", [({8, 16, 24}, 24), ({8, 24}, 24), ({8}, 8), ({16}, 16), (set(), 0)])
+def test_a_row_gives_its_prompts_chunks_only_as_far_as_it_holds_what_comes_with_them(held, reused):
+    """holds_prefix (a hybrid target's recurrent state after a chunk's end): a freed row holding a 30-token prompt's
+    K/V gives a request starting with it its chunks up to the last end whose state it still holds (of 8, 16, 24)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=8,
+                                      holds_prefix=lambda row, end: row == 1 and end in held))
+    other, a = Sequence(list(range(50, 70)), SamplingParams(max_new_tokens=50)), _seq(30, new=1)
+    sched.add(other, a)
+    _finish(sched, a)
+    sched.abort(other.request_id)
+    sched.schedule()
+    seq = _seq(32, new=1)
+    sched.add(seq)
+    _run(sched, sched.schedule())
+    assert seq.num_reused == reused and (seq.slot == 1 or not reused)
+
+
 def test_a_request_that_takes_nothing_over_leaves_the_rows_that_hold_prompts_alone():
     """Between a chat's two turns another request comes: it takes a row that holds nothing (the lowest free row would
     have been the one the chat's next turn takes over)."""

@@ -144,7 +144,8 @@ def test_a_step_from_a_position_no_state_is_held_after_is_refused(q35_dir):
     cache = ours.make_cache(1, 40, queries=4)
     with torch.no_grad():
         ours(ids[:, :12], meta(ids[:, :12]), cache)
-        with pytest.raises(RuntimeError, match=r"row 0: .* no state after position 4 \(it holds positions 8..11\)"):
+        with pytest.raises(RuntimeError, match=r"row 0: .* no state after position 4 \(it holds positions 8..11, and "
+                                               r"marks at \[\]\)"):
             ours(ids[:, 5:8], meta(ids[:, 5:8], 5), cache)
 
 
@@ -289,19 +290,46 @@ def test_greedy_speculative_equals_transformers_greedy(q35_dir, q35_drafter, hf_
 def test_chunked_prompts_shared_chunks_and_asked_for_trees_stay_exact(q35_dir, q35_drafter, hf_model, caplog):
     """Prompts in chunks of 16 (padded in their forwards), one prompt twice (the second copies the chunks the first
     computes, with their states), and a draft tree asked for: the engine says it drafts chains, and every answer is
-    transformers' greedy one."""
+    transformers' greedy one. Rows give their prompts' chunks on only as far as they hold the state after them."""
     long = sample_prompts(4)[3] + sample_prompts(4)[1]
     prompts = [long, long, sample_prompts(4)[2]]
     refs = _greedy_refs(hf_model, prompts)
     engine = _engine(q35_dir, q35_drafter, 7, 4, prefill_chunk=16, draft_tree={1: 6, 4: 6})
     assert "draft_tree {1: 6, 4: 6} is off: Qwen3_5ForCausalLM verifies chains" in caplog.text
-    assert engine.draft_tree == {} and not engine.scheduler.config.reuse_rows
+    assert engine.draft_tree == {} and engine.scheduler.config.holds_prefix == engine.runner.target_cache.holds_prefix
     copied = []
     real_copy = engine.runner.target_cache.copy_rows
     engine.runner.target_cache.copy_rows = lambda *a: copied.append(a[2:]) or real_copy(*a)
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.2)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs and copied == [(0, 16), (16, 32), (32, 47)]
+
+
+def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after_it(q35_dir, q35_drafter, hf_model):
+    """Turn 1 (40 prompt tokens, chunks of 16) marks the state after each chunk; turn 2 (turn 1's prompt, its answer
+    and more: 81 tokens) takes over 32 of them in the freed row and starts from the mark after position 31; a request
+    sharing turn 2's first 64 tokens, sent while turn 2 runs, copies them and the mark after them from turn 2's row,
+    whose marks are its last four chunks' (those after positions 15 and 31 gone). Every answer is transformers'
+    greedy one."""
+    engine = _engine(q35_dir, q35_drafter, 7, 2, prefill_chunk=16)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    first = (sample_prompts(4)[3] * 2)[:40]
+    answer = engine.generate([first], params)[0]
+    assert answer.token_ids == _greedy_refs(hf_model, [first])[0]
+    second = first + answer.token_ids + sample_prompts(4)[1]
+    other = second[:64] + sample_prompts(4, seed=9)[3]
+    refs = _greedy_refs(hf_model, [second, other])
+    marks = engine.runner.target_cache.linear[0].marks
+    assert 31 in marks[0] and 15 in marks[0]
+    turn = engine.add_request(second, params)
+    engine.step()  # turn 2 admitted into row 0, taking over 32 positions
+    sharing = engine.add_request(other, params)
+    while not (turn.is_finished and sharing.is_finished):
+        engine.step()
+    outs = [engine.make_output(s) for s in (turn, sharing)]
+    assert [o.token_ids for o in outs] == refs
+    assert [o.num_cached_tokens for o in outs] == [32, 64]
+    assert sorted(marks[0]) == [47, 63, 79, 80]
 
 
 @pytest.mark.parametrize("rule", ["match", "rejection"])
