@@ -283,8 +283,7 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         # room past a row's last position for a step's verify rows, as the runtime keeps it (engine/model_runner.py):
         # a drafter block, or a larger draft tree's nodes and its root
         spec = cfg.speculative_config
-        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] \
-            if spec and not kinds.linear else []
+        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] if spec else []
         block = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
         target_kv = batch * per_token_layer * (full + sliding) * (seq + block + 1)
     parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=trtllm)
@@ -293,10 +292,13 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         "target_kv_cache": int(target_kv),
     }
     if kinds.linear:
-        # A hybrid target's linear layers: each row's state after each of a verify block's positions and after its
-        # last prompt chunks, as this runtime keeps them (engine/hybrid_cache.py); TensorRT-LLM's own cache manager
-        # holds them its way
-        snapshots = (d.block_size if d is not None else 1) + MAX_MARKS
+        # A hybrid target's linear layers: each row's state after each of a verify step's queries (a block, or a
+        # tree's nodes and root) and after its last prompt chunks, as this runtime keeps them
+        # (engine/hybrid_cache.py); TensorRT-LLM's own cache manager holds them its way
+        spec = cfg.speculative_config
+        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] \
+            if spec and not trtllm else []
+        snapshots = max(d.block_size if d is not None else 1, max(trees, default=0) + 1) + MAX_MARKS
         per_row = kinds.linear * snapshots * Qwen3_5Params.from_config(t).state_bytes(dtype_b)
         comps["target_recurrent_states"] = batch * per_row // tp
         details.update(linear_attention_layers=kinds.linear, state_snapshots_per_row=snapshots)
@@ -405,11 +407,6 @@ def plan_build(
     )
     if note := cpu_dtype_note(cfg, target.extra):
         plan.notes.append(note)
-    spec = cfg.speculative_config
-    trees = {**(spec.draft_tree or {}), **(spec.draft_tree_without_amx or {})} if spec else {}
-    if is_hybrid(target) and trees and hw.kind != "gpu":
-        plan.notes.append(f"draft trees are off: {target.architecture} verifies chains of drafts in this runtime "
-                          "(its linear-attention layers' recurrent state takes a step's tokens in order)")
     if seq > target.max_position_embeddings:
         plan.problems.append(
             f"max_seq_len={seq} exceeds the target's max_position_embeddings={target.max_position_embeddings}; "

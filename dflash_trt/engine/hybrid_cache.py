@@ -5,8 +5,9 @@ A K/V cache rolls back for free (rejected positions are masked, then overwritten
 has taken in every token of the verify block, rejected ones too. So each forward keeps, per row and linear layer, the
 state after each of its last `snapshots` real positions, and the next forward starts from the state after the
 position before its first query, wherever the last one stopped accepting. A verify block of K + 1 queries needs
-K + 1 snapshots; a prompt chunk its last one. The engine needs no rollback call, as with K/V; what it may not do is
-start a row anywhere else: a draft tree's branches (HybridCache.move refuses).
+K + 1 snapshots; a prompt chunk its last one; a draft tree's verify one a node, each node's state continuing its
+parent's, and HybridCache.move lines the accepted path's up by depth, as it does their K/V. The engine needs no
+rollback call, as with K/V.
 
 A row also keeps, as "marks", its state after the last position of each of its last MAX_MARKS prompt chunks: a later
 request whose prompt starts with those chunks takes them over or copies them (scheduler.py's row reuse: a chat's next
@@ -23,8 +24,9 @@ from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata
 
 
-# The most states a row keeps a forward (a verify block's queries; z-lab's drafters' blocks are 16 at most): a layer
-# takes a prompt's tokens before its last this many by chunks, whatever an engine keeps.
+# The most states a row keeps a forward (a verify step's queries: z-lab's drafters' blocks are 16 at most, draft trees
+# here 31 nodes and their root): a layer takes a prompt's tokens before its last this many by chunks, whatever an
+# engine keeps.
 MAX_SNAPSHOTS = 32
 # The prompt chunks' ends a row keeps its state after, the latest (a chat's next turn takes over its last turn's
 # prompt up to its last whole chunk; the earliest go first)
@@ -126,21 +128,36 @@ class LinearStates:
         """The first query index any row keeps a state after (the forward need not hold states before it)."""
         return max(0, min(n - self.snapshots for n in rs.lens))
 
-    def keep(self, rs: RowStates, history: torch.Tensor, states: torch.Tensor, offset: int) -> None:
-        """history [B, Q + conv_history, channels]: the convolution inputs before and of this forward; states
+    def keep(self, rs: RowStates, history: torch.Tensor, states: torch.Tensor, offset: int,
+             windows: torch.Tensor | None = None) -> None:
+        """history [B, conv_history + Q, channels]: the convolution inputs before and of this forward; states
         [B, Q - offset, heads, key, value]: the recurrent state after each query from `offset` on. Each row keeps
-        those after its last `snapshots` real queries."""
+        those after its last `snapshots` real queries. windows [B, Q, taps] (a draft tree's): the history indices
+        each query's convolution read, oldest first (its own and its ancestors' inputs)."""
         h = self.shape.conv_history
         for i, (row, start, n) in enumerate(zip(rs.rows, rs.starts, rs.lens)):
             lo = max(0, n - self.snapshots)
+            if windows is not None and lo:
+                raise ValueError(f"a draft tree of {n} nodes and its root: a linear-attention layer keeps the states "
+                                 f"of {self.snapshots} a row")
             count = n - lo
             self.state[row, :count] = states[i, lo - offset:n - offset]
-            # the history after query t is the inputs of queries t - h + 1 .. t: history[t + 1 .. t + h]
             for j in range(count):
-                self.conv[row, j] = history[i, lo + j + 1:lo + j + 1 + h]
+                if windows is None:  # the history after query t is the inputs of queries t - h + 1 .. t
+                    self.conv[row, j] = history[i, lo + j + 1:lo + j + 1 + h]
+                else:
+                    self.conv[row, j] = history[i, windows[i, j, 1:]]
             self.first[row], self.count[row] = start + lo, count
             if rs.prompt:
                 self._mark(row, start + n - 1, self.conv[row, count - 1].clone(), self.state[row, count - 1].clone())
+
+    def line_up(self, row: int, start: int, nodes: list[int]) -> None:
+        """After a draft tree's verify starting at `start`: the states after its accepted nodes (root first) become
+        those after positions start, start + 1, ... (its nodes' states lie at slots 0.. in node order)."""
+        idx = torch.tensor(nodes, device=self.state.device)
+        self.state[row, :len(nodes)] = self.state[row, idx]
+        self.conv[row, :len(nodes)] = self.conv[row, idx]
+        self.first[row], self.count[row] = start, len(nodes)
 
     def copy_row(self, src: int, dst: torch.Tensor, start: int, end: int) -> None:
         """Row src's state after position end - 1 to rows dst, as their only snapshot and a mark, with src's marks in
@@ -182,6 +199,10 @@ class HybridCache:
         scheduler's to know; the linear layers must hold the state after end - 1."""
         return all(states.holds(row, end - 1) for states in self.linear)
 
-    def move(self, moves: list) -> None:
-        raise ValueError("a hybrid target (linear-attention layers) verifies chains of drafts, not draft trees: its "
-                         "recurrent state takes its tokens in order")
+    def move(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """As KVCache.move: for (row, start, nodes), a draft tree's accepted path, root first, to the positions of its
+        depths; the linear layers' states after them likewise."""
+        self.kv.move(moves)
+        for row, start, nodes in moves:
+            for states in self.linear:
+                states.line_up(row, start, nodes)

@@ -312,13 +312,9 @@ class LLMEngine:
 
         schedule = this_cpu(config.draft_len_schedule, config.draft_len_schedule_without_amx)
         self.draft_tree = this_cpu(config.draft_tree, config.draft_tree_without_amx)
-        # A hybrid target's recurrent state takes a step's tokens in order (engine/hybrid_cache.py): chains of drafts,
-        # and prompts taken from other rows only as far as those hold the state after them.
+        # A hybrid target's rows give their prompts to later requests only as far as they hold the recurrent state
+        # after them (engine/hybrid_cache.py)
         recurrent = getattr(target, "keeps_recurrent_state", False)
-        if recurrent and self.draft_tree:
-            logger.warning("engine: draft_tree %s is off: %s verifies chains of drafts (its linear-attention layers "
-                           "keep a recurrent state)", self.draft_tree, target.config.architecture)
-            self.draft_tree = {}
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):  # both, whichever this CPU takes
             table = getattr(config, key) or {}
             if self.drafter is not None and max(table.values(), default=0) > self.max_draft_len:

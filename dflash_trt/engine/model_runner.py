@@ -70,7 +70,7 @@ class ModelRunner:
         self.lookup_nodes = lookup_nodes
         # room past a row's last position for a step's verify rows: a drafter block, or a larger draft tree's nodes
         self.target_cache = target.make_cache(num_rows, max_model_len + max(block, max_tree_nodes + 1) + 1,
-                                              queries=block)
+                                              queries=max(block, max_tree_nodes + 1))
         self.proposer = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:

@@ -19,21 +19,29 @@ CHUNK = 64
 
 
 def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
-                     state: torch.Tensor, keep_from: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     state: torch.Tensor, keep_from: int,
+                     parents: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k [B, T, H, K], v [B, T, H, V], beta and decay (exp(g)) [B, T, H], state [B, H, K, V] -> (outputs
     [B, T, H, V], the states after tokens keep_from.. [B, T - keep_from, H, K, V], None where there are none).
-    On a GPU one Triton kernel runs them (kernels/delta_rule_triton.py)."""
-    if q.is_cuda:
+    parents (a draft tree's): per row, each token's parent token (-1: it follows `state`), before it; each token
+    then continues its parent's state, not the one before it. On a GPU one Triton kernel runs a chain
+    (kernels/delta_rule_triton.py)."""
+    if q.is_cuda and parents is None:
         from dflash_trt.kernels.delta_rule_triton import delta_rule_steps_triton
 
         return delta_rule_steps_triton(q, k, v, beta, decay, state, keep_from)
-    outputs, kept = [], []
+    outputs, kept, after = [], [], []
+    initial = state
     for t in range(q.shape[1]):
+        if parents is not None:
+            state = torch.stack([initial[b] if row[t] < 0 else after[row[t]][b] for b, row in enumerate(parents)])
         state = state * decay[:, t, :, None, None]
         k_t = k[:, t, :, :, None]
         remembered = (state * k_t).sum(dim=-2)
         state = state + k_t * ((v[:, t] - remembered) * beta[:, t, :, None])[:, :, None, :]
         outputs.append((state * q[:, t, :, :, None]).sum(dim=-2))
+        if parents is not None:
+            after.append(state)
         if t >= keep_from:
             kept.append(state)
     return torch.stack(outputs, dim=1), torch.stack(kept, dim=1) if kept else None

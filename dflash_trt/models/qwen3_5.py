@@ -87,12 +87,39 @@ class GatedAttention(nn.Module):
             cache.write(self.kv_layer, meta, k, v)
             out = ops.cached_attention(q.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim),
                                        cache.k[self.kv_layer], cache.v[self.kv_layer], keys.rows, keys.lens,
-                                       self.scale).view(b, n, -1)
+                                       self.scale, tree=keys.tree).view(b, n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, n, -1)))
 
 
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def tree_parents(tree: torch.Tensor) -> list[list[int]]:
+    """A draft tree's verify (AttentionMetadata.tree: bit i of [b, j] set where node i is node j or its ancestor) ->
+    each node's parent, the nearest of its ancestors (-1 for the root)."""
+    parents = []
+    for row in tree.tolist():
+        parents.append([max((i for i in range(j) if bits >> i & 1), default=-1) for j, bits in enumerate(row)])
+    return parents
+
+
+def conv_windows(parents: list[list[int]], taps: int) -> list[list[list[int]]]:
+    """For each node, the inputs its causal convolution reads, oldest first, as indices into [the row's last taps - 1
+    inputs before the step ; the step's]: its own and its nearest ancestors', then those before the step."""
+    history = taps - 1
+    windows = []
+    for row in parents:
+        nodes = []
+        for j in range(len(row)):
+            chain, node = [], j
+            while node >= 0 and len(chain) < taps:
+                chain.append(history + node)
+                node = row[node]
+            chain += list(range(history - 1, -1, -1))[: taps - len(chain)]
+            nodes.append(chain[::-1])
+        windows.append(nodes)
+    return windows
 
 
 class GatedDeltaNet(nn.Module):
@@ -125,7 +152,14 @@ class GatedDeltaNet(nn.Module):
         history = torch.cat([conv_before, mixed], dim=1)  # [B, history + Q, channels]
         w = self.conv_weight.float()
         taps = p.conv_kernel
-        conv = sum(history[:, j:j + n].float() * w[:, j] for j in range(taps))
+        parents = windows = None
+        if meta.tree is not None:  # a draft tree: each node follows its parent, not the node before it
+            parents = tree_parents(meta.tree)
+            windows = torch.tensor(conv_windows(parents, taps), device=x.device)  # [B, Q, taps]
+            inputs = [history.gather(1, windows[..., j, None].expand(-1, -1, history.shape[-1])) for j in range(taps)]
+            conv = sum(inputs[j].float() * w[:, j] for j in range(taps))
+        else:
+            conv = sum(history[:, j:j + n].float() * w[:, j] for j in range(taps))
         qkv = F.silu(conv).to(x.dtype)
         q, k, v = qkv.split((self.key_size, self.key_size, p.value_heads * p.value_dim), dim=-1)
         repeat = p.value_heads // p.key_heads
@@ -139,15 +173,15 @@ class GatedDeltaNet(nn.Module):
         # A prompt's tokens whose states nobody keeps go by chunks, up to a point that depends on the prompt alone
         # (not on how many states an engine keeps), so plain and speculative engines take a prompt in alike; the
         # rest token by token, as one-token steps do, keeping the states wanted.
-        split = max(0, min(rs.lens) - MAX_SNAPSHOTS)
+        split = max(0, min(rs.lens) - MAX_SNAPSHOTS) if parents is None else 0
         head = []
         if split:
             out, state = delta_rule_chunked(q[:, :split], k[:, :split], v[:, :split], beta[:, :split],
                                             log_decay[:, :split], state)
             head.append(out)
         tail, kept = delta_rule_steps(q[:, split:], k[:, split:], v[:, split:], beta[:, split:],
-                                      log_decay[:, split:].exp(), state, keep_from - split)
-        states.keep(rs, history, kept, keep_from)
+                                      log_decay[:, split:].exp(), state, keep_from - split, parents)
+        states.keep(rs, history, kept, keep_from, windows)
         out = torch.cat([*head, tail], dim=1).to(x.dtype)  # [B, Q, heads, value]
         out = self.norm(out, z.reshape(b, n, p.value_heads, p.value_dim))
         return self.out_proj(out.reshape(b, n, -1))
@@ -182,7 +216,7 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    # the engine verifies chains only; rows share prompts as far as their marks hold (hybrid_cache.py)
+    # rows share prompts only as far as their marks hold (hybrid_cache.py)
     keeps_recurrent_state = True
     # the vision tower, and the multi-token prediction head (the drafter here is DFlash's)
     unread_prefixes = ("model.visual.", "mtp.")
@@ -210,6 +244,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         c, p = self.config, self.params
         w = self.embed_tokens.weight
         snapshots = max(queries, 1)
+        if snapshots > MAX_SNAPSHOTS:
+            raise ValueError(f"a step of {snapshots} queries a row (a drafter block, or a draft tree's nodes and its "
+                             f"root): {c.architecture}'s linear-attention layers keep the states of at most "
+                             f"{MAX_SNAPSHOTS}; draft trees of at most {MAX_SNAPSHOTS - 1} nodes")
         # a row's: its snapshots and marks (hybrid_cache.py)
         states = p.linear_layers * (snapshots + MAX_MARKS) * p.state_bytes(w.dtype.itemsize)
         kv = KVCache(p.layer_types.count("full_attention"), num_rows, max_len, c.num_key_value_heads, c.head_dim,

@@ -19,7 +19,7 @@ from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 from dflash_trt.models.registry import load_target
 from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
-from tests.forced_drafts import force_drafts
+from tests.forced_drafts import force_drafts, force_tree_drafts
 from tests.models.helpers import meta, sample_prompts, spec_engine
 from tests.stats import assert_matches
 
@@ -287,22 +287,41 @@ def test_greedy_speculative_equals_transformers_greedy(q35_dir, q35_drafter, hf_
     assert [o.token_ids for o in outs] == refs and max(max(o.acceptance_lengths) for o in outs) >= 4
 
 
-def test_chunked_prompts_shared_chunks_and_asked_for_trees_stay_exact(q35_dir, q35_drafter, hf_model, caplog):
-    """Prompts in chunks of 16 (padded in their forwards), one prompt twice (the second copies the chunks the first
-    computes, with their states), and a draft tree asked for: the engine says it drafts chains, and every answer is
-    transformers' greedy one. Rows give their prompts' chunks on only as far as they hold the state after them."""
+def test_chunked_prompts_and_shared_chunks_stay_exact(q35_dir, q35_drafter, hf_model):
+    """Prompts in chunks of 16 (padded in their forwards) and one prompt twice (the second copies the chunks the first
+    computes, with their states): every answer is transformers' greedy one."""
     long = sample_prompts(4)[3] + sample_prompts(4)[1]
     prompts = [long, long, sample_prompts(4)[2]]
     refs = _greedy_refs(hf_model, prompts)
-    engine = _engine(q35_dir, q35_drafter, 7, 4, prefill_chunk=16, draft_tree={1: 6, 4: 6})
-    assert "draft_tree {1: 6, 4: 6} is off: Qwen3_5ForCausalLM verifies chains" in caplog.text
-    assert engine.draft_tree == {} and engine.scheduler.config.holds_prefix == engine.runner.target_cache.holds_prefix
+    engine = _engine(q35_dir, q35_drafter, 7, 4, prefill_chunk=16)
+    assert engine.scheduler.config.holds_prefix == engine.runner.target_cache.holds_prefix
     copied = []
     real_copy = engine.runner.target_cache.copy_rows
     engine.runner.target_cache.copy_rows = lambda *a: copied.append(a[2:]) or real_copy(*a)
     force_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))}, error_rate=0.2)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs and copied == [(0, 16), (16, 32), (32, 47)]
+
+
+@pytest.mark.parametrize("batch, nodes", [(1, 6), (4, 12)])
+def test_greedy_draft_trees_equal_transformers_greedy(q35_dir, q35_drafter, hf_model, batch, nodes):
+    """Draft trees whose accepted paths run off the first nodes (forced: the true token ranked 0-3 or absent): each
+    node's state continues its parent's, and the accepted path's states line up by depth for the next step."""
+    prompts = sample_prompts(batch)
+    refs = _greedy_refs(hf_model, prompts)
+    engine = _engine(q35_dir, q35_drafter, 7, batch, draft_tree={batch: nodes})
+    force_tree_drafts(engine, {i: p + r for i, (p, r) in enumerate(zip(prompts, refs))})
+    moved = []
+    real_move = engine.runner.target_cache.move
+    engine.runner.target_cache.move = lambda moves: moved.extend(moves) or real_move(moves)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert moved and max(max(o.acceptance_lengths) for o in outs) >= 3
+
+
+def test_a_draft_tree_past_the_states_a_row_keeps_is_refused(q35_dir, q35_drafter):
+    with pytest.raises(ValueError, match="a step of 41 queries a row .* draft trees of at most 31 nodes"):
+        _engine(q35_dir, q35_drafter, 7, 1, draft_tree={1: 40})
 
 
 def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after_it(q35_dir, q35_drafter, hf_model):
@@ -332,10 +351,11 @@ def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after
     assert sorted(marks[0]) == [47, 63, 79, 80]
 
 
-@pytest.mark.parametrize("rule", ["match", "rejection"])
-def test_sampled_output_follows_the_target_distribution(tmp_path, rule):
+@pytest.mark.parametrize("rule, tree", [("match", None), ("rejection", None), ("match", 5)],
+                         ids=["match chain", "rejection chain", "match tree of 5"])
+def test_sampled_output_follows_the_target_distribution(tmp_path, rule, tree):
     """Four tokens over a four-token vocabulary (256 outcomes, enumerated by transformers) sampled 3,000 times with
-    K=3: speculative samples follow the target's joint distribution."""
+    K=3, chains or trees: speculative samples follow the target's joint distribution."""
     t = make_qwen3_5(tmp_path / "t", seed=11, vocab=4)
     d = make_drafter(tmp_path / "d", t, block_size=8, target_layer_ids=(1, 3), seed=12)
     prompt = [1, 3, 0, 2, 1]
@@ -349,7 +369,8 @@ def test_sampled_output_follows_the_target_distribution(tmp_path, rule):
     picked = probs.gather(-1, ids[:, len(prompt):, None])[..., 0].prod(-1)
     expected = {s: float(p) for s, p in zip(seqs, picked)}
     target = load_target(t)
-    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(max_batch_size=1000, max_draft_len=3))
+    engine = LLMEngine(target, None, load_drafter(d, target.config), EngineConfig(
+        max_batch_size=1000, max_draft_len=3, **({"draft_tree": {1000: tree}} if tree else {})))
     n = 3000
     params = [SamplingParams(max_new_tokens=4, temperature=1.5, seed=s, acceptance=rule, ignore_eos=True)
               for s in range(n)]
@@ -359,8 +380,9 @@ def test_sampled_output_follows_the_target_distribution(tmp_path, rule):
 
 
 @needs_bf16_kernels
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, temperature):
+@pytest.mark.parametrize("temperature, tree", [(0.0, None), (1.0, None), (0.0, 10)],
+                         ids=["greedy", "sampled", "greedy tree of 10"])
+def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, temperature, tree):
     """In bf16 the oracle is the same runtime decoding one token a step: verify blocks of forced, mostly-right drafts
     give the same tokens (greedy, and seeded samples under the "match" rule); the delta rule takes a block's tokens
     one by one, as one-token steps do."""
@@ -369,7 +391,11 @@ def test_bf16_speculative_equals_bf16_plain_decoding(q35_dir, q35_drafter, tempe
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     plain = LLMEngine(load_target(q35_dir, torch.bfloat16), None, None, EngineConfig(
         max_batch_size=4, max_model_len=224, dtype="bfloat16", speculative=False)).generate(prompts, params)
-    engine = _engine(q35_dir, q35_drafter, 7, 4, torch.bfloat16)
-    force_drafts(engine, {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}, error_rate=0.15)
+    engine = _engine(q35_dir, q35_drafter, 7, 4, torch.bfloat16, **({"draft_tree": {4: tree}} if tree else {}))
+    truth = {i: p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain))}
+    if tree:
+        force_tree_drafts(engine, truth)
+    else:
+        force_drafts(engine, truth, error_rate=0.15)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and all(o.tau > 1.5 for o in outs)
