@@ -8,12 +8,13 @@ mode off. Host syncs are counted by torch's CUDA sync debug mode (each one waits
 the host can no longer run ahead of the GPU).
 
     python benchmarks/gpu_runtime.py [--batches 1,8,32] [--k 7] [--tree-nodes 6] [--steps 24] [--out NAME]
-    python benchmarks/gpu_runtime.py --model qwen3.5   # a hybrid target (chains only), as below
+    python benchmarks/gpu_runtime.py --model qwen3.5   # a hybrid target, as below
     python benchmarks/gpu_runtime.py --device cpu --model smoke   # a dry run of the script itself, small shapes
 
 --model qwen3.5: transformers' default Qwen3.5 language model (32 layers, every fourth full attention, hidden 4,096,
 vocab 248,320) with the Qwen3-8B drafter's shape paired to it (the same hidden size; its features from layers
-1, 8, 15, 22, 29): the delta rule's Triton kernel and the recurrent states' bookkeeping in a step.
+1, 8, 15, 22, 29): the delta rule's Triton kernel (chains; a tree's nodes run the torch loop) and the recurrent
+states' bookkeeping in a step.
 
 Writes benchmarks/results/NAME.json (default gpu_runtime_<gpu>). Several minutes at most on an H100/H200.
 """
@@ -174,8 +175,6 @@ def main() -> None:
         f"chain K={args.k}": dict(max_draft_len=args.k),
         f"tree K={args.k} nodes={args.tree_nodes}": dict(max_draft_len=args.k, draft_tree={1: args.tree_nodes}),
     }
-    if getattr(target, "keeps_recurrent_state", False):  # a hybrid target verifies chains only
-        systems.popitem()
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for name, config in systems.items():
