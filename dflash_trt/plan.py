@@ -272,6 +272,12 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     kinds = layer_kinds(t)
     full, sliding, window = kinds.full, kinds.sliding, kinds.window
     details: dict = {"target_kv_bytes_per_token_per_layer": per_token_layer}
+    # a step's verify queries a row as this runtime sizes for them (engine/model_runner.py): a drafter block, or a
+    # larger draft tree's nodes and its root (TensorRT-LLM drafts no trees)
+    spec = cfg.speculative_config
+    trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] \
+        if spec and not trtllm else []
+    queries = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
     if trtllm:
         # TensorRT-LLM through the targeted release puts every layer of a model with mixed layer_types in one pool of
         # full-context blocks (NVIDIA/TensorRT-LLM PR #18767, merged 2026-09-06, derives per-layer windows; before it
@@ -280,25 +286,18 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
         target_kv = batch * per_token_layer * (full * seq + sliding * sliding_tokens)
         details.update(full_attention_layers=full, sliding_layers=sliding, sliding_tokens_per_seq=sliding_tokens)
     else:
-        # room past a row's last position for a step's verify rows, as the runtime keeps it (engine/model_runner.py):
-        # a drafter block, or a larger draft tree's nodes and its root
-        spec = cfg.speculative_config
-        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] if spec else []
-        block = max(d.block_size, max(trees, default=0) + 1) if d is not None else 1
-        target_kv = batch * per_token_layer * (full + sliding) * (seq + block + 1)
+        # room past a row's last position for a step's verify queries, as the runtime keeps it
+        target_kv = batch * per_token_layer * (full + sliding) * (seq + queries + 1)
     parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=trtllm)
     comps = {
         "target_weights": parts.total,
         "target_kv_cache": int(target_kv),
     }
     if kinds.linear:
-        # A hybrid target's linear layers: each row's state after each of a verify step's queries (a block, or a
-        # tree's nodes and root) and after its last prompt chunks, as this runtime keeps them
-        # (engine/hybrid_cache.py); TensorRT-LLM's own cache manager holds them its way
-        spec = cfg.speculative_config
-        trees = [*(spec.draft_tree or {}).values(), *(spec.draft_tree_without_amx or {}).values()] \
-            if spec and not trtllm else []
-        snapshots = max(d.block_size if d is not None else 1, max(trees, default=0) + 1) + MAX_MARKS
+        # A hybrid target's linear layers: each row's state after each of a step's verify queries and after its last
+        # prompt chunks, as this runtime keeps them (engine/hybrid_cache.py); TensorRT-LLM's own cache manager holds
+        # them its way
+        snapshots = queries + MAX_MARKS
         per_row = kinds.linear * snapshots * Qwen3_5Params.from_config(t).state_bytes(dtype_b)
         comps["target_recurrent_states"] = batch * per_row // tp
         details.update(linear_attention_layers=kinds.linear, state_snapshots_per_row=snapshots)

@@ -84,7 +84,8 @@ class LinearStates:
 
     def nbytes(self) -> int:
         """The snapshots' bytes and room for every row's marks."""
-        per_state = self.conv[0, 0].numel() * self.conv.element_size() + self.state[0, 0].numel() * 4
+        per_state = self.conv[0, 0].numel() * self.conv.element_size() + self.state[0, 0].numel() * \
+            self.state.element_size()
         return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size() + \
             MAX_MARKS * per_state * len(self.marks)
 

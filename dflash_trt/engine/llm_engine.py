@@ -312,9 +312,6 @@ class LLMEngine:
 
         schedule = this_cpu(config.draft_len_schedule, config.draft_len_schedule_without_amx)
         self.draft_tree = this_cpu(config.draft_tree, config.draft_tree_without_amx)
-        # A hybrid target's rows give their prompts to later requests only as far as they hold the recurrent state
-        # after them (engine/hybrid_cache.py)
-        recurrent = getattr(target, "keeps_recurrent_state", False)
         for key in ("draft_len_schedule", "draft_len_schedule_without_amx"):  # both, whichever this CPU takes
             table = getattr(config, key) or {}
             if self.drafter is not None and max(table.values(), default=0) > self.max_draft_len:
@@ -325,7 +322,8 @@ class LLMEngine:
             max_queue_len=config.max_queue_len, max_prefill_tokens=config.max_prefill_tokens,
             prefill_chunk=_prefill_chunk(config, target, layout), load_window=config.load_window,
             reuse_rows=config.prefix_reuse,
-            holds_prefix=self.runner.target_cache.holds_prefix if recurrent else None,
+            # a hybrid target's rows give their prompts on only as far as they hold the recurrent state after them
+            holds_prefix=getattr(self.runner.target_cache, "holds_prefix", None),
         ))
         if self.drafter is not None and config.lookup_nodes > self.runner.max_draft_len:
             raise ValueError(f"lookup_nodes={config.lookup_nodes}: a context lookup branch is at most "

@@ -14,12 +14,14 @@ multimodal rotary positions are the plain ones.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.engine.hybrid_cache import (MAX_MARKS, MAX_SNAPSHOTS, HybridCache, LinearStates, LinearStateShape,
-                                            row_states)
+                                            RowStates, row_states)
 from dflash_trt.engine.kv_cache import KVCache
 from dflash_trt.layers.attention import AttentionMetadata, cached_attention, kernel_step
 from dflash_trt.layers.delta_rule import delta_rule_chunked, delta_rule_steps
@@ -104,6 +106,17 @@ def tree_parents(tree: torch.Tensor) -> list[list[int]]:
     return parents
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """What every linear layer of one forward reads of its rows, found once a forward (Qwen3_5ForCausalLM's
+    _layer_args): their first positions and real queries, and in a draft tree's verify each node's parent and the
+    inputs its convolution reads (conv_windows, [B, Q, taps] on the device)."""
+
+    rows: RowStates
+    parents: list[list[int]] | None = None
+    windows: torch.Tensor | None = None
+
+
 def conv_windows(parents: list[list[int]], taps: int) -> list[list[list[int]]]:
     """For each node, the inputs its causal convolution reads, oldest first, as indices into [the row's last taps - 1
     inputs before the step ; the step's]: its own and its nearest ancestors', then those before the step."""
@@ -142,20 +155,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(p.value_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: HybridCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: HybridCache, step: StepRows) -> torch.Tensor:
         b, n, _ = x.shape
         p = self.p
         states = cache.linear[self.state_layer]
-        rs = row_states(meta)
+        rs, parents, windows = step.rows, step.parents, step.windows
         mixed, z, beta, a = self.in_proj(x).split(self.split, dim=-1)
         conv_before, state = states.initial(rs)
         history = torch.cat([conv_before, mixed], dim=1)  # [B, history + Q, channels]
         w = self.conv_weight.float()
         taps = p.conv_kernel
-        parents = windows = None
-        if meta.tree is not None:  # a draft tree: each node follows its parent, not the node before it
-            parents = tree_parents(meta.tree)
-            windows = torch.tensor(conv_windows(parents, taps), device=x.device)  # [B, Q, taps]
+        if windows is not None:  # a draft tree: each node follows its parent, not the node before it
             inputs = [history.gather(1, windows[..., j, None].expand(-1, -1, history.shape[-1])) for j in range(taps)]
             conv = sum(inputs[j].float() * w[:, j] for j in range(taps))
         else:
@@ -209,15 +219,16 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size) if p.experts is None else SharedExpertMoE(cfg, p)
 
-    def forward(self, x, cos, sin, meta, cache: HybridCache):
-        own = cache.kv if isinstance(self.mixer, GatedAttention) else cache
-        x = x + self.mixer(self.input_layernorm(x), cos, sin, meta, own)
+    def forward(self, x, cos, sin, meta, cache: HybridCache, step: StepRows):
+        h = self.input_layernorm(x)
+        if isinstance(self.mixer, GatedAttention):
+            x = x + self.mixer(h, cos, sin, meta, cache.kv)
+        else:
+            x = x + self.mixer(h, cos, sin, meta, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    # rows share prompts only as far as their marks hold (hybrid_cache.py)
-    keeps_recurrent_state = True
     # the vision tower, and the multi-token prediction head (the drafter here is DFlash's)
     unread_prefixes = ("model.visual.", "mtp.")
 
@@ -234,6 +245,14 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _layer_args(self, meta: AttentionMetadata) -> tuple:
+        rows = row_states(meta)
+        if meta.tree is None:
+            return (StepRows(rows),)
+        parents = tree_parents(meta.tree)
+        windows = torch.tensor(conv_windows(parents, self.params.conv_kernel), device=meta.positions.device)
+        return (StepRows(rows, parents, windows),)
 
     def _pack_extra(self) -> None:
         if self.params.experts is not None:
