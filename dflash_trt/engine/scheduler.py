@@ -307,8 +307,9 @@ class Scheduler:
             else:
                 admit_rest(seq)
         # in order: a long prompt at the head is not passed by shorter ones, which would starve it
+        copying: set[int] = set()
         while self.waiting and self.slots.num_free:
-            slot, reused, held = self._row_for(self.waiting[0])
+            slot, reused, held = self._row_for(self.waiting[0], copying)
             if not admit(chunk := self._chunk(self.waiting[0], computed, reused)):
                 break
             # the row first, then out of the queue and at once among the running requests: where anything raised
@@ -323,6 +324,7 @@ class Scheduler:
             if held is not None:
                 if held.row != seq.slot:
                     chunk.takes = (held.row, reused)
+                    copying.add(seq.request_id)
                 seq.drafter_context = min(held.drafter_len, reused)
                 seq.pending_features = held.features_up_to(reused)
             admit_rest(seq, chunk)
@@ -385,10 +387,11 @@ class Scheduler:
         self._abort_ids.discard(seq.request_id)
         return held
 
-    def _row_for(self, seq: Sequence) -> tuple[int | None, int, _Resident | None]:
+    def _row_for(self, seq: Sequence, copying: set[int]) -> tuple[int | None, int, _Resident | None]:
         """The free row to give a request (None: the lowest), how many of its prompt tokens it takes over, and what
         holds them: a freed row's last prompt (the row given), or a running request's, whose row they are copied from
-        (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs)."""
+        (a system prompt many users share, a request's n answers, a prompt sent again while the first one runs).
+        copying: the requests whose copies land in this step."""
         reused, held = 0, None
         grid = self.config.grid
         # one that asks for its prompt's logprobs needs every prompt position's hidden state; one whose prompt is no
@@ -397,8 +400,12 @@ class Scheduler:
             # A running row's prompt positions are not written again (its answer goes after them, and this step's
             # forwards come after the copy); those of this step's chunks are not written yet, so they do not count.
             # On a tie a freed row wins: it is taken over, not copied.
+            # A request admitted in this step that takes its prompt over by a copy holds none of it until the copy
+            # lands, and never more than the row it copies from (a candidate too): a hybrid cache's holds_prefix
+            # would read the row's last occupant's states.
             candidates = [*sorted(self._resident.values(), key=lambda r: r.row),
-                          *(_Resident.of(s) for s in self._running.values() if s.num_prefilled >= grid)]
+                          *(_Resident.of(s) for s in self._running.values()
+                            if s.num_prefilled >= grid and s.request_id not in copying)]
             for candidate in candidates:
                 if (n := self._reusable(candidate, seq.prompt_ids)) > reused:
                     reused, held = n, candidate

@@ -351,6 +351,31 @@ def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after
     assert sorted(marks[0]) == [47, 63, 79, 80]
 
 
+def test_a_request_takes_no_prefix_over_from_a_row_whose_own_copy_has_not_landed(q35_dir, hf_model):
+    """B copies 96 prompt positions from running X into a row whose last occupant marked its state after 31; C,
+    admitted in the same step, shares 32 positions with X, whose marks (its last four chunks') do not reach back to
+    31: C must take nothing over (B's row holds none of X's prompt before B's copy lands, and no more than X after
+    it), not read the old occupant's mark. Every answer is transformers' greedy one."""
+    target = load_target(q35_dir, torch.float32)
+    engine = LLMEngine(target, None, None, EngineConfig(max_batch_size=3, max_model_len=224, speculative=False,
+                                                         prefill_chunk=16))
+    g = torch.Generator().manual_seed(3)
+    tokens = lambda n: torch.randint(3, 90, (n,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    engine.generate([tokens(40), tokens(40)], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    marks = engine.runner.target_cache.linear[0].marks
+    x = tokens(101)
+    running = engine.add_request(x, params)
+    engine.step()  # X prefilled in the third row
+    assert sorted(marks[running.slot]) == [63, 79, 95, 100] and all(31 in marks[r] for r in (0, 1))
+    prompts = [x[:96] + tokens(10), x[:32] + tokens(20)]
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while not all(s.is_finished for s in (running, *seqs)):
+        engine.step()
+    assert [engine.make_output(s).token_ids for s in (running, *seqs)] == _greedy_refs(hf_model, [x, *prompts])
+    assert [s.num_reused for s in seqs] == [96, 0]
+
+
 @pytest.mark.parametrize("rule, tree", [("match", None), ("rejection", None), ("match", 5)],
                          ids=["match chain", "rejection chain", "match tree of 5"])
 def test_sampled_output_follows_the_target_distribution(tmp_path, rule, tree):
