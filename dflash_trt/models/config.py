@@ -220,15 +220,16 @@ def _check_planned_keys(cfg: dict, source: str) -> None:
 def language_model_config(cfg: dict, source: str = "config.json") -> dict:
     """A multimodal checkpoint's language model keys as one config (Qwen3.5's config.json keeps them under
     text_config, beside a vision_config; its architectures, and tie_word_embeddings where given, stay the top
-    level's); any other config as it is."""
+    level's, as do its eos_token_id and quantization_config where text_config has none); any other config as it
+    is."""
     text = cfg.get("text_config")
     if text is None or "num_hidden_layers" in cfg:
         return cfg
     if not isinstance(text, dict):
         raise ValueError(f"{source}: 'text_config' must be an object of the language model's keys, got {text!r}")
     merged = dict(text)
-    for key in ("architectures", "tie_word_embeddings", "eos_token_id"):
-        if cfg.get(key) is not None and (key != "eos_token_id" or merged.get(key) is None):
+    for key in ("architectures", "tie_word_embeddings", "eos_token_id", "quantization_config"):
+        if cfg.get(key) is not None and (key in ("architectures", "tie_word_embeddings") or merged.get(key) is None):
             merged[key] = cfg[key]
     return merged
 

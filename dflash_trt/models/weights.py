@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dflash_trt.models.fp8 import FP8_DTYPES, SCALE_SUFFIXES, dequantize, quantization_config, weight_block_size
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +98,7 @@ class WeightSet:
         self._handles: dict[Path, object] = {}
         self._keys: dict[Path, set[str]] = {}
         self.used: set[str] = set()
+        self._quantization: tuple[dict | None] | None = None  # (config.json's quantization_config,) once read
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -127,10 +130,37 @@ class WeightSet:
         if floating and not t.is_floating_point():
             raise CheckpointError(f"{path}: tensor {name!r} is {t.dtype}; these weights are floating point (a "
                                   "checkpoint quantized in a format this runtime does not read?)")
+        if floating and t.dtype in FP8_DTYPES:
+            t = self._dequantized(path, name, t)
         if self.check_finite and t.is_floating_point() and not _all_finite(t):
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or Inf values")
         self.used.add(name)
         return t
+
+    def _dequantized(self, path: Path, name: str, t: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight as the fp32 weight it stands for, by the scale beside it (models/fp8.py); without one, its
+        values as stored, unless config.json declares a quantization (whose scale this runtime would not apply)."""
+        if self._quantization is None:
+            from dflash_trt.models.config import read_config_json
+
+            config = self.model_dir / "config.json"
+            self._quantization = (quantization_config(read_config_json(self.model_dir)) if config.is_file() else None,)
+        quantization = self._quantization[0]
+        scale_name = next((name + suffix for suffix in SCALE_SUFFIXES if name + suffix in self._file_of), None)
+        if scale_name is None:
+            if quantization is None:
+                return t
+            raise CheckpointError(f"{path}: tensor {name!r} is {t.dtype} with no scale beside it "
+                                  f"({' or '.join(name + s for s in SCALE_SUFFIXES)}), and config.json declares "
+                                  f"quantization {quantization.get('quant_method')!r}: a format this runtime does not "
+                                  "read")
+        scale = self.get(scale_name)
+        if self.headers_only:
+            return torch.empty(t.shape, dtype=torch.float32, device="meta")
+        try:
+            return dequantize(t, scale, weight_block_size(quantization), name)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from e
 
     def _header_tensor(self, path: Path, name: str) -> torch.Tensor:
         piece = self._handles[path].get_slice(name)
