@@ -143,6 +143,8 @@ def standardized_rope(cfg: dict, source: str = "config.json") -> dict:
     params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
     if "partial_rotary_factor" in cfg:
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    elif cfg.get("model_type") in HYBRID_MODEL_TYPES:  # transformers' Qwen3.5 configs rotate a quarter unless told
+        params.setdefault("partial_rotary_factor", 0.25)
     if not isinstance(params["rope_type"], str):
         raise ValueError(f"{source}: {key}.rope_type must be a string, got {params['rope_type']!r}")
     as_float(params["rope_theta"], "rope_theta", source, positive=True)
@@ -320,12 +322,12 @@ class Qwen3MoeParams:
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration")
 HYBRID_MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", *HYBRID_MOE_MODEL_TYPES)
 
 
 def is_hybrid(cfg: DecoderConfig) -> bool:
     """Whether the target mixes linear-attention layers in (Qwen3.5's language model, dense or MoE)."""
-    return cfg.architecture in HYBRID_ARCHITECTURES or \
-        cfg.model_type in ("qwen3_5_text", "qwen3_5", *HYBRID_MOE_MODEL_TYPES)
+    return cfg.architecture in HYBRID_ARCHITECTURES or cfg.model_type in HYBRID_MODEL_TYPES
 
 
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")

@@ -4,6 +4,7 @@ rejected tokens rolled back out of the recurrent state, the multimodal checkpoin
 stays lossless, token for token against transformers' greedy and in distribution when sampling."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,19 @@ def test_logits_and_captured_layers_equal_transformers(tmp_path, config):
     assert (logits - ref.logits).abs().max() < TOL
     assert (feats[..., :HIDDEN] - ref.hidden_states[2]).abs().max() < TOL
     assert (feats[..., HIDDEN:] - ref.hidden_states[4]).abs().max() < TOL
+
+
+def test_a_config_that_leaves_out_the_rotated_fraction_rotates_a_quarter_as_transformers(q35_dir, hf_model, tmp_path):
+    d = Path(shutil.copytree(q35_dir, tmp_path / "t"))
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["rope_parameters"].pop("partial_rotary_factor") == 0.25
+    raw.pop("partial_rotary_factor", None)
+    (d / "config.json").write_text(json.dumps(raw))
+    ids = torch.randint(0, VOCAB, (1, 30))
+    ours = load_target(d)
+    with torch.no_grad():  # (transformers' config takes 0.25 where the key is missing)
+        got = ours.compute_logits(ours(ids, meta(ids), ours.make_cache(1, 32))[0])
+        assert (got - HFQwen3_5.from_pretrained(d).eval()(ids).logits).abs().max() < TOL
 
 
 def test_steps_of_any_width_continue_the_recurrent_state(q35_dir, hf_model):
