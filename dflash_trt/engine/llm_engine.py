@@ -537,9 +537,15 @@ class LLMEngine:
         answered wrongly, as did a later request taking that row over); requests the step finished before it failed
         are released (the next step decoded them on past their end); those and the aborted requests it took are
         handed to the next step to answer (they left the scheduler: nothing else would, and a server's
-        fail_running no longer sees them)."""
+        fail_running no longer sees them). On a hybrid target a forward that ran has moved its rows' recurrent
+        states past what they accepted: a decoding request whose row no longer holds the state after its last
+        position finishes with "error" (no step could continue it; its prompt's marks stay for later requests)."""
         for c in batch.prefills:
             c.undo_takeover()
+        holds = self.scheduler.config.holds_prefix
+        for s in batch.decodes:
+            if holds is not None and not s.is_finished and not holds(s.slot, s.num_cached):
+                s.finish_reason = "error"
         finished = self._finish([c.seq for c in batch.prefills] + batch.decodes)
         self.scheduler.answer_next([*finished, *batch.aborted])
 

@@ -390,6 +390,33 @@ def test_a_request_takes_no_prefix_over_from_a_row_whose_own_copy_has_not_landed
     assert [s.num_reused for s in seqs] == [96, 0]
 
 
+def test_a_request_whose_state_a_failed_step_moved_on_finishes_with_error_and_the_engine_steps_on(q35_dir,
+                                                                                                 hf_model):
+    """A step that fails after the target's forward (an error in sampling, say) has moved the rows' recurrent states
+    past what they accepted: their requests cannot be continued. They finish with "error" (a K/V target's would be
+    retried), and the engine goes on serving: a later request's answer is transformers' greedy one."""
+    engine = LLMEngine(load_target(q35_dir, torch.float32), None, None,
+                       EngineConfig(max_batch_size=2, max_model_len=224, speculative=False))
+    prompts = sample_prompts(4)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    running = engine.add_request(prompts[3], params)
+    for _ in range(3):
+        engine.step()
+    real = engine.runner._note_logprobs
+
+    def fail(*args):  # after the target forward
+        engine.runner._note_logprobs = real
+        raise MemoryError("after the target forward")
+    engine.runner._note_logprobs = fail
+    with pytest.raises(MemoryError):
+        engine.step()
+    later = engine.add_request(prompts[1], params)
+    while not later.is_finished:
+        engine.step()
+    assert running.finish_reason == "error"
+    assert engine.make_output(later).token_ids == _greedy_refs(hf_model, [prompts[1]])[0]
+
+
 @pytest.mark.parametrize("rule, tree", [("match", None), ("rejection", None), ("match", 5)],
                          ids=["match chain", "rejection chain", "match tree of 5"])
 def test_sampled_output_follows_the_target_distribution(tmp_path, rule, tree):
