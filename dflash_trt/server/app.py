@@ -251,12 +251,17 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         return ids
 
     async def _read_prompt_reasoning(req: p.ChatCompletionRequest, ids: list[int]) -> None:
-        if reasoning is not None and reasoning.starts_thinking:  # (the others' never closes in the prompt)
-            req.prompt_closed_reasoning = reasoning.closed_in(await detokenized(ids))
+        if reasoning is not None:  # (only deepseek_r1's closes in the prompt: the others read its last tokens)
+            prompt = await detokenized(ids if reasoning.starts_thinking else ids[-16:])
+            req.prompt_reasoning = "closed" if reasoning.closed_in(prompt) else (
+                "opened" if reasoning.opened_by(prompt) else None)
 
     def _reasoning(req: p.ChatCompletionRequest) -> ReasoningParser | None:
-        """The parser of a chat request's answer: the server's, unless the prompt closed the reasoning."""
-        return None if req.prompt_closed_reasoning else reasoning
+        """The parser of a chat request's answer: the server's, none where the prompt closed the reasoning, reading
+        it from the answer's start where the prompt opened it."""
+        if req.prompt_reasoning == "closed":
+            return None
+        return reasoning.opened() if req.prompt_reasoning == "opened" and reasoning is not None else reasoning
 
     def _harmony_calls(req: p.ChatCompletionRequest) -> bool:
         """Whether the calls tool_choice forces come in harmony's form (gpt-oss's, as it is trained to call), not as

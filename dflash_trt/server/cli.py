@@ -182,8 +182,9 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               help="A thinking model's chat answers: their reasoning in the message's `reasoning` (and "
               "`reasoning_content`), the rest in `content`, as vLLM's and trtllm-serve's option. deepseek_r1: from "
               "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
-              "answer opens with (Qwen3; none with enable_thinking off); gpt_oss: harmony's analysis channel (the "
-              "torch backend's default for a gpt-oss target). Default: none (gpt-oss: gpt_oss).")
+              "answer opens with (Qwen3; none with enable_thinking off) or the prompt does (Qwen3.5, Qwen3.6); "
+              "gpt_oss: harmony's analysis channel (the torch backend's default for a gpt-oss target). Default: none "
+              "(gpt-oss: gpt_oss).")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "llama3_json",
                                                        "gpt_oss", "openai", "none"]), default=None,
               help="Chat requests' tools may be called (tool_choice auto, OpenAI's default with tools): the calls "
@@ -192,8 +193,9 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "and Qwen3; qwen3_coder: <tool_call><function=...> (Qwen3-Coder); llama3_json: an answer that opens "
               "with {\"name\": ..., \"parameters\": ...} (Llama 3.1-3.3; the torch backend only); gpt_oss (vLLM's "
               "openai): harmony's commentary channel to=functions.NAME (the torch backend's default for a gpt-oss "
-              "target). Default: none (tools only with tool_choice none: rendered by the template, the answer is "
-              "text; gpt-oss: gpt_oss).")
+              "target). Default: the form the target's chat template shows (<function=...>: qwen3_coder; other "
+              "<tool_call>: hermes; gpt-oss: gpt_oss), else none (tools only with tool_choice none: rendered by the "
+              "template, the answer is text).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's companion of --tool-call-parser, taken so its command lines run; the parser alone enables "
               "tool calling here.")
@@ -268,11 +270,13 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         if reasoning is not None and reasoning_parser is None:
             click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
                        "default; none to turn it off)", err=True)
-        tools = default_tool_parser(llm.target) if tool_call_parser is None else tool_call_parser_named(
-            tool_call_parser)
-        if tools is not None and tool_call_parser is None:
-            click.echo(f"chat requests' tools may be called (--tool-call-parser {tools.name}, this target's default; "
-                       "none to turn it off)", err=True)
+        if tool_call_parser is None:
+            tools = default_tool_parser(llm.target, llm.tokenizer.chat_template)
+            if tools is not None:
+                click.echo(f"chat requests' tools may be called (--tool-call-parser {tools.name}, this target's "
+                           "default, the form its chat template shows; none to turn it off)", err=True)
+        else:
+            tools = tool_call_parser_named(tool_call_parser)
         metrics = ServerMetrics(llm.scheduler, llm.max_draft_len, name)
         loop.on_step, loop.on_finish = metrics.observe_step, metrics.observe_finished  # before any request exists
         app = create_app(loop, name, metrics, allowed_origins, trust_request_chat_template, api_key=api_key,

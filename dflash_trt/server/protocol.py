@@ -500,17 +500,18 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's audio output: the answer would carry an audio object, which this server never makes
     modalities: list[Any] | None = None
     audio: Any = None
-    _closed_reasoning: bool = PrivateAttr(default=False)
+    _prompt_reasoning: Literal["closed", "opened"] | None = PrivateAttr(default=None)
 
     @property
-    def prompt_closed_reasoning(self) -> bool:
-        """Whether the prompt the server made of it closes the model's reasoning (ReasoningParser.closed_in): the
-        answer is all content then."""
-        return self._closed_reasoning
+    def prompt_reasoning(self) -> Literal["closed", "opened"] | None:
+        """What the prompt the server made of it leaves of the model's reasoning: "closed" (ReasoningParser.closed_in:
+        the answer is all content), "opened" (ReasoningParser.opened_by: the answer is reasoning from its start) or
+        None (the answer's own to open)."""
+        return self._prompt_reasoning
 
-    @prompt_closed_reasoning.setter
-    def prompt_closed_reasoning(self, closed: bool) -> None:
-        self._closed_reasoning = closed
+    @prompt_reasoning.setter
+    def prompt_reasoning(self, state: Literal["closed", "opened"] | None) -> None:
+        self._prompt_reasoning = state
 
     _no_echo = _refuse_set("echo", message="echo is supported on /v1/completions, not on chat")
     _no_audio = _refuse_set("audio", message="audio output is not supported (this server answers in text)")

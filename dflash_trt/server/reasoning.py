@@ -9,8 +9,9 @@ held back until the next delta says whether it does.
 - deepseek_r1: the answer is reasoning from its start (DeepSeek-R1's template, and Qwen3's thinking-only models',
   open the block in the prompt; a `<think>` the model writes itself is dropped) up to `</think>`; without one, all of
   it is reasoning (a thinking model cut by max_tokens).
-- qwen3: reasoning only where the answer opens with `<think>` (Qwen3 with enable_thinking off writes none, and its
-  answer is all content).
+- qwen3: reasoning where the answer opens with `<think>` (Qwen3 with enable_thinking off writes none, and its
+  answer is all content), or where the prompt ends with one (Qwen3.5's and Qwen3.6's templates open the block for the
+  answer, thinking on: read as deepseek_r1 reads it).
 - gpt_oss: harmony's channels as the answer's text holds them, their special tokens left out (TensorRT-LLM's gpt-oss
   parser reads the same): `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`
   is "analysis...assistantfinal...": reasoning from "analysis" to "assistantfinal" (a second analysis message,
@@ -24,7 +25,7 @@ held back until the next delta says whether it does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -48,6 +49,20 @@ class ReasoningParser:
         structure holds it from its start. Others: never (qwen3's block is the answer's own to open). As vLLM's, a
         `</think>` a message quotes counts too, where the template does not open the answer's block after it."""
         return self.starts_thinking and max(prompt.rfind(end) for end in self.ends) > prompt.rfind(self.start)
+
+    def opened_by(self, prompt: str) -> bool:
+        """Whether a prompt (its text with special tokens written out) ends by opening the answer's reasoning: Qwen3.5's
+        and Qwen3.6's templates, thinking on, end the generation prompt with `<think>`, where Qwen3's left the model
+        to write it. Only a tag at the prompt's very end counts: a message that quotes one opens nothing."""
+        return bool(self.start) and prompt.rstrip().endswith(self.start)
+
+    def opened(self) -> ReasoningParser:
+        """This parser for an answer whose reasoning the prompt opened: reasoning from its start up to the end tag, as
+        deepseek_r1 reads `<think>` tags (whose grammar a structure then follows)."""
+        if self.starts_thinking:
+            return self
+        return PARSERS["deepseek_r1"] if (self.start, self.ends) == (THINK_START, (THINK_END,)) else replace(
+            self, starts_thinking=True)
 
 
 _HARMONY_CONTENT = ("assistantfinal", "assistantcommentary")

@@ -344,12 +344,22 @@ def tool_call_parser(name: str | None) -> ToolCallParser | None:
     return parser_named("tool-call", PARSERS, ALIASES, name)
 
 
-def default_tool_parser(target) -> ToolCallParser | None:
-    """The parser a target's calls take whatever the server is told: gpt-oss's (its chat format is harmony's); None
-    for others, whose format the server cannot tell."""
+def default_tool_parser(target, chat_template: str | dict[str, str] | None) -> ToolCallParser | None:
+    """The parser a target's calls take unless the server is told otherwise: gpt-oss's (its chat format is
+    harmony's); else the form its chat template shows the model calls in: `<function=NAME>` with `<parameter=...>`
+    inside `<tool_call>` (qwen3_coder: Qwen3.5's, Qwen3.6's, Qwen3-Coder's, Nemotron 3's), JSON inside `<tool_call>`
+    (hermes: Qwen2.5's, Qwen3's); None for a template that shows neither (no tools, or a form the server would
+    misread: Llama's bare JSON is read only when asked for)."""
     from dflash_trt.models.gpt_oss import GptOssForCausalLM
 
-    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
+    if isinstance(target, GptOssForCausalLM):
+        return PARSERS["gpt_oss"]
+    # (a tokenizer may keep several named templates: the default one renders chat, "tool_use" ones tools)
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    text = "\n".join(templates)
+    if "<tool_call>" not in text:
+        return None
+    return PARSERS["qwen3_coder"] if "<function=" in text and "<parameter=" in text else PARSERS["hermes"]
 
 
 class _Joint:

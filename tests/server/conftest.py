@@ -101,6 +101,15 @@ CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "C
 ANSWER = "I will look." + "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in CALLS)
 QUESTION = [{"role": "user", "content": "weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
+# How Qwen3's and Qwen3.5's chat templates write an assistant's calls (their tool-call loops, cut to the calls)
+QWEN3_TEMPLATE = ("{%- for m in messages %}{%- for c in m.tool_calls or [] %}"
+                  "{{- '<tool_call>\\n{\"name\": \"' }}{{- c.function.name }}{{- '\", \"arguments\": ' }}"
+                  "{{- c.function.arguments | tojson }}{{- '}\\n</tool_call>\\n' }}{%- endfor %}{%- endfor %}")
+QWEN3_5_TEMPLATE = ("{%- for m in messages %}{%- for c in m.tool_calls or [] %}"
+                    "{{- '<tool_call>\\n<function=' ~ c.function.name ~ '>\\n' -}}"
+                    "{%- for k, v in c.function.arguments | items %}"
+                    "{{- '<parameter=' ~ k ~ '>\\n' ~ (v | tojson if v is not string else v) ~ '\\n</parameter>\\n' -}}"
+                    "{%- endfor %}{{- '</function>\\n</tool_call>\\n' -}}{%- endfor %}{%- endfor %}")
 
 
 def trained_to_answer(root, messages: list[dict], answer: str, specials: tuple[str, ...] = ()) -> tuple:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from dflash_trt import dir_swap as dir_swap_module
 from dflash_trt.server import cli
-from tests.server.conftest import free_port
+from tests.server.conftest import QWEN3_5_TEMPLATE, free_port
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -85,6 +85,9 @@ def _app_options(monkeypatch, tmp_path, tiny_dirs, model: str, flag: list[str], 
     from tests.models.test_gpt_oss import make_gpt_oss
 
     target = tiny_dirs["qwen3"] if model == "qwen3" else make_gpt_oss(tmp_path / "gpt-oss", layers=2)
+    if model == "qwen3.5":  # the tiny Qwen3 with a template that writes calls as Qwen3.5's does
+        target = Path(shutil.copytree(tiny_dirs["qwen3"], tmp_path / "qwen3.5-template"))
+        (target / "chat_template.jinja").write_text(QWEN3_5_TEMPLATE)
     seen = []
 
     def create_app(*args, **kwargs):
@@ -103,14 +106,16 @@ def _app_options(monkeypatch, tmp_path, tiny_dirs, model: str, flag: list[str], 
                                                  ("qwen3", ["--enable-auto-tool-choice", "--tool-call-parser",
                                                             "qwen3_coder"], "qwen3_coder"),
                                                  ("gpt_oss", [], "gpt_oss"),
-                                                 ("gpt_oss", ["--tool-call-parser", "none"], None)])
-def test_serve_reads_tool_calls_with_a_tool_call_parser_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path,
-                                                                                          tiny_dirs, model, flag,
-                                                                                          parser):
+                                                 ("gpt_oss", ["--tool-call-parser", "none"], None),
+                                                 ("qwen3.5", [], "qwen3_coder"),
+                                                 ("qwen3.5", ["--tool-call-parser", "none"], None)])
+def test_serve_reads_tool_calls_with_a_tool_call_parser_and_by_default_as_the_target_writes_them(
+        monkeypatch, tmp_path, tiny_dirs, model, flag, parser):
+    """A gpt-oss target's in harmony; one whose chat template writes calls (a Qwen3.5's <function=...>) as it does."""
     seen, output = _app_options(monkeypatch, tmp_path, tiny_dirs, model, flag, "tool_parser")
     assert [p and p.name for p in seen] == [parser]
-    assert ("tools may be called (--tool-call-parser gpt_oss, this target's default" in output) == (
-        model == "gpt_oss" and not flag)
+    assert (f"tools may be called (--tool-call-parser {parser}, this target's default" in output) == (
+        model != "qwen3" and not flag)
 
 
 def test_vllms_enable_auto_tool_choice_without_a_parser_is_refused_before_loading(tiny_dirs):

@@ -138,6 +138,20 @@ def test_a_prompt_closes_deepseek_r1s_reasoning_where_its_last_tag_ends_it(promp
     assert not PARSERS["qwen3"].closed_in(prompt)  # its block is the answer's own to open, or not
 
 
+@pytest.mark.parametrize("prompt, opened", [
+    ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n", True),  # Qwen3.5's, thinking on
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # thinking off: closed
+    ("<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n", False),  # a quoted tag
+    ("<|im_start|>assistant\n", False),  # Qwen3's: the model writes its own <think>
+])
+def test_a_prompt_that_ends_with_think_opens_the_answers_reasoning_for_qwen3_read_as_deepseek_r1(prompt, opened):
+    qwen3 = PARSERS["qwen3"]
+    assert qwen3.opened_by(prompt) is opened
+    assert qwen3.opened() is PARSERS["deepseek_r1"]  # reasoning from the start, and its structured-output grammar
+    assert _whole(qwen3.opened(), "plan</think>answer") == ("plan", "answer")
+    assert _whole(qwen3.opened(), "<think>plan</think>answer") == ("plan", "answer")  # (written again: dropped)
+
+
 def test_each_parser_has_a_grammar_that_leaves_its_reasoning_free_before_a_structure():
     from dflash_trt.structured_output import REASONING_FORMATS
 
@@ -177,17 +191,21 @@ def _chat(server, prompt: str, stream: bool) -> tuple[str | None, str | None, di
 
 def test_served_chat_answers_split_at_tags_taken_from_the_targets_own_answer(tiny_dirs, answers):
     """The tiny random model writes no <think>: the parser is given tags that occur in its greedy answer (two
-    characters from its middle close the block; its first two open it, or the prompt is taken to have); the server's
-    split, streamed and not, must be the oracle's answer partitioned there."""
+    characters from its middle close the block; its first two open it, or the prompt is taken to have, or the
+    prompt opens it, ending with the parser's opening tag); the server's split, streamed and not, must be the
+    oracle's answer partitioned there."""
     engine = tiny_engine(tiny_dirs, max_batch_size=4)
     for prompt, text in answers[:2]:
         assert len(text) >= 8, text
         end = text[len(text) // 2: len(text) // 2 + 2]
-        for start in (text[:2], None):
+        tail = engine.tokenizer.decode(engine.encode(prompt, chat=True)).rstrip()[-2:]
+        assert not text.startswith(tail)
+        for start in (text[:2], None, tail):
+            opens = start == tail  # the chat prompt's last characters: the prompt opens the block
             parser = ReasoningParser("test", start is None, start or "\0", (end,))
             server = start_server(engine, reasoning=parser)
             try:
-                reasoning, _, content = text[len(start or ""):].partition(end)
+                reasoning, _, content = text[0 if opens else len(start or ""):].partition(end)
                 for stream in (False, True):
                     got_reasoning, got_content, msg = _chat(server, prompt, stream)
                     said = content if stream else content or None  # (a stream's joined deltas: "")

@@ -16,7 +16,8 @@ from dflash_trt.server.chat_answer import ChatAnswerSplitter
 from dflash_trt.server.reasoning import PARSERS as REASONING_PARSERS
 from dflash_trt.server.tool_calls import (CALL_START, HARMONY_STARTS, PARSERS, PYTHON_TAG, ClosedCall,
                                          ForcedCallSplitter, ToolCallSplitter, tool_call_parser)
-from tests.server.conftest import ANSWER, CALLS, QUESTION, TOOLS, start_server
+from tests.server.conftest import (ANSWER, CALLS, QUESTION, QWEN3_5_TEMPLATE, QWEN3_TEMPLATE, TOOLS,
+                                  start_server)
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
                                                                                          allow_infinity=False)
@@ -190,6 +191,39 @@ def test_qwens_own_renderings_of_calls_read_back_as_the_calls():
     # a parameter the schema does not name stays text, as vLLM's parser reads it
     assert json.loads(calls[0].arguments) == {"path": "/tmp/a.py", "content": "def f():\n    return 1\n",
                                               "mode": 644, "force": True, "extra": "3"}
+
+
+@pytest.mark.parametrize("template, name", [(QWEN3_TEMPLATE, "hermes"), (QWEN3_5_TEMPLATE, "qwen3_coder"),
+                                            ({"default": "{{ messages }}", "tool_use": QWEN3_TEMPLATE}, "hermes")])
+def test_by_default_calls_are_read_in_the_form_the_targets_chat_template_writes_them(template, name):
+    """The parser the server takes unasked must read back the calls the template renders, as the model learnt them."""
+    import jinja2
+
+    from dflash_trt.server.tool_calls import default_tool_parser
+
+    parser = default_tool_parser(object(), template)
+    assert parser is PARSERS[name]
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+    message = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}}
+                                                   for n, a in calls]}
+    source = template["tool_use"] if isinstance(template, dict) else template
+    text = jinja2.Environment().from_string(source).render(messages=[message])
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zone": {"type": "string"}}}}} for n, _ in calls]
+    content, read = _whole(ToolCallSplitter(parser, tools), text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in read] == calls
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}",
+                                      # Llama 3.1's: bare JSON, read only when asked for (llama3_json)
+                                      '{"name": function name, "parameters": dictionary of argument name and its '
+                                      'value}'])
+def test_a_template_that_shows_no_tool_call_block_takes_no_parser_unasked(template):
+    from dflash_trt.models.gpt_oss import GptOssForCausalLM
+    from dflash_trt.server.tool_calls import default_tool_parser
+
+    assert default_tool_parser(object(), template) is None
+    assert default_tool_parser(GptOssForCausalLM.__new__(GptOssForCausalLM), template) is PARSERS["gpt_oss"]
 
 
 def _harmony_text(harmony: str) -> str:
