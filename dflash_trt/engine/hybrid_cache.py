@@ -9,9 +9,12 @@ K + 1 snapshots; a prompt chunk its last one; a draft tree's verify one a node, 
 parent's, and HybridCache.move lines the accepted path's up by depth, as it does their K/V. The engine needs no
 rollback call, as with K/V.
 
-A row also keeps, as "marks", its state after the last position of each of its last MAX_MARKS prompt chunks: a later
-request whose prompt starts with those chunks takes them over or copies them (scheduler.py's row reuse: a chat's next
-turn, a shared system prompt), as far as the row still holds a mark (HybridCache.holds_prefix).
+A row also keeps, as "marks", its state after the last position of MAX_MARKS of its prompt chunks: a later request
+whose prompt starts with those chunks takes them over or copies them (scheduler.py's row reuse: a chat's next turn, a
+shared system prompt), as far as the row still holds a mark (HybridCache.holds_prefix). The last two chunks' stay (a
+chat's next turn takes over its last turn's prompt up to its last whole chunk); of the earlier ones, those whose end
+is the roundest multiple of a power of two (at 512 positions of a 4,096-position prompt: those at 2,048 and 3,072),
+so a prefix that later prompts share (a system prompt, tools) keeps a mark at least half way into it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from dflash_trt.layers.attention import AttentionMetadata
 # here 31 nodes and their root): a layer takes a prompt's tokens before its last this many by chunks, whatever an
 # engine keeps.
 MAX_SNAPSHOTS = 32
-# The prompt chunks' ends a row keeps its state after, the latest (a chat's next turn takes over its last turn's
-# prompt up to its last whole chunk; the earliest go first)
+# The prompt chunks' ends a row keeps its state after (LinearStates._mark: the last two, and the roundest before them)
 MAX_MARKS = 4
+KEPT_LAST = 2
+
+
+def _roundness(position: int) -> tuple[int, int]:
+    """How round the end of a mark's chunk is (the power of two dividing position + 1, the prefix's length), then how
+    late: the least goes first (of two as round, the earlier)."""
+    end = position + 1
+    return (end & -end).bit_length(), position
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,8 @@ class LinearStates:
         marks = self.marks[row]
         marks[position] = (conv, state)
         while len(marks) > MAX_MARKS:
-            del marks[min(marks)]
+            earlier = sorted(marks)[:-KEPT_LAST]
+            del marks[min(earlier, key=_roundness)]
 
     def initial(self, rs: RowStates) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's convolution history [B, history, channels] and recurrent state [B, heads, key, value] before its

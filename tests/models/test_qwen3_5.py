@@ -342,8 +342,8 @@ def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after
     """Turn 1 (40 prompt tokens, chunks of 16) marks the state after each chunk; turn 2 (turn 1's prompt, its answer
     and more: 81 tokens) takes over 32 of them in the freed row and starts from the mark after position 31; a request
     sharing turn 2's first 64 tokens, sent while turn 2 runs, copies them and the mark after them from turn 2's row,
-    whose marks are its last four chunks' (those after positions 15 and 31 gone). Every answer is transformers'
-    greedy one."""
+    whose marks are its last two chunks' and the two roundest before them (those after positions 15 and 47 gone).
+    Every answer is transformers' greedy one."""
     engine = _engine(q35_dir, q35_drafter, 7, 2, prefill_chunk=16)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     first = (sample_prompts(4)[3] * 2)[:40]
@@ -362,32 +362,47 @@ def test_a_chats_next_turn_takes_over_its_last_turns_prompt_with_the_state_after
     outs = [engine.make_output(s) for s in (turn, sharing)]
     assert [o.token_ids for o in outs] == refs
     assert [o.num_cached_tokens for o in outs] == [32, 64]
-    assert sorted(marks[0]) == [47, 63, 79, 80]
+    assert sorted(marks[0]) == [31, 63, 79, 80]
+
+
+def test_a_shared_prefix_keeps_a_mark_half_way_into_it_however_long_the_prompts_after_it(q35_dir, hf_model):
+    """A system prompt of 70 tokens under a 60-token question (chunks of 16: 9 marked in turn) keeps the mark after
+    its 64th position (the roundest chunk end), not only the last four chunks': the next request, the same system
+    prompt under another question, takes over 64 positions. Every answer is transformers' greedy one."""
+    engine = LLMEngine(load_target(q35_dir, torch.float32), None, None,
+                       EngineConfig(max_batch_size=1, max_model_len=224, speculative=False, prefill_chunk=16))
+    g = torch.Generator().manual_seed(4)
+    system, first, second = (torch.randint(3, 90, (n,), generator=g).tolist() for n in (70, 60, 30))
+    prompts = [system + first, system + second]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    outs = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == _greedy_refs(hf_model, prompts)
+    assert [o.num_cached_tokens for o in outs] == [0, 64]
 
 
 def test_a_request_takes_no_prefix_over_from_a_row_whose_own_copy_has_not_landed(q35_dir, hf_model):
-    """B copies 96 prompt positions from running X into a row whose last occupant marked its state after 31; C,
-    admitted in the same step, shares 32 positions with X, whose marks (its last four chunks') do not reach back to
-    31: C must take nothing over (B's row holds none of X's prompt before B's copy lands, and no more than X after
-    it), not read the old occupant's mark. Every answer is transformers' greedy one."""
+    """B copies 96 prompt positions from running X into a row whose last occupant marked its state after 47; C,
+    admitted in the same step, shares 48 positions with X, which marked its state after 31, not 47: C must take 32
+    over from X (B's row holds none of X's prompt before B's copy lands, and no more than X after it), not read the
+    old occupant's mark. Every answer is transformers' greedy one."""
     target = load_target(q35_dir, torch.float32)
     engine = LLMEngine(target, None, None, EngineConfig(max_batch_size=3, max_model_len=224, speculative=False,
                                                          prefill_chunk=16))
     g = torch.Generator().manual_seed(3)
     tokens = lambda n: torch.randint(3, 90, (n,), generator=g).tolist()  # noqa: E731
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    engine.generate([tokens(40), tokens(40)], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.generate([tokens(56), tokens(56)], SamplingParams(max_new_tokens=2, ignore_eos=True))
     marks = engine.runner.target_cache.linear[0].marks
     x = tokens(101)
     running = engine.add_request(x, params)
     engine.step()  # X prefilled in the third row
-    assert sorted(marks[running.slot]) == [63, 79, 95, 100] and all(31 in marks[r] for r in (0, 1))
-    prompts = [x[:96] + tokens(10), x[:32] + tokens(20)]
+    assert sorted(marks[running.slot]) == [31, 63, 95, 100] and all(47 in marks[r] for r in (0, 1))
+    prompts = [x[:96] + tokens(10), x[:48] + tokens(20)]
     seqs = [engine.add_request(p, params) for p in prompts]
     while not all(s.is_finished for s in (running, *seqs)):
         engine.step()
     assert [engine.make_output(s).token_ids for s in (running, *seqs)] == _greedy_refs(hf_model, [x, *prompts])
-    assert [s.num_reused for s in seqs] == [96, 0]
+    assert [s.num_reused for s in seqs] == [96, 32]
 
 
 def test_a_request_whose_state_a_failed_step_moved_on_finishes_with_error_and_the_engine_steps_on(q35_dir,
