@@ -122,12 +122,12 @@ class PerfModel:
     def target_cost(self, batch: int, tokens_per_row: int, context: int | None = None) -> ForwardCost:
         t, cfg, dtype_b = self.target, self.cfg, self.dtype_bytes
         ctx = self.context_len if context is None else context
-        parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=self.hw.kind == "gpu")
+        parts = target_weight_parts(t, cfg, dtype_b, keep_quantized=self.hw.kind == "gpu")
         tokens = batch * tokens_per_row  # on this rank
         tp = attention_tp(cfg)
         moe = moe_shape(t)
         weight_bytes = parts.layer_dense_bytes * t.num_hidden_layers + parts.head_bytes + parts.final_norm_bytes
-        flops = 2 * (parts.layer_dense_bytes / dtype_b) * t.num_hidden_layers * tokens
+        flops = 2 * parts.layer_dense_values * t.num_hidden_layers * tokens
         if moe:
             e, top_k = moe.num_experts, moe.experts_per_token
             routed = tokens * self.dp  # every attention-DP rank's tokens reach the experts

@@ -137,6 +137,7 @@ class WeightParts:
 
     num_layers: int
     layer_dense_bytes: float  # attention, norms, router (+ the MLP of a dense model), one layer
+    layer_dense_values: float  # their values (as many multiply-adds a token; FP8 ones a byte each)
     experts_per_rank: int  # 0 for a dense model
     expert_bytes: float  # one expert's share on this rank, with its biases, one layer
     embedding_bytes: float  # the input embedding (a gather: only the batch's rows are read)
@@ -154,51 +155,60 @@ class WeightParts:
         return self.lm_head_bytes or self.embedding_bytes
 
 
-def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_mxfp4: bool = True) -> WeightParts:
-    """Target weights on one rank, by part; `keep_mxfp4=False` when the runtime dequantizes MXFP4 experts
-    on load (this project's torch runtime does; TensorRT-LLM keeps them packed)."""
+def target_weight_parts(t: DecoderConfig, cfg: BuildConfig, dtype_b: int, keep_quantized: bool = True) -> WeightParts:
+    """Target weights on one rank, by part; `keep_quantized=False` when the runtime dequantizes a quantized
+    checkpoint's weights on load (this project's torch runtime does: MXFP4 experts, FP8 linears; TensorRT-LLM keeps
+    them as stored). FP8 linears (quant_method fp8, or ModelOpt's FP8) kept take a byte a value (their scales, a
+    block's or a channel's, a few thousandths of that); the embeddings, norms and router stay in the model's dtype."""
+    quant = t.extra.get("quantization_config") or {}
+    fp8 = keep_quantized and (quant.get("quant_method") == "fp8" or (quant.get("quant_method") == "modelopt"
+                                                                    and quant.get("quant_algo") == "FP8"))
+    linear_b = 1 if fp8 else dtype_b
     tp = attention_tp(cfg)
     h, hd = t.hidden_size, t.head_dim
     q_out = t.num_attention_heads * hd // tp
     kv_out = _kv_heads_per_rank(t.num_key_value_heads, tp) * hd
     dense = 2 * h * q_out + 2 * h * kv_out  # q, o; k, v
-    dense += 2 * h  # input and post-attention norms
+    small = 2 * h  # values outside the linears' weights (FP8 keeps them in the model's dtype): the layer's norms
     if t.attention_bias:
-        dense += q_out + 2 * kv_out + h  # o_proj's bias is replicated
+        small += q_out + 2 * kv_out + h  # o_proj's bias is replicated
     if t.qk_norm:
-        dense += 2 * hd
+        small += 2 * hd
     if is_hybrid(t):
         # Qwen3.5: the attention layers' q_proj doubles as their output gate (and they norm q and k); the linear
         # layers hold their own mixer instead: per layer on average
         hybrid = Qwen3_5Params.from_config(t)
         share = hybrid.linear_layers / t.num_hidden_layers
-        attention = 3 * h * q_out + 2 * h * kv_out + 2 * hd
+        attention = 3 * h * q_out + 2 * h * kv_out
         dense += (hybrid.mixer_values(h) // tp) * share + attention * (1 - share) - 2 * h * q_out - 2 * h * kv_out
+        small += 2 * hd * (1 - share)
         if hybrid.experts is not None:  # Qwen3.5-MoE's shared expert and its gate, beside the routed ones
-            dense += 3 * h * hybrid.shared_expert_intermediate // tp + h
+            dense += 3 * h * hybrid.shared_expert_intermediate // tp
+            small += h
     if t.model_type == "gpt_oss":
-        dense += t.num_attention_heads // tp  # attention sinks, one per head
+        small += t.num_attention_heads // tp  # attention sinks, one per head
     moe = moe_shape(t)
     per_rank, one_expert = 0, 0.0
     if moe:
         e, i = moe.num_experts, moe.intermediate_size
         per_rank = e // cfg.moe_ep
-        quant = (t.extra.get("quantization_config") or {}).get("quant_method")
-        if quant == "mxfp4" and keep_mxfp4:
+        if quant.get("quant_method") == "mxfp4" and keep_quantized:
             one_expert = mxfp4_expert_bytes(h, i // cfg.moe_tp)
         else:
-            one_expert = 3 * h * i / cfg.moe_tp * dtype_b  # gate_up [h, 2i] and down [i, h], this rank's share
+            one_expert = 3 * h * i / cfg.moe_tp * linear_b  # gate_up [h, 2i] and down [i, h], this rank's share
             one_expert += (2 * i // cfg.moe_tp + h) * dtype_b if moe.biases else 0  # its biases
         # per layer on average where only some layers route (Qwen3-MoE's mlp_only_layers): the sparse ones' router
         # (replicated) and experts, the others' dense MLP
         share = moe.sparse_layers / t.num_hidden_layers
-        dense += (h * e + (e if moe.biases else 0)) * share + 3 * h * t.intermediate_size // tp * (1 - share)
+        small += (h * e + (e if moe.biases else 0)) * share
+        dense += 3 * h * t.intermediate_size // tp * (1 - share)
         one_expert *= share
     else:
         dense += 3 * h * t.intermediate_size // tp
     vocab = t.vocab_size * h // tp * dtype_b
     return WeightParts(
-        num_layers=t.num_hidden_layers, layer_dense_bytes=dense * dtype_b, experts_per_rank=per_rank,
+        num_layers=t.num_hidden_layers, layer_dense_bytes=dense * linear_b + small * dtype_b,
+        layer_dense_values=dense + small, experts_per_rank=per_rank,
         expert_bytes=one_expert, embedding_bytes=vocab, lm_head_bytes=0 if t.tie_word_embeddings else vocab,
         final_norm_bytes=h * dtype_b,
     )
@@ -288,7 +298,7 @@ def _components(t, d, cfg, hw, k, batch, seq, dtype, kvd) -> tuple[dict[str, int
     else:
         # room past a row's last position for a step's verify queries, as the runtime keeps it
         target_kv = batch * per_token_layer * (full + sliding) * (seq + queries + 1)
-    parts = target_weight_parts(t, cfg, dtype_b, keep_mxfp4=trtllm)
+    parts = target_weight_parts(t, cfg, dtype_b, keep_quantized=trtllm)
     comps = {
         "target_weights": parts.total,
         "target_kv_cache": int(target_kv),

@@ -388,6 +388,29 @@ def test_a_hybrid_targets_weights_are_the_parameters_transformers_builds(moe):
     assert plan.components["target_weights"] == pytest.approx(2 * params, rel=1e-4)
 
 
+@pytest.mark.parametrize("hardware, quantization", [
+    ("h200", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+    ("h200", {"quant_method": "modelopt", "quant_algo": "FP8"}),
+    ("cpu", {"quant_method": "fp8", "weight_block_size": [128, 128]})])
+def test_an_fp8_targets_linears_take_a_byte_a_value_where_tensorrt_llm_keeps_them(hardware, quantization):
+    """Qwen3-8B's FP8 release: TensorRT-LLM keeps its decoder layers' linears in FP8, a byte a value, and the
+    embeddings, head and norms in bf16 (transformers' count of each); this project's torch runtime dequantizes them
+    as it loads them: bf16 throughout."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    raw = {**bundled_config("Qwen/Qwen3-8B"), "quantization_config": quantization}
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**raw))
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    others = sum(p.numel() for p in model.parameters()) - linear
+    cfg = dict(model="Qwen/Qwen3-8B", hardware=hardware, kv_cache_config={"dtype": "bfloat16"},
+               speculative_config=None, max_batch_size=1, max_seq_len=4096)
+    plan = plan_build(decoder_config_from_dict(raw), None, _cfg(**cfg), profile(hardware), max_draft_len=0)
+    want = linear + 2 * others if hardware != "cpu" else 2 * (linear + others)
+    assert plan.components["target_weights"] == pytest.approx(want, rel=1e-4)
+
+
 def test_a_hybrid_targets_cpu_caches_are_what_its_runtime_allocates(tmp_path):
     """K/V for the attention layers only, and for each linear layer a state per row after each position of a
     verify block: the plan's two components sum to the bytes of the cache the runtime makes (2 rows of 64 positions,
