@@ -33,15 +33,15 @@ TARGET_ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 def runtime_class(cfg: DecoderConfig, source: str) -> type[nn.Module]:
     """The class this project's runtime runs the target with; ValueError naming the key where it runs no such model:
-    an architecture it lacks, or a Llama-family MLP of another activation than SiLU (gpt-oss's clamped SwiGLU is
-    its own, whatever hidden_act says, as in transformers)."""
+    an architecture it lacks, or a Llama-family or Qwen3.5 model of another activation than SiLU (gpt-oss's clamped
+    SwiGLU is its own, whatever hidden_act says, as in transformers)."""
     cls = TARGET_ARCHITECTURES.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"{source}: architectures={[cfg.architecture] if cfg.architecture else []!r} is not "
                          f"supported by this project's runtime; supported: {', '.join(sorted(TARGET_ARCHITECTURES))}")
-    if issubclass(cls, LlamaForCausalLM) and cfg.hidden_act not in SILU_NAMES:
+    if issubclass(cls, (LlamaForCausalLM, Qwen3_5ForCausalLM)) and cfg.hidden_act not in SILU_NAMES:
         raise ValueError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported by this project's runtime "
-                         "(its Llama-family MLP is SiLU-gated)")
+                         "(its Llama-family and Qwen3.5 MLPs and Qwen3.5's convolution are SiLU-gated)")
     if cfg.rope["rope_type"] not in SUPPORTED_ROPE_TYPES:  # else refused as the model is built, naming no file
         raise ValueError(f"{source}: rope_type={cfg.rope['rope_type']!r} is not supported by this project's runtime; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

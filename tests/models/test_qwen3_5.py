@@ -192,7 +192,8 @@ def test_the_multimodal_checkpoints_language_model_is_read(q35_dir, hf_model, tm
 @pytest.mark.parametrize("change, says", [
     ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, r"layer_types \['mamba'\]"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
-    ({"full_attention_interval": 0, "layer_types": None}, "'full_attention_interval' must be >= 1")])
+    ({"full_attention_interval": 0, "layer_types": None}, "'full_attention_interval' must be >= 1"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported")])
 def test_malformed_hybrid_keys_are_refused_naming_them(q35_dir, tmp_path, change, says):
     d = tmp_path / "t"
     d.mkdir()
