@@ -25,17 +25,28 @@ def quantization_config(config: dict) -> dict | None:
     return None
 
 
-def weight_block_size(quantization: dict | None) -> tuple[int, int] | None:
-    """quantization_config's weight_block_size, where it gives one."""
-    block = (quantization or {}).get("weight_block_size")
+DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config's, where a checkpoint names none
+
+
+def weight_block_size(quantization: dict | None) -> tuple[int, int]:
+    """The blocks a grid of scales covers: quantization_config's weight_block_size, or compressed-tensors' weights'
+    block_structure, else 128 x 128 (as transformers reads such a checkpoint: the grid's shape alone cannot tell 300
+    rows in blocks of 128 from blocks of 100)."""
+    quantization = quantization or {}
+    block, key = quantization.get("weight_block_size"), "weight_block_size"
+    groups = quantization.get("config_groups")
+    if block is None and isinstance(groups, dict):
+        key = "config_groups.*.weights.block_structure"
+        block = next((g["weights"]["block_structure"] for g in groups.values() if isinstance(g, dict)
+                      and isinstance(g.get("weights"), dict) and g["weights"].get("block_structure") is not None), None)
     if block is None:
-        return None
+        return DEFAULT_BLOCK
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        raise ValueError(f"quantization_config.{key} must be two positive integers, got {block!r}")
     return block[0], block[1]
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
     """weight [..., rows, cols] in float8 times its scale, in fp32: a scalar, one a row ([rows] or [rows, 1]), or a
     grid of blocks [..., ceil(rows / block[0]), ceil(cols / block[1])]. ValueError naming the tensor where the
     scale's shape is none of these."""
@@ -45,10 +56,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         return w * s.reshape(())
     if s.shape in ((rows,), (rows, 1)):
         return w * s.reshape(rows, 1)
-    if block is None:  # no config to say: the grid's blocks as the shapes give them (exact where they divide)
-        block = (math.ceil(rows / s.shape[-2]), math.ceil(cols / s.shape[-1])) if s.dim() >= 2 else (0, 0)
-    grid = (*w.shape[:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1])) if all(block) else None
-    if grid is None or tuple(s.shape) != grid:
+    grid = (*w.shape[:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(s.shape) != grid:
         raise ValueError(f"{name}: its scale has shape {tuple(s.shape)}; for a weight of {tuple(w.shape)} it must be "
                          f"a scalar, one a row, or a grid of {block[0]} x {block[1]} blocks {grid}")
     s = s.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]

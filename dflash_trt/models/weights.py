@@ -70,6 +70,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+UNREAD_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale")
+
+
 class WeightSet:
     """check_finite: a floating tensor holding NaN or Inf is refused (a build reads each tensor once, to check it;
     a corrupt weight otherwise runs, writing token 0 forever or drafting nothing). headers_only: tensors are read
@@ -174,9 +177,10 @@ class WeightSet:
 
     def warn_unused(self, reader: str, unread: tuple[str, ...] = ()) -> None:
         """Log the tensors `reader` (a model class) left unread: a checkpoint of another variant whose extra
-        weights would be dropped silently (HF's rotary inv_freq buffers are derived, not weights; tensors under the
-        prefixes `unread` are parts the reader knows it does not run)."""
-        skipped = [n for n in self.unused() if not n.endswith("rotary_emb.inv_freq") and not n.startswith(unread)]
+        weights would be dropped silently (HF's rotary inv_freq buffers are derived, not weights; an FP8 checkpoint's
+        activation and K/V scales are for kernels that quantize those, which this runtime keeps in its dtype; tensors
+        under the prefixes `unread` are parts the reader knows it does not run)."""
+        skipped = [n for n in self.unused() if not n.endswith(UNREAD_SUFFIXES) and not n.startswith(unread)]
         if skipped:
             logger.warning("%s: %d tensors not used by %s, e.g. %s", self.model_dir, len(skipped), reader, skipped[:3])
 

@@ -103,6 +103,24 @@ def test_per_tensor_per_channel_and_block_scales_multiply_the_weight(tmp_path):
     assert headers.shape == (48, 40) and headers.dtype == torch.float32
 
 
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "fp8"},  # no block named: transformers' 128 x 128
+    {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"block_structure": [128, 128]}}}},
+], ids=["fp8 without a block size", "compressed-tensors' block structure"])
+def test_a_grid_of_scales_covers_the_blocks_the_config_names_or_else_128_square(tmp_path, caplog, quantization):
+    """300 rows in 3 blocks: of 128 (the last partial), not of 100, which the grid's shape alone would also fit."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(300, 200, generator=g) * 4).to(torch.float8_e4m3fn)
+    grid = torch.rand(3, 2, generator=g)
+    d = _write(tmp_path / "ckpt", {"l.weight": w, "l.weight_scale_inv": grid, "l.input_scale": torch.tensor(1.0)},
+               quantization)
+    weights = WeightSet(d)
+    assert torch.equal(weights.get("l.weight"), w.float() * torch.kron(grid, torch.ones(128, 128))[:300, :200])
+    with caplog.at_level("WARNING"):
+        weights.warn_unused("test")
+    assert "not used" not in caplog.text  # an activation scale: for kernels that quantize activations
+
+
 @pytest.mark.parametrize("tensors, says", [
     ({"a.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)},
      "'a.weight' is torch.float8_e4m3fn with no scale .* declares quantization 'fp8'"),
