@@ -183,8 +183,8 @@ def _overrides(max_batch_size, max_model_len, max_draft_len, draft_len_schedule,
               "`reasoning_content`), the rest in `content`, as vLLM's and trtllm-serve's option. deepseek_r1: from "
               "the answer's start to </think> (DeepSeek-R1, Qwen3 thinking-only models); qwen3: a <think> block the "
               "answer opens with (Qwen3; none with enable_thinking off) or the prompt does (Qwen3.5, Qwen3.6); "
-              "gpt_oss: harmony's analysis channel (the torch backend's default for a gpt-oss target). Default: none "
-              "(gpt-oss: gpt_oss).")
+              "gpt_oss: harmony's analysis channel. Default (the torch backend's): gpt_oss for a gpt-oss target, qwen3 "
+              "where the target's chat template writes <think>, else none.")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3", "qwen3_coder", "qwen3_xml", "llama3_json",
                                                        "gpt_oss", "openai", "none"]), default=None,
               help="Chat requests' tools may be called (tool_choice auto, OpenAI's default with tools): the calls "
@@ -265,8 +265,8 @@ def serve(engine, target, drafter, no_spec, max_batch_size, max_model_len, max_d
         llm, name = loop.engine, served_model_name or names[0]
         if note := capped_note(max_model_len, llm.max_position_embeddings):
             click.echo(note, err=True)
-        reasoning = default_parser(llm.target) if reasoning_parser is None else reasoning_parser_named(
-            reasoning_parser)
+        reasoning = default_parser(llm.target, llm.tokenizer.chat_template) if reasoning_parser is None else (
+            reasoning_parser_named(reasoning_parser))
         if reasoning is not None and reasoning_parser is None:
             click.echo(f"chat answers' reasoning in `reasoning` (--reasoning-parser {reasoning.name}, this target's "
                        "default; none to turn it off)", err=True)

@@ -53,8 +53,9 @@ class ReasoningParser:
     def opened_by(self, prompt: str) -> bool:
         """Whether a prompt (its text with special tokens written out) ends by opening the answer's reasoning: Qwen3.5's
         and Qwen3.6's templates, thinking on, end the generation prompt with `<think>`, where Qwen3's left the model
-        to write it. Only a tag at the prompt's very end counts: a message that quotes one opens nothing."""
-        return bool(self.start) and prompt.rstrip().endswith(self.start)
+        to write it. Only a tag at the prompt's very end counts: a message that quotes one opens nothing; and only a
+        tag's (harmony's channel names are words a continued message may end with)."""
+        return bool(self.start) and not self.content_starts and prompt.rstrip().endswith(self.start)
 
     def opened(self) -> ReasoningParser:
         """This parser for an answer whose reasoning the prompt opened: reasoning from its start up to the end tag, as
@@ -88,12 +89,23 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
     return parser_named("reasoning", PARSERS, ALIASES, name)
 
 
-def default_parser(target) -> ReasoningParser | None:
-    """The parser a target's chat answers need whatever the server is told: gpt-oss's (vLLM parses its harmony
-    output always); None for others, which answer readably unsplit."""
+def template_text(chat_template: str | dict[str, str] | None) -> str:
+    """A tokenizer's chat template as one text: a tokenizer may keep several named ones (the default renders chat,
+    "tool_use" ones tools)."""
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    return "\n".join(t for t in templates if isinstance(t, str))
+
+
+def default_parser(target, chat_template: str | dict[str, str] | None = None) -> ReasoningParser | None:
+    """The parser a target's chat answers take unless the server is told otherwise: gpt-oss's (vLLM parses its
+    harmony output always); qwen3 where the chat template writes `<think>` (Qwen3, Qwen3.5, Qwen3.6, DeepSeek-R1's
+    distills: a block the answer or the prompt opens; a tool call it only thinks of is then no call); None for
+    others, which answer readably unsplit."""
     from dflash_trt.models.gpt_oss import GptOssForCausalLM
 
-    return PARSERS["gpt_oss"] if isinstance(target, GptOssForCausalLM) else None
+    if isinstance(target, GptOssForCausalLM):
+        return PARSERS["gpt_oss"]
+    return PARSERS["qwen3"] if THINK_START in template_text(chat_template) else None
 
 
 def partial_tag(text: str, tag: str) -> int:

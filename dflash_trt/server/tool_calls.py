@@ -43,7 +43,7 @@ import regex
 from dflash_trt.server.call_parts import (ArgumentsPiece, BlockReader, CallPart, ClosedCall, FunctionCall, OpenedCall,
                                           WrittenCall, json_text)
 from dflash_trt.server.coder_calls import CoderCallReader, coder_calls
-from dflash_trt.server.reasoning import first_tag, held_back, parser_named
+from dflash_trt.server.reasoning import first_tag, held_back, parser_named, template_text
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # harmony's call as its text holds it: after an analysis message ("assistant" is the next message's header), or
@@ -354,9 +354,7 @@ def default_tool_parser(target, chat_template: str | dict[str, str] | None) -> T
 
     if isinstance(target, GptOssForCausalLM):
         return PARSERS["gpt_oss"]
-    # (a tokenizer may keep several named templates: the default one renders chat, "tool_use" ones tools)
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    text = "\n".join(templates)
+    text = template_text(chat_template)
     if "<tool_call>" not in text:
         return None
     return PARSERS["qwen3_coder"] if "<function=" in text and "<parameter=" in text else PARSERS["hermes"]

@@ -70,13 +70,16 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch, t
                                                  ("qwen3", ["--reasoning-parser", "qwen3"], "qwen3"),
                                                  ("gpt_oss", [], "gpt_oss"),
                                                  ("gpt_oss", ["--reasoning-parser", "none"], None),
-                                                 ("gpt_oss", ["--reasoning-parser", "deepseek-r1"], "deepseek_r1")])
-def test_serve_splits_reasoning_as_asked_and_a_gpt_oss_targets_by_default(monkeypatch, tmp_path, tiny_dirs, model,
-                                                                           flag, parser):
-    """gpt-oss's answers without their channels split read "analysis...assistantfinal...": split unless told not."""
+                                                 ("gpt_oss", ["--reasoning-parser", "deepseek-r1"], "deepseek_r1"),
+                                                 ("qwen3.5", [], "qwen3"),
+                                                 ("qwen3.5", ["--reasoning-parser", "none"], None)])
+def test_serve_splits_reasoning_as_asked_and_by_default_as_the_target_writes_it(monkeypatch, tmp_path, tiny_dirs,
+                                                                               model, flag, parser):
+    """gpt-oss's answers without their channels split read "analysis...assistantfinal...", and a chat template
+    that writes <think> (Qwen3.5's, opening it in the prompt) thinks in a block: split unless told not."""
     seen, output = _app_options(monkeypatch, tmp_path, tiny_dirs, model, flag, "reasoning")
     assert [p and p.name for p in seen] == [parser]
-    assert ("(--reasoning-parser gpt_oss, this target's default" in output) == (model == "gpt_oss" and not flag)
+    assert (f"(--reasoning-parser {parser}, this target's default" in output) == (model != "qwen3" and not flag)
 
 
 def _app_options(monkeypatch, tmp_path, tiny_dirs, model: str, flag: list[str], option: str) -> tuple[list, str]:
@@ -85,9 +88,9 @@ def _app_options(monkeypatch, tmp_path, tiny_dirs, model: str, flag: list[str], 
     from tests.models.test_gpt_oss import make_gpt_oss
 
     target = tiny_dirs["qwen3"] if model == "qwen3" else make_gpt_oss(tmp_path / "gpt-oss", layers=2)
-    if model == "qwen3.5":  # the tiny Qwen3 with a template that writes calls as Qwen3.5's does
+    if model == "qwen3.5":  # the tiny Qwen3 with a template that writes calls and opens <think> as Qwen3.5's does
         target = Path(shutil.copytree(tiny_dirs["qwen3"], tmp_path / "qwen3.5-template"))
-        (target / "chat_template.jinja").write_text(QWEN3_5_TEMPLATE)
+        (target / "chat_template.jinja").write_text(QWEN3_5_TEMPLATE + "{{- '<|im_start|>assistant\\n<think>\\n' }}")
     seen = []
 
     def create_app(*args, **kwargs):

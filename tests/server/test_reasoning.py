@@ -120,12 +120,22 @@ def test_gpt_oss_answers_split_at_harmonys_channels_as_its_text_holds_them(harmo
     assert _whole(reasoning_parser("gpt-oss"), text) == want
 
 
-def test_a_gpt_oss_target_is_split_by_default_others_not(tiny_dirs):
+def test_a_gpt_oss_target_and_one_whose_template_writes_think_are_split_by_default_others_not(tiny_dirs):
     from dflash_trt.models.gpt_oss import GptOssForCausalLM
     from dflash_trt.server.reasoning import default_parser
 
     assert default_parser(GptOssForCausalLM.__new__(GptOssForCausalLM)) is PARSERS["gpt_oss"]  # (its weights unused)
-    assert default_parser(tiny_engine(tiny_dirs).target) is None
+    engine = tiny_engine(tiny_dirs)
+    assert default_parser(engine.target, engine.tokenizer.chat_template) is None
+    qwen3 = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is false %}" \
+            "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"  # Qwen3's generation prompt
+    assert default_parser(engine.target, qwen3) is PARSERS["qwen3"]
+    assert default_parser(engine.target, {"default": "{{ messages }}", "tool_use": qwen3}) is PARSERS["qwen3"]
+
+
+def test_harmonys_channel_names_at_a_continued_messages_end_open_nothing():
+    """gpt_oss's opening "tag" is the word "analysis": a continued final message may end with it."""
+    assert not PARSERS["gpt_oss"].opened_by("<|start|>assistant<|channel|>final<|message|>Part of the analysis")
 
 
 @pytest.mark.parametrize("prompt, closed", [
