@@ -12,9 +12,10 @@ rollback call, as with K/V.
 A row also keeps, as "marks", its state after the last position of MAX_MARKS of its prompt chunks: a later request
 whose prompt starts with those chunks takes them over or copies them (scheduler.py's row reuse: a chat's next turn, a
 shared system prompt), as far as the row still holds a mark (HybridCache.holds_prefix). The last two chunks' stay (a
-chat's next turn takes over its last turn's prompt up to its last whole chunk); of the earlier ones, those whose end
-is the roundest multiple of a power of two (at 512 positions of a 4,096-position prompt: those at 2,048 and 3,072),
-so a prefix that later prompts share (a system prompt, tools) keeps a mark at least half way into it.
+chat's next turn takes over its last turn's prompt up to its last whole chunk); of the earlier ones, the two at the
+largest power of two before them and its half (chunks of 512 in a 4,000-token prompt: 2,048 and 1,024), so a prefix
+later prompts share (a system prompt, tools) keeps a mark at least half way into it where it is a quarter of the
+prompt or more.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ KEPT_LAST = 2
 
 
 def _roundness(position: int) -> tuple[int, int]:
-    """How round the end of a mark's chunk is (the power of two dividing position + 1, the prefix's length), then how
-    late: the least goes first (of two as round, the earlier)."""
+    """How round the end of a mark's chunk is (the power of two dividing position + 1, the prefix's length); the
+    least goes first, and of two as round the later: the earlier ones kept are then the largest power of two below
+    the last two and its half."""
     end = position + 1
-    return (end & -end).bit_length(), position
+    return (end & -end).bit_length(), -position
 
 
 @dataclass(frozen=True)
