@@ -360,7 +360,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         thought, content, calls = splitter.split(o.text)
         message = p.AssistantMessage(content=content, reasoning=thought, reasoning_content=thought,
                                      tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
-        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, req, len(calls)),
+        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(o, req, splitter),
                             stop_reason=o.stop_reason, acceptance=_acceptance(o),
                             logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, token_text))
 
@@ -372,10 +372,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         calls = ToolCallSplitter(tool_parser, req.template_tools, req.call_limit) if req.calls_tools else None
         return ChatAnswerSplitter(_reasoning(req), calls)
 
-    def _finish_reason(o: RequestOutput, req: p.ChatCompletionRequest, num_calls: int) -> str:
-        # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so;
-        # one whose tool_choice named the function "stop"s
-        called = num_calls > 0 and req.forced_function is None
+    def _finish_reason(o: RequestOutput, req: p.ChatCompletionRequest, splitter: ChatAnswerSplitter) -> str:
+        # OpenAI's: an answer that ended by itself after calling tools waits for their answers; one cut short says so
+        # (by max_tokens, or by a stop string inside its last call: arguments no client could run); one whose
+        # tool_choice named the function "stop"s
+        cut = splitter.call_cut and isinstance(o.stop_reason, str)
+        called = splitter.num_calls > 0 and req.forced_function is None and not cut
         return "tool_calls" if called and o.finish_reason == "stop" else o.finish_reason
 
     @app.post("/tokenize")
@@ -706,7 +708,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             delta = p.DeltaMessage(content=text or None, reasoning=thought or None, reasoning_content=thought or None,
                                    tool_calls=calls or None)
             choice = p.ChatChunkChoice(index=i, delta=delta,
-                                       finish_reason=_finish_reason(out, req, splitters[i].num_calls) if out else None,
+                                       finish_reason=_finish_reason(out, req, splitters[i]) if out else None,
                                        stop_reason=out.stop_reason if out else None,
                                        acceptance=_acceptance(out) if out else None,
                                        logprobs=chat_logprobs(new, token_text) if req.num_logprobs is not None else None)

@@ -39,6 +39,7 @@ class ChatAnswerSplitter:
         # hermes's calls follow the reasoning (a call the model only thinks of is no call); harmony's are a message
         # of their own, read out before the channels are
         self._calls_first = calls is not None and calls.before_reasoning
+        self._last_call: str | None = None  # the kind of the last whole-call part given out
 
     @property
     def num_calls(self) -> int:
@@ -72,8 +73,19 @@ class ChatAnswerSplitter:
         return ("".join(v for k, v in parts if k == "reasoning"), "".join(v for k, v in parts if k == "content"),
                 [v for k, v in parts if k in WHOLE_CALLS])
 
+    @property
+    def call_cut(self) -> bool:
+        """Whether the answer's last call closed only as the answer ended (its JSON or end tag unseen: cut, where a
+        stop string ended the answer)."""
+        return self._last_call == "call_closed"
+
     def parts(self, text: str, final: bool = False) -> list[tuple[str, str | FunctionCall]]:
         """feed's reasoning, content and calls in the order the answer has them, as (kind, text or call) pairs."""
+        out = self._parts(text, final)
+        self._last_call = next((k for k, _ in reversed(out) if k in WHOLE_CALLS), self._last_call)
+        return out
+
+    def _parts(self, text: str, final: bool) -> list[tuple[str, str | FunctionCall]]:
         if self._calls_first:
             out = []
             for piece in self._calls.parts(text, final):

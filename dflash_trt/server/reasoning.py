@@ -53,8 +53,9 @@ class ReasoningParser:
     def opened_by(self, prompt: str) -> bool:
         """Whether a prompt (its text with special tokens written out) ends by opening the answer's reasoning: Qwen3.5's
         and Qwen3.6's templates, thinking on, end the generation prompt with `<think>`, where Qwen3's left the model
-        to write it. Only a tag at the prompt's very end counts: a message that quotes one opens nothing; and only a
-        tag's (harmony's channel names are words a continued message may end with)."""
+        to write it. Only a tag at the prompt's very end counts: a message that quotes one opens nothing where the
+        template closes the message after it (a prompt without a generation prompt may end with the quote); and only
+        a tag's (harmony's channel names are words a continued message may end with)."""
         return bool(self.start) and not self.content_starts and prompt.rstrip().endswith(self.start)
 
     def opened(self) -> ReasoningParser:

@@ -639,6 +639,21 @@ def test_a_stream_that_fails_in_the_server_ends_with_an_error_event_and_the_serv
         server.stop()
 
 
+def test_a_stop_string_inside_a_call_ends_the_answer_with_stop_not_tool_calls(caller):
+    """"tool_calls" tells a client its calls are whole, to be run: a stop string that cuts the last one's arguments
+    ("Paris", inside the first call's JSON) leaves them unrunnable, and the answer says "stop", streamed or not; a
+    stop string after the calls leaves them whole."""
+    server = start_server(_engine(caller), tool_parser=tool_call_parser("hermes"))
+    try:
+        body = {"messages": QUESTION, "tools": TOOLS, "max_tokens": 200, "temperature": 0}
+        for stop, want in ((["Paris"], "stop"), (["zzz"], "tool_calls")):
+            choice = server.client().chat.completions.create(model="tiny-qwen3", stop=stop, **body).choices[0]
+            assert choice.finish_reason == want and choice.message.tool_calls, (stop, choice)
+            assert _stream(server, {**body, "stop": stop})[2][-1]["choices"][0]["finish_reason"] == want
+    finally:
+        server.stop()
+
+
 def test_tools_the_model_may_call_need_a_tool_call_parser(caller):
     server = start_server(_engine(caller, speculative=False))
     try:
