@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -101,7 +102,6 @@ class WeightSet:
         self._handles: dict[Path, object] = {}
         self._keys: dict[Path, set[str]] = {}
         self.used: set[str] = set()
-        self._quantization: tuple[dict | None] | None = None  # (config.json's quantization_config,) once read
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -140,15 +140,18 @@ class WeightSet:
         self.used.add(name)
         return t
 
+    @cached_property
+    def _quantization(self) -> dict | None:
+        """config.json's quantization_config (read once, at the first FP8 tensor)."""
+        from dflash_trt.models.config import read_config_json
+
+        has_config = (self.model_dir / "config.json").is_file()
+        return quantization_config(read_config_json(self.model_dir)) if has_config else None
+
     def _dequantized(self, path: Path, name: str, t: torch.Tensor) -> torch.Tensor:
         """An FP8 weight as the fp32 weight it stands for, by the scale beside it (models/fp8.py); without one, its
         values as stored, unless config.json declares a quantization (whose scale this runtime would not apply)."""
-        if self._quantization is None:
-            from dflash_trt.models.config import read_config_json
-
-            config = self.model_dir / "config.json"
-            self._quantization = (quantization_config(read_config_json(self.model_dir)) if config.is_file() else None,)
-        quantization = self._quantization[0]
+        quantization = self._quantization
         scale_name = next((name + suffix for suffix in SCALE_SUFFIXES if name + suffix in self._file_of), None)
         if scale_name is None:
             if quantization is None:
