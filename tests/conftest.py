@@ -56,10 +56,15 @@ def make_target(path: Path, arch: str = "qwen3", seed: int = 0, vocab: int = VOC
         model = MistralForCausalLM(MistralConfig(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
-    # Sharper logits make greedy continuations less tie-prone and more varied.
+    return save_tiny_model(model.eval(), path, vocab)
+
+
+def save_tiny_model(model, path: Path, vocab: int) -> Path:
+    """A tiny random transformers model saved with a character tokenizer, its head sharpened: sharper logits make
+    greedy continuations less tie-prone and more varied."""
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
-    model.eval().save_pretrained(path)
+    model.save_pretrained(path)
     save_char_tokenizer(path, vocab)
     return path
 

@@ -27,7 +27,7 @@ from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
 from dflash_trt.spec.context_lookup import ContextLookup
 from tests.conftest import (EOS, VOCAB, bf16_kernels_serve, make_drafter, needs_bf16_kernels,
-                            save_char_tokenizer)
+                            save_tiny_model)
 from tests.forced_drafts import force_drafts, force_lookup_drafts, force_tree_drafts
 
 TOL = 1e-4  # fp32
@@ -56,10 +56,7 @@ def make_gpt_oss(path: Path, seed: int = 0, layers: int = 4, **overrides) -> Pat
                 p.normal_(0, 0.6)
             elif name.endswith("router.weight"):
                 p.normal_(0, 0.5)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
-    save_char_tokenizer(path, VOCAB)
-    return path
+    return save_tiny_model(model, path, VOCAB)
 
 
 def _meta(ids, start=0, rows=None):

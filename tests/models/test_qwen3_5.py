@@ -19,7 +19,7 @@ from dflash_trt.layers.attention import AttentionMetadata
 from dflash_trt.models.dflash import load_drafter
 from dflash_trt.models.qwen3_5 import Qwen3_5ForCausalLM
 from dflash_trt.models.registry import load_target
-from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
+from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_tiny_model
 from tests.forced_drafts import force_drafts, force_tree_drafts
 from tests.models.helpers import meta, sample_prompts, spec_engine
 from tests.stats import assert_matches
@@ -49,10 +49,7 @@ def _saved(model, path: Path, vocab: int) -> Path:
                 p.uniform_(0.8, 1.2)
             elif "norm" in name:  # zero-centred: the scale is 1 + weight
                 p.uniform_(-0.3, 0.3)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
-    save_char_tokenizer(path, vocab)
-    return path
+    return save_tiny_model(model, path, vocab)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dflash_trt.engine.llm_engine import EngineConfig, LLMEngine
 from dflash_trt.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash_trt.models.registry import load_target
 from dflash_trt.models.weights import CheckpointError
-from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_char_tokenizer
+from tests.conftest import EOS, VOCAB, make_drafter, needs_bf16_kernels, save_tiny_model
 from tests.forced_drafts import force_drafts, force_tree_drafts
 from tests.models.helpers import meta, sample_prompts, spec_engine
 
@@ -37,10 +37,7 @@ def make_qwen3_moe(path: Path, seed: int = 0, layers: int = 4, **overrides) -> P
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
-    save_char_tokenizer(path, VOCAB)
-    return path
+    return save_tiny_model(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module")
